@@ -1,0 +1,31 @@
+"""What machine we are on: the platform (cpu/gpu/tpu) and the normalized device kind that names tables."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+
+
+# Scoped VMEM a Pallas TPU kernel may use by default (the compiler's default scoped limit on v5e; larger
+# chips allow more, so this is the safe budget for pruning block shapes).
+TPU_SCOPED_VMEM_BYTES = 16 * 1024 * 1024
+
+
+def normalize_device_kind(kind: str) -> str:
+    """`"NVIDIA H100 80GB HBM3"` -> `"nvidia_h100_80gb_hbm3"`: lowercase, runs of other characters -> `_`."""
+    return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "unknown"
+
+
+@functools.cache
+def device_kind() -> str:
+    """The table directory name of the default device, e.g. `cpu`, `nvidia_h100_80gb_hbm3`, `tpu_v5_lite`."""
+    return normalize_device_kind(jax.devices()[0].device_kind)
+
+
+@functools.cache
+def platform() -> str:
+    """`cpu`, `gpu` or `tpu` (ROCm and CUDA both report `gpu`)."""
+    name = jax.default_backend()
+    return "gpu" if name in ("cuda", "rocm") else name

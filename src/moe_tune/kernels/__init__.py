@@ -1,0 +1,23 @@
+"""Kernels, one package per op; inside each, one module per backend."""
+
+from __future__ import annotations
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels.spec import OpSpec
+
+
+def _specs() -> dict[str, OpSpec]:
+    from moe_tune.kernels.ragged_dot.spec import SPEC as ragged_dot
+
+    return {ragged_dot.name: ragged_dot}
+
+
+def op_names() -> list[str]:
+    return list(_specs())
+
+
+def get_op(name: str) -> OpSpec:
+    specs = _specs()
+    if name not in specs:
+        raise UsageError(f"unknown op {name!r}; choose from {', '.join(specs)}")
+    return specs[name]

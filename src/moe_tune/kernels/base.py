@@ -1,0 +1,134 @@
+"""What every kernel backend is: a named implementation of one op with a frozen config, validity rules,
+a heuristic default and a search space pruned by those rules.
+
+Ops subclass `Backend` once (e.g. `RaggedDotBackend`, which adds the op's call signature) and each backend
+module subclasses that. The tuner only talks to this interface plus the op's `OpSpec` (see `ops.py`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Generic, TypeVar
+
+from moe_tune.errors import InvalidConfigError, UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Base of all backend configs: frozen (hashable, so static under jit) and JSON round-trippable."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise InvalidConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}; fields are {sorted(names)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise InvalidConfigError(f"bad {cls.__name__} {dict(data)}: {e}") from None
+
+    def label(self) -> str:
+        """Short human-readable form, e.g. `tm=128 tk=1024 tn=512`."""
+        return " ".join(f"{k}={v}" for k, v in self.to_dict().items()) or "(no tunables)"
+
+
+ConfigT = TypeVar("ConfigT", bound=KernelConfig)
+ProblemT = TypeVar("ProblemT")
+
+
+class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
+    """One implementation of one op.
+
+    Subclasses set `op`, `name`, `config_cls`, `platforms` (where it compiles natively; elsewhere it may
+    still run in an emulation such as Pallas interpret mode, see `runs_on`) and implement the methods below.
+    """
+
+    op: ClassVar[str]
+    name: ClassVar[str]
+    config_cls: ClassVar[type[KernelConfig]]
+    platforms: ClassVar[tuple[str, ...]]
+    description: ClassVar[str] = ""
+
+    def runs_on(self, platform: str) -> bool:
+        """Whether the backend can execute at all on `platform` (natively or emulated)."""
+        return platform in self.platforms
+
+    def config_error(self, config: ConfigT, problem: ProblemT) -> str | None:
+        """Why `config` cannot run `problem`, or None when it can. The one place validity rules live."""
+        return None
+
+    @abc.abstractmethod
+    def default_config(self, problem: ProblemT) -> ConfigT:
+        """The heuristic config used when no table has an entry. Must be valid for `problem`."""
+
+    def candidate_values(self, problem: ProblemT) -> Mapping[str, Iterable[Any]]:
+        """Per-field values whose cartesian product is the unpruned search space."""
+        return {}
+
+    def search_space(self, problem: ProblemT) -> list[ConfigT]:
+        """Every valid candidate for `problem`, the default first, no duplicates."""
+        values = self.candidate_values(problem)
+        grid = [self.config_cls(**dict(zip(values, combo))) for combo in itertools.product(*values.values())]
+        space = [self.default_config(problem)]
+        seen = set(space)
+        for cfg in grid:
+            if cfg not in seen and self.config_error(cfg, problem) is None:
+                seen.add(cfg)
+                space.append(cfg)
+        return space
+
+    def tunables(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.config_cls)]
+
+    def coerce_config(self, config: Any, problem: ProblemT) -> ConfigT:
+        """Accept a config instance or a dict; raise InvalidConfigError (naming the reason) when unusable."""
+        if isinstance(config, Mapping):
+            config = self.config_cls.from_dict(config)
+        if not isinstance(config, self.config_cls):
+            raise InvalidConfigError(
+                f"backend {self.name!r} takes a {self.config_cls.__name__}, got {type(config).__name__}"
+            )
+        reason = self.config_error(config, problem)
+        if reason is not None:
+            raise InvalidConfigError(f"{self.name} config {config.label()} is invalid: {reason}")
+        return config
+
+
+class BackendRegistry:
+    """Name -> backend instance for one op, plus the per-platform default backend."""
+
+    def __init__(self, op: str, platform_defaults: Mapping[str, str]):
+        self.op = op
+        self._backends: dict[str, Backend] = {}
+        self._platform_defaults = dict(platform_defaults)
+
+    def register(self, backend: Backend) -> Backend:
+        self._backends[backend.name] = backend
+        return backend
+
+    def unregister(self, name: str) -> None:
+        self._backends.pop(name, None)
+
+    def names(self) -> list[str]:
+        return list(self._backends)
+
+    def get(self, name: str) -> Backend:
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise UsageError(
+                f"unknown backend {name!r} for op {self.op!r}; choose from {', '.join(self._backends)}"
+            ) from None
+
+    def default_for(self, platform: str) -> Backend:
+        return self.get(self._platform_defaults.get(platform, self._platform_defaults["cpu"]))
+
+    def resolve(self, name: str | None, platform: str) -> Backend:
+        return self.default_for(platform) if name is None else self.get(name)

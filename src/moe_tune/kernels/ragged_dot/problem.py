@@ -1,0 +1,120 @@
+"""The static description of one ragged_dot call: what a config is chosen for and what tables are keyed on."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from moe_tune.errors import UsageError
+
+DIRECTIONS = ("fwd",)
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical dtype name used in keys (`float32`, `bfloat16`); raises UsageError for unknown names."""
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError:
+        raise UsageError(f"unknown dtype {dtype!r}; use one of {', '.join(SUPPORTED_DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotProblem:
+    """Shapes and dtypes of `ragged_dot(lhs [m,k], rhs [groups,k,n], group_sizes) -> out [m,n]`.
+
+    `groups` is the number of groups this call computes (rhs.shape[0]); with `group_offset` (expert
+    parallelism) `group_sizes` may hold more groups than that, but the work and the key only depend on
+    the local count. `total_groups` is kept for input generation and is not part of the key.
+    """
+
+    m: int
+    k: int
+    n: int
+    groups: int
+    lhs_dtype: str = "float32"
+    rhs_dtype: str = "float32"
+    out_dtype: str = "float32"
+    direction: str = "fwd"
+    total_groups: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("m", "k", "n", "groups"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if self.total_groups is not None and self.total_groups < self.groups:
+            raise UsageError(f"total_groups ({self.total_groups}) < groups ({self.groups})")
+        if self.direction not in DIRECTIONS:
+            raise UsageError(f"unknown direction {self.direction!r}; choose from {', '.join(DIRECTIONS)}")
+        for name in ("lhs_dtype", "rhs_dtype", "out_dtype"):
+            canonical = dtype_name(getattr(self, name))
+            if canonical not in SUPPORTED_DTYPES:
+                raise UsageError(f"{name} {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+            object.__setattr__(self, name, canonical)
+
+    @property
+    def num_group_sizes(self) -> int:
+        return self.total_groups or self.groups
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of the useful work (each row multiplied by one group's [k,n] matrix)."""
+        return 2 * self.m * self.k * self.n
+
+    def key_fields(self) -> dict[str, Any]:
+        """The fields a table entry is keyed on (order matters: it is the key's order)."""
+        return {
+            "direction": self.direction,
+            "m": self.m,
+            "k": self.k,
+            "n": self.n,
+            "groups": self.groups,
+            "lhs_dtype": self.lhs_dtype,
+            "rhs_dtype": self.rhs_dtype,
+            "out_dtype": self.out_dtype,
+        }
+
+    @classmethod
+    def from_key_fields(cls, fields: dict[str, Any]) -> "RaggedDotProblem":
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields})
+
+    def with_m(self, m: int) -> "RaggedDotProblem":
+        return dataclasses.replace(self, m=m)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        lhs: Any,
+        rhs: Any,
+        group_sizes: Any,
+        *,
+        preferred_element_type: Any = None,
+        group_offset: Any = None,
+        direction: str = "fwd",
+    ) -> "RaggedDotProblem":
+        """Validate the operands of a forward ragged_dot and describe them (works on tracers)."""
+        if getattr(lhs, "ndim", None) != 2:
+            raise UsageError(f"lhs must be [m, k], got shape {getattr(lhs, 'shape', None)}")
+        if getattr(rhs, "ndim", None) != 3:
+            raise UsageError(f"rhs must be [groups, k, n], got shape {getattr(rhs, 'shape', None)}")
+        if getattr(group_sizes, "ndim", None) != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+            raise UsageError("group_sizes must be a 1-D integer array")
+        m, k = lhs.shape
+        groups, k_rhs, n = rhs.shape
+        if k != k_rhs:
+            raise UsageError(f"contracting dims differ: lhs {lhs.shape} vs rhs {rhs.shape}")
+        total = group_sizes.shape[0]
+        if group_offset is None and total != groups:
+            raise UsageError(f"group_sizes has {total} groups but rhs has {groups} (pass group_offset to shard)")
+        if total < groups:
+            raise UsageError(f"group_sizes has {total} groups, fewer than rhs's {groups}")
+        out = preferred_element_type if preferred_element_type is not None else jnp.result_type(lhs, rhs)
+        return cls(
+            m=m, k=k, n=n, groups=groups,
+            lhs_dtype=dtype_name(lhs.dtype), rhs_dtype=dtype_name(rhs.dtype), out_dtype=dtype_name(out),
+            direction=direction, total_groups=total if total != groups else None,
+        )

@@ -1,0 +1,10 @@
+"""The ragged_dot backends by name, and which one each platform uses by default."""
+
+from moe_tune.kernels.base import BackendRegistry
+from moe_tune.kernels.ragged_dot.megablox import MegabloxRaggedDot
+from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot
+from moe_tune.kernels.ragged_dot.xla import XlaRaggedDot
+
+BACKENDS = BackendRegistry("ragged_dot", platform_defaults={"cpu": "tiled", "gpu": "xla", "tpu": "megablox"})
+for _backend in (XlaRaggedDot(), TiledRaggedDot(), MegabloxRaggedDot()):
+    BACKENDS.register(_backend)

@@ -1,0 +1,68 @@
+"""`OpSpec`: what the tuner needs to know about an op beyond its backends.
+
+How to build a problem from user-facing options, how to make real inputs for it, the float64 reference
+the candidates are checked against, how to call a backend, and how close is close enough.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
+
+# Largest error allowed, relative to max |reference|, by the lowest-precision dtype involved. Wrong
+# configs produce errors of order one (missing or misplaced rows), far above these.
+TOLERANCE = {"float32": 2e-3, "float16": 1e-2, "bfloat16": 2e-2}
+
+
+class OpSpec(abc.ABC):
+    name: ClassVar[str]
+    backends: ClassVar[BackendRegistry]
+    description: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def problem(self, **options: Any) -> Any:
+        """Build (and validate) a problem from CLI-style options; raise UsageError on bad input."""
+
+    @abc.abstractmethod
+    def default_problem_options(self) -> dict[str, Any]:
+        """Options of the realistic default shape a bare `moe-tune sweep --op NAME` tunes."""
+
+    @abc.abstractmethod
+    def make_inputs(self, problem: Any, distribution: str, seed: int) -> dict[str, np.ndarray]:
+        """Real (random, seeded) host inputs for `problem`, with group sizes drawn from `distribution`."""
+
+    @abc.abstractmethod
+    def reference(self, problem: Any, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Float64 expected output."""
+
+    @abc.abstractmethod
+    def run(self, backend: Backend, config: KernelConfig, problem: Any, inputs: Mapping[str, jax.Array]) -> jax.Array:
+        """Trace one call of `backend` with `config` (inside jit)."""
+
+    @abc.abstractmethod
+    def describe(self, problem: Any) -> str:
+        """One-line human description of a problem."""
+
+    def tolerance(self, problem: Any) -> float:
+        dtypes = [v for k, v in problem.key_fields().items() if k.endswith("dtype")]
+        return max(TOLERANCE.get(d, 2e-2) for d in dtypes)
+
+    def flops(self, problem: Any) -> int:
+        return getattr(problem, "flops", 0)
+
+
+def relative_error(out: np.ndarray, expected: np.ndarray) -> float:
+    """max |out - expected| / max |expected|; NaN/inf in `out` counts as infinitely wrong."""
+    out = np.asarray(out, np.float64)
+    if out.shape != expected.shape:
+        return float("inf")
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-30)
+    return float(np.max(np.abs(out - expected), initial=0.0)) / scale

@@ -1,0 +1,59 @@
+"""Where tables live. Read order, highest first: `use_profiles(...)` overlays (innermost first),
+`$MOE_TUNE_PROFILE_DIR`, the user cache dir, the tables shipped in the package. Sweeps write to
+`--profile-dir`, else `$MOE_TUNE_PROFILE_DIR`, else the user cache dir."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import platformdirs
+
+ENV_PROFILE_DIR = "MOE_TUNE_PROFILE_DIR"
+_overlays: list[Path] = []
+
+
+def user_dir() -> Path:
+    return platformdirs.user_cache_path("moe-tune") / "profiles"
+
+
+def shipped_dir() -> Path:
+    return Path(__file__).parent / "data"
+
+
+def search_dirs() -> list[tuple[str, Path]]:
+    """(origin, dir) pairs in lookup order: overlay, env, user, shipped."""
+    found = [("use_profiles", p) for p in reversed(_overlays)]
+    if os.environ.get(ENV_PROFILE_DIR):
+        found.append(("env", Path(os.environ[ENV_PROFILE_DIR]).expanduser()))
+    found += [("user", user_dir()), ("shipped", shipped_dir())]
+    return found
+
+
+def write_dir(explicit: str | os.PathLike | None = None) -> Path:
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    if os.environ.get(ENV_PROFILE_DIR):
+        return Path(os.environ[ENV_PROFILE_DIR]).expanduser()
+    return user_dir()
+
+
+def table_path(directory: Path, device_kind: str, op: str) -> Path:
+    return Path(directory) / device_kind / f"{op}.json"
+
+
+@contextlib.contextmanager
+def use_profiles(path: str | os.PathLike) -> Iterator[Path]:
+    """Within the block, tables under `path` take precedence over every other profile dir.
+
+    Lookups happen when a function is traced: a function jitted before entering the block keeps the
+    configs it was traced with.
+    """
+    directory = Path(path).expanduser()
+    _overlays.append(directory)
+    try:
+        yield directory
+    finally:
+        _overlays.remove(directory)

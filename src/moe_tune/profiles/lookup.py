@@ -1,0 +1,116 @@
+"""Which config the runtime uses for a call, and why: an exact entry, the nearest entry (same everything
+but the token count m, nearest in log space), or the backend's heuristic default."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from moe_tune import devices, distributions
+from moe_tune.errors import MoeTuneError, TableError
+from moe_tune.profiles import dirs
+from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles.table import read_table_cached
+
+ENV_DISTRIBUTION = "MOE_TUNE_DISTRIBUTION"
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupResult:
+    config: Any
+    source: str  # "exact" | "nearest" | "default"
+    key: str
+    backend: str
+    device_kind: str
+    path: Path | None = None
+    entry: dict[str, Any] | None = None
+    reason: str = ""
+
+
+def runtime_distribution() -> str:
+    """The group-size distribution the runtime assumes when it looks entries up (default `balanced`)."""
+    return distributions.check_name(os.environ.get(ENV_DISTRIBUTION, distributions.DEFAULT))
+
+
+_warned: set[str] = set()
+
+
+def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, dict[str, Any]]]:
+    found = []
+    for _, directory in dirs.search_dirs():
+        path = dirs.table_path(directory, device_kind, op)
+        try:
+            table = read_table_cached(path)
+        except TableError as e:
+            if strict:
+                raise
+            if str(path) not in _warned:  # a broken table must never break a model: skip it, say so once
+                _warned.add(str(path))
+                warnings.warn(f"moe-tune: ignoring unreadable table: {e}", RuntimeWarning, stacklevel=4)
+            continue
+        if table is not None:
+            found.append((path, table))
+    return found
+
+
+def lookup(
+    op: str,
+    problem: Any,
+    *,
+    backend: str | None = None,
+    distribution: str | None = None,
+    device_kind: str | None = None,
+    strict: bool = False,
+) -> LookupResult:
+    """The config `moe_tune.<op>` would use for `problem` on `device_kind` (default: this machine).
+
+    `strict=True` raises TableError for an unreadable table instead of warning and skipping it.
+    """
+    from moe_tune.kernels import get_op  # kernels import this module; import lazily to avoid a cycle
+
+    spec = get_op(op)
+    impl = spec.backends.resolve(backend, devices.platform())
+    distribution = distributions.check_name(distribution or runtime_distribution())
+    device_kind = device_kind or devices.device_kind()
+    fields = key_fields(problem, impl.name, distribution)
+    key = key_from_fields(op, fields)
+    tables = _tables(op, device_kind, strict)
+
+    for path, table in tables:
+        entry = table["entries"].get(key)
+        if entry is not None:
+            try:
+                config = impl.coerce_config(entry["config"], problem)
+            except MoeTuneError as e:
+                reason = f"exact entry in {path} has an unusable config ({e})"
+                break
+            return LookupResult(config, "exact", key, impl.name, device_kind, path, entry, f"tuned entry in {path}")
+    else:
+        reason = "no entry for this shape"
+
+    best: tuple[tuple[int, float, int], Path, dict[str, Any], Any] | None = None
+    for rank, (path, table) in enumerate(tables):
+        for entry in table["entries"].values():
+            other = entry["fields"]
+            if any(other.get(f) != v for f, v in fields.items() if f not in ("m", "distribution")):
+                continue
+            if not isinstance(other.get("m"), int) or other["m"] <= 0:
+                continue
+            try:
+                config = impl.coerce_config(entry["config"], problem)
+            except MoeTuneError:
+                continue
+            score = (int(other.get("distribution") != distribution), abs(math.log(other["m"] / problem.m)), rank)
+            if best is None or score < best[0]:
+                best = (score, path, entry, config)
+    if best is not None:
+        _, path, entry, config = best
+        m, dist = entry["fields"]["m"], entry["fields"].get("distribution")
+        why = f"{reason}; nearest tuned m={m} ({dist}) in {path}"
+        return LookupResult(config, "nearest", key, impl.name, device_kind, path, entry, why)
+    return LookupResult(impl.default_config(problem), "default", key, impl.name, device_kind, None, None,
+                        f"{reason}; heuristic default")

@@ -1,0 +1,175 @@
+"""One sweep: every candidate of one backend for one problem, compiled in parallel, checked against the
+reference, timed from the profiler trace; the winner (and everything about how it won) becomes a table
+entry.
+
+Rules (DESIGN.md): a wrong candidate never wins; the default config is always a candidate, so the speedup
+over it is always measured; a failing candidate is recorded with its reason and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from moe_tune import devices, distributions
+from moe_tune.errors import MoeTuneError, UsageError
+from moe_tune.kernels import get_op
+from moe_tune.profiles import dirs
+from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles.table import write_entries
+from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate, check_all, compile_all
+from moe_tune.tuner.timing import time_candidates
+
+
+class SweepError(MoeTuneError):
+    """The sweep could not produce a winner (every candidate failed or was wrong)."""
+
+
+class Reporter:
+    """Progress callbacks; the CLI draws them with rich, the library default ignores them."""
+
+    def stage(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, name: str, amount: int = 1) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    op: str
+    problem: Any
+    backend: str | None = None  # None: the platform's default backend
+    distribution: str = distributions.DEFAULT
+    seed: int = 0
+    samples: int = 5
+    workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
+    max_candidates: int | None = None  # keep the first N of the search space (default first)
+    keep_trace_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        distributions.check_name(self.distribution)
+        if self.samples < 1:
+            raise UsageError(f"samples must be >= 1, got {self.samples}")
+        if self.workers < 1:
+            raise UsageError(f"workers must be >= 1, got {self.workers}")
+
+
+@dataclasses.dataclass
+class SweepResult:
+    spec: SweepSpec
+    key: str
+    entry: dict[str, Any]
+    candidates: list[Candidate]
+    table_path: Path
+    wall_s: float
+
+    @property
+    def best(self) -> Candidate:
+        return next(c for c in self.candidates if c.config.to_dict() == self.entry["config"] and c.status == OK)
+
+    @property
+    def default(self) -> Candidate:
+        return next(c for c in self.candidates if c.is_default)
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for dist in ("jax", "jaxlib", "moe-tune", "tune-jax"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = "unknown"
+    return found
+
+
+def run_sweep(spec: SweepSpec, reporter: Reporter | None = None) -> SweepResult:
+    """Tune one (op, backend, problem, distribution) and write the winning entry; returns everything."""
+    reporter = reporter or Reporter()
+    started = time.perf_counter()
+    op = get_op(spec.op)
+    platform = devices.platform()
+    backend = op.backends.resolve(spec.backend, platform)
+    if not backend.runs_on(platform):
+        raise UsageError(f"backend {backend.name!r} does not run on {platform}")
+    problem = spec.problem
+    configs = backend.search_space(problem)
+    if spec.max_candidates is not None:
+        configs = configs[: max(1, spec.max_candidates)]
+    candidates = [Candidate(i, cfg, is_default=(i == 0)) for i, cfg in enumerate(configs)]
+
+    host_inputs = op.make_inputs(problem, spec.distribution, spec.seed)
+    expected = op.reference(problem, host_inputs)
+    inputs = jax.device_put(host_inputs)
+
+    reporter.stage("compile", len(candidates))
+    compile_all(op, backend, problem, candidates, inputs, workers=spec.workers,
+                on_done=lambda c: reporter.advance("compile"))
+    reporter.stage("check", len(candidates))
+    check_all(candidates, inputs, expected, op.tolerance(problem), on_done=lambda c: reporter.advance("check"))
+    survivors = [c for c in candidates if c.status == OK]
+    if not survivors:
+        reasons = "; ".join(f"{c.config.label()}: {c.reason}" for c in candidates[:3])
+        raise SweepError(f"no candidate of {backend.name} compiled and passed the check ({reasons})")
+
+    reporter.stage("time", spec.samples)
+    timings, fallback = time_candidates(
+        {c.index: (lambda c=c: c.executable(inputs)) for c in survivors},
+        samples=spec.samples, platform=platform, seed=spec.seed, keep_trace_dir=spec.keep_trace_dir,
+        on_round=lambda r: reporter.advance("time"),
+    )
+    for c in survivors:
+        c.timing = timings[c.index]
+    best = min(survivors, key=lambda c: c.timing.median_s)
+    default = candidates[0]
+
+    fields = key_fields(problem, backend.name, spec.distribution)
+    key = key_from_fields(spec.op, fields)
+    entry = _entry(spec, key, fields, problem, best, default, candidates, fallback, host_inputs)
+    entry["sweep_wall_s"] = round(time.perf_counter() - started, 3)
+    directory = dirs.write_dir(spec.profile_dir)
+    path = write_entries(dirs.table_path(directory, devices.device_kind(), spec.op), spec.op,
+                         devices.device_kind(), [entry])
+    return SweepResult(spec, key, entry, candidates, path, time.perf_counter() - started)
+
+
+def _entry(spec, key, fields, problem, best, default, candidates, fallback, host_inputs) -> dict[str, Any]:
+    counts = {s: sum(c.status == s for c in candidates) for s in (OK, FAILED, WRONG)}
+    default_ok = default.status == OK
+    return {
+        "key": key,
+        "op": spec.op,
+        "fields": fields,
+        "config": best.config.to_dict(),
+        "timing": best.timing.to_dict(),
+        "timing_fallback": fallback,
+        "default": {
+            "config": default.config.to_dict(),
+            "status": default.status,
+            "median_s": default.timing.median_s if default_ok else None,
+            "reason": default.reason or None,
+        },
+        "speedup_over_default": default.timing.median_s / best.timing.median_s if default_ok else None,
+        "candidates": {"tried": len(candidates), "ok": counts[OK], "failed": counts[FAILED], "wrong": counts[WRONG]},
+        "failures": [c.record() for c in candidates if c.status != OK],
+        "results": [c.record() for c in candidates if c.status == OK],
+        "distribution": {
+            "name": spec.distribution,
+            "seed": spec.seed,
+            "group_sizes": np.asarray(host_inputs.get("group_sizes", [])).tolist(),
+        },
+        "flops": problem.flops if hasattr(problem, "flops") else None,
+        "versions": versions(),
+        "platform": devices.platform(),
+        "device_kind": devices.device_kind(),
+        "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,172 @@
+"""Time compiled candidates from the profiler trace (xplane), with a wall-clock cross-check.
+
+Each sample round runs every candidate once, in a shuffled order, inside one `jax.profiler.trace`; the
+xplane is read with tune-jax's profile reader and each candidate's device time is the span of the events
+of one execution of its program (named `jit_moe_tune_cand_<i>`), grouped by run id, or by tune-jax's own
+contiguity rule when the trace has no run ids. Wall-clock times of the same calls are kept: a
+trace time longer than the wall time, a missing event, or a trace time far below the wall time of a long
+call means the parse is broken, and every candidate is then timed by the wall clock instead (recorded as
+the timing method), so that all candidates of a sweep are always compared by the same clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax
+from tune_jax import profile_reader
+
+CANDIDATE_PREFIX = "moe_tune_cand_"
+_EVENT = re.compile(rf"jit_{CANDIDATE_PREFIX}(\d+)\(")
+
+# Cross-check thresholds. Device time cannot exceed the wall time of the same call (small slack for clock
+# differences); for calls long enough that dispatch overhead is negligible, it cannot be a small fraction.
+_SLACK_S = 50e-6
+_LONG_CALL_S = 2e-3
+_MIN_TRACE_FRACTION = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-candidate timing in seconds; `samples_s` are the values the statistics come from."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    spread: float  # (max - min) / median over the samples
+    samples: int
+    method: str  # "trace" or "wall"
+    wall_median_s: float
+    samples_s: tuple[float, ...]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["samples_s"] = list(self.samples_s)
+        return d
+
+
+def _summarize(values: list[float], method: str, wall: list[float]) -> Timing:
+    med = statistics.median(values)
+    return Timing(
+        median_s=med, min_s=min(values), max_s=max(values),
+        spread=(max(values) - min(values)) / med if med > 0 else 0.0,
+        samples=len(values), method=method, wall_median_s=statistics.median(wall), samples_s=tuple(values),
+    )
+
+
+def _spans_by_run(plane) -> dict[int, list[float]]:
+    """Group a plane's events by (program, run_id): one execution's span is its first start to its last end.
+
+    CPU thunks and TPU/GPU module events carry `hlo_module` and `run_id` stats, which identify an execution
+    even when two runs of one program are adjacent in time.
+    """
+    spans: dict[tuple[str, int], list[float]] = {}
+    for line in plane.lines:
+        for event in line.events:
+            stats = dict(event.stats)
+            module, run = stats.get("hlo_module"), stats.get("run_id")
+            if module is None or run is None or not _EVENT.match(f"{module}("):
+                continue
+            start, end = event.start_ns, event.start_ns + event.duration_ns
+            span = spans.setdefault((module, run), [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+    found: dict[int, list[float]] = defaultdict(list)
+    for (module, _), (start, end) in spans.items():
+        found[int(_EVENT.match(f"{module}(")[1])].append((end - start) * 1e-9)
+    return found
+
+
+def _spans_by_contiguity(profile, plane_index: int) -> dict[int, list[float]]:
+    """tune-jax's own event grouping (by program name and contiguity), for traces without run ids."""
+    found: dict[int, list[float]] = defaultdict(list)
+    events = profile_reader.get_events_from_plane(profile, plane_index, prefix_filter=f"jit_{CANDIDATE_PREFIX}")
+    for name, seconds in events.items():
+        if (match := _EVENT.match(name)) and seconds > 0:
+            found[int(match[1])].append(seconds)
+    return found
+
+
+def parse_trace(trace_dir: Path, platform: str) -> dict[int, list[float]]:
+    """Candidate index -> device durations (s) of its executions found in the xplane under `trace_dir`.
+
+    With several device planes (one per device) the slowest device's time counts, as in tune-jax.
+    """
+    files = sorted(Path(trace_dir).glob("**/*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        return {}
+    profile = profile_reader.parse_profile_from_bytes(files[-1].read_bytes())
+    planes = list(profile.planes)
+    per_plane = []
+    for index in profile_reader.find_device_plane_ids(profile, platform):
+        found = _spans_by_run(planes[index]) if hasattr(planes[index], "lines") else {}
+        per_plane.append(found or _spans_by_contiguity(profile, index))
+    merged: dict[int, list[float]] = {}
+    for found in per_plane:
+        for i, durations in found.items():
+            old = merged.get(i)
+            merged[i] = durations if old is None or len(old) != len(durations) else [
+                max(a, b) for a, b in zip(sorted(old), sorted(durations))
+            ]
+    return merged
+
+
+def cross_check(trace: list[float], wall: list[float], expected: int) -> str | None:
+    """Why a candidate's trace times cannot be trusted, or None."""
+    if len(trace) != expected:
+        return f"found {len(trace)} trace events for {expected} runs"
+    t, w = statistics.median(trace), statistics.median(wall)
+    if t > w + _SLACK_S and t > 1.1 * w:
+        return f"trace time {t * 1e3:.3f} ms exceeds wall time {w * 1e3:.3f} ms"
+    if w > _LONG_CALL_S and t < _MIN_TRACE_FRACTION * w:
+        return f"trace time {t * 1e3:.3f} ms is under {_MIN_TRACE_FRACTION:.0%} of wall time {w * 1e3:.3f} ms"
+    return None
+
+
+def time_candidates(
+    calls: Mapping[int, Callable[[], jax.Array]],
+    *,
+    samples: int,
+    platform: str,
+    seed: int = 0,
+    keep_trace_dir: Path | None = None,
+    on_round: Callable[[int], None] | None = None,
+) -> tuple[dict[int, Timing], str | None]:
+    """Time each zero-argument call `samples` times; returns (timings, why the trace was not used)."""
+    rng = random.Random(seed)
+    trace: dict[int, list[float]] = defaultdict(list)
+    wall: dict[int, list[float]] = defaultdict(list)
+    order = list(calls)
+    for round_index in range(samples):
+        rng.shuffle(order)
+        trace_dir = Path(tempfile.mkdtemp(prefix="moe_tune_trace_"))
+        try:
+            with jax.profiler.trace(str(trace_dir)):
+                for i in order:
+                    start = time.perf_counter()
+                    jax.block_until_ready(calls[i]())
+                    wall[i].append(time.perf_counter() - start)
+            for i, durations in parse_trace(trace_dir, platform).items():
+                if i in calls:
+                    trace[i].extend(durations)
+            if keep_trace_dir is not None:
+                shutil.copytree(trace_dir, Path(keep_trace_dir) / f"round_{round_index}", dirs_exist_ok=True)
+        finally:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        if on_round is not None:
+            on_round(round_index + 1)
+
+    problems = {i: why for i in calls if (why := cross_check(trace.get(i, []), wall[i], samples))}
+    if problems:
+        i, why = next(iter(problems.items()))
+        fallback = f"profiler trace failed the wall-clock cross-check for {len(problems)} candidate(s), e.g. #{i}: {why}"
+        return {i: _summarize(wall[i], "wall", wall[i]) for i in calls}, fallback
+    return {i: _summarize(trace[i], "trace", wall[i]) for i in calls}, None
