@@ -19,7 +19,8 @@ from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
 
 console = Console(stderr=True)
-out = Console()
+# Wide when piped (CI logs, files) so that tables are not squeezed into 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 220)
 
 STAGES = {"compile": "Compiling candidates", "check": "Checking vs reference", "time": "Timing (trace rounds)"}
 
@@ -44,14 +45,14 @@ def _handle_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UsageError as e:
-            console.print(f"[red]error:[/red] {e}", highlight=False)
+        except UsageError as e:  # plain click.echo: one unwrapped line, whatever the terminal width
+            click.echo(f"error: {e}", err=True)
             sys.exit(2)
         except MoeTuneError as e:
-            console.print(f"[red]error:[/red] {e}", highlight=False)
+            click.echo(f"error: {e}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/yellow]")
+            click.echo("interrupted", err=True)
             sys.exit(130)
 
     return wrapper

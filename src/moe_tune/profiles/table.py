@@ -49,16 +49,16 @@ def read_table(path: Path) -> dict[str, Any]:
     return data
 
 
-_cache: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+_cache: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
 
 
 def read_table_cached(path: Path) -> dict[str, Any] | None:
-    """`read_table`, memoized on (mtime, size); None when the file does not exist."""
+    """`read_table`, memoized on (inode, mtime, size); None when the file does not exist."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return None
-    stamp = (st.st_mtime_ns, st.st_size)
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # writes replace the file, so the inode changes too
     hit = _cache.get(path)
     if hit is not None and hit[0] == stamp:
         return hit[1]

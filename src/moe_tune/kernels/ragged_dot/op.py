@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -12,6 +13,8 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
 from moe_tune.profiles.lookup import lookup
+
+logger = logging.getLogger("moe_tune")
 
 
 def ragged_dot(
@@ -46,6 +49,11 @@ def ragged_dot(
     )
     impl = BACKENDS.resolve(backend, devices.platform())
     if config is None:
-        config = lookup("ragged_dot", problem, backend=impl.name).config
+        found = lookup("ragged_dot", problem, backend=impl.name)
+        config, source = found.config, f"{found.source}: {found.reason}"
+    else:
+        source = "given by the caller"
     config = impl.coerce_config(config, problem)
+    # Runs once per trace under jit, so this costs nothing per call.
+    logger.info("ragged_dot %s: backend %s, config %s (%s)", problem.key_fields(), impl.name, config.label(), source)
     return impl(lhs, rhs, group_sizes, config=config, out_dtype=jnp.dtype(problem.out_dtype), group_offset=group_offset)

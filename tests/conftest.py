@@ -1,0 +1,18 @@
+"""Shared fixtures: every test gets its own profile dirs, so no test sees the developer's real tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_tune.profiles import table
+
+
+@pytest.fixture(autouse=True)
+def isolated_profiles(tmp_path, monkeypatch):
+    """Point $MOE_TUNE_PROFILE_DIR and the user cache dir at fresh temporary dirs."""
+    env_dir = tmp_path / "env_profiles"
+    monkeypatch.setenv("MOE_TUNE_PROFILE_DIR", str(env_dir))
+    monkeypatch.setattr("moe_tune.profiles.dirs.user_dir", lambda: tmp_path / "user_profiles")
+    monkeypatch.delenv("MOE_TUNE_DISTRIBUTION", raising=False)
+    table._cache.clear()
+    yield env_dir

@@ -1,0 +1,100 @@
+"""The CLI through click's CliRunner: real sweeps on tiny spaces, reports, lookups, and user mistakes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from moe_tune.cli import cli
+
+TINY = ["--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--samples", "2", "--max-candidates", "3"]
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, list(args), catch_exceptions=False)
+
+    return invoke
+
+
+def test_ops_lists_backends_and_tunables(run):
+    result = run("ops")
+    assert result.exit_code == 0
+    for name in ("xla", "tiled", "megablox", "tm, tk, tn"):
+        assert name in result.output
+
+
+def test_sweep_report_lookup_round_trip(run, tmp_path, isolated_profiles):
+    result = run("sweep", *TINY)
+    assert result.exit_code == 0, result.output
+    assert "winner" in result.output and "speedup" in result.output and "3 tried" in result.output
+    table = isolated_profiles / "cpu" / "ragged_dot.json"
+    assert table.exists()
+
+    csv = run("report", "--format", "csv")
+    assert csv.exit_code == 0
+    header, row = csv.output.strip().splitlines()[:2]
+    assert header.startswith("device_kind,op,direction,backend,m,k,n,groups") and row.startswith("cpu,ragged_dot,fwd,tiled,256,128,128,4")
+
+    records = json.loads(run("report", "--format", "json").output)
+    assert len(records) == 1 and records[0]["tried"] == 3 and records[0]["time_ms"] > 0
+
+    markdown = run("report", "--format", "markdown").output
+    assert markdown.splitlines()[0].startswith("| device_kind") and "ragged_dot" in markdown
+
+    assert "ragged_dot" in run("report").output
+
+    found = run("lookup", "--m", "256", "--k", "128", "--n", "128", "--groups", "4")
+    assert found.exit_code == 0 and "source: exact" in found.output
+    near = run("lookup", "--m", "300", "--k", "128", "--n", "128", "--groups", "4")
+    assert "source: nearest" in near.output
+    none = run("lookup", "--m", "300", "--k", "64", "--n", "128", "--groups", "4")
+    assert "source: default" in none.output
+
+
+def test_sweep_to_explicit_profile_dir(run, tmp_path):
+    result = run("sweep", *TINY, "--backend", "xla", "--profile-dir", str(tmp_path / "p"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "p" / "cpu" / "ragged_dot.json").exists()
+    assert "xla" in run("report", "--profile-dir", str(tmp_path / "p"), "--format", "csv").output
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["sweep", "--op", "nope"], 2, "nope"),
+        (["sweep", "--m", "0"], 2, "0"),
+        (["sweep", "--k", "-5"], 2, "-5"),
+        (["sweep", "--dtype", "float7"], 2, "float7"),
+        (["sweep", "--backend", "cuda_magic", *TINY], 2, "unknown backend 'cuda_magic'"),
+        (["sweep", "--distribution", "lopsided"], 2, "lopsided"),
+        (["lookup", "--backend", "nope"], 2, "unknown backend"),
+        (["sweep", "--samples", "0"], 2, "0"),
+    ],
+)
+def test_user_mistakes_get_one_line_and_exit_code(run, args, code, message):
+    result = run(*args)
+    assert result.exit_code == code
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unreadable_table_names_the_file_and_exits_1(run, isolated_profiles):
+    path = isolated_profiles / "cpu" / "ragged_dot.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"schema_version": 1, "entries": ')
+    for args in (["report"], ["lookup"]):
+        result = run(*args)
+        assert result.exit_code == 1
+        assert str(path) in result.output and "not valid JSON" in result.output
+        assert "Traceback" not in result.output
+
+
+def test_empty_report_says_how_to_start(run):
+    result = run("report")
+    assert result.exit_code == 0 and "moe-tune sweep" in result.output

@@ -1,0 +1,162 @@
+"""The tuner on tiny real spaces: correctness gate, failure recording, compile-once, keys, tables."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import numpy as np
+import pytest
+from faulty_backend import FaultyConfig, FaultyRaggedDot
+
+import moe_tune
+from moe_tune import distributions
+from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.profiles import entry_key, lookup, read_table, use_profiles
+from moe_tune.tuner import SweepError, SweepSpec, run_sweep
+from moe_tune.tuner.timing import cross_check
+
+SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)
+
+
+@pytest.fixture
+def faulty():
+    backend = BACKENDS.register(FaultyRaggedDot())
+    yield backend
+    BACKENDS.unregister(backend.name)
+
+
+def test_wrong_and_failing_candidates_are_recorded_and_never_win(faulty, tmp_path):
+    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend=faulty.name, samples=3, workers=2, profile_dir=tmp_path))
+    by_mode = {}
+    for cand in result.candidates:
+        by_mode.setdefault(cand.config.mode, []).append(cand)
+    assert all(c.status == "wrong" and "relative error" in c.reason for c in by_mode["wrong"])
+    assert all(c.status == "failed" and c.stage == "compile" and "deliberate compile failure" in c.reason
+               for c in by_mode["fail_compile"])
+    assert all(c.status == "failed" and c.stage == "run" for c in by_mode["fail_run"])
+    assert result.entry["config"]["mode"] == "good"
+    assert result.entry["candidates"] == {"tried": 8, "ok": 2, "failed": 4, "wrong": 2}
+    assert {f["status"] for f in result.entry["failures"]} == {"failed", "wrong"}
+    assert all(f.get("reason") for f in result.entry["failures"])
+    # the default config is candidate 0 and was timed, so the speedup is a measurement
+    assert result.candidates[0].is_default and result.candidates[0].config == FaultyConfig("good", 64)
+    assert result.entry["default"]["median_s"] > 0
+    assert result.entry["speedup_over_default"] == pytest.approx(
+        result.entry["default"]["median_s"] / result.entry["timing"]["median_s"])
+
+
+def test_sweep_with_no_correct_candidate_fails_cleanly(faulty, tmp_path, monkeypatch):
+    monkeypatch.setattr(FaultyRaggedDot, "candidate_values", lambda self, p: {"mode": ["wrong"], "tm": [64]})
+    monkeypatch.setattr(FaultyRaggedDot, "default_config", lambda self, p: FaultyConfig("fail_compile", 64))
+    with pytest.raises(SweepError, match="no candidate"):
+        run_sweep(SweepSpec("ragged_dot", SMALL, backend=faulty.name, samples=1, profile_dir=tmp_path))
+    assert not (tmp_path / "cpu" / "ragged_dot.json").exists()
+
+
+def test_each_candidate_is_compiled_exactly_once(tmp_path):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+    spec = SweepSpec("ragged_dot", SMALL, backend="tiled", samples=2, profile_dir=tmp_path)
+    n_candidates = len(BACKENDS.get("tiled").search_space(SMALL))
+    before = len(compiles)
+    result = run_sweep(spec)
+    assert len(result.candidates) == n_candidates
+    assert len(compiles) - before == n_candidates
+
+
+def test_entry_records_what_design_requires(tmp_path):
+    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
+                                 samples=3, profile_dir=tmp_path))
+    table = read_table(tmp_path / "cpu" / "ragged_dot.json")
+    assert table["schema_version"] == 1 and table["op"] == "ragged_dot" and table["device_kind"] == "cpu"
+    entry = table["entries"][result.key]
+    assert entry["fields"]["distribution"] == "skewed" and entry["fields"]["backend"] == "tiled"
+    assert entry["distribution"]["seed"] == 3
+    assert entry["distribution"]["group_sizes"] == distributions.group_sizes("skewed", 256, 4, 3).tolist()
+    timing = entry["timing"]
+    assert timing["samples"] == 3 and len(timing["samples_s"]) == 3
+    assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
+    assert timing["method"] in ("trace", "wall")
+    assert set(entry["versions"]) == {"jax", "jaxlib", "moe-tune", "tune-jax"}
+    assert entry["tuned_at"] and entry["candidates"]["tried"] == len(result.candidates)
+
+
+def test_trace_timing_agrees_with_the_wall_clock(tmp_path):
+    """On CPU the profiler trace parses; its times are below, and close to, the wall-clock times."""
+    result = run_sweep(SweepSpec("ragged_dot", RaggedDotProblem(m=1024, k=256, n=256, groups=8), backend="tiled",
+                                 samples=3, profile_dir=tmp_path))
+    assert result.entry["timing"]["method"] == "trace", result.entry["timing_fallback"]
+    for cand in result.candidates:
+        t = cand.timing
+        assert t.median_s <= t.wall_median_s * 1.1 + 50e-6
+
+
+def test_cross_check_catches_broken_parses():
+    assert cross_check([0.010] * 3, [0.011] * 3, 3) is None
+    assert "exceeds wall" in cross_check([0.020] * 3, [0.010] * 3, 3)
+    assert "under" in cross_check([0.0001] * 3, [0.010] * 3, 3)
+    assert "found 2 trace events" in cross_check([0.010] * 2, [0.011] * 3, 3)
+
+
+def test_tuner_key_equals_runtime_key(tmp_path, caplog):
+    """A table written by the tuner is found by the runtime for the same call: the one shared key."""
+    problem = RaggedDotProblem(m=384, k=128, n=64, groups=6)
+    result = run_sweep(SweepSpec("ragged_dot", problem, samples=2, max_candidates=3, profile_dir=tmp_path))
+    lhs = jax.numpy.ones((384, 128)); rhs = jax.numpy.ones((6, 128, 64))
+    sizes = jax.numpy.full((6,), 64, jax.numpy.int32)
+    runtime_problem = RaggedDotProblem.from_arrays(lhs, rhs, sizes)
+    assert entry_key("ragged_dot", runtime_problem, "tiled", "balanced") == result.key
+    with use_profiles(tmp_path), caplog.at_level(logging.INFO, logger="moe_tune"):
+        jax.jit(moe_tune.ragged_dot)(lhs, rhs, sizes)
+        found = lookup("ragged_dot", runtime_problem)
+    assert found.source == "exact" and found.key == result.key
+    assert found.config.to_dict() == result.entry["config"]
+    assert any("exact" in r.getMessage() and found.config.label() in r.getMessage() for r in caplog.records)
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    import multiprocessing as mp
+
+    path = tmp_path / "cpu" / "ragged_dot.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_write_many, args=(str(path), w)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(read_table(path)["entries"]) == 2 * 15
+
+
+def _write_many(path: str, writer: int) -> None:
+    from moe_tune.profiles import write_entries
+
+    for i in range(15):
+        write_entries(path, "ragged_dot", "cpu", [{"key": f"w{writer}-{i}", "fields": {}, "config": {}}])
+
+
+def test_failed_write_leaves_the_old_table_intact(tmp_path):
+    from moe_tune.profiles import write_entries
+
+    path = tmp_path / "cpu" / "ragged_dot.json"
+    write_entries(path, "ragged_dot", "cpu", [{"key": "a", "fields": {}, "config": {}}])
+    before = path.read_text()
+    with pytest.raises(TypeError):
+        write_entries(path, "ragged_dot", "cpu", [{"key": "b", "fields": {}, "config": {"x": object()}}])
+    assert path.read_text() == before
+    assert json.loads(before)["entries"].keys() == {"a"}
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_distributions_are_seeded_and_sum_to_rows():
+    for name in distributions.DISTRIBUTIONS:
+        a = distributions.group_sizes(name, 1000, 16, seed=5)
+        assert a.sum() == 1000 and a.dtype == np.int32 and (a >= 0).all()
+        assert (a == distributions.group_sizes(name, 1000, 16, seed=5)).all()
+    skewed = distributions.group_sizes("skewed", 10000, 32, seed=0)
+    assert skewed.max() > 4 * 10000 / 32  # a hot expert
+    assert (distributions.group_sizes("single", 100, 8, seed=1) > 0).sum() == 1
