@@ -39,12 +39,13 @@ def runtime_distribution() -> str:
 _warned: set[str] = set()
 
 
-def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, dict[str, Any]]]:
+def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, tuple, dict[str, Any]]]:
+    """(path, stamp, table) of every readable table for (op, device_kind), highest priority first."""
     found = []
     for _, directory in dirs.search_dirs():
         path = dirs.table_path(directory, device_kind, op)
         try:
-            table = read_table_cached(path)
+            cached = read_table_cached(path)
         except TableError as e:
             if strict:
                 raise
@@ -52,9 +53,12 @@ def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, dict[st
                 _warned.add(str(path))
                 warnings.warn(f"moe-tune: ignoring unreadable table: {e}", RuntimeWarning, stacklevel=4)
             continue
-        if table is not None:
-            found.append((path, table))
+        if cached is not None:
+            found.append((path, *cached))
     return found
+
+
+_memo: dict[tuple, LookupResult] = {}
 
 
 def lookup(
@@ -79,7 +83,18 @@ def lookup(
     fields = key_fields(problem, impl.name, distribution)
     key = key_from_fields(op, fields)
     tables = _tables(op, device_kind, strict)
+    # Same question, same tables (by stamp): same answer, without rescanning entries.
+    memo_key = (op, problem, impl.name, distribution, device_kind, tuple((p, stamp) for p, stamp, _ in tables))
+    if memo_key not in _memo:
+        if len(_memo) > 4096:  # stale stamps accumulate when tables are rewritten in-process
+            _memo.clear()
+        _memo[memo_key] = _resolve(problem, impl, fields, key, device_kind, [(p, t) for p, _, t in tables])
+    return _memo[memo_key]
 
+
+def _resolve(problem, impl, fields: dict[str, Any], key: str, device_kind: str,
+             tables: list[tuple[Path, dict[str, Any]]]) -> LookupResult:
+    distribution = fields["distribution"]
     for path, table in tables:
         entry = table["entries"].get(key)
         if entry is not None:

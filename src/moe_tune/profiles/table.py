@@ -52,8 +52,8 @@ def read_table(path: Path) -> dict[str, Any]:
 _cache: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
 
 
-def read_table_cached(path: Path) -> dict[str, Any] | None:
-    """`read_table`, memoized on (inode, mtime, size); None when the file does not exist."""
+def read_table_cached(path: Path) -> tuple[tuple[int, int, int], dict[str, Any]] | None:
+    """(stamp, table): `read_table` memoized on the stamp (inode, mtime, size); None when there is no file."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -61,10 +61,9 @@ def read_table_cached(path: Path) -> dict[str, Any] | None:
     stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # writes replace the file, so the inode changes too
     hit = _cache.get(path)
     if hit is not None and hit[0] == stamp:
-        return hit[1]
-    table = read_table(path)
-    _cache[path] = (stamp, table)
-    return table
+        return hit
+    _cache[path] = (stamp, read_table(path))
+    return _cache[path]
 
 
 def write_entries(path: Path, op: str, device_kind: str, entries: Iterable[dict[str, Any]]) -> Path:
