@@ -7,6 +7,7 @@ for every row tile of `tm` rows that holds at least one of its rows, groups in o
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
@@ -19,9 +20,6 @@ from hypothesis import strategies as st
 
 from moe_tune.kernels.ragged_dot.metadata import GroupMetadata, make_group_metadata, max_visits
 
-SETTINGS = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
-)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -99,14 +97,12 @@ def real_visits(host) -> list[tuple[int, int]]:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Properties
+# Properties. Every new (m, tm, groups) costs a compile, so one hypothesis test runs all the per-schedule
+# checks on each drawn case; each check is its own function and names what broke.
 
 
-@SETTINGS
-@given(schedules())
-def test_shapes_dtypes_and_bound(case):
+def check_shapes_dtypes_and_bound(case, meta, host):
     sizes, m, tm, groups, offset = case
-    meta, host = build(*case)
     bound = max_visits(m, tm, groups)
     assert bound == math.ceil(m / tm) + groups - 1
     assert host["group_ids"].shape == host["tile_ids"].shape == (bound,)
@@ -117,36 +113,26 @@ def test_shapes_dtypes_and_bound(case):
     assert 0 <= int(host["num_visits"]) <= bound
 
 
-@SETTINGS
-@given(schedules())
-def test_group_bounds_match_model(case):
-    _, host = build(*case)
-    expected = model_bounds(*[case[0], case[1], case[3], case[4]])
+def check_group_bounds_match_model(case, meta, host):
+    sizes, m, tm, groups, offset = case
+    expected = model_bounds(sizes, m, groups, offset)
     assert list(zip(host["group_starts"].tolist(), host["group_ends"].tolist())) == expected
 
 
-@SETTINGS
-@given(schedules())
-def test_real_visits_equal_model(case):
+def check_real_visits_equal_model(case, meta, host):
     """The real visits are exactly the (group, tile) pairs the rows touch, groups in order, tiles ascending."""
-    _, host = build(*case)
     assert real_visits(host) == model_visits(*case)
 
 
-@SETTINGS
-@given(schedules())
-def test_visits_of_a_group_are_consecutive_and_cover_its_tiles(case):
+def check_visits_of_a_group_are_consecutive_and_cover_its_tiles(case, meta, host):
     sizes, m, tm, groups, offset = case
-    _, host = build(*case)
     visits = real_visits(host)
-    bounds = model_bounds(sizes, m, groups, offset)
-    for g, (s, e) in enumerate(bounds):
+    for g, (s, e) in enumerate(model_bounds(sizes, m, groups, offset)):
         positions = [i for i, (vg, _) in enumerate(visits) if vg == g]
         if e <= s:
             assert positions == [], f"empty group {g} was visited"
             continue
-        # consecutive block of visits
-        assert positions == list(range(positions[0], positions[-1] + 1))
+        assert positions == list(range(positions[0], positions[-1] + 1)), f"visits of group {g} not consecutive"
         tiles = [visits[i][1] for i in positions]
         # exactly the tiles the group's rows touch: each visited tile holds a row, each row's tile is visited
         assert tiles == list(range(s // tm, (e - 1) // tm + 1))
@@ -155,13 +141,9 @@ def test_visits_of_a_group_are_consecutive_and_cover_its_tiles(case):
         assert {row // tm for row in range(s, e)} == set(tiles)
 
 
-@SETTINGS
-@given(schedules())
-def test_tile_ids_non_decreasing_and_in_range(case):
+def check_tile_ids_non_decreasing_and_in_range(case, meta, host):
     sizes, m, tm, groups, offset = case
-    _, host = build(*case)
-    n = int(host["num_visits"])
-    tiles = host["tile_ids"][:n]
+    tiles = host["tile_ids"][: int(host["num_visits"])]
     assert np.all(np.diff(tiles) >= 0), tiles
     # a tile is only ever revisited by the very next visit (what lets a kernel keep its output block resident)
     seen = set()
@@ -169,35 +151,26 @@ def test_tile_ids_non_decreasing_and_in_range(case):
         if t in seen:
             assert tiles[i - 1] == t
         seen.add(t)
-    num_tiles = math.ceil(m / tm)
-    assert np.all((host["tile_ids"] >= 0) & (host["tile_ids"] < num_tiles))
+    assert np.all((host["tile_ids"] >= 0) & (host["tile_ids"] < math.ceil(m / tm)))
     assert np.all((host["group_ids"] >= 0) & (host["group_ids"] < groups))
 
 
-@SETTINGS
-@given(schedules())
-def test_every_row_of_every_local_group_is_covered(case):
+def check_every_row_of_every_local_group_is_covered(case, meta, host):
     sizes, m, tm, groups, offset = case
-    _, host = build(*case)
     covered = set(real_visits(host))
     starts, ends = host["group_starts"], host["group_ends"]
     for g in range(groups):
         for row in range(int(starts[g]), int(ends[g])):
             assert (g, row // tm) in covered, f"row {row} of group {g} never visited"
-    # and no visit is wasted on rows outside the local groups
-    for g, t in covered:
+    for g, _ in covered:  # no visit for a group without rows
         assert int(starts[g]) < int(ends[g])
 
 
-@SETTINGS
-@given(schedules())
-def test_padding_repeats_a_valid_visit(case):
+def check_padding_repeats_a_valid_visit(case, meta, host):
     sizes, m, tm, groups, offset = case
-    _, host = build(*case)
     n = int(host["num_visits"])
-    bound = max_visits(m, tm, groups)
     pad_groups, pad_tiles = host["group_ids"][n:], host["tile_ids"][n:]
-    assert len(pad_groups) == bound - n
+    assert len(pad_groups) == max_visits(m, tm, groups) - n
     assert np.all((pad_groups >= 0) & (pad_groups < groups))
     assert np.all((pad_tiles >= 0) & (pad_tiles < math.ceil(m / tm)))
     if n > 0:
@@ -206,14 +179,50 @@ def test_padding_repeats_a_valid_visit(case):
             assert pair in real, f"padding entry {pair} is not a real visit {sorted(real)}"
 
 
-@SETTINGS
-@given(schedules())
-def test_num_visits_equals_megablox_count(case):
-    _, host = build(*case)
+def check_num_visits_equals_megablox_count(case, meta, host):
     assert int(host["num_visits"]) == megablox_count(*case)
 
 
-@settings(max_examples=30, deadline=None)
+CHECKS = [
+    check_shapes_dtypes_and_bound,
+    check_group_bounds_match_model,
+    check_real_visits_equal_model,
+    check_visits_of_a_group_are_consecutive_and_cover_its_tiles,
+    check_tile_ids_non_decreasing_and_in_range,
+    check_every_row_of_every_local_group_is_covered,
+    check_padding_repeats_a_valid_visit,
+    check_num_visits_equals_megablox_count,
+]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedules())
+def test_schedule_properties(case):
+    meta, host = build(*case)
+    for check in CHECKS:
+        check(case, meta, host)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize(
+    "case",
+    [
+        ([3, 0, 5, 9], 20, 4, 4, 0),  # uneven, empty middle group, rows past the sum
+        ([0, 7, 7, 0], 14, 4, 4, 0),  # first and last groups empty
+        ([0, 0, 33, 0], 33, 8, 4, 0),  # one group holds every row, m not a multiple of tm
+        ([0, 0, 0], 16, 8, 3, 0),  # nothing to do
+        ([5, 6, 7, 8, 9], 40, 3, 2, 2),  # a shard in the middle
+        ([5, 6, 7, 8, 9], 30, 4, 3, 2),  # sizes past m are clipped
+        ([1] * 8, 8, 16, 8, 0),  # tm > m: a single tile shared by every group
+    ],
+    ids=str,
+)
+def test_schedule_properties_on_fixed_cases(case, check):
+    meta, host = build(*case)
+    check(case, meta, host)
+
+
+@settings(max_examples=20, deadline=None)
 @given(schedules(allow_overflow=False), st.data())
 def test_jit_matches_eager_with_traced_sizes_and_offset(case, data):
     sizes, m, tm, groups, offset = case
@@ -236,7 +245,7 @@ def test_jit_matches_eager_with_traced_sizes_and_offset(case, data):
     assert jitted._cache_size() == 1
 
 
-@SETTINGS
+@settings(max_examples=30, deadline=None)
 @given(schedules())
 def test_group_offset_selects_the_shard(case):
     """A shard's schedule is the full schedule restricted to its groups, renumbered from 0."""
@@ -293,6 +302,14 @@ def test_sizes_past_m_are_clipped():
 _upstream = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
+@functools.partial(jax.jit, static_argnames=("m", "tm", "num_nonzero_groups"))
+def _upstream_metadata(group_sizes, *, m, tm, num_nonzero_groups):
+    return _upstream.make_group_metadata(
+        group_sizes=group_sizes, m=m, tm=tm, start_group=jnp.int32(0), num_nonzero_groups=num_nonzero_groups,
+        visit_empty_groups=False,
+    )
+
+
 @st.composite
 def full_cover_schedules(draw):
     tm = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
@@ -303,16 +320,13 @@ def full_cover_schedules(draw):
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])], m, tm
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(full_cover_schedules())
 def test_matches_upstream_megablox_metadata(case):
     sizes, m, tm = case
     total = len(sizes)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    (_, up_groups, up_tiles), up_num = _upstream.make_group_metadata(
-        group_sizes=group_sizes, m=m, tm=tm, start_group=jnp.int32(0), num_nonzero_groups=total,
-        visit_empty_groups=False,
-    )
+    (_, up_groups, up_tiles), up_num = _upstream_metadata(group_sizes, m=m, tm=tm, num_nonzero_groups=total)
     meta = make_group_metadata(group_sizes, m=m, tm=tm)
     n = int(meta.num_visits)
     assert n == int(up_num)

@@ -15,6 +15,7 @@ from moe_tune import distributions
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.profiles import entry_key, lookup, read_table, use_profiles
 from moe_tune.tuner import SweepError, SweepSpec, run_sweep
+from moe_tune.tuner.candidates import backend_compiles
 from moe_tune.tuner.timing import cross_check
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)
@@ -37,7 +38,8 @@ def test_wrong_and_failing_candidates_are_recorded_and_never_win(faulty, tmp_pat
                for c in by_mode["fail_compile"])
     assert all(c.status == "failed" and c.stage == "run" for c in by_mode["fail_run"])
     assert result.entry["config"]["mode"] == "good"
-    assert result.entry["candidates"] == {"tried": 8, "ok": 2, "failed": 4, "wrong": 2}
+    counts = {k: v for k, v in result.entry["candidates"].items() if k != "compiles"}
+    assert counts == {"tried": 8, "ok": 2, "failed": 4, "wrong": 2}
     assert {f["status"] for f in result.entry["failures"]} == {"failed", "wrong"}
     assert all(f.get("reason") for f in result.entry["failures"])
     # the default config is candidate 0 and was timed, so the speedup is a measurement
@@ -55,17 +57,19 @@ def test_sweep_with_no_correct_candidate_fails_cleanly(faulty, tmp_path, monkeyp
     assert not (tmp_path / "cpu" / "ragged_dot.json").exists()
 
 
-def test_each_candidate_is_compiled_exactly_once(tmp_path):
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
-    )
-    spec = SweepSpec("ragged_dot", SMALL, backend="tiled", samples=2, profile_dir=tmp_path)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_candidate_is_compiled_exactly_once(tmp_path, workers):
+    """In-process or in worker processes: one XLA compilation per candidate, and the executable compiled
+    then is the one checked and timed (nothing is compiled again in this process)."""
     n_candidates = len(BACKENDS.get("tiled").search_space(SMALL))
-    before = len(compiles)
-    result = run_sweep(spec)
+    before = backend_compiles()
+    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=2, workers=workers,
+                                 profile_dir=tmp_path))
+    here = backend_compiles() - before
     assert len(result.candidates) == n_candidates
-    assert len(compiles) - before == n_candidates
+    assert [c.compiles for c in result.candidates] == [1] * n_candidates
+    assert result.entry["candidates"]["compiles"] == n_candidates
+    assert here == (n_candidates if workers == 1 else 0)
 
 
 def test_entry_records_what_design_requires(tmp_path):

@@ -159,7 +159,8 @@ def _entry(spec, key, fields, problem, best, default, candidates, fallback, host
             "reason": default.reason or None,
         },
         "speedup_over_default": default.timing.median_s / best.timing.median_s if default_ok else None,
-        "candidates": {"tried": len(candidates), "ok": counts[OK], "failed": counts[FAILED], "wrong": counts[WRONG]},
+        "candidates": {"tried": len(candidates), "ok": counts[OK], "failed": counts[FAILED], "wrong": counts[WRONG],
+                       "compiles": sum(c.compiles for c in candidates)},
         "failures": [c.record() for c in candidates if c.status != OK],
         "results": [c.record() for c in candidates if c.status == OK],
         "distribution": {

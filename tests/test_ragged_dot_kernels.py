@@ -1,0 +1,433 @@
+"""Correctness of every ragged_dot backend against the float64 reference.
+
+`RaggedDotBackendTests` holds the tests every backend must pass; each backend subclasses it once and only
+says which dtypes it takes, how big its shapes may be, which configs to try and which configs it rejects.
+Megablox runs in Pallas interpret mode off TPU, so its shapes and example counts are small.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moe_tune
+from moe_tune.errors import InvalidConfigError, UsageError
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem, ragged_dot_reference
+from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
+from moe_tune.kernels.ragged_dot.tiled import MAX_BLOCKS_PER_VISIT, TiledConfig
+from moe_tune.kernels.ragged_dot.xla import XlaConfig
+
+# Error allowed relative to max|reference|, by the output dtype (inputs are exact in the reference, and
+# low-precision inputs are promised float32 accumulation, so only the output's rounding is forgiven).
+TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+def pytest_generate_tests(metafunc):
+    """`dtype` runs over the input dtypes of the backend class the test belongs to."""
+    if "dtype" in metafunc.fixturenames:
+        metafunc.parametrize("dtype", metafunc.cls.dtypes)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def make_operands(m: int, k: int, n: int, groups: int, dtype: str, seed: int):
+    rng = np.random.default_rng(seed)
+    lhs = rng.standard_normal((m, k), np.float32)
+    rhs = rng.standard_normal((groups, k, n), np.float32) / np.sqrt(k)  # outputs O(1) whatever k is
+    return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+
+
+def local_rows(sizes, m: int, groups: int, offset: int) -> np.ndarray:
+    """bool [m]: rows that belong to local groups [offset, offset + groups) (plain Python, ends clipped)."""
+    ends = np.minimum(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    mask = np.zeros(m, bool)
+    for g in range(offset, offset + groups):
+        mask[starts[g]:ends[g]] = True
+    return mask
+
+
+def assert_matches_reference(out, lhs, rhs, sizes, *, offset: int | None, out_dtype: str, what: str = ""):
+    m, n = lhs.shape[0], rhs.shape[2]
+    groups = rhs.shape[0]
+    assert out.shape == (m, n), what
+    assert out.dtype == jnp.dtype(out_dtype), what
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)), f"non-finite output {what}"
+    ref = ragged_dot_reference(
+        np.asarray(lhs.astype(jnp.float32)), np.asarray(rhs.astype(jnp.float32)), np.asarray(sizes),
+        group_offset=offset or 0,
+    )
+    mine = local_rows(sizes, m, groups, offset or 0)
+    # Rows outside the local groups (other shards' rows, rows past sum(group_sizes)) are exactly zero.
+    outside = got[~mine]
+    assert np.all(outside == 0), f"{np.count_nonzero(outside)} non-zero values in rows outside the local groups {what}"
+    scale = np.abs(ref).max()
+    if scale == 0:
+        assert np.all(got == 0), what
+        return
+    err = np.abs(got - ref).max() / scale
+    assert err <= TOLERANCE[out_dtype], f"max error {err:.3g} x max|ref| > {TOLERANCE[out_dtype]} {what}"
+
+
+def sizes_from_cuts(used: int, cuts: list[int]) -> list[int]:
+    bounds = [0, *sorted(cuts), used]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# Fixed cases: (m, group_sizes, shard) where shard is None or (group_offset, local groups).
+CASES = {
+    "uneven": (37, [3, 20, 1, 13], None),
+    "empty_first_and_last": (40, [0, 15, 25, 0], None),
+    "empty_middle": (40, [10, 0, 0, 30], None),
+    "one_group_holds_all_rows": (40, [0, 40, 0], None),
+    "single_group": (29, [29], None),
+    "sum_below_m": (48, [5, 7, 3], None),
+    "all_groups_empty": (24, [0, 0, 0], None),
+    "m_not_tile_multiple": (45, [11, 17, 17], None),
+    "shard_middle": (40, [6, 9, 0, 12, 13], (1, 3)),
+    "shard_first": (40, [6, 9, 0, 12, 13], (0, 2)),
+    "shard_last_sum_below_m": (40, [6, 9, 0, 12, 10], (3, 2)),
+    "shard_of_empty_groups": (40, [20, 0, 0, 20], (1, 2)),
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The shared suite
+
+
+class RaggedDotBackendTests:
+    """Tests every ragged_dot backend passes. Subclasses set `backend` and may override the hooks."""
+
+    backend: str
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # input dtypes of the parametrized tests
+    extra_dtypes: tuple[str, ...] = ()  # further input dtypes, only drawn by the random and mixed tests
+    out_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # preferred_element_type values it supports
+    k, n = 24, 40  # dims of the fixed cases
+    max_m, max_k, max_n, max_groups = 200, 96, 96, 8  # hypothesis shapes
+    max_examples = 20
+    sampled_configs = 2  # non-default configs from the search space per fixed case
+    fixed_case_extras = 2  # how many of `extra_configs` the fixed cases run too (the random test draws all)
+
+    # ---- hooks
+
+    @property
+    def impl(self):
+        return BACKENDS.get(self.backend)
+
+    def problem(self, m, k, n, groups, dtype, out_dtype=None, total_groups=None) -> RaggedDotProblem:
+        return RaggedDotProblem(
+            m=m, k=k, n=n, groups=groups, lhs_dtype=dtype, rhs_dtype=dtype, out_dtype=out_dtype or dtype,
+            total_groups=total_groups if total_groups != groups else None,
+        )
+
+    def extra_configs(self, problem: RaggedDotProblem) -> list[KernelConfig]:
+        """Hand-picked configs outside the search space (still valid) worth running."""
+        return []
+
+    def configs(self, problem: RaggedDotProblem) -> list[KernelConfig]:
+        """The default plus a deterministic sample of other search-space configs, plus `extra_configs`."""
+        space = self.impl.search_space(problem)
+        others = space[1:]
+        rng = random.Random(str(problem.key_fields()))
+        picked = rng.sample(others, min(self.sampled_configs, len(others)))
+        return [space[0], *picked, *self.extra_configs(problem)[: self.fixed_case_extras]]
+
+    def invalid_configs(self, problem: RaggedDotProblem) -> list[dict[str, Any]]:
+        """Configs (as dicts) this backend must reject for `problem` with InvalidConfigError."""
+        return []
+
+    # ---- calling
+
+    def call(self, lhs, rhs, sizes, *, config, shard=None, out_dtype=None, jit=False):
+        offset = None if shard is None else jnp.int32(shard[0])
+        group_sizes = jnp.asarray(sizes, jnp.int32)
+
+        def f(lhs, rhs, group_sizes, offset):
+            return moe_tune.ragged_dot(
+                lhs, rhs, group_sizes, preferred_element_type=out_dtype, group_offset=offset,
+                backend=self.backend, config=config,
+            )
+
+        if jit:
+            f = jax.jit(f)
+        return f(lhs, rhs, group_sizes, offset)
+
+    def run_case(self, m, sizes, shard, dtype, *, out_dtype=None, configs=None, jit=False, seed=0, k=None, n=None):
+        k, n = k or self.k, n or self.n
+        groups = len(sizes) if shard is None else shard[1]
+        offset = None if shard is None else shard[0]
+        lhs, rhs = make_operands(m, k, n, groups, dtype, seed)
+        result_dtype = out_dtype or dtype
+        problem = self.problem(m, k, n, groups, dtype, result_dtype, total_groups=len(sizes))
+        for config in configs if configs is not None else self.configs(problem):
+            out = self.call(lhs, rhs, sizes, config=config, shard=shard, out_dtype=out_dtype, jit=jit)
+            assert_matches_reference(
+                out, lhs, rhs, sizes, offset=offset, out_dtype=result_dtype,
+                what=f"[{self.backend} {config} m={m} sizes={sizes} shard={shard} {dtype}->{result_dtype}]",
+            )
+
+    # ---- fixed cases
+
+    @pytest.mark.parametrize("case", list(CASES), ids=str)
+    def test_fixed_case(self, case, dtype):
+        m, sizes, shard = CASES[case]
+        self.run_case(m, sizes, shard, dtype)
+
+    def test_low_precision_in_float32_out(self):
+        low = [d for d in (*self.dtypes, *self.extra_dtypes) if d != "float32"]
+        assert low, "every backend takes some low-precision input"
+        for dtype in low:
+            self.run_case(37, [3, 20, 1, 13], None, dtype, out_dtype="float32")
+
+    def test_float32_in_bfloat16_out(self):
+        if "bfloat16" not in self.out_dtypes:
+            pytest.skip(f"{self.backend} has no bfloat16 output")
+        self.run_case(37, [3, 20, 1, 13], None, "float32", out_dtype="bfloat16")
+        self.run_case(40, [6, 9, 0, 12, 13], (1, 3), "float32", out_dtype="bfloat16")
+
+    def test_default_output_dtype_is_the_promoted_input_dtype(self, dtype):
+        lhs, rhs = make_operands(16, self.k, self.n, 2, dtype, 0)
+        out = moe_tune.ragged_dot(lhs, rhs, jnp.asarray([9, 7], jnp.int32), backend=self.backend)
+        assert out.dtype == jnp.dtype(dtype)
+
+    def test_default_config_via_lookup(self, dtype):
+        """config=None resolves a config (table or heuristic default) and still computes the right thing."""
+        sizes = [3, 20, 1, 13]
+        lhs, rhs = make_operands(37, self.k, self.n, 4, dtype, 3)
+        out = moe_tune.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32), backend=self.backend)
+        assert_matches_reference(out, lhs, rhs, sizes, offset=None, out_dtype=dtype)
+
+    def test_config_as_dict(self):
+        problem = self.problem(37, self.k, self.n, 4, "float32")
+        config = self.configs(problem)[-1]
+        self.run_case(37, [3, 20, 1, 13], None, "float32", configs=[config.to_dict()])
+
+    def test_search_space_configs(self, dtype):
+        """Every config in a sample of the search space (at least one non-default) gives the right answer."""
+        m, sizes = 45, [11, 0, 17, 9]
+        problem = self.problem(m, self.k, self.n, len(sizes), dtype)
+        space = self.impl.search_space(problem)
+        assert space[0] == self.impl.default_config(problem)
+        assert len(set(space)) == len(space)
+        for config in space:
+            assert self.impl.config_error(config, problem) is None, config
+        sample = [space[0], *random.Random(1).sample(space[1:], min(3, len(space) - 1))]
+        self.run_case(m, sizes, None, dtype, configs=sample)
+
+    # ---- jit
+
+    def test_under_jit(self, dtype):
+        m, sizes, shard = CASES["shard_middle"]
+        self.run_case(m, sizes, shard, dtype, jit=True)
+        m, sizes, shard = CASES["empty_first_and_last"]
+        self.run_case(m, sizes, shard, dtype, jit=True)
+
+    def test_jit_traces_once_for_new_sizes_and_offsets(self):
+        """group_sizes and group_offset are traced: new values reuse the compiled function and stay right."""
+        m, k, n, groups = 40, self.k, self.n, 2
+        lhs, rhs = make_operands(m, k, n, groups, "float32", 7)
+        config = self.configs(self.problem(m, k, n, groups, "float32", total_groups=5))[0]
+        traces = []
+
+        @jax.jit
+        def f(lhs, rhs, group_sizes, offset):
+            traces.append(1)
+            return moe_tune.ragged_dot(lhs, rhs, group_sizes, group_offset=offset, backend=self.backend, config=config)
+
+        for sizes, offset in [([6, 9, 0, 12, 13], 1), ([0, 0, 20, 20, 0], 2), ([40, 0, 0, 0, 0], 3), ([1, 2, 3, 4, 5], 0)]:
+            out = f(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset))
+            assert_matches_reference(out, lhs, rhs, sizes, offset=offset, out_dtype="float32", what=f"{sizes} @ {offset}")
+        assert len(traces) == 1
+
+    # ---- random problems
+
+    def test_random_problems(self):
+        @settings(
+            max_examples=self.max_examples, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(st.data())
+        def check(data):
+            m = data.draw(st.integers(1, self.max_m), label="m")
+            k = data.draw(st.integers(1, self.max_k), label="k")
+            n = data.draw(st.integers(1, self.max_n), label="n")
+            groups = data.draw(st.integers(1, self.max_groups), label="groups")
+            extra = data.draw(st.sampled_from([0, 0, 1, 3]), label="groups of other shards")
+            total = groups + extra
+            pattern = data.draw(st.sampled_from(["cuts", "cuts", "cuts", "one_group", "all_empty"]), label="pattern")
+            if pattern == "all_empty":
+                sizes = [0] * total
+            elif pattern == "one_group":
+                sizes = [0] * total
+                sizes[data.draw(st.integers(0, total - 1))] = data.draw(st.integers(1, m))
+            else:
+                used = data.draw(st.integers(0, m), label="rows used")
+                sizes = sizes_from_cuts(used, data.draw(st.lists(st.integers(0, used), min_size=total - 1, max_size=total - 1)))
+            sharded = extra > 0 or data.draw(st.booleans(), label="pass group_offset=0")
+            shard = (data.draw(st.integers(0, extra), label="offset"), groups) if sharded else None
+            dtype = data.draw(st.sampled_from((*self.dtypes, *self.extra_dtypes)), label="dtype")
+            out_dtype = data.draw(st.sampled_from([None, *self.out_dtypes]), label="preferred_element_type")
+            problem = self.problem(m, k, n, groups, dtype, out_dtype, total_groups=total)
+            space = self.impl.search_space(problem) + self.extra_configs(problem)
+            config = data.draw(st.sampled_from(space), label="config")
+            jit = data.draw(st.booleans(), label="jit")
+            seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+            self.run_case(m, sizes, shard, dtype, out_dtype=out_dtype, configs=[config], jit=jit, seed=seed, k=k, n=n)
+
+        check()
+
+    # ---- bad input
+
+    def operands(self, dtype="float32"):
+        return make_operands(16, self.k, self.n, 2, dtype, 0)
+
+    def test_lhs_must_be_2d(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(UsageError, match="lhs"):
+            moe_tune.ragged_dot(lhs[None], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
+        with pytest.raises(UsageError, match="lhs"):
+            moe_tune.ragged_dot(lhs[0], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
+
+    def test_rhs_must_be_3d(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(UsageError, match="rhs"):
+            moe_tune.ragged_dot(lhs, rhs[0], jnp.asarray([8, 8], jnp.int32), backend=self.backend)
+
+    def test_contracting_dims_must_match(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(UsageError, match="contracting"):
+            moe_tune.ragged_dot(lhs[:, :-1], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
+
+    def test_group_sizes_length_must_match_without_offset(self):
+        lhs, rhs = self.operands()
+        for sizes in ([16], [8, 4, 4]):
+            with pytest.raises(UsageError, match="group_sizes"):
+                moe_tune.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32), backend=self.backend)
+
+    def test_group_sizes_must_cover_the_shard(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(UsageError, match="fewer"):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([16], jnp.int32), group_offset=jnp.int32(0), backend=self.backend)
+
+    def test_group_sizes_must_be_1d_integers(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(UsageError, match="group_sizes"):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8.0, 8.0]), backend=self.backend)
+        with pytest.raises(UsageError, match="group_sizes"):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([[8, 8]], jnp.int32), backend=self.backend)
+
+    def test_unsupported_dtypes(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(UsageError):
+            moe_tune.ragged_dot(lhs.astype(jnp.int32), rhs.astype(jnp.int32), jnp.asarray([8, 8], jnp.int32), backend=self.backend)
+        with pytest.raises(UsageError):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), preferred_element_type=jnp.int8, backend=self.backend)
+
+    def test_unknown_backend(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(UsageError, match="unknown backend"):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend + "_nope")
+
+    def test_config_with_unknown_field(self):
+        lhs, rhs = self.operands()
+        with pytest.raises(InvalidConfigError, match="no field"):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config={"bogus": 1})
+
+    def test_config_of_another_backend(self):
+        lhs, rhs = self.operands()
+        foreign = next(c for c in (XlaConfig(), TiledConfig(), MegabloxConfig()) if type(c) is not self.impl.config_cls)
+        with pytest.raises(InvalidConfigError, match=self.impl.config_cls.__name__):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=foreign)
+
+    def test_invalid_configs_rejected(self, dtype):
+        lhs, rhs = self.operands(dtype)
+        problem = self.problem(16, self.k, self.n, 2, dtype)
+        bad = self.invalid_configs(problem)
+        if not bad:  # only a backend without tunables has no config to get wrong
+            assert self.impl.tunables() == [] and self.impl.config_cls() == self.impl.default_config(problem)
+        for config in bad:
+            assert self.impl.config_error(self.impl.config_cls(**config), problem) is not None, config
+            with pytest.raises(InvalidConfigError):
+                moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=config)
+            with pytest.raises(InvalidConfigError):  # raised at trace time under jit too
+                jax.jit(lambda a, b, c, config=config: moe_tune.ragged_dot(a, b, c, backend=self.backend, config=config))(
+                    lhs, rhs, jnp.asarray([8, 8], jnp.int32)
+                )
+
+
+# --------------------------------------------------------------------------------------------------------
+# One subclass per backend
+
+
+class TestXla(RaggedDotBackendTests):
+    backend = "xla"
+    extra_dtypes = ("float16",)
+    max_examples = 25
+
+    def test_search_space_is_the_single_default(self):
+        problem = self.problem(64, 32, 32, 4, "float32")
+        assert self.impl.search_space(problem) == [XlaConfig()]
+
+
+class TestTiled(RaggedDotBackendTests):
+    backend = "tiled"
+    extra_dtypes = ("float16",)
+    max_examples = 20
+    sampled_configs = 1
+
+    def extra_configs(self, problem):
+        """Tiles that do not divide m, several contraction chunks and column blocks, and tm > m (clamped)."""
+        m, k, n = problem.m, problem.k, problem.n
+        wanted = [
+            TiledConfig(tm=7, tk=max(k // 3, 1), tn=max(n // 2, 1)),
+            TiledConfig(tm=4 * m, tk=4 * k, tn=4 * n),
+            TiledConfig(tm=16, tk=max(k // 2, 1), tn=max(n // 3, 1)),
+            TiledConfig(tm=1, tk=k, tn=n),
+        ]
+        return [c for c in wanted if self.impl.config_error(c, problem) is None]
+
+    def invalid_configs(self, problem):
+        return [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tm": 1, "tk": 1, "tn": 1}]  # the last: k*n dots > cap
+
+    def test_extra_configs_are_used(self):
+        problem = self.problem(45, self.k, self.n, 3, "float32")
+        extras = self.extra_configs(problem)
+        assert len(extras) == 4
+        assert self.k * self.n > MAX_BLOCKS_PER_VISIT  # so that the 1x1x1 tile is really over the cap
+
+
+class TestMegablox(RaggedDotBackendTests):
+    backend = "megablox"
+    k, n = 160, 136  # tk=128 leaves a ragged contraction chunk, tn=128 a ragged column block
+    max_m, max_k, max_n, max_groups = 128, 256, 256, 6
+    max_examples = 6
+    sampled_configs = 1
+
+    def invalid_configs(self, problem):
+        sub = 8 if problem.lhs_dtype == "float32" else 16
+        bad = [
+            {"tm": 12, "tk": 128, "tn": 128},  # not a multiple of the sublane count
+            {"tm": 0, "tk": 128, "tn": 128},
+            {"tm": sub, "tk": 100, "tn": 128},  # neither a multiple of 128 nor k
+            {"tm": sub, "tk": 128, "tn": 256},  # tn > n
+            {"tm": 64, "tk": 128, "tn": 128},  # tm past m rounded up to the sublane count (m=16)
+        ]
+        if problem.lhs_dtype == "bfloat16":
+            bad.append({"tm": 8, "tk": 128, "tn": 128})  # bf16 packs 16 rows per tile
+        return bad
+
+    def test_float16_is_rejected(self):
+        lhs, rhs = self.operands("float16")
+        with pytest.raises(InvalidConfigError, match="float16"):
+            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend="megablox", config=MegabloxConfig(16, 128, 128))
