@@ -43,7 +43,10 @@ def schedules(draw, *, allow_overflow: bool = True, max_groups: int = 8):
     else:
         # Partition `used` rows (<= m, or somewhat past m for "overflow") by sorted cut points: equal cuts
         # make empty groups anywhere, including first and last.
-        used = draw(st.integers(m, m + 40)) if pattern == "overflow" else draw(st.integers(0, m))
+        if pattern == "overflow":
+            used = draw(st.integers(m, m + 40))
+        else:
+            used = draw(st.one_of(st.just(m), st.integers(0, m)))
         cuts = sorted(draw(st.lists(st.integers(0, used), min_size=total - 1, max_size=total - 1)))
         bounds = [0, *cuts, used]
         sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -214,6 +217,8 @@ def test_schedule_properties(case):
         ([5, 6, 7, 8, 9], 40, 3, 2, 2),  # a shard in the middle
         ([5, 6, 7, 8, 9], 30, 4, 3, 2),  # sizes past m are clipped
         ([1] * 8, 8, 16, 8, 0),  # tm > m: a single tile shared by every group
+        ([16, 0, 0], 16, 8, 2, 1),  # a shard of empty groups starting at row m = a tile boundary
+        ([5, 3, 0], 8, 1, 1, 2),  # same with tm = 1
     ],
     ids=str,
 )

@@ -71,7 +71,7 @@ def assert_matches_reference(out, lhs, rhs, sizes, *, offset: int | None, out_dt
     mine = local_rows(sizes, m, groups, offset or 0)
     # Rows outside the local groups (other shards' rows, rows past sum(group_sizes)) are exactly zero.
     outside = got[~mine]
-    assert np.all(outside == 0), f"{np.count_nonzero(outside)} non-zero values in rows outside the local groups {what}"
+    assert np.all(outside == 0), f"{np.count_nonzero(outside)} non-zero values in rows of no local group {what}"
     scale = np.abs(ref).max()
     if scale == 0:
         assert np.all(got == 0), what
@@ -99,6 +99,8 @@ CASES = {
     "shard_first": (40, [6, 9, 0, 12, 13], (0, 2)),
     "shard_last_sum_below_m": (40, [6, 9, 0, 12, 10], (3, 2)),
     "shard_of_empty_groups": (40, [20, 0, 0, 20], (1, 2)),
+    # sum(group_sizes) > m: the reference (and the metadata) clip group ends at m
+    "sum_above_m_is_clipped": (40, [30, 30, 5], None),
 }
 
 
@@ -214,7 +216,7 @@ class RaggedDotBackendTests:
         self.run_case(37, [3, 20, 1, 13], None, "float32", configs=[config.to_dict()])
 
     def test_search_space_configs(self, dtype):
-        """Every config in a sample of the search space (at least one non-default) gives the right answer."""
+        """The search space is valid, default first, no duplicates; a sample of it gives the right answer."""
         m, sizes = 45, [11, 0, 17, 9]
         problem = self.problem(m, self.k, self.n, len(sizes), dtype)
         space = self.impl.search_space(problem)
@@ -243,11 +245,16 @@ class RaggedDotBackendTests:
         @jax.jit
         def f(lhs, rhs, group_sizes, offset):
             traces.append(1)
-            return moe_tune.ragged_dot(lhs, rhs, group_sizes, group_offset=offset, backend=self.backend, config=config)
+            return moe_tune.ragged_dot(
+                lhs, rhs, group_sizes, group_offset=offset, backend=self.backend, config=config
+            )
 
-        for sizes, offset in [([6, 9, 0, 12, 13], 1), ([0, 0, 20, 20, 0], 2), ([40, 0, 0, 0, 0], 3), ([1, 2, 3, 4, 5], 0)]:
+        shards = [([6, 9, 0, 12, 13], 1), ([0, 0, 20, 20, 0], 2), ([40, 0, 0, 0, 0], 3), ([1, 2, 3, 4, 5], 0)]
+        for sizes, offset in shards:
             out = f(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset))
-            assert_matches_reference(out, lhs, rhs, sizes, offset=offset, out_dtype="float32", what=f"{sizes} @ {offset}")
+            assert_matches_reference(
+                out, lhs, rhs, sizes, offset=offset, out_dtype="float32", what=f"{sizes} @ {offset}"
+            )
         assert len(traces) == 1
 
     # ---- random problems
@@ -273,7 +280,8 @@ class RaggedDotBackendTests:
                 sizes[data.draw(st.integers(0, total - 1))] = data.draw(st.integers(1, m))
             else:
                 used = data.draw(st.integers(0, m), label="rows used")
-                sizes = sizes_from_cuts(used, data.draw(st.lists(st.integers(0, used), min_size=total - 1, max_size=total - 1)))
+                cuts = data.draw(st.lists(st.integers(0, used), min_size=total - 1, max_size=total - 1), label="cuts")
+                sizes = sizes_from_cuts(used, cuts)
             sharded = extra > 0 or data.draw(st.booleans(), label="pass group_offset=0")
             shard = (data.draw(st.integers(0, extra), label="offset"), groups) if sharded else None
             dtype = data.draw(st.sampled_from((*self.dtypes, *self.extra_dtypes)), label="dtype")
@@ -318,7 +326,9 @@ class RaggedDotBackendTests:
     def test_group_sizes_must_cover_the_shard(self):
         lhs, rhs = self.operands()
         with pytest.raises(UsageError, match="fewer"):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([16], jnp.int32), group_offset=jnp.int32(0), backend=self.backend)
+            moe_tune.ragged_dot(
+                lhs, rhs, jnp.asarray([16], jnp.int32), group_offset=jnp.int32(0), backend=self.backend
+            )
 
     def test_group_sizes_must_be_1d_integers(self):
         lhs, rhs = self.operands()
@@ -330,9 +340,13 @@ class RaggedDotBackendTests:
     def test_unsupported_dtypes(self):
         lhs, rhs = self.operands()
         with pytest.raises(UsageError):
-            moe_tune.ragged_dot(lhs.astype(jnp.int32), rhs.astype(jnp.int32), jnp.asarray([8, 8], jnp.int32), backend=self.backend)
+            moe_tune.ragged_dot(
+                lhs.astype(jnp.int32), rhs.astype(jnp.int32), jnp.asarray([8, 8], jnp.int32), backend=self.backend
+            )
         with pytest.raises(UsageError):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), preferred_element_type=jnp.int8, backend=self.backend)
+            moe_tune.ragged_dot(
+                lhs, rhs, jnp.asarray([8, 8], jnp.int32), preferred_element_type=jnp.int8, backend=self.backend
+            )
 
     def test_unknown_backend(self):
         lhs, rhs = self.operands()
@@ -346,7 +360,8 @@ class RaggedDotBackendTests:
 
     def test_config_of_another_backend(self):
         lhs, rhs = self.operands()
-        foreign = next(c for c in (XlaConfig(), TiledConfig(), MegabloxConfig()) if type(c) is not self.impl.config_cls)
+        configs = (XlaConfig(), TiledConfig(), MegabloxConfig())
+        foreign = next(c for c in configs if type(c) is not self.impl.config_cls)
         with pytest.raises(InvalidConfigError, match=self.impl.config_cls.__name__):
             moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=foreign)
 
@@ -361,9 +376,10 @@ class RaggedDotBackendTests:
             with pytest.raises(InvalidConfigError):
                 moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=config)
             with pytest.raises(InvalidConfigError):  # raised at trace time under jit too
-                jax.jit(lambda a, b, c, config=config: moe_tune.ragged_dot(a, b, c, backend=self.backend, config=config))(
-                    lhs, rhs, jnp.asarray([8, 8], jnp.int32)
+                traced = jax.jit(
+                    lambda a, b, c, config=config: moe_tune.ragged_dot(a, b, c, backend=self.backend, config=config)
                 )
+                traced(lhs, rhs, jnp.asarray([8, 8], jnp.int32))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -430,4 +446,6 @@ class TestMegablox(RaggedDotBackendTests):
     def test_float16_is_rejected(self):
         lhs, rhs = self.operands("float16")
         with pytest.raises(InvalidConfigError, match="float16"):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend="megablox", config=MegabloxConfig(16, 128, 128))
+            moe_tune.ragged_dot(
+                lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend="megablox", config=MegabloxConfig(16, 128, 128)
+            )

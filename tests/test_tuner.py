@@ -164,3 +164,24 @@ def test_distributions_are_seeded_and_sum_to_rows():
     skewed = distributions.group_sizes("skewed", 10000, 32, seed=0)
     assert skewed.max() > 4 * 10000 / 32  # a hot expert
     assert (distributions.group_sizes("single", 100, 8, seed=1) > 0).sum() == 1
+
+
+def test_every_direction_sweeps_and_the_vjp_uses_each_entry(tmp_path, caplog):
+    """Sweeps of fwd, dlhs and drhs write three entries; jax.grad traces all three with exact configs."""
+    problem = RaggedDotProblem(m=256, k=64, n=32, groups=4)
+    keys = {}
+    for direction in ("fwd", "dlhs", "drhs"):
+        result = run_sweep(SweepSpec("ragged_dot", problem.with_direction(direction), samples=2, max_candidates=3,
+                                     profile_dir=tmp_path))
+        keys[direction] = result
+    assert len({r.key for r in keys.values()}) == 3
+    lhs = jax.numpy.ones((256, 64)); rhs = jax.numpy.ones((4, 64, 32))
+    sizes = jax.numpy.full((4,), 64, jax.numpy.int32)
+    loss = lambda x, w: moe_tune.ragged_dot(x, w, sizes).sum()
+    with use_profiles(tmp_path), caplog.at_level(logging.INFO, logger="moe_tune"):
+        jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+    messages = [r.getMessage() for r in caplog.records]
+    for direction, result in keys.items():
+        label = BACKENDS.get("tiled").config_cls.from_dict(result.entry["config"]).label()
+        assert any(f"'direction': '{direction}'" in msg and "exact" in msg and label in msg for msg in messages), (
+            direction, messages)

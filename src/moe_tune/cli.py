@@ -71,17 +71,24 @@ def shape_options(fn):
         click.option("--out-dtype", type=click.Choice(SUPPORTED_DTYPES), help="Output dtype (default: --dtype)."),
         click.option("--distribution", type=click.Choice(list(distributions.DISTRIBUTIONS)),
                      default=distributions.DEFAULT, show_default=True, help="Group-size distribution."),
+        click.option("--direction", type=click.Choice(["fwd", "dlhs", "drhs", "all"]), default="fwd",
+                     show_default=True, help="Forward pass, a gradient (dlhs, drhs), or all three."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _problem(op_name: str, **given: Any):
+def _problems(op_name: str, direction: str, **given: Any):
+    """The op's spec and one problem per requested direction (`all`: every direction the op has)."""
     spec = get_op(op_name)
+    directions = spec.directions if direction == "all" else (direction,)
+    unknown = [d for d in directions if d not in spec.directions]
+    if unknown:
+        raise UsageError(f"op {op_name!r} has no direction {unknown[0]!r}; it has {', '.join(spec.directions)}")
     options = spec.default_problem_options()
     options.update({k: v for k, v in given.items() if v is not None})
-    return spec, spec.problem(**options)
+    return spec, [spec.problem(**options, direction=d) for d in directions]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -104,28 +111,30 @@ def cli() -> None:
 @click.option("--keep-trace", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the profiler traces (xplane) here, to open with xprof.")
 @_handle_errors
-def sweep(op, backend, m, k, n, groups, dtype, out_dtype, distribution, seed, workers, samples,
+def sweep(op, backend, m, k, n, groups, dtype, out_dtype, distribution, direction, seed, workers, samples,
           max_candidates, profile_dir, keep_trace):
     """Sweep a kernel's configs for one shape and store the fastest correct one."""
     from moe_tune.tuner import SweepSpec, run_sweep
 
-    spec, problem = _problem(op, m=m, k=k, n=n, groups=groups, dtype=dtype, out_dtype=out_dtype)
-    sweep_spec = SweepSpec(op, problem, backend=backend, distribution=distribution, seed=seed, samples=samples,
-                           workers=workers, profile_dir=profile_dir, max_candidates=max_candidates,
-                           keep_trace_dir=keep_trace)
+    spec, problems = _problems(op, direction, m=m, k=k, n=n, groups=groups, dtype=dtype, out_dtype=out_dtype)
     impl = spec.backends.resolve(backend, _platform())
-    console.print(f"Sweeping [bold]{spec.describe(problem)}[/bold], backend [bold]{impl.name}[/bold], "
-                  f"{distribution} groups (seed {seed}) on [bold]{_device_kind()}[/bold]", highlight=False)
-    columns = [TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console, transient=False) as progress:
-        result = run_sweep(sweep_spec, _Reporter(progress))
-    _print_summary(result)
+    for problem in problems:
+        sweep_spec = SweepSpec(op, problem, backend=backend, distribution=distribution, seed=seed,
+                               samples=samples, workers=workers, profile_dir=profile_dir,
+                               max_candidates=max_candidates, keep_trace_dir=keep_trace)
+        console.print(f"Sweeping [bold]{spec.describe(problem)}[/bold], backend [bold]{impl.name}[/bold], "
+                      f"{distribution} groups (seed {seed}) on [bold]{_device_kind()}[/bold]", highlight=False)
+        columns = [TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress(*columns, console=console, transient=False) as progress:
+            result = run_sweep(sweep_spec, _Reporter(progress))
+        _print_summary(result)
 
 
 def _print_summary(result) -> None:
     entry, best, default = result.entry, result.best, result.default
     counts = entry["candidates"]
-    table = Table(title="Sweep result", show_header=False, title_justify="left")
+    table = Table(title=f"Sweep result: {entry['op']} {entry['fields'].get('direction', '')}", show_header=False,
+                  title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     table.add_row("winner", f"{best.config.label()}  {best.timing.median_s * 1e3:.3f} ms "
@@ -188,22 +197,23 @@ def _cell(value) -> str:
 @shape_options
 @click.option("--device-kind", default=None, help="Look up tables of another device kind (default: this one).")
 @_handle_errors
-def lookup(op, backend, m, k, n, groups, dtype, out_dtype, distribution, device_kind):
+def lookup(op, backend, m, k, n, groups, dtype, out_dtype, distribution, direction, device_kind):
     """Explain which config the runtime would use for a shape, and why."""
     from moe_tune.profiles import lookup as do_lookup
 
-    spec, problem = _problem(op, m=m, k=k, n=n, groups=groups, dtype=dtype, out_dtype=out_dtype)
-    result = do_lookup(op, problem, backend=backend, distribution=distribution, device_kind=device_kind,
-                       strict=True)
-    out.print(f"{spec.describe(problem)} on {result.device_kind}, backend {result.backend}", highlight=False)
-    out.print(f"  source: [bold]{result.source}[/bold] ({result.reason})", highlight=False)
-    out.print(f"  config: {result.config.label()}", highlight=False)
-    if result.entry is not None:
-        timing = result.entry.get("timing", {})
-        speedup = result.entry.get("speedup_over_default")
-        out.print(f"  tuned time: {timing.get('median_s', float('nan')) * 1e3:.3f} ms"
-                  + (f", {speedup:.2f}x over default" if speedup else ""), highlight=False)
-    out.print(f"  key: {result.key}", highlight=False)
+    spec, problems = _problems(op, direction, m=m, k=k, n=n, groups=groups, dtype=dtype, out_dtype=out_dtype)
+    for problem in problems:
+        result = do_lookup(op, problem, backend=backend, distribution=distribution, device_kind=device_kind,
+                           strict=True)
+        out.print(f"{spec.describe(problem)} on {result.device_kind}, backend {result.backend}", highlight=False)
+        out.print(f"  source: [bold]{result.source}[/bold] ({result.reason})", highlight=False)
+        out.print(f"  config: {result.config.label()}", highlight=False)
+        if result.entry is not None:
+            timing = result.entry.get("timing", {})
+            speedup = result.entry.get("speedup_over_default")
+            out.print(f"  tuned time: {timing.get('median_s', float('nan')) * 1e3:.3f} ms"
+                      + (f", {speedup:.2f}x over default" if speedup else ""), highlight=False)
+        out.print(f"  key: {result.key}", highlight=False)
 
 
 @cli.command()

@@ -24,6 +24,7 @@ class OpSpec(abc.ABC):
     name: ClassVar[str]
     backends: ClassVar[BackendRegistry]
     description: ClassVar[str] = ""
+    directions: ClassVar[tuple[str, ...]] = ("fwd",)  # separately tuned passes (e.g. fwd and gradients)
 
     @abc.abstractmethod
     def problem(self, **options: Any) -> Any:

@@ -13,12 +13,13 @@ from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 
 
 class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
-    """`backend(lhs, rhs, group_sizes, config=..., out_dtype=..., group_offset=...) -> [m, n]`."""
+    """The two kernels every backend implements, `gmm` and `tgmm`; the three directions are built on them:
+    fwd = gmm(lhs, rhs), dlhs = gmm(dout, rhs, transpose_rhs=True), drhs = tgmm(lhs, dout)."""
 
     op = "ragged_dot"
 
     @abc.abstractmethod
-    def __call__(
+    def gmm(
         self,
         lhs: jax.Array,
         rhs: jax.Array,
@@ -27,21 +28,56 @@ class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
         config: KernelConfig,
         out_dtype: jnp.dtype,
         group_offset: jax.Array | None = None,
+        transpose_rhs: bool = False,
     ) -> jax.Array:
-        """lhs [m, k], rhs [groups, k, n], group_sizes int32 [total_groups] -> out [m, n] of out_dtype.
+        """lhs [m, k], rhs [groups, k, n] ([groups, n, k] with transpose_rhs), group_sizes int [total_groups]
+        -> [m, n] in out_dtype. Rows outside the local groups (and past sum(group_sizes)) are zero."""
 
-        Rows outside the local groups (including rows past sum(group_sizes)) are zero.
-        """
+    @abc.abstractmethod
+    def tgmm(
+        self,
+        lhs: jax.Array,
+        dout: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        config: KernelConfig,
+        out_dtype: jnp.dtype,
+        num_groups: int,
+        group_offset: jax.Array | None = None,
+    ) -> jax.Array:
+        """lhs [m, k], dout [m, n] -> [num_groups, k, n]: out[i] = lhs[rows of local group i]^T @ dout[same rows].
+        Empty groups give zeros; rows outside the local groups do not contribute."""
+
+    def __call__(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None) -> jax.Array:
+        """The forward ragged dot."""
+        return self.gmm(lhs, rhs, group_sizes, config=config, out_dtype=out_dtype, group_offset=group_offset)
+
+    def run(self, problem: RaggedDotProblem, config: KernelConfig, a: jax.Array, b: jax.Array,
+            group_sizes: jax.Array, group_offset: jax.Array | None = None) -> jax.Array:
+        """Run `problem.direction` on its two operands: (lhs, rhs) for fwd, (dout, rhs) for dlhs, (lhs, dout)
+        for drhs; the result has the dtype `problem.operand_dtypes()[2]`."""
+        out_dtype = jnp.dtype(problem.operand_dtypes()[2])
+        if problem.direction == "drhs":
+            return self.tgmm(a, b, group_sizes, config=config, out_dtype=out_dtype, num_groups=problem.groups,
+                             group_offset=group_offset)
+        return self.gmm(a, b, group_sizes, config=config, out_dtype=out_dtype, group_offset=group_offset,
+                        transpose_rhs=problem.direction == "dlhs")
+
+
+def local_group_bounds(
+    group_sizes: jax.Array, groups: int, group_offset: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """(first row, one past the last row) of the local groups `[group_offset, group_offset + groups)`."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    offset = jnp.int32(0) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+    return starts[offset], ends[offset + groups - 1]
 
 
 def rows_in_local_groups(
     group_sizes: jax.Array, m: int, groups: int, group_offset: jax.Array | None
 ) -> jax.Array:
     """bool [m, 1]: which rows belong to the local groups `[group_offset, group_offset + groups)`."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
-    offset = jnp.int32(0) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    first = starts[offset]
-    last = ends[offset + groups - 1]
+    first, last = local_group_bounds(group_sizes, groups, group_offset)
     rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
     return (rows >= first) & (rows < last)

@@ -39,14 +39,13 @@ def _sublanes(dtype: str) -> int:
     return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
-def _padded_m(problem: RaggedDotProblem, tm: int) -> int:
-    return -(-problem.m // tm) * tm
-
-
 def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
-    """VMEM the kernel's blocks take: double-buffered lhs/rhs/out blocks plus the f32 accumulator."""
-    in_bytes = jnp.dtype(problem.lhs_dtype).itemsize
-    out_bytes = jnp.dtype(problem.out_dtype).itemsize
+    """VMEM the kernel's blocks take: double-buffered input/output blocks plus the f32 accumulator."""
+    a, _, out = problem.operand_dtypes()
+    in_bytes, out_bytes = jnp.dtype(a).itemsize, jnp.dtype(out).itemsize
+    if problem.direction == "drhs":  # tgmm: lhs^T [tk, tm], dout [tm, tn] -> [tk, tn]
+        tm, tk, tn = config.tm, config.tk, config.tn
+        return 2 * (tk * tm + tm * tn) * in_bytes + 2 * tk * tn * out_bytes + tk * tn * 4
     tm, tk, tn = config.tm, config.tk, config.tn
     return 2 * (tm * tk + tk * tn) * in_bytes + 2 * tm * tn * out_bytes + tm * tn * 4
 
@@ -67,19 +66,19 @@ class MegabloxRaggedDot(RaggedDotBackend):
         tm, tk, tn = config.tm, config.tk, config.tn
         if min(tm, tk, tn) <= 0:
             return "tile sizes must be positive"
-        sub = _sublanes(problem.lhs_dtype)
-        if tm % sub:
-            return f"tm={tm} is not a multiple of {sub} ({problem.lhs_dtype} sublanes)"
-        if tm > _padded_m(problem, sub):
-            return f"tm={tm} exceeds m={problem.m} rounded up to {sub}"
-        if tk != problem.k and tk % LANES:
-            return f"tk={tk} must be a multiple of {LANES} or equal k={problem.k}"
-        if tk > problem.k:
-            return f"tk={tk} exceeds k={problem.k}"
-        if tn != problem.n and tn % LANES:
-            return f"tn={tn} must be a multiple of {LANES} or equal n={problem.n}"
-        if tn > problem.n:
-            return f"tn={tn} exceeds n={problem.n}"
+        m, k, n = problem.matmul_dims()
+        sub = _sublanes(problem.operand_dtypes()[0])
+        # tgmm reads lhs transposed, [tk, tm] blocks: there rows tile the lanes and k the sublanes.
+        m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
+        if tm % m_align:
+            return f"tm={tm} is not a multiple of {m_align}"
+        if tm > -(-m // m_align) * m_align:
+            return f"tm={tm} exceeds m={m} rounded up to {m_align}"
+        for name, tile, size, align in (("tk", tk, k, k_align), ("tn", tn, n, LANES)):
+            if tile != size and tile % align:
+                return f"{name}={tile} must be a multiple of {align} or equal {size}"
+            if tile > size:
+                return f"{name}={tile} exceeds {size}"
         need = vmem_bytes(config, problem)
         if need > devices.TPU_SCOPED_VMEM_BYTES:
             return f"blocks need {need / 2**20:.1f} MiB of VMEM, over {devices.TPU_SCOPED_VMEM_BYTES / 2**20:.0f} MiB"
@@ -91,32 +90,45 @@ class MegabloxRaggedDot(RaggedDotBackend):
         return best if best > 0 else size
 
     def default_config(self, problem: RaggedDotProblem) -> MegabloxConfig:
-        sub = _sublanes(problem.lhs_dtype)
-        tm = self._largest_valid(256, -(-problem.m // sub) * sub, sub)
-        tk = self._largest_valid(512, problem.k, LANES)
-        tn = self._largest_valid(512, problem.n, LANES)
+        m, k, n = problem.matmul_dims()
+        sub = _sublanes(problem.operand_dtypes()[0])
+        m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
+        tm = self._largest_valid(256, -(-m // m_align) * m_align, m_align)
+        tk = self._largest_valid(512, k, k_align)
+        tn = self._largest_valid(512, n, LANES)
         config = MegabloxConfig(tm, tk, tn)
-        while self.config_error(config, problem) and config.tk > LANES:  # shrink to fit VMEM
-            config = MegabloxConfig(tm, max(config.tk // 2 // LANES * LANES, LANES), tn)
+        while self.config_error(config, problem) and config.tk > k_align:  # shrink to fit VMEM
+            config = MegabloxConfig(tm, max(config.tk // 2 // k_align * k_align, k_align), tn)
         return config
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
-        sub = _sublanes(problem.lhs_dtype)
-        tms = [v for v in (sub, 2 * sub, 64, 128, 256, 512, 1024) if v % sub == 0]
+        _, k, n = problem.matmul_dims()
+        sub = _sublanes(problem.operand_dtypes()[0])
         dims = lambda size: sorted({size, *(v for v in (128, 256, 512, 1024, 2048) if v < size)})
-        return {"tm": tms, "tk": dims(problem.k), "tn": dims(problem.n)}
+        return {"tm": [sub, 2 * sub, 64, 128, 256, 512, 1024], "tk": dims(k), "tn": dims(n)}
 
-    def __call__(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None):
+    @staticmethod
+    def _pad_rows(x: jax.Array, tm: int) -> jax.Array:
+        """Megablox needs tm | m; padding rows are past sum(group_sizes), so no group visits them."""
+        extra = -x.shape[0] % tm
+        return jnp.pad(x, ((0, extra), (0, 0))) if extra else x
+
+    def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
         m = lhs.shape[0]
-        padded = -(-m // config.tm) * config.tm
-        if padded != m:  # gmm needs tm | m; the padding rows are past sum(group_sizes) and never visited
-            lhs = jnp.pad(lhs, ((0, padded - m), (0, 0)))
         offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
         out = _gmm_kernel.gmm(
-            lhs, rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
-            (config.tm, config.tk, config.tn), offset,
+            self._pad_rows(lhs, config.tm), rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
+            (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
             interpret=devices.platform() != "tpu",
         )[:m]
         # gmm leaves rows that no group owns (past sum(group_sizes)) uninitialized on TPU.
         keep = rows_in_local_groups(group_sizes, m, rhs.shape[0], group_offset)
         return jnp.where(keep, out, jnp.zeros((), out.dtype))
+
+    def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+        return _gmm_kernel.tgmm(
+            self._pad_rows(lhs, config.tm).swapaxes(0, 1), self._pad_rows(dout, config.tm),
+            group_sizes.astype(jnp.int32), jnp.dtype(out_dtype), (config.tm, config.tk, config.tn), offset,
+            num_actual_groups=num_groups, interpret=devices.platform() != "tpu",
+        )

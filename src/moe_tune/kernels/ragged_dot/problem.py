@@ -10,7 +10,7 @@ import numpy as np
 
 from moe_tune.errors import UsageError
 
-DIRECTIONS = ("fwd",)
+DIRECTIONS = ("fwd", "dlhs", "drhs")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -24,7 +24,11 @@ def dtype_name(dtype: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RaggedDotProblem:
-    """Shapes and dtypes of `ragged_dot(lhs [m,k], rhs [groups,k,n], group_sizes) -> out [m,n]`.
+    """Shapes and dtypes of `ragged_dot(lhs [m,k], rhs [groups,k,n], group_sizes) -> out [m,n]`, and which
+    of its three matmuls (`direction`: fwd, or the gradients dlhs / drhs) is being run.
+
+    Shapes and dtypes are always those of the forward call, so the three directions of one layer share
+    every key field but `direction`.
 
     `groups` is the number of groups this call computes (rhs.shape[0]); with `group_offset` (expert
     parallelism) `group_sizes` may hold more groups than that, but the work and the key only depend on
@@ -55,6 +59,25 @@ class RaggedDotProblem:
             if canonical not in SUPPORTED_DTYPES:
                 raise UsageError(f"{name} {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
             object.__setattr__(self, name, canonical)
+
+    def matmul_dims(self) -> tuple[int, int, int]:
+        """(rows, contracting, output columns) of the matmul this direction runs.
+
+        fwd: out[m,n] = lhs[m,k] @ rhs[g,k,n]; dlhs: dlhs[m,k] = dout[m,n] @ rhs[g]^T (contracts n);
+        drhs: drhs[g,k,n] = lhs[rows of g]^T @ dout[rows of g] (contracts the m rows; returns k x n).
+        """
+        return (self.m, self.n, self.k) if self.direction == "dlhs" else (self.m, self.k, self.n)
+
+    def operand_dtypes(self) -> tuple[str, str, str]:
+        """(first operand, second operand, result) dtypes of this direction's matmul."""
+        if self.direction == "dlhs":
+            return self.out_dtype, self.rhs_dtype, self.lhs_dtype
+        if self.direction == "drhs":
+            return self.lhs_dtype, self.out_dtype, self.rhs_dtype
+        return self.lhs_dtype, self.rhs_dtype, self.out_dtype
+
+    def with_direction(self, direction: str) -> "RaggedDotProblem":
+        return dataclasses.replace(self, direction=direction)
 
     @property
     def num_group_sizes(self) -> int:

@@ -3,8 +3,9 @@
 from moe_tune.kernels.base import BackendRegistry
 from moe_tune.kernels.ragged_dot.megablox import MegabloxRaggedDot
 from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot
+from moe_tune.kernels.ragged_dot.triton import TritonRaggedDot
 from moe_tune.kernels.ragged_dot.xla import XlaRaggedDot
 
-BACKENDS = BackendRegistry("ragged_dot", platform_defaults={"cpu": "tiled", "gpu": "xla", "tpu": "megablox"})
-for _backend in (XlaRaggedDot(), TiledRaggedDot(), MegabloxRaggedDot()):
+BACKENDS = BackendRegistry("ragged_dot", platform_defaults={"cpu": "tiled", "gpu": "triton", "tpu": "megablox"})
+for _backend in (XlaRaggedDot(), TiledRaggedDot(), MegabloxRaggedDot(), TritonRaggedDot()):
     BACKENDS.register(_backend)

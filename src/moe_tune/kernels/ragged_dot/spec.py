@@ -11,8 +11,12 @@ import numpy as np
 
 from moe_tune import distributions
 from moe_tune.kernels.base import Backend, KernelConfig
-from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.reference import ragged_dot_reference
+from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
+from moe_tune.kernels.ragged_dot.reference import (
+    ragged_dot_dlhs_reference,
+    ragged_dot_drhs_reference,
+    ragged_dot_reference,
+)
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
 from moe_tune.kernels.spec import OpSpec
 
@@ -26,6 +30,7 @@ class RaggedDotSpec(OpSpec):
     name = "ragged_dot"
     backends = BACKENDS
     description = "grouped matmul lhs[m,k] x rhs[g,k,n] -> [m,n] (Megablox gmm)"
+    directions = DIRECTIONS
 
     def problem(
         self, *, m: int, k: int, n: int, groups: int, dtype: str = "float32", out_dtype: str | None = None,
@@ -40,26 +45,31 @@ class RaggedDotSpec(OpSpec):
         return dict(DEFAULT_OPTIONS)
 
     def make_inputs(self, problem: RaggedDotProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
+        """The two operands of the direction, `a` and `b` (fwd: lhs, rhs; dlhs: dout, rhs; drhs: lhs,
+        dout), and `group_sizes`; values scaled so that results are O(1) whatever the sizes."""
         rng = np.random.default_rng(seed)
-        scale = 1.0 / np.sqrt(problem.k)  # keeps outputs O(1) whatever k is
-        lhs = rng.standard_normal((problem.m, problem.k), np.float32)
-        rhs = rng.standard_normal((problem.groups, problem.k, problem.n), np.float32) * scale
-        sizes = distributions.group_sizes(distribution, problem.m, problem.num_group_sizes, seed)
-        return {
-            "lhs": lhs.astype(jnp.dtype(problem.lhs_dtype)),
-            "rhs": rhs.astype(jnp.dtype(problem.rhs_dtype)),
-            "group_sizes": sizes,
-        }
+        m, k, n, g = problem.m, problem.k, problem.n, problem.groups
+        lhs = lambda: rng.standard_normal((m, k), np.float32).astype(jnp.dtype(problem.lhs_dtype))
+        rhs = lambda: (rng.standard_normal((g, k, n), np.float32) / np.sqrt(k)).astype(jnp.dtype(problem.rhs_dtype))
+        dout = lambda: (rng.standard_normal((m, n), np.float32) / np.sqrt(n)).astype(jnp.dtype(problem.out_dtype))
+        a, b = {"fwd": (lhs, rhs), "dlhs": (dout, rhs), "drhs": (lhs, dout)}[problem.direction]
+        sizes = distributions.group_sizes(distribution, m, problem.num_group_sizes, seed)
+        return {"a": a(), "b": b(), "group_sizes": sizes}
 
     def reference(self, problem: RaggedDotProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        return ragged_dot_reference(inputs["lhs"], inputs["rhs"], inputs["group_sizes"])
+        a, b, sizes = inputs["a"], inputs["b"], inputs["group_sizes"]
+        if problem.direction == "dlhs":
+            return ragged_dot_dlhs_reference(a, b, sizes)
+        if problem.direction == "drhs":
+            return ragged_dot_drhs_reference(a, b, sizes, groups=problem.groups)
+        return ragged_dot_reference(a, b, sizes)
 
     def run(self, backend: Backend, config: KernelConfig, problem: RaggedDotProblem,
             inputs: Mapping[str, jax.Array]) -> jax.Array:
-        return backend(
-            inputs["lhs"], inputs["rhs"], inputs["group_sizes"], config=config,
-            out_dtype=jnp.dtype(problem.out_dtype),
-        )
+        return backend.run(problem, config, inputs["a"], inputs["b"], inputs["group_sizes"])
+
+    def flops(self, problem: RaggedDotProblem) -> int:
+        return problem.flops
 
     def describe(self, problem: RaggedDotProblem) -> str:
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"

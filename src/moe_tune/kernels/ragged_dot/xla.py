@@ -1,4 +1,4 @@
-"""`xla` backend: `jax.lax.ragged_dot`, no tunables; the baseline every other backend is measured against."""
+"""`xla` backend: `jax.lax.ragged_dot_general`, no tunables; the baseline every other backend is measured against."""
 
 from __future__ import annotations
 
@@ -6,10 +6,20 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+
+# lhs [m, k] x rhs [g, k, n] (or [g, n, k]): ragged rows of lhs select a group of rhs.
+_GMM = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+                                     rhs_group_dimensions=[0])
+_GMM_T = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                       rhs_group_dimensions=[0])
+# lhs [m, k] x dout [m, n], ragged contracting dim m -> [g, k, n].
+_TGMM = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                      rhs_group_dimensions=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,23 +27,36 @@ class XlaConfig(KernelConfig):
     """XLA picks its own tiling; nothing to tune."""
 
 
+def _shard_sizes(group_sizes: jax.Array, groups: int, group_offset: jax.Array) -> jax.Array:
+    """lax.ragged_dot has no group offset: [rows before the shard, sizes of the shard's groups...]. The
+    extra leading group owns the rows before the shard; rows after it are past the sum."""
+    sizes = group_sizes.astype(jnp.int32)
+    offset = jnp.asarray(group_offset, jnp.int32)
+    local = lax.dynamic_slice_in_dim(sizes, offset, groups)
+    before = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, sizes, 0))
+    return jnp.concatenate([before[None], local])
+
+
 class XlaRaggedDot(RaggedDotBackend):
     name = "xla"
     config_cls = XlaConfig
     platforms = ("cpu", "gpu", "tpu")
-    description = "jax.lax.ragged_dot (XLA's own lowering); the baseline"
+    description = "jax.lax.ragged_dot_general (XLA's own lowering); the baseline"
 
     def default_config(self, problem: RaggedDotProblem) -> XlaConfig:
         return XlaConfig()
 
-    def __call__(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None):
-        group_sizes = group_sizes.astype(jnp.int32)
-        if group_offset is not None:
-            # lax.ragged_dot has no group offset: prepend a zero "group" that owns the rows before the shard,
-            # so they multiply zeros; rows after the shard's groups are past the sum and come out zero.
-            groups = rhs.shape[0]
-            local = jax.lax.dynamic_slice_in_dim(group_sizes, jnp.asarray(group_offset, jnp.int32), groups)
-            before = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < group_offset, group_sizes, 0))
-            group_sizes = jnp.concatenate([before[None].astype(jnp.int32), local])
+    def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
+        sizes = group_sizes.astype(jnp.int32)
+        if group_offset is not None:  # the leading group multiplies zeros
+            sizes = _shard_sizes(sizes, rhs.shape[0], group_offset)
             rhs = jnp.concatenate([jnp.zeros((1, *rhs.shape[1:]), rhs.dtype), rhs])
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+        return lax.ragged_dot_general(lhs, rhs, sizes, _GMM_T if transpose_rhs else _GMM,
+                                      preferred_element_type=out_dtype)
+
+    def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        sizes = group_sizes.astype(jnp.int32)
+        if group_offset is not None:  # drop the leading group's result
+            sizes = _shard_sizes(sizes, num_groups, group_offset)
+        out = lax.ragged_dot_general(lhs, dout, sizes, _TGMM, preferred_element_type=out_dtype)
+        return out[1:] if group_offset is not None else out

@@ -1,0 +1,193 @@
+"""`triton` backend: Pallas kernels for GPU (the Triton lowering) for gmm and tgmm; interpret mode elsewhere.
+
+gmm walks the Megablox visit schedule (`metadata.py`): the grid is (visits, column blocks); a program
+multiplies one `block_m`-row tile by its group's rhs block, `block_k` at a time, and stores only that
+group's rows (a tile shared by two groups is visited twice, each visit storing disjoint rows). tgmm has one
+program per (group, k block, n block), looping over the row tiles its group touches.
+
+Operands are padded to whole blocks so that every load is in bounds (the same code then runs compiled and
+in interpret mode); for the usual MoE shapes (k and n multiples of 128) only `m` ever needs padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_tune import devices
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
+from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+
+BLOCKS = (16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig(KernelConfig):
+    """Blocks of the matmul being run (for dlhs, block_k tiles n and block_n tiles k of the forward)."""
+
+    block_m: int = 64
+    block_k: int = 32
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pad_to(x: jax.Array, axis: int, block: int) -> jax.Array:
+    extra = -x.shape[axis] % block
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _precision(dtype) -> jax.lax.Precision | None:
+    # f32 inputs: full precision (no TF32), so results match a float32 reference.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, out_ref, *,
+                block_m, block_k, block_n, k_blocks, transpose_rhs, precision):
+    visit, col_block = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(visit < num_visits[0])
+    def _():
+        group, row0 = group_ids[visit], tile_ids[visit] * block_m
+        col0 = col_block * block_n
+
+        def body(kb, acc):
+            k0 = kb * block_k
+            x = lhs_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]
+            if transpose_rhs:  # rhs is [g, n_out, k_contract]
+                w = rhs_ref[group, pl.ds(col0, block_n), pl.ds(k0, block_k)]
+                return acc + plgpu.dot(x, w, trans_b=True, precision=precision)
+            w = rhs_ref[group, pl.ds(k0, block_k), pl.ds(col0, block_n)]
+            return acc + plgpu.dot(x, w, precision=precision)
+
+        acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
+        rows = row0 + jnp.arange(block_m)
+        keep = (rows >= starts[group]) & (rows < ends[group])
+        plgpu.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(keep[:, None], (block_m, block_n)))
+
+
+def _tgmm_kernel(starts, ends, lhs_ref, dout_ref, out_ref, *, block_m, block_k, block_n, precision):
+    group, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = starts[group], ends[group]
+
+    def body(tile, acc):
+        row0 = tile * block_m
+        rows = row0 + jnp.arange(block_m)
+        keep = ((rows >= start) & (rows < end))[:, None]
+        x = lhs_ref[pl.ds(row0, block_m), pl.ds(k_block * block_k, block_k)]
+        d = dout_ref[pl.ds(row0, block_m), pl.ds(n_block * block_n, block_n)]
+        x = jnp.where(keep, x, jnp.zeros_like(x))
+        return acc + plgpu.dot(x, d, trans_a=True, precision=precision)
+
+    first, last = start // block_m, (end + block_m - 1) // block_m
+    acc = jax.lax.fori_loop(first, jnp.maximum(first, last), body, jnp.zeros((block_k, block_n), jnp.float32))
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+class TritonRaggedDot(RaggedDotBackend):
+    name = "triton"
+    config_cls = TritonConfig
+    platforms = ("gpu",)
+    description = "Pallas Triton gmm/tgmm for GPUs; interpret mode elsewhere"
+
+    def runs_on(self, platform: str) -> bool:
+        return True  # compiled on GPU, in interpret mode elsewhere
+
+    @property
+    def interpret(self) -> bool:
+        return devices.platform() != "gpu"
+
+    def config_error(self, config: TritonConfig, problem: RaggedDotProblem) -> str | None:
+        for name in ("block_m", "block_k", "block_n"):
+            value = getattr(config, name)
+            if value not in BLOCKS:
+                return f"{name}={value} must be one of {BLOCKS} (a power of two >= 16 for tl.dot)"
+        if config.num_warps not in (1, 2, 4, 8, 16):
+            return f"num_warps={config.num_warps} must be a power of two <= 16"
+        if not 1 <= config.num_stages <= 6:
+            return f"num_stages={config.num_stages} must be in 1..6"
+        _, gk, gn = problem.matmul_dims()
+        if config.block_k > max(16, 1 << (gk - 1).bit_length()) or config.block_n > max(16, 1 << (gn - 1).bit_length()):
+            return "block larger than the dimension it tiles"
+        need = self.shared_memory_bytes(config, problem)
+        budget = devices.gpu_shared_memory_bytes()
+        if need > budget:
+            return f"needs {need // 1024} KiB of shared memory per block, over the {budget // 1024} KiB budget"
+        return None
+
+    def shared_memory_bytes(self, config: TritonConfig, problem: RaggedDotProblem) -> int:
+        """Pipelined operand tiles: num_stages copies of the lhs and rhs blocks."""
+        itemsize = max(jnp.dtype(problem.lhs_dtype).itemsize, jnp.dtype(problem.out_dtype).itemsize)
+        bm, bk, bn = config.block_m, config.block_k, config.block_n
+        tiles = (bm * bk + bk * bn) if problem.direction != "drhs" else (bm * bk + bm * bn)
+        return config.num_stages * tiles * itemsize
+
+    def default_config(self, problem: RaggedDotProblem) -> TritonConfig:
+        _, gk, gn = problem.matmul_dims()
+        fit = lambda want, size: max(16, min(want, 1 << max(size - 1, 1).bit_length()))
+        if problem.direction == "drhs":
+            return TritonConfig(block_m=64, block_k=fit(64, gk), block_n=fit(64, gn), num_warps=4, num_stages=2)
+        return TritonConfig(block_m=64, block_k=fit(32, gk), block_n=fit(64, gn), num_warps=4, num_stages=2)
+
+    def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
+        return {"block_m": [32, 64, 128], "block_k": [32, 64, 128], "block_n": [64, 128, 256],
+                "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+
+    def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
+        m, k = lhs.shape
+        groups = rhs.shape[0]
+        n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+        bm, bk, bn = config.block_m, config.block_k, config.block_n
+        lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
+        rhs_p = _pad_to(_pad_to(rhs, 2 if transpose_rhs else 1, bk), 1 if transpose_rhs else 2, bn)
+        mp, kp = lhs_p.shape
+        np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
+        meta = make_group_metadata(group_sizes, m=mp, tm=bm, groups=groups,
+                                   group_offset=0 if group_offset is None else group_offset)
+        kernel = functools.partial(_gmm_kernel, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
+                                   transpose_rhs=transpose_rhs, precision=_precision(lhs.dtype))
+        out = pl.pallas_call(
+            kernel,
+            grid=(meta.group_ids.shape[0], np_ // bn),
+            out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+            interpret=self.interpret,
+            name="moe_tune_gmm",
+        )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None], lhs_p, rhs_p)
+        out = out[:m, :n]
+        # Rows no local group owns were never stored.
+        return jnp.where(rows_in_local_groups(group_sizes, m, groups, group_offset), out, jnp.zeros((), out.dtype))
+
+    def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        m, k = lhs.shape
+        n = dout.shape[1]
+        bm, bk, bn = config.block_m, config.block_k, config.block_n
+        lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
+        dout_p = _pad_to(_pad_to(dout, 0, bm), 1, bn)
+        meta = make_group_metadata(group_sizes, m=lhs_p.shape[0], tm=bm, groups=num_groups,
+                                   group_offset=0 if group_offset is None else group_offset)
+        kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn,
+                                   precision=_precision(lhs.dtype))
+        kp, np_ = lhs_p.shape[1], dout_p.shape[1]
+        out = pl.pallas_call(
+            kernel,
+            grid=(num_groups, kp // bk, np_ // bn),
+            out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
+            out_shape=jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+            interpret=self.interpret,
+            name="moe_tune_tgmm",
+        )(meta.group_starts, meta.group_ends, lhs_p, dout_p)
+        return out[:, :k, :n]
