@@ -11,7 +11,7 @@ from jax.experimental import io_callback
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
-from moe_tune.kernels.ragged_dot.tiled import tiled_ragged_dot
+from moe_tune.kernels.ragged_dot.tiled import tiled_ragged_dot, tiled_transposed_ragged_dot
 
 MODES = ("good", "wrong", "fail_compile", "fail_run")
 
@@ -37,7 +37,12 @@ class FaultyRaggedDot(RaggedDotBackend):
     def candidate_values(self, problem):
         return {"mode": list(MODES), "tm": [32, 64]}
 
-    def __call__(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None):
+    def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, tk=lhs.shape[1], tn=dout.shape[1],
+                                           out_dtype=out_dtype, num_groups=num_groups, group_offset=group_offset)
+
+    def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
+        assert not transpose_rhs, "the tests sweep the forward direction only"
         if config.mode == "fail_compile":
             raise RuntimeError("deliberate compile failure")
         if config.mode == "wrong":  # the fastest possible answer, and wrong: it must never win

@@ -22,7 +22,9 @@ from moe_tune.errors import InvalidConfigError, UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem, ragged_dot_reference
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
+from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
 from moe_tune.kernels.ragged_dot.tiled import MAX_BLOCKS_PER_VISIT, TiledConfig
+from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.kernels.ragged_dot.xla import XlaConfig
 
 # Error allowed relative to max|reference|, by the output dtype (inputs are exact in the reference, and
@@ -257,6 +259,71 @@ class RaggedDotBackendTests:
             )
         assert len(traces) == 1
 
+    # ---- gradients (the custom VJP: dlhs and drhs directions)
+
+    GRAD_CASES = ("uneven", "empty_first_and_last", "sum_below_m", "shard_middle", "one_group_holds_all_rows")
+
+    def direction_configs(self, problem: RaggedDotProblem) -> list[dict[str, KernelConfig]]:
+        """Config mappings to differentiate with: all looked up (None), and one sampled per direction."""
+        rng = random.Random(str(problem.key_fields()))
+        sampled = {d: rng.choice(self.impl.search_space(problem.with_direction(d))) for d in ("fwd", "dlhs", "drhs")}
+        return [None, sampled]
+
+    def check_grads(self, m, sizes, shard, dtype, *, seed=0, jit=True):
+        k, n = self.k, self.n
+        groups = len(sizes) if shard is None else shard[1]
+        offset = None if shard is None else shard[0]
+        lhs, rhs = make_operands(m, k, n, groups, dtype, seed)
+        cot = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((m, n)) / np.sqrt(n), dtype)
+        problem = self.problem(m, k, n, groups, dtype, total_groups=len(sizes))
+        a32 = lambda x: np.asarray(x.astype(jnp.float32))
+        ref_dlhs = ragged_dot_dlhs_reference(a32(cot), a32(rhs), np.asarray(sizes), group_offset=offset or 0)
+        ref_drhs = ragged_dot_drhs_reference(a32(lhs), a32(cot), np.asarray(sizes), groups=groups,
+                                             group_offset=offset or 0)
+        for config in self.direction_configs(problem):
+            def loss(x, w):
+                out = moe_tune.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), backend=self.backend, config=config,
+                                          group_offset=None if offset is None else jnp.int32(offset))
+                return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+
+            grad = jax.grad(loss, argnums=(0, 1))
+            dlhs, drhs = (jax.jit(grad) if jit else grad)(lhs, rhs)
+            what = f"[{self.backend} {config} m={m} sizes={sizes} shard={shard} {dtype}]"
+            assert dlhs.shape == lhs.shape and dlhs.dtype == lhs.dtype, what
+            assert drhs.shape == rhs.shape and drhs.dtype == rhs.dtype, what
+            for name, got, ref in (("dlhs", dlhs, ref_dlhs), ("drhs", drhs, ref_drhs)):
+                got = np.asarray(got.astype(jnp.float32), np.float64)
+                scale = max(np.abs(ref).max(), 1e-30)
+                err = np.abs(got - ref).max() / scale if np.abs(ref).max() > 0 else np.abs(got).max()
+                assert err <= TOLERANCE[dtype], f"{name} error {err:.3g} > {TOLERANCE[dtype]} {what}"
+            # rows outside the local groups get no gradient
+            assert np.all(np.asarray(dlhs)[~local_rows(sizes, m, groups, offset or 0)] == 0), what
+
+    @pytest.mark.parametrize("case", GRAD_CASES, ids=str)
+    def test_grad_matches_reference(self, case, dtype):
+        m, sizes, shard = CASES[case]
+        self.check_grads(m, sizes, shard, dtype)
+
+    def test_grad_without_jit(self):
+        m, sizes, shard = CASES["uneven"]
+        self.check_grads(m, sizes, shard, "float32", jit=False)
+
+    def test_vmap_forward_and_grad(self):
+        """A batch of independent ragged dots (e.g. per microbatch), each with its own group sizes."""
+        m, k, n, groups = 32, self.k, self.n, 3
+        batch_sizes = [[10, 0, 22], [32, 0, 0], [5, 5, 5]]
+        lhs, rhs = make_operands(m, k, n, groups, "float32", 11)
+        lhs_b = jnp.stack([lhs, 2 * lhs, -lhs])
+        sizes_b = jnp.asarray(batch_sizes, jnp.int32)
+        f = lambda x, s: moe_tune.ragged_dot(x, rhs, s, backend=self.backend)
+        out = jax.jit(jax.vmap(f))(lhs_b, sizes_b)
+        for i, sizes in enumerate(batch_sizes):
+            assert_matches_reference(out[i], lhs_b[i], rhs, sizes, offset=None, out_dtype="float32", what=f"vmap {i}")
+        grads = jax.jit(jax.vmap(jax.grad(lambda x, s: f(x, s).sum())))(lhs_b, sizes_b)
+        for i, sizes in enumerate(batch_sizes):
+            ref = ragged_dot_dlhs_reference(np.ones((m, n)), np.asarray(rhs), np.asarray(sizes))
+            assert np.abs(np.asarray(grads[i]) - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0), f"vmap grad {i}"
+
     # ---- random problems
 
     def test_random_problems(self):
@@ -360,7 +427,7 @@ class RaggedDotBackendTests:
 
     def test_config_of_another_backend(self):
         lhs, rhs = self.operands()
-        configs = (XlaConfig(), TiledConfig(), MegabloxConfig())
+        configs = (XlaConfig(), TiledConfig(), MegabloxConfig(), TritonConfig())
         foreign = next(c for c in configs if type(c) is not self.impl.config_cls)
         with pytest.raises(InvalidConfigError, match=self.impl.config_cls.__name__):
             moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=foreign)
@@ -449,3 +516,37 @@ class TestMegablox(RaggedDotBackendTests):
             moe_tune.ragged_dot(
                 lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend="megablox", config=MegabloxConfig(16, 128, 128)
             )
+
+
+class TestTriton(RaggedDotBackendTests):
+    """Pallas Triton kernels; compiled on GPU, in interpret mode here."""
+
+    backend = "triton"
+    extra_dtypes = ("float16",)
+    max_m, max_k, max_n, max_groups = 96, 64, 64, 5
+    max_examples = 6
+    sampled_configs = 1
+
+    def extra_configs(self, problem):
+        """Small blocks, so that the fixed cases (k=24, n=40) span several blocks in every dimension."""
+        return [TritonConfig(block_m=16, block_k=16, block_n=16, num_warps=4, num_stages=2)]
+
+    def invalid_configs(self, problem):
+        return [
+            {"block_m": 24},  # not a power of two
+            {"block_k": 8},  # below tl.dot's minimum
+            {"num_warps": 3},
+            {"num_stages": 0},
+            {"block_m": 256, "block_k": 256, "block_n": 256, "num_stages": 6},  # over shared memory (and k, n)
+        ]
+
+    def test_search_space_is_pruned_by_shared_memory(self):
+        problem = self.problem(4096, 4096, 4096, 8, "float32")
+        impl = self.impl
+        space = impl.search_space(problem)
+        assert all(impl.shared_memory_bytes(c, problem) <= moe_tune.devices.gpu_shared_memory_bytes() for c in space)
+        grid = impl.candidate_values(problem)
+        assert len(space) < np.prod([len(v) for v in grid.values()])  # some were pruned
+        big = TritonConfig(block_m=128, block_k=128, block_n=256, num_warps=8, num_stages=4)
+        assert "shared memory" in impl.config_error(big, problem)
+        assert moe_tune.devices.gpu_shared_memory_bytes("nvidia_h100_80gb_hbm3") > moe_tune.devices.gpu_shared_memory_bytes("cpu")

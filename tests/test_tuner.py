@@ -81,8 +81,8 @@ def test_entry_records_what_design_requires(tmp_path):
     assert entry["fields"]["distribution"] == "skewed" and entry["fields"]["backend"] == "tiled"
     assert entry["distribution"]["seed"] == 3
     assert entry["distribution"]["group_sizes"] == distributions.group_sizes("skewed", 256, 4, 3).tolist()
-    timing = entry["timing"]
-    assert timing["samples"] == 3 and len(timing["samples_s"]) == 3
+    timing = entry["timing"]  # from the finalists' round, which takes twice the samples
+    assert timing["samples"] == 6 and len(timing["samples_s"]) == 6
     assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
     assert timing["method"] in ("trace", "wall")
     assert set(entry["versions"]) == {"jax", "jaxlib", "moe-tune", "tune-jax"}
@@ -185,3 +185,34 @@ def test_every_direction_sweeps_and_the_vjp_uses_each_entry(tmp_path, caplog):
         label = BACKENDS.get("tiled").config_cls.from_dict(result.entry["config"]).label()
         assert any(f"'direction': '{direction}'" in msg and "exact" in msg and label in msg for msg in messages), (
             direction, messages)
+
+
+def _timing(samples):
+    from moe_tune.tuner.timing import Timing
+
+    med = float(np.median(samples))
+    return Timing(med, min(samples), max(samples), (max(samples) - min(samples)) / med, len(samples), "trace",
+                  med, tuple(samples))
+
+
+@pytest.mark.parametrize("best_samples, kept_default", [
+    ([0.99, 1.04, 0.95, 1.01, 0.97, 1.03], True),  # 2% faster, about 3% noise: not a win
+    ([0.50, 0.52, 0.49, 0.51, 0.50, 0.50], False),  # 2x faster: a win
+])
+def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, best_samples, kept_default):
+    from moe_tune.tuner import sweep as sweep_module
+    from moe_tune.tuner.candidates import Candidate
+
+    default = Candidate(0, FaultyConfig("good", 64), is_default=True)
+    other = Candidate(1, FaultyConfig("good", 32))
+    slow = Candidate(2, FaultyConfig("good", 16))
+    for c, t in ((default, 1.0), (other, 0.9), (slow, 3.0)):
+        c.timing = _timing([t] * 3)
+    final = {0: _timing([1.02, 0.98, 1.0, 1.05, 0.96, 1.01]), 1: _timing(best_samples), 2: _timing([3.0] * 6)}
+    monkeypatch.setattr(sweep_module, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
+    spec = SweepSpec("ragged_dot", SMALL, finalists=1)
+    winner, within_noise, _ = sweep_module._final_round(spec, [default, other, slow], default, {}, "cpu",
+                                                        sweep_module.Reporter())
+    assert within_noise is kept_default
+    assert winner is (default if kept_default else other)
+    assert slow.timing.samples == 3  # only the finalists (the fastest one and the default) were re-timed

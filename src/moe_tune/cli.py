@@ -22,7 +22,8 @@ console = Console(stderr=True)
 # Wide when piped (CI logs, files) so that tables are not squeezed into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 220)
 
-STAGES = {"compile": "Compiling candidates", "check": "Checking vs reference", "time": "Timing (trace rounds)"}
+STAGES = {"compile": "Compiling candidates", "check": "Checking vs reference", "time": "Timing (trace rounds)",
+          "finalists": "Re-timing finalists"}
 
 
 class _Reporter:
@@ -141,7 +142,9 @@ def _print_summary(result) -> None:
                             f"(spread {best.timing.spread:.1%}, {best.timing.samples} samples)")
     if default.timing is not None:
         table.add_row("default", f"{default.config.label()}  {default.timing.median_s * 1e3:.3f} ms")
-        table.add_row("speedup", f"{entry['speedup_over_default']:.2f}x over the default")
+        kept = " (the best was within noise of the default, so the default is kept)" if entry.get(
+            "within_noise_of_default") else ""
+        table.add_row("speedup", f"{entry['speedup_over_default']:.2f}x over the default{kept}")
     else:
         table.add_row("default", f"{default.config.label()}  {default.status}: {default.reason}")
     table.add_row("candidates", f"{counts['tried']} tried, {counts['ok']} ok, {counts['failed']} failed, "

@@ -3,7 +3,8 @@ reference, timed from the profiler trace; the winner (and everything about how i
 entry.
 
 Rules (DESIGN.md): a wrong candidate never wins; the default config is always a candidate, so the speedup
-over it is always measured; a failing candidate is recorded with its reason and the sweep goes on.
+over it is always measured; a failing candidate is recorded with its reason and the sweep goes on. The
+fastest few are re-timed together with the default before a winner is chosen (`_final_round`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import statistics
 import time
 from importlib import metadata
 from pathlib import Path
@@ -26,7 +28,7 @@ from moe_tune.profiles import dirs
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.table import write_entries
 from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate, check_all, compile_all
-from moe_tune.tuner.timing import time_candidates
+from moe_tune.tuner.timing import Timing, time_candidates
 
 
 class SweepError(MoeTuneError):
@@ -54,6 +56,7 @@ class SweepSpec:
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
     max_candidates: int | None = None  # keep the first N of the search space (default first)
+    finalists: int = 4  # the fastest N (and the default) are re-timed together before the winner is chosen
     keep_trace_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -129,17 +132,56 @@ def run_sweep(spec: SweepSpec, reporter: Reporter | None = None) -> SweepResult:
     )
     for c in survivors:
         c.timing = timings[c.index]
-    best = min(survivors, key=lambda c: c.timing.median_s)
     default = candidates[0]
+    best, within_noise, final_fallback = _final_round(spec, survivors, default, inputs, platform, reporter)
+    fallback = fallback or final_fallback
 
     fields = key_fields(problem, backend.name, spec.distribution)
     key = key_from_fields(spec.op, fields)
     entry = _entry(spec, key, fields, problem, best, default, candidates, fallback, host_inputs)
+    entry["within_noise_of_default"] = within_noise
     entry["sweep_wall_s"] = round(time.perf_counter() - started, 3)
     directory = dirs.write_dir(spec.profile_dir)
     path = write_entries(dirs.table_path(directory, devices.device_kind(), spec.op), spec.op,
                          devices.device_kind(), [entry])
     return SweepResult(spec, key, entry, candidates, path, time.perf_counter() - started)
+
+
+def relative_noise(timing: Timing) -> float:
+    """Median absolute deviation of the samples over their median: a spread that ignores outliers."""
+    med = timing.median_s
+    return statistics.median(abs(x - med) for x in timing.samples_s) / med if med > 0 else 0.0
+
+
+def _final_round(spec: SweepSpec, survivors: list[Candidate], default: Candidate, inputs, platform, reporter):
+    """Re-time the fastest few and the default together, with twice the samples, and pick the winner there.
+
+    One sweep round's medians of near-equal candidates are mostly noise on a shared machine; the finalists
+    are compared like for like. A winner that beats the default by less than the noise (twice the larger
+    relative MAD of the two) is not a win: the default is kept and the entry says so.
+    Returns (winner, whether the default was kept for being within noise, timing fallback reason).
+    """
+    ranked = sorted(survivors, key=lambda c: c.timing.median_s)
+    finalists = ranked[: spec.finalists]
+    if default.status == OK and default not in finalists:
+        finalists.append(default)
+    if len(finalists) < 2:
+        return ranked[0], False, None
+    reporter.stage("finalists", 2 * spec.samples)
+    final, fallback = time_candidates(
+        {c.index: (lambda c=c: c.executable(inputs)) for c in finalists},
+        samples=2 * spec.samples, platform=platform, seed=spec.seed + 1,
+        on_round=lambda r: reporter.advance("finalists"),
+    )
+    for c in finalists:
+        c.timing = final[c.index]
+    best = min(finalists, key=lambda c: c.timing.median_s)
+    if best is default or default.status != OK:
+        return best, False, fallback
+    noise = 2 * max(relative_noise(best.timing), relative_noise(default.timing))
+    if default.timing.median_s / best.timing.median_s - 1 <= noise:
+        return default, True, fallback
+    return best, False, fallback
 
 
 def _entry(spec, key, fields, problem, best, default, candidates, fallback, host_inputs) -> dict[str, Any]:

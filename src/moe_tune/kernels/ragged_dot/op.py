@@ -103,7 +103,7 @@ def ragged_dot(
         accumulated in float32. Gradients come back in lhs's and rhs's dtypes.
       group_offset: int32 scalar; with it, `group_sizes` covers all groups and this call computes only the
         local groups `[group_offset, group_offset + groups)` (an expert-parallel shard); other rows are zero.
-      backend: `xla`, `tiled`, `megablox`, `triton`; None picks by platform (cpu: tiled, gpu: triton, tpu:
+      backend: `xla`, `tiled`, `megablox`, `triton`; None picks by platform (cpu: tiled, gpu: xla, tpu:
         megablox).
       config: the backend's config (or a dict of its fields) for the forward pass, or a mapping
         `{"fwd": ..., "dlhs": ..., "drhs": ...}`; directions left out are looked up in the tables (exact,

@@ -6,6 +6,8 @@ from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot
 from moe_tune.kernels.ragged_dot.triton import TritonRaggedDot
 from moe_tune.kernels.ragged_dot.xla import XlaRaggedDot
 
-BACKENDS = BackendRegistry("ragged_dot", platform_defaults={"cpu": "tiled", "gpu": "triton", "tpu": "megablox"})
+# GPU stays on XLA until the triton kernels have been compiled and measured on a real GPU
+# (benchmarks/gpu_check.py); pass backend="triton" to use them.
+BACKENDS = BackendRegistry("ragged_dot", platform_defaults={"cpu": "tiled", "gpu": "xla", "tpu": "megablox"})
 for _backend in (XlaRaggedDot(), TiledRaggedDot(), MegabloxRaggedDot(), TritonRaggedDot()):
     BACKENDS.register(_backend)

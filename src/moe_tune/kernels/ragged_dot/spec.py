@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,10 @@ from moe_tune.kernels.spec import OpSpec
 # The default sweep: the up projection of one Qwen3-30B-A3B MoE layer (hidden 2048 -> expert width 768,
 # 128 experts, top-8) for 256 tokens on an expert-parallel shard of 16 experts: m = 256 * 8 * 16/128 rows.
 # It is a real expert shape that a 2-core CPU sweeps in about a minute.
+# Above this many FLOPs the reference runs on the device (float32, highest precision) instead of in float64
+# NumPy on the host, which would take minutes at real model sizes.
+HOST_REFERENCE_MAX_FLOPS = 2 * 10**10
+
 DEFAULT_OPTIONS = {"m": 2048, "k": 2048, "n": 768, "groups": 16, "dtype": "float32"}
 
 
@@ -57,12 +62,25 @@ class RaggedDotSpec(OpSpec):
         return {"a": a(), "b": b(), "group_sizes": sizes}
 
     def reference(self, problem: RaggedDotProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Float64 on the host; for problems too big for that (real model sizes on an accelerator), XLA's
+        ragged dot on the device in float32 at the highest matmul precision."""
+        if problem.flops > HOST_REFERENCE_MAX_FLOPS:
+            return self._device_reference(problem, inputs)
         a, b, sizes = inputs["a"], inputs["b"], inputs["group_sizes"]
         if problem.direction == "dlhs":
             return ragged_dot_dlhs_reference(a, b, sizes)
         if problem.direction == "drhs":
             return ragged_dot_drhs_reference(a, b, sizes, groups=problem.groups)
         return ragged_dot_reference(a, b, sizes)
+
+    def _device_reference(self, problem: RaggedDotProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        f32 = dataclasses.replace(problem, lhs_dtype="float32", rhs_dtype="float32", out_dtype="float32")
+        xla = BACKENDS.get("xla")
+        with jax.default_matmul_precision("highest"):
+            out = jax.jit(lambda a, b, s: xla.run(f32, xla.default_config(f32), a, b, s))(
+                jnp.asarray(inputs["a"], jnp.float32), jnp.asarray(inputs["b"], jnp.float32),
+                jnp.asarray(inputs["group_sizes"]))
+        return np.asarray(out, np.float64)
 
     def run(self, backend: Backend, config: KernelConfig, problem: RaggedDotProblem,
             inputs: Mapping[str, jax.Array]) -> jax.Array:

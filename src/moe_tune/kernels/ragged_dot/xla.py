@@ -37,6 +37,24 @@ def _shard_sizes(group_sizes: jax.Array, groups: int, group_offset: jax.Array) -
     return jnp.concatenate([before[None], local])
 
 
+def _ragged_dot_general(lhs, rhs, sizes, dims: lax.RaggedDotDimensionNumbers, out_dtype) -> jax.Array:
+    """lax.ragged_dot_general, vmappable over its group sizes too (XLA's batching rule is not: under vmap the
+    batch is run as a sequential map, one ragged dot per element)."""
+
+    def call(lhs, rhs, sizes):
+        return lax.ragged_dot_general(lhs, rhs, sizes, dims, preferred_element_type=out_dtype)
+
+    batched_call = jax.custom_batching.custom_vmap(call)
+
+    @batched_call.def_vmap
+    def _rule(axis_size, in_batched, lhs, rhs, sizes):
+        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, batched in zip((lhs, rhs, sizes), in_batched)]
+        return lax.map(lambda xs: batched_call(*xs), tuple(args)), True
+
+    return batched_call(lhs, rhs, sizes)
+
+
 class XlaRaggedDot(RaggedDotBackend):
     name = "xla"
     config_cls = XlaConfig
@@ -51,12 +69,11 @@ class XlaRaggedDot(RaggedDotBackend):
         if group_offset is not None:  # the leading group multiplies zeros
             sizes = _shard_sizes(sizes, rhs.shape[0], group_offset)
             rhs = jnp.concatenate([jnp.zeros((1, *rhs.shape[1:]), rhs.dtype), rhs])
-        return lax.ragged_dot_general(lhs, rhs, sizes, _GMM_T if transpose_rhs else _GMM,
-                                      preferred_element_type=out_dtype)
+        return _ragged_dot_general(lhs, rhs, sizes, _GMM_T if transpose_rhs else _GMM, out_dtype)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         sizes = group_sizes.astype(jnp.int32)
         if group_offset is not None:  # drop the leading group's result
             sizes = _shard_sizes(sizes, num_groups, group_offset)
-        out = lax.ragged_dot_general(lhs, dout, sizes, _TGMM, preferred_element_type=out_dtype)
+        out = _ragged_dot_general(lhs, dout, sizes, _TGMM, out_dtype)
         return out[1:] if group_offset is not None else out

@@ -1,0 +1,83 @@
+"""The whole GPU check in one call: the `triton` ragged_dot kernels compiled for real, checked at real MoE
+sizes, swept, and timed against XLA's ragged dot and a dense bf16 matmul of the same FLOPs.
+
+    python benchmarks/gpu_check.py                 # on the GPU machine; JSON to $OUT (or --out)
+    python benchmarks/gpu_check.py --small         # the same steps at toy sizes (CPU: interpret mode)
+
+Shapes (bf16, balanced group sizes), all three directions of the up projection:
+  * DeepSeek-V3 expert layer: hidden 7168 -> expert width 2048, 256 experts over an expert-parallel group
+    of 8 (32 local experts), 4096 tokens x top-8 routed / 8 shards = 4096 rows per shard;
+  * Mixtral-8x7B: hidden 4096 -> 14336, 8 experts, 4096 tokens x top-2 = 8192 rows.
+Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import jax
+
+from moe_tune import bench, devices
+from moe_tune.kernels import get_op
+from moe_tune.tuner import SweepSpec, run_sweep
+
+SHAPES = {
+    "deepseek-v3 (ep=8)": dict(m=4096, k=7168, n=2048, groups=32),
+    "mixtral-8x7b": dict(m=8192, k=4096, n=14336, groups=8),
+}
+SMALL = {"toy": dict(m=128, k=64, n=64, groups=4)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for gpu_check.json")
+    parser.add_argument("--small", action="store_true", help="toy shapes (a smoke test off GPU)")
+    parser.add_argument("--directions", default="fwd,dlhs,drhs")
+    parser.add_argument("--max-candidates", type=int, default=40, help="per sweep (the default config is first)")
+    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    spec = get_op("ragged_dot")
+    out_path = Path(args.out) / "gpu_check.json"
+    report = {
+        "meta": {"device_kind": devices.device_kind(), "platform": devices.platform(), "jax": jax.__version__,
+                 "date": time.strftime("%Y-%m-%d"), "devices": [str(d) for d in jax.devices()]},
+        "cases": [],
+    }
+    print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
+    with tempfile.TemporaryDirectory() as profile_dir:
+        for name, shape in (SMALL if args.small else SHAPES).items():
+            for direction in args.directions.split(","):
+                problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
+                case = {"model": name, "shape": problem.key_fields()}
+                started = time.perf_counter()
+                try:
+                    sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="triton", samples=3,
+                                                max_candidates=args.max_candidates, profile_dir=profile_dir))
+                    case["sweep"] = {key: sweep.entry[key] for key in ("candidates", "failures", "timing_fallback")}
+                    case["sweep"]["wall_s"] = time.perf_counter() - started
+                    case["default_error"] = sweep.default.error  # relative error vs the reference
+                    case.update(bench.compare(problem, "triton", sweep.best.config, samples=args.samples))
+                    print(f"\n{name}: {spec.describe(problem)}")
+                    print("\n".join(bench.format_comparison(case)), flush=True)
+                except Exception as e:  # noqa: BLE001 - record it and go on to the next case
+                    case["error"] = f"{type(e).__name__}: {e}"
+                    case["traceback"] = traceback.format_exc()[-4000:]
+                    print(f"\n{name} {direction}: FAILED {case['error'][:300]}", flush=True)
+                report["cases"].append(case)
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                out_path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nwrote {out_path}")
+    return 0 if all("error" not in c for c in report["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The benchmark scripts run end to end (at toy sizes) and write the JSON they promise. No timing is
+asserted: these only keep the scripts from rotting between the sessions that have a machine to run them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "MOE_TUNE_PROFILE_DIR": str(tmp_path / "p")})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_cpu_benchmark_prints_every_ratio(tmp_path):
+    out = _run(["benchmarks/ragged_dot_cpu.py", "--m", "256", "--k", "64", "--n", "64", "--groups", "4",
+                "--samples", "2", "--json", str(tmp_path / "r.json")], tmp_path)
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [r["shape"]["direction"] for r in results] == ["fwd", "dlhs", "drhs"]
+    for r in results:
+        assert set(r["times_s"]) == {"tuned", "default", "xla", "dense"} and all(t > 0 for t in r["times_s"].values())
+    assert out.count("time ratios:") == 3
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path):
+    out = _run(["benchmarks/gpu_check.py", "--small", "--directions", "fwd,drhs", "--max-candidates", "2",
+                "--samples", "1", "--out", str(tmp_path)], tmp_path)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["meta"]["device_kind"] and len(report["cases"]) == 2
+    for case in report["cases"]:
+        assert "error" not in case, case.get("traceback")
+        assert case["default_error"] < 0.05 and case["sweep"]["candidates"]["tried"] == 2
+    assert "wrote" in out
