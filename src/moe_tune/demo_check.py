@@ -27,7 +27,7 @@ def main() -> int:
     logger = logging.getLogger("moe_tune")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    out = jax.jit(moe_tune.ragged_dot)(inputs["lhs"], inputs["rhs"], inputs["group_sizes"])
+    out = jax.jit(moe_tune.ragged_dot)(inputs["a"], inputs["b"], inputs["group_sizes"])  # lhs, rhs
     error = float(np.max(np.abs(np.asarray(out, np.float64) - spec.reference(problem, inputs))))
     result = moe_tune.profiles.lookup("ragged_dot", problem)
     print(f"fresh process: moe_tune.ragged_dot({spec.describe(problem)}) traced with:")
