@@ -121,5 +121,4 @@ def ragged_dot(
         if group_offset.shape != ():
             raise UsageError(f"group_offset must be a scalar, got shape {group_offset.shape}")
     plan = _Plan(impl.name, problem, _given_configs(config))
-    plan.config("fwd")  # validate the forward config now, so a bad one fails here and not in a trace
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, plan)
