@@ -13,7 +13,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.tiled import tiled_ragged_dot, tiled_transposed_ragged_dot
 
-MODES = ("good", "wrong", "fail_compile", "fail_run")
+MODES = ("good", "wrong", "fail_compile", "fail_run")  # also "hang" and "crash" (compile workers only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,14 @@ class FaultyRaggedDot(RaggedDotBackend):
         assert not transpose_rhs, "the tests sweep the forward direction only"
         if config.mode == "fail_compile":
             raise RuntimeError("deliberate compile failure")
+        if config.mode == "hang":
+            import time
+
+            time.sleep(3600)
+        if config.mode == "crash":
+            import os
+
+            os.abort()
         if config.mode == "wrong":  # the fastest possible answer, and wrong: it must never win
             return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype)
         out = tiled_ragged_dot(lhs, rhs, group_sizes, tm=config.tm, tk=lhs.shape[1], tn=rhs.shape[2],

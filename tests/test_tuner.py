@@ -216,3 +216,15 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
     assert within_noise is kept_default
     assert winner is (default if kept_default else other)
     assert slow.timing.samples == 3  # only the finalists (the fastest one and the default) were re-timed
+
+
+def test_compile_worker_hang_and_crash_are_recorded_and_the_sweep_goes_on(faulty, tmp_path, monkeypatch):
+    monkeypatch.setattr(FaultyRaggedDot, "candidate_values",
+                        lambda self, p: {"mode": ["hang", "crash", "good"], "tm": [32]})
+    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend=faulty.name, samples=1, workers=2,
+                                 compile_timeout_s=5, profile_dir=tmp_path))
+    status = {c.config.mode: (c.status, c.reason) for c in result.candidates if c.config.tm == 32}
+    assert status["hang"][0] == "failed" and "hung" in status["hang"][1]
+    assert status["crash"][0] == "failed" and "died" in status["crash"][1] and "signal" in status["crash"][1]
+    assert status["good"][0] == "ok"
+    assert result.entry["config"]["mode"] == "good"

@@ -112,7 +112,7 @@ def _compile_serialized(op_name: str, backend: Backend, problem: Any, config: Ke
     return "ok", payload, time.perf_counter() - start, compiles
 
 
-def _compile_in_workers(spec, backend, problem, candidates, inputs, workers, on_done) -> None:
+def _compile_in_workers(spec, backend, problem, candidates, inputs, workers, on_done, timeout) -> None:
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
 
     local: list[Candidate] = []
@@ -131,7 +131,7 @@ def _compile_in_workers(spec, backend, problem, candidates, inputs, workers, on_
             on_done(cand)
 
     requests = [(c, (spec.name, backend, problem, c.config, c.index, shapes)) for c in candidates]
-    workers_module.pool(workers).map(f"{__name__}:_compile_serialized", requests, finish)
+    workers_module.pool(workers).map(f"{__name__}:_compile_serialized", requests, finish, timeout=timeout)
     _compile_here(spec, backend, problem, local, inputs, on_done)
 
 
@@ -144,15 +144,17 @@ def compile_all(
     *,
     workers: int,
     on_done: Callable[[Candidate], None] | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Compile every candidate once, ahead of time.
 
     With `workers > 1` on CPU and GPU, candidates compile in worker processes (JAX's compile does not run
-    two at once in one process) and come back serialized; TPU allows one process per chip, so there, and
-    with one worker, they compile here, one at a time.
+    two at once in one process) and come back serialized; a compile that takes longer than `timeout`
+    seconds there is killed and recorded as failed. TPU allows one process per chip, so there, and with
+    one worker, they compile here, one at a time (and without a timeout).
     """
     if workers > 1 and devices.platform() in ("cpu", "gpu"):
-        _compile_in_workers(spec, backend, problem, candidates, inputs, workers, on_done)
+        _compile_in_workers(spec, backend, problem, candidates, inputs, workers, on_done, timeout)
     else:
         _compile_here(spec, backend, problem, candidates, inputs, on_done)
 

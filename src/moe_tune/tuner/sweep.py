@@ -57,6 +57,7 @@ class SweepSpec:
     profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
     max_candidates: int | None = None  # keep the first N of the search space (default first)
     finalists: int = 4  # the fastest N (and the default) are re-timed together before the winner is chosen
+    compile_timeout_s: float = 600.0  # per candidate, in compile workers
     keep_trace_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -65,6 +66,8 @@ class SweepSpec:
             raise UsageError(f"samples must be >= 1, got {self.samples}")
         if self.workers < 1:
             raise UsageError(f"workers must be >= 1, got {self.workers}")
+        if self.finalists < 1:
+            raise UsageError(f"finalists must be >= 1, got {self.finalists}")
 
 
 @dataclasses.dataclass
@@ -116,7 +119,7 @@ def run_sweep(spec: SweepSpec, reporter: Reporter | None = None) -> SweepResult:
 
     reporter.stage("compile", len(candidates))
     compile_all(op, backend, problem, candidates, inputs, workers=spec.workers,
-                on_done=lambda c: reporter.advance("compile"))
+                on_done=lambda c: reporter.advance("compile"), timeout=spec.compile_timeout_s)
     reporter.stage("check", len(candidates))
     check_all(candidates, inputs, expected, op.tolerance(problem), on_done=lambda c: reporter.advance("check"))
     survivors = [c for c in candidates if c.status == OK]
@@ -210,7 +213,7 @@ def _entry(spec, key, fields, problem, best, default, candidates, fallback, host
             "seed": spec.seed,
             "group_sizes": np.asarray(host_inputs.get("group_sizes", [])).tolist(),
         },
-        "flops": problem.flops if hasattr(problem, "flops") else None,
+        "flops": get_op(spec.op).flops(problem),
         "versions": versions(),
         "platform": devices.platform(),
         "device_kind": devices.device_kind(),

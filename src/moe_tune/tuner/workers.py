@@ -16,6 +16,7 @@ import atexit
 import os
 import pickle
 import queue
+import select
 import struct
 import subprocess
 import sys
@@ -55,9 +56,13 @@ class Worker:
             stderr=subprocess.DEVNULL, env=env,
         )
 
-    def call(self, fn: str, *args: Any) -> Any:
-        """Run one request; raises EOFError when the worker died doing it."""
+    def call(self, fn: str, *args: Any, timeout: float | None = None) -> Any:
+        """Run one request; EOFError when the worker died doing it, TimeoutError (worker killed) when it
+        did not answer within `timeout` seconds."""
         _send(self.proc.stdin, (fn, args))
+        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.close()
+            raise TimeoutError(f"no answer within {timeout:g} s")
         return _receive(self.proc.stdout)
 
     def died_with(self) -> str:
@@ -80,8 +85,9 @@ class WorkerPool:
             self._idle.put(Worker())
 
     def map(self, fn: str, requests: Iterable[tuple[Any, tuple]],
-            on_result: Callable[[Any, str, Any], None]) -> None:
-        """For each (tag, args): on_result(tag, "ok", value) or on_result(tag, "died", reason)."""
+            on_result: Callable[[Any, str, Any], None], timeout: float | None = None) -> None:
+        """For each (tag, args): on_result(tag, "ok", value) or on_result(tag, "died", reason); a request
+        that takes longer than `timeout` seconds has its worker killed and counts as died."""
         todo: queue.Queue = queue.Queue()
         for item in requests:
             todo.put(item)
@@ -95,7 +101,10 @@ class WorkerPool:
                     return
                 worker = self._idle.get()
                 try:
-                    status, value = "ok", worker.call(fn, *args)
+                    status, value = "ok", worker.call(fn, *args, timeout=timeout)
+                except TimeoutError as e:
+                    status, value = "died", f"compile worker hung: {e}"
+                    worker = Worker()
                 except (EOFError, BrokenPipeError, OSError):
                     status, value = "died", f"compile worker died ({worker.died_with()})"
                     worker.close()

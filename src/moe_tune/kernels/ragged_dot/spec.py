@@ -86,9 +86,6 @@ class RaggedDotSpec(OpSpec):
             inputs: Mapping[str, jax.Array]) -> jax.Array:
         return backend.run(problem, config, inputs["a"], inputs["b"], inputs["group_sizes"])
 
-    def flops(self, problem: RaggedDotProblem) -> int:
-        return problem.flops
-
     def describe(self, problem: RaggedDotProblem) -> str:
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"
         return f"ragged_dot {problem.direction} m={problem.m} k={problem.k} n={problem.n} g={problem.groups} {dt}"
