@@ -48,10 +48,6 @@ class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
         """lhs [m, k], dout [m, n] -> [num_groups, k, n]: out[i] = lhs[rows of local group i]^T @ dout[same rows].
         Empty groups give zeros; rows outside the local groups do not contribute."""
 
-    def __call__(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None) -> jax.Array:
-        """The forward ragged dot."""
-        return self.gmm(lhs, rhs, group_sizes, config=config, out_dtype=out_dtype, group_offset=group_offset)
-
     def run(self, problem: RaggedDotProblem, config: KernelConfig, a: jax.Array, b: jax.Array,
             group_sizes: jax.Array, group_offset: jax.Array | None = None) -> jax.Array:
         """Run `problem.direction` on its two operands: (lhs, rhs) for fwd, (dout, rhs) for dlhs, (lhs, dout)
@@ -64,20 +60,13 @@ class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
                         transpose_rhs=problem.direction == "dlhs")
 
 
-def local_group_bounds(
-    group_sizes: jax.Array, groups: int, group_offset: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
-    """(first row, one past the last row) of the local groups `[group_offset, group_offset + groups)`."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
-    offset = jnp.int32(0) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    return starts[offset], ends[offset + groups - 1]
-
-
 def rows_in_local_groups(
     group_sizes: jax.Array, m: int, groups: int, group_offset: jax.Array | None
 ) -> jax.Array:
     """bool [m, 1]: which rows belong to the local groups `[group_offset, group_offset + groups)`."""
-    first, last = local_group_bounds(group_sizes, groups, group_offset)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    offset = jnp.int32(0) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+    first, last = starts[offset], ends[offset + groups - 1]
     rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
     return (rows >= first) & (rows < last)
