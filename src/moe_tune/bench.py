@@ -11,7 +11,7 @@ from moe_tune import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.tuner.timing import CANDIDATE_PREFIX, time_candidates
+from moe_tune.tuner.timing import time_candidates, traceable
 
 # A dense matmul with the FLOPs of each direction: [m,k]x[k,n], [m,n]x[n,k], [k,m]x[m,n].
 DENSE = {
@@ -19,11 +19,6 @@ DENSE = {
     "dlhs": lambda a, b: a @ b[0].T,
     "drhs": lambda a, b: a.T @ b,
 }
-
-
-def _named(fn, index: int):
-    fn.__name__ = fn.__qualname__ = f"{CANDIDATE_PREFIX}{index}"  # so the trace parser finds it
-    return jax.jit(fn)
 
 
 def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
@@ -41,7 +36,7 @@ def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, sam
         "dense": lambda x: DENSE[problem.direction](x["a"], x["b"]),
     }
     names = list(variants)
-    compiled = {i: _named(variants[name], i).lower(inputs).compile() for i, name in enumerate(names)}
+    compiled = {i: traceable(variants[name], i).lower(inputs).compile() for i, name in enumerate(names)}
     for c in compiled.values():
         jax.block_until_ready(c(inputs))
     timings, fallback = time_candidates({i: (lambda c=c: c(inputs)) for i, c in compiled.items()},

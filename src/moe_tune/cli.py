@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moe_tune import distributions
+from moe_tune import devices, distributions
 from moe_tune.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
@@ -118,13 +118,13 @@ def sweep(op, backend, m, k, n, groups, dtype, out_dtype, distribution, directio
     from moe_tune.tuner import SweepSpec, run_sweep
 
     spec, problems = _problems(op, direction, m=m, k=k, n=n, groups=groups, dtype=dtype, out_dtype=out_dtype)
-    impl = spec.backends.resolve(backend, _platform())
+    impl = spec.backends.resolve(backend, devices.platform())
     for problem in problems:
         sweep_spec = SweepSpec(op, problem, backend=backend, distribution=distribution, seed=seed,
                                samples=samples, workers=workers, profile_dir=profile_dir,
                                max_candidates=max_candidates, keep_trace_dir=keep_trace)
         console.print(f"Sweeping [bold]{spec.describe(problem)}[/bold], backend [bold]{impl.name}[/bold], "
-                      f"{distribution} groups (seed {seed}) on [bold]{_device_kind()}[/bold]", highlight=False)
+                      f"{distribution} groups (seed {seed}) on [bold]{devices.device_kind()}[/bold]", highlight=False)
         columns = [TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
             result = run_sweep(sweep_spec, _Reporter(progress))
@@ -222,8 +222,6 @@ def lookup(op, backend, m, k, n, groups, dtype, out_dtype, distribution, directi
 @cli.command()
 def ops():
     """List ops, their backends and tunables."""
-    from moe_tune import devices
-
     table = Table(title=f"Ops and backends (platform: {devices.platform()})", title_justify="left")
     for column in ("op", "backend", "default on", "tunables", "description"):
         table.add_column(column)
@@ -235,18 +233,6 @@ def ops():
             table.add_row(name, backend_name, ",".join(defaults) or "-", ", ".join(impl.tunables()) or "-",
                           impl.description)
     out.print(table)
-
-
-def _platform() -> str:
-    from moe_tune import devices
-
-    return devices.platform()
-
-
-def _device_kind() -> str:
-    from moe_tune import devices
-
-    return devices.device_kind()
 
 
 def main() -> None:

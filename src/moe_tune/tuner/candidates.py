@@ -21,7 +21,7 @@ from moe_tune import devices
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.spec import OpSpec, relative_error
 from moe_tune.tuner import workers as workers_module
-from moe_tune.tuner.timing import CANDIDATE_PREFIX, Timing
+from moe_tune.tuner.timing import Timing, traceable
 
 OK, WRONG, FAILED = "ok", "wrong", "failed"
 
@@ -61,11 +61,7 @@ def _short(exc: BaseException) -> str:
 
 
 def candidate_function(spec: OpSpec, backend: Backend, config: KernelConfig, problem: Any, index: int) -> Callable:
-    def fn(inputs):
-        return spec.run(backend, config, problem, inputs)
-
-    fn.__name__ = fn.__qualname__ = f"{CANDIDATE_PREFIX}{index}"
-    return jax.jit(fn)
+    return traceable(lambda inputs: spec.run(backend, config, problem, inputs), index)
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -35,6 +35,12 @@ _LONG_CALL_S = 2e-3
 _MIN_TRACE_FRACTION = 0.3
 
 
+def traceable(fn: Callable, index: int) -> Callable:
+    """`jax.jit(fn)` under the program name `jit_moe_tune_cand_<index>`, which the trace parser looks for."""
+    fn.__name__ = fn.__qualname__ = f"{CANDIDATE_PREFIX}{index}"
+    return jax.jit(fn)
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """Per-candidate timing in seconds; `samples_s` are the values the statistics come from."""
@@ -98,7 +104,8 @@ def _spans_by_contiguity(profile, plane_index: int) -> dict[int, list[float]]:
 def parse_trace(trace_dir: Path, platform: str) -> dict[int, list[float]]:
     """Candidate index -> device durations (s) of its executions found in the xplane under `trace_dir`.
 
-    With several device planes (one per device) the slowest device's time counts, as in tune-jax.
+    With several device planes (one per device) each candidate's events come from the device where it
+    was slowest, as in tune-jax.
     """
     files = sorted(Path(trace_dir).glob("**/*.xplane.pb"), key=lambda f: f.stat().st_mtime)
     if not files:
@@ -109,14 +116,8 @@ def parse_trace(trace_dir: Path, platform: str) -> dict[int, list[float]]:
     for index in profile_reader.find_device_plane_ids(profile, platform):
         found = _spans_by_run(planes[index]) if hasattr(planes[index], "lines") else {}
         per_plane.append(found or _spans_by_contiguity(profile, index))
-    merged: dict[int, list[float]] = {}
-    for found in per_plane:
-        for i, durations in found.items():
-            old = merged.get(i)
-            merged[i] = durations if old is None or len(old) != len(durations) else [
-                max(a, b) for a, b in zip(sorted(old), sorted(durations))
-            ]
-    return merged
+    candidates = {i for found in per_plane for i in found}
+    return {i: max((found[i] for found in per_plane if i in found), key=max) for i in candidates}
 
 
 def cross_check(trace: list[float], wall: list[float], expected: int) -> str | None:
