@@ -16,3 +16,9 @@ def isolated_profiles(tmp_path, monkeypatch):
     monkeypatch.delenv("MOE_TUNE_DISTRIBUTION", raising=False)
     table._cache.clear()
     yield env_dir
+
+
+def pytest_generate_tests(metafunc):
+    """A test taking `dtype` runs over the `dtypes` of the backend test class it belongs to."""
+    if "dtype" in metafunc.fixturenames and metafunc.cls is not None and hasattr(metafunc.cls, "dtypes"):
+        metafunc.parametrize("dtype", metafunc.cls.dtypes)

@@ -32,11 +32,6 @@ from moe_tune.kernels.ragged_dot.xla import XlaConfig
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 
-def pytest_generate_tests(metafunc):
-    """`dtype` runs over the input dtypes of the backend class the test belongs to."""
-    if "dtype" in metafunc.fixturenames:
-        metafunc.parametrize("dtype", metafunc.cls.dtypes)
-
 
 # --------------------------------------------------------------------------------------------------------
 # Helpers

@@ -55,6 +55,9 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
     config_cls: ClassVar[type[KernelConfig]]
     platforms: ClassVar[tuple[str, ...]]
     description: ClassVar[str] = ""
+    # The JAX versions the backend is known to work with (a PEP 440 specifier; "" = any). Outside them the
+    # op wrappers fall back to the op's plain-JAX backend with one warning (`kernels/guard.py`).
+    jax_versions: ClassVar[str] = ""
 
     def runs_on(self, platform: str) -> bool:
         """Whether the backend can execute at all on `platform` (natively or emulated)."""

@@ -1,0 +1,21 @@
+"""The dispatch and combine backends by name, and which one each platform uses by default."""
+
+from moe_tune.kernels.base import BackendRegistry
+from moe_tune.kernels.gather.plain_jax import PlainGather, PlainGatherReduce
+from moe_tune.kernels.gather.tiled import TiledGather, TiledGatherReduce
+
+# The plain-JAX backend every fallback (flags, version guard) goes to.
+FALLBACK = "jax"
+
+# GPU stays on the plain path until the triton kernels have been measured on a real GPU.
+_DEFAULTS = {"cpu": "tiled", "gpu": "jax", "tpu": "pallas_tpu"}
+
+GATHER_BACKENDS = BackendRegistry("ragged_gather", platform_defaults=_DEFAULTS)
+for _backend in (PlainGather(), TiledGather()):
+    GATHER_BACKENDS.register(_backend)
+
+GATHER_REDUCE_BACKENDS = BackendRegistry("ragged_gather_reduce", platform_defaults=_DEFAULTS)
+DENSE_GATHER_REDUCE_BACKENDS = BackendRegistry("dense_gather_reduce", platform_defaults=_DEFAULTS)
+for _registry in (GATHER_REDUCE_BACKENDS, DENSE_GATHER_REDUCE_BACKENDS):
+    for _cls in (PlainGatherReduce, TiledGatherReduce):
+        _registry.register(_cls(op=_registry.op))

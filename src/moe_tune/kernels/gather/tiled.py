@@ -1,0 +1,164 @@
+"""`tiled` backend: dispatch and combine as loops over row chunks whose trip count is the valid work; the
+CPU backend.
+
+- Dispatch: zero the output, then a `fori_loop` over the `rows_per_chunk`-row chunks that overlap
+  [start, end) gathers each chunk and writes it in place. Work is proportional to end - start (plus the
+  zero fill every output needs).
+- Combine: the valid entries are compacted (a prefix sum, keeping their order, so their tokens stay
+  sorted) and a loop over chunks of them gathers and scatter-adds into a float32 output. Invalid entries
+  are never read, so work is proportional to the valid fraction. Without a mask (dense) the loop runs over
+  whole tokens and reduces each token's rows in registers instead.
+
+`rows_per_chunk` trades the loop's per-iteration overhead (small chunks) against a working set that no
+longer fits in cache (large chunks): the tuner picks it per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
+from moe_tune.kernels.gather.problem import GatherProblem
+
+CHUNKS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# The default chunk holds about this many bytes of rows: a few chunks fit in a core's L2 cache.
+DEFAULT_CHUNK_BYTES = 256 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledGatherConfig(KernelConfig):
+    """rows_per_chunk: output rows gathered per loop iteration."""
+
+    rows_per_chunk: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledGatherReduceConfig(KernelConfig):
+    """rows_per_chunk: input rows (valid entries) gathered and reduced per loop iteration."""
+
+    rows_per_chunk: int = 128
+
+
+def default_chunk(problem: GatherProblem) -> int:
+    """The largest power of two with about DEFAULT_CHUNK_BYTES of rows, within [8, 1024] and <= rows."""
+    chunk = 8
+    while chunk * 2 <= 1024 and chunk * 2 * problem.row_bytes() <= DEFAULT_CHUNK_BYTES:
+        chunk *= 2
+    return max(1, min(chunk, problem.rows))
+
+
+def chunk_error(rows_per_chunk: int, problem: GatherProblem) -> str | None:
+    if not isinstance(rows_per_chunk, int) or rows_per_chunk <= 0:
+        return f"rows_per_chunk must be a positive integer, got {rows_per_chunk!r}"
+    if rows_per_chunk > problem.rows:
+        return f"rows_per_chunk {rows_per_chunk} > rows {problem.rows}"
+    return None
+
+
+class _ChunkedBackend:
+    """Validity rules, default and search space shared by the two tiled kernels (one tunable)."""
+
+    name = "tiled"
+    platforms = ("cpu", "gpu", "tpu")
+
+    def config_error(self, config, problem: GatherProblem) -> str | None:
+        return chunk_error(config.rows_per_chunk, problem)
+
+    def default_config(self, problem: GatherProblem):
+        return self.config_cls(rows_per_chunk=default_chunk(problem))
+
+    def candidate_values(self, problem: GatherProblem):
+        return {"rows_per_chunk": [c for c in CHUNKS if c <= problem.rows]}
+
+
+def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax.Array:
+    """x [tokens, hidden], indices int32 [rows], start / end int32 scalars, weights [rows] | None
+    -> [rows, hidden] in x.dtype; rows outside [start, end) are zero and never read."""
+    rows, hidden = indices.shape[0], x.shape[1]
+    chunk = min(rows_per_chunk, rows)
+    start = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows)
+    end = jnp.clip(jnp.asarray(end, jnp.int32), start, rows)
+    row_in_chunk = jnp.arange(chunk, dtype=jnp.int32)
+
+    def body(c, out):
+        # The last chunk is shifted back to end at `rows`; rows it shares with the previous chunk are
+        # rewritten with the same values.
+        row0 = jnp.minimum(c * chunk, rows - chunk)
+        ids = jax.lax.dynamic_slice_in_dim(indices, row0, chunk)
+        keep = (row0 + row_in_chunk >= start) & (row0 + row_in_chunk < end)
+        block = jnp.take(x, jnp.where(keep, ids, 0), axis=0, mode="clip")
+        if weights is not None:
+            w = jax.lax.dynamic_slice_in_dim(weights, row0, chunk).astype(jnp.float32)
+            block = block.astype(jnp.float32) * w[:, None]
+        block = jnp.where(keep[:, None], block, 0).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, block, row0, axis=0)
+
+    out = jnp.zeros((rows, hidden), x.dtype)
+    return jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, out)
+
+
+def tiled_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, rows_per_chunk: int) -> jax.Array:
+    """x [rows, hidden], indices int32 [rows], weights [rows], valid bool [rows] | None, r = reduce_group_size
+    -> [rows // r, hidden] in x.dtype (float32 accumulation)."""
+    if valid is None:
+        return _dense_gather_reduce(x, indices, weights, reduce_group_size, rows_per_chunk)
+    rows, hidden = indices.shape[0], x.shape[1]
+    tokens, chunk = rows // reduce_group_size, min(rows_per_chunk, rows)
+    valid = valid.astype(bool)
+    count = jnp.sum(valid, dtype=jnp.int32)
+    # order[p] = the p-th valid entry, in entry order (so the tokens it adds into are sorted).
+    slot = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1, rows)
+    order = jnp.zeros(rows, jnp.int32).at[slot].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
+    pos_in_chunk = jnp.arange(chunk, dtype=jnp.int32)
+
+    def body(c, out):
+        pos = c * chunk + pos_in_chunk
+        ok = pos < count
+        entry = jnp.take(order, pos, mode="clip")
+        block = jnp.take(x, jnp.take(indices, entry), axis=0, mode="clip").astype(jnp.float32)
+        w = jnp.take(weights, entry).astype(jnp.float32)
+        contribution = jnp.where(ok[:, None], block * w[:, None], 0.0)  # select: x[0] may be NaN
+        token = jnp.where(ok, entry // reduce_group_size, tokens)
+        return out.at[token].add(contribution, mode="drop", indices_are_sorted=True)
+
+    out = jnp.zeros((tokens, hidden), jnp.float32)
+    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, out).astype(x.dtype)
+
+
+def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> jax.Array:
+    """Every entry valid: a static loop over blocks of whole tokens, each reduced over its r rows."""
+    rows, hidden = indices.shape[0], x.shape[1]
+    tokens = rows // r
+    per_chunk = max(1, min(rows_per_chunk // r, tokens))
+
+    def body(c, out):
+        token0 = jnp.minimum(c * per_chunk, tokens - per_chunk)  # last block shifted back, rewritten equal
+        ids = jax.lax.dynamic_slice_in_dim(indices, token0 * r, per_chunk * r)
+        w = jax.lax.dynamic_slice_in_dim(weights, token0 * r, per_chunk * r).astype(jnp.float32)
+        block = jnp.take(x, ids, axis=0, mode="clip").astype(jnp.float32) * w[:, None]
+        block = block.reshape(per_chunk, r, hidden).sum(axis=1).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, block, token0, axis=0)
+
+    out = jnp.zeros((tokens, hidden), x.dtype)
+    return jax.lax.fori_loop(0, -(-tokens // per_chunk), body, out)
+
+
+class TiledGather(_ChunkedBackend, GatherBackend):
+    config_cls = TiledGatherConfig
+    description = "pure-JAX loop over the row chunks in [start, end) (CPU)"
+
+    def gather(self, x, indices, start, end, weights, *, config):
+        return tiled_gather(x, indices, start, end, weights, rows_per_chunk=config.rows_per_chunk)
+
+
+class TiledGatherReduce(_ChunkedBackend, GatherReduceBackend):
+    config_cls = TiledGatherReduceConfig
+    description = "pure-JAX loop over chunks of the valid entries, scatter-add in f32 (CPU)"
+
+    def gather_reduce(self, x, indices, weights, valid, reduce_group_size, *, config):
+        return tiled_gather_reduce(x, indices, weights, valid, reduce_group_size,
+                                   rows_per_chunk=config.rows_per_chunk)
