@@ -39,7 +39,8 @@ def test_sweep_report_lookup_round_trip(run, tmp_path, isolated_profiles):
     csv = run("report", "--format", "csv")
     assert csv.exit_code == 0
     header, row = csv.output.strip().splitlines()[:2]
-    assert header.startswith("device_kind,op,direction,backend,m,k,n,groups") and row.startswith("cpu,ragged_dot,fwd,tiled,256,128,128,4")
+    assert header.startswith("device_kind,op,direction,backend,shape,dtype")
+    assert row.startswith("cpu,ragged_dot,fwd,tiled,m=256 k=128 n=128 groups=4,float32")
 
     records = json.loads(run("report", "--format", "json").output)
     assert len(records) == 1 and records[0]["tried"] == 3 and records[0]["time_ms"] > 0

@@ -32,7 +32,6 @@ from moe_tune.kernels.ragged_dot.xla import XlaConfig
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 
-
 # --------------------------------------------------------------------------------------------------------
 # Helpers
 

@@ -7,7 +7,10 @@
 __version__ = "0.1.0"
 
 from moe_tune import profiles  # noqa: E402
+from moe_tune.kernels.gather import dense_gather_reduce, ragged_gather, ragged_gather_reduce  # noqa: E402
 from moe_tune.kernels.ragged_dot import ragged_dot  # noqa: E402
+from moe_tune.moe import moe_mlp  # noqa: E402
 from moe_tune.profiles import use_profiles  # noqa: E402
 
-__all__ = ["__version__", "profiles", "ragged_dot", "use_profiles"]
+__all__ = ["__version__", "dense_gather_reduce", "moe_mlp", "profiles", "ragged_dot", "ragged_gather",
+           "ragged_gather_reduce", "use_profiles"]

@@ -60,18 +60,27 @@ def _handle_errors(fn):
 
 
 def shape_options(fn):
-    """--op and the problem's shape/dtype options, shared by `sweep` and `lookup`."""
+    """--op and the problem's shape/dtype options, shared by `sweep` and `lookup`; each op takes some of them
+    (`OpSpec.options`)."""
     options = [
         click.option("--op", type=click.Choice(op_names()), default="ragged_dot", show_default=True),
         click.option("--backend", default=None, help="Backend name (default: the platform's; see `moe-tune ops`)."),
-        click.option("--m", type=click.IntRange(min=1), help="Rows of lhs (tokens x top_k on this shard)."),
-        click.option("--k", type=click.IntRange(min=1), help="Contracting dim (hidden size for gate/up)."),
-        click.option("--n", type=click.IntRange(min=1), help="Output dim (expert width for gate/up)."),
-        click.option("--groups", "--g", "groups", type=click.IntRange(min=1), help="Experts on this shard."),
+        click.option("--m", type=click.IntRange(min=1), help="ragged_dot: rows of lhs (tokens x top_k on this shard)."),
+        click.option("--k", type=click.IntRange(min=1), help="ragged_dot: contracting dim (hidden size for gate/up)."),
+        click.option("--n", type=click.IntRange(min=1), help="ragged_dot: output dim (expert width for gate/up)."),
+        click.option("--groups", "--g", "groups", type=click.IntRange(min=1), help="ragged_dot: experts on this shard."),
+        click.option("--tokens", type=click.IntRange(min=1), help="gather ops: tokens in the batch."),
+        click.option("--hidden", type=click.IntRange(min=1), help="gather ops: hidden size (row width)."),
+        click.option("--top-k", "top_k", type=click.IntRange(min=1), help="gather ops: experts per token."),
+        click.option("--experts", type=click.IntRange(min=1), help="gather ops: routed experts (all shards)."),
+        click.option("--ep", type=click.IntRange(min=1),
+                     help="gather ops: expert-parallel size; the valid rows are about 1/ep of them."),
+        click.option("--weighted/--unweighted", default=None, help="ragged_gather: with or without row weights."),
         click.option("--dtype", type=click.Choice(SUPPORTED_DTYPES), help="Input dtype."),
         click.option("--out-dtype", type=click.Choice(SUPPORTED_DTYPES), help="Output dtype (default: --dtype)."),
         click.option("--distribution", type=click.Choice(list(distributions.DISTRIBUTIONS)),
-                     default=distributions.DEFAULT, show_default=True, help="Group-size distribution."),
+                     default=distributions.DEFAULT, show_default=True,
+                     help="Distribution of rows (tokens) over groups (experts)."),
         click.option("--direction", type=click.Choice(["fwd", "dlhs", "drhs", "all"]), default="fwd",
                      show_default=True, help="Forward pass, a gradient (dlhs, drhs), or all three."),
     ]
@@ -80,15 +89,24 @@ def shape_options(fn):
     return fn
 
 
-def _problems(op_name: str, direction: str, **given: Any):
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _problems(op_name: str, direction: str, shape: dict[str, Any]):
     """The op's spec and one problem per requested direction (`all`: every direction the op has)."""
     spec = get_op(op_name)
     directions = spec.directions if direction == "all" else (direction,)
     unknown = [d for d in directions if d not in spec.directions]
     if unknown:
         raise UsageError(f"op {op_name!r} has no direction {unknown[0]!r}; it has {', '.join(spec.directions)}")
+    given = {k: v for k, v in shape.items() if v is not None}
+    foreign = [k for k in given if k not in spec.options]
+    if foreign:
+        raise UsageError(f"{_flag(foreign[0])} does not apply to {op_name}; its shape options are "
+                         f"{' '.join(_flag(o) for o in spec.options)}")
     options = spec.default_problem_options()
-    options.update({k: v for k, v in given.items() if v is not None})
+    options.update(given)
     return spec, [spec.problem(**options, direction=d) for d in directions]
 
 
@@ -112,12 +130,12 @@ def cli() -> None:
 @click.option("--keep-trace", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the profiler traces (xplane) here, to open with xprof.")
 @_handle_errors
-def sweep(op, backend, m, k, n, groups, dtype, out_dtype, distribution, direction, seed, workers, samples,
-          max_candidates, profile_dir, keep_trace):
+def sweep(op, backend, distribution, direction, seed, workers, samples, max_candidates, profile_dir, keep_trace,
+          **shape):
     """Sweep a kernel's configs for one shape and store the fastest correct one."""
     from moe_tune.tuner import SweepSpec, run_sweep
 
-    spec, problems = _problems(op, direction, m=m, k=k, n=n, groups=groups, dtype=dtype, out_dtype=out_dtype)
+    spec, problems = _problems(op, direction, shape)
     impl = spec.backends.resolve(backend, devices.platform())
     for problem in problems:
         sweep_spec = SweepSpec(op, problem, backend=backend, distribution=distribution, seed=seed,
@@ -181,8 +199,7 @@ def report(op, fmt, profile_dir):
         out.print("No tuned entries yet: run `moe-tune sweep`.")
     else:
         table = Table(title="Tuned configs", title_justify="left")
-        shown = ["device_kind", "op", "direction", "backend", "m", "k", "n", "groups", "dtype", "distribution",
-                 "config", "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing"]
+        shown = ["device_kind", "op", "direction", "backend", "shape", "dtype", "distribution", "config", "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing"]
         for column in shown:
             table.add_column(column, justify="right" if frame[column].dtype.kind in "if" else "left")
         for _, row in frame.iterrows():
@@ -200,11 +217,11 @@ def _cell(value) -> str:
 @shape_options
 @click.option("--device-kind", default=None, help="Look up tables of another device kind (default: this one).")
 @_handle_errors
-def lookup(op, backend, m, k, n, groups, dtype, out_dtype, distribution, direction, device_kind):
+def lookup(op, backend, distribution, direction, device_kind, **shape):
     """Explain which config the runtime would use for a shape, and why."""
     from moe_tune.profiles import lookup as do_lookup
 
-    spec, problems = _problems(op, direction, m=m, k=k, n=n, groups=groups, dtype=dtype, out_dtype=out_dtype)
+    spec, problems = _problems(op, direction, shape)
     for problem in problems:
         result = do_lookup(op, problem, backend=backend, distribution=distribution, device_kind=device_kind,
                            strict=True)

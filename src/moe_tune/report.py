@@ -11,9 +11,12 @@ from moe_tune.profiles import dirs
 from moe_tune.profiles.table import read_table
 
 COLUMNS = [
-    "device_kind", "op", "direction", "backend", "m", "k", "n", "groups", "dtype", "distribution", "config",
+    "device_kind", "op", "direction", "backend", "shape", "dtype", "distribution", "config",
     "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing", "source", "tuned_at",
 ]
+
+
+_NOT_SHAPE = ("direction", "backend", "distribution")
 
 
 def table_files(profile_dir: Path | None = None, op: str | None = None) -> list[tuple[str, Path]]:
@@ -28,7 +31,7 @@ def table_files(profile_dir: Path | None = None, op: str | None = None) -> list[
 
 def _row(entry: dict[str, Any], table: dict[str, Any], origin: str) -> dict[str, Any]:
     fields = entry["fields"]
-    dtypes = {fields.get("lhs_dtype"), fields.get("rhs_dtype"), fields.get("out_dtype")} - {None}
+    dtypes = {str(v) for k, v in fields.items() if k.endswith("dtype")}
     default = entry.get("default") or {}
     timing = entry.get("timing") or {}
     counts = entry.get("candidates") or {}
@@ -38,7 +41,7 @@ def _row(entry: dict[str, Any], table: dict[str, Any], origin: str) -> dict[str,
         "op": table.get("op"),
         "direction": fields.get("direction"),
         "backend": fields.get("backend"),
-        "m": fields.get("m"), "k": fields.get("k"), "n": fields.get("n"), "groups": fields.get("groups"),
+        "shape": " ".join(f"{k}={v}" for k, v in fields.items() if k not in _NOT_SHAPE and not k.endswith("dtype")),
         "dtype": "/".join(sorted(dtypes)),
         "distribution": fields.get("distribution"),
         "config": " ".join(f"{k}={v}" for k, v in config.items()) or "-",
@@ -64,4 +67,4 @@ def entries_frame(profile_dir: Path | None = None, op: str | None = None) -> pd.
             seen.add(ident)
             rows.append(_row(entry, table, origin))
     frame = pd.DataFrame(rows, columns=COLUMNS)
-    return frame.sort_values(["device_kind", "op", "direction", "m", "k", "n", "groups"], ignore_index=True)
+    return frame.sort_values(["device_kind", "op", "direction", "shape"], ignore_index=True)

@@ -7,9 +7,10 @@ from moe_tune.kernels.spec import OpSpec
 
 
 def _specs() -> dict[str, OpSpec]:
-    from moe_tune.kernels.ragged_dot.spec import SPEC as ragged_dot
+    from moe_tune.kernels.gather.spec import DENSE_GATHER_REDUCE, RAGGED_GATHER, RAGGED_GATHER_REDUCE
+    from moe_tune.kernels.ragged_dot.spec import SPEC as RAGGED_DOT
 
-    return {ragged_dot.name: ragged_dot}
+    return {spec.name: spec for spec in (RAGGED_DOT, RAGGED_GATHER, RAGGED_GATHER_REDUCE, DENSE_GATHER_REDUCE)}
 
 
 def op_names() -> list[str]:

@@ -25,6 +25,7 @@ class OpSpec(abc.ABC):
     backends: ClassVar[BackendRegistry]
     description: ClassVar[str] = ""
     directions: ClassVar[tuple[str, ...]] = ("fwd",)  # separately tuned passes (e.g. fwd and gradients)
+    options: ClassVar[tuple[str, ...]] = ()  # the shape options `problem()` takes (CLI flags, model presets)
 
     @abc.abstractmethod
     def problem(self, **options: Any) -> Any:
@@ -49,6 +50,11 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def describe(self, problem: Any) -> str:
         """One-line human description of a problem."""
+
+    def distribution_record(self, problem: Any, distribution: str, seed: int,
+                            inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """What an entry records of the inputs it was tuned on, beyond the distribution's name and seed."""
+        return {"group_sizes": np.asarray(inputs["group_sizes"]).tolist()}
 
     def tolerance(self, problem: Any) -> float:
         dtypes = [v for k, v in problem.key_fields().items() if k.endswith("dtype")]

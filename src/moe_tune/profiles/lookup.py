@@ -1,5 +1,5 @@
 """Which config the runtime uses for a call, and why: an exact entry, the nearest entry (same everything
-but the token count m, nearest in log space), or the backend's heuristic default."""
+but the token counts, e.g. ragged_dot's m, nearest in log space), or the backend's heuristic default."""
 
 from __future__ import annotations
 
@@ -107,25 +107,29 @@ def _resolve(problem, impl, fields: dict[str, Any], key: str, device_kind: str,
     else:
         reason = "no entry for this shape"
 
+    # Nearest: every key field equal but the problem's size fields (token counts), which may differ, and the
+    # distribution, which should not; closest in log space.
+    sizes = type(problem).SIZE_FIELDS
     best: tuple[tuple[int, float, int], Path, dict[str, Any], Any] | None = None
     for rank, (path, table) in enumerate(tables):
         for entry in table["entries"].values():
             other = entry["fields"]
-            if any(other.get(f) != v for f, v in fields.items() if f not in ("m", "distribution")):
+            if any(other.get(f) != v for f, v in fields.items() if f not in (*sizes, "distribution")):
                 continue
-            if not isinstance(other.get("m"), int) or other["m"] <= 0:
+            if not all(isinstance(other.get(f), int) and other[f] > 0 for f in sizes):
                 continue
             try:
                 config = impl.coerce_config(entry["config"], problem)
             except MoeTuneError:
                 continue
-            score = (int(other.get("distribution") != distribution), abs(math.log(other["m"] / problem.m)), rank)
+            distance = sum(abs(math.log(other[f] / fields[f])) for f in sizes)
+            score = (int(other.get("distribution") != distribution), distance, rank)
             if best is None or score < best[0]:
                 best = (score, path, entry, config)
     if best is not None:
         _, path, entry, config = best
-        m, dist = entry["fields"]["m"], entry["fields"].get("distribution")
-        why = f"{reason}; nearest tuned m={m} ({dist}) in {path}"
+        tuned = " ".join(f"{f}={entry['fields'][f]}" for f in sizes)
+        why = f"{reason}; nearest tuned {tuned} ({entry['fields'].get('distribution')}) in {path}"
         return LookupResult(config, "nearest", key, impl.name, device_kind, path, entry, why)
     return LookupResult(impl.default_config(problem), "default", key, impl.name, device_kind, None, None,
                         f"{reason}; heuristic default")

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from moe_tune import devices, distributions
 from moe_tune.errors import MoeTuneError, UsageError
@@ -211,7 +210,7 @@ def _entry(spec, key, fields, problem, best, default, candidates, fallback, host
         "distribution": {
             "name": spec.distribution,
             "seed": spec.seed,
-            "group_sizes": np.asarray(host_inputs.get("group_sizes", [])).tolist(),
+            **get_op(spec.op).distribution_record(problem, spec.distribution, spec.seed, host_inputs),
         },
         "flops": get_op(spec.op).flops(problem),
         "versions": versions(),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +34,8 @@ class RaggedDotProblem:
     parallelism) `group_sizes` may hold more groups than that, but the work and the key only depend on
     the local count. `total_groups` is kept for input generation and is not part of the key.
     """
+
+    SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("m",)  # what `nearest` lookup may vary
 
     m: int
     k: int

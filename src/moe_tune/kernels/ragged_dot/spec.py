@@ -36,6 +36,7 @@ class RaggedDotSpec(OpSpec):
     backends = BACKENDS
     description = "grouped matmul lhs[m,k] x rhs[g,k,n] -> [m,n] (Megablox gmm)"
     directions = DIRECTIONS
+    options = ("m", "k", "n", "groups", "dtype", "out_dtype")
 
     def problem(
         self, *, m: int, k: int, n: int, groups: int, dtype: str = "float32", out_dtype: str | None = None,

@@ -1,0 +1,140 @@
+"""Tuner-facing description of dispatch and combine: problems from user-facing options (tokens, hidden size,
+top_k, experts, expert-parallel size), seeded routed inputs, the float64 references."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from moe_tune import distributions
+from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
+from moe_tune.kernels.gather.problem import GatherProblem
+from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
+from moe_tune.kernels.gather.registry import DENSE_GATHER_REDUCE_BACKENDS, GATHER_BACKENDS, GATHER_REDUCE_BACKENDS
+from moe_tune.kernels.spec import OpSpec
+
+# The default sweep: dispatch / combine of one Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts, top-8) for
+# 1024 tokens; a 64 MiB expert-ordered buffer that a 2-core CPU sweeps in well under a minute.
+DEFAULT_OPTIONS = {"tokens": 1024, "hidden": 2048, "top_k": 8, "experts": 128, "ep": 1, "dtype": "float32"}
+
+
+def routed_rows(problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
+    """How a router would lay the `rows = tokens * top_k` (token, k) entries out in expert order.
+
+    Expert loads come from the named distribution over `experts` experts. Returns `group_sizes` [experts],
+    `token_of_row` [rows] (the token each expert-ordered row copies: dispatch's indices), `row_of_entry`
+    [rows] (where entry t * top_k + j went: combine's indices) and `end`, the rows of the first
+    `experts / ep` experts (the shard whose range [0, end) is valid).
+    """
+    experts = problem.experts or DEFAULT_OPTIONS["experts"]
+    sizes = distributions.group_sizes(distribution, problem.rows, experts, seed)
+    rng = np.random.default_rng(seed)
+    entry_of_row = rng.permutation(problem.rows).astype(np.int32)  # which entry lands in each sorted row
+    row_of_entry = np.empty(problem.rows, np.int32)
+    row_of_entry[entry_of_row] = np.arange(problem.rows, dtype=np.int32)
+    end = int(np.sum(sizes[: experts // problem.ep]))
+    return {"group_sizes": sizes, "token_of_row": entry_of_row // problem.top_k, "row_of_entry": row_of_entry,
+            "end": end}
+
+
+class _GatherOpSpec(OpSpec):
+    options: ClassVar[tuple[str, ...]] = ("tokens", "hidden", "top_k", "experts", "ep", "dtype")
+    default_weighted: ClassVar[bool] = True
+
+    def problem(self, *, tokens: int, hidden: int, top_k: int, dtype: str = "float32", experts: int | None = None,
+                ep: int = 1, weighted: bool | None = None, direction: str = "fwd", **_: Any) -> GatherProblem:
+        return GatherProblem(tokens=tokens, rows=tokens * top_k, hidden=hidden, dtype=dtype, experts=experts,
+                             ep=ep, weighted=self.default_weighted if weighted is None else weighted,
+                             direction=direction)
+
+    def default_problem_options(self) -> dict[str, Any]:
+        return dict(DEFAULT_OPTIONS)
+
+    def distribution_record(self, problem: GatherProblem, distribution: str, seed: int,
+                            inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        routed = routed_rows(problem, distribution, seed)
+        return {"group_sizes": routed["group_sizes"].tolist(), "experts": len(routed["group_sizes"]),
+                "ep": problem.ep, "valid_fraction": routed["end"] / problem.rows}
+
+    def describe(self, problem: GatherProblem) -> str:
+        weights = "" if problem.weighted else " unweighted"
+        return (f"{self.name} tokens={problem.tokens} top_k={problem.top_k} hidden={problem.hidden} "
+                f"{problem.dtype}{weights} (ep={problem.ep})")
+
+
+class RaggedGatherSpec(_GatherOpSpec):
+    name = "ragged_gather"
+    backends = GATHER_BACKENDS
+    description = "dispatch: x[tokens,d] -> [tokens*top_k,d] in expert order, rows in [start,end) only"
+    options = (*_GatherOpSpec.options, "weighted")
+    default_weighted = False  # MoE dispatch copies tokens; the top-k weights are applied at combine
+
+    def make_inputs(self, problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
+        routed = routed_rows(problem, distribution, seed)
+        rng = np.random.default_rng(seed + 1)
+        dtype = jax.numpy.dtype(problem.dtype)
+        inputs = {"x": rng.standard_normal((problem.tokens, problem.hidden), np.float32).astype(dtype),
+                  "indices": routed["token_of_row"], "start": np.int32(0), "end": np.int32(routed["end"])}
+        if problem.weighted:
+            inputs["weights"] = rng.random(problem.rows, np.float32)
+        return inputs
+
+    def reference(self, problem: GatherProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        return ragged_gather_reference(inputs["x"], inputs["indices"], inputs["start"], inputs["end"],
+                                       inputs.get("weights"))
+
+    def run(self, backend: Backend, config: KernelConfig, problem: GatherProblem,
+            inputs: Mapping[str, jax.Array]) -> jax.Array:
+        return backend.gather(inputs["x"], inputs["indices"], inputs["start"], inputs["end"], inputs.get("weights"),
+                              config=config)
+
+
+class _GatherReduceSpec(_GatherOpSpec):
+    masked: ClassVar[bool]
+
+    def make_inputs(self, problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
+        """Expert outputs x [rows, hidden] in expert order; with a mask, rows past the shard's range are
+        NaN (another shard computed them) and must not be read."""
+        routed = routed_rows(problem, distribution, seed)
+        rng = np.random.default_rng(seed + 1)
+        x = rng.standard_normal((problem.rows, problem.hidden), np.float32)
+        weights = rng.random((problem.tokens, problem.top_k), np.float32)
+        inputs = {"indices": routed["row_of_entry"],
+                  "weights": (weights / weights.sum(axis=1, keepdims=True)).reshape(-1)}
+        if self.masked:
+            x[routed["end"]:] = np.nan
+            inputs["valid"] = routed["row_of_entry"] < routed["end"]
+        inputs["x"] = x.astype(jax.numpy.dtype(problem.dtype))
+        return inputs
+
+    def reference(self, problem: GatherProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        return gather_reduce_reference(inputs["x"], inputs["indices"], inputs["weights"], inputs.get("valid"),
+                                       problem.top_k)
+
+    def run(self, backend: Backend, config: KernelConfig, problem: GatherProblem,
+            inputs: Mapping[str, jax.Array]) -> jax.Array:
+        return backend.gather_reduce(inputs["x"], inputs["indices"], inputs["weights"], inputs.get("valid"),
+                                     problem.top_k, config=config)
+
+
+class RaggedGatherReduceSpec(_GatherReduceSpec):
+    name = "ragged_gather_reduce"
+    backends: ClassVar[BackendRegistry] = GATHER_REDUCE_BACKENDS
+    description = "combine: [tokens*top_k,d] -> [tokens,d], weighted sum of each token's valid rows"
+    masked = True
+
+
+class DenseGatherReduceSpec(_GatherReduceSpec):
+    name = "dense_gather_reduce"
+    backends: ClassVar[BackendRegistry] = DENSE_GATHER_REDUCE_BACKENDS
+    description = "combine without a mask (pure tensor parallelism): weighted sum of each token's rows"
+    masked = False
+    options = ("tokens", "hidden", "top_k", "experts", "dtype")
+
+
+RAGGED_GATHER = RaggedGatherSpec()
+RAGGED_GATHER_REDUCE = RaggedGatherReduceSpec()
+DENSE_GATHER_REDUCE = DenseGatherReduceSpec()

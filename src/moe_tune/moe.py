@@ -1,0 +1,95 @@
+"""`moe_mlp`: a whole routed-expert MoE block built from moe-tune's tuned kernels.
+
+route (softmax, top-k) -> sort the (token, k) entries by expert -> `ragged_gather` (dispatch) -> three
+`ragged_dot`s (gate, up, down) -> `ragged_gather_reduce` weighted by the top-k weights (combine). With
+`expert_offset` the weights hold one expert-parallel shard's experts: only that shard's rows are gathered
+and multiplied, and the result is this shard's partial sum (add the shards' outputs, e.g. with a psum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels.gather.op import ragged_gather, ragged_gather_reduce
+from moe_tune.kernels.ragged_dot.op import ragged_dot
+
+
+def route(router_logits: jax.Array, top_k: int, *, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Softmax over experts, then the top_k: (weights float32 [tokens, top_k], experts int32 [tokens, top_k]).
+    `renormalize` rescales each token's top_k weights to sum to 1 (Mixtral, Qwen3-MoE)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def moe_mlp(
+    x: jax.Array,
+    router_logits: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    top_k: int,
+    *,
+    expert_offset: jax.Array | int | None = None,
+    renormalize: bool = True,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    skip_zero_weights: bool = False,
+    ragged_gather_fallback: bool | None = None,
+    ragged_gather_reduce_fallback: bool | None = None,
+) -> jax.Array:
+    """A gated-MLP MoE block: `out[t] = sum_k w[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t]))`, e = expert k
+    of token t. Differentiable in x, router_logits and the three weights.
+
+    Args:
+      x: [tokens, hidden].
+      router_logits: [tokens, experts] (all experts, also under expert parallelism).
+      w_gate, w_up: [local_experts, hidden, intermediate]; w_down: [local_experts, intermediate, hidden].
+      top_k: experts per token.
+      expert_offset: first expert of this shard when local_experts < experts (int32 scalar, may be traced);
+        None means every expert is local.
+      renormalize, activation: see `route`; the activation of the gate projection (SiLU).
+      skip_zero_weights, ragged_gather_fallback, ragged_gather_reduce_fallback: passed to the gather ops.
+
+    Returns:
+      [tokens, hidden] in x.dtype: this shard's experts' contribution (all of it without expert_offset).
+    """
+    tokens, hidden = x.shape
+    experts = router_logits.shape[-1]
+    local = w_gate.shape[0]
+    if router_logits.shape != (tokens, experts):
+        raise UsageError(f"router_logits must be [tokens, experts] = [{tokens}, E], got {router_logits.shape}")
+    if w_up.shape != w_gate.shape or w_down.shape != (local, w_gate.shape[2], hidden) or w_gate.shape[1] != hidden:
+        raise UsageError(f"expert weights disagree: w_gate {w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape}"
+                         f" for hidden {hidden}")
+    if not 0 < top_k <= experts:
+        raise UsageError(f"top_k must be in [1, {experts}], got {top_k}")
+    if expert_offset is None and local != experts:
+        raise UsageError(f"the weights hold {local} experts but the router {experts}: pass expert_offset")
+    flags = {"ragged_gather_fallback": ragged_gather_fallback,
+             "ragged_gather_reduce_fallback": ragged_gather_reduce_fallback}
+
+    weights, chosen = route(router_logits, top_k, renormalize=renormalize)
+    entries = tokens * top_k
+    flat_expert = chosen.reshape(entries)
+    entry_of_row = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)  # expert-ordered row -> entry
+    row_of_entry = jnp.zeros((entries,), jnp.int32).at[entry_of_row].set(jnp.arange(entries, dtype=jnp.int32))
+    group_sizes = jnp.bincount(flat_expert, length=experts).astype(jnp.int32)
+
+    offset = None if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
+    ends = jnp.cumsum(group_sizes)
+    start = jnp.int32(0) if offset is None else ends[offset] - group_sizes[offset]
+    end = ends[-1] if offset is None else ends[offset + local - 1]
+
+    rows = ragged_gather(x, entry_of_row // top_k, start, end, **flags)  # [entries, hidden], expert order
+    gate = ragged_dot(rows, w_gate, group_sizes, group_offset=offset)
+    up = ragged_dot(rows, w_up, group_sizes, group_offset=offset)
+    expert_out = ragged_dot(activation(gate) * up, w_down, group_sizes, group_offset=offset)
+    valid = (row_of_entry >= start) & (row_of_entry < end)
+    return ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k,
+                                skip_zero_weights=skip_zero_weights, **flags)
