@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/ragged_dot_cpu.py
+	$(PY) benchmarks/gather_cpu.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

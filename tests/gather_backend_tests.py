@@ -9,6 +9,7 @@ zero, weighting and accumulation are in float32.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -40,6 +41,13 @@ def relative_error(out, expected) -> float:
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-30)
     return float(np.max(np.abs(out - expected), initial=0.0)) / scale
+
+
+@functools.cache
+def _jitted_gather(impl, config):
+    """One jitted dispatch per (backend, config): start and end are traced, so every range a test tries
+    reuses one compile (what interpret-mode backends spend their test time on)."""
+    return jax.jit(lambda x, i, s, e, w: impl.gather(x, i, s, e, w, config=config))
 
 
 class _BackendCase:
@@ -83,8 +91,7 @@ class GatherBackendTests(_BackendCase):
     registry = GATHER_BACKENDS
 
     def run(self, x, indices, start, end, weights, config):
-        fn = jax.jit(lambda x, i, s, e, w: self.impl.gather(x, i, s, e, w, config=config))
-        return fn(x, indices, jnp.int32(start), jnp.int32(end), weights)
+        return _jitted_gather(self.impl, config)(x, indices, jnp.int32(start), jnp.int32(end), weights)
 
     @pytest.mark.parametrize("weighted", [True, False])
     def test_matches_reference(self, dtype, weighted):

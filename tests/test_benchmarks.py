@@ -41,3 +41,17 @@ def test_gpu_check_smoke(tmp_path):
         assert "error" not in case, case.get("traceback")
         assert case["default_error"] < 0.05 and case["sweep"]["candidates"]["tried"] == 2
     assert "wrote" in out
+
+
+@pytest.mark.slow
+def test_gather_benchmark_prints_every_ratio(tmp_path):
+    out = _run(["benchmarks/gather_cpu.py", "--tokens", "64", "--hidden", "128", "--top-k", "4", "--experts", "16",
+                "--ep", "1,4", "--samples", "2", "--json", str(tmp_path / "g.json")], tmp_path)
+    results = json.loads((tmp_path / "g.json").read_text())["results"]
+    assert [(r["op"], r["ep"]) for r in results] == [("ragged_gather", 1), ("ragged_gather", 4),
+                                                     ("ragged_gather_reduce", 1), ("ragged_gather_reduce", 4),
+                                                     ("dense_gather_reduce", 1)]
+    for r in results:
+        assert set(r["times_s"]) == {"tuned", "default", "fallback", "copy"} and r["copy_gbps"] > 0
+    assert 0.1 < results[1]["valid_fraction"] < 0.4 and results[0]["valid_fraction"] == 1.0
+    assert out.count("ratios:") == 5 and "Ragged time vs the same op" in out

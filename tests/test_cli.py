@@ -58,6 +58,22 @@ def test_sweep_report_lookup_round_trip(run, tmp_path, isolated_profiles):
     assert "source: default" in none.output
 
 
+@pytest.mark.parametrize("op", ["ragged_gather", "ragged_gather_reduce", "dense_gather_reduce"])
+def test_gather_op_sweep_then_lookup_is_exact(run, op, isolated_profiles):
+    shape = ["--tokens", "64", "--hidden", "128", "--top-k", "4", "--experts", "8"]
+    if op != "dense_gather_reduce":
+        shape += ["--ep", "2"]
+    result = run("sweep", "--op", op, *shape, "--samples", "2", "--max-candidates", "2", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    assert f"{op} tokens=64 top_k=4 hidden=128" in result.output and "2 tried" in result.output
+    assert (isolated_profiles / "cpu" / f"{op}.json").exists()
+    found = run("lookup", "--op", op, *shape)
+    assert found.exit_code == 0 and "source: exact" in found.output, found.output
+    near = run("lookup", "--op", op, "--tokens", "80", "--hidden", "128", "--top-k", "4")
+    assert "source: nearest" in near.output and "tokens=64 rows=256" in near.output
+    assert "tokens=64 rows=256 hidden=128" in run("report", "--op", op, "--format", "csv").output
+
+
 def test_sweep_to_explicit_profile_dir(run, tmp_path):
     result = run("sweep", *TINY, "--backend", "xla", "--profile-dir", str(tmp_path / "p"))
     assert result.exit_code == 0, result.output
@@ -76,6 +92,11 @@ def test_sweep_to_explicit_profile_dir(run, tmp_path):
         (["sweep", "--distribution", "lopsided"], 2, "lopsided"),
         (["lookup", "--backend", "nope"], 2, "unknown backend"),
         (["sweep", "--samples", "0"], 2, "0"),
+        (["sweep", "--op", "ragged_gather", "--m", "64"], 2, "--m does not apply to ragged_gather"),
+        (["lookup", "--tokens", "64"], 2, "--tokens does not apply to ragged_dot"),
+        (["sweep", "--op", "dense_gather_reduce", "--ep", "2"], 2, "--ep does not apply"),
+        (["sweep", "--op", "ragged_gather", "--experts", "6", "--ep", "4"], 2, "multiple of the expert-parallel"),
+        (["sweep", "--op", "ragged_gather", "--direction", "dlhs"], 2, "has no direction 'dlhs'"),
     ],
 )
 def test_user_mistakes_get_one_line_and_exit_code(run, args, code, message):

@@ -1,15 +1,25 @@
-"""Side-by-side timing of one ragged_dot problem: tuned vs default config of a backend vs XLA's ragged dot
-vs a dense matmul of the same FLOPs, all compiled once and timed interleaved in the same trace rounds."""
+"""Side-by-side timing of one problem: every variant compiled once and timed interleaved in the same trace
+rounds (`time_variants`).
+
+- ragged_dot (`compare`): tuned vs default config of a backend vs XLA's ragged dot vs a dense matmul of the
+  same FLOPs.
+- dispatch / combine (`compare_gather`): tuned vs default config vs the plain-JAX fallback vs a copy of
+  the same bytes (this machine's copy bandwidth, measured in the same rounds).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from moe_tune import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.gather.problem import GatherProblem
+from moe_tune.kernels.gather.registry import FALLBACK
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.tuner.timing import time_candidates, traceable
 
@@ -21,6 +31,22 @@ DENSE = {
 }
 
 
+def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, samples: int = 7) -> dict[str, Any]:
+    """Compile each `fn(inputs)` once, then time them all interleaved: medians (s), spreads, the clock."""
+    names = list(variants)
+    compiled = {i: traceable(variants[name], i).lower(inputs).compile() for i, name in enumerate(names)}
+    for c in compiled.values():
+        jax.block_until_ready(c(inputs))
+    timings, fallback = time_candidates({i: (lambda c=c: c(inputs)) for i, c in compiled.items()},
+                                        samples=samples, platform=devices.platform())
+    return {
+        "times_s": {name: timings[i].median_s for i, name in enumerate(names)},
+        "spread": {name: timings[i].spread for i, name in enumerate(names)},
+        "timing_method": timings[0].method,
+        "timing_fallback": fallback,
+    }
+
+
 def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
             seed: int = 1) -> dict[str, Any]:
     """Times (s), spreads and ratios of: `backend` tuned, `backend` default, xla, dense."""
@@ -29,27 +55,18 @@ def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, sam
     default = impl.default_config(problem)
     inputs = jax.device_put(spec.make_inputs(problem, "balanced", seed=seed))
     run = lambda b, config: lambda x: b.run(problem, config, x["a"], x["b"], x["group_sizes"])
-    variants = {
+    measured = time_variants({
         "tuned": run(impl, tuned),
         "default": run(impl, default),
         "xla": run(xla, xla.default_config(problem)),
         "dense": lambda x: DENSE[problem.direction](x["a"], x["b"]),
-    }
-    names = list(variants)
-    compiled = {i: traceable(variants[name], i).lower(inputs).compile() for i, name in enumerate(names)}
-    for c in compiled.values():
-        jax.block_until_ready(c(inputs))
-    timings, fallback = time_candidates({i: (lambda c=c: c(inputs)) for i, c in compiled.items()},
-                                        samples=samples, platform=devices.platform())
-    times = {name: timings[i].median_s for i, name in enumerate(names)}
+    }, inputs, samples=samples)
+    times = measured["times_s"]
     return {
         "backend": backend,
         "tuned_config": tuned.to_dict(),
         "default_config": default.to_dict(),
-        "times_s": times,
-        "spread": {name: timings[i].spread for i, name in enumerate(names)},
-        "timing_method": timings[0].method,
-        "timing_fallback": fallback,
+        **measured,
         "tflops": {name: problem.flops / t / 1e12 for name, t in times.items()},
         "ratios": {
             "tuned_vs_dense": times["tuned"] / times["dense"],
@@ -72,3 +89,45 @@ def format_comparison(result: dict[str, Any]) -> list[str]:
     lines.append(f"  time ratios: default/tuned {r['default_vs_tuned']:.2f}{same}, xla/tuned {r['xla_vs_tuned']:.2f}, "
                  f"tuned/dense {r['tuned_vs_dense']:.2f}")
     return lines
+
+
+def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
+                   distribution: str = "balanced", seed: int = 1) -> dict[str, Any]:
+    """Times (s) and ratios of `backend` tuned / default, the plain-JAX fallback, and `copy`: a jitted
+    elementwise copy of an array the size of the op's output, whose bytes read + written give the copy
+    bandwidth. `roofline_s` is the op's least bytes moved at that bandwidth."""
+    spec = get_op(op)
+    impl, plain = spec.backends.get(backend), spec.backends.get(FALLBACK)
+    default = impl.default_config(problem)
+    host = spec.make_inputs(problem, distribution, seed)
+    valid_fraction = spec.distribution_record(problem, distribution, seed, host)["valid_fraction"]
+    inputs = jax.device_put(host)
+    out_rows = problem.tokens if op != "ragged_gather" else problem.rows
+    inputs["copy_source"] = jnp.ones((out_rows, problem.hidden), problem.dtype)
+    run = lambda b, config: lambda x: spec.run(b, config, problem, x)
+    measured = time_variants({
+        "tuned": run(impl, tuned),
+        "default": run(impl, default),
+        "fallback": run(plain, plain.default_config(problem)),
+        "copy": lambda x: x["copy_source"] + 1,  # not x * 1 or x + 0, which XLA may fold to no copy
+    }, inputs, samples=samples)
+    times = measured["times_s"]
+    copy_bytes = 2 * out_rows * problem.row_bytes()
+    bandwidth = copy_bytes / times["copy"]
+    least_bytes = spec.bytes_moved(problem, valid_fraction)
+    return {
+        "op": op,
+        "backend": backend,
+        "valid_fraction": valid_fraction,
+        "tuned_config": tuned.to_dict(),
+        "default_config": default.to_dict(),
+        **measured,
+        "copy_gbps": bandwidth / 1e9,
+        "least_bytes": least_bytes,
+        "roofline_s": least_bytes / bandwidth,
+        "ratios": {
+            "fallback_vs_tuned": times["fallback"] / times["tuned"],
+            "default_vs_tuned": times["default"] / times["tuned"],
+            "tuned_vs_roofline": times["tuned"] * bandwidth / least_bytes,
+        },
+    }

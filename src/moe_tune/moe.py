@@ -1,9 +1,10 @@
 """`moe_mlp`: a whole routed-expert MoE block built from moe-tune's tuned kernels.
 
 route (softmax, top-k) -> sort the (token, k) entries by expert -> `ragged_gather` (dispatch) -> three
-`ragged_dot`s (gate, up, down) -> `ragged_gather_reduce` weighted by the top-k weights (combine). With
+`ragged_dot`s (gate, up, down) -> `dense_gather_reduce` weighted by the top-k weights (combine). With
 `expert_offset` the weights hold one expert-parallel shard's experts: only that shard's rows are gathered
-and multiplied, and the result is this shard's partial sum (add the shards' outputs, e.g. with a psum).
+and multiplied, the combine is a `ragged_gather_reduce` over the shard's valid entries, and the result is this shard's
+partial sum (add the shards' outputs, e.g. with a psum).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.errors import UsageError
-from moe_tune.kernels.gather.op import ragged_gather, ragged_gather_reduce
+from moe_tune.kernels.gather.op import dense_gather_reduce, ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
 
 
@@ -90,6 +91,8 @@ def moe_mlp(
     gate = ragged_dot(rows, w_gate, group_sizes, group_offset=offset)
     up = ragged_dot(rows, w_up, group_sizes, group_offset=offset)
     expert_out = ragged_dot(activation(gate) * up, w_down, group_sizes, group_offset=offset)
+    combine = dict(skip_zero_weights=skip_zero_weights, **flags)
+    if offset is None:  # every expert is local: every entry is valid (the tensor-parallel combine)
+        return dense_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), top_k, **combine)
     valid = (row_of_entry >= start) & (row_of_entry < end)
-    return ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k,
-                                skip_zero_weights=skip_zero_weights, **flags)
+    return ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k, **combine)

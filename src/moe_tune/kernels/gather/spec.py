@@ -59,10 +59,16 @@ class _GatherOpSpec(OpSpec):
         return {"group_sizes": routed["group_sizes"].tolist(), "experts": len(routed["group_sizes"]),
                 "ep": problem.ep, "valid_fraction": routed["end"] / problem.rows}
 
+    def bytes_moved(self, problem: GatherProblem, valid_fraction: float = 1.0) -> int:
+        """Least bytes any kernel moves: each valid row read once, the whole output written once."""
+        out_rows = problem.rows if self.name == "ragged_gather" else problem.tokens
+        return round(valid_fraction * problem.rows + out_rows) * problem.row_bytes()
+
     def describe(self, problem: GatherProblem) -> str:
         weights = "" if problem.weighted else " unweighted"
+        ep = f" (ep={problem.ep})" if "ep" in self.options else ""
         return (f"{self.name} tokens={problem.tokens} top_k={problem.top_k} hidden={problem.hidden} "
-                f"{problem.dtype}{weights} (ep={problem.ep})")
+                f"{problem.dtype}{weights}{ep}")
 
 
 class RaggedGatherSpec(_GatherOpSpec):

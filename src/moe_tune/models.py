@@ -1,0 +1,116 @@
+"""Model presets: the expert-layer shapes of well-known MoE models, and the kernel calls of one of their layers.
+
+The shapes live in `moe_tune/data/models.json` (its `_about` text defines the fields); `kernel_problems`
+turns a preset into the tunable problems of one MoE layer, each built by its op's spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels import get_op
+
+DATA_FILE = "data/models.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+    """The routed-expert shapes of one model's MoE layer, from its published config.
+
+    Each routed expert is a gated MLP: gate and up projections [hidden -> expert_intermediate], down
+    projection [expert_intermediate -> hidden].
+
+    Attributes:
+      name: the preset's name (`deepseek-v3`).
+      hidden: model width (d_model).
+      expert_intermediate: one routed expert's FFN width.
+      experts: routed experts per MoE layer.
+      top_k: experts per token.
+      shared_experts: always-on experts (not routed; not part of the ragged kernels).
+    """
+
+    name: str
+    hidden: int
+    expert_intermediate: int
+    experts: int
+    top_k: int
+    shared_experts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    """One tunable kernel call of a MoE layer: the op's name, its role in the layer (`gate/up`, `down`,
+    `dispatch`, `combine`) and the problem object its spec built (`RaggedDotProblem` or `GatherProblem`)."""
+
+    op: str
+    role: str
+    problem: Any
+
+
+@functools.cache
+def presets() -> dict[str, ModelPreset]:
+    """All presets by name, read once from the package's models.json (entries starting with `_` are notes)."""
+    text = resources.files("moe_tune").joinpath(DATA_FILE).read_text(encoding="utf-8")
+    return {name: ModelPreset(name=name, **fields) for name, fields in json.loads(text).items()
+            if not name.startswith("_")}
+
+
+def get_preset(name: str) -> ModelPreset:
+    """The preset called `name`; UsageError naming the close matches and every preset otherwise."""
+    known = presets()
+    if name in known:
+        return known[name]
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise UsageError(f"unknown model {name!r}; {hint}known models: {', '.join(known)}")
+
+
+def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") -> KernelCase:
+    """A case built by the op's spec from the options it takes (`spec.options`)."""
+    spec = get_op(op)
+    taken = {key: value for key, value in options.items() if key in spec.options}
+    return KernelCase(op=op, role=role, problem=spec.problem(**taken, direction=direction))
+
+
+def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16") -> list[KernelCase]:
+    """Every tunable kernel call of one MoE layer of `preset`, for `tokens` tokens per expert-parallel shard.
+
+    Convention: `tokens` is the number of tokens one shard routes (x [tokens, hidden] on that shard); with
+    `ep` shards there are `ep * tokens` tokens in the layer. Each shard holds `groups = experts / ep` experts
+    (`ep` must divide `experts`).
+
+    - ragged_dot, roles `gate/up` (lhs [m, hidden] x rhs [groups, hidden, expert_intermediate]; gate and up
+      have the same shape, so one case) and `down` (lhs [m, expert_intermediate] x rhs [groups,
+      expert_intermediate, hidden]), each in directions fwd, dlhs and drhs. m = tokens * top_k: it is the
+      static row count of the expert-ordered buffer in `moe_tune.moe.moe_mlp` (every (token, k) entry gets a
+      row; a shard only multiplies the rows of its own experts, about m / ep of them, but the kernel and its
+      table key see the static m), and it is also the average number of rows a shard receives after an
+      all-to-all dispatch (ep shards each send tokens * top_k rows, spread over ep shards).
+    - dispatch, `ragged_gather`: x [tokens, hidden] -> [tokens * top_k, hidden] in expert order.
+    - combine: [tokens * top_k, hidden] -> [tokens, hidden]; `ragged_gather_reduce` (rows masked to the
+      shard's experts) when ep > 1, `dense_gather_reduce` (no mask) when ep == 1.
+
+    `dtype` is the dtype of activations and weights (all operands).
+    """
+    if not isinstance(tokens, int) or tokens < 1:
+        raise UsageError(f"tokens must be a positive integer, got {tokens!r}")
+    if not isinstance(ep, int) or ep < 1:
+        raise UsageError(f"ep must be a positive integer, got {ep!r}")
+    if preset.experts % ep:
+        raise UsageError(f"ep ({ep}) must divide {preset.name}'s {preset.experts} experts")
+    m, groups = tokens * preset.top_k, preset.experts // ep
+    matmuls = [("gate/up", preset.hidden, preset.expert_intermediate),
+               ("down", preset.expert_intermediate, preset.hidden)]
+    cases = [_build("ragged_dot", role, {"m": m, "k": k, "n": n, "groups": groups, "dtype": dtype}, direction)
+             for role, k, n in matmuls for direction in get_op("ragged_dot").directions]
+    gather = {"tokens": tokens, "hidden": preset.hidden, "top_k": preset.top_k, "experts": preset.experts,
+              "ep": ep, "dtype": dtype}
+    cases.append(_build("ragged_gather", "dispatch", gather))
+    cases.append(_build("ragged_gather_reduce" if ep > 1 else "dense_gather_reduce", "combine", gather))
+    return cases

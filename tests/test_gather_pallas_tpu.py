@@ -1,0 +1,72 @@
+"""The `pallas_tpu` dispatch and combine kernels against the float64 references, in Pallas TPU interpret mode
+off TPU (DMAs and semaphores simulated on the CPU; fresh VMEM is NaN, out-of-bounds DMAs raise)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gather_backend_tests import GatherBackendTests, GatherReduceBackendTests
+from moe_tune.kernels.gather.pallas_tpu import (
+    PallasTpuGather, PallasTpuGatherConfig, PallasTpuGatherReduce, PallasTpuGatherReduceConfig)
+from moe_tune.kernels.gather.problem import GatherProblem
+
+# Interpret mode is slow, so small shapes: 96 rows / 24 tokens, and 21 rows / 7 tokens (a partial last block),
+# each run with the default (one block spanning the array) and the smallest block (8 or 16 rows / tokens:
+# several blocks, some wholly outside a range).
+SHAPES = ((24, 4, 128), (7, 3, 256))
+MAX_CONFIGS = 2
+# One instance each, so the base tests' per-(backend, config) jit cache is hit.
+GATHER, GATHER_REDUCE = PallasTpuGather(), PallasTpuGatherReduce()
+
+
+class TestPallasTpuGather(GatherBackendTests):
+    backend = "pallas_tpu"
+    impl = property(lambda self: GATHER)  # registered in registry.py once it lands
+    shapes = SHAPES
+    max_configs = MAX_CONFIGS
+
+    def invalid_configs(self, problem):
+        too_tall = -(-problem.rows // 8) * 8 + 8
+        return [*super().invalid_configs(problem), {"block_rows": 0}, {"block_rows": 12},
+                {"block_rows": too_tall}, {"block_rows": 8, "dmas_in_flight": 0},
+                {"block_rows": 8, "dmas_in_flight": 16}, {"block_rows": too_tall - 8, "dmas_in_flight": 65}]
+
+
+class TestPallasTpuGatherReduce(GatherReduceBackendTests):
+    backend = "pallas_tpu"
+    impl = property(lambda self: GATHER_REDUCE)  # registered in registry.py once it lands
+    shapes = SHAPES
+    max_configs = MAX_CONFIGS
+
+    def invalid_configs(self, problem):
+        too_tall = -(-problem.tokens // 8) * 8 + 8
+        return [*super().invalid_configs(problem), {"block_tokens": -8}, {"block_tokens": 4},
+                {"block_tokens": too_tall}, {"block_tokens": 8, "dmas_in_flight": 8 * problem.top_k + 1}]
+
+
+@pytest.mark.parametrize("impl", [PallasTpuGather(), PallasTpuGatherReduce()], ids=["gather", "gather_reduce"])
+def test_unsupported_shapes_are_rejected_with_a_reason(impl):
+    cfg = impl.default_config(GatherProblem(tokens=64, rows=512, hidden=128))
+    assert "multiple of 128" in impl.config_error(cfg, GatherProblem(tokens=64, rows=512, hidden=200))
+    assert "SMEM" in impl.config_error(cfg, GatherProblem(tokens=65536, rows=524288, hidden=128))
+
+
+def test_vmem_budget_rejects_huge_blocks():
+    problem = GatherProblem(tokens=4096, rows=32768, hidden=8192, dtype="float32")
+    assert "VMEM" in PallasTpuGather().config_error(PallasTpuGatherConfig(1024, 16), problem)
+    assert "VMEM" in PallasTpuGatherReduce().config_error(PallasTpuGatherReduceConfig(256, 16), problem)
+
+
+def test_bf16_blocks_align_to_16_rows():
+    problem = GatherProblem(tokens=64, rows=512, hidden=256, dtype="bfloat16")
+    assert "multiple of 16" in PallasTpuGather().config_error(PallasTpuGatherConfig(8, 8), problem)
+    assert PallasTpuGather().config_error(PallasTpuGatherConfig(16, 8), problem) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 128), (5, 2, 128), (4096, 8, 7168), (16384, 8, 16384),
+                                                 (256, 64, 2048), (32768, 1, 65536)])
+def test_default_config_is_valid(dtype, tokens, top_k, hidden):
+    problem = GatherProblem(tokens=tokens, rows=tokens * top_k, hidden=hidden, dtype=dtype)
+    for impl in (PallasTpuGather(), PallasTpuGatherReduce()):
+        assert impl.config_error(impl.default_config(problem), problem) is None, impl
