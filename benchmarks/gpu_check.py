@@ -1,5 +1,6 @@
-"""The whole GPU check in one call: the `triton` ragged_dot kernels compiled for real, checked at real MoE
-sizes, swept, and timed against XLA's ragged dot and a dense bf16 matmul of the same FLOPs.
+"""The whole GPU check in one call: the `triton` kernels compiled for real, checked at real MoE sizes,
+swept, and timed: ragged_dot against XLA's ragged dot and a dense bf16 matmul of the same FLOPs; dispatch
+and combine against the plain-JAX fallback and the device's copy bandwidth measured in the same rounds.
 
     python benchmarks/gpu_check.py                 # on the GPU machine; JSON to $OUT (or --out)
     python benchmarks/gpu_check.py --small         # the same steps at toy sizes (CPU: interpret mode)
@@ -8,6 +9,8 @@ Shapes (bf16, balanced group sizes), all three directions of the up projection:
   * DeepSeek-V3 expert layer: hidden 7168 -> expert width 2048, 256 experts over an expert-parallel group
     of 8 (32 local experts), 4096 tokens x top-8 routed / 8 shards = 4096 rows per shard;
   * Mixtral-8x7B: hidden 4096 -> 14336, 8 experts, 4096 tokens x top-2 = 8192 rows.
+Dispatch / combine (bf16): DeepSeek-V3 (4096 tokens, hidden 7168, top-8, 256 experts, ep=8: ragged ops) and
+Mixtral-8x7B (4096 tokens, hidden 4096, top-2, ep=1: the dense combine).
 Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished.
 """
 
@@ -33,6 +36,40 @@ SHAPES = {
     "mixtral-8x7b": dict(m=8192, k=4096, n=14336, groups=8),
 }
 SMALL = {"toy": dict(m=128, k=64, n=64, groups=4)}
+GATHER_SHAPES = {
+    "deepseek-v3 (ep=8)": dict(tokens=4096, hidden=7168, top_k=8, experts=256, ep=8),
+    "mixtral-8x7b": dict(tokens=4096, hidden=4096, top_k=2, experts=8, ep=1),
+}
+GATHER_SMALL = {"toy (ep=2)": dict(tokens=32, hidden=128, top_k=4, experts=8, ep=2),
+                "toy": dict(tokens=32, hidden=128, top_k=4, experts=8, ep=1)}
+GATHER_OPS = ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
+
+
+def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dict:
+    """Sweep `triton` for one dispatch / combine problem and time it against the fallback and a copy."""
+    spec = get_op(op)
+    problem = spec.problem(**{k: v for k, v in shape.items() if k in spec.options}, dtype=args.dtype)
+    case = {"model": name, "op": op, "shape": problem.key_fields()}
+    started = time.perf_counter()
+    sweep = run_sweep(SweepSpec(op, problem, backend="triton", samples=3, max_candidates=args.max_candidates,
+                                profile_dir=profile_dir))
+    case["sweep"] = {key: sweep.entry[key] for key in ("candidates", "failures", "timing_fallback")}
+    case["sweep"]["wall_s"] = time.perf_counter() - started
+    case["default_error"] = sweep.default.error
+    case.update(bench.compare_gather(op, problem, "triton", sweep.best.config, samples=args.samples))
+    t, r = case["times_s"], case["ratios"]
+    print(f"\n{name}: {spec.describe(problem)}, valid fraction {case['valid_fraction']:.3f}")
+    print("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items())
+          + f"; copy {case['copy_gbps']:.0f} GB/s; fallback/tuned {r['fallback_vs_tuned']:.2f}, "
+            f"tuned/roofline {r['tuned_vs_roofline']:.2f}", flush=True)
+    return case
+
+
+def _record(report: dict, case: dict, out_path: Path) -> None:
+    """Append a case and rewrite the JSON at once: a run cut short keeps every finished case."""
+    report["cases"].append(case)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=1, default=str))
 
 
 def main() -> int:
@@ -43,7 +80,9 @@ def main() -> int:
     parser.add_argument("--max-candidates", type=int, default=40, help="per sweep (the default config is first)")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--ops", default="ragged_dot," + ",".join(GATHER_OPS))
     args = parser.parse_args()
+    ops = args.ops.split(",")
 
     spec = get_op("ragged_dot")
     out_path = Path(args.out) / "gpu_check.json"
@@ -54,7 +93,7 @@ def main() -> int:
     }
     print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as profile_dir:
-        for name, shape in (SMALL if args.small else SHAPES).items():
+        for name, shape in (SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
             for direction in args.directions.split(","):
                 problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
                 case = {"model": name, "shape": problem.key_fields()}
@@ -72,9 +111,18 @@ def main() -> int:
                     case["error"] = f"{type(e).__name__}: {e}"
                     case["traceback"] = traceback.format_exc()[-4000:]
                     print(f"\n{name} {direction}: FAILED {case['error'][:300]}", flush=True)
-                report["cases"].append(case)
-                out_path.parent.mkdir(parents=True, exist_ok=True)
-                out_path.write_text(json.dumps(report, indent=1, default=str))
+                _record(report, case, out_path)
+        for op in (op for op in GATHER_OPS if op in ops):
+            for name, shape in (GATHER_SMALL if args.small else GATHER_SHAPES).items():
+                if (op == "dense_gather_reduce") != (shape["ep"] == 1):
+                    continue  # the dense combine is the ep=1 case, the ragged ops the expert-parallel one
+                try:
+                    case = _gather_case(op, name, shape, args, profile_dir)
+                except Exception as e:  # noqa: BLE001 - record it and go on to the next case
+                    case = {"model": name, "op": op, "error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc()[-4000:]}
+                    print(f"\n{name} {op}: FAILED {case['error'][:300]}", flush=True)
+                _record(report, case, out_path)
     print(f"\nwrote {out_path}")
     return 0 if all("error" not in c for c in report["cases"]) else 1
 

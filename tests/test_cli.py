@@ -74,6 +74,17 @@ def test_gather_op_sweep_then_lookup_is_exact(run, op, isolated_profiles):
     assert "tokens=64 rows=256 hidden=128" in run("report", "--op", op, "--format", "csv").output
 
 
+def test_models_lists_presets_and_one_layers_kernels(run):
+    listing = run("models")
+    assert listing.exit_code == 0 and "deepseek-v3" in listing.output and "mixtral-8x7b" in listing.output
+    layer = run("models", "qwen3-30b-a3b", "--tokens", "512", "--ep", "4")
+    assert layer.exit_code == 0, layer.output
+    assert "ragged_dot drhs m=4096 k=2048 n=768 g=32 bfloat16" in layer.output
+    assert "ragged_gather_reduce tokens=512 top_k=8 hidden=2048 bfloat16 (ep=4)" in layer.output
+    typo = run("models", "qwen3-30b")
+    assert typo.exit_code == 2 and "did you mean" in typo.output and "Traceback" not in typo.output
+
+
 def test_sweep_to_explicit_profile_dir(run, tmp_path):
     result = run("sweep", *TINY, "--backend", "xla", "--profile-dir", str(tmp_path / "p"))
     assert result.exit_code == 0, result.output

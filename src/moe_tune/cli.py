@@ -252,6 +252,35 @@ def ops():
     out.print(table)
 
 
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Tokens per expert-parallel shard (with NAME: the kernel calls of one layer).")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="Expert-parallel size.")
+@click.option("--dtype", type=click.Choice(SUPPORTED_DTYPES), default="bfloat16", show_default=True)
+@_handle_errors
+def models(name, tokens, ep, dtype):
+    """List the model presets, or the tunable kernel calls of one layer of model NAME."""
+    from moe_tune import models as presets
+
+    if name is None:
+        table = Table(title="Model presets (routed-expert shapes)", title_justify="left")
+        for column in ("model", "hidden", "expert_intermediate", "experts", "top_k", "shared_experts"):
+            table.add_column(column, justify="left" if column == "model" else "right")
+        for preset in presets.presets().values():
+            table.add_row(preset.name, *(str(getattr(preset, f)) for f in
+                                         ("hidden", "expert_intermediate", "experts", "top_k", "shared_experts")))
+        out.print(table)
+        return
+    preset = presets.get_preset(name)
+    table = Table(title=f"{name}: one MoE layer, {tokens} tokens per shard, ep={ep}, {dtype}", title_justify="left")
+    for column in ("op", "role", "problem"):
+        table.add_column(column)
+    for case in presets.kernel_problems(preset, tokens, ep=ep, dtype=dtype):
+        table.add_row(case.op, case.role, get_op(case.op).describe(case.problem))
+    out.print(table)
+
+
 def main() -> None:
     cli(prog_name="moe-tune")
 
