@@ -312,3 +312,15 @@ def test_sweep_inputs_hide_other_shards_rows_as_nan():
     gather = RAGGED_GATHER.make_inputs(RAGGED_GATHER.problem(tokens=32, hidden=128, top_k=4, experts=8, ep=4),
                                        "balanced", 0)
     assert 0 < gather["end"] < 32 * 4
+
+
+def test_shape_a_backend_cannot_serve_runs_on_the_plain_path(data, caplog):
+    """pallas_tpu needs hidden % 128 == 0; without a caller's config the op still runs (plain path) and says why."""
+    caplog.set_level(logging.INFO, logger="moe_tune")
+    out = moe_tune.ragged_gather(data["x"], data["gather_indices"], 0, ROWS, backend="pallas_tpu")  # hidden 32
+    assert close(out, ragged_gather_reference(data["x"], data["gather_indices"], 0, ROWS))
+    assert backends_used(caplog) == [("ragged_gather", "jax")]
+    assert "pallas_tpu cannot run it" in caplog.records[0].getMessage()
+    with pytest.raises(moe_tune.errors.InvalidConfigError):  # a caller's config is never silently replaced
+        moe_tune.ragged_gather(data["x"], data["gather_indices"], 0, ROWS, backend="pallas_tpu",
+                               config={"block_rows": 8, "dmas_in_flight": 4})

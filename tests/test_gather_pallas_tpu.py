@@ -15,13 +15,10 @@ from moe_tune.kernels.gather.problem import GatherProblem
 # several blocks, some wholly outside a range).
 SHAPES = ((24, 4, 128), (7, 3, 256))
 MAX_CONFIGS = 2
-# One instance each, so the base tests' per-(backend, config) jit cache is hit.
-GATHER, GATHER_REDUCE = PallasTpuGather(), PallasTpuGatherReduce()
 
 
 class TestPallasTpuGather(GatherBackendTests):
     backend = "pallas_tpu"
-    impl = property(lambda self: GATHER)  # registered in registry.py once it lands
     shapes = SHAPES
     max_configs = MAX_CONFIGS
 
@@ -34,7 +31,6 @@ class TestPallasTpuGather(GatherBackendTests):
 
 class TestPallasTpuGatherReduce(GatherReduceBackendTests):
     backend = "pallas_tpu"
-    impl = property(lambda self: GATHER_REDUCE)  # registered in registry.py once it lands
     shapes = SHAPES
     max_configs = MAX_CONFIGS
 

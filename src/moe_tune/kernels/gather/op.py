@@ -74,6 +74,10 @@ class _Kernel:
         if self.given is None:
             found = lookup(self.op, problem, backend=impl.name)
             config, source = found.config, f"{found.source}: {found.reason}"
+            unsupported = impl.config_error(config, problem)
+            if unsupported is not None:  # e.g. pallas_tpu needs hidden % 128 == 0: run, slower, on the plain path
+                impl = self.registry.get(FALLBACK)
+                config, source = impl.default_config(problem), f"{self.backend} cannot run it: {unsupported}"
         else:
             config = dict(self.given) if isinstance(self.given, tuple) else self.given
             source = "given by the caller"

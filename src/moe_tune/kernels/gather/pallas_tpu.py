@@ -38,10 +38,10 @@ MAX_DMAS_IN_FLIGHT = 64
 # Scalar prefetch copies `indices` (int32 [rows]) into SMEM, whose scoped budget is 1 MiB up to v6e. Half of
 # it is left to Mosaic's own scalars (the margin vLLM's TPU backend also keeps for its page tables).
 SMEM_PREFETCH_BYTES = 512 * 1024
-# Heuristic block sizes: a few MiB of VMEM per step amortizes the ~0.35 us per-step overhead while leaving
-# room for double buffering.
-DEFAULT_GATHER_BLOCK_BYTES = 1024 * 1024
-DEFAULT_REDUCE_SCRATCH_BYTES = 2 * 1024 * 1024
+# The default block is the largest whose blocks take at most this much VMEM: a step then moves a few MiB,
+# which amortizes the ~0.35 us per-step overhead, and the rest of the budget is slack for Mosaic's own
+# temporaries (the estimates below are approximate).
+DEFAULT_VMEM_BYTES = devices.TPU_SCOPED_VMEM_BYTES // 2
 DEFAULT_DMAS_IN_FLIGHT = 16
 BLOCKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DMAS = (4, 8, 16, 32, 64)
@@ -141,13 +141,13 @@ def _vmem_error(need: int) -> str | None:
     return None
 
 
-def _default_block(unit_bytes: int, budget: int, cap: int, size: int, align: int) -> int:
-    """The largest power-of-two multiple of `align` with block * unit_bytes <= budget, within [align, cap]
-    and no larger than `size` rounded up to `align`."""
+def _default_block(vmem_bytes, cap: int, size: int, align: int) -> int:
+    """The largest power-of-two multiple of `align`, within [align, cap], with vmem_bytes(block) <=
+    DEFAULT_VMEM_BYTES, and no larger than `size` rounded up to `align`."""
     block = align
-    while block * 2 <= cap and block * 2 * unit_bytes <= budget:
+    while block * 2 <= cap and vmem_bytes(block * 2) <= DEFAULT_VMEM_BYTES:
         block *= 2
-    return max(align, min(block, _round_up(size, align)))
+    return min(block, _round_up(size, align))
 
 
 def _block_candidates(size: int, align: int) -> list[int]:
@@ -380,9 +380,8 @@ class PallasTpuGather(_PallasTpuBackend, GatherBackend):
                 or _vmem_error(gather_vmem_bytes(config, problem)))
 
     def default_config(self, problem: GatherProblem) -> PallasTpuGatherConfig:
-        sub = _sublanes(problem.dtype)
-        unit = problem.row_bytes() + (problem.hidden * 4 if problem.weighted else 0)
-        block = _default_block(unit, DEFAULT_GATHER_BLOCK_BYTES, 512, problem.rows, sub)
+        vmem = lambda block: gather_vmem_bytes(PallasTpuGatherConfig(block, 1), problem)
+        block = _default_block(vmem, 512, problem.rows, _sublanes(problem.dtype))
         return PallasTpuGatherConfig(block_rows=block, dmas_in_flight=min(DEFAULT_DMAS_IN_FLIGHT, block))
 
     def candidate_values(self, problem: GatherProblem) -> dict[str, list[int]]:
@@ -405,9 +404,8 @@ class PallasTpuGatherReduce(_PallasTpuBackend, GatherReduceBackend):
                 or _vmem_error(gather_reduce_vmem_bytes(config, problem)))
 
     def default_config(self, problem: GatherProblem) -> PallasTpuGatherReduceConfig:
-        sub = _sublanes(problem.dtype)
-        block = _default_block(problem.top_k * problem.row_bytes(), DEFAULT_REDUCE_SCRATCH_BYTES, 256,
-                               problem.tokens, sub)
+        vmem = lambda block: gather_reduce_vmem_bytes(PallasTpuGatherReduceConfig(block, 1), problem)
+        block = _default_block(vmem, 256, problem.tokens, _sublanes(problem.dtype))
         return PallasTpuGatherReduceConfig(
             block_tokens=block, dmas_in_flight=min(DEFAULT_DMAS_IN_FLIGHT, block * problem.top_k))
 
