@@ -13,16 +13,11 @@ should fall with the valid fraction; the fallback's should not. Nothing is asser
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
 
-import jax
-
-from moe_tune import bench, devices
+from moe_tune import bench
 from moe_tune.kernels import get_op
 from moe_tune.tuner import SweepSpec, run_sweep
 
@@ -72,10 +67,7 @@ def main() -> int:
                 f"1/{r['ep']}: {r['times_s']['tuned'] / full['tuned']:.2f} "
                 f"[{r['times_s']['fallback'] / full['fallback']:.2f}]" for r in rows))
     if args.json:
-        meta = {"device_kind": devices.device_kind(), "machine": platform.machine(), "cpus": os.cpu_count(),
-                "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+        bench.write_results(args.json, results)
     return 0
 
 

@@ -12,14 +12,9 @@ four variants interleaved (`moe_tune.bench.compare`). Nothing is asserted: machi
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
-
-import jax
 
 from moe_tune import bench, devices
 from moe_tune.kernels import get_op
@@ -56,10 +51,7 @@ def main() -> int:
                       f"{r['timing_method']}; sweep of {len(sweep.candidates)} candidates took {sweep_s:.1f} s)")
                 print("\n".join(bench.format_comparison(r)))
     if args.json:
-        meta = {"device_kind": devices.device_kind(), "machine": platform.machine(), "cpus": os.cpu_count(),
-                "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+        bench.write_results(args.json, results)
     return 0
 
 

@@ -25,7 +25,8 @@ def run():
 def test_ops_lists_backends_and_tunables(run):
     result = run("ops")
     assert result.exit_code == 0
-    for name in ("xla", "tiled", "megablox", "tm, tk, tn"):
+    for name in ("xla", "tiled", "megablox", "tm, tk, tn", "ragged_gather_reduce", "pallas_tpu", "rows_per_chunk",
+                 "dmas_in_flight"):
         assert name in result.output
 
 

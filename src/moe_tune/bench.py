@@ -9,6 +9,10 @@ rounds (`time_variants`).
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +33,14 @@ DENSE = {
     "dlhs": lambda a, b: a @ b[0].T,
     "drhs": lambda a, b: a.T @ b,
 }
+
+
+def write_results(path: str, results: list[dict[str, Any]]) -> None:
+    """A benchmark's results as JSON, with what they were measured on and when."""
+    meta = {"device_kind": devices.device_kind(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d")}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
 
 
 def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, samples: int = 7) -> dict[str, Any]:
@@ -94,16 +106,17 @@ def format_comparison(result: dict[str, Any]) -> list[str]:
 def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
                    distribution: str = "balanced", seed: int = 1) -> dict[str, Any]:
     """Times (s) and ratios of `backend` tuned / default, the plain-JAX fallback, and `copy`: a jitted
-    elementwise copy of an array the size of the op's output, whose bytes read + written give the copy
-    bandwidth. `roofline_s` is the op's least bytes moved at that bandwidth."""
+    elementwise copy of one array, whose bytes read + written give the copy
+    bandwidth. The copied array has the size of the op's larger side ([rows, hidden]: dispatch's output,
+    combine's input), so that it streams from memory as the op does rather than from cache. `roofline_s` is
+    the op's least bytes moved at that bandwidth."""
     spec = get_op(op)
     impl, plain = spec.backends.get(backend), spec.backends.get(FALLBACK)
     default = impl.default_config(problem)
     host = spec.make_inputs(problem, distribution, seed)
     valid_fraction = spec.distribution_record(problem, distribution, seed, host)["valid_fraction"]
     inputs = jax.device_put(host)
-    out_rows = problem.tokens if op != "ragged_gather" else problem.rows
-    inputs["copy_source"] = jnp.ones((out_rows, problem.hidden), problem.dtype)
+    inputs["copy_source"] = jnp.ones((problem.rows, problem.hidden), problem.dtype)
     run = lambda b, config: lambda x: spec.run(b, config, problem, x)
     measured = time_variants({
         "tuned": run(impl, tuned),
@@ -112,7 +125,7 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
         "copy": lambda x: x["copy_source"] + 1,  # not x * 1 or x + 0, which XLA may fold to no copy
     }, inputs, samples=samples)
     times = measured["times_s"]
-    copy_bytes = 2 * out_rows * problem.row_bytes()
+    copy_bytes = 2 * problem.rows * problem.row_bytes()
     bandwidth = copy_bytes / times["copy"]
     least_bytes = spec.bytes_moved(problem, valid_fraction)
     return {

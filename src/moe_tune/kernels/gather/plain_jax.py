@@ -38,7 +38,7 @@ class PlainGather(GatherBackend):
 
     def gather(self, x, indices, start, end, weights, *, config):
         valid = row_range_mask(indices.shape[0], start, end)
-        rows = jnp.take(x, jnp.where(valid, indices, 0), axis=0, mode="clip")
+        rows = jnp.take(x, indices, axis=0, mode="clip")  # every row, in range or not (clip: garbage is safe)
         if weights is not None:
             rows = rows.astype(jnp.float32) * weights.astype(jnp.float32)[:, None]
         return jnp.where(valid[:, None], rows, 0).astype(x.dtype)
