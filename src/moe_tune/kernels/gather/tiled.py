@@ -3,7 +3,9 @@ CPU backend.
 
 - Dispatch: zero the output, then a `fori_loop` over the `rows_per_chunk`-row chunks that overlap
   [start, end) gathers each chunk and writes it in place. Work is proportional to end - start (plus the
-  zero fill every output needs).
+  zero fill every output needs). On CPU a fresh output costs about as much to zero as to fill, so when
+  most rows are valid the second write dominates: `single_pass` (one masked pass that writes every row
+  once and reads only the valid ones from memory) is also in the search space, and the sweep picks.
 - Combine: the valid entries are compacted (a prefix sum, keeping their order, so their tokens stay
   sorted) and a loop over chunks of them gathers and scatter-adds into a float32 output. Invalid entries
   are never read, so work is proportional to the valid fraction. Without a mask (dense) the loop runs over
@@ -31,9 +33,13 @@ DEFAULT_CHUNK_BYTES = 256 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class TiledGatherConfig(KernelConfig):
-    """rows_per_chunk: output rows gathered per loop iteration."""
+    """rows_per_chunk: output rows gathered per loop iteration. single_pass: instead of the loop, one pass
+    over all rows that writes each output row once (out-of-range rows read row 0 of x, which stays in
+    cache, and store zeros): no zero fill first, so it wins when most rows are valid, while the loop wins
+    when few are (its zero fill is cheaper than gathering)."""
 
     rows_per_chunk: int = 128
+    single_pass: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +66,7 @@ def chunk_error(rows_per_chunk: int, problem: GatherProblem) -> str | None:
 
 
 class _ChunkedBackend:
-    """Validity rules, default and search space shared by the two tiled kernels (one tunable)."""
+    """Validity rules, default and search space shared by the two tiled kernels (`rows_per_chunk`)."""
 
     name = "tiled"
     platforms = ("cpu", "gpu", "tpu")
@@ -99,6 +105,19 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
 
     out = jnp.zeros((rows, hidden), x.dtype)
     return jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, out)
+
+
+def single_pass_gather(x, indices, start, end, weights) -> jax.Array:
+    """The same result as `tiled_gather` in one pass over all rows: each output row is written once;
+    out-of-range rows read row 0 of x (cached, so memory traffic still follows the valid rows) and are
+    stored as zeros."""
+    rows = indices.shape[0]
+    i = jnp.arange(rows, dtype=jnp.int32)
+    keep = (i >= start) & (i < end)
+    block = jnp.take(x, jnp.where(keep, indices, 0), axis=0, mode="clip")
+    if weights is not None:
+        block = block.astype(jnp.float32) * weights.astype(jnp.float32)[:, None]
+    return jnp.where(keep[:, None], block, 0).astype(x.dtype)
 
 
 def tiled_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, rows_per_chunk: int) -> jax.Array:
@@ -149,9 +168,21 @@ def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> ja
 
 class TiledGather(_ChunkedBackend, GatherBackend):
     config_cls = TiledGatherConfig
-    description = "pure-JAX loop over the row chunks in [start, end) (CPU)"
+    description = "pure-JAX loop over the row chunks in [start, end), or one masked pass (CPU)"
+
+    def config_error(self, config, problem: GatherProblem) -> str | None:
+        if not isinstance(config.single_pass, bool):
+            return f"single_pass must be a bool, got {config.single_pass!r}"
+        return super().config_error(config, problem)
+
+    def search_space(self, problem: GatherProblem) -> list[TiledGatherConfig]:
+        """The loop at every chunk size, then the single pass (its chunk size is unused: one config)."""
+        loops = super().search_space(problem)
+        return [*loops, dataclasses.replace(loops[0], single_pass=True)]
 
     def gather(self, x, indices, start, end, weights, *, config):
+        if config.single_pass:
+            return single_pass_gather(x, indices, start, end, weights)
         return tiled_gather(x, indices, start, end, weights, rows_per_chunk=config.rows_per_chunk)
 
 

@@ -1,0 +1,39 @@
+"""JAX's persistent compilation cache for sweeps, so that re-running or resuming a sweep (and the finalists
+recompiled on resume) costs no XLA compile for a candidate compiled before.
+
+Only the tuner turns it on (the CLI's `sweep`, and every compile worker): a model that imports moe-tune
+keeps whatever cache settings it has.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import platformdirs
+
+ENV_CACHE_DIR = "MOE_TUNE_COMPILE_CACHE_DIR"  # a dir, or "off" to disable
+
+
+def cache_dir() -> Path | None:
+    """`$MOE_TUNE_COMPILE_CACHE_DIR` ("off" disables), else `<user cache dir>/moe-tune/jax_cache`."""
+    value = os.environ.get(ENV_CACHE_DIR, "").strip()
+    if value.lower() == "off":
+        return None
+    return Path(value).expanduser() if value else platformdirs.user_cache_path("moe-tune") / "jax_cache"
+
+
+def enable() -> Path | None:
+    """Point JAX's persistent compilation cache at `cache_dir()` and cache every executable, however quick
+    its compile (JAX's default skips compiles under a second: most candidates of a CPU sweep). Returns the
+    dir, or None when disabled. Call before the first compile."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    os.environ.setdefault(ENV_CACHE_DIR, str(directory))  # compile workers inherit the same dir
+    return directory

@@ -1,0 +1,62 @@
+"""Sweep every tunable kernel of one model preset's MoE layer: for each token count, every op and direction
+`models.kernel_problems` lists (ragged_dot gate/up and down in fwd, dlhs, drhs; dispatch; combine), each
+with the platform's default backend for that op. One failing case is recorded and the others go on."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from moe_tune import devices
+from moe_tune.errors import MoeTuneError
+from moe_tune.kernels import get_op
+from moe_tune.models import KernelCase, ModelPreset, kernel_problems
+from moe_tune.tuner.sweep import SweepResult, SweepSpec, run_sweep
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """One kernel case of a model sweep: the sweep's result, or why it could not run."""
+
+    tokens: int
+    case: KernelCase
+    result: SweepResult | None = None
+    error: str | None = None
+
+
+def model_cases(preset: ModelPreset, tokens: Iterable[int], *, ep: int, dtype: str) -> list[tuple[int, KernelCase]]:
+    """(tokens, case) for every token count, in order; validates every count before anything runs."""
+    counts = list(tokens)
+    return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype)]
+
+
+def sweep_model(
+    preset: ModelPreset,
+    tokens: Iterable[int],
+    *,
+    ep: int = 1,
+    dtype: str = "bfloat16",
+    sweep_options: dict[str, Any] | None = None,
+    on_case: Callable[[int, KernelCase, int, int], Any] | None = None,
+    reporter_for: Callable[[int, KernelCase], Any] | None = None,
+) -> list[CaseResult]:
+    """Run one sweep per (token count, kernel case) with `SweepSpec(op, problem, **sweep_options)`.
+
+    `on_case(tokens, case, i, total)` is called before each sweep (the CLI prints a heading) and
+    `reporter_for(tokens, case)` may supply its progress reporter. A case whose sweep fails (no valid
+    candidate, a backend that cannot run here) is recorded with its error and the next one runs; a
+    KeyboardInterrupt stops the whole run."""
+    cases = model_cases(preset, tokens, ep=ep, dtype=dtype)
+    results = []
+    for i, (count, case) in enumerate(cases):
+        if on_case is not None:
+            on_case(count, case, i, len(cases))
+        try:
+            backend = get_op(case.op).backends.default_for(devices.platform()).name
+            spec = SweepSpec(case.op, case.problem, **{"backend": backend, **(sweep_options or {})})
+            reporter = reporter_for(count, case) if reporter_for is not None else None
+            results.append(CaseResult(count, case, result=run_sweep(spec, reporter)))
+        except MoeTuneError as e:
+            results.append(CaseResult(count, case, error=str(e)))
+    return results
