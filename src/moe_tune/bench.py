@@ -144,3 +144,19 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
             "tuned_vs_roofline": times["tuned"] * bandwidth / least_bytes,
         },
     }
+
+
+def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: int = 7) -> dict[str, Any]:
+    """What `moe-tune bench` measures for one problem: the config the runtime would use (the tables' exact or
+    nearest entry, else the default; `lookup_source` says which) against the default and the baselines —
+    ragged_dot: XLA's ragged dot and a dense matmul of the same FLOPs; dispatch / combine: the plain-JAX
+    fallback and a copy of the same bytes."""
+    from moe_tune.profiles import lookup
+
+    found = lookup(op, problem, backend=backend)
+    if op == "ragged_dot":
+        result = compare(problem, found.backend, found.config, samples=samples)
+    else:
+        result = compare_gather(op, problem, found.backend, found.config, samples=samples)
+    result.update(op=op, shape=problem.key_fields(), lookup_source=found.source, lookup_reason=found.reason)
+    return result

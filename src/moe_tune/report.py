@@ -1,21 +1,24 @@
-"""Tables as a pandas DataFrame: one row per tuned entry, the effective one when several dirs hold a key."""
+"""Tables as a pandas DataFrame: one row per tuned entry (the effective one when several dirs hold a key),
+filters and sorting for `moe-tune report`, and its plots."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from moe_tune.errors import UsageError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.table import read_table
 
 COLUMNS = [
     "device_kind", "op", "direction", "backend", "shape", "dtype", "distribution", "config",
-    "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing", "source", "tuned_at",
+    "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
 ]
-
-
+# `moe-tune report` filters: option name -> column it matches.
+FILTERS = {"op": "op", "direction": "direction", "device": "device_kind", "backend": "backend", "dtype": "dtype"}
 _NOT_SHAPE = ("direction", "backend", "distribution")
 
 
@@ -27,6 +30,25 @@ def table_files(profile_dir: Path | None = None, op: str | None = None) -> list[
         pattern = f"*/{op}.json" if op else "*/*.json"
         found += [(origin, path) for path in sorted(Path(root).glob(pattern))]
     return found
+
+
+def effective_entries(profile_dir: Path | None = None, op: str | None = None
+                      ) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(origin, table, entry) of every entry the runtime could use (a key shadowed by a higher-priority dir
+    is skipped); raises TableError (naming the file) for an unreadable table."""
+    seen = set()
+    for origin, path in table_files(profile_dir, op):
+        table = read_table(path)
+        for key, entry in table["entries"].items():
+            ident = (table.get("device_kind"), key)
+            if ident not in seen:
+                seen.add(ident)
+                yield origin, table, entry
+
+
+def shape_label(fields: dict[str, Any]) -> str:
+    """`m=4096 k=1024 n=1024 groups=8`: the key fields that are sizes (not direction, dtypes, backend...)."""
+    return " ".join(f"{k}={v}" for k, v in fields.items() if k not in _NOT_SHAPE and not k.endswith("dtype"))
 
 
 def _row(entry: dict[str, Any], table: dict[str, Any], origin: str) -> dict[str, Any]:
@@ -41,7 +63,7 @@ def _row(entry: dict[str, Any], table: dict[str, Any], origin: str) -> dict[str,
         "op": table.get("op"),
         "direction": fields.get("direction"),
         "backend": fields.get("backend"),
-        "shape": " ".join(f"{k}={v}" for k, v in fields.items() if k not in _NOT_SHAPE and not k.endswith("dtype")),
+        "shape": shape_label(fields),
         "dtype": "/".join(sorted(dtypes)),
         "distribution": fields.get("distribution"),
         "config": " ".join(f"{k}={v}" for k, v in config.items()) or "-",
@@ -52,19 +74,31 @@ def _row(entry: dict[str, Any], table: dict[str, Any], origin: str) -> dict[str,
         "timing": timing.get("method"),
         "source": origin,
         "tuned_at": entry.get("tuned_at"),
+        "key": entry.get("key"),
     }
 
 
 def entries_frame(profile_dir: Path | None = None, op: str | None = None) -> pd.DataFrame:
-    """Every effective entry; raises TableError (naming the file) for an unreadable table."""
-    rows, seen = [], set()
-    for origin, path in table_files(profile_dir, op):
-        table = read_table(path)
-        for key, entry in table["entries"].items():
-            ident = (table.get("device_kind"), key)
-            if ident in seen:  # shadowed by a higher-priority dir
-                continue
-            seen.add(ident)
-            rows.append(_row(entry, table, origin))
+    """Every effective entry as a row of COLUMNS; raises TableError (naming the file) for an unreadable table."""
+    rows = [_row(entry, table, origin) for origin, table, entry in effective_entries(profile_dir, op)]
     frame = pd.DataFrame(rows, columns=COLUMNS)
     return frame.sort_values(["device_kind", "op", "direction", "shape"], ignore_index=True)
+
+
+def select(frame: pd.DataFrame, *, sort: str | None = None, descending: bool = False,
+           **filters: str | None) -> pd.DataFrame:
+    """Rows matching every given filter (FILTERS names; a dtype matches any of a row's dtypes), sorted by a
+    column of COLUMNS if asked."""
+    for name, value in filters.items():
+        if value is None:
+            continue
+        if name not in FILTERS:
+            raise UsageError(f"unknown filter {name!r}; filters are {', '.join(FILTERS)}")
+        column = frame[FILTERS[name]].astype(str)
+        keep = column.str.split("/").apply(lambda parts: value in parts) if name == "dtype" else column == value
+        frame = frame[keep]
+    if sort is not None:
+        if sort not in COLUMNS:
+            raise UsageError(f"cannot sort by {sort!r}; columns are {', '.join(COLUMNS)}")
+        frame = frame.sort_values(sort, ascending=not descending, kind="stable")
+    return frame.reset_index(drop=True)

@@ -1,0 +1,58 @@
+"""Reports: filters, sorting, the plot file, and `bench_case` (what `moe-tune bench` prints), on tables
+written by real (tiny) sweeps."""
+
+from __future__ import annotations
+
+import matplotlib.image
+import pytest
+
+from moe_tune import bench, report
+from moe_tune.errors import UsageError
+from moe_tune.kernels import get_op
+from moe_tune.plots import plot_entries
+from moe_tune.tuner import SweepSpec, run_sweep
+
+FAST = {"samples": 1, "max_candidates": 3, "workers": 1}
+
+
+@pytest.fixture
+def tables(isolated_profiles):
+    dot = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4)
+    run_sweep(SweepSpec("ragged_dot", dot, **FAST))
+    run_sweep(SweepSpec("ragged_dot", dot.with_direction("drhs"), **FAST))
+    gather = get_op("ragged_gather").problem(tokens=32, hidden=128, top_k=4, experts=8, ep=2)
+    run_sweep(SweepSpec("ragged_gather", gather, **FAST))
+    return isolated_profiles
+
+
+def test_filters_and_sorting(tables):
+    frame = report.entries_frame()
+    assert len(frame) == 3 and set(frame["op"]) == {"ragged_dot", "ragged_gather"}
+    assert list(report.select(frame, op="ragged_dot", direction="drhs")["direction"]) == ["drhs"]
+    assert len(report.select(frame, dtype="float32", device="cpu", backend="tiled")) == 3
+    assert report.select(frame, backend="xla").empty
+    by_time = report.select(frame, sort="time_ms", descending=True)["time_ms"].tolist()
+    assert by_time == sorted(by_time, reverse=True)
+    with pytest.raises(UsageError, match="cannot sort"):
+        report.select(frame, sort="colour")
+    with pytest.raises(UsageError, match="unknown filter"):
+        report.select(frame, flavour="x")
+
+
+def test_plot_draws_candidates_and_speedups(tables, tmp_path):
+    entries = [entry for _, _, entry in report.effective_entries()]
+    path = plot_entries(entries, tmp_path / "plots" / "report.png", title="test")
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    with pytest.raises(UsageError, match="nothing to plot"):
+        plot_entries([], tmp_path / "empty.png")
+
+
+def test_bench_case_uses_the_tuned_entry(tables):
+    problem = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4)
+    result = bench.bench_case("ragged_dot", problem, samples=1)
+    assert result["lookup_source"] == "exact"
+    assert set(result["times_s"]) == {"tuned", "default", "xla", "dense"} and result["ratios"]["xla_vs_dense"] > 0
+    gather = get_op("ragged_gather").problem(tokens=32, hidden=128, top_k=4, experts=8, ep=2)
+    result = bench.bench_case("ragged_gather", gather, samples=1)
+    assert result["lookup_source"] == "exact" and set(result["times_s"]) == {"tuned", "default", "fallback", "copy"}
