@@ -14,6 +14,9 @@ def isolated_profiles(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_TUNE_PROFILE_DIR", str(env_dir))
     monkeypatch.setattr("moe_tune.profiles.dirs.user_dir", lambda: tmp_path / "user_profiles")
     monkeypatch.delenv("MOE_TUNE_DISTRIBUTION", raising=False)
+    # No persistent compile cache in tests (it is process-wide once on, and tests count compiles); the test
+    # of the cache itself runs sweeps in subprocesses with their own cache dir.
+    monkeypatch.setenv("MOE_TUNE_COMPILE_CACHE_DIR", "off")
     table._cache.clear()
     yield env_dir
 

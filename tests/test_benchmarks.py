@@ -57,3 +57,12 @@ def test_gather_benchmark_prints_every_ratio(tmp_path):
         assert set(r["times_s"]) == {"tuned", "default", "fallback", "copy"} and r["copy_gbps"] > 0
     assert 0.1 < results[1]["valid_fraction"] < 0.4 and results[0]["valid_fraction"] == 1.0
     assert out.count("ratios:") == 5 and "Ragged time vs the same op" in out
+
+
+@pytest.mark.slow
+def test_strategies_benchmark_compares_with_grid(tmp_path):
+    out = _run(["benchmarks/strategies_cpu.py", "--m", "128", "--k", "64", "--n", "64", "--groups", "4",
+                "--samples", "1", "--workers", "1", "--random-budgets", "3", "--coordinate-budgets", "none",
+                "--seeds", "0", "--compare-samples", "1", "--json", str(tmp_path / "s.json")], tmp_path)
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["meta"]["device_kind"] and "grid" in out and "coordinate" in out and "random" in out

@@ -132,3 +132,79 @@ def test_unreadable_table_names_the_file_and_exits_1(run, isolated_profiles):
 def test_empty_report_says_how_to_start(run):
     result = run("report")
     assert result.exit_code == 0 and "moe-tune sweep" in result.output
+
+
+def test_report_filters_plot_and_sweep_log(run, tmp_path, isolated_profiles):
+    assert run("sweep", *TINY).exit_code == 0
+    assert run("sweep", *TINY, "--direction", "drhs").exit_code == 0
+    drhs = run("report", "--direction", "drhs", "--format", "csv").output.strip().splitlines()
+    assert len(drhs) == 2 and ",drhs," in drhs[1]
+    assert "No tuned entries match" in run("report", "--backend", "xla").output
+    plot = run("report", "--plot", str(tmp_path / "r.png"), "--sort", "time_ms", "--desc")
+    assert plot.exit_code == 0 and (tmp_path / "r.png").stat().st_size > 1000
+    logs = sorted(isolated_profiles.glob("cpu/sweeps/ragged_dot/*.jsonl"))
+    assert len(logs) == 2
+    shown = run("report", "--sweep", str(logs[0]))
+    assert shown.exit_code == 0 and "3 candidates" in shown.output and "winner" in shown.output
+    assert run("report", "--sweep", str(tmp_path / "nope.jsonl")).exit_code == 2
+    assert run("report", "--sort", "colour").exit_code == 2
+
+
+def test_validate_and_merge_commands(run, tmp_path, isolated_profiles):
+    assert run("sweep", *TINY).exit_code == 0
+    table = isolated_profiles / "cpu" / "ragged_dot.json"
+    ok = run("validate", str(table))
+    assert ok.exit_code == 0, ok.output
+    merged = tmp_path / "merged" / "cpu" / "ragged_dot.json"
+    result = run("merge", str(merged), str(table))
+    assert result.exit_code == 0 and merged.exists()
+    assert run("validate", str(merged)).exit_code == 0
+
+    data = json.loads(table.read_text())
+    entry = next(iter(data["entries"].values()))
+    entry["config"] = {"tm": 0, "tk": 128, "tn": 128}
+    table.write_text(json.dumps(data))
+    bad = run("validate", str(table))
+    assert bad.exit_code == 1 and str(table) in bad.output and entry["key"] in bad.output
+
+
+def test_bench_command_prints_ratios(run, isolated_profiles):
+    assert run("sweep", *TINY).exit_code == 0
+    result = run("bench", "--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--samples", "1")
+    assert result.exit_code == 0, result.output
+    assert "(exact)" in result.output and "xla/tuned" in result.output and "tuned/dense" in result.output
+    gather = run("bench", "--op", "ragged_gather_reduce", "--tokens", "32", "--hidden", "128", "--top-k", "4",
+                 "--experts", "8", "--ep", "2", "--samples", "1")
+    assert gather.exit_code == 0 and "fallback/tuned" in gather.output and "(default)" in gather.output
+
+
+def test_sweep_model_runs_every_kernel_of_a_layer(run, isolated_profiles):
+    result = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "8", "--ep", "16", "--dtype", "float32",
+                 "--max-candidates", "1", "--samples", "1", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    assert "deepseek-v2-lite: 8 kernel sweeps" in result.output
+    for op in ("ragged_dot", "ragged_gather", "ragged_gather_reduce"):
+        assert (isolated_profiles / "cpu" / f"{op}.json").exists()
+    assert run("sweep", "--model", "deepseek-v2-lite", "--m", "64").exit_code == 2
+    assert "did you mean" in run("sweep", "--model", "deepseek").output
+    assert run("sweep", "--op", "ragged_gather", "--tokens", "8,16").exit_code == 2
+
+
+def test_persistent_compile_cache_makes_a_rerun_compile_nothing(tmp_path):
+    """Two real processes: the second sweep of the same shape (--fresh, so every candidate runs again) loads
+    every executable from the cache: its entry counts zero XLA compilations."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": str(tmp_path / "cache"),
+           "MOE_TUNE_PROFILE_DIR": str(tmp_path / "p")}
+    args = [sys.executable, "-m", "moe_tune.cli", "sweep", *TINY, "--workers", "1", "--fresh"]
+    compiles = []
+    for _ in range(2):
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        entry = next(iter(json.loads((tmp_path / "p" / "cpu" / "ragged_dot.json").read_text())["entries"].values()))
+        compiles.append(entry["candidates"]["compiles"])
+    assert compiles[0] >= 3 and compiles[1] == 0
+    assert any((tmp_path / "cache").iterdir())

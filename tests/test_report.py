@@ -56,3 +56,25 @@ def test_bench_case_uses_the_tuned_entry(tables):
     gather = get_op("ragged_gather").problem(tokens=32, hidden=128, top_k=4, experts=8, ep=2)
     result = bench.bench_case("ragged_gather", gather, samples=1)
     assert result["lookup_source"] == "exact" and set(result["times_s"]) == {"tuned", "default", "fallback", "copy"}
+
+
+def test_sweep_log_shows_every_candidate_with_reasons(isolated_profiles, monkeypatch):
+    """A sweep with a wrong and a failing candidate: the log report lists all of them, reasons included."""
+    from faulty_backend import FaultyRaggedDot
+    from moe_tune.kernels.ragged_dot import BACKENDS
+
+    BACKENDS.register(FaultyRaggedDot())
+    try:
+        problem = get_op("ragged_dot").problem(m=128, k=64, n=64, groups=4)
+        run_sweep(SweepSpec("ragged_dot", problem, backend="faulty_test", samples=1, workers=1))
+    finally:
+        BACKENDS.unregister("faulty_test")
+    (log,) = isolated_profiles.glob("cpu/sweeps/ragged_dot/*.jsonl")
+    header, frame, finals = report.sweep_log_frame(log)
+    assert header["type"] == "header" and len(finals) == 1
+    assert list(frame["status"][:2]) == ["ok", "ok"] and set(frame["status"]) == {"ok", "wrong", "failed"}
+    assert frame["reason"][frame["status"] == "wrong"].str.contains("relative error").all()
+    failed = frame[frame["status"] == "failed"]
+    assert set(failed["stage"]) == {"compile", "run"} and (failed["reason"].str.len() > 0).all()
+    with pytest.raises(UsageError, match="no sweep log"):
+        report.sweep_log_frame(isolated_profiles / "missing.jsonl")

@@ -14,6 +14,7 @@ import moe_tune
 from moe_tune import distributions
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.profiles import entry_key, lookup, read_table, use_profiles
+from moe_tune.profiles.table import SCHEMA_VERSION
 from moe_tune.tuner import SweepError, SweepSpec, run_sweep
 from moe_tune.tuner.candidates import backend_compiles
 from moe_tune.tuner.timing import cross_check
@@ -76,7 +77,7 @@ def test_entry_records_what_design_requires(tmp_path):
     result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
                                  samples=3, profile_dir=tmp_path))
     table = read_table(tmp_path / "cpu" / "ragged_dot.json")
-    assert table["schema_version"] == 1 and table["op"] == "ragged_dot" and table["device_kind"] == "cpu"
+    assert table["schema_version"] == SCHEMA_VERSION == 2 and table["op"] == "ragged_dot" and table["device_kind"] == "cpu"
     entry = table["entries"][result.key]
     assert entry["fields"]["distribution"] == "skewed" and entry["fields"]["backend"] == "tiled"
     assert entry["distribution"]["seed"] == 3
@@ -85,7 +86,8 @@ def test_entry_records_what_design_requires(tmp_path):
     assert timing["samples"] == 6 and len(timing["samples_s"]) == 6
     assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
     assert timing["method"] in ("trace", "wall")
-    assert set(entry["versions"]) == {"jax", "jaxlib", "moe-tune", "tune-jax"}
+    assert set(entry["versions"]) == {"jax", "jaxlib", "moe-tune", "tune-jax", "backend_revision"}
+    assert entry["hostname"]
     assert entry["tuned_at"] and entry["candidates"]["tried"] == len(result.candidates)
 
 

@@ -102,3 +102,40 @@ def select(frame: pd.DataFrame, *, sort: str | None = None, descending: bool = F
             raise UsageError(f"cannot sort by {sort!r}; columns are {', '.join(COLUMNS)}")
         frame = frame.sort_values(sort, ascending=not descending, kind="stable")
     return frame.reset_index(drop=True)
+
+
+LOG_COLUMNS = ["index", "status", "config", "median_ms", "spread", "error", "stage", "reason", "compile_s", "default"]
+
+
+def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, list[dict[str, Any]]]:
+    """(header, one row per candidate of LOG_COLUMNS, the `final` lines) of a sweep log (tuner/log.py):
+    every candidate a sweep finished, failed and wrong ones with their reasons, fastest correct first."""
+    from moe_tune.errors import MoeTuneError
+    from moe_tune.tuner.log import read_log
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no sweep log at {path} (sweep logs live under <profile dir>/<device>/sweeps/<op>/)")
+    lines, _ = read_log(path)
+    if not lines or lines[0].get("type") != "header":
+        raise MoeTuneError(f"{path}: not a moe-tune sweep log (no header line)")
+    rows = []
+    for line in (line for line in lines if line.get("type") == "candidate"):
+        timing = line.get("timing") or {}
+        rows.append({
+            "index": line.get("index"),
+            "status": line.get("status"),
+            "config": " ".join(f"{k}={v}" for k, v in (line.get("config") or {}).items()) or "-",
+            "median_ms": timing["median_s"] * 1e3 if timing.get("median_s") else float("nan"),
+            "spread": timing.get("spread", float("nan")),
+            "error": line.get("error") if line.get("error") is not None else float("nan"),
+            "stage": line.get("stage") or "",
+            "reason": line.get("reason") or "",
+            "compile_s": line.get("compile_s") if line.get("compile_s") is not None else float("nan"),
+            "default": bool(line.get("is_default")),
+        })
+    frame = pd.DataFrame(rows, columns=LOG_COLUMNS)
+    order = {"ok": 0, "wrong": 1, "failed": 2}
+    frame = frame.assign(_rank=frame["status"].map(order).fillna(3)).sort_values(
+        ["_rank", "median_ms", "index"], kind="stable").drop(columns="_rank").reset_index(drop=True)
+    return lines[0], frame, [line for line in lines if line.get("type") == "final"]

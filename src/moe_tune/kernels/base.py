@@ -58,6 +58,11 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
     # The JAX versions the backend is known to work with (a PEP 440 specifier; "" = any). Outside them the
     # op wrappers fall back to the op's plain-JAX backend with one warning (`kernels/guard.py`).
     jax_versions: ClassVar[str] = ""
+    # Revision of the kernel's code, recorded in every table entry tuned with it. Bump it when a change to the
+    # kernel can change which config is fastest or whether a config is valid (not for comments, refactors or
+    # fixes that leave the generated code alone): entries tuned with another revision are then stale, and
+    # lookup uses, skips or refuses them by `$MOE_TUNE_STALE_POLICY` (`profiles/versions.py`).
+    revision: ClassVar[int] = 1
 
     def runs_on(self, platform: str) -> bool:
         """Whether the backend can execute at all on `platform` (natively or emulated)."""

@@ -1,11 +1,20 @@
-"""Tuned-config tables: format, the shared key function, lookup and profile directories."""
+"""Tuned-config tables: format, the shared key function, lookup, profile directories, versions and staleness,
+validation and merging."""
 
 from moe_tune.profiles.dirs import ENV_PROFILE_DIR, search_dirs, table_path, use_profiles, write_dir
 from moe_tune.profiles.key import entry_key, key_fields, key_from_fields
 from moe_tune.profiles.lookup import LookupResult, lookup
-from moe_tune.profiles.table import SCHEMA_VERSION, read_table, write_entries
+from moe_tune.profiles.merge import MergeDecision, MergeReport, merge_tables
+from moe_tune.profiles.table import SCHEMA_VERSION, migrate, read_table, write_entries
+from moe_tune.profiles.validate import Problem, ValidationReport, validate_paths, validate_table
+from moe_tune.profiles.versions import (
+    ENV_STALE_POLICY, STALE_POLICIES, StaleEntryError, entry_versions, staleness, use_stale_policy,
+)
 
 __all__ = [
-    "ENV_PROFILE_DIR", "LookupResult", "SCHEMA_VERSION", "entry_key", "key_fields", "key_from_fields",
-    "lookup", "read_table", "search_dirs", "table_path", "use_profiles", "write_dir", "write_entries",
+    "ENV_PROFILE_DIR", "ENV_STALE_POLICY", "LookupResult", "MergeDecision", "MergeReport", "Problem",
+    "SCHEMA_VERSION", "STALE_POLICIES", "StaleEntryError", "ValidationReport", "entry_key", "entry_versions",
+    "key_fields", "key_from_fields", "lookup", "merge_tables", "migrate", "read_table", "search_dirs", "staleness",
+    "table_path", "use_profiles", "use_stale_policy", "validate_paths", "validate_table", "write_dir",
+    "write_entries",
 ]

@@ -1,5 +1,14 @@
 """Which config the runtime uses for a call, and why: an exact entry, the nearest entry (same everything
-but the token counts, e.g. ragged_dot's m, nearest in log space), or the backend's heuristic default."""
+but the token counts, e.g. ragged_dot's m, nearest in log space), or the backend's heuristic default.
+
+A broken table never breaks a model: an unreadable, corrupted or truncated table (or one whose entries lack
+what lookup needs) is skipped with one warning and lookup goes on to the next profile dir, then the default;
+`strict=True` (the CLI) raises TableError naming the file instead. An entry whose config does not fit its
+backend and problem is not used.
+
+Stale entries (tuned with another kernel revision or JAX minor version, `versions.py`) are used, skipped or
+refused by the stale policy; `LookupResult.stale` says what differs when the config came from one.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from moe_tune import devices, distributions
-from moe_tune.errors import MoeTuneError, TableError
+from moe_tune.errors import TableError
 from moe_tune.profiles import dirs
+from moe_tune.profiles import versions as _versions
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.table import read_table_cached
+from moe_tune.profiles.versions import StaleEntryError
 
 ENV_DISTRIBUTION = "MOE_TUNE_DISTRIBUTION"
 
@@ -29,6 +40,8 @@ class LookupResult:
     path: Path | None = None
     entry: dict[str, Any] | None = None
     reason: str = ""
+    stale: str = ""  # what differs, when the config came from a stale entry (policy `use`); "" when fresh
+    stale_policy: str = _versions.DEFAULT_STALE_POLICY
 
 
 def runtime_distribution() -> str:
@@ -36,7 +49,13 @@ def runtime_distribution() -> str:
     return distributions.check_name(os.environ.get(ENV_DISTRIBUTION, distributions.DEFAULT))
 
 
-_warned: set[str] = set()
+_warned: set[Any] = set()
+
+
+def _warn_once(ident: Any, message: str) -> None:
+    if ident not in _warned:
+        _warned.add(ident)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, tuple, dict[str, Any]]]:
@@ -49,9 +68,8 @@ def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, tuple, 
         except TableError as e:
             if strict:
                 raise
-            if str(path) not in _warned:  # a broken table must never break a model: skip it, say so once
-                _warned.add(str(path))
-                warnings.warn(f"moe-tune: ignoring unreadable table: {e}", RuntimeWarning, stacklevel=4)
+            # a broken table must never break a model: skip it, say so once
+            _warn_once(str(path), f"moe-tune: ignoring unreadable table: {e}")
             continue
         if cached is not None:
             found.append((path, *cached))
@@ -69,10 +87,14 @@ def lookup(
     distribution: str | None = None,
     device_kind: str | None = None,
     strict: bool = False,
+    stale_policy: str | None = None,
 ) -> LookupResult:
     """The config `moe_tune.<op>` would use for `problem` on `device_kind` (default: this machine).
 
     `strict=True` raises TableError for an unreadable table instead of warning and skipping it.
+    `stale_policy` (`use`, `skip`, `error`; default: `use_stale_policy` blocks, then `$MOE_TUNE_STALE_POLICY`,
+    then `use`) says what to do with an entry tuned with another kernel revision or JAX minor version;
+    `error` raises `StaleEntryError` (a TableError) naming the file, the key and what differs.
     """
     from moe_tune.kernels import get_op  # kernels import this module; import lazily to avoid a cycle
 
@@ -80,56 +102,93 @@ def lookup(
     impl = spec.backends.resolve(backend, devices.platform())
     distribution = distributions.check_name(distribution or runtime_distribution())
     device_kind = device_kind or devices.device_kind()
+    policy = _versions.stale_policy(stale_policy)
+    jax_version = _versions.installed_jax()
     fields = key_fields(problem, impl.name, distribution)
     key = key_from_fields(op, fields)
     tables = _tables(op, device_kind, strict)
-    # Same question, same tables (by stamp): same answer, without rescanning entries.
-    memo_key = (op, problem, impl.name, distribution, device_kind, tuple((p, stamp) for p, stamp, _ in tables))
+    # Same question, same tables (by stamp), same policy and versions: same answer, without rescanning entries.
+    memo_key = (op, problem, impl.name, getattr(impl, "revision", None), jax_version, distribution, device_kind,
+                policy, tuple((p, stamp) for p, stamp, _ in tables))
     if memo_key not in _memo:
         if len(_memo) > 4096:  # stale stamps accumulate when tables are rewritten in-process
             _memo.clear()
-        _memo[memo_key] = _resolve(problem, impl, fields, key, device_kind, [(p, t) for p, _, t in tables])
+        result = _resolve(problem, impl, fields, key, device_kind, [(p, t) for p, _, t in tables], policy,
+                          jax_version)
+        _memo[memo_key] = result
     return _memo[memo_key]
 
 
+def _stale_check(path: Path, key: str, entry: dict[str, Any], impl, policy: str, jax_version: str) -> list[str]:
+    """What makes `entry` stale (empty when fresh); raises under `error`, warns once per table and difference."""
+    differs = _versions.staleness(entry, impl, jax_version)
+    if not differs:
+        return differs
+    what = "; ".join(differs)
+    if policy == "error":
+        raise StaleEntryError(f"{path}: entry {key!r} is stale: tuned with {what}; the stale policy 'error' "
+                              f"refuses it: re-tune it with `moe-tune sweep`, or set ${_versions.ENV_STALE_POLICY} "
+                              "to 'use' or 'skip'")
+    action = "using" if policy == "use" else "skipping"
+    _warn_once(("stale", str(path), policy, what),
+               f"moe-tune: {path} has entries tuned with {what}; {action} them (stale policy '{policy}', "
+               f"see ${_versions.ENV_STALE_POLICY}); re-tune with `moe-tune sweep`")
+    return differs
+
+
 def _resolve(problem, impl, fields: dict[str, Any], key: str, device_kind: str,
-             tables: list[tuple[Path, dict[str, Any]]]) -> LookupResult:
+             tables: list[tuple[Path, dict[str, Any]]], policy: str, jax_version: str) -> LookupResult:
     distribution = fields["distribution"]
+    skipped: list[str] = []
     for path, table in tables:
         entry = table["entries"].get(key)
-        if entry is not None:
-            try:
-                config = impl.coerce_config(entry["config"], problem)
-            except MoeTuneError as e:
-                reason = f"exact entry in {path} has an unusable config ({e})"
-                break
-            return LookupResult(config, "exact", key, impl.name, device_kind, path, entry, f"tuned entry in {path}")
+        if entry is None:
+            continue
+        stale = _stale_check(path, key, entry, impl, policy, jax_version)
+        if stale and policy == "skip":
+            skipped.append(f"skipped stale exact entry in {path} (tuned with {'; '.join(stale)})")
+            continue
+        try:
+            config = impl.coerce_config(entry["config"], problem)
+        except Exception as e:  # whatever a table holds, it must not break a model
+            reason = f"exact entry in {path} has an unusable config ({e})"
+            break
+        why = "; ".join([*skipped, f"tuned entry in {path}" + (f" (stale: {'; '.join(stale)})" if stale else "")])
+        return LookupResult(config, "exact", key, impl.name, device_kind, path, entry, why, "; ".join(stale),
+                            policy)
     else:
-        reason = "no entry for this shape"
+        reason = "; ".join([*skipped, "no entry for this shape"]) if skipped else "no entry for this shape"
 
     # Nearest: every key field equal but the problem's size fields (token counts), which may differ, and the
     # distribution, which should not; closest in log space.
     sizes = type(problem).SIZE_FIELDS
     best: tuple[tuple[int, float, int], Path, dict[str, Any], Any] | None = None
     for rank, (path, table) in enumerate(tables):
-        for entry in table["entries"].values():
+        for other_key, entry in table["entries"].items():
             other = entry["fields"]
             if any(other.get(f) != v for f, v in fields.items() if f not in (*sizes, "distribution")):
                 continue
             if not all(isinstance(other.get(f), int) and other[f] > 0 for f in sizes):
                 continue
+            if policy == "skip" and _versions.staleness(entry, impl, jax_version):
+                _stale_check(path, other_key, entry, impl, policy, jax_version)  # the once-per-table warning
+                continue
             try:
                 config = impl.coerce_config(entry["config"], problem)
-            except MoeTuneError:
+                distance = sum(abs(math.log(other[f] / fields[f])) for f in sizes)
+            except Exception:  # an unusable config, or sizes no float can hold
                 continue
-            distance = sum(abs(math.log(other[f] / fields[f])) for f in sizes)
             score = (int(other.get("distribution") != distribution), distance, rank)
             if best is None or score < best[0]:
                 best = (score, path, entry, config)
     if best is not None:
         _, path, entry, config = best
+        stale = _stale_check(path, entry.get("key", key), entry, impl, policy, jax_version)
         tuned = " ".join(f"{f}={entry['fields'][f]}" for f in sizes)
         why = f"{reason}; nearest tuned {tuned} ({entry['fields'].get('distribution')}) in {path}"
-        return LookupResult(config, "nearest", key, impl.name, device_kind, path, entry, why)
+        if stale:
+            why += f" (stale: {'; '.join(stale)})"
+        return LookupResult(config, "nearest", key, impl.name, device_kind, path, entry, why, "; ".join(stale),
+                            policy)
     return LookupResult(impl.default_config(problem), "default", key, impl.name, device_kind, None, None,
-                        f"{reason}; heuristic default")
+                        f"{reason}; heuristic default", "", policy)

@@ -1,52 +1,140 @@
 """The JSON table format: one file per device kind and op, `<dir>/<device_kind>/<op>.json`.
 
-    {"schema_version": 1, "op": "ragged_dot", "device_kind": "cpu", "entries": {KEY: ENTRY, ...}}
+    {"schema_version": 2, "op": "ragged_dot", "device_kind": "cpu", "entries": {KEY: ENTRY, ...}}
 
-Entries are keyed by `key.entry_key`; each holds `fields` (the key's parts), `config`, `timing`, `default`,
-`speedup_over_default`, `candidates`, `distribution`, `versions` and `tuned_at` (see `tuner.sweep`).
-Writes hold a file lock, re-read the file, merge, and replace it atomically, so concurrent writers never
-lose each other's entries and a crash never leaves a half-written table.
+Entries are keyed by `key.entry_key`; each holds `key`, `fields` (the key's parts), `config`, `timing`, `default`,
+`speedup_over_default`, `candidates`, `distribution`, `versions` (jax, jaxlib, moe-tune, tune-jax and the
+kernel's `backend_revision`, see `versions.entry_versions`) and `tuned_at` (see `tuner.sweep`); an entry kept
+by `moe-tune merge` also holds `provenance` (see `merge`).
+
+Schema history (`MIGRATIONS` turns each into the next on read; writes always write `SCHEMA_VERSION`):
+
+- 1: as above, without `backend_revision` or `provenance`.
+- 2: `versions.backend_revision`, `provenance`; every entry holds its `key` and a `versions` object.
+
+Writes hold a file lock (`<table>.lock`), re-read the file, merge, and replace it atomically, so concurrent
+writers never lose each other's entries and a crash never leaves a half-written table.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import filelock
 
 from moe_tune.errors import TableError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def empty_table(op: str, device_kind: str) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "op": op, "device_kind": device_kind, "entries": {}}
 
 
-def read_table(path: Path) -> dict[str, Any]:
-    """Parse and check one table; TableError names the file and what is wrong with it."""
+def migrate_v1_to_v2(table: dict[str, Any]) -> dict[str, Any]:
+    """Schema 1 -> 2 (pure: returns a new table). Entries gain their `key` and a `versions` object where they
+    lacked them. Schema 1 recorded no kernel revision: such entries count as revision 1 (`versions.py`)."""
+    out = copy.deepcopy(table)
+    out["schema_version"] = 2
+    for key, entry in out["entries"].items():
+        if isinstance(entry, dict):
+            entry.setdefault("key", key)
+            if entry.get("versions") is None:
+                entry["versions"] = {}
+    return out
+
+
+# schema version -> function turning a table of that version into one of the next version.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2}
+
+
+def migrate(table: dict[str, Any]) -> dict[str, Any]:
+    """`table` (with an `entries` object and an integer `schema_version` <= SCHEMA_VERSION) as a table of the
+    current schema. Pure: the argument is not modified."""
+    version = table["schema_version"]
+    while version < SCHEMA_VERSION:
+        table = MIGRATIONS[version](table)
+        version = table["schema_version"]
+    return table
+
+
+def parse_table(text: bytes | str, path: Path | str) -> dict[str, Any]:
+    """Parse a table's bytes, check its top level and schema, migrate it to the current schema.
+
+    Entries are not checked here (`entry_problems`); TableError names `path` and what is wrong."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TableError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                             "the file is corrupted") from None
+    if not text.strip():
+        raise TableError(f"{path}: empty file (a truncated write?)")
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise TableError(f"{path}: no such table") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TableError(f"{path}: cannot read: {e}") from None
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise TableError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        raise TableError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
         raise TableError(f"{path}: not a moe-tune table (no 'entries' object)")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise TableError(f"{path}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
-    for key, entry in data["entries"].items():
-        if not isinstance(entry, dict) or "config" not in entry or "fields" not in entry:
-            raise TableError(f"{path}: entry {key!r} lacks 'config' or 'fields'")
-    return data
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TableError(f"{path}: schema_version {version!r} is not supported (expected 1 to {SCHEMA_VERSION})")
+    if version > SCHEMA_VERSION:
+        raise TableError(f"{path}: schema_version {version} was written by a newer moe-tune (this one reads "
+                         f"schema 1 to {SCHEMA_VERSION}); upgrade moe-tune to use this table")
+    for name in ("op", "device_kind"):
+        if name in data and not isinstance(data[name], str):
+            raise TableError(f"{path}: '{name}' is {data[name]!r}, not a string")
+    return migrate(data)
+
+
+def load_table(path: Path | str) -> dict[str, Any]:
+    """Read and parse one table without checking its entries; TableError names the file and the problem."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise TableError(f"{path}: no such table") from None
+    except IsADirectoryError:
+        raise TableError(f"{path}: is a directory, not a table file") from None
+    except PermissionError:
+        raise TableError(f"{path}: cannot read: permission denied") from None
+    except OSError as e:
+        raise TableError(f"{path}: cannot read: {e.strerror or e}") from None
+    return parse_table(raw, path)
+
+
+def entry_problems(entry: Any) -> list[str]:
+    """What is structurally wrong with one entry (what lookup and merge rely on); empty when nothing."""
+    if not isinstance(entry, dict):
+        return [f"is {type(entry).__name__}, not an object"]
+    found = []
+    for name in ("fields", "config"):
+        if not isinstance(entry.get(name), dict):
+            found.append(f"lacks a '{name}' object" if name not in entry
+                         else f"'{name}' is {type(entry[name]).__name__}, not an object")
+    for name, kind in (("versions", dict), ("timing", dict), ("provenance", list)):
+        if entry.get(name) is not None and not isinstance(entry[name], kind):
+            found.append(f"'{name}' is {type(entry[name]).__name__}, not {'an object' if kind is dict else 'a list'}")
+    return found
+
+
+def read_table(path: Path | str) -> dict[str, Any]:
+    """Parse, check and migrate one table; TableError names the file (and entry) and what is wrong with it."""
+    table = load_table(path)
+    for key, entry in table["entries"].items():
+        problems = entry_problems(entry)
+        if problems:
+            raise TableError(f"{path}: entry {key!r}: {problems[0]}")
+    return table
 
 
 _cache: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
@@ -58,6 +146,8 @@ def read_table_cached(path: Path) -> tuple[tuple[int, int, int], dict[str, Any]]
         st = os.stat(path)
     except FileNotFoundError:
         return None
+    except OSError as e:  # e.g. a path component that is a file, not a directory
+        raise TableError(f"{path}: cannot read: {e.strerror or e}") from None
     stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # writes replace the file, so the inode changes too
     hit = _cache.get(path)
     if hit is not None and hit[0] == stamp:
@@ -66,23 +156,61 @@ def read_table_cached(path: Path) -> tuple[tuple[int, int, int], dict[str, Any]]
     return _cache[path]
 
 
-def write_entries(path: Path, op: str, device_kind: str, entries: Iterable[dict[str, Any]]) -> Path:
-    """Add or replace `entries` (each with a `key`) in the table at `path`, atomically and under a lock."""
+@contextlib.contextmanager
+def locked(path: Path | str) -> Iterator[Path]:
+    """Hold the table's write lock (`<path>.lock`, shared by every writer on this file system)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(path) + ".lock"):
-        table = read_table(path) if path.exists() else empty_table(op, device_kind)
+        yield path
+
+
+def write_table_atomic(path: Path | str, table: dict[str, Any]) -> Path:
+    """Replace the file at `path` with `table` (at the current schema) in one rename. Callers hold `locked`."""
+    path = Path(path)
+    table = {**table, "schema_version": SCHEMA_VERSION}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+T = TypeVar("T")
+
+
+def update_table(path: Path | str, op: str, device_kind: str, update: Callable[[dict[str, Any]], T]) -> T:
+    """Under the lock: read the table at `path` (an empty one if there is none), let `update` change it in
+    place, write it back atomically; returns what `update` returned. Raises TableError, naming the file, when
+    the existing table is unreadable or belongs to another op or device kind (nothing is written then)."""
+    with locked(path) as path:
+        if path.exists() or path.is_symlink():
+            table = read_table(path)
+            for name, expected in (("op", op), ("device_kind", device_kind)):
+                if table.setdefault(name, expected) != expected:
+                    raise TableError(f"{path}: table is for {name} {table[name]!r}, not {expected!r}")
+        else:
+            table = empty_table(op, device_kind)
+        result = update(table)
+        write_table_atomic(path, table)
+    _cache.pop(path, None)
+    return result
+
+
+def write_entries(path: Path | str, op: str, device_kind: str, entries: Iterable[dict[str, Any]]) -> Path:
+    """Add or replace `entries` (each with a `key`) in the table at `path`, atomically and under a lock."""
+    entries = list(entries)
+
+    def add(table: dict[str, Any]) -> None:
         for entry in entries:
             table["entries"][entry["key"]] = entry
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(table, f, indent=1, sort_keys=False)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    return path
+
+    update_table(path, op, device_kind, add)
+    return Path(path)

@@ -1,5 +1,8 @@
-"""Search spaces -> parallel compile -> correctness gate -> timing from the profiler trace -> tables."""
+"""Search spaces -> search strategy -> parallel compile -> correctness gate -> timing from the profiler trace
+-> sweep log and tables."""
 
-from moe_tune.tuner.sweep import Reporter, SweepError, SweepResult, SweepSpec, run_sweep
+from moe_tune.tuner.strategies import STRATEGIES, Strategy
+from moe_tune.tuner.sweep import Reporter, SweepError, SweepInterrupted, SweepResult, SweepSpec, log_path_for, run_sweep
 
-__all__ = ["Reporter", "SweepError", "SweepResult", "SweepSpec", "run_sweep"]
+__all__ = ["STRATEGIES", "Reporter", "Strategy", "SweepError", "SweepInterrupted", "SweepResult", "SweepSpec",
+           "log_path_for", "run_sweep"]

@@ -1,47 +1,139 @@
-"""Compile workers: long-lived `python -m moe_tune.tuner.workers` subprocesses that compile candidates and
-send the executables back serialized.
+"""Worker processes: long-lived `python -m moe_tune.tuner.workers` subprocesses that run requests (for the
+tuner: compile one candidate, run it once, send back the serialized executable and the output) so that
+whatever a request does to its process -- a segfault, an abort, a hang, running out of memory -- takes
+down only that worker, never the sweep.
 
-One JAX process does not run two XLA compilations at once, so parallel compiles need processes. Plain
-subprocesses (not `multiprocessing`) keep this usable from any script, with or without a `__main__`
-guard, and let a crashing compile take down only its worker: the pool notices the dead worker, records
-the candidate as failed with the exit status, and starts a new worker.
+Why processes: one JAX process does not run two XLA compilations at once, so parallel compiles need
+processes; and a candidate that crashes or hangs has to crash or hang somewhere other than the process that
+records the results. Plain subprocesses (not `multiprocessing`) keep this usable from any script, with or
+without a `__main__` guard.
 
-Protocol: length-prefixed pickles over the worker's stdin/stdout. The worker moves its own stdout to
-stderr first, so stray prints cannot corrupt the stream.
+The pool gives each request a deadline (`timeout`, seconds, for the whole request, counted from when the
+worker has read it and imported its function: a fresh worker's JAX import is not charged to the request).
+A worker that does not answer in time is killed (SIGKILL); one that dies is reaped and its exit status
+kept. Either way the request's callback gets a `WorkerFailure` (with the progress the request had
+reported, so the caller knows how far it got), a new worker takes the dead one's place, and the pool goes
+on with the next request.
+
+Protocol: length-prefixed pickles over the worker's stdin/stdout. A request is `(fn, args, shared)`; the
+worker answers `("started", None)` once it has read the request and imported `fn`, then any number of
+`("progress", obj)` messages (see `progress`), then one `("done", value)` or `("error", reason)` (`fn`
+raised; the worker stays usable). `shared` is `None` or `(token, payload)`: data that many requests need
+(the tuner's inputs) goes to each worker once, with its first request that needs it, and is read there
+with `shared(token)`; a worker holds one payload at a time. The worker moves its own stdout to stderr
+first, so stray prints cannot corrupt the stream.
+
+`MOE_TUNE_WORKER_MEMORY_LIMIT` (bytes; unset by default): when set in the environment that starts a worker,
+the worker caps its address space at that size (RLIMIT_AS), so an allocation past it fails cleanly
+(RESOURCE_EXHAUSTED / MemoryError) instead of growing until the kernel's OOM killer steps in. The tests'
+out-of-memory candidate uses it, so that it fails the same way whatever the machine's overcommit policy.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import pickle
 import queue
 import select
+import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
 _HEADER = struct.Struct("<Q")
+MEMORY_LIMIT_ENV = "MOE_TUNE_WORKER_MEMORY_LIMIT"
+START_LIMIT_S = 300.0  # for a worker to read a request and import its function (not part of `timeout`)
+
+
+def _pack(obj: Any) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
 
 
 def _send(stream: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    stream.write(_pack(obj))
     stream.flush()
 
 
 def _receive(stream: BinaryIO) -> Any:
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
-        raise EOFError("worker closed its output")
+        raise EOFError("closed")
     (size,) = _HEADER.unpack(header)
     data = stream.read(size)
     if len(data) < size:
-        raise EOFError("worker closed its output mid-message")
+        raise EOFError("closed mid-message")
     return pickle.loads(data)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _read_exact(fd: int, size: int, deadline: float | None) -> bytes:
+    """`size` bytes from the raw pipe `fd`; EOFError when it closes first, _Timeout past `deadline`."""
+    chunks, left = [], size
+    while left:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise _Timeout
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerFailure(Exception):
+    """A request that did not come back: its worker died ("died"), ran past the deadline and was killed
+    ("timeout"), or the function raised in the worker ("error")."""
+
+    kind: str
+    progress: list = dataclasses.field(default_factory=list)  # what the request reported before it failed
+    returncode: int | None = None  # "died": the worker's exit status (negative: killed by that signal)
+    timeout: float | None = None  # "timeout": the deadline, in seconds
+    message: str = ""  # "error": the exception, in one line
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode is None or self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return f"signal {-self.returncode}"
+
+    def describe(self) -> str:
+        """e.g. "worker died (SIGABRT, signal 6)", "worker hung: timed out after 5 s"."""
+        if self.kind == "died":
+            if self.returncode is None:
+                how = "unknown exit status"
+            elif self.returncode < 0:
+                how = f"{self.signal_name}, signal {-self.returncode}"
+            else:
+                how = f"exit code {self.returncode}"
+            return f"worker died ({how})"
+        if self.kind == "timeout":
+            return f"worker hung: timed out after {self.timeout:g} s"
+        return f"worker raised {self.message}"
+
+    def __str__(self) -> str:
+        return self.describe()
 
 
 class Worker:
@@ -53,26 +145,63 @@ class Worker:
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several processes may share one GPU
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_tune.tuner.workers"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, env=env,
+            stderr=subprocess.DEVNULL, env=env, bufsize=0,
         )
+        self.shared_token: str | None = None  # the shared payload this worker holds
 
-    def call(self, fn: str, *args: Any, timeout: float | None = None) -> Any:
-        """Run one request; EOFError when the worker died doing it, TimeoutError (worker killed) when it
-        did not answer within `timeout` seconds."""
-        _send(self.proc.stdin, (fn, args))
-        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def call(self, fn: str, *args: Any, timeout: float | None = None, shared: tuple[str, Any] | None = None,
+             on_progress: Callable[[Any], None] | None = None) -> Any:
+        """Run one request and return its value; raise WorkerFailure when the worker died doing it, raised,
+        or did not answer within `timeout` seconds (it is then killed). `shared` (token, payload) is sent
+        only if this worker does not hold that token yet."""
+        progress: list = []
+        send = shared if shared is not None and shared[0] != self.shared_token else None
+        try:
+            _write_all(self.proc.stdin.fileno(), _pack((fn, args, send)))
+            if send is not None:
+                self.shared_token = send[0]
+            # Until the worker has read the request and imported `fn` (a fresh worker imports JAX first),
+            # a generous start-up limit; from then on, `timeout`.
+            deadline = None if timeout is None else time.monotonic() + max(timeout, START_LIMIT_S)
+            fd = self.proc.stdout.fileno()
+            while True:
+                (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+                kind, value = pickle.loads(_read_exact(fd, size, deadline))
+                if kind == "started":
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                elif kind == "progress":
+                    progress.append(value)
+                    if on_progress is not None:
+                        on_progress(value)
+                elif kind == "done":
+                    return value
+                else:
+                    raise WorkerFailure("error", progress, message=value)
+        except _Timeout:
             self.close()
-            raise TimeoutError(f"no answer within {timeout:g} s")
-        return _receive(self.proc.stdout)
+            raise WorkerFailure("timeout", progress, timeout=timeout) from None
+        except (EOFError, OSError):  # BrokenPipeError included
+            raise WorkerFailure("died", progress, returncode=self._reap()) from None
 
-    def died_with(self) -> str:
-        code = self.proc.wait(timeout=10)
-        return f"signal {-code}" if code < 0 else f"exit code {code}"
+    def _reap(self) -> int | None:
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # closed its output but still running: not usable either way
+            self.close()
+            return None
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 class WorkerPool:
@@ -85,9 +214,14 @@ class WorkerPool:
             self._idle.put(Worker())
 
     def map(self, fn: str, requests: Iterable[tuple[Any, tuple]],
-            on_result: Callable[[Any, str, Any], None], timeout: float | None = None) -> None:
-        """For each (tag, args): on_result(tag, "ok", value) or on_result(tag, "died", reason); a request
-        that takes longer than `timeout` seconds has its worker killed and counts as died."""
+            on_result: Callable[[Any, str, Any], None], timeout: float | None = None,
+            shared: tuple[str, Any] | None = None) -> None:
+        """For each (tag, args): on_result(tag, "ok", value) or on_result(tag, "failed", WorkerFailure).
+
+        A request that takes longer than `timeout` seconds has its worker killed. A worker that died or was
+        killed is replaced before its next request. `shared` is (token, payload): see `Worker.call`.
+        Callbacks run one at a time.
+        """
         todo: queue.Queue = queue.Queue()
         for item in requests:
             todo.put(item)
@@ -100,15 +234,16 @@ class WorkerPool:
                 except queue.Empty:
                     return
                 worker = self._idle.get()
-                try:
-                    status, value = "ok", worker.call(fn, *args, timeout=timeout)
-                except TimeoutError as e:
-                    status, value = "died", f"compile worker hung: {e}"
-                    worker = Worker()
-                except (EOFError, BrokenPipeError, OSError):
-                    status, value = "died", f"compile worker died ({worker.died_with()})"
+                if not worker.alive():  # died while idle: not this request's fault
                     worker.close()
                     worker = Worker()
+                try:
+                    status, value = "ok", worker.call(fn, *args, timeout=timeout, shared=shared)
+                except WorkerFailure as failure:
+                    status, value = "failed", failure
+                    if failure.kind != "error":
+                        worker.close()
+                        worker = Worker()
                 self._idle.put(worker)
                 with lock:
                     on_result(tag, status, value)
@@ -135,25 +270,77 @@ def pool(size: int) -> WorkerPool:
 
 
 @atexit.register
-def _close_pools() -> None:
-    for p in _pools.values():
-        p.close()
+def close_pools() -> None:
+    """Stop every worker; the next `pool(...)` starts fresh ones (e.g. after changing their environment)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+# Worker side.
+
+_out: BinaryIO | None = None
+_shared: dict[str, Any] = {}
+
+
+def progress(obj: Any) -> None:
+    """From a request running in a worker: tell the caller how far it got (kept if the worker then dies or
+    hangs). A no-op outside a worker."""
+    if _out is not None:
+        _send(_out, ("progress", obj))
+
+
+def shared(token: str) -> Any:
+    """In a worker: the shared payload sent with token `token` (KeyError if this worker does not hold it)."""
+    return _shared[token]
+
+
+def _limit_memory() -> None:
+    limit = os.environ.get(MEMORY_LIMIT_ENV)
+    if limit:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (int(limit), int(limit)))
 
 
 def _serve() -> None:
     import importlib
 
-    protocol_out = os.fdopen(os.dup(1), "wb")
+    global _out
+    _limit_memory()
+    if os.environ.get("MOE_TUNE_COMPILE_CACHE_DIR"):  # the sweep turned the persistent cache on: share it
+        from moe_tune.tuner import compile_cache
+
+        compile_cache.enable()
+    _out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     protocol_in = sys.stdin.buffer
     while True:
         try:
-            fn, args = _receive(protocol_in)
+            fn, args, share = _receive(protocol_in)
         except EOFError:
             return
+        if share is not None:
+            _shared.clear()  # one payload at a time: a new token means the previous one is done with
+            _shared[share[0]] = share[1]
         module, name = fn.split(":")
-        _send(protocol_out, getattr(importlib.import_module(module), name)(*args))
+        try:
+            function = getattr(importlib.import_module(module), name)
+            _send(_out, ("started", None))
+            answer = ("done", function(*args))
+        except Exception as e:  # noqa: BLE001 - reported to the caller; the worker stays usable
+            lines = str(e).strip().splitlines()
+            answer = ("error", f"{type(e).__name__}: {lines[0] if lines else ''}"[:300])
+        try:
+            data = _pack(answer)
+        except Exception as e:  # noqa: BLE001
+            data = _pack(("error", f"the answer could not be pickled: {type(e).__name__}: {e}"[:300]))
+        _out.write(data)
+        _out.flush()
 
 
 if __name__ == "__main__":
-    _serve()
+    # Serve from the module as imported (not `__main__`), so that `progress` and `shared`, called by the
+    # requests' functions through `moe_tune.tuner.workers`, see this worker's stream and payload.
+    from moe_tune.tuner.workers import _serve as serve
+
+    serve()

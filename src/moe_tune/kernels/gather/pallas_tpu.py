@@ -359,6 +359,7 @@ def pallas_tpu_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
 
 class _PallasTpuBackend:
     name = "pallas_tpu"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     platforms = ("tpu",)
     # Uses PrefetchScalarGridSpec, pl.ANY, make_async_copy, SemaphoreType.DMA and pltpu.InterpretParams
     # (simulated DMAs in interpret mode) as of jax 0.10; Pallas TPU APIs move between minor releases.

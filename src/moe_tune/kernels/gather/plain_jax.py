@@ -29,6 +29,7 @@ def row_range_mask(rows: int, start: jax.Array, end: jax.Array) -> jax.Array:
 
 class PlainGather(GatherBackend):
     name = "jax"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = PlainConfig
     platforms = ("cpu", "gpu", "tpu")
     description = "plain JAX: gather every row, then mask (the fallback)"
@@ -46,6 +47,7 @@ class PlainGather(GatherBackend):
 
 class PlainGatherReduce(GatherReduceBackend):
     name = "jax"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = PlainConfig
     platforms = ("cpu", "gpu", "tpu")
     description = "plain JAX: gather every row, mask, reduce (the fallback)"

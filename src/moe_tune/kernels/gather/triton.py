@@ -108,6 +108,7 @@ class _TritonGatherCommon:
     float32 tiles a program keeps live (dispatch: the gathered tile; combine: that and the accumulator)."""
 
     name = "triton"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     platforms = ("gpu",)
     jax_versions = JAX_VERSIONS
     block_field: str

@@ -52,6 +52,7 @@ def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
 
 class MegabloxRaggedDot(RaggedDotBackend):
     name = "megablox"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = MegabloxConfig
     platforms = ("tpu",)
     description = "Pallas Mosaic TPU gmm (Megablox); interpret mode off TPU"

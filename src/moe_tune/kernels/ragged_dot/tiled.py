@@ -150,6 +150,7 @@ def _pow2_up_to(limit: int, low: int) -> list[int]:
 
 class TiledRaggedDot(RaggedDotBackend):
     name = "tiled"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TiledConfig
     platforms = ("cpu", "gpu", "tpu")
     description = "pure-JAX loop over Megablox (row tile, group) visits; the CPU backend"

@@ -98,6 +98,7 @@ def _tgmm_kernel(starts, ends, lhs_ref, dout_ref, out_ref, *, block_m, block_k, 
 
 class TritonRaggedDot(RaggedDotBackend):
     name = "triton"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TritonConfig
     platforms = ("gpu",)
     description = "Pallas Triton gmm/tgmm for GPUs; interpret mode elsewhere"

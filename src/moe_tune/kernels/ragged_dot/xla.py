@@ -57,6 +57,7 @@ def _ragged_dot_general(lhs, rhs, sizes, dims: lax.RaggedDotDimensionNumbers, ou
 
 class XlaRaggedDot(RaggedDotBackend):
     name = "xla"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = XlaConfig
     platforms = ("cpu", "gpu", "tpu")
     description = "jax.lax.ragged_dot_general (XLA's own lowering); the baseline"

@@ -1,0 +1,237 @@
+"""`moe-tune validate`: check tables the way the runtime will use them, and say precisely what is wrong.
+
+Errors (the table or entry cannot be used as intended): unreadable file, invalid JSON, not a table, a schema
+this moe-tune does not know, missing `op` / `device_kind`, a table whose directory or file name does not match
+its device kind or op (lookup would never find it), an unknown op, and per entry: structural problems, a key
+that is not `key_from_fields(op, fields)`, fields that do not build a problem, non-canonical fields (lookup
+computes another key for the same problem), an unknown backend or distribution, a config the backend cannot
+run for the problem, a bad timing or revision record.
+
+Warnings (usable, but worth knowing): a stale entry (another kernel revision or JAX minor version), an older
+schema (migrated on read, rewritten at the current schema on the next write), a directory without tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from moe_tune.errors import TableError
+from moe_tune.profiles import dirs
+from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles.table import SCHEMA_VERSION, entry_problems, parse_table
+from moe_tune.profiles.versions import staleness
+
+ERROR = "error"
+WARNING = "warning"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a table: the file, the entry's key (None for the whole file), what is wrong."""
+
+    path: Path
+    message: str
+    key: str | None = None
+    severity: str = ERROR  # "error" | "warning"
+
+    def __str__(self) -> str:
+        where = f"{self.path}" + (f": entry {self.key!r}" if self.key is not None else "")
+        return f"{where}: {'warning: ' if self.severity == WARNING else ''}{self.message}"
+
+
+@dataclasses.dataclass
+class ValidationReport:
+    files: list[Path]  # every table file checked
+    problems: list[Problem]
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == ERROR]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == WARNING]
+
+    @property
+    def ok(self) -> bool:
+        """No errors (warnings allowed): the CLI exits 0 when ok, else 1."""
+        return not self.errors
+
+    def lines(self) -> list[str]:
+        """One line per problem, then a summary line."""
+        summary = (f"{len(self.files)} table{'s' if len(self.files) != 1 else ''} checked: "
+                   f"{len(self.errors)} error{'s' if len(self.errors) != 1 else ''}, "
+                   f"{len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}")
+        return [str(p) for p in self.problems] + [summary]
+
+
+def _without_path(path: Path, message: str) -> str:
+    prefix = f"{path}: "
+    return message[len(prefix):] if message.startswith(prefix) else message
+
+
+def validate_table(path: str | os.PathLike) -> list[Problem]:
+    """Every problem with the table at `path` (empty when it is fine)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        what = ("is a directory, not a table file" if isinstance(e, IsADirectoryError)
+                else "no such file" if isinstance(e, FileNotFoundError)
+                else f"cannot read: {e.strerror or e}")
+        return [Problem(path, what)]
+    try:
+        table = parse_table(raw, path)
+    except TableError as e:
+        return [Problem(path, _without_path(path, str(e)))]
+
+    problems: list[Problem] = []
+    original = json.loads(raw)["schema_version"]  # parse_table accepted it, so this parses
+    if original != SCHEMA_VERSION:
+        problems.append(Problem(path, f"schema_version {original} (migrated to {SCHEMA_VERSION} on read; rewritten "
+                                      f"at {SCHEMA_VERSION} on the next write or merge)", severity=WARNING))
+    op, device_kind = table.get("op"), table.get("device_kind")
+    for name, value in (("op", op), ("device_kind", device_kind)):
+        if value is None:
+            problems.append(Problem(path, f"no '{name}' at the top level"))
+    if device_kind is not None and path.parent.name != device_kind:
+        problems.append(Problem(path, f"table is for device_kind {device_kind!r} but lies in directory "
+                                      f"{path.parent.name!r}: lookup reads <profile dir>/<device_kind>/<op>.json"))
+    if op is not None and path.name != f"{op}.json":
+        problems.append(Problem(path, f"table is for op {op!r} but is named {path.name!r}: lookup reads "
+                                      f"<profile dir>/<device_kind>/<op>.json"))
+    spec = None
+    if op is not None:
+        from moe_tune.kernels import get_op  # kernels import profiles: import lazily
+
+        try:
+            spec = get_op(op)
+        except Exception as e:
+            problems.append(Problem(path, str(e)))
+    for key, entry in table["entries"].items():
+        wrong = _entry_problems(key, entry, op, device_kind, spec)
+        problems += [Problem(path, message, key) for message in wrong]
+        if spec is not None and not wrong:
+            backend = spec.backends.get(entry["fields"]["backend"])
+            problems += [Problem(path, f"stale: tuned with {d}", key, WARNING) for d in staleness(entry, backend)]
+    return problems
+
+
+_templates: dict[str, Any] = {}
+
+
+def _problem_template(spec) -> Any:
+    """A problem of the op's problem class (its class builds problems from key fields)."""
+    if spec.name not in _templates:
+        _templates[spec.name] = spec.problem(**spec.default_problem_options())
+    return _templates[spec.name]
+
+
+def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None, spec) -> list[str]:
+    structural = entry_problems(entry)
+    if structural:
+        return structural
+    found = []
+    if entry.get("key", key) != key:
+        found.append(f"its 'key' field {entry['key']!r} differs from the key it is stored under")
+    for name, expected in (("op", op), ("device_kind", device_kind)):
+        if expected is not None and entry.get(name, expected) != expected:
+            found.append(f"entry is for {name} {entry[name]!r}, the table for {expected!r}")
+    versions = entry.get("versions") or {}
+    revision = versions.get("backend_revision")
+    if revision is not None and (not isinstance(revision, int) or isinstance(revision, bool) or revision < 1):
+        found.append(f"versions.backend_revision {revision!r} is not a positive integer")
+    median = (entry.get("timing") or {}).get("median_s")
+    if median is not None and (not isinstance(median, (int, float)) or isinstance(median, bool)
+                               or not math.isfinite(median) or median <= 0):
+        found.append(f"timing.median_s {median!r} is not a positive number of seconds")
+    if any(not isinstance(record, dict) for record in entry.get("provenance") or []):
+        found.append("'provenance' holds something other than objects")
+    if spec is None:
+        return found
+
+    fields = entry["fields"]
+    expected_key = key_from_fields(op, fields)
+    if key != expected_key:
+        found.append(f"key does not match its fields, which give {expected_key!r}")
+    template = _problem_template(spec)
+    names = [*template.key_fields(), "backend", "distribution"]
+    missing = [n for n in names if n not in fields]
+    unknown = [n for n in fields if n not in names]
+    if missing:
+        found.append(f"fields lack {', '.join(missing)}")
+    if unknown:
+        found.append(f"fields has unknown name(s) {', '.join(unknown)} (an {op} key has {', '.join(names)})")
+    if missing or unknown:
+        return found
+    backend = None
+    try:
+        backend = spec.backends.get(fields["backend"])
+    except Exception as e:
+        found.append(str(e))
+    from moe_tune import distributions
+
+    try:
+        distributions.check_name(fields["distribution"])
+    except Exception as e:
+        found.append(str(e))
+    try:
+        problem = type(template).from_key_fields(fields)
+    except Exception as e:
+        found.append(f"fields do not describe a valid {op} problem: {e}")
+        return found
+    if backend is None:
+        return found
+    canonical = key_from_fields(op, key_fields(problem, backend.name, fields["distribution"]))
+    if canonical != expected_key:
+        found.append(f"fields are not canonical: lookup computes the key {canonical!r} for this problem, so the "
+                     "entry would never be found")
+    try:
+        backend.coerce_config(entry["config"], problem)
+    except Exception as e:
+        found.append(f"config {entry['config']} is not valid for backend {backend.name!r} and this problem: {e}")
+    return found
+
+
+def table_files(directory: Path) -> list[Path]:
+    """Table files under a profile dir (`*/*.json`) or a device-kind dir (`*.json`)."""
+    return sorted({*directory.glob("*/*.json"), *directory.glob("*.json")})
+
+
+def validate_paths(paths: Iterable[str | os.PathLike] | None = None) -> ValidationReport:
+    """Validate table files and every table under directories; no paths: every profile dir that exists
+    (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables)."""
+    paths = list(paths or [])
+    files: list[Path] = []
+    problems: list[Problem] = []
+    if not paths:
+        for _, directory in dirs.search_dirs():
+            if directory.is_dir():
+                files += table_files(directory)
+    for given in map(Path, paths):
+        if given.is_dir() and not given.name.endswith(".json"):
+            found = table_files(given)
+            if not found:
+                problems.append(Problem(given, "no tables here (expected <device_kind>/<op>.json files)",
+                                        severity=WARNING))
+            files += found
+        elif given.exists() or given.is_symlink():
+            files.append(given)
+        else:
+            problems.append(Problem(given, "no such file or directory"))
+    seen: set[str] = set()
+    unique = []
+    for path in files:
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            unique.append(path)
+    for path in unique:
+        problems += validate_table(path)
+    return ValidationReport(unique, problems)

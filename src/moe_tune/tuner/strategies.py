@@ -1,0 +1,164 @@
+"""Search strategies: which configs of a backend's search space a sweep measures, round by round.
+
+A strategy proposes rounds of configs (the default config always first, in the first round); the sweep
+measures each round (compile, check, time) and passes everything measured so far to `next_round`. A
+strategy never proposes a config twice, never one outside the space (valid configs only), and never more
+than `budget` configs in all. Proposals depend only on the space, the budget, the seed and the measured
+results, so a resumed sweep, whose results come from its log, replays the same proposals.
+
+- `grid`: the whole space in order (today's exhaustive sweep); `budget` keeps its first N.
+- `random`: the default plus a seeded random sample of the rest, `budget` configs in all.
+- `coordinate`: coordinate descent from the heuristic default. Each round measures the unmeasured
+  neighbours of the best config so far: along each tunable, the nearest smaller and larger value among the
+  configs of the space that differ from it in that tunable only. It moves to the best measured config and
+  stops when a round finds nothing faster (or the budget is spent).
+
+The sweep itself stops asking for rounds when its time budget is spent.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels.base import Backend, KernelConfig
+from moe_tune.tuner.candidates import OK, Candidate
+
+
+class Strategy:
+    """Base: `space` is the backend's search space for the problem (valid configs, default first)."""
+
+    name: ClassVar[str]
+    needs_budget: ClassVar[bool] = False  # without a budget (count or time) the strategy is just a grid
+
+    def __init__(self, space: Sequence[KernelConfig], *, backend: Backend | None = None, problem: Any = None,
+                 budget: int | None = None, seed: int = 0):
+        if not space:
+            raise UsageError("the search space is empty")
+        self.space, self.backend, self.problem = list(space), backend, problem
+        self.budget, self.seed = budget, seed
+        self.stopped: str | None = None  # why the strategy has no more rounds (once next_round returns [])
+
+    @property
+    def default(self) -> KernelConfig:
+        return self.space[0]
+
+    def planned(self) -> int:
+        """An upper bound on the number of configs it will propose (for progress bars)."""
+        return min(len(self.space), self.budget or len(self.space))
+
+    def next_round(self, measured: Mapping[KernelConfig, Candidate]) -> list[KernelConfig]:
+        """The next configs to measure (none of them in `measured`); [] when done (`stopped` says why)."""
+        raise NotImplementedError
+
+    def _left(self, measured: Mapping[KernelConfig, Candidate]) -> int | None:
+        return None if self.budget is None else self.budget - len(measured)
+
+    def _cap(self, proposal: list[KernelConfig], measured: Mapping[KernelConfig, Candidate],
+             done_reason: str) -> list[KernelConfig]:
+        proposal = [c for c in dict.fromkeys(proposal) if c not in measured]
+        left = self._left(measured)
+        if left is not None and left <= 0 and proposal:
+            self.stopped = "budget"
+            return []
+        if left is not None:
+            proposal = proposal[:left]
+        if not proposal:
+            self.stopped = done_reason
+        return proposal
+
+
+class Grid(Strategy):
+    name = "grid"
+
+    def next_round(self, measured):
+        return self._cap(self.space, measured, "exhausted" if self.budget is None or self.budget >= len(
+            self.space) else "budget")
+
+
+class RandomSearch(Strategy):
+    name = "random"
+    needs_budget = True
+
+    def __init__(self, space, **kwargs):
+        super().__init__(space, **kwargs)
+        rest = self.space[1:]
+        random.Random(self.seed).shuffle(rest)
+        self.order = [self.default, *rest]  # with no count budget, a seeded shuffle of the whole space
+
+    def next_round(self, measured):
+        return self._cap(self.order, measured, "exhausted" if self.budget is None or self.budget >= len(
+            self.space) else "budget")
+
+
+def _sort_key(value: Any) -> tuple:
+    return (0, value) if isinstance(value, (int, float)) else (1, str(value))
+
+
+class CoordinateDescent(Strategy):
+    name = "coordinate"
+
+    def __init__(self, space, **kwargs):
+        super().__init__(space, **kwargs)
+        self.in_space = set(self.space)
+        self.current: KernelConfig | None = None  # the config whose neighbours were proposed last
+        self.path: list[KernelConfig] = []  # the best config after each round (non-increasing time)
+
+    def neighbours(self, config: KernelConfig) -> list[KernelConfig]:
+        """Along each tunable, the configs of the space that differ from `config` in that tunable only and
+        have the nearest smaller and the nearest larger value."""
+        here = config.to_dict()
+        found = []
+        for field, value in here.items():
+            line = [c for c in self.space if c != config and all(
+                v == here[f] for f, v in c.to_dict().items() if f != field)]
+            below = [c for c in line if _sort_key(getattr(c, field)) < _sort_key(value)]
+            above = [c for c in line if _sort_key(getattr(c, field)) > _sort_key(value)]
+            if below:
+                found.append(max(below, key=lambda c: _sort_key(getattr(c, field))))
+            if above:
+                found.append(min(above, key=lambda c: _sort_key(getattr(c, field))))
+        return [c for c in found if self._valid(c)]
+
+    def _valid(self, config: KernelConfig) -> bool:
+        if config not in self.in_space:
+            return False
+        return self.backend is None or self.backend.config_error(config, self.problem) is None
+
+    def next_round(self, measured):
+        if not measured:  # the first round: the default and its neighbours, timed side by side
+            self.current = self.default
+            return self._cap([self.default, *self.neighbours(self.default)], measured, "converged")
+        ok = [c for c in measured.values() if c.status == OK and c.timing is not None]
+        if not ok:  # nothing ran yet (the default failed, and its neighbours): go on in space order
+            self.current = None
+            return self._cap([c for c in self.space if c not in measured][:8], measured, "exhausted")
+        best = min(ok, key=lambda c: c.timing.median_s).config
+        self.path.append(best)
+        if best == self.current:
+            self.stopped = "converged"
+            return []
+        self.current = best
+        return self._cap(self.neighbours(best), measured, "converged")
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Grid, RandomSearch, CoordinateDescent)}
+
+
+def check(name: str, budget: int | None, time_budget_s: float | None) -> None:
+    """UsageError for an unknown strategy, a budget below 1, or a strategy that needs a budget without one."""
+    if name not in STRATEGIES:
+        raise UsageError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    if budget is not None and budget < 1:
+        raise UsageError(f"budget must be at least 1 candidate, got {budget}")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise UsageError(f"time budget must be a positive number of seconds, got {time_budget_s}")
+    if STRATEGIES[name].needs_budget and budget is None and time_budget_s is None:
+        raise UsageError(f"strategy {name!r} needs a budget: --budget N (candidates) or --time-budget SECONDS")
+
+
+def make(name: str, space: Sequence[KernelConfig], *, backend: Backend | None = None, problem: Any = None,
+         budget: int | None = None, seed: int = 0) -> Strategy:
+    return STRATEGIES[name](space, backend=backend, problem=problem, budget=budget, seed=seed)

@@ -1,0 +1,132 @@
+"""Candidates that crash, hang or run out of memory when RUN take down only their worker: real sweeps record
+them as failed at stage "run" with the reason, restart the worker and go on; a good candidate wins, and the
+pool keeps serving the next sweep. Nothing of a bad candidate runs, or even compiles, in this process."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+from faulty_backend import FaultyConfig, FaultyRaggedDot
+
+from moe_tune import devices
+from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.tuner import SweepSpec, run_sweep, workers
+from moe_tune.tuner.candidates import backend_compiles
+
+TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
+TIMEOUT_S = 6.0  # compile + first run of a tiny good candidate: under a second (a few on a loaded machine)
+MEMORY_LIMIT = 8 << 30  # RLIMIT_AS of the workers here: far above what they use, far below oom_run's 1e13 bytes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def limited_workers():
+    """On CPU, fresh workers whose address space is capped, so that oom_run's allocation fails cleanly
+    whatever the machine's overcommit policy; the next module gets fresh uncapped ones. (A GPU refuses
+    the allocation by itself, and its runtime reserves more address space than any such cap allows.)"""
+    patch = pytest.MonkeyPatch()
+    if devices.platform() == "cpu":
+        patch.setenv(workers.MEMORY_LIMIT_ENV, str(MEMORY_LIMIT))
+    workers.close_pools()
+    yield
+    patch.undo()
+    workers.close_pools()
+
+
+@pytest.fixture
+def faulty(monkeypatch):
+    backend = BACKENDS.register(FaultyRaggedDot())
+    monkeypatch.setattr(FaultyRaggedDot, "default_config", lambda self, p: FaultyConfig("good", 64))
+    yield backend
+    BACKENDS.unregister(backend.name)
+
+
+def _sweep(backend, monkeypatch, tmp_path, modes):
+    monkeypatch.setattr(FaultyRaggedDot, "candidate_values", lambda self, p: {"mode": list(modes), "tm": [32]})
+    return run_sweep(SweepSpec("ragged_dot", TINY, backend=backend.name, samples=1, finalists=1, workers=2,
+                               compile_timeout_s=TIMEOUT_S, profile_dir=tmp_path))
+
+
+REASONS = {
+    "crash_run": ["worker died (SIGABRT, signal 6) running the candidate"],
+    "hang_run": [f"worker hung: timed out after {TIMEOUT_S:g} s running the candidate"],
+    "oom_run": ["out of memory: ", "RESOURCE_EXHAUSTED"],
+    "sigkill_run": ["out of memory: worker died (SIGKILL, signal 9) running the candidate", "OOM killer"],
+}
+
+
+@pytest.mark.parametrize("bad", list(REASONS))
+def test_run_time_failure_is_recorded_and_the_sweep_goes_on(faulty, monkeypatch, tmp_path, bad):
+    before = backend_compiles()
+    result = _sweep(faulty, monkeypatch, tmp_path, ["good", bad, "good"])
+    assert backend_compiles() == before  # every candidate compiled (and the bad one ran) in a worker only
+
+    modes = [c.config.mode for c in result.candidates]
+    assert modes == ["good", "good", bad]  # the default (good, tm=64), then the space: good and bad at tm=32
+    failed = result.candidates[2]
+    assert (failed.status, failed.stage) == ("failed", "run"), failed
+    assert all(part in failed.reason for part in REASONS[bad]), failed.reason
+    assert failed.compiles == 1 and failed.executable is None and failed.timing is None
+    assert all(c.status == "ok" and c.compiles == 1 and c.timing is not None for c in result.candidates[:2])
+    assert result.entry["config"]["mode"] == "good"
+    assert result.entry["candidates"]["failed"] == 1
+    assert result.entry["failures"] == [failed.record()] and result.entry["failures"][0]["stage"] == "run"
+
+    # The pool (one worker of it restarted) serves the next sweep.
+    again = _sweep(faulty, monkeypatch, tmp_path, ["good"])
+    assert [c.status for c in again.candidates] == ["ok", "ok"]
+
+
+def test_every_kind_of_failure_in_one_sweep(faulty, monkeypatch, tmp_path):
+    """Both workers die or hang, over and over, and the good candidates (one last in line) still make it."""
+    result = _sweep(faulty, monkeypatch, tmp_path, ["crash_run", "oom_run", "hang_run", "sigkill_run", "good"])
+    status = {c.config.mode: (c.status, c.stage) for c in result.candidates if c.config.tm == 32}
+    assert status == {"crash_run": ("failed", "run"), "oom_run": ("failed", "run"), "hang_run": ("failed", "run"),
+                      "sigkill_run": ("failed", "run"), "good": ("ok", "")}
+    assert result.entry["config"]["mode"] == "good" and result.entry["candidates"]["ok"] == 2
+
+
+def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monkeypatch):
+    sent = []
+    write_all = workers._write_all
+    monkeypatch.setattr(workers, "_write_all", lambda fd, data: (sent.append(len(data)), write_all(fd, data)))
+    payload = np.arange(250_000, dtype=np.float32)  # 1 MB
+    token = uuid.uuid4().hex
+    answers = {}
+    pool = workers.pool(2)
+    pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(6)],
+             lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=60, shared=(token, payload))
+    assert all(status == "ok" and np.array_equal(value, payload) for status, value in answers.values())
+    assert 1 <= sum(size > payload.nbytes for size in sent) <= 2  # once per worker, not once per request
+
+    pids = {w.proc.pid for w in pool._idle.queue}
+    pool.map("moe_tune.tuner.workers:shared", [(0, ("no such token",))],
+             lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=60)
+    status, failure = answers[0]
+    assert status == "failed" and failure.kind == "error" and "KeyError" in failure.message
+    assert {w.proc.pid for w in pool._idle.queue} == pids  # a function that raised does not cost its worker
+
+
+def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
+    """compile_all called chunk by chunk with the same inputs: each worker gets them with its first request,
+    later requests carry only a token; each candidate's output comes back for check_all to check."""
+    import jax
+
+    from moe_tune.kernels import get_op
+    from moe_tune.tuner.candidates import Candidate, check_all, compile_all
+
+    sent = []
+    write_all = workers._write_all
+    monkeypatch.setattr(workers, "_write_all", lambda fd, data: (sent.append(len(data)), write_all(fd, data)))
+    op, backend = get_op("ragged_dot"), BACKENDS.get("tiled")
+    host = op.make_inputs(TINY, "balanced", 0)
+    inputs = jax.device_put(host)
+    nbytes = sum(np.asarray(x).nbytes for x in host.values())
+    cands = [Candidate(i, cfg) for i, cfg in enumerate(backend.search_space(TINY)[:4])]
+    for chunk in (cands[:2], cands[2:]):
+        compile_all(op, backend, TINY, chunk, inputs, workers=2, timeout=60)
+    assert all(c.status == "ok" and c.output is not None for c in cands)
+    assert 1 <= sum(size > nbytes for size in sent) <= 2
+    check_all(cands, inputs, op.reference(TINY, host), op.tolerance(TINY))
+    assert all(c.status == "ok" and c.output is None and c.error is not None for c in cands)
