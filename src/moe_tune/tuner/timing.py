@@ -145,12 +145,18 @@ def time_candidates(
     seed: int = 0,
     keep_trace_dir: Path | None = None,
     on_round: Callable[[int], None] | None = None,
+    warmup: int = 1,
 ) -> tuple[dict[int, Timing], str | None]:
-    """Time each zero-argument call `samples` times; returns (timings, why the trace was not used)."""
+    """Time each zero-argument call `samples` times, after `warmup` untimed calls each (the first call of
+    an executable pays one-off costs: loading, first allocations, cold caches; with compile workers the
+    check ran elsewhere, so nothing here has run yet); returns (timings, why the trace was not used)."""
     rng = random.Random(seed)
     trace: dict[int, list[float]] = defaultdict(list)
     wall: dict[int, list[float]] = defaultdict(list)
     order = list(calls)
+    for _ in range(warmup):
+        for i in order:
+            jax.block_until_ready(calls[i]())
     for round_index in range(samples):
         rng.shuffle(order)
         trace_dir = Path(tempfile.mkdtemp(prefix="moe_tune_trace_"))
