@@ -66,3 +66,12 @@ def test_strategies_benchmark_compares_with_grid(tmp_path):
                 "--seeds", "0", "--compare-samples", "1", "--json", str(tmp_path / "s.json")], tmp_path)
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["meta"]["device_kind"] and "grid" in out and "coordinate" in out and "random" in out
+
+
+@pytest.mark.slow
+def test_sweep_benchmark_reports_stages_and_compiles(tmp_path):
+    out = _run(["benchmarks/sweep_cpu.py", "--candidates", "2", "--samples", "1", "--workers", "1,2",
+                "--json", str(tmp_path / "w.json")], tmp_path)
+    runs = json.loads((tmp_path / "w.json").read_text())["results"]
+    assert [r["workers"] for r in runs] == [1, 2] and all(r["compiles_per_candidate"] == 1.0 for r in runs)
+    assert runs[1]["main_process_compiles"] == 0 and "compile stage" in out

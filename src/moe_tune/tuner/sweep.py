@@ -17,6 +17,7 @@ finished, and is raised again as `SweepInterrupted`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -188,6 +189,15 @@ class _Sweep:
         self.resumed = self.recompiled = self.batches = 0
         self.fallback: str | None = None
         self.stopped: str | None = None
+        self.stage_s: dict[str, float] = {"compile": 0.0, "check": 0.0, "time": 0.0}  # wall time per stage
+
+    @contextlib.contextmanager
+    def _clock(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_s[stage] += time.perf_counter() - start
 
     # -- search ----------------------------------------------------------------------------------------
 
@@ -228,6 +238,7 @@ class _Sweep:
             "max_candidates": spec.max_candidates, "space": len(self.strategy.space),
             "stopped": "interrupted" if interrupted else self.stopped, "batch_size": spec.batch_size,
             "batches": self.batches, "resumed": self.resumed, "recompiled_finalists": self.recompiled,
+            "stage_s": {k: round(v, 3) for k, v in self.stage_s.items()},
             "log_restarted": self.log.restarted,
         }
         entry["sweep_wall_s"] = round(time.perf_counter() - self.started, 3)
@@ -301,8 +312,9 @@ class _Sweep:
     def _measure(self, chunk: list[Candidate]) -> None:
         """Compile a chunk (in parallel), check it, time the correct ones batch by batch; log as they finish."""
         spec = self.spec
-        compile_all(self.op, self.backend, self.problem, chunk, self.inputs, workers=spec.workers,
-                    on_done=lambda c: self.reporter.advance("compile"), timeout=spec.compile_timeout_s)
+        with self._clock("compile"):  # with workers this also runs each candidate once (the check's output)
+            compile_all(self.op, self.backend, self.problem, chunk, self.inputs, workers=spec.workers,
+                        on_done=lambda c: self.reporter.advance("compile"), timeout=spec.compile_timeout_s)
         failed = [c for c in chunk if c.status != OK]
         self._finished(failed)
         self.reporter.advance("check", len(failed))
@@ -314,11 +326,13 @@ class _Sweep:
                 self._finished([cand])
                 self.reporter.advance("time")
 
-        check_all([c for c in chunk if c.status == OK], self.inputs, self.expected,
-                  self.op.tolerance(self.problem), on_done=checked)
+        with self._clock("check"):
+            check_all([c for c in chunk if c.status == OK], self.inputs, self.expected,
+                      self.op.tolerance(self.problem), on_done=checked)
         correct = [c for c in chunk if c.status == OK]
         for start in range(0, len(correct), spec.batch_size):
-            self._time_batch(correct[start:start + spec.batch_size])
+            with self._clock("time"):
+                self._time_batch(correct[start:start + spec.batch_size])
 
     def _time_batch(self, batch: list[Candidate]) -> None:
         spec, number = self.spec, self.batches

@@ -178,8 +178,8 @@ class TiledRaggedDot(RaggedDotBackend):
         m, k, n = problem.matmul_dims()
         return {
             "tm": _pow2_up_to(min(m, 1024), 32),
-            "tk": sorted({k, *(v for v in (512,) if v < k)}),
-            "tn": sorted({n, *(v for v in (256, 512) if v < n)}),
+            "tk": sorted({k, *(v for v in (256, 512) if v < k)}),
+            "tn": sorted({n, *(v for v in (128, 256, 512) if v < n)}),
         }
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
