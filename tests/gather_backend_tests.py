@@ -9,6 +9,7 @@ zero, weighting and accumulation are in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, ClassVar
 
@@ -84,7 +85,21 @@ class _BackendCase:
                 self.impl.coerce_config(fields, problem)
 
     def invalid_configs(self, problem: GatherProblem) -> list[dict[str, Any]]:
-        return [{"no_such_field": 1}]
+        """Config field dicts `coerce_config` must reject for `problem`."""
+        return [{"no_such_field": 1}, *(fields for fields, _ in self.invalid_with_reasons(problem))]
+
+    def invalid_with_reasons(self, problem: GatherProblem) -> list[tuple[dict[str, Any], str]]:
+        """(fields replacing the default's, a word of the reason `config_error` must give)."""
+        return []
+
+    def test_invalid_configs_name_their_reason(self):
+        problem = self.problem(*self.shapes[0])
+        default = self.impl.default_config(problem)
+        cases = self.invalid_with_reasons(problem)
+        if not cases:
+            pytest.skip("this backend's test class lists no reasons")
+        for fields, reason in cases:
+            assert reason in self.impl.config_error(dataclasses.replace(default, **fields), problem), fields
 
 
 class GatherBackendTests(_BackendCase):
