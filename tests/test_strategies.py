@@ -120,7 +120,7 @@ def test_budget_validation():
             SweepSpec("ragged_dot", BIG, **bad)
 
 
-SMALL_REAL = RaggedDotProblem(m=256, k=576, n=320, groups=4)  # 16 candidates
+SMALL_REAL = RaggedDotProblem(m=256, k=384, n=192, groups=4)  # 16 candidates
 
 
 @pytest.mark.slow

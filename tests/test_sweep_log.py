@@ -23,7 +23,7 @@ from moe_tune.tuner.log import SweepLog, read_log
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)  # 4 candidates (tm = 32 .. 256)
 # 16 candidates (tm x tk x tn = 4 x 2 x 2): two chunks of 8
-MEDIUM = ["--m", "256", "--k", "576", "--n", "320", "--groups", "4"]
+MEDIUM = ["--m", "256", "--k", "384", "--n", "192", "--groups", "4"]
 
 
 def _spec(**kw):
