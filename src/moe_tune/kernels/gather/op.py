@@ -28,12 +28,7 @@ from moe_tune.errors import UsageError
 from moe_tune.kernels.base import BackendRegistry, KernelConfig
 from moe_tune.kernels.gather.plain_jax import row_range_mask
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.gather.registry import (
-    DENSE_GATHER_REDUCE_BACKENDS,
-    FALLBACK,
-    GATHER_BACKENDS,
-    GATHER_REDUCE_BACKENDS,
-)
+from moe_tune.kernels.gather.registry import FALLBACK, REGISTRIES
 from moe_tune.kernels.guard import guard
 from moe_tune.kernels.ragged_dot.problem import dtype_name
 from moe_tune.profiles.lookup import lookup
@@ -66,8 +61,7 @@ class _Kernel:
 
     @property
     def registry(self) -> BackendRegistry:
-        return {"ragged_gather": GATHER_BACKENDS, "ragged_gather_reduce": GATHER_REDUCE_BACKENDS,
-                "dense_gather_reduce": DENSE_GATHER_REDUCE_BACKENDS}[self.op]
+        return REGISTRIES[self.op]
 
     def config(self, problem: GatherProblem) -> tuple[Any, KernelConfig]:
         impl = self.registry.get(self.backend)
@@ -119,11 +113,9 @@ def _kernels(forward_op: str, backward_op: str, backend: str | None, config: Any
              reduce_fallback: bool | None) -> _Plan:
     gather_fb = _flag(gather_fallback, ENV_GATHER_FALLBACK)
     reduce_fb = _flag(reduce_fallback, ENV_GATHER_REDUCE_FALLBACK)
-    registries = {"ragged_gather": GATHER_BACKENDS, "ragged_gather_reduce": GATHER_REDUCE_BACKENDS,
-                  "dense_gather_reduce": DENSE_GATHER_REDUCE_BACKENDS}
     fb = lambda op: gather_fb if op == "ragged_gather" else reduce_fb
-    return _Plan(_Kernel(forward_op, _choose(registries[forward_op], backend, fb(forward_op)), _freeze(config)),
-                 _Kernel(backward_op, _choose(registries[backward_op], backend, fb(backward_op))))
+    return _Plan(_Kernel(forward_op, _choose(REGISTRIES[forward_op], backend, fb(forward_op)), _freeze(config)),
+                 _Kernel(backward_op, _choose(REGISTRIES[backward_op], backend, fb(backward_op))))
 
 
 def _row_dot(a: jax.Array, b: jax.Array) -> jax.Array:
