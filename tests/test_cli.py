@@ -208,3 +208,10 @@ def test_persistent_compile_cache_makes_a_rerun_compile_nothing(tmp_path):
         compiles.append(entry["candidates"]["compiles"])
     assert compiles[0] >= 3 and compiles[1] == 0
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_bench_model_covers_every_kernel_of_a_layer(run):
+    result = run("bench", "--model", "deepseek-v2-lite", "--tokens", "8", "--ep", "16", "--dtype", "float32",
+                 "--samples", "1")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("xla/tuned") == 6 and result.output.count("fallback/tuned") == 2
