@@ -9,12 +9,18 @@ class TestPlainGather(GatherBackendTests):
     backend = "jax"
 
 
+def chunk_reasons(problem):
+    """Invalid `rows_per_chunk` values of the tiled kernels and the words their rejection must give."""
+    return [({"rows_per_chunk": 0}, "positive"), ({"rows_per_chunk": -1}, "positive"),
+            ({"rows_per_chunk": problem.rows + 1}, f"> rows {problem.rows}")]
+
+
 class TestTiledGather(GatherBackendTests):
     backend = "tiled"
     max_configs = 5
 
-    def invalid_configs(self, problem):
-        return [*super().invalid_configs(problem), {"rows_per_chunk": 0}, {"rows_per_chunk": problem.rows + 1}]
+    def invalid_with_reasons(self, problem):
+        return [*chunk_reasons(problem), ({"single_pass": "yes"}, "single_pass must be a bool")]
 
 
 class TestTiledGatherSinglePass(GatherBackendTests):
@@ -27,8 +33,6 @@ class TestTiledGatherSinglePass(GatherBackendTests):
         assert len(single) == 1
         return single
 
-    def invalid_configs(self, problem):
-        return [*super().invalid_configs(problem), {"rows_per_chunk": 8, "single_pass": "yes"}]
 
 
 class TestPlainGatherReduce(GatherReduceBackendTests):
@@ -39,5 +43,5 @@ class TestTiledGatherReduce(GatherReduceBackendTests):
     backend = "tiled"
     max_configs = 5
 
-    def invalid_configs(self, problem):
-        return [*super().invalid_configs(problem), {"rows_per_chunk": -1}, {"rows_per_chunk": problem.rows * 2}]
+    def invalid_with_reasons(self, problem):
+        return chunk_reasons(problem)

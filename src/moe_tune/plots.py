@@ -37,7 +37,7 @@ def plot_entries(entries: Sequence[dict[str, Any]], path: str | Path, *, title: 
     left.barh([_label(r["config"]) for r in results], [r["median_s"] * 1e3 for r in results], color=colors)
     left.invert_yaxis()
     left.set_xlabel("median time (ms)")
-    failed = sum(1 for r in first.get("failures", []))
+    failed = len(first.get("failures", []))
     left.set_title(f"{first.get('key', '')}\n{len(results)} correct candidates, {failed} failed or wrong "
                    "(green: winner, orange: default)", fontsize=8)
     left.tick_params(axis="y", labelsize=7)
