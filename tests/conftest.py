@@ -9,10 +9,12 @@ from moe_tune.profiles import table
 
 @pytest.fixture(autouse=True)
 def isolated_profiles(tmp_path, monkeypatch):
-    """Point $MOE_TUNE_PROFILE_DIR and the user cache dir at fresh temporary dirs."""
+    """Point $MOE_TUNE_PROFILE_DIR, the user cache dir and the shipped tables at fresh temporary dirs, so that
+    no test's lookup depends on the tables this package ships (tests/test_shipped_tables.py reads those)."""
     env_dir = tmp_path / "env_profiles"
     monkeypatch.setenv("MOE_TUNE_PROFILE_DIR", str(env_dir))
     monkeypatch.setattr("moe_tune.profiles.dirs.user_dir", lambda: tmp_path / "user_profiles")
+    monkeypatch.setattr("moe_tune.profiles.dirs.shipped_dir", lambda: tmp_path / "shipped_profiles")
     monkeypatch.delenv("MOE_TUNE_DISTRIBUTION", raising=False)
     # No persistent compile cache in tests (it is process-wide once on, and tests count compiles); the test
     # of the cache itself runs sweeps in subprocesses with their own cache dir.

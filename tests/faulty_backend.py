@@ -100,8 +100,8 @@ class FaultyRaggedDot(RaggedDotBackend):
             os.abort()
         if config.mode == "wrong":  # the fastest possible answer, and wrong: it must never win
             return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype)
-        out = tiled_ragged_dot(lhs, rhs, group_sizes, tm=config.tm, tk=lhs.shape[1], tn=rhs.shape[2],
-                               out_dtype=out_dtype, group_offset=group_offset)
+        out = tiled_ragged_dot(lhs, rhs, group_sizes, tm=config.tm, tail=config.tm, tk=lhs.shape[1],
+                               tn=rhs.shape[2], out_dtype=out_dtype, group_offset=group_offset)
         if config.mode == "fail_run":
             out = out + io_callback(_raise, jax.ShapeDtypeStruct((), out_dtype), out[0, 0])
         if config.mode in ("crash_run", "hang_run", "sigkill_run"):

@@ -464,18 +464,23 @@ class TestTiled(RaggedDotBackendTests):
     sampled_configs = 1
 
     def extra_configs(self, problem):
-        """Tiles that do not divide m, several contraction chunks and column blocks, and tm > m (clamped)."""
+        """Tiles and tails that do not divide m, several contraction chunks and column blocks, tm > m
+        (clamped), and tail == tm (no tail tiles smaller than the full ones)."""
         m, k, n = problem.m, problem.k, problem.n
         wanted = [
-            TiledConfig(tm=7, tk=max(k // 3, 1), tn=max(n // 2, 1)),
-            TiledConfig(tm=4 * m, tk=4 * k, tn=4 * n),
-            TiledConfig(tm=16, tk=max(k // 2, 1), tn=max(n // 3, 1)),
-            TiledConfig(tm=1, tk=k, tn=n),
+            TiledConfig(tm=7, tk=max(k // 3, 1), tn=max(n // 2, 1), tail=3),
+            TiledConfig(tm=4 * m, tk=4 * k, tn=4 * n, tail=5),
+            TiledConfig(tm=16, tk=max(k // 2, 1), tn=max(n // 3, 1), tail=16),
+            TiledConfig(tm=1, tk=k, tn=n, tail=1),
         ]
         return [c for c in wanted if self.impl.config_error(c, problem) is None]
 
     def invalid_configs(self, problem):
-        return [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tm": 1, "tk": 1, "tn": 1}]  # the last: k*n dots > cap
+        bad = [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tail": 0},
+               {"tm": 1, "tk": 1, "tn": 1, "tail": 1}]  # the last: k*n dots > cap
+        if problem.direction != "drhs":  # drhs has no tail tiles and ignores tail
+            bad.append({"tm": 8, "tail": 16})
+        return bad
 
     def test_extra_configs_are_used(self):
         problem = self.problem(45, self.k, self.n, 3, "float32")
@@ -544,3 +549,11 @@ class TestTriton(RaggedDotBackendTests):
         big = TritonConfig(block_m=128, block_k=128, block_n=256, num_warps=8, num_stages=4)
         assert "shared memory" in impl.config_error(big, problem)
         assert moe_tune.devices.gpu_shared_memory_bytes("nvidia_h100_80gb_hbm3") > moe_tune.devices.gpu_shared_memory_bytes("cpu")
+
+
+def test_min_bytes_counts_each_array_once_in_its_dtype():
+    """The memory roof of every direction: lhs [m,k], the groups' [g,k,n] and the [m,n] side, once each."""
+    problem = RaggedDotProblem(m=8, k=4, n=2, groups=3, lhs_dtype="bfloat16", rhs_dtype="float32",
+                               out_dtype="float16")
+    expected = 8 * 4 * 2 + 3 * 4 * 2 * 4 + 8 * 2 * 2
+    assert [problem.with_direction(d).min_bytes for d in ("fwd", "dlhs", "drhs")] == [expected] * 3

@@ -73,6 +73,48 @@ def test_each_candidate_is_compiled_exactly_once(tmp_path, workers):
     assert here == (n_candidates if workers == 1 else 0)
 
 
+class _FailsAfterCalls:
+    """An executable that runs `working` times (the check) and then fails, as a worker-compiled executable
+    did on XLA CPU when run in the main process (`NOT_FOUND: Function wrapped_iota not found`)."""
+
+    def __init__(self, executable, working: int):
+        self.executable, self.working, self.calls = executable, working, 0
+
+    def __call__(self, inputs):
+        self.calls += 1
+        if self.calls > self.working:
+            raise RuntimeError("NOT_FOUND: Function wrapped_iota not found (type id: 1)")
+        return self.executable(inputs)
+
+
+def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, monkeypatch):
+    """A candidate whose executable stops working before timing is compiled again in this process and timed;
+    one that fails again is recorded as failed with both reasons, and the sweep goes on."""
+    from moe_tune.tuner import sweep as sweep_module
+
+    real_compile_all = sweep_module.compile_all
+    compiled = {}  # candidate index -> how many times compile_all built it
+
+    def flaky_compile_all(op, backend, problem, cands, inputs, **kwargs):
+        real_compile_all(op, backend, problem, cands, inputs, **kwargs)
+        for c in cands:
+            compiled[c.index] = compiled.get(c.index, 0) + 1
+            # candidate 1 breaks once (its recompile works); candidate 2's recompile is broken too
+            if c.executable is not None and compiled[c.index] == 1 and c.index in (1, 2):
+                c.executable = _FailsAfterCalls(c.executable, working=1)
+            elif c.executable is not None and c.index == 2:
+                c.executable = _FailsAfterCalls(c.executable, working=0)
+
+    monkeypatch.setattr(sweep_module, "compile_all", flaky_compile_all)
+    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=1, workers=1, profile_dir=tmp_path))
+    by_index = {c.index: c for c in result.candidates}
+    assert compiled[1] == 2 and by_index[1].status == "ok" and by_index[1].timing is not None
+    assert by_index[1].compiles == 2  # counted: the recompile is a second XLA compilation
+    assert by_index[2].status == "failed" and by_index[2].stage == "run"
+    assert "wrapped_iota" in by_index[2].reason and "compiled again in this process" in by_index[2].reason
+    assert by_index[0].status == "ok" and result.entry["candidates"]["failed"] >= 1
+
+
 def test_entry_records_what_design_requires(tmp_path):
     result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
                                  samples=3, profile_dir=tmp_path))

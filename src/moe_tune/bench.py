@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune import devices, distributions
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
@@ -61,31 +61,48 @@ def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, 
 
 def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
             seed: int = 1) -> dict[str, Any]:
-    """Times (s), spreads and ratios of: `backend` tuned, `backend` default, xla, dense."""
+    """Times (s), spreads and ratios of: `backend` tuned, `backend` default, xla, dense (a matmul of the same
+    FLOPs), `skewed` (tuned, on the same operands with skewed group sizes) and `copy` (an elementwise copy of
+    an array of the problem's largest operand's size: read + written bytes over its time are the copy
+    bandwidth). `roofline_s` = max(dense time, the least bytes moved at that bandwidth)."""
     spec = get_op("ragged_dot")
     impl, xla = BACKENDS.get(backend), BACKENDS.get("xla")
     default = impl.default_config(problem)
-    inputs = jax.device_put(spec.make_inputs(problem, "balanced", seed=seed))
-    run = lambda b, config: lambda x: b.run(problem, config, x["a"], x["b"], x["group_sizes"])
+    host = spec.make_inputs(problem, "balanced", seed=seed)
+    host["skewed_sizes"] = distributions.group_sizes("skewed", problem.m, problem.num_group_sizes, seed)
+    largest = max(problem.m * problem.k, problem.m * problem.n, problem.groups * problem.k * problem.n)
+    inputs = jax.device_put(host)
+    inputs["copy_source"] = jnp.ones((largest,), jnp.float32)
+    run = lambda b, config, sizes="group_sizes": lambda x: b.run(problem, config, x["a"], x["b"], x[sizes])
     measured = time_variants({
         "tuned": run(impl, tuned),
         "default": run(impl, default),
         "xla": run(xla, xla.default_config(problem)),
         "dense": lambda x: DENSE[problem.direction](x["a"], x["b"]),
+        "skewed": run(impl, tuned, "skewed_sizes"),
+        "copy": lambda x: x["copy_source"] + 1,  # not x * 1 or x + 0, which XLA may fold to no copy
     }, inputs, samples=samples)
     times = measured["times_s"]
+    bandwidth = 2 * 4 * largest / times["copy"]
+    roofline = max(times["dense"], problem.min_bytes / bandwidth)
     return {
         "backend": backend,
         "tuned_config": tuned.to_dict(),
         "default_config": default.to_dict(),
         **measured,
-        "tflops": {name: problem.flops / t / 1e12 for name, t in times.items()},
+        "tflops": {name: problem.flops / t / 1e12 for name, t in times.items() if name != "copy"},
+        "copy_gbps": bandwidth / 1e9,
+        "min_bytes": problem.min_bytes,
+        "roofline_s": roofline,
+        "roofline_bound": "compute" if roofline == times["dense"] else "memory",
         "ratios": {
+            "tuned_vs_roofline": times["tuned"] / roofline,
             "tuned_vs_dense": times["tuned"] / times["dense"],
             "default_vs_dense": times["default"] / times["dense"],
             "xla_vs_dense": times["xla"] / times["dense"],
             "xla_vs_tuned": times["xla"] / times["tuned"],
             "default_vs_tuned": times["default"] / times["tuned"],
+            "skewed_vs_balanced": times["skewed"] / times["tuned"],
         },
     }
 
@@ -95,11 +112,15 @@ def format_comparison(result: dict[str, Any]) -> list[str]:
     t, r = result["times_s"], result["ratios"]
     lines = [f"  tuned config {result['tuned_config']}, default {result['default_config']}"]
     for name, seconds in t.items():
-        lines.append(f"  {name:<8} {seconds * 1e3:10.3f} ms  {seconds / t['dense']:6.2f}x dense  "
-                     f"{result['tflops'][name]:8.3f} TFLOP/s  (spread {result['spread'][name]:.0%})")
+        rate = f"{result['tflops'][name]:8.3f} TFLOP/s" if name in result["tflops"] else f"{result['copy_gbps']:8.1f} GB/s  "
+        lines.append(f"  {name:<8} {seconds * 1e3:10.3f} ms  {seconds / t['dense']:6.2f}x dense  {rate}  "
+                     f"(spread {result['spread'][name]:.0%})")
     same = " (the same config: any difference is noise)" if result["tuned_config"] == result["default_config"] else ""
-    lines.append(f"  time ratios: default/tuned {r['default_vs_tuned']:.2f}{same}, xla/tuned {r['xla_vs_tuned']:.2f}, "
-                 f"tuned/dense {r['tuned_vs_dense']:.2f}")
+    lines.append(f"  roofline {result['roofline_s'] * 1e3:.3f} ms ({result['roofline_bound']}-bound; "
+                 f"{result['min_bytes'] / 2**20:.0f} MiB at least at {result['copy_gbps']:.1f} GB/s)")
+    lines.append(f"  time ratios: tuned/roofline {r['tuned_vs_roofline']:.2f}, default/tuned {r['default_vs_tuned']:.2f}"
+                 f"{same}, xla/tuned {r['xla_vs_tuned']:.2f}, tuned/dense {r['tuned_vs_dense']:.2f}, "
+                 f"skewed/balanced {r['skewed_vs_balanced']:.2f}")
     return lines
 
 

@@ -146,8 +146,9 @@ def cli() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of inputs and group sizes.")
 @click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
               help="Parallel compile workers.")
-@click.option("--samples", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Timing samples (profiler-trace rounds) per candidate.")
+@click.option("--samples", type=click.IntRange(min=1), default=None,
+              help="Timing samples (profiler-trace rounds) per candidate (default: the tuner's); the "
+                   "finalists get twice as many.")
 @click.option("--max-candidates", type=click.IntRange(min=1), default=None,
               help="Keep only the first N candidates of the search space (the default config is first).")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -174,9 +175,11 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, max_cand
     from moe_tune.tuner import SweepInterrupted, SweepSpec, compile_cache, run_sweep
 
     compile_cache.enable()
-    options = dict(distribution=distribution, seed=seed, samples=samples, workers=workers, profile_dir=profile_dir,
+    options = dict(distribution=distribution, seed=seed, workers=workers, profile_dir=profile_dir,
                    max_candidates=max_candidates, keep_trace_dir=keep_trace, strategy=strategy, budget=budget,
                    time_budget_s=time_budget, fresh=fresh)
+    if samples is not None:
+        options["samples"] = samples
     if model is not None:
         return _sweep_model(model, backend, direction, shape, options)
     spec, problems = _problems(op, direction, shape)
@@ -474,7 +477,9 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
         r = benches.bench_case(case_op, problem, backend=backend, samples=samples)
         t = r["times_s"]
         if case_op == "ragged_dot":
-            base, ref = t["xla"], f"dense {t['dense'] * 1e3:.3f} ms (tuned/dense {r['ratios']['tuned_vs_dense']:.2f})"
+            base = t["xla"]
+            ref = (f"roofline {r['roofline_s'] * 1e3:.3f} ms, {r['roofline_bound']}-bound (tuned/roofline "
+                   f"{r['ratios']['tuned_vs_roofline']:.2f}); dense {t['dense'] * 1e3:.3f} ms")
             vs = f"xla/tuned {r['ratios']['xla_vs_tuned']:.2f}"
         else:
             base, ref = t["fallback"], f"copy roofline {r['roofline_s'] * 1e3:.3f} ms ({r['copy_gbps']:.1f} GB/s)"

@@ -125,7 +125,7 @@ def _compile(spec: OpSpec, backend: Backend, problem: Any, config: KernelConfig,
     return compiled, _backend_compiles - before
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     """The recorded reason for an exception, flagged as out of memory when it is one."""
     short = _short(exc)
     if isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc):
@@ -160,7 +160,7 @@ def _compile_and_run(op_name: str, backend: Backend, problem: Any, config: Kerne
     try:
         compiled, compiles = _compile(get_op(op_name), backend, problem, config, index, shapes)
     except Exception as e:  # noqa: BLE001 - any failure is recorded as the candidate's reason
-        return {"status": FAILED, "stage": "compile", "reason": _reason(e),
+        return {"status": FAILED, "stage": "compile", "reason": failure_reason(e),
                 "compile_s": time.perf_counter() - start, "compiles": 0}
     compile_s = time.perf_counter() - start
     result: dict[str, Any] = {"status": OK, "stage": "", "reason": "", "compile_s": compile_s,
@@ -175,7 +175,7 @@ def _compile_and_run(op_name: str, backend: Backend, problem: Any, config: Kerne
     try:
         result["output"] = np.asarray(jax.block_until_ready(compiled(_inputs_in_worker(token))))
     except Exception as e:  # noqa: BLE001 - MemoryError included
-        result.update(status=FAILED, stage="run", reason=_reason(e), executable=None)
+        result.update(status=FAILED, stage="run", reason=failure_reason(e), executable=None)
     return result
 
 
@@ -299,7 +299,7 @@ def _compile_here(spec, backend, problem, candidates, inputs, on_done) -> None:
             cand.executable, compiles = _compile(spec, backend, problem, cand.config, cand.index, inputs)
             cand.compiles += compiles
         except Exception as e:  # noqa: BLE001 - any failure is recorded as the candidate's reason
-            cand.status, cand.stage, cand.reason = FAILED, "compile", _reason(e)
+            cand.status, cand.stage, cand.reason = FAILED, "compile", failure_reason(e)
         cand.compile_s = time.perf_counter() - start
         if on_done is not None:
             on_done(cand)
@@ -324,7 +324,7 @@ def check_all(
             else:
                 out = np.asarray(jax.block_until_ready(cand.executable(inputs)))
         except Exception as e:  # noqa: BLE001
-            cand.status, cand.stage, cand.reason = FAILED, "run", _reason(e)
+            cand.status, cand.stage, cand.reason = FAILED, "run", failure_reason(e)
         else:
             cand.error = relative_error(out, expected)
             if not cand.error <= tolerance:

@@ -39,7 +39,7 @@ from moe_tune.profiles.table import read_table, write_entries
 from moe_tune.profiles.versions import entry_versions
 from moe_tune.tuner import log as sweep_log
 from moe_tune.tuner import strategies
-from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate, check_all, compile_all
+from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate, failure_reason, check_all, compile_all
 from moe_tune.tuner.timing import Timing, time_candidates
 
 
@@ -76,7 +76,9 @@ class SweepSpec:
     backend: str | None = None  # None: the platform's default backend
     distribution: str = distributions.DEFAULT
     seed: int = 0  # of the inputs, the group sizes and the random strategy
-    samples: int = 5
+    # first-round samples per candidate: enough to rank them roughly; the finalists are re-timed side by side
+    # with twice as many, which is where the winner is decided
+    samples: int = 3
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
     max_candidates: int | None = None  # keep the first N of the search space (default first)
@@ -334,13 +336,42 @@ class _Sweep:
             with self._clock("time"):
                 self._time_batch(correct[start:start + spec.batch_size])
 
+    def _warm_up(self, batch: list[Candidate]) -> list[Candidate]:
+        """Run each candidate once here, untimed (its first call pays one-off costs); return those that ran.
+
+        An executable compiled in a worker can fail to run in this process although it ran in the worker
+        (seen on XLA CPU: `NOT_FOUND: Function wrapped_iota not found`): it is compiled again here and
+        retried, and recorded as failed only if that fails too."""
+        ready = []
+        for c in batch:
+            try:
+                jax.block_until_ready(c.executable(self.inputs))
+            except Exception as first:  # noqa: BLE001 - recorded as the candidate's reason
+                compile_all(self.op, self.backend, self.problem, [c], self.inputs, workers=1)
+                try:
+                    if c.status != OK:
+                        raise RuntimeError(c.reason)
+                    jax.block_until_ready(c.executable(self.inputs))
+                except Exception as again:  # noqa: BLE001
+                    c.status, c.stage = FAILED, "run"
+                    c.reason = f"{failure_reason(first)}; compiled again in this process: {failure_reason(again)}"
+                    self._finished([c])
+                    self.reporter.advance("time")
+                    continue
+            ready.append(c)
+        return ready
+
     def _time_batch(self, batch: list[Candidate]) -> None:
         spec, number = self.spec, self.batches
+        batch = self._warm_up(batch)
+        if not batch:
+            return
         keep = None if spec.keep_trace_dir is None else Path(spec.keep_trace_dir) / f"batch_{number}"
         timings, fallback = time_candidates(
             {c.index: (lambda c=c: c.executable(self.inputs)) for c in batch},
             samples=spec.samples, platform=self.platform, seed=spec.seed + 1000 * (number + 1),
             keep_trace_dir=keep, on_round=lambda r: self.reporter.advance("time", len(batch) / spec.samples),
+            warmup=0,
         )
         for c in batch:
             c.timing = timings[c.index]

@@ -90,6 +90,14 @@ class RaggedDotProblem:
         """FLOPs of the useful work (each row multiplied by one group's [k,n] matrix)."""
         return 2 * self.m * self.k * self.n
 
+    @property
+    def min_bytes(self) -> int:
+        """Bytes every direction must move at least: its two operands read once and its result written once
+        (the rows [m, k] and [m, n], and the groups' [groups, k, n] matrices)."""
+        size = lambda dtype: np.dtype(jnp.dtype(dtype)).itemsize
+        return (self.m * self.k * size(self.lhs_dtype) + self.m * self.n * size(self.out_dtype)
+                + self.groups * self.k * self.n * size(self.rhs_dtype))
+
     def key_fields(self) -> dict[str, Any]:
         """The fields a table entry is keyed on (order matters: it is the key's order)."""
         return {

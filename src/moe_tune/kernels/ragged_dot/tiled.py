@@ -11,6 +11,7 @@ the tuner resolves per shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +28,14 @@ MAX_BLOCKS_PER_VISIT = 32
 
 @dataclasses.dataclass(frozen=True)
 class TiledConfig(KernelConfig):
-    """tm: rows per tile; tk, tn: blocks of the k x n plane (for dlhs: of n x k, the matmul it runs).
-    Clamped to the dimensions they tile."""
+    """tm: rows per tile; tail: rows per tile for what is left of a group after its full `tm`-row tiles
+    (fwd and dlhs; drhs walks `tm`-row tiles that may straddle groups and ignores it); tk, tn: blocks of the k x n plane
+    (for dlhs: of n x k, the matmul it runs). Clamped to the dimensions they tile."""
 
     tm: int = 256
     tk: int = 1024
     tn: int = 1024
+    tail: int = 32
 
 
 def _blocks(size: int, block: int) -> list[tuple[int, int]]:
@@ -44,6 +47,32 @@ def _acc_dtype(out_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if jnp.dtype(out_dtype).itemsize < 4 else jnp.dtype(out_dtype)
 
 
+def _tile_product(x, w, *, k_blocks, n_blocks, transpose_rhs, acc_dtype, out_dtype):
+    """[rows, k] x w ([k, n], or [n, k] if transpose_rhs) -> list of (n0, [rows, nb] block) in out_dtype,
+    one dot per (column block, contraction chunk)."""
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    blocks = []
+    for n0, nb in n_blocks:
+        acc = None
+        for k0, kb in k_blocks:
+            wb = w[n0:n0 + nb, k0:k0 + kb] if transpose_rhs else w[k0:k0 + kb, n0:n0 + nb]
+            part = jax.lax.dot_general(x[:, k0:k0 + kb], wb, dims, preferred_element_type=acc_dtype)
+            acc = part if acc is None else acc + part
+        blocks.append((n0, acc.astype(out_dtype)))
+    return blocks
+
+
+def _group_bounds(group_sizes: jax.Array, *, m: int, groups: int, group_offset) -> tuple[jax.Array, jax.Array]:
+    """int32 [groups] first row and one-past-last row (clipped to m) of the local groups
+    `[group_offset, group_offset + groups)`."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
+    return (jax.lax.dynamic_slice_in_dim(starts, offset, groups),
+            jax.lax.dynamic_slice_in_dim(ends, offset, groups))
+
+
 def tiled_ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -52,46 +81,57 @@ def tiled_ragged_dot(
     tm: int,
     tk: int,
     tn: int,
+    tail: int,
     out_dtype: jnp.dtype,
     group_offset: jax.Array | None = None,
     transpose_rhs: bool = False,
 ) -> jax.Array:
     """gmm. lhs [m, k], rhs [groups, k, n] ([groups, n, k] if transpose_rhs), group_sizes int [total_groups]
-    -> [m, n] in out_dtype."""
+    -> [m, n] in out_dtype.
+
+    Each group's rows are cut into tiles that start at the group's first row: as many full `tm`-row tiles
+    as fit, which need no mask, then the rest in `tail`-row tiles, masked to the group. A group of s rows
+    thus costs floor(s / tm) big dots and at most ceil(tm / tail) small ones, and wastes fewer than `tail`
+    rows, where one tile size has to choose between big tiles (efficient dots, up to tm - 1 rows wasted per
+    group) and small ones (no waste, slow dots).
+    """
     m, k = lhs.shape
     groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tm, tk, tn = min(tm, m), min(tk, k), min(tn, n)
-    meta = make_group_metadata(
-        group_sizes, m=m, tm=tm, groups=groups, group_offset=0 if group_offset is None else group_offset
-    )
-    acc_dtype = _acc_dtype(out_dtype)
-    row_in_tile = jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-    k_blocks, n_blocks = _blocks(k, tk), _blocks(n, tn)
-    # rhs block [kb, nb], or [nb, kb] when transposed: contract lhs dim 1 with the matching rhs dim.
-    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
+    starts, ends = _group_bounds(group_sizes, m=m, groups=groups, group_offset=group_offset)
+    product = functools.partial(_tile_product, k_blocks=_blocks(k, tk), n_blocks=_blocks(n, tn),
+                                transpose_rhs=transpose_rhs, acc_dtype=_acc_dtype(out_dtype), out_dtype=out_dtype)
+    row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
 
-    def visit(i, out):
-        group = meta.group_ids[i]
-        # The last tile is shifted back to end at row m when tm does not divide m; rows it shares with
-        # the previous tile are rewritten with the same values, because only the group's rows are stored.
-        row0 = jnp.minimum(meta.tile_ids[i] * tm, m - tm)
-        rows = row0 + row_in_tile
-        keep = (rows >= meta.group_starts[group]) & (rows < meta.group_ends[group])
-        x = jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0)
-        w = rhs[group]
-        for n0, nb in n_blocks:
-            acc = None
-            for k0, kb in k_blocks:
-                wb = w[n0:n0 + nb, k0:k0 + kb] if transpose_rhs else w[k0:k0 + kb, n0:n0 + nb]
-                part = jax.lax.dot_general(x[:, k0:k0 + kb], wb, dims, preferred_element_type=acc_dtype)
-                acc = part if acc is None else acc + part
-            current = jax.lax.dynamic_slice(out, (row0, n0), (tm, nb))
-            block = jnp.where(keep, acc.astype(out_dtype), current)
-            out = jax.lax.dynamic_update_slice(out, block, (row0, n0))
-        return out
+    def group_rows(g, out):
+        start, end = starts[g], ends[g]
+        full = jnp.maximum(end - start, 0) // tm
+        w = rhs[g]  # sliced once per group, not once per tile
 
-    return jax.lax.fori_loop(0, meta.num_visits, visit, jnp.zeros((m, n), out_dtype))
+        def full_tile(t, out):
+            row0 = start + t * tm
+            for n0, block in product(jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0), w):
+                out = jax.lax.dynamic_update_slice(out, block, (row0, n0))
+            return out
+
+        def tail_tile(t, out):
+            first = start + full * tm + t * tail
+            # Shifted back to end at row m when it would run past it; rows before `first` were written by
+            # earlier tiles and keep their values.
+            row0 = jnp.minimum(first, m - tail)
+            rows = row0 + row_in_tail
+            keep = (rows >= first) & (rows < end)
+            for n0, block in product(jax.lax.dynamic_slice_in_dim(lhs, row0, tail, axis=0), w):
+                current = jax.lax.dynamic_slice(out, (row0, n0), block.shape)
+                out = jax.lax.dynamic_update_slice(out, jnp.where(keep, block, current), (row0, n0))
+            return out
+
+        out = jax.lax.fori_loop(0, full, full_tile, out)
+        tails = (end - (start + full * tm) + tail - 1) // tail
+        return jax.lax.fori_loop(0, jnp.maximum(tails, 0), tail_tile, out)
+
+    return jax.lax.fori_loop(0, groups, group_rows, jnp.zeros((m, n), out_dtype))
 
 
 def tiled_transposed_ragged_dot(
@@ -148,18 +188,29 @@ def _pow2_up_to(limit: int, low: int) -> list[int]:
     return values + [limit]
 
 
+# Tail tile sizes the sweep tries (fwd, dlhs): small enough to waste little of a group's last tile, big
+# enough that its dot is not dominated by overhead.
+TAIL_SIZES = (16, 32, 64)
+
+
+def _uses_tail(problem: RaggedDotProblem) -> bool:
+    return problem.direction != "drhs"
+
+
 class TiledRaggedDot(RaggedDotBackend):
     name = "tiled"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TiledConfig
     platforms = ("cpu", "gpu", "tpu")
-    description = "pure-JAX loop over Megablox (row tile, group) visits; the CPU backend"
+    description = "pure-JAX loop over each group's row tiles (full tiles, then small tail tiles); the CPU backend"
 
     def config_error(self, config: TiledConfig, problem: RaggedDotProblem) -> str | None:
-        for field in ("tm", "tk", "tn"):
+        for field in ("tm", "tk", "tn", "tail"):
             value = getattr(config, field)
             if not isinstance(value, int) or value <= 0:
                 return f"{field} must be a positive integer, got {value!r}"
+        if _uses_tail(problem) and config.tail > config.tm:
+            return f"tail ({config.tail}) must not exceed tm ({config.tm})"
         _, k, n = problem.matmul_dims()
         blocks = -(-k // min(config.tk, k)) * -(-n // min(config.tn, n))
         if blocks > MAX_BLOCKS_PER_VISIT:
@@ -167,23 +218,31 @@ class TiledRaggedDot(RaggedDotBackend):
         return None
 
     def default_config(self, problem: RaggedDotProblem) -> TiledConfig:
-        # A tile about a quarter of an average group keeps the boundary waste near 1/4 of a tile per group
-        # without making visits tiny; full k and n let one dot per visit use the whole machine.
         m, k, n = problem.matmul_dims()
         rows_per_group = max(m // problem.groups, 1)
+        if _uses_tail(problem):
+            # Full tiles as big as an average group (up to 512 rows), so that most rows go through big dots;
+            # tails of 1/8 of that keep the waste per group small.
+            tm = min(max(32, 1 << rows_per_group.bit_length() - 1), 512, m)
+            return TiledConfig(tm=tm, tk=k, tn=n, tail=min(max(16, tm // 8), tm))
+        # drhs visits tiles that may straddle groups: a tile about a quarter of an average group keeps the
+        # boundary waste near 1/4 of a tile per group without making visits tiny.
         tm = min(max(64, 1 << max(rows_per_group // 4, 1).bit_length() - 1), 512, m)
         return TiledConfig(tm=tm, tk=k, tn=n)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         m, k, n = problem.matmul_dims()
-        return {
+        values = {
             "tm": _pow2_up_to(min(m, 1024), 32),
-            "tk": sorted({k, *(v for v in (256, 512) if v < k)}),
-            "tn": sorted({n, *(v for v in (128, 256, 512) if v < n)}),
+            "tk": sorted({k, *(v for v in (512,) if v < k)}),
+            "tn": sorted({n, *(v for v in (512,) if v < n)}),
+            # drhs has no tail tiles: one value, so that the space holds no configs that differ only there
+            "tail": list(TAIL_SIZES) if _uses_tail(problem) else [TiledConfig.tail],
         }
+        return values
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
-        return tiled_ragged_dot(lhs, rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn,
+        return tiled_ragged_dot(lhs, rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn, tail=config.tail,
                                 out_dtype=out_dtype, group_offset=group_offset, transpose_rhs=transpose_rhs)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
