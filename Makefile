@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) -m moe_tune.demo_check
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/ragged_dot_cpu.py

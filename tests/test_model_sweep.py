@@ -39,22 +39,42 @@ def test_model_sweep_entries_are_what_moe_mlp_looks_up(ep, caplog):
     assert all("(exact: tuned entry in" in line for line in sources), sources
 
 
-def test_a_failing_case_is_recorded_and_the_rest_go_on(monkeypatch):
+@pytest.mark.parametrize("error", [
+    "SweepError: no candidate compiled",
+    "RuntimeError: NOT_FOUND: Function wrapped_iota not found",  # not a moe-tune error: recorded all the same
+])
+def test_a_failing_case_is_recorded_and_the_rest_go_on(monkeypatch, error):
     from moe_tune.tuner import model_sweep
     from moe_tune.tuner.sweep import SweepError
 
     real = model_sweep.run_sweep
+    kind, message = error.split(": ", 1)
 
     def flaky(spec, reporter=None):
         if spec.op == "ragged_gather":
-            raise SweepError("no candidate compiled")
+            raise {"SweepError": SweepError, "RuntimeError": RuntimeError}[kind](message)
         return real(spec, reporter)
 
     monkeypatch.setattr(model_sweep, "run_sweep", flaky)
     results = sweep_model(TINY, [8], ep=2, dtype="float32", sweep_options=FAST)
     failed = [r for r in results if r.error]
-    assert [r.case.op for r in failed] == ["ragged_gather"] and "no candidate" in failed[0].error
+    assert [r.case.op for r in failed] == ["ragged_gather"] and message in failed[0].error
     assert all(r.result is not None for r in results if not r.error) and len(results) == 8
+
+
+def test_a_kernel_the_layer_repeats_is_swept_once(monkeypatch):
+    """With hidden == expert width (gpt-oss), the down projection's problems are the gate/up ones."""
+    from moe_tune.tuner import model_sweep
+
+    square = ModelPreset(name="square", hidden=64, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
+    swept = []
+    real = model_sweep.run_sweep
+    monkeypatch.setattr(model_sweep, "run_sweep", lambda spec, reporter=None: swept.append(spec) or real(spec, reporter))
+    results = sweep_model(square, [8], ep=2, dtype="float32", sweep_options=FAST)
+    assert len(results) == 8 and [r.error for r in results] == [None] * 8
+    assert len(swept) == 5  # fwd, dlhs, drhs once; dispatch; combine
+    gate, down = results[0], results[3]
+    assert (gate.case.role, down.case.role) == ("gate/up", "down") and down.result is gate.result
 
 
 def test_bad_token_counts_fail_before_any_sweep():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import logging
 
 import jax
@@ -272,3 +273,34 @@ def test_compile_worker_hang_and_crash_are_recorded_and_the_sweep_goes_on(faulty
     assert status["crash"][0] == "failed" and "died" in status["crash"][1] and "signal" in status["crash"][1]
     assert status["good"][0] == "ok"
     assert result.entry["config"]["mode"] == "good"
+
+
+def test_resuming_in_a_process_that_ran_the_sweep_with_the_compile_cache(tmp_path):
+    """The XLA CPU failure this guards against, reproduced: with the persistent compilation cache on, the
+    finalists of a resumed sweep, compiled in workers (cache hits) and loaded into a process that loaded the
+    same programs before, failed to run (`NOT_FOUND: Function wrapped_iota not found`). The sweep compiles
+    such a candidate again in its own process instead of failing."""
+    import subprocess
+    import sys
+
+    code = """
+import json, sys
+from moe_tune.kernels import get_op
+from moe_tune.tuner import SweepSpec, compile_cache, run_sweep
+compile_cache.enable()
+out = []
+for fresh in (True, False, False):
+    for direction in ("fwd", "drhs"):
+        problem = get_op("ragged_dot").problem(m=512, k=256, n=256, groups=8, dtype="bfloat16", direction=direction)
+        r = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", samples=1, workers=2,
+                                strategy="coordinate", profile_dir=sys.argv[1], fresh=fresh))
+        out.append([direction, r.entry["search"]["resumed"], r.entry["candidates"]["ok"]])
+print(json.dumps(out))
+"""
+    env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "profiles")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(runs) == 6 and all(ok >= 1 for _, _, ok in runs)
+    assert all(resumed > 0 for _, resumed, _ in runs[2:])  # the second and third rounds resumed

@@ -46,12 +46,18 @@ def sweep_model(
     `on_case(tokens, case, i, total)` is called before each sweep (the CLI prints a heading) and
     `reporter_for(tokens, case)` may supply its progress reporter. A case whose sweep fails (no valid
     candidate, a backend that cannot run here) is recorded with its error and the next one runs; a
-    KeyboardInterrupt stops the whole run."""
+    KeyboardInterrupt stops the whole run. A case whose (op, problem) an earlier case already swept gets
+    that result without a second sweep."""
     cases = model_cases(preset, tokens, ep=ep, dtype=dtype)
-    results = []
+    results: list[CaseResult] = []
+    swept: dict[tuple[str, Any], CaseResult] = {}  # a layer can repeat a kernel (gpt-oss: gate/up == down)
     for i, (count, case) in enumerate(cases):
         if on_case is not None:
             on_case(count, case, i, len(cases))
+        same = swept.get((case.op, case.problem))
+        if same is not None:
+            results.append(dataclasses.replace(same, tokens=count, case=case))
+            continue
         try:
             backend = get_op(case.op).backends.default_for(devices.platform()).name
             spec = SweepSpec(case.op, case.problem, **{"backend": backend, **(sweep_options or {})})
@@ -59,4 +65,7 @@ def sweep_model(
             results.append(CaseResult(count, case, result=run_sweep(spec, reporter)))
         except MoeTuneError as e:
             results.append(CaseResult(count, case, error=str(e)))
+        except Exception as e:  # noqa: BLE001 - a kernel or runtime failure ends this case, not the whole run
+            results.append(CaseResult(count, case, error=f"{type(e).__name__}: {e}"))
+        swept[(case.op, case.problem)] = results[-1]
     return results

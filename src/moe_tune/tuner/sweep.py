@@ -336,18 +336,22 @@ class _Sweep:
             with self._clock("time"):
                 self._time_batch(correct[start:start + spec.batch_size])
 
-    def _warm_up(self, batch: list[Candidate]) -> list[Candidate]:
+    def _warm_up(self, cands: list[Candidate], *, logged: bool = False) -> list[Candidate]:
         """Run each candidate once here, untimed (its first call pays one-off costs); return those that ran.
 
         An executable compiled in a worker can fail to run in this process although it ran in the worker
-        (seen on XLA CPU: `NOT_FOUND: Function wrapped_iota not found`): it is compiled again here and
-        retried, and recorded as failed only if that fails too."""
+        (seen on XLA CPU with the persistent compilation cache, when a sweep is resumed in a process that
+        loaded the same programs before: `NOT_FOUND: Function wrapped_iota not found`): it is compiled again
+        here and retried, and recorded as failed only if that fails too. `logged`: the candidates are
+        already in the log (finalists); a failure is appended as a new line for the config."""
         ready = []
-        for c in batch:
+        for c in cands:
             try:
                 jax.block_until_ready(c.executable(self.inputs))
             except Exception as first:  # noqa: BLE001 - recorded as the candidate's reason
+                compiles = c.compiles
                 compile_all(self.op, self.backend, self.problem, [c], self.inputs, workers=1)
+                self.recompiled += c.compiles - compiles
                 try:
                     if c.status != OK:
                         raise RuntimeError(c.reason)
@@ -355,8 +359,11 @@ class _Sweep:
                 except Exception as again:  # noqa: BLE001
                     c.status, c.stage = FAILED, "run"
                     c.reason = f"{failure_reason(first)}; compiled again in this process: {failure_reason(again)}"
-                    self._finished([c])
-                    self.reporter.advance("time")
+                    if logged:
+                        self.log.append([_log_line(c, None, recompiled=True)])
+                    else:
+                        self._finished([c])
+                        self.reporter.advance("time")
                     continue
             ready.append(c)
         return ready
@@ -392,14 +399,17 @@ class _Sweep:
     # -- final round -----------------------------------------------------------------------------------
 
     def final(self):
-        """Compile the finalists restored from the log (they have no executable), then `_final_round`."""
+        """Compile the finalists restored from the log (they have no executable), run each once, then
+        `_final_round`."""
         survivors = [c for c in self.done if c.status == OK]
         default = next(c for c in self.done if c.is_default)
         while survivors:
-            need = [c for c in _finalists(self.spec, survivors, default) if c.executable is None]
-            if not need:
+            finalists = _finalists(self.spec, survivors, default)
+            need = [c for c in finalists if c.executable is None]
+            if need:
+                self._recompile(need)
+            elif len(self._warm_up(finalists, logged=True)) == len(finalists):
                 break
-            self._recompile(need)
             survivors = [c for c in survivors if c.status == OK]
         if not survivors:
             reasons = "; ".join(f"{c.config.label()}: {c.reason}" for c in self.done[:3])
@@ -511,7 +521,7 @@ def _final_round(spec: SweepSpec, survivors: list[Candidate], default: Candidate
     final, fallback = time_candidates(
         {c.index: (lambda c=c: c.executable(inputs)) for c in finalists},
         samples=2 * spec.samples, platform=platform, seed=spec.seed + 1,
-        on_round=lambda r: reporter.advance("finalists"),
+        on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `Sweep.final` ran each one already
     )
     for c in finalists:
         c.timing = final[c.index]
