@@ -52,8 +52,8 @@ def tuned_config(op: str, problem, profile_dir: str, strategy: str):
     return sweep, time.perf_counter() - started
 
 
-def ragged_dot_targets(args, profile_dir: str, summary: list) -> list[dict]:
-    spec, results = get_op("ragged_dot"), []
+def ragged_dot_targets(args, profile_dir: str, summary: list, results: list, save) -> None:
+    spec = get_op("ragged_dot")
     for shape in args.shapes.split(","):
         m, k, n = SHAPES[shape]
         for groups in (int(g) for g in args.groups.split(",")):
@@ -75,11 +75,10 @@ def ragged_dot_targets(args, profile_dir: str, summary: list) -> list[dict]:
                                     f">= {XLA_TARGET[groups]:.0f}", ratios["xla_vs_tuned"] >= XLA_TARGET[groups]))
                 summary.append((f"ragged_dot skewed/balanced {label}", ratios["skewed_vs_balanced"],
                                 f"<= {SKEW_TARGET}", ratios["skewed_vs_balanced"] <= SKEW_TARGET))
-    return results
+                save()
 
 
-def gather_targets(args, profile_dir: str, summary: list) -> list[dict]:
-    results = []
+def gather_targets(args, profile_dir: str, summary: list, results: list, save) -> None:
     for op in args.gather_ops.split(","):
         spec = get_op(op)
         eps = [1, 4, 16] if "ep" in spec.options else [1]
@@ -106,7 +105,7 @@ def gather_targets(args, profile_dir: str, summary: list) -> list[dict]:
                 fraction = r["valid_fraction"] / full["valid_fraction"]
                 summary.append((f"{label} time/(fraction x full time)", relative / fraction,
                                 f"<= {GATHER_ROOFLINE_TARGET}", relative / fraction <= GATHER_ROOFLINE_TARGET))
-    return results
+            save()
 
 
 def tuner_target(args, summary: list) -> dict:
@@ -146,11 +145,23 @@ def main() -> int:
     args = parser.parse_args()
 
     summary: list[tuple[str, float, str, bool]] = []
+    results: dict = {"ragged_dot": [], "gather": [], "tuner": None}
+
+    def save() -> None:
+        """Write what is measured so far (after every case: a long run killed midway keeps its cases)."""
+        if args.json:
+            bench.write_results(args.json, [{"summary": [dict(zip(("target", "value", "wanted", "met"), s))
+                                                         for s in summary]}, results])
+
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as profile_dir:
-        results = {"ragged_dot": ragged_dot_targets(args, profile_dir, summary) if args.shapes else [],
-                   "gather": gather_targets(args, profile_dir, summary) if args.gather_ops else []}
-    results["tuner"] = None if args.skip_tuner else tuner_target(args, summary)
+        if args.shapes:
+            ragged_dot_targets(args, profile_dir, summary, results["ragged_dot"], save)
+        if args.gather_ops:
+            gather_targets(args, profile_dir, summary, results["gather"], save)
+    if not args.skip_tuner:
+        results["tuner"] = tuner_target(args, summary)
+        save()
     if devices.platform() != "gpu":
         print("\nGPU targets: not measured here (no GPU); run benchmarks/gpu_check.py on a GPU machine.")
 
@@ -160,9 +171,6 @@ def main() -> int:
         print(f"  {name:<{width}}  {value:8.2f}  target {target:<7}  {verdict(ok)}")
     met = sum(ok for *_, ok in summary)
     print(f"  {met} of {len(summary)} met")
-    if args.json:
-        bench.write_results(args.json, [{"summary": [dict(zip(("target", "value", "wanted", "met"), s)) for s in summary]},
-                                        results])
     return 0
 
 

@@ -67,9 +67,13 @@ def test_a_kernel_the_layer_repeats_is_swept_once(monkeypatch):
     from moe_tune.tuner import model_sweep
 
     square = ModelPreset(name="square", hidden=64, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
-    swept = []
-    real = model_sweep.run_sweep
-    monkeypatch.setattr(model_sweep, "run_sweep", lambda spec, reporter=None: swept.append(spec) or real(spec, reporter))
+    swept, real = [], model_sweep.run_sweep
+
+    def counted(spec, reporter=None):
+        swept.append(spec)
+        return real(spec, reporter)
+
+    monkeypatch.setattr(model_sweep, "run_sweep", counted)
     results = sweep_model(square, [8], ep=2, dtype="float32", sweep_options=FAST)
     assert len(results) == 8 and [r.error for r in results] == [None] * 8
     assert len(swept) == 5  # fwd, dlhs, drhs once; dispatch; combine

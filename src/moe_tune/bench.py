@@ -112,15 +112,16 @@ def format_comparison(result: dict[str, Any]) -> list[str]:
     t, r = result["times_s"], result["ratios"]
     lines = [f"  tuned config {result['tuned_config']}, default {result['default_config']}"]
     for name, seconds in t.items():
-        rate = f"{result['tflops'][name]:8.3f} TFLOP/s" if name in result["tflops"] else f"{result['copy_gbps']:8.1f} GB/s  "
+        tflops = result["tflops"].get(name)
+        rate = f"{tflops:8.3f} TFLOP/s" if tflops is not None else f"{result['copy_gbps']:8.1f} GB/s  "
         lines.append(f"  {name:<8} {seconds * 1e3:10.3f} ms  {seconds / t['dense']:6.2f}x dense  {rate}  "
                      f"(spread {result['spread'][name]:.0%})")
     same = " (the same config: any difference is noise)" if result["tuned_config"] == result["default_config"] else ""
     lines.append(f"  roofline {result['roofline_s'] * 1e3:.3f} ms ({result['roofline_bound']}-bound; "
                  f"{result['min_bytes'] / 2**20:.0f} MiB at least at {result['copy_gbps']:.1f} GB/s)")
-    lines.append(f"  time ratios: tuned/roofline {r['tuned_vs_roofline']:.2f}, default/tuned {r['default_vs_tuned']:.2f}"
-                 f"{same}, xla/tuned {r['xla_vs_tuned']:.2f}, tuned/dense {r['tuned_vs_dense']:.2f}, "
-                 f"skewed/balanced {r['skewed_vs_balanced']:.2f}")
+    lines.append(f"  time ratios: tuned/roofline {r['tuned_vs_roofline']:.2f}, "
+                 f"default/tuned {r['default_vs_tuned']:.2f}{same}, xla/tuned {r['xla_vs_tuned']:.2f}, "
+                 f"tuned/dense {r['tuned_vs_dense']:.2f}, skewed/balanced {r['skewed_vs_balanced']:.2f}")
     return lines
 
 

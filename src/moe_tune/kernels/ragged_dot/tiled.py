@@ -1,11 +1,12 @@
-"""`tiled` backend: a pure-JAX grouped matmul (and its transposed form, tgmm) that walks the Megablox visit
-schedule; the CPU backend.
+"""`tiled` backend: pure-JAX grouped matmuls, the CPU backend.
 
-A `fori_loop` with a dynamic trip count (the number of visits) runs one `[tm, k] x [k, n]` matmul per
-(row tile, group) visit, in `tn`-wide column blocks and `tk`-deep contraction chunks, and writes back only
-the rows of the visited group. Work is proportional to `ceil(m / tm) + groups - 1` tiles, so small `tm`
-wastes less on tiles shared by two groups while large `tm` amortizes the per-visit overhead: the trade-off
-the tuner resolves per shape.
+gmm (fwd, dlhs) loops over groups; each group's rows go through full `tm`-row tiles (unmasked, big dots)
+and then `tail`-row tiles for the rest (masked, small), so a group wastes fewer than `tail` rows. tgmm
+(drhs) walks the Megablox visit schedule: a `fori_loop` with a dynamic trip count runs one
+`[tm, k]^T x [tm, n]` matmul per (row tile, group) visit and adds it into that group's result; its work is
+`ceil(m / tm) + groups - 1` tiles, so small `tm` wastes less on tiles shared by two groups while large `tm`
+amortizes the per-visit accumulation. Both split the k x n plane into `tk` x `tn` blocks (one dot each).
+See benchmarks/NOTES.md for what was measured to choose this design.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ MAX_BLOCKS_PER_VISIT = 32
 @dataclasses.dataclass(frozen=True)
 class TiledConfig(KernelConfig):
     """tm: rows per tile; tail: rows per tile for what is left of a group after its full `tm`-row tiles
-    (fwd and dlhs; drhs walks `tm`-row tiles that may straddle groups and ignores it); tk, tn: blocks of the k x n plane
-    (for dlhs: of n x k, the matmul it runs). Clamped to the dimensions they tile."""
+    (fwd and dlhs; drhs walks `tm`-row tiles that may straddle groups and ignores it); tk, tn: blocks of the
+    k x n plane (for dlhs: of n x k, the matmul it runs). Clamped to the dimensions they tile."""
 
     tm: int = 256
     tk: int = 1024
