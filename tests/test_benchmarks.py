@@ -27,7 +27,8 @@ def test_cpu_benchmark_prints_every_ratio(tmp_path):
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert [r["shape"]["direction"] for r in results] == ["fwd", "dlhs", "drhs"]
     for r in results:
-        assert set(r["times_s"]) == {"tuned", "default", "xla", "dense"} and all(t > 0 for t in r["times_s"].values())
+        assert set(r["times_s"]) == {"tuned", "default", "xla", "dense", "skewed", "copy"}
+        assert all(t > 0 for t in r["times_s"].values()) and r["roofline_s"] >= r["times_s"]["dense"]
     assert out.count("time ratios:") == 3
 
 

@@ -172,7 +172,7 @@ def test_bench_command_prints_ratios(run, isolated_profiles):
     assert run("sweep", *TINY).exit_code == 0
     result = run("bench", "--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--samples", "1")
     assert result.exit_code == 0, result.output
-    assert "(exact)" in result.output and "xla/tuned" in result.output and "tuned/dense" in result.output
+    assert "(exact)" in result.output and "xla/tuned" in result.output and "tuned/roofline" in result.output
     gather = run("bench", "--op", "ragged_gather_reduce", "--tokens", "32", "--hidden", "128", "--top-k", "4",
                  "--experts", "8", "--ep", "2", "--samples", "1")
     assert gather.exit_code == 0 and "fallback/tuned" in gather.output and "(default)" in gather.output

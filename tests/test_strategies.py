@@ -81,8 +81,9 @@ def test_random_is_seeded_starts_at_the_default_and_respects_the_budget():
     S.check("random", None, 30.0)
 
 
-@pytest.mark.parametrize("optimum", [{"tm": 32, "tk": 512, "tn": 256}, {"tm": 1024, "tk": 2048, "tn": 768},
-                                     {"tm": 256, "tk": 2048, "tn": 512}])
+@pytest.mark.parametrize("optimum", [{"tm": 32, "tk": 512, "tn": 512, "tail": 16},
+                                     {"tm": 1024, "tk": 2048, "tn": 768, "tail": 64},
+                                     {"tm": 256, "tk": 2048, "tn": 512, "tail": 32}])
 def test_coordinate_descent_walks_valid_neighbours_downhill_to_the_optimum(optimum):
     strategy = S.make("coordinate", SPACE, backend=TILED, problem=BIG)
     rounds, measured = _run(strategy, bowl(optimum))
@@ -104,7 +105,7 @@ def test_coordinate_descent_walks_valid_neighbours_downhill_to_the_optimum(optim
 
 def test_coordinate_descent_respects_the_budget_and_survives_failures():
     strategy = S.make("coordinate", SPACE, backend=TILED, problem=BIG, budget=6)
-    rounds, measured = _run(strategy, bowl({"tm": 32, "tk": 512, "tn": 256}))
+    rounds, measured = _run(strategy, bowl({"tm": 32, "tk": 512, "tn": 512, "tail": 16}))
     assert len(measured) == 6 and strategy.stopped == "budget"
     # a failing default: it goes on from whatever ran
     fails = lambda c: None if c == SPACE[0] else bowl({"tm": 32})(c)

@@ -21,13 +21,15 @@ from moe_tune.tuner import Reporter, SweepInterrupted, SweepSpec, log_path_for, 
 from moe_tune.tuner.candidates import backend_compiles
 from moe_tune.tuner.log import SweepLog, read_log
 
-SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)  # 4 candidates (tm = 32 .. 256)
-# 16 candidates (tm x tk x tn = 4 x 2 x 2): two chunks of 8
-MEDIUM = ["--m", "256", "--k", "384", "--n", "192", "--groups", "4"]
+SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)  # swept with its first 4 candidates
+# the first 16 candidates: two chunks of 8
+MEDIUM = ["--m", "256", "--k", "640", "--n", "640", "--groups", "4", "--max-candidates", "16"]
+SMALL_CLI = ["sweep", "--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--max-candidates", "4"]
 
 
 def _spec(**kw):
-    return SweepSpec("ragged_dot", SMALL, **{"backend": "tiled", "samples": 2, "workers": 1, "batch_size": 2, **kw})
+    return SweepSpec("ragged_dot", SMALL, **{"backend": "tiled", "samples": 2, "workers": 1, "batch_size": 2,
+                                             "max_candidates": 4, **kw})
 
 
 def _lines(path, kind=None):
@@ -53,7 +55,7 @@ class InterruptAt(Reporter):
 
 
 def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
-    space = BACKENDS.get("tiled").search_space(SMALL)
+    space = BACKENDS.get("tiled").search_space(SMALL)[:4]
     first = run_sweep(_spec(profile_dir=tmp_path))
     log = first.log_path
     assert log.parent == tmp_path / "cpu" / "sweeps" / "ragged_dot" and log == log_path_for(_spec(profile_dir=tmp_path))
@@ -204,7 +206,7 @@ def test_sigkilled_cli_sweep_resumes(tmp_path, isolated_profiles):
 
 def test_cli_resume_fresh_and_usage_errors(isolated_profiles):
     runner = CliRunner()
-    args = ["sweep", "--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--samples", "2", "--workers", "1"]
+    args = [*SMALL_CLI, "--samples", "2", "--workers", "1"]
     first = runner.invoke(cli, args, catch_exceptions=False)
     assert first.exit_code == 0, first.output
     assert "grid: 4 of 4 candidates" in first.output and "0 candidates from the sweep log" in first.output
@@ -231,7 +233,7 @@ def test_cli_ctrl_c_exits_130_with_what_was_kept(isolated_profiles, monkeypatch)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(sweep_module._Sweep, "_time_batch", interrupt_after_first_batch)
-    args = ["sweep", "--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--samples", "2", "--workers", "1"]
+    args = [*SMALL_CLI, "--samples", "2", "--workers", "1"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 130
     last = result.output.strip().splitlines()[-1]
