@@ -39,7 +39,7 @@ from moe_tune.profiles.table import read_table, write_entries
 from moe_tune.profiles.versions import entry_versions
 from moe_tune.tuner import log as sweep_log
 from moe_tune.tuner import strategies
-from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate, failure_reason, check_all, compile_all
+from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate, check_all, compile_all, failure_reason
 from moe_tune.tuner.timing import Timing, time_candidates
 
 
