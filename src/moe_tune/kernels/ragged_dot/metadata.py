@@ -38,6 +38,18 @@ def max_visits(m: int, tm: int, groups: int) -> int:
     return -(-m // tm) + groups - 1
 
 
+def group_bounds(group_sizes: jax.Array, *, m: int, groups: int, group_offset: jax.Array | int = 0
+                 ) -> tuple[jax.Array, jax.Array]:
+    """int32 [groups] first row and one-past-last row (clipped to m) of the groups
+    `[group_offset, group_offset + groups)`; rows are sorted by group, negative sizes count as 0."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    offset = jnp.asarray(group_offset, jnp.int32)
+    return (jax.lax.dynamic_slice_in_dim(starts, offset, groups),
+            jax.lax.dynamic_slice_in_dim(ends, offset, groups))
+
+
 def make_group_metadata(
     group_sizes: jax.Array,
     *,
@@ -60,14 +72,8 @@ def make_group_metadata(
     Returns:
       GroupMetadata; pure function of its inputs, jit-friendly.
     """
-    total = group_sizes.shape[0]
-    groups = total if groups is None else groups
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends_all = jnp.minimum(jnp.cumsum(sizes), m)
-    starts_all = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_all[:-1]])
-    offset = jnp.asarray(group_offset, jnp.int32)
-    starts = jax.lax.dynamic_slice_in_dim(starts_all, offset, groups)
-    ends = jax.lax.dynamic_slice_in_dim(ends_all, offset, groups)
+    groups = group_sizes.shape[0] if groups is None else groups
+    starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=group_offset)
 
     nonempty = ends > starts
     first_tile = starts // tm

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
-from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+from moe_tune.kernels.ragged_dot.metadata import group_bounds, make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
@@ -63,17 +63,6 @@ def _tile_product(x, w, *, k_blocks, n_blocks, transpose_rhs, acc_dtype, out_dty
     return blocks
 
 
-def _group_bounds(group_sizes: jax.Array, *, m: int, groups: int, group_offset) -> tuple[jax.Array, jax.Array]:
-    """int32 [groups] first row and one-past-last row (clipped to m) of the local groups
-    `[group_offset, group_offset + groups)`."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    offset = jnp.asarray(0 if group_offset is None else group_offset, jnp.int32)
-    return (jax.lax.dynamic_slice_in_dim(starts, offset, groups),
-            jax.lax.dynamic_slice_in_dim(ends, offset, groups))
-
-
 def tiled_ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -100,7 +89,8 @@ def tiled_ragged_dot(
     groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
-    starts, ends = _group_bounds(group_sizes, m=m, groups=groups, group_offset=group_offset)
+    starts, ends = group_bounds(group_sizes, m=m, groups=groups,
+                                group_offset=0 if group_offset is None else group_offset)
     product = functools.partial(_tile_product, k_blocks=_blocks(k, tk), n_blocks=_blocks(n, tn),
                                 transpose_rhs=transpose_rhs, acc_dtype=_acc_dtype(out_dtype), out_dtype=out_dtype)
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -233,14 +223,13 @@ class TiledRaggedDot(RaggedDotBackend):
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         m, k, n = problem.matmul_dims()
-        values = {
+        return {
             "tm": _pow2_up_to(min(m, 1024), 32),
             "tk": sorted({k, *(v for v in (512,) if v < k)}),
             "tn": sorted({n, *(v for v in (512,) if v < n)}),
             # drhs has no tail tiles: one value, so that the space holds no configs that differ only there
             "tail": list(TAIL_SIZES) if _uses_tail(problem) else [TiledConfig.tail],
         }
-        return values
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
         return tiled_ragged_dot(lhs, rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn, tail=config.tail,
