@@ -18,7 +18,7 @@ from moe_tune.profiles import entry_key, lookup, read_table, use_profiles
 from moe_tune.profiles.table import SCHEMA_VERSION
 from moe_tune.tuner import SweepError, SweepSpec, run_sweep
 from moe_tune.tuner.candidates import backend_compiles
-from moe_tune.tuner.timing import cross_check
+from moe_tune.tuner.timing import _race, cross_check, time_candidates
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)
 
@@ -149,6 +149,48 @@ def test_cross_check_catches_broken_parses():
     assert "exceeds wall" in cross_check([0.020] * 3, [0.010] * 3, 3)
     assert "under" in cross_check([0.0001] * 3, [0.010] * 3, 3)
     assert "found 2 trace events" in cross_check([0.010] * 2, [0.011] * 3, 3)
+
+
+def _three_calls():
+    x = jax.numpy.ones((64, 64))
+    fns = {i: jax.jit(lambda x, i=i: x @ x + i) for i in range(3)}
+    return {i: (lambda f=f: f(x)) for i, f in fns.items()}
+
+
+def test_racing_stops_timing_calls_slower_than_the_best_known():
+    """After the first round only calls within `race` of the fastest time known are timed again; with a
+    best time known from before that every call is far above, none is (deterministic: no timing asserted)."""
+    calls, rounds = _three_calls(), []
+    timings, _ = time_candidates(calls, samples=3, platform="cpu", race=1.5, best_s=1e-12, on_round=rounds.append)
+    assert {i: t.samples for i, t in timings.items()} == {0: 1, 1: 1, 2: 1}
+    assert sum(rounds) == 3 * 3  # the skipped samples count as done, so progress reaches the end
+    timings, _ = time_candidates(calls, samples=3, platform="cpu", race=1e9, on_round=rounds.append)
+    assert {t.samples for t in timings.values()} == {3}
+    timings, _ = time_candidates(calls, samples=3, platform="cpu")  # no racing: every call, every round
+    assert {t.samples for t in timings.values()} == {3}
+
+
+def test_race_keeps_the_calls_within_the_factor_of_the_fastest():
+    first = {0: [1.0], 1: [1.4], 2: [1.6], 3: [3.0]}
+    assert _race([0, 1, 2, 3], first, 1.5, None) == [0, 1]
+    assert _race([1, 2, 3], first, 1.5, None) == [1, 2]  # the fastest of these is 1.4
+    assert _race([1, 2, 3], first, 1.5, 1.0) == [1]  # a faster time from before counts
+
+
+def test_a_sweep_times_raced_out_candidates_once_and_the_finalists_fully(tmp_path):
+    """With racing a candidate has one sample (raced out), `samples` or, as a finalist, twice as many;
+    without it none has fewer than `samples`."""
+    for race, allowed in ((1.5, {1, 3, 6}), (None, {3, 6})):
+        result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=3, race=race, max_candidates=6,
+                                     profile_dir=tmp_path / str(race)))
+        assert {c.timing.samples for c in result.candidates if c.status == "ok"} <= allowed
+        assert result.entry["timing"]["samples"] == 6
+
+
+def test_race_must_be_above_one():
+    with pytest.raises(moe_tune.errors.UsageError, match="race must be > 1"):
+        SweepSpec("ragged_dot", SMALL, race=1.0)
+    assert SweepSpec("ragged_dot", SMALL, race=None).race is None
 
 
 def test_tuner_key_equals_runtime_key(tmp_path, caplog):

@@ -50,7 +50,7 @@ def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, 
     for c in compiled.values():
         jax.block_until_ready(c(inputs))
     timings, fallback = time_candidates({i: (lambda c=c: c(inputs)) for i, c in compiled.items()},
-                                        samples=samples, platform=devices.platform())
+                                        samples=samples, platform=devices.platform(), warmup=0)
     return {
         "times_s": {name: timings[i].median_s for i, name in enumerate(names)},
         "spread": {name: timings[i].spread for i, name in enumerate(names)},

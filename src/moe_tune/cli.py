@@ -149,6 +149,9 @@ def cli() -> None:
 @click.option("--samples", type=click.IntRange(min=1), default=None,
               help="Timing samples (profiler-trace rounds) per candidate (default: the tuner's); the "
                    "finalists get twice as many.")
+@click.option("--race", type=click.FloatRange(min=0), default=None, metavar="FACTOR",
+              help="After the first timing round, stop timing candidates more than FACTOR times slower than the "
+                   "best so far (default: the tuner's, 1.5); 0 times every candidate fully.")
 @click.option("--max-candidates", type=click.IntRange(min=1), default=None,
               help="Keep only the first N candidates of the search space (the default config is first).")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -166,7 +169,7 @@ def cli() -> None:
               help="Sweep every kernel and direction of one layer of this preset (see `moe-tune models`) at "
                    "--tokens (default 4096), --ep and --dtype (default bfloat16).")
 @_handle_errors
-def sweep(op, backend, distribution, direction, seed, workers, samples, max_candidates, profile_dir, keep_trace,
+def sweep(op, backend, distribution, direction, seed, workers, samples, race, max_candidates, profile_dir, keep_trace,
           strategy, budget, time_budget, fresh, model, **shape):
     """Sweep a kernel's configs for one shape (or a whole model's kernels) and store the fastest correct ones.
 
@@ -180,6 +183,8 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, max_cand
                    time_budget_s=time_budget, fresh=fresh)
     if samples is not None:
         options["samples"] = samples
+    if race is not None:
+        options["race"] = race or None
     if model is not None:
         return _sweep_model(model, backend, direction, shape, options)
     spec, problems = _problems(op, direction, shape)

@@ -265,6 +265,18 @@ def _compile_in_workers(spec, backend, problem, candidates, inputs, workers, on_
             on_done(cand)
 
 
+def uses_workers(workers: int) -> bool:
+    """Whether `compile_all` compiles in worker processes (see there)."""
+    return workers > 1 and devices.platform() in ("cpu", "gpu")
+
+
+def start_workers(workers: int) -> None:
+    """Start the worker processes `compile_all` will use, if it will, so that their start-up (a JAX import
+    each, about a second) overlaps whatever the caller does before compiling."""
+    if uses_workers(workers):
+        workers_module.pool(workers)
+
+
 def compile_all(
     spec: OpSpec,
     backend: Backend,
@@ -286,7 +298,7 @@ def compile_all(
     with one worker, candidates compile here, one at a time (and without a timeout), and are run by
     `check_all`. See the module docstring.
     """
-    if workers > 1 and devices.platform() in ("cpu", "gpu"):
+    if uses_workers(workers):
         _compile_in_workers(spec, backend, problem, candidates, inputs, workers, on_done, timeout)
     else:
         _compile_here(spec, backend, problem, candidates, inputs, on_done)

@@ -39,8 +39,9 @@ from moe_tune.profiles.table import read_table, write_entries
 from moe_tune.profiles.versions import entry_versions
 from moe_tune.tuner import log as sweep_log
 from moe_tune.tuner import strategies
-from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate, check_all, compile_all, failure_reason
-from moe_tune.tuner.timing import Timing, time_candidates
+from moe_tune.tuner.candidates import (FAILED, OK, WRONG, Candidate, check_all, compile_all, failure_reason,
+                                      start_workers)
+from moe_tune.tuner.timing import Timing, first_call_is_warm, time_candidates
 
 
 class SweepError(MoeTuneError):
@@ -79,6 +80,9 @@ class SweepSpec:
     # first-round samples per candidate: enough to rank them roughly; the finalists are re-timed side by side
     # with twice as many, which is where the winner is decided
     samples: int = 3
+    # racing: after the first round, a candidate slower than this factor times the best known gets no more
+    # samples (see timing.time_candidates); None times every candidate `samples` times
+    race: float | None = 1.5
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
     max_candidates: int | None = None  # keep the first N of the search space (default first)
@@ -97,6 +101,8 @@ class SweepSpec:
             raise UsageError(f"samples must be >= 1, got {self.samples}")
         if self.workers < 1:
             raise UsageError(f"workers must be >= 1, got {self.workers}")
+        if self.race is not None and not self.race > 1:
+            raise UsageError(f"race must be > 1 (or None, no racing), got {self.race}")
         if self.finalists < 1:
             raise UsageError(f"finalists must be >= 1, got {self.finalists}")
         if self.batch_size < 1:
@@ -133,7 +139,7 @@ def _json(value: Any) -> Any:
 def sweep_identity(spec: SweepSpec, key: str) -> dict[str, Any]:
     """What makes two sweeps the same sweep: the same candidates, measured the same way."""
     problem = dataclasses.asdict(spec.problem) if dataclasses.is_dataclass(spec.problem) else repr(spec.problem)
-    return _json({"key": key, "problem": problem, "seed": spec.seed, "samples": spec.samples,
+    return _json({"key": key, "problem": problem, "seed": spec.seed, "samples": spec.samples, "race": spec.race,
                   "strategy": spec.strategy, "budget": spec.budget, "max_candidates": spec.max_candidates})
 
 
@@ -170,7 +176,7 @@ def run_sweep(spec: SweepSpec, reporter: Reporter | None = None) -> SweepResult:
     # a log measured with other versions (or another revision of the kernel) is not resumed
     header = {"identity": identity, "key": key, "versions": entry_versions(backend),
               "spec": _json({"op": spec.op, "backend": backend.name, "distribution": spec.distribution,
-                             "seed": spec.seed, "samples": spec.samples, "strategy": spec.strategy,
+                             "seed": spec.seed, "samples": spec.samples, "race": spec.race, "strategy": spec.strategy,
                              "budget": spec.budget, "max_candidates": spec.max_candidates,
                              "finalists": spec.finalists, "batch_size": spec.batch_size, "space": len(space)})}
     with sweep_log.SweepLog(path, header, fresh=spec.fresh) as log:
@@ -212,6 +218,7 @@ class _Sweep:
         interrupted = False
         best = within_noise = None
         try:
+            start_workers(spec.workers)  # they start while the inputs and the reference are computed
             self.host_inputs = self.op.make_inputs(self.problem, spec.distribution, spec.seed)
             self.expected = self.op.reference(self.problem, self.host_inputs)
             self.inputs = jax.device_put(self.host_inputs)
@@ -370,22 +377,37 @@ class _Sweep:
 
     def _time_batch(self, batch: list[Candidate]) -> None:
         spec, number = self.spec, self.batches
-        batch = self._warm_up(batch)
-        if not batch:
-            return
         keep = None if spec.keep_trace_dir is None else Path(spec.keep_trace_dir) / f"batch_{number}"
-        timings, fallback = time_candidates(
-            {c.index: (lambda c=c: c.executable(self.inputs)) for c in batch},
-            samples=spec.samples, platform=self.platform, seed=spec.seed + 1000 * (number + 1),
-            keep_trace_dir=keep, on_round=lambda r: self.reporter.advance("time", len(batch) / spec.samples),
-            warmup=0,
-        )
+
+        def time_batch():
+            return time_candidates(
+                {c.index: (lambda c=c: c.executable(self.inputs)) for c in batch},
+                samples=spec.samples, platform=self.platform, seed=spec.seed + 1000 * (number + 1),
+                keep_trace_dir=keep, on_round=lambda units: self.reporter.advance("time", units / spec.samples),
+                warmup=0, race=spec.race, best_s=self._best_median(),
+            )
+
+        timings = None
+        if first_call_is_warm(self.platform):  # the first timed round is the warm-up
+            try:
+                timings, fallback = time_batch()
+            except Exception:  # noqa: BLE001 - a candidate that fails to run here: `_warm_up` sorts it out
+                timings = None
+        if timings is None:
+            batch = self._warm_up(batch)
+            if not batch:
+                return
+            timings, fallback = time_batch()
         for c in batch:
             c.timing = timings[c.index]
         if fallback and self.fallback is None:
             self.fallback = f"batch {number}: {fallback}"
         self.batches += 1
         self._finished(batch, batch=number)
+
+    def _best_median(self) -> float | None:
+        """The fastest median among the candidates timed so far (restored ones included), or None."""
+        return min((c.timing.median_s for c in self.done if c.status == OK and c.timing is not None), default=None)
 
     def _finished(self, cands: list[Candidate], batch: int | None = None) -> None:
         """Log finished candidates (one write and fsync), then count them as measured."""

@@ -78,6 +78,11 @@ def _spans_by_run(plane) -> dict[int, list[float]]:
     spans: dict[tuple[str, int], list[float]] = {}
     for line in plane.lines:
         for event in line.events:
+            # Reading an event's stats is most of the parse; events named like "ThunkExecutor::Execute" or
+            # "end: fusion" are runtime bookkeeping, never an HLO op or module (those names have neither).
+            name = event.name
+            if " " in name or "::" in name:
+                continue
             stats = dict(event.stats)
             module, run = stats.get("hlo_module"), stats.get("run_id")
             if module is None or run is None or not _EVENT.match(f"{module}("):
@@ -137,6 +142,13 @@ def cross_check(trace: list[float], wall: list[float], expected: int) -> str | N
     return None
 
 
+def first_call_is_warm(platform: str) -> bool:
+    """Whether an executable's first call here costs what later calls cost, so that a separate untimed
+    warm-up call is a waste. On CPU it is: a 64-candidate sweep's warm-up calls took 4.4 s where the same
+    candidates' medians summed to 4.3 s (benchmarks/NOTES.md). Elsewhere a first call may load modules."""
+    return platform == "cpu"
+
+
 def time_candidates(
     calls: Mapping[int, Callable[[], jax.Array]],
     *,
@@ -144,25 +156,35 @@ def time_candidates(
     platform: str,
     seed: int = 0,
     keep_trace_dir: Path | None = None,
-    on_round: Callable[[int], None] | None = None,
+    on_round: Callable[[float], None] | None = None,
     warmup: int = 1,
+    race: float | None = None,
+    best_s: float | None = None,
 ) -> tuple[dict[int, Timing], str | None]:
     """Time each zero-argument call `samples` times, after `warmup` untimed calls each (the first call of
     an executable pays one-off costs: loading, first allocations, cold caches; with compile workers the
-    check ran elsewhere, so nothing here has run yet); returns (timings, why the trace was not used)."""
+    check ran elsewhere, so nothing here has run yet); returns (timings, why the trace was not used).
+
+    Racing (`race`, a factor > 1): after the first round, a call whose first sample is more than `race`
+    times the fastest time known -- the fastest first sample of this round, or `best_s` (a median measured
+    earlier, e.g. the best of a sweep's previous batches) when that is faster -- is not timed again; its
+    timing has one sample. One sample is enough to know a call is that much slower, and the rounds left are
+    spent on the ones that can still win. `on_round(units)`: after each round, how many of the
+    `len(calls) * samples` call-samples are done (timed, or skipped by racing).
+    """
     rng = random.Random(seed)
     trace: dict[int, list[float]] = defaultdict(list)
     wall: dict[int, list[float]] = defaultdict(list)
-    order = list(calls)
+    active = list(calls)
     for _ in range(warmup):
-        for i in order:
+        for i in active:
             jax.block_until_ready(calls[i]())
     for round_index in range(samples):
-        rng.shuffle(order)
+        rng.shuffle(active)
         trace_dir = Path(tempfile.mkdtemp(prefix="moe_tune_trace_"))
         try:
             with jax.profiler.trace(str(trace_dir)):
-                for i in order:
+                for i in active:
                     start = time.perf_counter()
                     jax.block_until_ready(calls[i]())
                     wall[i].append(time.perf_counter() - start)
@@ -173,12 +195,25 @@ def time_candidates(
                 shutil.copytree(trace_dir, Path(keep_trace_dir) / f"round_{round_index}", dirs_exist_ok=True)
         finally:
             shutil.rmtree(trace_dir, ignore_errors=True)
+        done = len(active)
+        if round_index == 0 and race is not None:
+            kept = _race(active, trace if all(trace.get(i) for i in active) else wall, race, best_s)
+            done += (len(active) - len(kept)) * (samples - 1)
+            active = kept
         if on_round is not None:
-            on_round(round_index + 1)
+            on_round(done)
 
-    problems = {i: why for i in calls if (why := cross_check(trace.get(i, []), wall[i], samples))}
+    problems = {i: why for i in calls if (why := cross_check(trace.get(i, []), wall[i], len(wall[i])))}
     if problems:
         i, why = next(iter(problems.items()))
         fallback = f"profiler trace failed the wall-clock cross-check for {len(problems)} candidate(s), e.g. #{i}: {why}"
         return {i: _summarize(wall[i], "wall", wall[i]) for i in calls}, fallback
     return {i: _summarize(trace[i], "trace", wall[i]) for i in calls}, None
+
+
+def _race(active: list[int], first: Mapping[int, list[float]], factor: float, best_s: float | None) -> list[int]:
+    """The calls of `active` whose first sample is within `factor` of the fastest time known."""
+    fastest = min(first[i][0] for i in active)
+    if best_s is not None:
+        fastest = min(fastest, best_s)
+    return [i for i in active if first[i][0] <= factor * fastest]
