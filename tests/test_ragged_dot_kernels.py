@@ -23,7 +23,8 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem, ragged_dot_reference
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
 from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
-from moe_tune.kernels.ragged_dot.tiled import MAX_BLOCKS_PER_VISIT, TiledConfig
+from moe_tune.kernels.ragged_dot.tiled import (MAX_BLOCKS_PER_VISIT, TiledConfig, drhs_window,
+                                               tiled_transposed_ragged_dot)
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.kernels.ragged_dot.xla import XlaConfig
 
@@ -476,10 +477,9 @@ class TestTiled(RaggedDotBackendTests):
         return [c for c in wanted if self.impl.config_error(c, problem) is None]
 
     def invalid_configs(self, problem):
-        bad = [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tail": 0},
-               {"tm": 1, "tk": 1, "tn": 1, "tail": 1}]  # the last: k*n dots > cap
-        if problem.direction != "drhs":  # drhs has no tail tiles and ignores tail
-            bad.append({"tm": 8, "tail": 16})
+        bad = [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tail": 0}]
+        if problem.direction != "drhs":  # drhs runs windows of tm rows and ignores tail, tk and tn
+            bad += [{"tm": 8, "tail": 16}, {"tm": 1, "tk": 1, "tn": 1, "tail": 1}]  # the last: k*n dots > cap
         return bad
 
     def test_extra_configs_are_used(self):
@@ -487,6 +487,23 @@ class TestTiled(RaggedDotBackendTests):
         extras = self.extra_configs(problem)
         assert len(extras) == 4
         assert self.k * self.n > MAX_BLOCKS_PER_VISIT  # so that the 1x1x1 tile is really over the cap
+
+
+@pytest.mark.parametrize("tm", [8, 48, 10_000])
+@pytest.mark.parametrize("group_offset", [0, 1])
+def test_tiled_drhs_windows_cover_long_groups_empty_groups_and_shards(tm, group_offset):
+    """tgmm's batched first windows plus the extra windows of groups longer than the window: a group of 70
+    rows with windows of 8 or 48, empty groups (zeros), a shard of the groups; tm=10_000 is clamped to
+    twice the average group (`drhs_window`)."""
+    m, k, n, groups = 100, 24, 20, 3
+    sizes = np.array([0, 70, 0, 3, 27], np.int32)
+    rng = np.random.default_rng(tm + group_offset)
+    lhs, dout = rng.standard_normal((m, k), np.float32), rng.standard_normal((m, n), np.float32)
+    got = tiled_transposed_ragged_dot(jnp.asarray(lhs), jnp.asarray(dout), jnp.asarray(sizes), tm=tm,
+                                      out_dtype=jnp.float32, num_groups=groups, group_offset=jnp.int32(group_offset))
+    ref = ragged_dot_drhs_reference(lhs, dout, sizes, groups=groups, group_offset=group_offset)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
+    assert drhs_window(10_000, m=m, groups=groups) == 80  # 2 * ceil(100 / 3) = 68, rounded up to 16s
 
 
 class TestMegablox(RaggedDotBackendTests):

@@ -116,6 +116,25 @@ def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, m
     assert by_index[0].status == "ok" and result.entry["candidates"]["failed"] >= 1
 
 
+def test_worker_outputs_are_checked_as_they_arrive(tmp_path, monkeypatch):
+    """With workers, each candidate's output is checked (and dropped) when its worker answers, not once the
+    whole chunk is back: a chunk of big outputs (drhs: groups x k x n) is never held at once."""
+    from moe_tune.tuner import sweep as sweep_module
+
+    real_check_all, held = sweep_module.check_all, []
+
+    def check_all(cands, *args, **kwargs):
+        held.append(sum(c.output is not None for c in cands))
+        real_check_all(cands, *args, **kwargs)
+        assert all(c.output is None for c in cands)
+
+    monkeypatch.setattr(sweep_module, "check_all", check_all)
+    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=1, workers=2, max_candidates=6,
+                                 profile_dir=tmp_path))
+    assert result.entry["candidates"]["ok"] == 6
+    assert max(held) == 1 and held.count(1) == 6
+
+
 def test_entry_records_what_design_requires(tmp_path):
     result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
                                  samples=3, profile_dir=tmp_path, max_candidates=4))

@@ -320,24 +320,33 @@ class _Sweep:
 
     def _measure(self, chunk: list[Candidate]) -> None:
         """Compile a chunk (in parallel), check it, time the correct ones batch by batch; log as they finish."""
-        spec = self.spec
-        with self._clock("compile"):  # with workers this also runs each candidate once (the check's output)
-            compile_all(self.op, self.backend, self.problem, chunk, self.inputs, workers=spec.workers,
-                        on_done=lambda c: self.reporter.advance("compile"), timeout=spec.compile_timeout_s)
-        failed = [c for c in chunk if c.status != OK]
-        self._finished(failed)
-        self.reporter.advance("check", len(failed))
-        self.reporter.advance("time", len(failed))
+        spec, tolerance = self.spec, self.op.tolerance(self.problem)
+        checked_ids: set[int] = set()
 
         def checked(cand: Candidate) -> None:
+            checked_ids.add(cand.index)
             self.reporter.advance("check")
             if cand.status != OK:
                 self._finished([cand])
                 self.reporter.advance("time")
 
-        with self._clock("check"):
-            check_all([c for c in chunk if c.status == OK], self.inputs, self.expected,
-                      self.op.tolerance(self.problem), on_done=checked)
+        def compiled(cand: Candidate) -> None:
+            self.reporter.advance("compile")
+            if cand.status == OK and cand.output is not None:
+                # checked as it arrives, so that a chunk's outputs are never all held at once (a drhs
+                # output can be gigabytes)
+                check_all([cand], self.inputs, self.expected, tolerance, on_done=checked)
+
+        with self._clock("compile"):  # with workers this also runs and checks each candidate once
+            compile_all(self.op, self.backend, self.problem, chunk, self.inputs, workers=spec.workers,
+                        on_done=compiled, timeout=spec.compile_timeout_s)
+        failed = [c for c in chunk if c.status != OK and c.index not in checked_ids]
+        self._finished(failed)
+        self.reporter.advance("check", len(failed))
+        self.reporter.advance("time", len(failed))
+        with self._clock("check"):  # candidates compiled here: run once and checked now
+            check_all([c for c in chunk if c.status == OK and c.index not in checked_ids], self.inputs,
+                      self.expected, tolerance, on_done=checked)
         correct = [c for c in chunk if c.status == OK]
         for start in range(0, len(correct), spec.batch_size):
             with self._clock("time"):

@@ -69,30 +69,39 @@ def _summarize(values: list[float], method: str, wall: list[float]) -> Timing:
     )
 
 
+# Events that only record thread-pool and thunk bookkeeping: never part of an execution's identity, and
+# most of a CPU trace's events. Reading an event's stats is most of the parse, so these are skipped unread.
+_BOOKKEEPING = ("end: ", "ThreadpoolListener::", "SlinkyThreadPool::")
+
+
 def _spans_by_run(plane) -> dict[int, list[float]]:
-    """Group a plane's events by (program, run_id): one execution's span is its first start to its last end.
+    """Group a plane's events by execution (`run_id` stat): one execution's span is its first start to its
+    last end, over every event of the run, and its program is the `hlo_module` of those that name one.
 
     CPU thunks and TPU/GPU module events carry `hlo_module` and `run_id` stats, which identify an execution
-    even when two runs of one program are adjacent in time.
+    even when two runs of one program are adjacent in time. On CPU a dot can run asynchronously: its own
+    event is only the launch, and the run's "ThunkExecutor::Execute (wait for completion)" event, which has
+    a run id but no module, is where its time shows.
     """
-    spans: dict[tuple[str, int], list[float]] = {}
+    spans: dict[int, list[float]] = {}
+    modules: dict[int, str] = {}
     for line in plane.lines:
         for event in line.events:
-            # Reading an event's stats is most of the parse; events named like "ThunkExecutor::Execute" or
-            # "end: fusion" are runtime bookkeeping, never an HLO op or module (those names have neither).
-            name = event.name
-            if " " in name or "::" in name:
+            if event.name.startswith(_BOOKKEEPING):
                 continue
             stats = dict(event.stats)
-            module, run = stats.get("hlo_module"), stats.get("run_id")
-            if module is None or run is None or not _EVENT.match(f"{module}("):
+            run = stats.get("run_id")
+            if run is None:
                 continue
             start, end = event.start_ns, event.start_ns + event.duration_ns
-            span = spans.setdefault((module, run), [start, end])
+            span = spans.setdefault(run, [start, end])
             span[0], span[1] = min(span[0], start), max(span[1], end)
+            if (module := stats.get("hlo_module")) is not None:
+                modules.setdefault(run, module)
     found: dict[int, list[float]] = defaultdict(list)
-    for (module, _), (start, end) in spans.items():
-        found[int(_EVENT.match(f"{module}(")[1])].append((end - start) * 1e-9)
+    for run, (start, end) in spans.items():
+        if (match := _EVENT.match(f"{modules.get(run, '')}(")) is not None:
+            found[int(match[1])].append((end - start) * 1e-9)
     return found
 
 

@@ -1,12 +1,11 @@
 """`tiled` backend: pure-JAX grouped matmuls, the CPU backend.
 
 gmm (fwd, dlhs) loops over groups; each group's rows go through full `tm`-row tiles (unmasked, big dots)
-and then `tail`-row tiles for the rest (masked, small), so a group wastes fewer than `tail` rows. tgmm
-(drhs) walks the Megablox visit schedule: a `fori_loop` with a dynamic trip count runs one
-`[tm, k]^T x [tm, n]` matmul per (row tile, group) visit and adds it into that group's result; its work is
-`ceil(m / tm) + groups - 1` tiles, so small `tm` wastes less on tiles shared by two groups while large `tm`
-amortizes the per-visit accumulation. Both split the k x n plane into `tk` x `tn` blocks (one dot each).
-See benchmarks/NOTES.md for what was measured to choose this design.
+and then `tail`-row tiles for the rest (masked, small), so a group wastes fewer than `tail` rows; the
+k x n plane is split into `tk` x `tn` blocks (one dot each). tgmm (drhs) gathers each group's first window
+of `tm` rows and runs one batched dot that writes every group's [k, n] result in place; only groups longer
+than the window add further windows (it ignores `tail`, `tk` and `tn`). See benchmarks/NOTES.md for what
+was measured to choose this design.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
-from moe_tune.kernels.ragged_dot.metadata import group_bounds, make_group_metadata
+from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
@@ -29,9 +28,9 @@ MAX_BLOCKS_PER_VISIT = 32
 
 @dataclasses.dataclass(frozen=True)
 class TiledConfig(KernelConfig):
-    """tm: rows per tile; tail: rows per tile for what is left of a group after its full `tm`-row tiles
-    (fwd and dlhs; drhs walks `tm`-row tiles that may straddle groups and ignores it); tk, tn: blocks of the
-    k x n plane (for dlhs: of n x k, the matmul it runs). Clamped to the dimensions they tile."""
+    """tm: rows per tile (drhs: rows per window, see `drhs_window`); tail: rows per tile for what is left of
+    a group after its full `tm`-row tiles; tk, tn: blocks of the k x n plane (for dlhs: of n x k, the matmul
+    it runs). Clamped to the dimensions they tile. drhs uses tm only."""
 
     tm: int = 256
     tk: int = 1024
@@ -125,50 +124,70 @@ def tiled_ragged_dot(
     return jax.lax.fori_loop(0, groups, group_rows, jnp.zeros((m, n), out_dtype))
 
 
+def drhs_window(tm: int, *, m: int, groups: int) -> int:
+    """The rows per window tgmm uses for a `tm` config: at most twice an average group (its gathered
+    windows then take at most about twice the memory of lhs, whatever config a table lookup brought) and
+    at most m."""
+    return max(1, min(tm, m, _round_up(2 * -(-m // max(groups, 1)), 16)))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def tiled_transposed_ragged_dot(
     lhs: jax.Array,
     dout: jax.Array,
     group_sizes: jax.Array,
     *,
     tm: int,
-    tk: int,
-    tn: int,
     out_dtype: jnp.dtype,
     num_groups: int,
     group_offset: jax.Array | None = None,
 ) -> jax.Array:
-    """tgmm. lhs [m, k], dout [m, n] -> [num_groups, k, n]: each visit adds lhs_tile^T @ dout_tile, over the
-    visited group's rows only, into that group's [k, n] result (kept in f32 for low-precision outputs)."""
+    """tgmm. lhs [m, k], dout [m, n] -> [num_groups, k, n]: group g's result is lhs[rows of g]^T @
+    dout[rows of g] (zeros for an empty group), accumulated in f32 for low-precision outputs.
+
+    Each group's first window of `tm` rows (see `drhs_window`; rows past the group masked to zero) is
+    gathered into [num_groups, tm, k] and [num_groups, tm, n], and one batched dot writes every group's
+    [k, n] result at once. Only a group with more than `tm` rows then adds its further windows, one dot
+    each, into its result. A `tm` at about the largest group size thus makes one dot per group, written
+    in place: the [k, n] results are what costs when groups are small (g x k x n output for 2 x m x k x n
+    FLOPs), and a schedule that adds every tile into its group's result reads and writes them per tile.
+    """
     m, k = lhs.shape
     n = dout.shape[1]
-    tm, tk, tn = min(tm, m), min(tk, k), min(tn, n)
-    meta = make_group_metadata(
-        group_sizes, m=m, tm=tm, groups=num_groups, group_offset=0 if group_offset is None else group_offset
-    )
+    window = drhs_window(tm, m=m, groups=num_groups)
     acc_dtype = _acc_dtype(out_dtype)
-    row_in_tile = jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+    starts, ends = group_bounds(group_sizes, m=m, groups=num_groups,
+                                group_offset=0 if group_offset is None else group_offset)
+    in_window = jnp.arange(window, dtype=jnp.int32)
+    row0 = jnp.minimum(starts, m - window)  # shifted back to end at row m
+    rows = row0[:, None] + in_window[None, :]  # [groups, window]
+    keep = (rows >= starts[:, None]) & (rows < jnp.minimum(ends, starts + window)[:, None])
+    x = jnp.where(keep[..., None], lhs[rows], jnp.zeros((), lhs.dtype))
     contract_rows = (((0,), (0,)), ((), ()))
+    out = jax.lax.dot_general(x, dout[rows], (((1,), (1,)), ((0,), (0,))), preferred_element_type=acc_dtype)
 
-    def visit(i, acc):
-        group = meta.group_ids[i]
-        row0 = jnp.minimum(meta.tile_ids[i] * tm, m - tm)
-        rows = row0 + row_in_tile
-        # the shifted last tile may hold rows already counted by the previous tile: keep each row once
-        keep = ((rows >= meta.group_starts[group]) & (rows < meta.group_ends[group])
-                & (rows >= meta.tile_ids[i] * tm))
-        x = jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0)
-        x = jnp.where(keep, x, jnp.zeros((), x.dtype))
-        d = jax.lax.dynamic_slice_in_dim(dout, row0, tm, axis=0)
-        for k0, kb in _blocks(k, tk):
-            for n0, nb in _blocks(n, tn):
-                part = jax.lax.dot_general(x[:, k0:k0 + kb], d[:, n0:n0 + nb], contract_rows,
-                                           preferred_element_type=acc_dtype)
-                current = jax.lax.dynamic_slice(acc, (group, k0, n0), (1, kb, nb))
-                acc = jax.lax.dynamic_update_slice(acc, current + part[None], (group, k0, n0))
-        return acc
+    def more_windows(g, out):
+        start, end = starts[g], ends[g]
 
-    acc = jax.lax.fori_loop(0, meta.num_visits, visit, jnp.zeros((num_groups, k, n), acc_dtype))
-    return acc.astype(out_dtype)
+        def add_window(w, out):
+            first = start + (w + 1) * window
+            r0 = jnp.minimum(first, m - window)
+            rows = r0 + in_window[:, None]
+            x = jax.lax.dynamic_slice_in_dim(lhs, r0, window, axis=0)
+            x = jnp.where((rows >= first) & (rows < end), x, jnp.zeros((), x.dtype))
+            part = jax.lax.dot_general(x, jax.lax.dynamic_slice_in_dim(dout, r0, window, axis=0), contract_rows,
+                                       preferred_element_type=acc_dtype)
+            current = jax.lax.dynamic_slice_in_dim(out, g, 1, axis=0)
+            return jax.lax.dynamic_update_slice_in_dim(out, current + part[None], g, axis=0)
+
+        extra = (jnp.maximum(end - start - window, 0) + window - 1) // window
+        return jax.lax.fori_loop(0, extra, add_window, out)
+
+    out = jax.lax.fori_loop(0, num_groups, more_windows, out)
+    return out.astype(out_dtype)
 
 
 def _pow2_up_to(limit: int, low: int) -> list[int]:
@@ -184,23 +203,32 @@ def _pow2_up_to(limit: int, low: int) -> list[int]:
 TAIL_SIZES = (16, 32, 64)
 
 
-def _uses_tail(problem: RaggedDotProblem) -> bool:
+# drhs windows the sweep tries, in eighths of an average group: balanced routing's largest group is about
+# an eighth to a quarter above the average at the sizes of MoE layers.
+DRHS_WINDOW_EIGHTHS = (4, 8, 9, 10, 12, 16)
+
+
+def _is_gmm(problem: RaggedDotProblem) -> bool:
+    """fwd and dlhs run gmm (tiles, tail tiles, tk x tn blocks); drhs runs tgmm (windows of tm rows)."""
     return problem.direction != "drhs"
 
 
 class TiledRaggedDot(RaggedDotBackend):
     name = "tiled"
-    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 3  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TiledConfig
     platforms = ("cpu", "gpu", "tpu")
-    description = "pure-JAX loop over each group's row tiles (full tiles, then small tail tiles); the CPU backend"
+    description = ("pure-JAX loop over each group's row tiles (full tiles, then small tail tiles); drhs: one "
+                   "batched dot over each group's window; the CPU backend")
 
     def config_error(self, config: TiledConfig, problem: RaggedDotProblem) -> str | None:
         for field in ("tm", "tk", "tn", "tail"):
             value = getattr(config, field)
             if not isinstance(value, int) or value <= 0:
                 return f"{field} must be a positive integer, got {value!r}"
-        if _uses_tail(problem) and config.tail > config.tm:
+        if not _is_gmm(problem):
+            return None
+        if config.tail > config.tm:
             return f"tail ({config.tail}) must not exceed tm ({config.tm})"
         _, k, n = problem.matmul_dims()
         blocks = -(-k // min(config.tk, k)) * -(-n // min(config.tn, n))
@@ -211,24 +239,26 @@ class TiledRaggedDot(RaggedDotBackend):
     def default_config(self, problem: RaggedDotProblem) -> TiledConfig:
         m, k, n = problem.matmul_dims()
         rows_per_group = max(m // problem.groups, 1)
-        if _uses_tail(problem):
+        if _is_gmm(problem):
             # Full tiles as big as an average group (up to 512 rows), so that most rows go through big dots;
             # tails of 1/8 of that keep the waste per group small.
             tm = min(max(32, 1 << rows_per_group.bit_length() - 1), 512, m)
             return TiledConfig(tm=tm, tk=k, tn=n, tail=min(max(16, tm // 8), tm))
-        # drhs visits tiles that may straddle groups: a tile about a quarter of an average group keeps the
-        # boundary waste near 1/4 of a tile per group without making visits tiny.
-        tm = min(max(64, 1 << max(rows_per_group // 4, 1).bit_length() - 1), 512, m)
-        return TiledConfig(tm=tm, tk=k, tn=n)
+        # drhs: a window a quarter longer than an average group holds most groups of balanced routing whole
+        return TiledConfig(tm=min(_round_up(rows_per_group * 5 // 4, 16), m), tk=k, tn=n)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         m, k, n = problem.matmul_dims()
+        if not _is_gmm(problem):
+            # windows around the average group size: shorter ones split groups, longer ones pad them
+            rows_per_group = max(m // problem.groups, 1)
+            windows = {min(_round_up(max(rows_per_group * f // 8, 1), 16), m) for f in DRHS_WINDOW_EIGHTHS}
+            return {"tm": sorted(windows), "tk": [k], "tn": [n], "tail": [TiledConfig.tail]}
         return {
             "tm": _pow2_up_to(min(m, 1024), 32),
             "tk": sorted({k, *(v for v in (512,) if v < k)}),
             "tn": sorted({n, *(v for v in (512,) if v < n)}),
-            # drhs has no tail tiles: one value, so that the space holds no configs that differ only there
-            "tail": list(TAIL_SIZES) if _uses_tail(problem) else [TiledConfig.tail],
+            "tail": list(TAIL_SIZES),
         }
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
@@ -236,5 +266,5 @@ class TiledRaggedDot(RaggedDotBackend):
                                 out_dtype=out_dtype, group_offset=group_offset, transpose_rhs=transpose_rhs)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
-        return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn,
-                                           out_dtype=out_dtype, num_groups=num_groups, group_offset=group_offset)
+        return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, out_dtype=out_dtype,
+                                           num_groups=num_groups, group_offset=group_offset)
