@@ -165,7 +165,7 @@ def time_candidates(
     platform: str,
     seed: int = 0,
     keep_trace_dir: Path | None = None,
-    on_round: Callable[[float], None] | None = None,
+    on_round: Callable[[int], None] | None = None,
     warmup: int = 1,
     race: float | None = None,
     best_s: float | None = None,
