@@ -198,7 +198,9 @@ CHECKS = [
 ]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 40 examples: the schedule now serves the triton backend only (tiled's drhs no longer walks it), and the
+# fixed cases below pin the edge cases; 100 took a minute of CI's 15.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules())
 def test_schedule_properties(case):
     meta, host = build(*case)
