@@ -44,7 +44,7 @@ def main() -> int:
                 problem = spec.problem(tokens=args.tokens, hidden=args.hidden, top_k=args.top_k,
                                        experts=args.experts, ep=ep, dtype=args.dtype)
                 started = time.perf_counter()
-                sweep = run_sweep(SweepSpec(op, problem, backend="tiled", samples=3, profile_dir=profile_dir))
+                sweep = run_sweep(SweepSpec(op, problem, backend="tiled", profile_dir=profile_dir))
                 sweep_s = time.perf_counter() - started
                 r = bench.compare_gather(op, problem, "tiled", sweep.best.config, samples=args.samples)
                 r.update(shape=problem.key_fields(), ep=ep, sweep_s=sweep_s, sweep_candidates=len(sweep.candidates))

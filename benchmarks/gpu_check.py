@@ -51,7 +51,7 @@ def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dic
     problem = spec.problem(**{k: v for k, v in shape.items() if k in spec.options}, dtype=args.dtype)
     case = {"model": name, "op": op, "shape": problem.key_fields()}
     started = time.perf_counter()
-    sweep = run_sweep(SweepSpec(op, problem, backend="triton", samples=3, max_candidates=args.max_candidates,
+    sweep = run_sweep(SweepSpec(op, problem, backend="triton", max_candidates=args.max_candidates,
                                 profile_dir=profile_dir))
     case["sweep"] = {key: sweep.entry[key] for key in ("candidates", "failures", "timing_fallback")}
     case["sweep"]["wall_s"] = time.perf_counter() - started
@@ -99,7 +99,7 @@ def main() -> int:
                 case = {"model": name, "shape": problem.key_fields()}
                 started = time.perf_counter()
                 try:
-                    sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="triton", samples=3,
+                    sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="triton",
                                                 max_candidates=args.max_candidates, profile_dir=profile_dir))
                     case["sweep"] = {key: sweep.entry[key] for key in ("candidates", "failures", "timing_fallback")}
                     case["sweep"]["wall_s"] = time.perf_counter() - started

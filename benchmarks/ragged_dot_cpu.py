@@ -41,7 +41,7 @@ def main() -> int:
                 problem = spec.problem(m=args.m, k=args.k, n=args.n, groups=groups, dtype=args.dtype,
                                        direction=direction)
                 started = time.perf_counter()
-                sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", samples=3,
+                sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled",
                                             profile_dir=profile_dir))
                 sweep_s = time.perf_counter() - started
                 r = bench.compare(problem, "tiled", sweep.best.config, samples=args.samples)

@@ -48,7 +48,7 @@ def verdict(ok: bool) -> str:
 
 def tuned_config(op: str, problem, profile_dir: str, strategy: str):
     started = time.perf_counter()
-    sweep = run_sweep(SweepSpec(op, problem, backend="tiled", samples=3, strategy=strategy, profile_dir=profile_dir))
+    sweep = run_sweep(SweepSpec(op, problem, backend="tiled", strategy=strategy, profile_dir=profile_dir))
     return sweep, time.perf_counter() - started
 
 
