@@ -42,10 +42,12 @@ def one_sweep(workers: int, candidates: int, samples: int) -> dict:
 
 
 def main() -> int:
+    from moe_tune.tuner import SweepSpec
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--candidates", type=int, default=64)
     parser.add_argument("--workers", default="1,2")
-    parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=SweepSpec.samples)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
