@@ -39,7 +39,7 @@ def test_targets_benchmark_prints_every_target(tmp_path):
     assert gather == [("ragged_gather", 1), ("ragged_gather", 4), ("ragged_gather", 16), ("ragged_gather_reduce", 1),
                       ("ragged_gather_reduce", 4), ("ragged_gather_reduce", 16), ("dense_gather_reduce", 1)]
     for r in results["gather"]:
-        assert set(r["times_s"]) == {"tuned", "default", "fallback", "copy"} and r["copy_gbps"] > 0
+        assert set(r["times_s"]) == {"tuned", "default", "fallback", "copy", "output_write"} and r["copy_gbps"] > 0
     assert results["gather"][0]["valid_fraction"] == 1.0 and 0.1 < results["gather"][1]["valid_fraction"] < 0.4
     assert sum("time/(fraction x full time)" in t for t in targets) == 4
     assert results["tuner"]["compiles_per_candidate"] == 1.0 and "tuner: 2-candidate sweep wall (s)" in targets

@@ -62,7 +62,7 @@ def test_bench_case_uses_the_tuned_entry(tables):
     assert result["ratios"]["skewed_vs_balanced"] == pytest.approx(t["skewed"] / t["tuned"])
     gather = get_op("ragged_gather").problem(tokens=32, hidden=128, top_k=4, experts=8, ep=2)
     result = bench.bench_case("ragged_gather", gather, samples=1)
-    assert result["lookup_source"] == "exact" and set(result["times_s"]) == {"tuned", "default", "fallback", "copy"}
+    assert result["lookup_source"] == "exact" and set(result["times_s"]) == {"tuned", "default", "fallback", "copy", "output_write"}
 
 
 def test_sweep_log_shows_every_candidate_with_reasons(isolated_profiles, monkeypatch):

@@ -131,7 +131,8 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
     elementwise copy of one array, whose bytes read + written give the copy
     bandwidth. The copied array has the size of the op's larger side ([rows, hidden]: dispatch's output,
     combine's input), so that it streams from memory as the op does rather than from cache. `roofline_s` is
-    the op's least bytes moved at that bandwidth."""
+    the op's least bytes moved at that bandwidth. `output_write` fills a fresh array of the output's shape
+    with a constant: no kernel can return its output faster, whatever the valid fraction."""
     spec = get_op(op)
     impl, plain = spec.backends.get(backend), spec.backends.get(FALLBACK)
     default = impl.default_config(problem)
@@ -139,12 +140,15 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
     valid_fraction = spec.distribution_record(problem, distribution, seed, host)["valid_fraction"]
     inputs = jax.device_put(host)
     inputs["copy_source"] = jnp.ones((problem.rows, problem.hidden), problem.dtype)
+    inputs["fill"] = jnp.zeros((), problem.dtype)  # an input, so that XLA cannot fold the fill to a constant
+    output_shape = (spec.output_rows(problem), problem.hidden)
     run = lambda b, config: lambda x: spec.run(b, config, problem, x)
     measured = time_variants({
         "tuned": run(impl, tuned),
         "default": run(impl, default),
         "fallback": run(plain, plain.default_config(problem)),
         "copy": lambda x: x["copy_source"] + 1,  # not x * 1 or x + 0, which XLA may fold to no copy
+        "output_write": lambda x: jnp.full(output_shape, x["fill"]),
     }, inputs, samples=samples)
     times = measured["times_s"]
     copy_bytes = 2 * problem.rows * problem.row_bytes()
@@ -164,6 +168,7 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
             "fallback_vs_tuned": times["fallback"] / times["tuned"],
             "default_vs_tuned": times["default"] / times["tuned"],
             "tuned_vs_roofline": times["tuned"] * bandwidth / least_bytes,
+            "tuned_vs_output_write": times["tuned"] / times["output_write"],
         },
     }
 

@@ -59,10 +59,13 @@ class _GatherOpSpec(OpSpec):
         return {"group_sizes": routed["group_sizes"].tolist(), "experts": len(routed["group_sizes"]),
                 "ep": problem.ep, "valid_fraction": routed["end"] / problem.rows}
 
+    def output_rows(self, problem: GatherProblem) -> int:
+        """Rows of the forward output: every routed row for dispatch, one per token for combine."""
+        return problem.rows if self.name == "ragged_gather" else problem.tokens
+
     def bytes_moved(self, problem: GatherProblem, valid_fraction: float = 1.0) -> int:
         """Least bytes any kernel moves: each valid row read once, the whole output written once."""
-        out_rows = problem.rows if self.name == "ragged_gather" else problem.tokens
-        return round(valid_fraction * problem.rows + out_rows) * problem.row_bytes()
+        return round(valid_fraction * problem.rows + self.output_rows(problem)) * problem.row_bytes()
 
     def describe(self, problem: GatherProblem) -> str:
         weights = "" if problem.weighted else " unweighted"
