@@ -32,7 +32,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("dtype", metafunc.cls.dtypes)
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def fresh_jax_caches():
     """Drop JAX's compiled and traced functions after each test module. In one long pytest process they pile
