@@ -57,6 +57,11 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def shape_table(args) -> dict[str, tuple[int, int, int]]:
+    """The ragged_dot shapes `--shapes` names: the real ones, or the toy ones with `--small`."""
+    return SMALL_SHAPES if args.small else SHAPES
+
+
 def tuned_config(op: str, problem, profile_dir: str, strategy: str):
     started = time.perf_counter()
     sweep = run_sweep(SweepSpec(op, problem, backend="tiled", strategy=strategy, profile_dir=profile_dir))
@@ -65,9 +70,8 @@ def tuned_config(op: str, problem, profile_dir: str, strategy: str):
 
 def ragged_dot_targets(args, profile_dir: str, summary: list, results: list, save) -> None:
     spec = get_op("ragged_dot")
-    shapes = SMALL_SHAPES if args.small else SHAPES
     for shape in args.shapes.split(","):
-        m, k, n = shapes[shape]
+        m, k, n = shape_table(args)[shape]
         for groups in (int(g) for g in args.groups.split(",")):
             for direction in args.directions.split(","):
                 problem = spec.problem(m=m, k=k, n=n, groups=groups, dtype=args.dtype, direction=direction)
@@ -159,7 +163,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="compile workers of the tuner target")
     parser.add_argument("--tuner-samples", type=int, default=SweepSpec.samples,
                         help="first-round samples of the tuner target (default: the tuner's)")
-    parser.add_argument("--tuner-candidates", type=int, default=64)
+    parser.add_argument("--tuner-candidates", type=int, default=64, help="candidates of the tuner target")
     parser.add_argument("--skip-tuner", action="store_true")
     parser.add_argument("--small", action="store_true",
                         help=f"toy sizes (shape {', '.join(SMALL_SHAPES)}, 8 groups; a 2-candidate tuner sweep)")
@@ -167,9 +171,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.small:
         args.shapes, args.groups, args.tuner_candidates = ",".join(SMALL_SHAPES), "8", 2
-    unknown = set(filter(None, args.shapes.split(","))) - set(SHAPES if not args.small else SMALL_SHAPES)
+    unknown = set(filter(None, args.shapes.split(","))) - set(shape_table(args))
     if unknown:
-        parser.error(f"unknown shape(s) {', '.join(sorted(unknown))}; choose from {', '.join(SHAPES)}")
+        parser.error(f"unknown shape(s) {', '.join(sorted(unknown))}; choose from {', '.join(shape_table(args))}")
 
     summary: list[tuple[str, float, str, bool]] = []
     results: dict = {"ragged_dot": [], "gather": [], "tuner": None}
