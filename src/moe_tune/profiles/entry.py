@@ -1,0 +1,163 @@
+"""The table entry: one typed record that the tuner writes and lookup, report, validate, merge and the CLI read.
+
+An entry's JSON (one value of a table's `entries`, see `table.py`) is `Entry.to_json()`; reading goes through
+`Entry.from_json()`, which accepts every entry a table of schema 1 (migrated) or 2 holds: fields a sweep of an
+older moe-tune did not write are remembered as absent (and stay absent when written back), and keys this
+version does not know are kept in `extra`, so `Entry.from_json(x).to_json() == x`.
+
+The nested records (`timing`, `default`, `candidates`, `distribution`, `versions`, `search`) stay JSON objects
+(plain dicts) because their content grows with the tuner; the properties below read the parts that readers
+use, tolerating an entry that lacks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+JSON = dict[str, Any]
+
+
+@runtime_checkable
+class ProblemLike(Protocol):
+    """What profiles need of an op's problem: its key fields and which of them are token counts."""
+
+    # Key fields that may differ between a call and the entry lookup picks as nearest (token counts).
+    SIZE_FIELDS: tuple[str, ...]
+
+    def key_fields(self) -> dict[str, Any]:
+        """The problem's shape/dtype fields, in key order."""
+        ...
+
+
+# The entry's JSON keys in the order a sweep writes them (`provenance` only after `moe-tune merge`).
+_ORDER = ("key", "op", "fields", "config", "timing", "timing_fallback", "default", "speedup_over_default",
+          "candidates", "failures", "results", "distribution", "flops", "versions", "hostname", "platform",
+          "device_kind", "tuned_at", "within_noise_of_default", "interrupted", "search", "sweep_wall_s",
+          "provenance")
+_REQUIRED = ("key", "fields", "config")
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class Entry:
+    """One tuned config and how it was found.
+
+    key: `key.key_from_fields(op, fields)`; fields: the key's parts (problem fields, backend, distribution);
+    config: the winning config as a JSON object; timing: the winner's `tuner.timing.Timing` as JSON (median_s,
+    min_s, max_s, spread, samples, method, wall_median_s, samples_s); timing_fallback: why the wall clock timed
+    the sweep, else None; default: {config, status, median_s, reason} of the heuristic default;
+    speedup_over_default: default median / winner median (None when the default failed); candidates: {tried,
+    ok, failed, wrong, compiles}; failures / results: one record per failed-or-wrong / correct candidate;
+    distribution: {name, seed, ...what the op records: group_sizes, ep, experts, valid_fraction}; flops: of
+    the problem; versions: `versions.entry_versions` (jax, jaxlib, moe-tune, tune-jax, backend_revision);
+    hostname, platform, device_kind, tuned_at (ISO 8601, UTC); within_noise_of_default: the default kept for
+    being within noise; interrupted: written from a Ctrl-C'd sweep; search: the strategy's record;
+    sweep_wall_s; provenance: the entries `moe-tune merge` chose between (None when not merged).
+    """
+
+    key: str
+    fields: Mapping[str, Any]
+    config: Mapping[str, Any]
+    op: str | None = None
+    timing: Mapping[str, Any] | None = None
+    timing_fallback: str | None = None
+    default: Mapping[str, Any] | None = None
+    speedup_over_default: float | None = None
+    candidates: Mapping[str, Any] | None = None
+    failures: list[JSON] = dataclasses.field(default_factory=list)
+    results: list[JSON] = dataclasses.field(default_factory=list)
+    distribution: Mapping[str, Any] | None = None
+    flops: int | None = None
+    versions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    hostname: str | None = None
+    platform: str | None = None
+    device_kind: str | None = None
+    tuned_at: str | None = None
+    within_noise_of_default: bool | None = None
+    interrupted: bool | None = None
+    search: Mapping[str, Any] | None = None
+    sweep_wall_s: float | None = None
+    provenance: list[JSON] | None = None
+    # JSON keys this moe-tune does not know, kept so that a round trip loses nothing.
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Known keys the JSON lacked (an entry of an older moe-tune): to_json leaves them out again.
+    absent: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], key: str | None = None) -> Entry:
+        """The entry of a table's JSON (after schema migration). `key`: the key it is stored under, used when
+        the JSON lacks its own (schema 1). Raises ValueError when `fields` or `config` is not an object."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"entry is {type(data).__name__}, not an object")
+        for name in ("fields", "config"):
+            if not isinstance(data.get(name), Mapping):
+                raise ValueError(f"entry lacks a '{name}' object")
+        known = {name: data[name] for name in _ORDER if name in data}
+        if "key" not in known:
+            if key is None:
+                raise ValueError("entry lacks its 'key'")
+            known["key"] = key  # written from now on: every schema-2 entry holds its key
+        absent = frozenset(name for name in _ORDER if name not in known)
+        extra = {name: value for name, value in data.items() if name not in _ORDER}
+        return cls(**known, extra=extra, absent=absent)
+
+    def to_json(self) -> JSON:
+        """The entry as a table stores it: known keys in sweep order, then the unknown ones."""
+        out: JSON = {}
+        for name in _ORDER:
+            value = getattr(self, name)
+            if name in self.absent or (name == "provenance" and value is None):
+                continue
+            out[name] = value
+        out.update(self.extra)
+        return out
+
+    def replace(self, **changes: Any) -> Entry:
+        """A copy with `changes`; a changed field that was absent is written from now on."""
+        return dataclasses.replace(self, absent=self.absent - changes.keys(), **changes)
+
+    # -- what readers use --------------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str | None:
+        return self.fields.get("backend")
+
+    @property
+    def direction(self) -> str | None:
+        return self.fields.get("direction")
+
+    @property
+    def distribution_name(self) -> str | None:
+        """The group-size distribution of the key (`fields.distribution`)."""
+        return self.fields.get("distribution")
+
+    @property
+    def median_s(self) -> Any:
+        """The winner's median time in seconds as recorded (None when the entry has no timing)."""
+        return _get(self.timing, "median_s")
+
+    @property
+    def timing_method(self) -> str | None:
+        return _get(self.timing, "method")
+
+    @property
+    def default_median_s(self) -> Any:
+        return _get(self.default, "median_s")
+
+    @property
+    def default_config(self) -> Mapping[str, Any] | None:
+        return _get(self.default, "config")
+
+    @property
+    def backend_revision(self) -> Any:
+        """The kernel revision it was tuned with as recorded (None: not recorded, i.e. schema 1)."""
+        return _get(self.versions, "backend_revision")
+
+    def count(self, name: str) -> int | None:
+        """`candidates[name]` (tried, ok, failed, wrong, compiles), None when not recorded."""
+        return _get(self.candidates, name)
+
+
+def _get(record: Any, name: str) -> Any:
+    return record.get(name) if isinstance(record, Mapping) else None
