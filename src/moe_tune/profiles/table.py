@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import filelock
 
 from moe_tune.errors import TableError
+from moe_tune.profiles.entry import Entry
 
 SCHEMA_VERSION = 2
 
@@ -204,9 +205,9 @@ def update_table(path: Path | str, op: str, device_kind: str, update: Callable[[
     return result
 
 
-def write_entries(path: Path | str, op: str, device_kind: str, entries: Iterable[dict[str, Any]]) -> Path:
-    """Add or replace `entries` (each with a `key`) in the table at `path`, atomically and under a lock."""
-    entries = list(entries)
+def write_entries(path: Path | str, op: str, device_kind: str, entries: Iterable[Entry | dict[str, Any]]) -> Path:
+    """Add or replace `entries` (`Entry`s, or their JSON) in the table at `path`, atomically and under a lock."""
+    entries = [e.to_json() if isinstance(e, Entry) else e for e in entries]
 
     def add(table: dict[str, Any]) -> None:
         for entry in entries:
