@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
+from moe_tune.kernels.options import ShapeOption
 
 # Largest error allowed, relative to max |reference|, by the lowest-precision dtype involved. Wrong
 # configs produce errors of order one (missing or misplaced rows), far above these.
@@ -24,8 +25,14 @@ class OpSpec(abc.ABC):
     name: ClassVar[str]
     backends: ClassVar[BackendRegistry]
     description: ClassVar[str] = ""
+    problem_class: ClassVar[type]  # the op's problem (a frozen dataclass, `profiles.protocols.ProblemLike`)
     directions: ClassVar[tuple[str, ...]] = ("fwd",)  # separately tuned passes (e.g. fwd and gradients)
-    options: ClassVar[tuple[str, ...]] = ()  # the shape options `problem()` takes (CLI flags, model presets)
+    options: ClassVar[tuple[ShapeOption, ...]] = ()  # the shape options `problem()` takes (CLI flags, model presets)
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """The keywords of `problem()`, in declaration order."""
+        return tuple(option.name for option in self.options)
 
     @abc.abstractmethod
     def problem(self, **options: Any) -> Any:
@@ -50,6 +57,12 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def describe(self, problem: Any) -> str:
         """One-line human description of a problem."""
+
+    def memory_estimate(self, problem: Any) -> int:
+        """Bytes of memory a sweep (or `moe-tune bench`) of `problem` needs at least before any candidate runs:
+        the host inputs, their device copy, the float64 reference and one candidate output. Pure arithmetic
+        on the problem, so that an absurd shape is refused before anything is allocated. 0: unknown."""
+        return 0
 
     def distribution_record(self, problem: Any, distribution: str, seed: int,
                             inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:

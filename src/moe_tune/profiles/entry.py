@@ -14,21 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 JSON = dict[str, Any]
-
-
-@runtime_checkable
-class ProblemLike(Protocol):
-    """What profiles need of an op's problem: its key fields and which of them are token counts."""
-
-    # Key fields that may differ between a call and the entry lookup picks as nearest (token counts).
-    SIZE_FIELDS: tuple[str, ...]
-
-    def key_fields(self) -> dict[str, Any]:
-        """The problem's shape/dtype fields, in key order."""
-        ...
 
 
 # The entry's JSON keys in the order a sweep writes them (`provenance` only after `moe-tune merge`).

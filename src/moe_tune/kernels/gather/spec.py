@@ -10,10 +10,12 @@ import jax
 import numpy as np
 
 from moe_tune import distributions
+from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
 from moe_tune.kernels.gather.registry import DENSE_GATHER_REDUCE_BACKENDS, GATHER_BACKENDS, GATHER_REDUCE_BACKENDS
+from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.spec import OpSpec
 
 # The default sweep: dispatch / combine of one Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts, top-8) for
@@ -41,8 +43,9 @@ def routed_rows(problem: GatherProblem, distribution: str, seed: int) -> dict[st
 
 
 class _GatherOpSpec(OpSpec):
-    options: ClassVar[tuple[str, ...]] = ("tokens", "hidden", "top_k", "experts", "ep", "dtype")
+    options: ClassVar[tuple[ShapeOption, ...]] = (opt.TOKENS, opt.HIDDEN, opt.TOP_K, opt.EXPERTS, opt.EP, opt.DTYPE)
     default_weighted: ClassVar[bool] = True
+    problem_class = GatherProblem
 
     def problem(self, *, tokens: int, hidden: int, top_k: int, dtype: str = "float32", experts: int | None = None,
                 ep: int = 1, weighted: bool | None = None, direction: str = "fwd", **_: Any) -> GatherProblem:
@@ -67,9 +70,21 @@ class _GatherOpSpec(OpSpec):
         """Least bytes any kernel moves: each valid row read once, the whole output written once."""
         return round(valid_fraction * problem.rows + self.output_rows(problem)) * problem.row_bytes()
 
+    def input_rows(self, problem: GatherProblem) -> int:
+        """Rows of the forward input x: one per token for dispatch, every routed row for combine."""
+        return problem.tokens if self.name == "ragged_gather" else problem.rows
+
+    def memory_estimate(self, problem: GatherProblem) -> int:
+        """Bytes a sweep of `problem` holds before any candidate runs (pure arithmetic, nothing allocated): x,
+        indices, weights and the mask on the host and on the device, the float64 reference and one output."""
+        small = problem.rows * (4 + 4 + 1)  # int32 indices, float32 weights, bool mask (an upper bound)
+        out_rows = self.output_rows(problem)
+        return (2 * (self.input_rows(problem) * problem.row_bytes() + small)
+                + out_rows * problem.hidden * 8 + out_rows * problem.row_bytes())
+
     def describe(self, problem: GatherProblem) -> str:
         weights = "" if problem.weighted else " unweighted"
-        ep = f" (ep={problem.ep})" if "ep" in self.options else ""
+        ep = f" (ep={problem.ep})" if "ep" in self.option_names else ""
         return (f"{self.name} tokens={problem.tokens} top_k={problem.top_k} hidden={problem.hidden} "
                 f"{problem.dtype}{weights}{ep}")
 
@@ -78,7 +93,7 @@ class RaggedGatherSpec(_GatherOpSpec):
     name = "ragged_gather"
     backends = GATHER_BACKENDS
     description = "dispatch: x[tokens,d] -> [tokens*top_k,d] in expert order, rows in [start,end) only"
-    options = (*_GatherOpSpec.options, "weighted")
+    options = (*_GatherOpSpec.options, opt.WEIGHTED)
     default_weighted = False  # MoE dispatch copies tokens; the top-k weights are applied at combine
 
     def make_inputs(self, problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
@@ -141,7 +156,7 @@ class DenseGatherReduceSpec(_GatherReduceSpec):
     backends: ClassVar[BackendRegistry] = DENSE_GATHER_REDUCE_BACKENDS
     description = "combine without a mask (pure tensor parallelism): weighted sum of each token's rows"
     masked = False
-    options = ("tokens", "hidden", "top_k", "experts", "dtype")
+    options = (opt.TOKENS, opt.HIDDEN, opt.TOP_K, opt.EXPERTS, opt.DTYPE)
 
 
 RAGGED_GATHER = RaggedGatherSpec()

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune import devices, distributions
+from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.reference import (
@@ -36,7 +37,8 @@ class RaggedDotSpec(OpSpec):
     backends = BACKENDS
     description = "grouped matmul lhs[m,k] x rhs[g,k,n] -> [m,n] (Megablox gmm)"
     directions = DIRECTIONS
-    options = ("m", "k", "n", "groups", "dtype", "out_dtype")
+    problem_class = RaggedDotProblem
+    options = (opt.M, opt.K, opt.N, opt.GROUPS, opt.DTYPE, opt.OUT_DTYPE)
 
     def problem(
         self, *, m: int, k: int, n: int, groups: int, dtype: str = "float32", out_dtype: str | None = None,
@@ -88,6 +90,19 @@ class RaggedDotSpec(OpSpec):
     def run(self, backend: Backend, config: KernelConfig, problem: RaggedDotProblem,
             inputs: Mapping[str, jax.Array]) -> jax.Array:
         return backend.run(problem, config, inputs["a"], inputs["b"], inputs["group_sizes"])
+
+    def memory_estimate(self, problem: RaggedDotProblem) -> int:
+        """Bytes a sweep of `problem` holds before any candidate runs (pure arithmetic, nothing allocated): the
+        direction's two operands on the host and on the device, group_sizes, the float64 reference and one
+        candidate output (fwd [m,n], dlhs [m,k], drhs [g,k,n])."""
+        m, k, n, g = problem.m, problem.k, problem.n, problem.groups
+        size = lambda dtype: np.dtype(jnp.dtype(dtype)).itemsize
+        lhs, rhs = m * k * size(problem.lhs_dtype), g * k * n * size(problem.rhs_dtype)
+        dout = m * n * size(problem.out_dtype)
+        a, b = {"fwd": (lhs, rhs), "dlhs": (dout, rhs), "drhs": (lhs, dout)}[problem.direction]
+        out_elements = {"fwd": m * n, "dlhs": m * k, "drhs": g * k * n}[problem.direction]
+        out_dtype = problem.operand_dtypes()[2]
+        return 2 * (a + b + 4 * problem.num_group_sizes) + out_elements * (8 + size(out_dtype))
 
     def describe(self, problem: RaggedDotProblem) -> str:
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"

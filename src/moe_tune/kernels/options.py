@@ -1,0 +1,70 @@
+"""The shape options of an op, declared as data: what `OpSpec.problem(**options)` takes, and what the CLI
+turns into flags (`--top-k`, `--weighted/--unweighted`, ...) and model presets fill in.
+
+An option shared by several ops (dtype, the gather ops' tokens / hidden / top_k ...) is declared once here and
+listed by each op that takes it, so its flag and help text are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeOption:
+    """One keyword of `OpSpec.problem()`.
+
+    type: `int` (a positive integer), `str`, `bool` (a flag pair: `--name` / `negative_flag`), or a tuple of
+    strings (one of these choices). default: None means "not given": the op's `default_problem_options()` (or
+    the problem's own default) supplies it. token_list: the CLI accepts `N[,N...]` (several counts need
+    `--model`; one op takes one). aliases: extra flags (e.g. `--g` for `--groups`).
+    """
+
+    name: str
+    type: type | tuple[str, ...]
+    help: str
+    default: Any = None
+    token_list: bool = False
+    aliases: tuple[str, ...] = ()
+    negative_flag: str | None = None  # bool options: the flag that sets False (default `--no-<name>`)
+
+    @property
+    def flag(self) -> str:
+        """`--top-k` for `top_k`."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def off_flag(self) -> str:
+        """The flag that turns a bool option off."""
+        return self.negative_flag or "--no-" + self.name.replace("_", "-")
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return self.type if isinstance(self.type, tuple) else None
+
+
+DTYPE = ShapeOption("dtype", SUPPORTED_DTYPES, "Input dtype.")
+OUT_DTYPE = ShapeOption("out_dtype", SUPPORTED_DTYPES, "Output dtype (default: --dtype).")
+
+# ragged_dot
+M = ShapeOption("m", int, "ragged_dot: rows of lhs (tokens x top_k on this shard).")
+K = ShapeOption("k", int, "ragged_dot: contracting dim (hidden size for gate/up).")
+N = ShapeOption("n", int, "ragged_dot: output dim (expert width for gate/up).")
+GROUPS = ShapeOption("groups", int, "ragged_dot: experts on this shard.", aliases=("--g",))
+
+# the gather ops
+TOKENS = ShapeOption("tokens", int, "gather ops: tokens in the batch; with --model, comma-separated counts per "
+                     "shard.", token_list=True)
+HIDDEN = ShapeOption("hidden", int, "gather ops: hidden size (row width).")
+TOP_K = ShapeOption("top_k", int, "gather ops: experts per token.")
+EXPERTS = ShapeOption("experts", int, "gather ops: routed experts (all shards).")
+EP = ShapeOption("ep", int, "gather ops: expert-parallel size; the valid rows are about 1/ep of them.")
+WEIGHTED = ShapeOption("weighted", bool, "ragged_gather: with or without row weights.",
+                       negative_flag="--unweighted")
+
+
+def names(options: tuple[ShapeOption, ...]) -> tuple[str, ...]:
+    return tuple(option.name for option in options)
