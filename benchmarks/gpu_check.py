@@ -48,12 +48,12 @@ GATHER_OPS = ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
 def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dict:
     """Sweep `triton` for one dispatch / combine problem and time it against the fallback and a copy."""
     spec = get_op(op)
-    problem = spec.problem(**{k: v for k, v in shape.items() if k in spec.options}, dtype=args.dtype)
+    problem = spec.problem(**{k: v for k, v in shape.items() if k in spec.option_names}, dtype=args.dtype)
     case = {"model": name, "op": op, "shape": problem.key_fields()}
     started = time.perf_counter()
     sweep = run_sweep(SweepSpec(op, problem, backend="triton", max_candidates=args.max_candidates,
                                 profile_dir=profile_dir))
-    case["sweep"] = {key: sweep.entry[key] for key in ("candidates", "failures", "timing_fallback")}
+    case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
     case["sweep"]["wall_s"] = time.perf_counter() - started
     case["default_error"] = sweep.default.error
     case.update(bench.compare_gather(op, problem, "triton", sweep.best.config, samples=args.samples))
@@ -101,7 +101,7 @@ def main() -> int:
                 try:
                     sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="triton",
                                                 max_candidates=args.max_candidates, profile_dir=profile_dir))
-                    case["sweep"] = {key: sweep.entry[key] for key in ("candidates", "failures", "timing_fallback")}
+                    case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
                     case["sweep"]["wall_s"] = time.perf_counter() - started
                     case["default_error"] = sweep.default.error  # relative error vs the reference
                     case.update(bench.compare(problem, "triton", sweep.best.config, samples=args.samples))

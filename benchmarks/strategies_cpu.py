@@ -76,17 +76,17 @@ def main() -> int:
                                          **extra))
             wall = time.perf_counter() - started
             runs.append({"strategy": strategy, "budget": budget, "seed": seed, "wall_s": wall,
-                         "tried": result.entry["candidates"]["tried"], "space": result.entry["search"]["space"],
-                         "stopped": result.entry["search"]["stopped"], "winner": result.entry["config"],
-                         "within_noise_of_default": result.entry["within_noise_of_default"],
-                         "sweep_median_s": result.entry["timing"]["median_s"]})
+                         "tried": result.entry.candidates["tried"], "space": result.entry.search["space"],
+                         "stopped": result.entry.search["stopped"], "winner": result.entry.config,
+                         "within_noise_of_default": result.entry.within_noise_of_default,
+                         "sweep_median_s": result.entry.timing["median_s"]})
             if strategy == "grid":  # how much choosing matters here: the space's times, from the grid's batches
-                medians = sorted(r["median_s"] for r in result.entry["results"])
+                medians = sorted(r["median_s"] for r in result.entry.results)
                 space = {"candidates_ok": len(medians), "median_vs_best": statistics.median(medians) / medians[0],
                          "worst_vs_best": medians[-1] / medians[0], "default_vs_best":
-                         result.entry["default"]["median_s"] / medians[0] if result.entry["default"]["median_s"] else None}
+                         result.entry.default["median_s"] / medians[0] if result.entry.default["median_s"] else None}
             print(f"  {strategy:<10} budget {str(budget):<5} seed {seed}: {runs[-1]['tried']:3d} candidates, "
-                  f"{wall:6.1f} s, winner {_label(result.entry['config'])}", flush=True)
+                  f"{wall:6.1f} s, winner {_label(result.entry.config)}", flush=True)
 
     grid = runs[0]
     configs = {_label(r["winner"]): r["winner"] for r in runs}

@@ -33,12 +33,12 @@ def one_sweep(workers: int, candidates: int, samples: int) -> dict:
     result = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", workers=workers, samples=samples,
                                  max_candidates=candidates, fresh=True))
     ended = time.perf_counter()
-    stages = dict(result.entry["search"]["stage_s"])
+    stages = dict(result.entry.search["stage_s"])
     stages["finalists and table"] = (ended - started) - sum(stages.values())
-    counts = result.entry["candidates"]
+    counts = result.entry.candidates
     return {"workers": workers, "wall_s": ended - started, "stages_s": dict(stages), "candidates": counts,
             "compiles_per_candidate": counts["compiles"] / counts["tried"],
-            "main_process_compiles": backend_compiles(), "winner": result.entry["config"]}
+            "main_process_compiles": backend_compiles(), "winner": result.entry.config}
 
 
 def main() -> int:

@@ -97,7 +97,7 @@ def ragged_dot_targets(args, profile_dir: str, summary: list, results: list, sav
 def gather_targets(args, profile_dir: str, summary: list, results: list, save) -> None:
     for op in args.gather_ops.split(","):
         spec = get_op(op)
-        eps = GATHER_EP if "ep" in spec.options else [1]
+        eps = GATHER_EP if "ep" in spec.option_names else [1]
         full = None
         for ep in eps:
             problem = spec.problem(**(SMALL_GATHER_SHAPE if args.small else GATHER_SHAPE), ep=ep, dtype=args.dtype)

@@ -69,9 +69,9 @@ def test_run_time_failure_is_recorded_and_the_sweep_goes_on(faulty, monkeypatch,
     assert all(part in failed.reason for part in REASONS[bad]), failed.reason
     assert failed.compiles == 1 and failed.executable is None and failed.timing is None
     assert all(c.status == "ok" and c.compiles == 1 and c.timing is not None for c in result.candidates[:2])
-    assert result.entry["config"]["mode"] == "good"
-    assert result.entry["candidates"]["failed"] == 1
-    assert result.entry["failures"] == [failed.record()] and result.entry["failures"][0]["stage"] == "run"
+    assert result.entry.config["mode"] == "good"
+    assert result.entry.candidates["failed"] == 1
+    assert result.entry.failures == [failed.record()] and result.entry.failures[0]["stage"] == "run"
 
     # The pool (one worker of it restarted) serves the next sweep.
     again = _sweep(faulty, monkeypatch, tmp_path, ["good"])
@@ -84,7 +84,7 @@ def test_every_kind_of_failure_in_one_sweep(faulty, monkeypatch, tmp_path):
     status = {c.config.mode: (c.status, c.stage) for c in result.candidates if c.config.tm == 32}
     assert status == {"crash_run": ("failed", "run"), "oom_run": ("failed", "run"), "hang_run": ("failed", "run"),
                       "sigkill_run": ("failed", "run"), "good": ("ok", "")}
-    assert result.entry["config"]["mode"] == "good" and result.entry["candidates"]["ok"] == 2
+    assert result.entry.config["mode"] == "good" and result.entry.candidates["ok"] == 2
 
 
 def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monkeypatch):

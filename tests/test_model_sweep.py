@@ -45,7 +45,7 @@ def test_model_sweep_entries_are_what_moe_mlp_looks_up(ep, caplog):
 ])
 def test_a_failing_case_is_recorded_and_the_rest_go_on(monkeypatch, error):
     from moe_tune.tuner import model_sweep
-    from moe_tune.tuner.sweep import SweepError
+    from moe_tune.tuner import SweepError
 
     real = model_sweep.run_sweep
     kind, message = error.split(": ", 1)

@@ -132,12 +132,12 @@ def test_real_coordinate_and_random_sweeps(tmp_path):
     tried = [c.config for c in result.candidates]
     assert tried[0] == space[0] and result.candidates[0].is_default
     assert all(c in space for c in tried) and len(set(tried)) == len(tried)
-    search = result.entry["search"]
+    search = result.entry.search
     assert search["strategy"] == "coordinate" and search["stopped"] in ("converged", "exhausted")
-    assert search["space"] == len(space) and result.entry["candidates"]["tried"] == len(tried)
+    assert search["space"] == len(space) and result.entry.candidates["tried"] == len(tried)
     # no slower than the default, as the two were measured side by side in the final round
-    assert result.entry["timing"]["median_s"] <= result.entry["default"]["median_s"]
-    assert result.entry["config"] in [c.to_dict() for c in tried]
+    assert result.entry.timing["median_s"] <= result.entry.default["median_s"]
+    assert result.entry.config in [c.to_dict() for c in tried]
 
     budgeted = run_sweep(SweepSpec("ragged_dot", SMALL_REAL, backend="tiled", strategy="coordinate", budget=3,
                                    samples=2, workers=2, profile_dir=tmp_path))

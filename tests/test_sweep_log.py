@@ -69,24 +69,24 @@ def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
     for c in candidates:
         assert c["status"] == "ok" and c["compiles"] == 1 and c["error"] is not None
         assert len(c["timing"]["samples_s"]) == 2 and c["timing"]["median_s"] > 0
-    assert lines[-1]["winner"] == first.entry["config"] and lines[-1]["interrupted"] is False
-    assert first.resumed == 0 and first.entry["search"]["resumed"] == 0 and first.entry["interrupted"] is False
+    assert lines[-1]["winner"] == first.entry.config and lines[-1]["interrupted"] is False
+    assert first.resumed == 0 and first.entry.search["resumed"] == 0 and first.entry.interrupted is False
 
     before = backend_compiles()
     again = run_sweep(_spec(profile_dir=tmp_path))
     compiled = backend_compiles() - before
-    search = again.entry["search"]
+    search = again.entry.search
     assert again.resumed == search["resumed"] == len(space) and again.log_path == log
     # only the finalists came back to be compiled: the fastest 4 and the default, at most
     assert compiled == search["recompiled_finalists"] and 1 <= compiled <= min(len(space), 5)
-    assert again.entry["candidates"]["tried"] == len(space) and again.entry["config"] in [c.to_dict() for c in space]
+    assert again.entry.candidates["tried"] == len(space) and again.entry.config in [c.to_dict() for c in space]
     assert [c.index for c in again.candidates] == list(range(len(space))) and again.candidates[0].is_default
     assert [x["type"] for x in _raw_lines(log)].count("candidate") == len(space)  # nothing was run again
     kinds = [x["type"] for x in _raw_lines(log)]
     assert kinds.count("header") == 1 and kinds.count("run") == 1 and kinds.count("final") == 2
 
     fresh = run_sweep(_spec(profile_dir=tmp_path, fresh=True))
-    assert fresh.resumed == 0 and fresh.entry["search"]["recompiled_finalists"] == 0
+    assert fresh.resumed == 0 and fresh.entry.search["recompiled_finalists"] == 0
     kinds = [x["type"] for x in _raw_lines(log)]
     assert kinds == ["header"] + ["candidate"] * len(space) + ["final"]
 
@@ -104,7 +104,7 @@ def test_keyboard_interrupt_keeps_finished_candidates_and_writes_an_interrupted_
     assert [x["type"] for x in log] == ["header", "candidate", "candidate", "final"] and log[-1]["interrupted"]
 
     result = run_sweep(_spec(profile_dir=tmp_path))  # resumes the two, measures the other two
-    assert result.resumed == 2 and result.entry["interrupted"] is False and result.entry["candidates"]["tried"] == 4
+    assert result.resumed == 2 and result.entry.interrupted is False and result.entry.candidates["tried"] == 4
     configs = [x["config"] for x in _lines(e.log_path, "candidate")]
     assert len(configs) == 4 and len({json.dumps(c) for c in configs}) == 4
     entry = read_table(tmp_path / "cpu" / "ragged_dot.json")["entries"][result.key]
@@ -124,7 +124,7 @@ def test_an_interrupted_sweep_does_not_replace_a_complete_entry(tmp_path):
         run_sweep(_spec(profile_dir=tmp_path, strategy="random", budget=4), InterruptAt("time", 2))
     assert "complete entry already in" in str(caught.value)
     entry = read_table(tmp_path / "cpu" / "ragged_dot.json")["entries"][complete.key]
-    assert entry["interrupted"] is False and entry["tuned_at"] == complete.entry["tuned_at"]
+    assert entry["interrupted"] is False and entry["tuned_at"] == complete.entry.tuned_at
 
 
 def test_torn_last_line_is_ignored_and_cut_before_appending(tmp_path):
@@ -146,7 +146,7 @@ def test_log_of_other_versions_is_set_aside(tmp_path):
     header["versions"]["jax"] = "0.0.1"
     first.log_path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     again = run_sweep(_spec(profile_dir=tmp_path, max_candidates=2))
-    assert again.resumed == 0 and "versions changed" in again.entry["search"]["log_restarted"]
+    assert again.resumed == 0 and "versions changed" in again.entry.search["log_restarted"]
     assert first.log_path.with_suffix(".stale.jsonl").exists()
 
 
@@ -161,8 +161,8 @@ def test_one_writer_per_log(tmp_path):
 
 def test_time_budget_stops_starting_new_candidates(tmp_path):
     result = run_sweep(_spec(profile_dir=tmp_path, batch_size=1, time_budget_s=1e-3))
-    assert result.entry["search"]["stopped"] == "time budget"
-    assert result.entry["candidates"]["tried"] == 1 and result.candidates[0].is_default  # the default always runs
+    assert result.entry.search["stopped"] == "time budget"
+    assert result.entry.candidates["tried"] == 1 and result.candidates[0].is_default  # the default always runs
 
 
 @pytest.mark.slow
@@ -225,15 +225,15 @@ def test_cli_resume_fresh_and_usage_errors(isolated_profiles):
 
 
 def test_cli_ctrl_c_exits_130_with_what_was_kept(isolated_profiles, monkeypatch):
-    from moe_tune.tuner import sweep as sweep_module
+    from moe_tune.tuner import measure
 
-    real = sweep_module._Sweep._time_batch
+    real = measure.time_batch
 
-    def interrupt_after_first_batch(self, batch):
-        real(self, batch)
+    def interrupt_after_first_batch(state, batch):
+        real(state, batch)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sweep_module._Sweep, "_time_batch", interrupt_after_first_batch)
+    monkeypatch.setattr(measure, "time_batch", interrupt_after_first_batch)
     args = [*SMALL_CLI, "--samples", "2", "--workers", "1"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 130

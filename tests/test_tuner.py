@@ -39,16 +39,16 @@ def test_wrong_and_failing_candidates_are_recorded_and_never_win(faulty, tmp_pat
     assert all(c.status == "failed" and c.stage == "compile" and "deliberate compile failure" in c.reason
                for c in by_mode["fail_compile"])
     assert all(c.status == "failed" and c.stage == "run" for c in by_mode["fail_run"])
-    assert result.entry["config"]["mode"] == "good"
-    counts = {k: v for k, v in result.entry["candidates"].items() if k != "compiles"}
+    assert result.entry.config["mode"] == "good"
+    counts = {k: v for k, v in result.entry.candidates.items() if k != "compiles"}
     assert counts == {"tried": 8, "ok": 2, "failed": 4, "wrong": 2}
-    assert {f["status"] for f in result.entry["failures"]} == {"failed", "wrong"}
-    assert all(f.get("reason") for f in result.entry["failures"])
+    assert {f["status"] for f in result.entry.failures} == {"failed", "wrong"}
+    assert all(f.get("reason") for f in result.entry.failures)
     # the default config is candidate 0 and was timed, so the speedup is a measurement
     assert result.candidates[0].is_default and result.candidates[0].config == FaultyConfig("good", 64)
-    assert result.entry["default"]["median_s"] > 0
-    assert result.entry["speedup_over_default"] == pytest.approx(
-        result.entry["default"]["median_s"] / result.entry["timing"]["median_s"])
+    assert result.entry.default["median_s"] > 0
+    assert result.entry.speedup_over_default == pytest.approx(
+        result.entry.default["median_s"] / result.entry.timing["median_s"])
 
 
 def test_sweep_with_no_correct_candidate_fails_cleanly(faulty, tmp_path, monkeypatch):
@@ -70,7 +70,7 @@ def test_each_candidate_is_compiled_exactly_once(tmp_path, workers):
     here = backend_compiles() - before
     assert len(result.candidates) == n_candidates
     assert [c.compiles for c in result.candidates] == [1] * n_candidates
-    assert result.entry["candidates"]["compiles"] == n_candidates
+    assert result.entry.candidates["compiles"] == n_candidates
     assert here == (n_candidates if workers == 1 else 0)
 
 
@@ -91,9 +91,9 @@ class _FailsAfterCalls:
 def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, monkeypatch):
     """A candidate whose executable stops working before timing is compiled again in this process and timed;
     one that fails again is recorded as failed with both reasons, and the sweep goes on."""
-    from moe_tune.tuner import sweep as sweep_module
+    from moe_tune.tuner import measure
 
-    real_compile_all = sweep_module.compile_all
+    real_compile_all = measure.compile_all
     compiled = {}  # candidate index -> how many times compile_all built it
 
     def flaky_compile_all(op, backend, problem, cands, inputs, **kwargs):
@@ -106,32 +106,32 @@ def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, m
             elif c.executable is not None and c.index == 2:
                 c.executable = _FailsAfterCalls(c.executable, working=0)
 
-    monkeypatch.setattr(sweep_module, "compile_all", flaky_compile_all)
+    monkeypatch.setattr(measure, "compile_all", flaky_compile_all)
     result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=1, workers=1, profile_dir=tmp_path))
     by_index = {c.index: c for c in result.candidates}
     assert compiled[1] == 2 and by_index[1].status == "ok" and by_index[1].timing is not None
     assert by_index[1].compiles == 2  # counted: the recompile is a second XLA compilation
     assert by_index[2].status == "failed" and by_index[2].stage == "run"
     assert "wrapped_iota" in by_index[2].reason and "compiled again in this process" in by_index[2].reason
-    assert by_index[0].status == "ok" and result.entry["candidates"]["failed"] >= 1
+    assert by_index[0].status == "ok" and result.entry.candidates["failed"] >= 1
 
 
 def test_worker_outputs_are_checked_as_they_arrive(tmp_path, monkeypatch):
     """With workers, each candidate's output is checked (and dropped) when its worker answers, not once the
     whole chunk is back: a chunk of big outputs (drhs: groups x k x n) is never held at once."""
-    from moe_tune.tuner import sweep as sweep_module
+    from moe_tune.tuner import measure
 
-    real_check_all, held = sweep_module.check_all, []
+    real_check_all, held = measure.check_all, []
 
     def check_all(cands, *args, **kwargs):
         held.append(sum(c.output is not None for c in cands))
         real_check_all(cands, *args, **kwargs)
         assert all(c.output is None for c in cands)
 
-    monkeypatch.setattr(sweep_module, "check_all", check_all)
+    monkeypatch.setattr(measure, "check_all", check_all)
     result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=1, workers=2, max_candidates=4,
                                  profile_dir=tmp_path))
-    assert result.entry["candidates"]["ok"] == 4
+    assert result.entry.candidates["ok"] == 4
     assert max(held) == 1 and held.count(1) == 4
 
 
@@ -157,7 +157,7 @@ def test_trace_timing_agrees_with_the_wall_clock(tmp_path):
     """On CPU the profiler trace parses; its times are below, and close to, the wall-clock times."""
     result = run_sweep(SweepSpec("ragged_dot", RaggedDotProblem(m=1024, k=256, n=256, groups=8), backend="tiled",
                                  samples=3, profile_dir=tmp_path, max_candidates=8))
-    assert result.entry["timing"]["method"] == "trace", result.entry["timing_fallback"]
+    assert result.entry.timing["method"] == "trace", result.entry.timing_fallback
     for cand in result.candidates:
         t = cand.timing
         assert t.median_s <= t.wall_median_s * 1.1 + 50e-6
@@ -202,7 +202,7 @@ def test_a_sweep_times_raced_out_candidates_once_and_the_finalists_fully(tmp_pat
     result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=3, race=1.5, max_candidates=4,
                                  workers=1, profile_dir=tmp_path))
     assert {c.timing.samples for c in result.candidates if c.status == "ok"} <= {1, 3, 6}
-    assert result.entry["timing"]["samples"] == 6
+    assert result.entry.timing["samples"] == 6
     header = json.loads(next((tmp_path / "cpu" / "sweeps").rglob("*.jsonl")).read_text().splitlines()[0])
     assert header["identity"]["race"] == 1.5  # a sweep raced differently is another sweep (not resumed)
 
@@ -225,7 +225,7 @@ def test_tuner_key_equals_runtime_key(tmp_path, caplog):
         jax.jit(moe_tune.ragged_dot)(lhs, rhs, sizes)
         found = lookup("ragged_dot", runtime_problem)
     assert found.source == "exact" and found.key == result.key
-    assert found.config.to_dict() == result.entry["config"]
+    assert found.config.to_dict() == result.entry.config
     assert any("exact" in r.getMessage() and found.config.label() in r.getMessage() for r in caplog.records)
 
 
@@ -289,7 +289,7 @@ def test_every_direction_sweeps_and_the_vjp_uses_each_entry(tmp_path, caplog):
         jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
     messages = [r.getMessage() for r in caplog.records]
     for direction, result in keys.items():
-        label = BACKENDS.get("tiled").config_cls.from_dict(result.entry["config"]).label()
+        label = BACKENDS.get("tiled").config_cls.from_dict(result.entry.config).label()
         assert any(f"'direction': '{direction}'" in msg and "exact" in msg and label in msg for msg in messages), (
             direction, messages)
 
@@ -307,7 +307,7 @@ def _timing(samples):
     ([0.50, 0.52, 0.49, 0.51, 0.50, 0.50], False),  # 2x faster: a win
 ])
 def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, best_samples, kept_default):
-    from moe_tune.tuner import sweep as sweep_module
+    from moe_tune.tuner import Reporter, finals
     from moe_tune.tuner.candidates import Candidate
 
     default = Candidate(0, FaultyConfig("good", 64), is_default=True)
@@ -316,10 +316,9 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
     for c, t in ((default, 1.0), (other, 0.9), (slow, 3.0)):
         c.timing = _timing([t] * 3)
     final = {0: _timing([1.02, 0.98, 1.0, 1.05, 0.96, 1.01]), 1: _timing(best_samples), 2: _timing([3.0] * 6)}
-    monkeypatch.setattr(sweep_module, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
+    monkeypatch.setattr(finals, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
     spec = SweepSpec("ragged_dot", SMALL, finalists=1)
-    winner, within_noise, _ = sweep_module._final_round(spec, [default, other, slow], default, {}, "cpu",
-                                                        sweep_module.Reporter())
+    winner, within_noise, _ = finals.final_round(spec, [default, other, slow], default, {}, "cpu", Reporter())
     assert within_noise is kept_default
     assert winner is (default if kept_default else other)
     assert slow.timing.samples == 3  # only the finalists (the fastest one and the default) were re-timed
@@ -334,7 +333,7 @@ def test_compile_worker_hang_and_crash_are_recorded_and_the_sweep_goes_on(faulty
     assert status["hang"][0] == "failed" and "hung" in status["hang"][1]
     assert status["crash"][0] == "failed" and "died" in status["crash"][1] and "signal" in status["crash"][1]
     assert status["good"][0] == "ok"
-    assert result.entry["config"]["mode"] == "good"
+    assert result.entry.config["mode"] == "good"
 
 
 def test_resuming_in_a_process_that_ran_the_sweep_with_the_compile_cache(tmp_path):
@@ -356,7 +355,7 @@ for fresh in (True, False, False):
         problem = get_op("ragged_dot").problem(m=512, k=256, n=256, groups=8, dtype="bfloat16", direction=direction)
         r = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", samples=1, workers=2,
                                 strategy="coordinate", profile_dir=sys.argv[1], fresh=fresh))
-        out.append([direction, r.entry["search"]["resumed"], r.entry["candidates"]["ok"]])
+        out.append([direction, r.entry.search["resumed"], r.entry.candidates["ok"]])
 print(json.dumps(out))
 """
     env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": str(tmp_path / "cache")}

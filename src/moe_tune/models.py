@@ -72,9 +72,9 @@ def get_preset(name: str) -> ModelPreset:
 
 
 def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") -> KernelCase:
-    """A case built by the op's spec from the options it takes (`spec.options`)."""
+    """A case built by the op's spec from the options it takes (`spec.option_names`)."""
     spec = get_op(op)
-    taken = {key: value for key, value in options.items() if key in spec.options}
+    taken = {key: value for key, value in options.items() if key in spec.option_names}
     return KernelCase(op=op, role=role, problem=spec.problem(**taken, direction=direction))
 
 

@@ -12,7 +12,8 @@ from moe_tune import devices
 from moe_tune.errors import MoeTuneError
 from moe_tune.kernels import get_op
 from moe_tune.models import KernelCase, ModelPreset, kernel_problems
-from moe_tune.tuner.sweep import SweepResult, SweepSpec, run_sweep
+from moe_tune.tuner.spec import SweepResult, SweepSpec
+from moe_tune.tuner.sweep import run_sweep
 
 
 @dataclasses.dataclass

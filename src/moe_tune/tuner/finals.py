@@ -1,0 +1,97 @@
+"""The finals stage: the fastest few and the default re-timed together, and the noise rule that decides
+whether the fastest is a win.
+
+One sweep round's medians of near-equal candidates are mostly noise on a shared machine; the finalists are
+compared like for like, with twice the samples. A winner that beats the default by less than the noise
+(twice the larger relative median absolute deviation of the two) is not a win: the default is kept and the
+entry says `within_noise_of_default`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from moe_tune.tuner import measure
+from moe_tune.tuner.candidates import OK, Candidate
+from moe_tune.tuner.spec import Reporter, SweepError, SweepSpec
+from moe_tune.tuner.state import SweepState
+from moe_tune.tuner.timing import Timing, time_candidates
+
+
+def relative_noise(timing: Timing) -> float:
+    """Median absolute deviation of the samples over their median: a spread that ignores outliers."""
+    med = timing.median_s
+    return statistics.median(abs(x - med) for x in timing.samples_s) / med if med > 0 else 0.0
+
+
+def finalists(spec: SweepSpec, survivors: list[Candidate], default: Candidate) -> list[Candidate]:
+    """The fastest `spec.finalists` survivors, and the default."""
+    ranked = sorted(survivors, key=lambda c: c.timing.median_s)
+    chosen = ranked[: spec.finalists]
+    if default.status == OK and not any(c is default for c in chosen):
+        chosen.append(default)
+    return chosen
+
+
+def decide(best: Candidate, default: Candidate) -> tuple[Candidate, bool]:
+    """(winner, kept for being within noise): a win over the default by less than twice the larger relative
+    MAD of the two is not a win."""
+    if best is default or default.status != OK:
+        return best, False
+    noise = 2 * max(relative_noise(best.timing), relative_noise(default.timing))
+    if default.timing.median_s / best.timing.median_s - 1 <= noise:
+        return default, True
+    return best, False
+
+
+def final_round(spec: SweepSpec, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
+                reporter: Reporter) -> tuple[Candidate, bool, str | None]:
+    """Re-time the fastest few and the default together, with twice the samples, and pick the winner there.
+    Returns (winner, whether the default was kept for being within noise, timing fallback reason)."""
+    chosen = finalists(spec, survivors, default)
+    if len(chosen) < 2:
+        return chosen[0], False, None
+    reporter.stage("finalists", 2 * spec.samples)
+    final, fallback = time_candidates(
+        {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
+        samples=2 * spec.samples, platform=platform, seed=spec.seed + 1,
+        on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
+    )
+    for c in chosen:
+        c.timing = final[c.index]
+    best = min(chosen, key=lambda c: c.timing.median_s)
+    winner, within_noise = decide(best, default)
+    return winner, within_noise, fallback
+
+
+def run_finals(state: SweepState) -> tuple[Candidate, bool]:
+    """Compile the finalists restored from the log (they have no executable), run each once, then
+    `final_round`; returns (winner, within noise). Raises SweepError when no candidate survived."""
+    survivors = [c for c in state.done if c.status == OK]
+    default = state.default()
+    while survivors:
+        chosen = finalists(state.spec, survivors, default)
+        need = [c for c in chosen if c.executable is None]
+        if need:
+            measure.recompile(state, need)
+        elif len(measure.warm_up(state, chosen, logged=True)) == len(chosen):
+            break
+        survivors = [c for c in survivors if c.status == OK]
+    if not survivors:
+        reasons = "; ".join(f"{c.config.label()}: {c.reason}" for c in state.done[:3])
+        raise SweepError(f"no candidate of {state.plan.backend.name} compiled and passed the check ({reasons})")
+    winner, within_noise, fallback = final_round(state.spec, survivors, default, state.inputs, state.plan.platform,
+                                                 state.reporter)
+    state.fallback = state.fallback or fallback
+    return winner, within_noise
+
+
+def interrupted_winner(state: SweepState) -> tuple[Candidate | None, bool | None]:
+    """Among the finished candidates, by their batch timings: (winner, within noise), or (None, None) when
+    the default and one other candidate have not both finished."""
+    default = state.default()
+    timed = [c for c in state.done if c.status == OK and c.timing is not None]
+    if default is None or len(state.done) < 2 or not timed:
+        return None, None
+    return decide(min(timed, key=lambda c: c.timing.median_s), default)
