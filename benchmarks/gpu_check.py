@@ -56,7 +56,7 @@ def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dic
     case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
     case["sweep"]["wall_s"] = time.perf_counter() - started
     case["default_error"] = sweep.default.error
-    case.update(bench.compare_gather(op, problem, "triton", sweep.best.config, samples=args.samples))
+    case.update(bench.compare_gather(op, problem, "triton", sweep.best.config, samples=args.samples).to_dict())
     t, r = case["times_s"], case["ratios"]
     print(f"\n{name}: {spec.describe(problem)}, valid fraction {case['valid_fraction']:.3f}")
     print("  " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items())
@@ -104,9 +104,10 @@ def main() -> int:
                     case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
                     case["sweep"]["wall_s"] = time.perf_counter() - started
                     case["default_error"] = sweep.default.error  # relative error vs the reference
-                    case.update(bench.compare(problem, "triton", sweep.best.config, samples=args.samples))
+                    compared = bench.compare(problem, "triton", sweep.best.config, samples=args.samples)
+                    case.update(compared.to_dict())
                     print(f"\n{name}: {spec.describe(problem)}")
-                    print("\n".join(bench.format_comparison(case)), flush=True)
+                    print("\n".join(bench.format_comparison(compared)), flush=True)
                 except Exception as e:  # noqa: BLE001 - record it and go on to the next case
                     case["error"] = f"{type(e).__name__}: {e}"
                     case["traceback"] = traceback.format_exc()[-4000:]

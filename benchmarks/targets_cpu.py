@@ -77,12 +77,12 @@ def ragged_dot_targets(args, profile_dir: str, summary: list, results: list, sav
                 problem = spec.problem(m=m, k=k, n=n, groups=groups, dtype=args.dtype, direction=direction)
                 sweep, sweep_s = tuned_config("ragged_dot", problem, profile_dir, args.strategy)
                 r = bench.compare(problem, "tiled", sweep.best.config, samples=args.samples)
-                r.update(shape=problem.key_fields(), name=shape, sweep_s=sweep_s, sweep_candidates=len(sweep.candidates))
-                results.append(r)
+                results.append({**r.to_dict(), "name": shape, "sweep_s": sweep_s,
+                                "sweep_candidates": len(sweep.candidates)})
                 print(f"\n{spec.describe(problem)} ({shape}; {args.strategy} sweep of {len(sweep.candidates)} "
-                      f"candidates, {sweep_s:.0f} s; timed by {r['timing_method']})")
+                      f"candidates, {sweep_s:.0f} s; timed by {r.timing_method})")
                 print("\n".join(bench.format_comparison(r)), flush=True)
-                ratios, label = r["ratios"], f"{shape} g={groups} {direction}"
+                ratios, label = r.ratios, f"{shape} g={groups} {direction}"
                 if groups in ROOFLINE_TARGET:
                     summary.append((f"ragged_dot tuned/roofline {label}", ratios["tuned_vs_roofline"],
                                     f"<= {ROOFLINE_TARGET[groups]}", ratios["tuned_vs_roofline"] <= ROOFLINE_TARGET[groups]))
@@ -102,8 +102,8 @@ def gather_targets(args, profile_dir: str, summary: list, results: list, save) -
         for ep in eps:
             problem = spec.problem(**(SMALL_GATHER_SHAPE if args.small else GATHER_SHAPE), ep=ep, dtype=args.dtype)
             sweep, sweep_s = tuned_config(op, problem, profile_dir, args.strategy)
-            r = bench.compare_gather(op, problem, "tiled", sweep.best.config, samples=args.samples)
-            r.update(shape=problem.key_fields(), ep=ep, sweep_s=sweep_s)
+            r = {**bench.compare_gather(op, problem, "tiled", sweep.best.config, samples=args.samples).to_dict(),
+                 "ep": ep, "sweep_s": sweep_s}
             results.append(r)
             full = full or r
             t = r["times_s"]

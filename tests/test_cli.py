@@ -217,3 +217,40 @@ def test_bench_model_covers_every_kernel_of_a_layer(run):
                  "--samples", "1")
     assert result.exit_code == 0, result.output
     assert result.output.count("xla/tuned") == 6 and result.output.count("fallback/tuned") == 2
+
+
+def test_a_profile_dir_that_cannot_be_written_is_one_line_and_exit_1(run, tmp_path):
+    """Checked before the sweep starts, for one sweep and for a model's (one error, not one per kernel)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for args in (["sweep", *TINY, "--profile-dir", str(blocker / "tables")],
+                 ["sweep", "--model", "deepseek-v2-lite", "--tokens", "8", "--profile-dir", str(blocker / "t")]):
+        result = run(*args)
+        assert result.exit_code == 1, result.output
+        assert result.output.strip().splitlines() == [result.output.strip()]
+        assert "cannot be created or written" in result.output and str(blocker) in result.output
+        assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["sweep", "bench"])
+def test_a_problem_too_big_for_memory_is_refused_before_allocating(run, command, isolated_profiles):
+    result = run(command, "--m", "100000000", "--k", "100000", "--n", "100000")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [result.output.strip()]
+    assert "TiB of memory" in result.output and "available" in result.output and "Traceback" not in result.output
+    assert not (isolated_profiles / "cpu").exists()  # refused before the sweep log was opened
+
+
+def test_available_memory_and_the_check(monkeypatch):
+    from moe_tune.errors import UsageError
+    from moe_tune.kernels import get_op
+    from moe_tune.tuner import memory
+
+    assert memory.available_bytes() > 0
+    spec = get_op("ragged_dot")
+    problem = spec.problem(m=256, k=128, n=128, groups=4)
+    monkeypatch.setattr(memory, "available_bytes", lambda: spec.memory_estimate(problem) - 1)
+    with pytest.raises(UsageError, match="needs about"):
+        memory.check_fits(spec, problem)
+    monkeypatch.setattr(memory, "available_bytes", lambda: spec.memory_estimate(problem))
+    memory.check_fits(spec, problem)

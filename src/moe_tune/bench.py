@@ -1,20 +1,21 @@
 """Side-by-side timing of one problem: every variant compiled once and timed interleaved in the same trace
 rounds (`time_variants`).
 
-- ragged_dot (`compare`): tuned vs default config of a backend vs XLA's ragged dot vs a dense matmul of the
-  same FLOPs.
-- dispatch / combine (`compare_gather`): tuned vs default config vs the plain-JAX fallback vs a copy of
-  the same bytes (this machine's copy bandwidth, measured in the same rounds).
+- ragged_dot (`compare` -> `RaggedDotComparison`): tuned vs default config of a backend vs XLA's ragged dot
+  vs a dense matmul of the same FLOPs.
+- dispatch / combine (`compare_gather` -> `GatherComparison`): tuned vs default config vs the plain-JAX
+  fallback vs a copy of the same bytes (this machine's copy bandwidth, measured in the same rounds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.registry import FALLBACK
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.tuner.memory import check_fits
 from moe_tune.tuner.timing import time_candidates, traceable
 
 # A dense matmul with the FLOPs of each direction: [m,k]x[k,n], [m,n]x[n,k], [k,m]x[m,n].
@@ -43,8 +45,73 @@ def write_results(path: str, results: list[dict[str, Any]]) -> None:
         json.dump({"meta": meta, "results": results}, f, indent=1)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """Times (s) of one problem's variants, measured interleaved in the same trace rounds, and their ratios.
+
+    `baseline` names the variant the CLI compares the tuned config with (its `<baseline>_vs_tuned` ratio);
+    The lookup's source and reason are set by `bench_case`."""
+
+    baseline: ClassVar[str]
+    backend: str
+    tuned_config: dict[str, Any]
+    default_config: dict[str, Any]
+    times_s: dict[str, float]
+    spread: dict[str, float]
+    timing_method: str
+    timing_fallback: str | None
+    copy_gbps: float  # this machine's copy bandwidth, measured in the same rounds
+    roofline_s: float
+    ratios: dict[str, float]
+    op: str = ""
+    shape: dict[str, Any] | None = None
+    lookup_source: str | None = None
+    lookup_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the benchmarks' JSON holds it."""
+        return dataclasses.asdict(self)
+
+    def vs_baseline(self) -> str:
+        return f"{self.baseline}/tuned {self.ratios[f'{self.baseline}_vs_tuned']:.2f}"
+
+    def reference(self) -> str:
+        """What else bounds the tuned time, in words (the CLI's `reference` column)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedDotComparison(Comparison):
+    """ragged_dot: tuned, default, xla, dense (a matmul of the same FLOPs), skewed (tuned, skewed group sizes),
+    copy. `roofline_s` = max(dense time, the least bytes moved at the copy bandwidth)."""
+
+    baseline: ClassVar[str] = "xla"
+    tflops: dict[str, float]
+    min_bytes: int
+    roofline_bound: str  # "compute" or "memory"
+
+    def reference(self) -> str:
+        return (f"roofline {self.roofline_s * 1e3:.3f} ms, {self.roofline_bound}-bound (tuned/roofline "
+                f"{self.ratios['tuned_vs_roofline']:.2f}); dense {self.times_s['dense'] * 1e3:.3f} ms")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatherComparison(Comparison):
+    """Dispatch / combine: tuned, default, the plain-JAX fallback, copy, output_write. `roofline_s` = the op's
+    least bytes moved at the copy bandwidth."""
+
+    baseline: ClassVar[str] = "fallback"
+    valid_fraction: float
+    least_bytes: int
+
+    def reference(self) -> str:
+        return (f"copy roofline {self.roofline_s * 1e3:.3f} ms ({self.copy_gbps:.1f} GB/s); output write "
+                f"{self.times_s['output_write'] * 1e3:.3f} ms")
+
+
 def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, samples: int = 7) -> dict[str, Any]:
-    """Compile each `fn(inputs)` once, then time them all interleaved: medians (s), spreads, the clock."""
+    """Compile each `fn(inputs)` once, then time them all interleaved: times_s (medians), spread,
+    timing_method, timing_fallback."""
     names = list(variants)
     compiled = {i: traceable(variants[name], i).lower(inputs).compile() for i, name in enumerate(names)}
     for c in compiled.values():
@@ -60,11 +127,10 @@ def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, 
 
 
 def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
-            seed: int = 1) -> dict[str, Any]:
-    """Times (s), spreads and ratios of: `backend` tuned, `backend` default, xla, dense (a matmul of the same
-    FLOPs), `skewed` (tuned, on the same operands with skewed group sizes) and `copy` (an elementwise copy of
-    an array of the problem's largest operand's size: read + written bytes over its time are the copy
-    bandwidth). `roofline_s` = max(dense time, the least bytes moved at that bandwidth)."""
+            seed: int = 1) -> RaggedDotComparison:
+    """`backend` tuned vs its default vs xla vs dense (a matmul of the same FLOPs) vs `skewed` (tuned, on the
+    same operands with skewed group sizes) vs `copy` (an elementwise copy of an array of the problem's largest
+    operand's size: read + written bytes over its time are the copy bandwidth)."""
     spec = get_op("ragged_dot")
     impl, xla = BACKENDS.get(backend), BACKENDS.get("xla")
     default = impl.default_config(problem)
@@ -85,17 +151,13 @@ def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, sam
     times = measured["times_s"]
     bandwidth = 2 * 4 * largest / times["copy"]
     roofline = max(times["dense"], problem.min_bytes / bandwidth)
-    return {
-        "backend": backend,
-        "tuned_config": tuned.to_dict(),
-        "default_config": default.to_dict(),
+    return RaggedDotComparison(
+        op="ragged_dot", shape=problem.key_fields(), backend=backend, tuned_config=tuned.to_dict(), default_config=default.to_dict(),
         **measured,
-        "tflops": {name: problem.flops / t / 1e12 for name, t in times.items() if name != "copy"},
-        "copy_gbps": bandwidth / 1e9,
-        "min_bytes": problem.min_bytes,
-        "roofline_s": roofline,
-        "roofline_bound": "compute" if roofline == times["dense"] else "memory",
-        "ratios": {
+        tflops={name: problem.flops / t / 1e12 for name, t in times.items() if name != "copy"},
+        copy_gbps=bandwidth / 1e9, min_bytes=problem.min_bytes, roofline_s=roofline,
+        roofline_bound="compute" if roofline == times["dense"] else "memory",
+        ratios={
             "tuned_vs_roofline": times["tuned"] / roofline,
             "tuned_vs_dense": times["tuned"] / times["dense"],
             "default_vs_dense": times["default"] / times["dense"],
@@ -104,21 +166,21 @@ def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, sam
             "default_vs_tuned": times["default"] / times["tuned"],
             "skewed_vs_balanced": times["skewed"] / times["tuned"],
         },
-    }
+    )
 
 
-def format_comparison(result: dict[str, Any]) -> list[str]:
+def format_comparison(result: RaggedDotComparison) -> list[str]:
     """Lines for a terminal: each variant's time, its ratio to dense, and the headline ratios."""
-    t, r = result["times_s"], result["ratios"]
-    lines = [f"  tuned config {result['tuned_config']}, default {result['default_config']}"]
+    t, r = result.times_s, result.ratios
+    lines = [f"  tuned config {result.tuned_config}, default {result.default_config}"]
     for name, seconds in t.items():
-        tflops = result["tflops"].get(name)
-        rate = f"{tflops:8.3f} TFLOP/s" if tflops is not None else f"{result['copy_gbps']:8.1f} GB/s  "
+        tflops = result.tflops.get(name)
+        rate = f"{tflops:8.3f} TFLOP/s" if tflops is not None else f"{result.copy_gbps:8.1f} GB/s  "
         lines.append(f"  {name:<8} {seconds * 1e3:10.3f} ms  {seconds / t['dense']:6.2f}x dense  {rate}  "
-                     f"(spread {result['spread'][name]:.0%})")
-    same = " (the same config: any difference is noise)" if result["tuned_config"] == result["default_config"] else ""
-    lines.append(f"  roofline {result['roofline_s'] * 1e3:.3f} ms ({result['roofline_bound']}-bound; "
-                 f"{result['min_bytes'] / 2**20:.0f} MiB at least at {result['copy_gbps']:.1f} GB/s)")
+                     f"(spread {result.spread[name]:.0%})")
+    same = " (the same config: any difference is noise)" if result.tuned_config == result.default_config else ""
+    lines.append(f"  roofline {result.roofline_s * 1e3:.3f} ms ({result.roofline_bound}-bound; "
+                 f"{result.min_bytes / 2**20:.0f} MiB at least at {result.copy_gbps:.1f} GB/s)")
     lines.append(f"  time ratios: tuned/roofline {r['tuned_vs_roofline']:.2f}, "
                  f"default/tuned {r['default_vs_tuned']:.2f}{same}, xla/tuned {r['xla_vs_tuned']:.2f}, "
                  f"tuned/dense {r['tuned_vs_dense']:.2f}, skewed/balanced {r['skewed_vs_balanced']:.2f}")
@@ -126,13 +188,12 @@ def format_comparison(result: dict[str, Any]) -> list[str]:
 
 
 def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
-                   distribution: str = "balanced", seed: int = 1) -> dict[str, Any]:
-    """Times (s) and ratios of `backend` tuned / default, the plain-JAX fallback, and `copy`: a jitted
-    elementwise copy of one array, whose bytes read + written give the copy
-    bandwidth. The copied array has the size of the op's larger side ([rows, hidden]: dispatch's output,
-    combine's input), so that it streams from memory as the op does rather than from cache. `roofline_s` is
-    the op's least bytes moved at that bandwidth. `output_write` fills a fresh array of the output's shape
-    with a constant: no kernel can return its output faster, whatever the valid fraction."""
+                   distribution: str = "balanced", seed: int = 1) -> GatherComparison:
+    """`backend` tuned vs its default vs the plain-JAX fallback vs `copy`: a jitted elementwise copy of one
+    array, whose bytes read + written give the copy bandwidth. The copied array has the size of the op's
+    larger side ([rows, hidden]: dispatch's output, combine's input), so that it streams from memory as the
+    op does rather than from cache. `output_write` fills a fresh array of the output's shape with a
+    constant: no kernel can return its output faster, whatever the valid fraction."""
     spec = get_op(op)
     impl, plain = spec.backends.get(backend), spec.backends.get(FALLBACK)
     default = impl.default_config(problem)
@@ -151,39 +212,30 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
         "output_write": lambda x: jnp.full(output_shape, x["fill"]),
     }, inputs, samples=samples)
     times = measured["times_s"]
-    copy_bytes = 2 * problem.rows * problem.row_bytes()
-    bandwidth = copy_bytes / times["copy"]
+    bandwidth = 2 * problem.rows * problem.row_bytes() / times["copy"]
     least_bytes = spec.bytes_moved(problem, valid_fraction)
-    return {
-        "op": op,
-        "backend": backend,
-        "valid_fraction": valid_fraction,
-        "tuned_config": tuned.to_dict(),
-        "default_config": default.to_dict(),
-        **measured,
-        "copy_gbps": bandwidth / 1e9,
-        "least_bytes": least_bytes,
-        "roofline_s": least_bytes / bandwidth,
-        "ratios": {
+    return GatherComparison(
+        op=op, shape=problem.key_fields(), backend=backend, valid_fraction=valid_fraction, tuned_config=tuned.to_dict(),
+        default_config=default.to_dict(), **measured, copy_gbps=bandwidth / 1e9, least_bytes=least_bytes,
+        roofline_s=least_bytes / bandwidth,
+        ratios={
             "fallback_vs_tuned": times["fallback"] / times["tuned"],
             "default_vs_tuned": times["default"] / times["tuned"],
             "tuned_vs_roofline": times["tuned"] * bandwidth / least_bytes,
             "tuned_vs_output_write": times["tuned"] / times["output_write"],
         },
-    }
+    )
 
 
-def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: int = 7) -> dict[str, Any]:
+def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: int = 7) -> Comparison:
     """What `moe-tune bench` measures for one problem: the config the runtime would use (the tables' exact or
-    nearest entry, else the default; `lookup_source` says which) against the default and the baselines —
-    ragged_dot: XLA's ragged dot and a dense matmul of the same FLOPs; dispatch / combine: the plain-JAX
-    fallback and a copy of the same bytes."""
-    from moe_tune.profiles import lookup
-
-    found = lookup(op, problem, backend=backend)
-    if op == "ragged_dot":
+    nearest entry, else the default; `lookup_source` says which) against the default and the baselines.
+    A problem that cannot fit in memory is refused first (UsageError)."""
+    spec = get_op(op)
+    check_fits(spec, problem)
+    found = spec.lookup(problem, backend=backend)
+    if isinstance(problem, RaggedDotProblem):
         result = compare(problem, found.backend, found.config, samples=samples)
     else:
         result = compare_gather(op, problem, found.backend, found.config, samples=samples)
-    result.update(op=op, shape=problem.key_fields(), lookup_source=found.source, lookup_reason=found.reason)
-    return result
+    return dataclasses.replace(result, lookup_source=found.source, lookup_reason=found.reason)

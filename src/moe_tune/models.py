@@ -17,6 +17,8 @@ from moe_tune.errors import UsageError
 from moe_tune.kernels import get_op
 
 DATA_FILE = "data/models.json"
+# What one layer of a preset is swept, benched and listed at unless told otherwise (the one place these live).
+LAYER_DEFAULTS = {"tokens": 4096, "ep": 1, "dtype": "bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,21 @@ def get_preset(name: str) -> ModelPreset:
     close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise UsageError(f"unknown model {name!r}; {hint}known models: {', '.join(known)}")
+
+
+def layer_settings(tokens: int | list[int] | None = None, ep: int | None = None,
+                   dtype: str | None = None) -> tuple[list[int], int, str]:
+    """(token counts, ep, dtype) of a layer's cases, `LAYER_DEFAULTS` filling what is not given."""
+    counts = [tokens] if isinstance(tokens, int) else tokens
+    return (counts or [LAYER_DEFAULTS["tokens"]], ep or LAYER_DEFAULTS["ep"], dtype or LAYER_DEFAULTS["dtype"])
+
+
+def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, ep: int | None = None,
+                dtype: str | None = None) -> list[tuple[int, KernelCase]]:
+    """(tokens, case) for every token count and every kernel call of one layer; every count is checked
+    before anything runs."""
+    counts, ep, dtype = layer_settings(tokens, ep, dtype)
+    return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype)]
 
 
 def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") -> KernelCase:

@@ -11,7 +11,9 @@ from typing import Any
 from moe_tune import devices
 from moe_tune.errors import MoeTuneError
 from moe_tune.kernels import get_op
-from moe_tune.models import KernelCase, ModelPreset, kernel_problems
+from moe_tune.models import KernelCase, ModelPreset, layer_cases
+from moe_tune.profiles import dirs
+from moe_tune.tuner import record
 from moe_tune.tuner.spec import SweepResult, SweepSpec
 from moe_tune.tuner.sweep import run_sweep
 
@@ -28,8 +30,16 @@ class CaseResult:
 
 def model_cases(preset: ModelPreset, tokens: Iterable[int], *, ep: int, dtype: str) -> list[tuple[int, KernelCase]]:
     """(tokens, case) for every token count, in order; validates every count before anything runs."""
-    counts = list(tokens)
-    return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype)]
+    return layer_cases(preset, list(tokens), ep=ep, dtype=dtype)
+
+
+def preflight(preset: ModelPreset, tokens: Iterable[int], *, ep: int, dtype: str,
+              sweep_options: dict[str, Any] | None = None) -> list[tuple[int, KernelCase]]:
+    """The cases of a model sweep, once every token count and the ep are checked and the profile dir can be
+    written (one error for a bad dir, not one failed case per kernel)."""
+    cases = model_cases(preset, tokens, ep=ep, dtype=dtype)
+    record.writable_dir(dirs.write_dir((sweep_options or {}).get("profile_dir")))
+    return cases
 
 
 def sweep_model(
@@ -49,7 +59,7 @@ def sweep_model(
     candidate, a backend that cannot run here) is recorded with its error and the next one runs; a
     KeyboardInterrupt stops the whole run. A case whose (op, problem) an earlier case already swept gets
     that result without a second sweep."""
-    cases = model_cases(preset, tokens, ep=ep, dtype=dtype)
+    cases = preflight(preset, tokens, ep=ep, dtype=dtype, sweep_options=sweep_options)
     results: list[CaseResult] = []
     swept: dict[tuple[str, Any], CaseResult] = {}  # a layer can repeat a kernel (gpt-oss: gate/up == down)
     for i, (count, case) in enumerate(cases):

@@ -31,6 +31,7 @@ class Strategy:
     """Base: `space` is the backend's search space for the problem (valid configs, default first)."""
 
     name: ClassVar[str]
+    summary: ClassVar[str] = ""  # one phrase for `moe-tune sweep --help`
     needs_budget: ClassVar[bool] = False  # without a budget (count or time) the strategy is just a grid
 
     def __init__(self, space: Sequence[KernelConfig], *, backend: Backend | None = None, problem: Any = None,
@@ -72,6 +73,7 @@ class Strategy:
 
 class Grid(Strategy):
     name = "grid"
+    summary = "every candidate"
 
     def next_round(self, measured):
         return self._cap(self.space, measured, "exhausted" if self.budget is None or self.budget >= len(
@@ -80,6 +82,7 @@ class Grid(Strategy):
 
 class RandomSearch(Strategy):
     name = "random"
+    summary = "a seeded sample (needs --budget or --time-budget)"
     needs_budget = True
 
     def __init__(self, space, **kwargs):
@@ -99,6 +102,7 @@ def _sort_key(value: Any) -> tuple:
 
 class CoordinateDescent(Strategy):
     name = "coordinate"
+    summary = "coordinate descent from the default config"
 
     def __init__(self, space, **kwargs):
         super().__init__(space, **kwargs)

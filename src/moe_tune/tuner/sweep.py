@@ -29,7 +29,7 @@ from moe_tune.tuner.log import SweepLog
 from moe_tune.tuner.spec import Reporter, SweepError, SweepInterrupted, SweepPlan, SweepResult, SweepSpec
 from moe_tune.tuner.state import SweepState
 
-__all__ = ["Reporter", "SweepError", "SweepInterrupted", "SweepResult", "SweepSpec", "log_path_for", "run_sweep"]
+__all__ = ["Reporter", "SweepError", "SweepInterrupted", "SweepResult", "SweepSpec", "log_path_for", "preflight", "run_sweep"]
 
 
 def log_path_for(spec: SweepSpec) -> Path:
@@ -37,18 +37,26 @@ def log_path_for(spec: SweepSpec) -> Path:
     return SweepPlan(spec).log_path
 
 
+def preflight(spec: SweepSpec) -> SweepPlan:
+    """`spec` resolved, once what would fail it late or as a traceback is ruled out: UsageError for a backend
+    that cannot run here or a problem that cannot fit in memory (checked before anything is allocated),
+    MoeTuneError for a profile dir that cannot be created or written (checked before the sweep, not after).
+    `run_sweep` calls it; a caller may call it first to fail before it prints anything."""
+    plan = SweepPlan(spec)
+    plan.check_runs_here()
+    memory.check_fits(plan.op, spec.problem)
+    record.writable_dir(plan.directory)
+    return plan
+
+
 def run_sweep(spec: SweepSpec, reporter: Reporter | None = None) -> SweepResult:
     """Tune one (op, backend, problem, distribution) and write the winning entry; returns everything.
 
-    Resumes from the sweep log when there is one (`spec.fresh` deletes it first). Raises UsageError for a
-    backend that cannot run here or a problem that cannot fit in memory, MoeTuneError for a profile dir that
-    cannot be written, SweepError when no candidate is correct, and SweepInterrupted (a KeyboardInterrupt)
-    when interrupted."""
+    Resumes from the sweep log when there is one (`spec.fresh` deletes it first). Raises what `preflight`
+    raises, SweepError when no candidate is correct, and SweepInterrupted (a KeyboardInterrupt) when
+    interrupted."""
     started = time.perf_counter()
-    plan = SweepPlan(spec)
-    plan.check_runs_here()
-    memory.check_fits(plan.op, spec.problem)  # before the inputs and the reference are allocated
-    record.writable_dir(plan.directory)  # before the sweep, not after it
+    plan = preflight(spec)
     strategy = strategies.make(spec.strategy, plan.space, backend=plan.backend, problem=spec.problem,
                                budget=spec.budget, seed=spec.seed)
     with SweepLog(plan.log_path, record.header(plan), fresh=spec.fresh) as log:

@@ -1,0 +1,145 @@
+"""The `moe-tune` command's options, generated from the facts they stand for: each op's shape flags from its
+`OpSpec.options` (kernels/options.py), directions and backends from the op objects, strategies from
+tuner/strategies, dtypes from the one list; and the one function that turns parsed shape flags into
+problems. Errors become one line (`handle_errors`)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from moe_tune import distributions
+from moe_tune.errors import MoeTuneError, UsageError
+from moe_tune.kernels import get_op, op_names
+from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
+
+DTYPES = click.Choice(SUPPORTED_DTYPES)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """User mistakes become one line and exit 2; runtime failures one line and exit 1; never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as e:  # plain click.echo: one unwrapped line, whatever the terminal width
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except MoeTuneError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt as e:  # a SweepInterrupted says what was kept
+            click.echo(f"interrupted: {e}" if str(e) else "interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+class _TokenList(click.ParamType):
+    """`512` or `512,4096,16384` -> a list of positive ints."""
+
+    name = "N[,N...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            counts = [int(part) for part in str(value).split(",") if part.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
+        if not counts or any(c < 1 for c in counts):
+            self.fail(f"{value!r}: token counts must be positive integers", param, ctx)
+        return counts
+
+
+TOKEN_LIST = _TokenList()
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _all_shape_options() -> list[ShapeOption]:
+    """Every op's shape options, each once, in the order the ops declare them (dtypes last)."""
+    seen: dict[str, ShapeOption] = {}
+    for name in op_names():
+        for option in get_op(name).options:
+            seen.setdefault(option.name, option)
+    return sorted(seen.values(), key=lambda o: o.choices == SUPPORTED_DTYPES)
+
+
+def _click_option(option: ShapeOption) -> Callable:
+    if option.type is bool:
+        return click.option(f"{option.flag}/{option.off_flag}", option.name, default=None, help=option.help)
+    if option.token_list:
+        kind = TOKEN_LIST
+    elif option.choices is not None:
+        kind = click.Choice(option.choices)
+    else:
+        kind = click.IntRange(min=1) if option.type is int else option.type
+    return click.option(option.flag, *option.aliases, option.name, type=kind, help=option.help)
+
+
+def directions() -> list[str]:
+    """Every op's directions, each once."""
+    return list(dict.fromkeys(d for name in op_names() for d in get_op(name).directions))
+
+
+def backends() -> list[str]:
+    """Every op's backend names, each once."""
+    return list(dict.fromkeys(b for name in op_names() for b in get_op(name).backends.names()))
+
+
+def shape_options(fn: Callable) -> Callable:
+    """--op, --backend, the ops' shape options, --distribution and --direction (shared by `sweep`, `lookup`
+    and `bench`); each op takes some of the shape options (`OpSpec.options`)."""
+    options = [
+        click.option("--op", type=click.Choice(op_names()), default="ragged_dot", show_default=True),
+        click.option("--backend", default=None, help=f"Backend (default: the platform's): {', '.join(backends())}; "
+                                                     "which op has which: `moe-tune ops`."),
+        *(_click_option(option) for option in _all_shape_options()),
+        click.option("--distribution", type=click.Choice(list(distributions.DISTRIBUTIONS)),
+                     default=distributions.DEFAULT, show_default=True,
+                     help="Distribution of rows (tokens) over groups (experts)."),
+        click.option("--direction", type=click.Choice([*directions(), "all"]), default="fwd", show_default=True,
+                     help="The forward pass, a gradient, or all of the op's directions."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def problems(op_name: str, direction: str, shape: dict[str, Any]) -> list[Any]:
+    """One problem of `op_name` per requested direction (`all`: every direction the op has), from the shape
+    flags given (the op's defaults fill the rest). UsageError for a flag the op does not take."""
+    spec = get_op(op_name)
+    wanted = spec.directions if direction == "all" else (direction,)
+    unknown = [d for d in wanted if d not in spec.directions]
+    if unknown:
+        raise UsageError(f"op {op_name!r} has no direction {unknown[0]!r}; it has {', '.join(spec.directions)}")
+    given = {k: v for k, v in shape.items() if v is not None}
+    if isinstance(given.get("tokens"), list):
+        if len(given["tokens"]) > 1:
+            raise UsageError("several --tokens counts need --model; for one op give one count")
+        given["tokens"] = given["tokens"][0]
+    foreign = [k for k in given if k not in spec.option_names]
+    if foreign:
+        raise UsageError(f"{flag(foreign[0])} does not apply to {op_name}; its shape options are "
+                         f"{' '.join(flag(o) for o in spec.option_names)}")
+    options = {**spec.default_problem_options(), **given}
+    return [spec.problem(**options, direction=d) for d in wanted]
+
+
+def model_only(shape: dict[str, Any], *, explicit: list[str]) -> None:
+    """UsageError when a flag other than --tokens, --ep and --dtype shapes a `--model` run."""
+    explicit = explicit + [name for name, value in shape.items()
+                           if value is not None and name not in ("tokens", "ep", "dtype")]
+    if explicit:
+        raise UsageError(f"--model sweeps every kernel of the model's layer; {flag(explicit[0])} does not apply "
+                         "(only --tokens, --ep and --dtype shape it)")

@@ -1,0 +1,154 @@
+"""How `moe-tune` shows things: rich progress bars for the tuner's progress callbacks, and tables of sweep
+results (read from the typed table `Entry`), model sweeps, bench comparisons and report frames."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+# Wide when piped (CI logs, files) so that tables are not squeezed into 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 220)
+
+STAGES = {"compile": "Compiling candidates", "check": "Checking vs reference", "time": "Timing (trace rounds)",
+          "finalists": "Re-timing finalists"}
+
+
+class ProgressReporter:
+    """Draws the tuner's progress callbacks (`tuner.Reporter`) as rich progress bars."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.tasks = progress, {}
+
+    def stage(self, name: str, total: int) -> None:
+        self.tasks[name] = self.progress.add_task(STAGES.get(name, name), total=total)
+
+    def advance(self, name: str, amount: float = 1) -> None:
+        self.progress.advance(self.tasks[name], amount)
+
+
+@contextmanager
+def progress(*, transient: bool) -> Iterator[Progress]:
+    columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=transient) as bars:
+        yield bars
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = ()) -> None:
+    """A rich table on stdout; `right`: the columns to right-align (numbers)."""
+    shown = Table(title=title, title_justify="left")
+    for column in columns:
+        shown.add_column(column, justify="right" if column in right else "left")
+    for row in rows:
+        shown.add_row(*(str(cell) for cell in row))
+    out.print(shown)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def sweep_summary(result) -> None:
+    """One sweep's result (`tuner.SweepResult`): winner, default, speedup, candidates, search, where it went."""
+    entry, best, default = result.entry, result.best, result.default
+    shown = Table(title=f"Sweep result: {entry.op} {entry.direction or ''}", show_header=False,
+                  title_justify="left")
+    shown.add_column(style="bold")
+    shown.add_column()
+    shown.add_row("winner", f"{best.config.label()}  {_ms(best.timing.median_s)} ms "
+                            f"(spread {best.timing.spread:.1%}, {best.timing.samples} samples)")
+    if default.timing is not None:
+        shown.add_row("default", f"{default.config.label()}  {_ms(default.timing.median_s)} ms")
+        kept = (" (the best was within noise of the default, so the default is kept)"
+                if entry.within_noise_of_default else "")
+        shown.add_row("speedup", f"{entry.speedup_over_default:.2f}x over the default{kept}")
+    else:
+        shown.add_row("default", f"{default.config.label()}  {default.status}: {default.reason}")
+    shown.add_row("candidates", _counts(entry, "ok"))
+    for failure in entry.failures[:5]:
+        label = " ".join(f"{k}={v}" for k, v in failure["config"].items())
+        shown.add_row(f"  {failure['status']}", f"{label}: {failure.get('reason', '')}")
+    search = entry.search
+    limits = ", ".join(x for x in (f"budget {search['budget']}" if search["budget"] else "",
+                                   f"time budget {search['time_budget_s']:g} s" if search["time_budget_s"] else "") if x)
+    shown.add_row("search", f"{search['strategy']}{f' ({limits})' if limits else ''}: {entry.count('tried')} of "
+                            f"{search['space']} candidates, stopped: {search['stopped']}")
+    recompiled = f", {search['recompiled_finalists']} finalist compiles" if search["recompiled_finalists"] else ""
+    shown.add_row("resumed", f"{search['resumed']} candidates from the sweep log{recompiled}")
+    shown.add_row("timed by", entry.timing_method + (f" ({entry.timing_fallback})" if entry.timing_fallback else ""))
+    shown.add_row("table", str(result.table_path))
+    shown.add_row("sweep log", str(result.log_path))
+    shown.add_row("wall time", f"{result.wall_s:.1f} s")
+    out.print(shown)
+
+
+def _counts(entry, *names: str) -> str:
+    """`3 tried, 1 ok, 1 failed, 1 wrong` (with `names` among the counts after `tried`)."""
+    parts = ["tried", *names, "failed", "wrong"]
+    return ", ".join(f"{entry.count(name)} {name}" for name in parts)
+
+
+def model_sweep_summary(title: str, results) -> None:
+    """One row per case of a model sweep (`tuner.model_sweep.CaseResult`)."""
+    rows = []
+    for r in results:
+        direction = r.case.problem.key_fields()["direction"]
+        if r.error is not None:
+            rows.append((r.tokens, r.case.op, r.case.role, direction, f"failed: {r.error}", "-", "-", "-"))
+            continue
+        entry = r.result.entry
+        rows.append((r.tokens, r.case.op, r.case.role, direction, r.result.best.config.label(), _ms(entry.median_s),
+                     f"{entry.speedup_over_default or 0:.2f}x", _counts(entry)))
+    table(title, ("tokens", "op", "role", "direction", "winner", "time_ms", "speedup", "candidates"), rows,
+          right=("tokens", "time_ms", "speedup"))
+
+
+def bench_table(title: str, cases) -> None:
+    """`moe-tune bench`: (kernel description, `bench.Comparison`) pairs, one row each."""
+    rows = []
+    for kernel, c in cases:
+        config = " ".join(f"{k}={v}" for k, v in c.tuned_config.items())
+        rows.append((kernel, f"{config} ({c.lookup_source})", _ms(c.times_s["tuned"]), _ms(c.times_s["default"]),
+                     _ms(c.times_s[c.baseline]), c.vs_baseline(), c.reference()))
+    table(title, ("kernel", "config (source)", "tuned ms", "default ms", "baseline ms", "vs baseline", "reference"),
+          rows, right=("tuned ms", "default ms", "baseline ms", "vs baseline"))
+
+
+def lookup_result(description: str, result) -> None:
+    """Which config the runtime would use (`profiles.LookupResult`), and why."""
+    out.print(f"{description} on {result.device_kind}, backend {result.backend}", highlight=False)
+    out.print(f"  source: [bold]{result.source}[/bold] ({result.reason})", highlight=False)
+    out.print(f"  config: {result.config.label()}", highlight=False)
+    if result.entry is not None:
+        median, speedup = result.entry.median_s, result.entry.speedup_over_default
+        out.print(f"  tuned time: {(median if median is not None else float('nan')) * 1e3:.3f} ms"
+                  + (f", {speedup:.2f}x over default" if speedup else ""), highlight=False)
+    out.print(f"  key: {result.key}", highlight=False)
+
+
+def frame(data, fmt: str, *, title: str, empty: str, shown: list[str]) -> None:
+    """A DataFrame as csv / json / markdown on stdout, or as a rich table of the `shown` columns."""
+    if fmt == "csv":
+        click.echo(data.to_csv(index=False), nl=False)
+    elif fmt == "json":
+        click.echo(data.to_json(orient="records", indent=1))
+    elif fmt == "markdown":
+        click.echo(data.to_markdown(index=False, floatfmt=".3f"))
+    elif data.empty:
+        out.print(empty)
+    else:
+        table(title, shown, [[_cell(row[c]) for c in shown] for _, row in data.iterrows()],
+              right=[c for c in shown if data[c].dtype.kind in "if"])
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "-" if value != value else f"{value:.3f}"
+    return str(value)
