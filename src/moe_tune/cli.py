@@ -59,8 +59,7 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, race, ma
 
     Every finished candidate is appended to a sweep log beside the tables; running the same sweep again
     resumes it (finished candidates are not run again). Ctrl-C keeps what finished."""
-    from moe_tune.tuner import SweepSpec, compile_cache, run_sweep
-    from moe_tune.tuner.sweep import preflight
+    from moe_tune.tuner import SweepSpec, compile_cache, preflight, run_sweep
 
     options = dict(distribution=distribution, seed=seed, workers=workers, profile_dir=profile_dir,
                    max_candidates=max_candidates, keep_trace_dir=keep_trace, strategy=strategy, budget=budget,

@@ -6,12 +6,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from moe_tune.bench import Comparison
+    from moe_tune.profiles import LookupResult
+    from moe_tune.profiles.entry import Entry
+    from moe_tune.tuner import SweepResult
+    from moe_tune.tuner.model_sweep import CaseResult
 
 console = Console(stderr=True)
 # Wide when piped (CI logs, files) so that tables are not squeezed into 80 columns.
@@ -55,7 +62,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def sweep_summary(result) -> None:
+def sweep_summary(result: SweepResult) -> None:
     """One sweep's result (`tuner.SweepResult`): winner, default, speedup, candidates, search, where it went."""
     entry, best, default = result.entry, result.best, result.default
     shown = Table(title=f"Sweep result: {entry.op} {entry.direction or ''}", show_header=False,
@@ -89,13 +96,13 @@ def sweep_summary(result) -> None:
     out.print(shown)
 
 
-def _counts(entry, *names: str) -> str:
+def _counts(entry: Entry, *names: str) -> str:
     """`3 tried, 1 ok, 1 failed, 1 wrong` (with `names` among the counts after `tried`)."""
     parts = ["tried", *names, "failed", "wrong"]
     return ", ".join(f"{entry.count(name)} {name}" for name in parts)
 
 
-def model_sweep_summary(title: str, results) -> None:
+def model_sweep_summary(title: str, results: Sequence[CaseResult]) -> None:
     """One row per case of a model sweep (`tuner.model_sweep.CaseResult`)."""
     rows = []
     for r in results:
@@ -110,7 +117,7 @@ def model_sweep_summary(title: str, results) -> None:
           right=("tokens", "time_ms", "speedup"))
 
 
-def bench_table(title: str, cases) -> None:
+def bench_table(title: str, cases: Sequence[tuple[str, Comparison]]) -> None:
     """`moe-tune bench`: (kernel description, `bench.Comparison`) pairs, one row each."""
     rows = []
     for kernel, c in cases:
@@ -121,7 +128,7 @@ def bench_table(title: str, cases) -> None:
           rows, right=("tuned ms", "default ms", "baseline ms", "vs baseline"))
 
 
-def lookup_result(description: str, result) -> None:
+def lookup_result(description: str, result: LookupResult) -> None:
     """Which config the runtime would use (`profiles.LookupResult`), and why."""
     out.print(f"{description} on {result.device_kind}, backend {result.backend}", highlight=False)
     out.print(f"  source: [bold]{result.source}[/bold] ({result.reason})", highlight=False)

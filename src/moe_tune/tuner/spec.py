@@ -155,7 +155,7 @@ class SweepPlan:
                         "time_budget_s": s.time_budget_s, "max_candidates": s.max_candidates,
                         "finalists": s.finalists, "batch_size": s.batch_size, "space": len(self.space)})
 
-    @property
+    @functools.cached_property
     def identity(self) -> dict[str, Any]:
         """What makes two sweeps the same sweep: the same candidates, measured the same way."""
         problem = self.spec.problem

@@ -20,7 +20,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner import record
 from moe_tune.tuner.candidates import OK, Candidate
 from moe_tune.tuner.log import SweepLog
-from moe_tune.tuner.spec import Reporter, SweepPlan
+from moe_tune.tuner.spec import Reporter, SweepPlan, SweepSpec
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ class SweepState:
         default_factory=lambda: {"compile": 0.0, "check": 0.0, "time": 0.0})  # wall time per stage
 
     @property
-    def spec(self):
+    def spec(self) -> SweepSpec:
         return self.plan.spec
 
     def prepare_inputs(self) -> None:
