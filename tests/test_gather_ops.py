@@ -282,8 +282,8 @@ def test_sweep_entry_is_used_at_run_time(op, caplog):
     problem = spec.problem(tokens=64, hidden=128, top_k=4, experts=8, ep=2, dtype="float32")
     result = run_sweep(SweepSpec(op, problem, samples=2, workers=1, max_candidates=3))
     entry = result.entry
-    assert entry["candidates"]["tried"] == 3 and entry["candidates"]["wrong"] == 0
-    record = entry["distribution"]
+    assert entry.count("tried") == 3 and entry.count("wrong") == 0
+    record = entry.distribution
     assert record["experts"] == 8 and record["ep"] == 2 and 0.3 < record["valid_fraction"] < 0.7
 
     caplog.set_level(logging.INFO, logger="moe_tune")

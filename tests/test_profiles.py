@@ -10,6 +10,7 @@ import pytest
 
 import moe_tune
 from moe_tune.errors import TableError
+from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig
 from moe_tune.profiles import entry_key, key_fields, lookup, use_profiles, write_entries
@@ -30,9 +31,22 @@ def _write(directory, *entries):
 
 def test_exact_entry_wins(isolated_profiles):
     _write(isolated_profiles, _entry(PROBLEM, {"tm": 32, "tk": 256, "tn": 128}))
-    found = lookup("ragged_dot", PROBLEM)
+    found = get_op("ragged_dot").lookup(PROBLEM)
     assert found.source == "exact" and found.config == TiledConfig(32, 256, 128)
     assert found.path == isolated_profiles / "cpu" / "ragged_dot.json"
+
+
+def test_profiles_lookup_takes_the_backend_instance(isolated_profiles):
+    """The pinned `moe_tune.profiles.lookup` gets the backend object (profiles know nothing of kernels); the
+    op object's `lookup` picks it by name or by platform, and both give the same answer."""
+    _write(isolated_profiles, _entry(PROBLEM, {"tm": 32, "tk": 256, "tn": 128}))
+    tiled = get_op("ragged_dot").backends.get("tiled")
+    found = lookup("ragged_dot", PROBLEM, backend=tiled)
+    assert found.source == "exact" and found.config == TiledConfig(32, 256, 128)
+    assert get_op("ragged_dot").lookup(PROBLEM, backend="tiled") == found == get_op("ragged_dot").lookup(PROBLEM)
+    assert found.entry.key == found.key and found.entry.median_s == 1e-3
+    with pytest.raises(TypeError, match="backend instance"):
+        lookup("ragged_dot", PROBLEM, backend="tiled")
 
 
 def test_nearest_is_same_everything_but_m_nearest_in_log_space(isolated_profiles):
@@ -40,21 +54,21 @@ def test_nearest_is_same_everything_but_m_nearest_in_log_space(isolated_profiles
            _entry(PROBLEM.with_m(512), {"tm": 32, "tk": 256, "tn": 128}),
            _entry(PROBLEM.with_m(8192), {"tm": 512, "tk": 256, "tn": 128}),
            _entry(RaggedDotProblem(m=1100, k=256, n=256, groups=8), {"tm": 1, "tk": 1, "tn": 1}))  # other n
-    found = lookup("ragged_dot", PROBLEM.with_m(900))  # log-distance: 512 is closer than 8192
+    found = get_op("ragged_dot").lookup(PROBLEM.with_m(900))  # log-distance: 512 is closer than 8192
     assert found.source == "nearest" and found.config == TiledConfig(32, 256, 128)
-    assert lookup("ragged_dot", PROBLEM.with_m(4000)).config == TiledConfig(512, 256, 128)
+    assert get_op("ragged_dot").lookup(PROBLEM.with_m(4000)).config == TiledConfig(512, 256, 128)
 
 
 def test_nearest_prefers_same_distribution(isolated_profiles):
     _write(isolated_profiles,
            _entry(PROBLEM.with_m(1000), {"tm": 64, "tk": 256, "tn": 128}, distribution="skewed"),
            _entry(PROBLEM.with_m(4096), {"tm": 256, "tk": 256, "tn": 128}))
-    assert lookup("ragged_dot", PROBLEM).config.tm == 256
-    assert lookup("ragged_dot", PROBLEM, distribution="skewed").config.tm == 64
+    assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 256
+    assert get_op("ragged_dot").lookup(PROBLEM, distribution="skewed").config.tm == 64
 
 
 def test_default_when_nothing_matches():
-    found = lookup("ragged_dot", PROBLEM)
+    found = get_op("ragged_dot").lookup(PROBLEM)
     assert found.source == "default" and found.entry is None
     assert found.config == moe_tune.kernels.ragged_dot.BACKENDS.get("tiled").default_config(PROBLEM)
 
@@ -64,13 +78,13 @@ def test_use_profiles_takes_precedence_over_env_dir(isolated_profiles, tmp_path)
     overlay = tmp_path / "overlay"
     _write(overlay, _entry(PROBLEM, {"tm": 128, "tk": 256, "tn": 128}))
     with use_profiles(overlay):
-        assert lookup("ragged_dot", PROBLEM).config.tm == 128
-    assert lookup("ragged_dot", PROBLEM).config.tm == 32
+        assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 128
+    assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 32
 
 
 def test_invalid_tuned_config_is_not_used(isolated_profiles):
     _write(isolated_profiles, _entry(PROBLEM, {"tm": 0, "tk": 256, "tn": 128}))
-    found = lookup("ragged_dot", PROBLEM)
+    found = get_op("ragged_dot").lookup(PROBLEM)
     assert found.source == "default" and "unusable config" in found.reason
 
 
@@ -82,12 +96,12 @@ def test_broken_table_warns_once_and_falls_through(isolated_profiles, tmp_path, 
     _write(isolated_profiles, _entry(PROBLEM, {"tm": 32, "tk": 256, "tn": 128}))
     with use_profiles(broken):
         with pytest.warns(RuntimeWarning, match="ragged_dot.json"):
-            assert lookup("ragged_dot", PROBLEM).config.tm == 32
+            assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 32
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # only once
-            assert lookup("ragged_dot", PROBLEM).config.tm == 32
+            assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 32
         with pytest.raises(TableError, match="ragged_dot.json"):
-            lookup("ragged_dot", PROBLEM, strict=True)
+            get_op("ragged_dot").lookup(PROBLEM, strict=True)
         # and a model still runs
         out = moe_tune.ragged_dot(jnp.ones((1024, 256)), jnp.ones((8, 256, 128)), jnp.full((8,), 128, jnp.int32))
         assert np.allclose(np.asarray(out), 256.0)
@@ -95,9 +109,9 @@ def test_broken_table_warns_once_and_falls_through(isolated_profiles, tmp_path, 
 
 def test_table_is_reread_when_it_changes(isolated_profiles):
     _write(isolated_profiles, _entry(PROBLEM, {"tm": 32, "tk": 256, "tn": 128}))
-    assert lookup("ragged_dot", PROBLEM).config.tm == 32
+    assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 32
     _write(isolated_profiles, _entry(PROBLEM, {"tm": 64, "tk": 256, "tn": 128}))
-    assert lookup("ragged_dot", PROBLEM).config.tm == 64
+    assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 64
 
 
 def test_key_names_every_field():

@@ -21,7 +21,7 @@ from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig, TiledRaggedDot
 from moe_tune.profiles import (
-    SCHEMA_VERSION, StaleEntryError, entry_versions, key_fields, lookup, merge_tables, migrate, read_table,
+    SCHEMA_VERSION, StaleEntryError, entry_versions, key_fields, merge_tables, migrate, read_table,
     use_profiles, use_stale_policy, validate_paths, validate_table, write_entries,
 )
 from moe_tune.profiles.key import key_from_fields
@@ -76,20 +76,20 @@ def test_stale_revision_is_used_with_one_warning_by_default(isolated_profiles, m
     path = _write(isolated_profiles, _entry(), _entry(PROBLEM.with_m(2048), {"tm": 64, "tk": 256, "tn": 128}))
     monkeypatch.setattr(TiledRaggedDot, "revision", 2)
     with pytest.warns(RuntimeWarning, match=r"tiled revision 1 \(installed: 2\)") as record:
-        found = lookup("ragged_dot", PROBLEM)
+        found = get_op("ragged_dot").lookup(PROBLEM)
     assert str(path) in str(record[0].message) and "using them" in str(record[0].message)
     assert found.source == "exact" and found.config == TiledConfig(**GOOD)
     assert found.stale == "tiled revision 1 (installed: 2)" and "stale" in found.reason
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per table and difference, not per entry
-        assert lookup("ragged_dot", PROBLEM.with_m(2048)).config.tm == 64
+        assert get_op("ragged_dot").lookup(PROBLEM.with_m(2048)).config.tm == 64
 
 
 def test_fresh_entry_is_not_stale(isolated_profiles):
     _write(isolated_profiles, _entry(jax_version=jax.__version__.rsplit(".", 1)[0] + ".999"))  # other patch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        found = lookup("ragged_dot", PROBLEM)
+        found = get_op("ragged_dot").lookup(PROBLEM)
     assert found.source == "exact" and found.stale == ""
 
 
@@ -97,7 +97,7 @@ def test_other_jax_minor_is_stale(isolated_profiles):
     _write(isolated_profiles, _entry(jax_version="0.4.30"))
     major, minor = jax.__version__.split(".")[:2]
     with pytest.warns(RuntimeWarning, match=rf"jax 0\.4 \(installed: {major}\.{minor}\)"):
-        assert lookup("ragged_dot", PROBLEM).stale.startswith("jax 0.4")
+        assert get_op("ragged_dot").lookup(PROBLEM).stale.startswith("jax 0.4")
 
 
 def test_skip_falls_through_to_next_dir_then_nearest_then_default(isolated_profiles, tmp_path, monkeypatch):
@@ -108,14 +108,14 @@ def test_skip_falls_through_to_next_dir_then_nearest_then_default(isolated_profi
     monkeypatch.setenv("MOE_TUNE_STALE_POLICY", "skip")
     with use_profiles(overlay):
         with pytest.warns(RuntimeWarning, match="skipping them"):
-            found = lookup("ragged_dot", PROBLEM)
+            found = get_op("ragged_dot").lookup(PROBLEM)
         assert found.source == "exact" and found.config.tm == 32 and found.path == _table(isolated_profiles)
         assert "skipped stale exact entry in" in found.reason and found.stale == ""
 
         # No fresh exact entry anywhere: the nearest fresh entry, never a stale one.
         _write(isolated_profiles, _entry(PROBLEM.with_m(4096), {"tm": 256, "tk": 256, "tn": 128}, revision=2))
         _write(overlay, _entry(PROBLEM.with_m(2900), {"tm": 8, "tk": 256, "tn": 128}, revision=1))
-        found = lookup("ragged_dot", PROBLEM.with_m(3000))  # 2900 is nearer, but stale
+        found = get_op("ragged_dot").lookup(PROBLEM.with_m(3000))  # 2900 is nearer, but stale
         assert found.source == "nearest" and found.config.tm == 256 and found.stale == ""
 
     # Only stale entries: the default.
@@ -124,7 +124,7 @@ def test_skip_falls_through_to_next_dir_then_nearest_then_default(isolated_profi
     with use_profiles(only_stale), use_stale_policy("skip"):
         monkeypatch.setenv("MOE_TUNE_PROFILE_DIR", str(tmp_path / "empty"))
         with pytest.warns(RuntimeWarning, match=r"skipping them \(stale policy 'skip'"):
-            found = lookup("ragged_dot", PROBLEM.with_m(300))
+            found = get_op("ragged_dot").lookup(PROBLEM.with_m(300))
         assert found.source == "default" and found.config == TILED.default_config(PROBLEM.with_m(300))
         assert "skipped stale exact entry" in found.reason
 
@@ -135,23 +135,23 @@ def test_error_policy_names_file_key_and_difference(isolated_profiles, monkeypat
     key = _entry()["key"]
     with use_stale_policy("error"):
         with pytest.raises(StaleEntryError) as info:
-            lookup("ragged_dot", PROBLEM)
+            get_op("ragged_dot").lookup(PROBLEM)
     message = str(info.value)
     assert str(path) in message and key in message and "tiled revision 1 (installed: 3)" in message
     assert isinstance(info.value, TableError)
     with pytest.raises(StaleEntryError):
-        lookup("ragged_dot", PROBLEM, stale_policy="error")  # the argument works the same
+        get_op("ragged_dot").lookup(PROBLEM, stale_policy="error")  # the argument works the same
     with pytest.raises(StaleEntryError):  # and so does the environment, also for a nearest entry
         monkeypatch.setenv("MOE_TUNE_STALE_POLICY", "error")
-        lookup("ragged_dot", PROBLEM.with_m(1000))
+        get_op("ragged_dot").lookup(PROBLEM.with_m(1000))
     with pytest.warns(RuntimeWarning, match="using them"):
-        assert lookup("ragged_dot", PROBLEM, stale_policy="use").stale  # the argument wins over the env
+        assert get_op("ragged_dot").lookup(PROBLEM, stale_policy="use").stale  # the argument wins over the env
 
 
 def test_unknown_policy_is_a_usage_error(monkeypatch):
     monkeypatch.setenv("MOE_TUNE_STALE_POLICY", "sometimes")
     with pytest.raises(UsageError, match="MOE_TUNE_STALE_POLICY"):
-        lookup("ragged_dot", PROBLEM)
+        get_op("ragged_dot").lookup(PROBLEM)
     with pytest.raises(UsageError):
         with use_stale_policy("never"):
             pass
@@ -161,10 +161,10 @@ def test_entry_without_revision_counts_as_revision_1(isolated_profiles, monkeypa
     _write(isolated_profiles, _entry(revision=None))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert lookup("ragged_dot", PROBLEM).stale == ""
+        assert get_op("ragged_dot").lookup(PROBLEM).stale == ""
     monkeypatch.setattr(TiledRaggedDot, "revision", 2)
     with pytest.warns(RuntimeWarning, match="predates recorded revisions"):
-        assert lookup("ragged_dot", PROBLEM, stale_policy="skip").source == "default"
+        assert get_op("ragged_dot").lookup(PROBLEM, stale_policy="skip").source == "default"
 
 
 def test_a_model_runs_under_every_policy_but_error(isolated_profiles, monkeypatch):
@@ -205,10 +205,10 @@ def test_v1_table_is_migrated_on_read_and_rewritten_at_the_current_schema(isolat
     assert read_table(path)["schema_version"] == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        found = lookup("ragged_dot", PROBLEM)
+        found = get_op("ragged_dot").lookup(PROBLEM)
     assert found.source == "exact" and found.config == TiledConfig(**GOOD) and found.stale == ""
-    assert [str(p) for p in validate_table(path)] == [f"{path}: warning: schema_version 1 (migrated to 2 on read; "
-                                                      "rewritten at 2 on the next write or merge)"]
+    assert [str(p) for p in validate_table(path, get_op=get_op)] == [
+        f"{path}: warning: schema_version 1 (migrated to 2 on read; rewritten at 2 on the next write or merge)"]
 
     _write(isolated_profiles, _entry(PROBLEM.with_m(64)))
     on_disk = json.loads(path.read_text())
@@ -226,7 +226,7 @@ def test_newer_schema_is_refused_naming_the_file(isolated_profiles, tmp_path):
     assert str(path) in str(info.value)
     _write(isolated_profiles, _entry())
     with use_profiles(newer), pytest.warns(RuntimeWarning, match="newer moe-tune"):
-        assert lookup("ragged_dot", PROBLEM).path == _table(isolated_profiles)
+        assert get_op("ragged_dot").lookup(PROBLEM).path == _table(isolated_profiles)
     with pytest.raises(TableError, match="newer moe-tune"):  # and a sweep will not overwrite it
         write_entries(path, "ragged_dot", "cpu", [_entry()])
 
@@ -279,20 +279,20 @@ def test_broken_table_warns_once_falls_through_and_strict_names_file_and_problem
     problem_text = BROKEN[name][1]
     with use_profiles(broken):
         with pytest.warns(RuntimeWarning) as record:
-            found = lookup("ragged_dot", PROBLEM)
+            found = get_op("ragged_dot").lookup(PROBLEM)
         assert len(record) == 1 and str(path) in str(record[0].message) and problem_text in str(record[0].message)
         assert found.source == "exact" and found.path == _table(isolated_profiles)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert lookup("ragged_dot", PROBLEM).source == "exact"
+            assert get_op("ragged_dot").lookup(PROBLEM).source == "exact"
         with pytest.raises(TableError) as info:
-            lookup("ragged_dot", PROBLEM, strict=True)
+            get_op("ragged_dot").lookup(PROBLEM, strict=True)
         assert str(path) in str(info.value) and problem_text in str(info.value)
         with pytest.raises(TableError, match=problem_text.replace("(", r"\(")):
             read_table(path)
         args = (jnp.ones((1024, 256)), jnp.ones((8, 256, 128)), jnp.full((8,), 128, jnp.int32))
         assert np.allclose(np.asarray(moe_tune.ragged_dot(*args)), 256.0)
-    problems = validate_table(path)
+    problems = validate_table(path, get_op=get_op)
     assert len(problems) == 1 and problems[0].severity == "error" and problem_text in str(problems[0])
 
 
@@ -300,7 +300,7 @@ def test_broken_table_with_nothing_behind_it_uses_the_default(tmp_path):
     broken = tmp_path / "broken"
     _make_broken(broken, "truncated")
     with use_profiles(broken), pytest.warns(RuntimeWarning, match="not valid JSON"):
-        assert lookup("ragged_dot", PROBLEM).source == "default"
+        assert get_op("ragged_dot").lookup(PROBLEM).source == "default"
 
 
 def test_device_kind_path_that_is_a_file_is_skipped(isolated_profiles, tmp_path):
@@ -310,9 +310,9 @@ def test_device_kind_path_that_is_a_file_is_skipped(isolated_profiles, tmp_path)
     _write(isolated_profiles, _entry())
     with use_profiles(broken):
         with pytest.warns(RuntimeWarning, match="cpu/ragged_dot.json"):
-            assert lookup("ragged_dot", PROBLEM).source == "exact"
+            assert get_op("ragged_dot").lookup(PROBLEM).source == "exact"
         with pytest.raises(TableError, match="Not a directory"):
-            lookup("ragged_dot", PROBLEM, strict=True)
+            get_op("ragged_dot").lookup(PROBLEM, strict=True)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
@@ -324,7 +324,7 @@ def test_permission_denied_table_is_skipped(isolated_profiles, tmp_path):
     try:
         with use_profiles(broken):
             with pytest.warns(RuntimeWarning, match="permission denied"):
-                assert lookup("ragged_dot", PROBLEM).config.tm == 32
+                assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 32
             with pytest.raises(TableError, match="permission denied"):
                 read_table(path)
     finally:
@@ -347,12 +347,12 @@ def test_permission_denied_table_is_skipped_even_as_root(isolated_profiles, tmp_
     monkeypatch.setattr(type(path), "read_bytes", read_bytes)
     with use_profiles(broken):
         with pytest.warns(RuntimeWarning, match=f"{path}: cannot read: permission denied"):
-            assert lookup("ragged_dot", PROBLEM).config.tm == 32
+            assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 32
 
 
 def test_entry_config_of_the_wrong_types_does_not_break_lookup(isolated_profiles):
     _write(isolated_profiles, _entry(config={"tm": "32", "tk": None, "tn": [1]}))
-    found = lookup("ragged_dot", PROBLEM)
+    found = get_op("ragged_dot").lookup(PROBLEM)
     assert found.source == "default" and "unusable config" in found.reason
 
 
@@ -368,10 +368,11 @@ def test_valid_tables_have_no_problems(isolated_profiles):
     write_entries(_table(isolated_profiles, op="ragged_gather"), "ragged_gather", "cpu",
                   [{"key": key, "fields": fields, "config": {}, "timing": {"median_s": 1e-4},
                     "versions": entry_versions(get_op("ragged_gather").backends.get("jax"))}])
-    report = validate_paths()  # every profile dir
+    report = validate_paths(get_op=get_op)  # every profile dir
     assert report.ok and report.problems == [] and len(report.files) == 2
     assert report.lines() == ["2 tables checked: 0 errors, 0 warnings"]
-    assert validate_paths([isolated_profiles]).files == validate_paths([isolated_profiles / "cpu"]).files
+    files = validate_paths([isolated_profiles], get_op=get_op).files
+    assert files == validate_paths([isolated_profiles / "cpu"], get_op=get_op).files
 
 
 def test_validate_names_file_entry_and_what_is_wrong(isolated_profiles, monkeypatch):
@@ -401,7 +402,7 @@ def test_validate_names_file_entry_and_what_is_wrong(isolated_profiles, monkeypa
     table["entries"]["ragged_dot|m=64"] = wrong_key
     path.write_text(json.dumps(table))
 
-    report = validate_paths([path])
+    report = validate_paths([path], get_op=get_op)
     by_key = {}
     for p in report.problems:
         assert p.path == path
@@ -440,7 +441,8 @@ def test_validate_whole_file_problems(tmp_path):
     no_device.write_text(json.dumps({"schema_version": 2, "op": "ragged_dot", "entries": {}}))
     invalid = tmp_path / "p" / "cpu" / "ragged_gather.json"
     invalid.write_text('{"schema_version": 2, "entries": {"a": ')
-    report = validate_paths([tmp_path / "p", tmp_path / "missing.json", tmp_path / "p" / "cpu" / "nope.json"])
+    report = validate_paths([tmp_path / "p", tmp_path / "missing.json", tmp_path / "p" / "cpu" / "nope.json"],
+                            get_op=get_op)
     lines = [str(p) for p in report.errors]
     assert len(report.files) == 4  # the file given twice is checked once
     assert f"{unknown_op}: unknown op 'nope'" in "\n".join(lines)
@@ -451,7 +453,7 @@ def test_validate_whole_file_problems(tmp_path):
     assert f"{tmp_path / 'missing.json'}: no such file or directory" in lines
     empty = tmp_path / "empty"
     empty.mkdir()
-    report = validate_paths([empty])
+    report = validate_paths([empty], get_op=get_op)
     assert report.ok and [p.severity for p in report.problems] == ["warning"]
 
 
@@ -478,7 +480,7 @@ def test_merge_keeps_the_faster_entry_and_records_provenance(tmp_path):
     assert all(r["tuned_at"] for r in prov)
     assert [r["source"] for r in entries[k3]["provenance"]] == [str(b.absolute())]
     assert "fastest of 2" in "\n".join(report.lines())
-    assert validate_table(out) == []
+    assert validate_table(out, get_op=get_op) == []
 
     before = out.read_text()
     again = merge_tables(out, [a, b])  # idempotent: OUT is an input too, and its entries win ties

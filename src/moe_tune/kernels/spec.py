@@ -1,38 +1,121 @@
-"""`OpSpec`: what the tuner needs to know about an op beyond its backends.
+"""`OpSpec`: the one object that describes an op (`moe_tune.kernels.get_op(name)`).
 
-How to build a problem from user-facing options, how to make real inputs for it, the float64 reference
-the candidates are checked against, how to call a backend, and how close is close enough.
+It owns the op's problem class, its backend registry, its shape options (`kernels/options.py`), the one
+`resolve_config` the public wrapper calls at trace time (the caller's config, else the tables, else the
+backend's default; the version guard and the can't-run fallback included), and what the tuner needs: how to
+build a problem from user-facing options, real inputs for it, the float64 reference the candidates are
+checked against, how to call a backend, and how close is close enough.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
 import numpy as np
 
+from moe_tune import devices, profiles
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
+from moe_tune.kernels.guard import guard
 from moe_tune.kernels.options import ShapeOption
+
+logger = logging.getLogger("moe_tune")
 
 # Largest error allowed, relative to max |reference|, by the lowest-precision dtype involved. Wrong
 # configs produce errors of order one (missing or misplaced rows), far above these.
 TOLERANCE = {"float32": 2e-3, "float16": 1e-2, "bfloat16": 2e-2}
 
 
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What one kernel call runs with: the backend (after the version guard and the can't-run fallback), the
+    config, and where the config came from (for the log)."""
+
+    backend: Backend
+    config: KernelConfig
+    source: str
+
+
+def freeze_config(config: Any) -> Any:
+    """A caller's config as a static (hashable) argument: a field dict becomes a sorted tuple of items."""
+    return tuple(sorted(config.items())) if isinstance(config, Mapping) else config
+
+
+def _thaw(config: Any) -> Any:
+    return dict(config) if isinstance(config, tuple) else config
+
+
 class OpSpec(abc.ABC):
     name: ClassVar[str]
     backends: ClassVar[BackendRegistry]
+    # The plain-JAX backend that the version guard and the can't-run fallback (and any fallback flags) select.
+    fallback: ClassVar[str]
     description: ClassVar[str] = ""
     problem_class: ClassVar[type]  # the op's problem (a frozen dataclass, `profiles.protocols.ProblemLike`)
     directions: ClassVar[tuple[str, ...]] = ("fwd",)  # separately tuned passes (e.g. fwd and gradients)
     options: ClassVar[tuple[ShapeOption, ...]] = ()  # the shape options `problem()` takes (CLI flags, model presets)
 
+    @functools.cached_property
+    def key_field_names(self) -> tuple[str, ...]:
+        """The names of a table entry's `fields` for this op, in key order: the problem's key fields (those
+        of the default problem: every problem of the op has the same), then `backend` and `distribution`."""
+        return (*self.problem(**self.default_problem_options()).key_fields(), "backend", "distribution")
+
     @property
     def option_names(self) -> tuple[str, ...]:
         """The keywords of `problem()`, in declaration order."""
         return tuple(option.name for option in self.options)
+
+    # -- the runtime side -------------------------------------------------------------------------------------
+
+    def backend(self, name: str | Backend | None = None, *, force_fallback: bool = False) -> Backend:
+        """The backend called `name` (an instance is returned as is); None: the platform's default
+        (`devices.platform()`). `force_fallback`: the plain-JAX fallback whatever `name` says."""
+        if force_fallback:
+            return self.backends.get(self.fallback)
+        if isinstance(name, Backend):
+            return name
+        return self.backends.resolve(name, devices.platform())
+
+    def lookup(self, problem: Any, *, backend: str | Backend | None = None, **options: Any) -> profiles.LookupResult:
+        """The config the runtime would use for `problem` with `backend` (None: the platform's), and why.
+        `options`: those of `moe_tune.profiles.lookup` (distribution, device_kind, strict, stale_policy)."""
+        return profiles.lookup(self.name, problem, backend=self.backend(backend), **options)
+
+    def resolve_config(self, backend: str | Backend, problem: Any, given: Any = None) -> Resolved:
+        """The backend and config one call of the op runs with (called at trace time, so it costs nothing
+        per call under jit).
+
+        - The version guard first: a backend whose `jax_versions` exclude the installed JAX is replaced by
+          the plain-JAX `fallback` (one warning).
+        - `given` (a config, or its fields as a dict or `freeze_config` tuple): used as is, validated by
+          `coerce_config`; a config the caller passed is never silently replaced (InvalidConfigError).
+        - Else the tables (`lookup`: exact, nearest, heuristic default). A looked-up config the backend
+          cannot run for this problem (`config_error`, e.g. pallas_tpu with a hidden size that is not a
+          multiple of 128) runs on the plain-JAX fallback with its default config instead.
+        """
+        requested = self.backend(backend)
+        impl = guard(requested, self.backends.get(self.fallback))
+        if given is not None:
+            config, source = _thaw(given), "given by the caller"
+        else:
+            found = self.lookup(problem, backend=impl)
+            config, source = found.config, f"{found.source}: {found.reason}"
+            unsupported = impl.config_error(config, problem)
+            if unsupported is not None:
+                impl = self.backends.get(self.fallback)
+                config, source = impl.default_config(problem), f"{requested.name} cannot run it: {unsupported}"
+        config = impl.coerce_config(config, problem)
+        logger.info("%s %s: backend %s, config %s (%s)", self.name, problem.key_fields(), impl.name, config.label(),
+                    source)
+        return Resolved(impl, config, source)
+
+    # -- the tuner side ---------------------------------------------------------------------------------------
 
     @abc.abstractmethod
     def problem(self, **options: Any) -> Any:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import platformdirs
 
-ENV_PROFILE_DIR = "MOE_TUNE_PROFILE_DIR"
+from moe_tune import settings
+
+ENV_PROFILE_DIR = settings.PROFILE_DIR
 _overlays: list[Path] = []
 
 
@@ -26,8 +28,9 @@ def shipped_dir() -> Path:
 def search_dirs() -> list[tuple[str, Path]]:
     """(origin, dir) pairs in lookup order: overlay, env, user, shipped."""
     found = [("use_profiles", p) for p in reversed(_overlays)]
-    if os.environ.get(ENV_PROFILE_DIR):
-        found.append(("env", Path(os.environ[ENV_PROFILE_DIR]).expanduser()))
+    env = settings.profile_dir()
+    if env is not None:
+        found.append(("env", env))
     found += [("user", user_dir()), ("shipped", shipped_dir())]
     return found
 
@@ -35,9 +38,7 @@ def search_dirs() -> list[tuple[str, Path]]:
 def write_dir(explicit: str | os.PathLike | None = None) -> Path:
     if explicit is not None:
         return Path(explicit).expanduser()
-    if os.environ.get(ENV_PROFILE_DIR):
-        return Path(os.environ[ENV_PROFILE_DIR]).expanduser()
-    return user_dir()
+    return settings.profile_dir() or user_dir()
 
 
 def table_path(directory: Path, device_kind: str, op: str) -> Path:

@@ -8,26 +8,31 @@ backend and problem is not used.
 
 Stale entries (tuned with another kernel revision or JAX minor version, `versions.py`) are used, skipped or
 refused by the stale policy; `LookupResult.stale` says what differs when the config came from one.
+
+This module knows nothing of `moe_tune.kernels`: the caller passes the backend (`protocols.BackendLike`) and
+the problem (`protocols.ProblemLike`). `moe_tune.kernels.get_op(op).lookup(problem, backend=None | name)` is
+the convenience that picks the backend as the runtime does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
-from moe_tune import devices, distributions
+from moe_tune import devices, distributions, settings
 from moe_tune.errors import TableError
 from moe_tune.profiles import dirs
 from moe_tune.profiles import versions as _versions
+from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles.protocols import BackendLike, ProblemLike
 from moe_tune.profiles.table import read_table_cached
 from moe_tune.profiles.versions import StaleEntryError
 
-ENV_DISTRIBUTION = "MOE_TUNE_DISTRIBUTION"
+ENV_DISTRIBUTION = settings.DISTRIBUTION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +43,7 @@ class LookupResult:
     backend: str
     device_kind: str
     path: Path | None = None
-    entry: dict[str, Any] | None = None
+    entry: Entry | None = None
     reason: str = ""
     stale: str = ""  # what differs, when the config came from a stale entry (policy `use`); "" when fresh
     stale_policy: str = _versions.DEFAULT_STALE_POLICY
@@ -46,7 +51,7 @@ class LookupResult:
 
 def runtime_distribution() -> str:
     """The group-size distribution the runtime assumes when it looks entries up (default `balanced`)."""
-    return distributions.check_name(os.environ.get(ENV_DISTRIBUTION, distributions.DEFAULT))
+    return distributions.check_name(settings.distribution() or distributions.DEFAULT)
 
 
 _warned: set[Any] = set()
@@ -81,25 +86,26 @@ _memo: dict[tuple, LookupResult] = {}
 
 def lookup(
     op: str,
-    problem: Any,
+    problem: ProblemLike,
     *,
-    backend: str | None = None,
+    backend: BackendLike,
     distribution: str | None = None,
     device_kind: str | None = None,
     strict: bool = False,
     stale_policy: str | None = None,
 ) -> LookupResult:
-    """The config `moe_tune.<op>` would use for `problem` on `device_kind` (default: this machine).
+    """The config `moe_tune.<op>` would use for `problem` with `backend` (a backend instance, e.g.
+    `moe_tune.kernels.get_op(op).backends.get("tiled")`) on `device_kind` (default: this machine).
 
     `strict=True` raises TableError for an unreadable table instead of warning and skipping it.
     `stale_policy` (`use`, `skip`, `error`; default: `use_stale_policy` blocks, then `$MOE_TUNE_STALE_POLICY`,
     then `use`) says what to do with an entry tuned with another kernel revision or JAX minor version;
     `error` raises `StaleEntryError` (a TableError) naming the file, the key and what differs.
     """
-    from moe_tune.kernels import get_op  # kernels import this module; import lazily to avoid a cycle
-
-    spec = get_op(op)
-    impl = spec.backends.resolve(backend, devices.platform())
+    if isinstance(backend, str) or backend is None:
+        raise TypeError(f"lookup needs the backend instance, got {backend!r}; "
+                        f"moe_tune.kernels.get_op({op!r}).lookup(problem, backend=NAME) picks it by name")
+    impl = backend
     distribution = distributions.check_name(distribution or runtime_distribution())
     device_kind = device_kind or devices.device_kind()
     policy = _versions.stale_policy(stale_policy)
@@ -119,7 +125,7 @@ def lookup(
     return _memo[memo_key]
 
 
-def _stale_check(path: Path, key: str, entry: dict[str, Any], impl, policy: str, jax_version: str) -> list[str]:
+def _stale_check(path: Path, key: str, entry: dict[str, Any], impl: BackendLike, policy: str, jax_version: str) -> list[str]:
     """What makes `entry` stale (empty when fresh); raises under `error`, warns once per table and difference."""
     differs = _versions.staleness(entry, impl, jax_version)
     if not differs:
@@ -136,7 +142,7 @@ def _stale_check(path: Path, key: str, entry: dict[str, Any], impl, policy: str,
     return differs
 
 
-def _resolve(problem, impl, fields: dict[str, Any], key: str, device_kind: str,
+def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], key: str, device_kind: str,
              tables: list[tuple[Path, dict[str, Any]]], policy: str, jax_version: str) -> LookupResult:
     distribution = fields["distribution"]
     skipped: list[str] = []
@@ -154,14 +160,14 @@ def _resolve(problem, impl, fields: dict[str, Any], key: str, device_kind: str,
             reason = f"exact entry in {path} has an unusable config ({e})"
             break
         why = "; ".join([*skipped, f"tuned entry in {path}" + (f" (stale: {'; '.join(stale)})" if stale else "")])
-        return LookupResult(config, "exact", key, impl.name, device_kind, path, entry, why, "; ".join(stale),
-                            policy)
+        return LookupResult(config, "exact", key, impl.name, device_kind, path, Entry.from_json(entry, key), why,
+                            "; ".join(stale), policy)
     else:
         reason = "; ".join([*skipped, "no entry for this shape"]) if skipped else "no entry for this shape"
 
     # Nearest: every key field equal but the problem's size fields (token counts), which may differ, and the
     # distribution, which should not; closest in log space.
-    sizes = type(problem).SIZE_FIELDS
+    sizes = problem.SIZE_FIELDS
     best: tuple[tuple[int, float, int], Path, dict[str, Any], Any] | None = None
     for rank, (path, table) in enumerate(tables):
         for other_key, entry in table["entries"].items():
@@ -188,7 +194,7 @@ def _resolve(problem, impl, fields: dict[str, Any], key: str, device_kind: str,
         why = f"{reason}; nearest tuned {tuned} ({entry['fields'].get('distribution')}) in {path}"
         if stale:
             why += f" (stale: {'; '.join(stale)})"
-        return LookupResult(config, "nearest", key, impl.name, device_kind, path, entry, why, "; ".join(stale),
-                            policy)
+        return LookupResult(config, "nearest", key, impl.name, device_kind, path,
+                            Entry.from_json(entry, entry.get("key", key)), why, "; ".join(stale), policy)
     return LookupResult(impl.default_config(problem), "default", key, impl.name, device_kind, None, None,
                         f"{reason}; heuristic default", "", policy)

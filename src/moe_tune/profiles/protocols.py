@@ -54,3 +54,5 @@ class OpLike(Protocol):
     name: str
     problem_class: ProblemClass
     backends: RegistryLike
+    # The names of an entry's `fields`, in key order: the problem's key fields, then backend, distribution.
+    key_field_names: tuple[str, ...]

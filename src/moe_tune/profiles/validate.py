@@ -9,6 +9,9 @@ run for the problem, a bad timing or revision record.
 
 Warnings (usable, but worth knowing): a stale entry (another kernel revision or JAX minor version), an older
 schema (migrated on read, rewritten at the current schema on the next write), a directory without tables.
+
+The op objects come from the caller (`get_op`, e.g. `moe_tune.kernels.get_op`): profiles know nothing of
+kernels.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from moe_tune import distributions
 from moe_tune.errors import TableError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles.protocols import OpLike
 from moe_tune.profiles.table import SCHEMA_VERSION, entry_problems, parse_table
 from moe_tune.profiles.versions import staleness
 
@@ -76,8 +81,11 @@ def _without_path(path: Path, message: str) -> str:
     return message[len(prefix):] if message.startswith(prefix) else message
 
 
-def validate_table(path: str | os.PathLike) -> list[Problem]:
-    """Every problem with the table at `path` (empty when it is fine)."""
+GetOp = Callable[[str], OpLike]  # op name -> op object; raises (naming the choices) for an unknown op
+
+
+def validate_table(path: str | os.PathLike, *, get_op: GetOp) -> list[Problem]:
+    """Every problem with the table at `path` (empty when it is fine). `get_op`: `moe_tune.kernels.get_op`."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -108,8 +116,6 @@ def validate_table(path: str | os.PathLike) -> list[Problem]:
                                       f"<profile dir>/<device_kind>/<op>.json"))
     spec = None
     if op is not None:
-        from moe_tune.kernels import get_op  # kernels import profiles: import lazily
-
         try:
             spec = get_op(op)
         except Exception as e:
@@ -123,17 +129,7 @@ def validate_table(path: str | os.PathLike) -> list[Problem]:
     return problems
 
 
-_templates: dict[str, Any] = {}
-
-
-def _problem_template(spec) -> Any:
-    """A problem of the op's problem class (its class builds problems from key fields)."""
-    if spec.name not in _templates:
-        _templates[spec.name] = spec.problem(**spec.default_problem_options())
-    return _templates[spec.name]
-
-
-def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None, spec) -> list[str]:
+def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None, spec: OpLike | None) -> list[str]:
     structural = entry_problems(entry)
     if structural:
         return structural
@@ -160,8 +156,7 @@ def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | Non
     expected_key = key_from_fields(op, fields)
     if key != expected_key:
         found.append(f"key does not match its fields, which give {expected_key!r}")
-    template = _problem_template(spec)
-    names = [*template.key_fields(), "backend", "distribution"]
+    names = list(spec.key_field_names)
     missing = [n for n in names if n not in fields]
     unknown = [n for n in fields if n not in names]
     if missing:
@@ -175,14 +170,12 @@ def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | Non
         backend = spec.backends.get(fields["backend"])
     except Exception as e:
         found.append(str(e))
-    from moe_tune import distributions
-
     try:
         distributions.check_name(fields["distribution"])
     except Exception as e:
         found.append(str(e))
     try:
-        problem = type(template).from_key_fields(fields)
+        problem = spec.problem_class.from_key_fields(fields)
     except Exception as e:
         found.append(f"fields do not describe a valid {op} problem: {e}")
         return found
@@ -204,9 +197,10 @@ def table_files(directory: Path) -> list[Path]:
     return sorted({*directory.glob("*/*.json"), *directory.glob("*.json")})
 
 
-def validate_paths(paths: Iterable[str | os.PathLike] | None = None) -> ValidationReport:
+def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: GetOp) -> ValidationReport:
     """Validate table files and every table under directories; no paths: every profile dir that exists
-    (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables)."""
+    (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables).
+    `get_op`: `moe_tune.kernels.get_op`."""
     paths = list(paths or [])
     files: list[Path] = []
     problems: list[Problem] = []
@@ -233,5 +227,5 @@ def validate_paths(paths: Iterable[str | os.PathLike] | None = None) -> Validati
             seen.add(real)
             unique.append(path)
     for path in unique:
-        problems += validate_table(path)
+        problems += validate_table(path, get_op=get_op)
     return ValidationReport(unique, problems)

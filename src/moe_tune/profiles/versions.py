@@ -24,15 +24,15 @@ and what differs). Set by, highest first: `lookup(..., stale_policy=...)`, `use_
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from collections.abc import Iterator, Mapping
 from importlib import metadata
 from typing import Any
 
+from moe_tune import settings
 from moe_tune.errors import TableError, UsageError
 
-ENV_STALE_POLICY = "MOE_TUNE_STALE_POLICY"
+ENV_STALE_POLICY = settings.STALE_POLICY
 STALE_POLICIES = ("use", "skip", "error")
 DEFAULT_STALE_POLICY = "use"
 DISTRIBUTIONS = ("jax", "jaxlib", "moe-tune", "tune-jax")
@@ -81,10 +81,10 @@ def stale_policy(explicit: str | None = None) -> str:
         return check_policy(explicit)
     if _policy_stack:
         return _policy_stack[-1]
-    env = os.environ.get(ENV_STALE_POLICY)
-    if not env:
+    env = settings.stale_policy()
+    if env is None:
         return DEFAULT_STALE_POLICY
-    return check_policy(env.strip().lower(), f"${ENV_STALE_POLICY}")
+    return check_policy(env, f"${ENV_STALE_POLICY}")
 
 
 @contextlib.contextmanager

@@ -15,40 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune import settings
 from moe_tune.errors import UsageError
-from moe_tune.kernels.base import BackendRegistry, KernelConfig
+from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.plain_jax import row_range_mask
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.gather.registry import FALLBACK, REGISTRIES
-from moe_tune.kernels.guard import guard
+from moe_tune.kernels.gather.spec import SPECS
 from moe_tune.kernels.ragged_dot.problem import dtype_name
-from moe_tune.profiles.lookup import lookup
+from moe_tune.kernels.spec import freeze_config
 
-logger = logging.getLogger("moe_tune")
-
-ENV_GATHER_FALLBACK = "MOE_TUNE_RAGGED_GATHER_FALLBACK"
-ENV_GATHER_REDUCE_FALLBACK = "MOE_TUNE_RAGGED_GATHER_REDUCE_FALLBACK"
-_TRUE = ("1", "true", "yes", "on")
-
-
-def _flag(value: bool | None, env: str) -> bool:
-    if value is not None:
-        return bool(value)
-    return os.environ.get(env, "").strip().lower() in _TRUE
-
-
-def _freeze(config: Any) -> Any:
-    """Configs are static arguments: field dicts become sorted tuples (hashable)."""
-    return tuple(sorted(config.items())) if isinstance(config, Mapping) else config
+ENV_GATHER_FALLBACK = settings.RAGGED_GATHER_FALLBACK
+ENV_GATHER_REDUCE_FALLBACK = settings.RAGGED_GATHER_REDUCE_FALLBACK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,52 +40,24 @@ class _Kernel:
 
     op: str
     backend: str
-    given: Any = None  # a config, or its fields as a sorted tuple; None asks the tables
-
-    @property
-    def registry(self) -> BackendRegistry:
-        return REGISTRIES[self.op]
-
-    def config(self, problem: GatherProblem) -> tuple[Any, KernelConfig]:
-        impl = self.registry.get(self.backend)
-        if self.given is None:
-            found = lookup(self.op, problem, backend=impl.name)
-            config, source = found.config, f"{found.source}: {found.reason}"
-            unsupported = impl.config_error(config, problem)
-            if unsupported is not None:  # e.g. pallas_tpu needs hidden % 128 == 0: run, slower, on the plain path
-                impl = self.registry.get(FALLBACK)
-                config, source = impl.default_config(problem), f"{self.backend} cannot run it: {unsupported}"
-        else:
-            config = dict(self.given) if isinstance(self.given, tuple) else self.given
-            source = "given by the caller"
-        config = impl.coerce_config(config, problem)
-        logger.info("%s %s: backend %s, config %s (%s)", self.op, problem.key_fields(), impl.name, config.label(),
-                    source)
-        return impl, config
+    given: Any = None  # a config, or its `freeze_config` tuple; None asks the tables
 
     def gather(self, x, indices, start, end, weights):
         problem = GatherProblem(tokens=x.shape[0], rows=indices.shape[0], hidden=x.shape[1],
                                 dtype=dtype_name(x.dtype), weighted=weights is not None)
-        impl, config = self.config(problem)
-        return impl.gather(x, indices, start, end, weights, config=config)
+        resolved = SPECS[self.op].resolve_config(self.backend, problem, self.given)
+        return resolved.backend.gather(x, indices, start, end, weights, config=resolved.config)
 
     def gather_reduce(self, x, indices, weights, valid, reduce_group_size: int):
         rows = indices.shape[0]
         problem = GatherProblem(tokens=rows // reduce_group_size, rows=rows, hidden=x.shape[1],
                                 dtype=dtype_name(x.dtype))
-        impl, config = self.config(problem)
-        return impl.gather_reduce(x, indices, weights, valid, reduce_group_size, config=config)
-
-
-def _choose(registry: BackendRegistry, backend: str | None, fallback: bool) -> str:
-    if fallback:
-        return FALLBACK
-    impl = registry.resolve(backend, devices.platform())
-    return guard(impl, registry.get(FALLBACK)).name
+        resolved = SPECS[self.op].resolve_config(self.backend, problem, self.given)
+        return resolved.backend.gather_reduce(x, indices, weights, valid, reduce_group_size, config=resolved.config)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Kernels:
     """The two kernels of a call: `forward` runs the op, `backward` its gradient (the other kind)."""
 
     forward: _Kernel
@@ -110,12 +65,13 @@ class _Plan:
 
 
 def _kernels(forward_op: str, backward_op: str, backend: str | None, config: Any, gather_fallback: bool | None,
-             reduce_fallback: bool | None) -> _Plan:
-    gather_fb = _flag(gather_fallback, ENV_GATHER_FALLBACK)
-    reduce_fb = _flag(reduce_fallback, ENV_GATHER_REDUCE_FALLBACK)
-    fb = lambda op: gather_fb if op == "ragged_gather" else reduce_fb
-    return _Plan(_Kernel(forward_op, _choose(REGISTRIES[forward_op], backend, fb(forward_op)), _freeze(config)),
-                 _Kernel(backward_op, _choose(REGISTRIES[backward_op], backend, fb(backward_op))))
+             reduce_fallback: bool | None) -> _Kernels:
+    """The fallback flags (None: the environment, `settings`) pick the plain-JAX backend per kernel kind."""
+    gather_fb = settings.ragged_gather_fallback() if gather_fallback is None else bool(gather_fallback)
+    reduce_fb = settings.ragged_gather_reduce_fallback() if reduce_fallback is None else bool(reduce_fallback)
+    kernel = lambda op, given=None: _Kernel(op, SPECS[op].backend(
+        backend, force_fallback=gather_fb if op == "ragged_gather" else reduce_fb).name, given)
+    return _Kernels(kernel(forward_op, freeze_config(config)), kernel(backward_op))
 
 
 def _row_dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -128,20 +84,20 @@ def _row_dot(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ragged_gather(x, indices, start, end, weights, plan: _Plan):
-    return plan.forward.gather(x, indices, start, end, weights)
+def _ragged_gather(x, indices, start, end, weights, kernels: _Kernels):
+    return kernels.forward.gather(x, indices, start, end, weights)
 
 
-def _ragged_gather_fwd(x, indices, start, end, weights, plan: _Plan):
-    return _ragged_gather(x, indices, start, end, weights, plan), (x, indices, start, end, weights)
+def _ragged_gather_fwd(x, indices, start, end, weights, kernels: _Kernels):
+    return _ragged_gather(x, indices, start, end, weights, kernels), (x, indices, start, end, weights)
 
 
-def _ragged_gather_bwd(plan: _Plan, residuals, dout):
+def _ragged_gather_bwd(kernels: _Kernels, residuals, dout):
     x, indices, start, end, weights = residuals
-    dx = _scatter_add_rows(plan.backward, dout, indices, start, end, weights, x.shape[0]).astype(x.dtype)
+    dx = _scatter_add_rows(kernels.backward, dout, indices, start, end, weights, x.shape[0]).astype(x.dtype)
     dweights = None
     if weights is not None:  # d out[i] / d w[i] = x[indices[i]] on the valid rows: a ragged gather again
-        rows = plan.forward.gather(x, indices, start, end, None)
+        rows = kernels.forward.gather(x, indices, start, end, None)
         dweights = _row_dot(rows, dout).astype(weights.dtype)
     return dx, None, None, None, dweights
 
@@ -181,21 +137,21 @@ def _scatter_add_rows(kernel: _Kernel, dout, indices, start, end, weights, token
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _gather_reduce(x, indices, weights, valid, reduce_group_size: int, plan: _Plan):
-    return plan.forward.gather_reduce(x, indices, weights, valid, reduce_group_size)
+def _gather_reduce(x, indices, weights, valid, reduce_group_size: int, kernels: _Kernels):
+    return kernels.forward.gather_reduce(x, indices, weights, valid, reduce_group_size)
 
 
-def _gather_reduce_fwd(x, indices, weights, valid, reduce_group_size, plan):
-    out = _gather_reduce(x, indices, weights, valid, reduce_group_size, plan)
+def _gather_reduce_fwd(x, indices, weights, valid, reduce_group_size, kernels):
+    out = _gather_reduce(x, indices, weights, valid, reduce_group_size, kernels)
     return out, (x, indices, weights, valid)
 
 
-def _gather_reduce_bwd(reduce_group_size, plan, residuals, dout):
+def _gather_reduce_bwd(reduce_group_size, kernels, residuals, dout):
     x, indices, weights, valid = residuals
     rows = indices.shape[0]
     entry_valid = jnp.ones((rows,), bool) if valid is None else valid
     token = jnp.arange(rows, dtype=jnp.int32) // reduce_group_size
-    dx = _scatter_to_entries(plan.backward, dout, indices, weights, entry_valid, token, x.shape[0])
+    dx = _scatter_to_entries(kernels.backward, dout, indices, weights, entry_valid, token, x.shape[0])
     # d out[t] / d w[i] = x[indices[i]]: read only valid rows (the others may be NaN).
     safe = jnp.where(entry_valid, indices, 0)
     rows_x = jnp.take(x, safe, axis=0, mode="clip")
@@ -300,9 +256,9 @@ def ragged_gather(
     if weights is not None:
         _check_vector(weights, indices.shape[0], "weights", name)
     start, end = _scalar(start, "start", name), _scalar(end, "end", name)
-    plan = _kernels("ragged_gather", "ragged_gather_reduce", backend, config, ragged_gather_fallback,
+    kernels = _kernels("ragged_gather", "ragged_gather_reduce", backend, config, ragged_gather_fallback,
                     ragged_gather_reduce_fallback)
-    return _ragged_gather(x, indices.astype(jnp.int32), start, end, weights, plan)
+    return _ragged_gather(x, indices.astype(jnp.int32), start, end, weights, kernels)
 
 
 def _combine(name: str, x, indices, topk_weights, valid, reduce_group_size, backend, config, skip_zero_weights,
@@ -320,8 +276,8 @@ def _combine(name: str, x, indices, topk_weights, valid, reduce_group_size, back
         nonzero = topk_weights != 0
         valid = nonzero if valid is None else valid & nonzero
         name = "ragged_gather_reduce"  # a mask now exists: the masked kernel and tables serve it
-    plan = _kernels(name, "ragged_gather", backend, config, gather_fallback, reduce_fallback)
-    return _gather_reduce(x, indices.astype(jnp.int32), topk_weights, valid, reduce_group_size, plan)
+    kernels = _kernels(name, "ragged_gather", backend, config, gather_fallback, reduce_fallback)
+    return _gather_reduce(x, indices.astype(jnp.int32), topk_weights, valid, reduce_group_size, kernels)
 
 
 def ragged_gather_reduce(

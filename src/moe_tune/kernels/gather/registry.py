@@ -21,7 +21,3 @@ DENSE_GATHER_REDUCE_BACKENDS = BackendRegistry("dense_gather_reduce", platform_d
 for _registry in (GATHER_REDUCE_BACKENDS, DENSE_GATHER_REDUCE_BACKENDS):
     for _cls in (PlainGatherReduce, TiledGatherReduce, TritonGatherReduce, PallasTpuGatherReduce):
         _registry.register(_cls(op=_registry.op))
-
-# Op name -> its registry (the three gather ops; dispatch has its own kernels, the two combines share theirs).
-REGISTRIES = {registry.op: registry for registry in (GATHER_BACKENDS, GATHER_REDUCE_BACKENDS,
-                                                      DENSE_GATHER_REDUCE_BACKENDS)}

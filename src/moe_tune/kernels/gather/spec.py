@@ -14,7 +14,9 @@ from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
-from moe_tune.kernels.gather.registry import DENSE_GATHER_REDUCE_BACKENDS, GATHER_BACKENDS, GATHER_REDUCE_BACKENDS
+from moe_tune.kernels.gather.registry import (
+    DENSE_GATHER_REDUCE_BACKENDS, FALLBACK, GATHER_BACKENDS, GATHER_REDUCE_BACKENDS,
+)
 from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.spec import OpSpec
 
@@ -45,6 +47,7 @@ def routed_rows(problem: GatherProblem, distribution: str, seed: int) -> dict[st
 class _GatherOpSpec(OpSpec):
     options: ClassVar[tuple[ShapeOption, ...]] = (opt.TOKENS, opt.HIDDEN, opt.TOP_K, opt.EXPERTS, opt.EP, opt.DTYPE)
     default_weighted: ClassVar[bool] = True
+    fallback = FALLBACK
     problem_class = GatherProblem
 
     def problem(self, *, tokens: int, hidden: int, top_k: int, dtype: str = "float32", experts: int | None = None,
@@ -162,3 +165,4 @@ class DenseGatherReduceSpec(_GatherReduceSpec):
 RAGGED_GATHER = RaggedGatherSpec()
 RAGGED_GATHER_REDUCE = RaggedGatherReduceSpec()
 DENSE_GATHER_REDUCE = DenseGatherReduceSpec()
+SPECS = {spec.name: spec for spec in (RAGGED_GATHER, RAGGED_GATHER_REDUCE, DENSE_GATHER_REDUCE)}

@@ -5,66 +5,47 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
-from moe_tune.kernels.ragged_dot.registry import BACKENDS
-from moe_tune.profiles.lookup import lookup
-
-logger = logging.getLogger("moe_tune")
+from moe_tune.kernels.ragged_dot.spec import SPEC
+from moe_tune.kernels.spec import freeze_config
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Static (hashable) part of one call: backend, forward problem, configs the caller fixed."""
+class _Call:
+    """Static (hashable) part of one call: backend, forward problem, configs the caller fixed per direction."""
 
     backend: str
     problem: RaggedDotProblem
-    given: tuple[tuple[str, Any], ...]  # (direction, config or field dict as a sorted tuple)
-
-    def config(self, direction: str) -> KernelConfig:
-        """The config for `direction`: the caller's, else the tables' (looked up now, at trace time)."""
-        impl = BACKENDS.get(self.backend)
-        problem = self.problem.with_direction(direction)
-        given = dict(self.given).get(direction)
-        if given is None:
-            found = lookup("ragged_dot", problem, backend=impl.name)
-            config, source = found.config, f"{found.source}: {found.reason}"
-        else:
-            config, source = (dict(given) if isinstance(given, tuple) else given), "given by the caller"
-        config = impl.coerce_config(config, problem)
-        # Runs once per trace under jit, so this costs nothing per call.
-        logger.info("ragged_dot %s: backend %s, config %s (%s)", problem.key_fields(), impl.name, config.label(),
-                    source)
-        return config
+    given: tuple[tuple[str, Any], ...]  # (direction, config or `freeze_config` tuple)
 
     def run(self, direction: str, a, b, group_sizes, group_offset):
-        impl = BACKENDS.get(self.backend)
+        """One direction's kernel, its config resolved now (at trace time) by `SPEC.resolve_config`."""
         problem = self.problem.with_direction(direction)
-        return impl.run(problem, self.config(direction), a, b, group_sizes, group_offset)
+        resolved = SPEC.resolve_config(self.backend, problem, dict(self.given).get(direction))
+        return resolved.backend.run(problem, resolved.config, a, b, group_sizes, group_offset)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ragged_dot(lhs, rhs, group_sizes, group_offset, plan: _Plan):
-    return plan.run("fwd", lhs, rhs, group_sizes, group_offset)
+def _ragged_dot(lhs, rhs, group_sizes, group_offset, call: _Call):
+    return call.run("fwd", lhs, rhs, group_sizes, group_offset)
 
 
-def _ragged_dot_fwd(lhs, rhs, group_sizes, group_offset, plan: _Plan):
-    return plan.run("fwd", lhs, rhs, group_sizes, group_offset), (lhs, rhs, group_sizes, group_offset)
+def _ragged_dot_fwd(lhs, rhs, group_sizes, group_offset, call: _Call):
+    return call.run("fwd", lhs, rhs, group_sizes, group_offset), (lhs, rhs, group_sizes, group_offset)
 
 
-def _ragged_dot_bwd(plan: _Plan, residuals, dout):
+def _ragged_dot_bwd(call: _Call, residuals, dout):
     lhs, rhs, group_sizes, group_offset = residuals
-    dlhs = plan.run("dlhs", dout, rhs, group_sizes, group_offset)  # dout @ rhs[g]^T per group
-    drhs = plan.run("drhs", lhs, dout, group_sizes, group_offset)  # lhs[rows]^T @ dout[rows] per group
+    dlhs = call.run("dlhs", dout, rhs, group_sizes, group_offset)  # dout @ rhs[g]^T per group
+    drhs = call.run("drhs", lhs, dout, group_sizes, group_offset)  # lhs[rows]^T @ dout[rows] per group
     return dlhs, drhs, None, None
 
 
@@ -79,8 +60,7 @@ def _given_configs(config: Any) -> tuple[tuple[str, Any], ...]:
         items = config.items()
     else:
         items = [("fwd", config)]
-    freeze = lambda c: tuple(sorted(c.items())) if isinstance(c, Mapping) else c
-    return tuple((d, freeze(c)) for d, c in items if c is not None)
+    return tuple((d, freeze_config(c)) for d, c in items if c is not None)
 
 
 def ragged_dot(
@@ -115,10 +95,10 @@ def ragged_dot(
     problem = RaggedDotProblem.from_arrays(
         lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset
     )
-    impl = BACKENDS.resolve(backend, devices.platform())
+    impl = SPEC.backend(backend)
     if group_offset is not None:
         group_offset = jnp.asarray(group_offset, jnp.int32)
         if group_offset.shape != ():
             raise UsageError(f"group_offset must be a scalar, got shape {group_offset.shape}")
-    plan = _Plan(impl.name, problem, _given_configs(config))
-    return _ragged_dot(lhs, rhs, group_sizes, group_offset, plan)
+    call = _Call(impl.name, problem, _given_configs(config))
+    return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)

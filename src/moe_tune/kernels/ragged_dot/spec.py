@@ -35,6 +35,7 @@ DEFAULT_OPTIONS = {"m": 2048, "k": 2048, "n": 768, "groups": 16, "dtype": "float
 class RaggedDotSpec(OpSpec):
     name = "ragged_dot"
     backends = BACKENDS
+    fallback = "xla"  # jax.lax.ragged_dot_general
     description = "grouped matmul lhs[m,k] x rhs[g,k,n] -> [m,n] (Megablox gmm)"
     directions = DIRECTIONS
     problem_class = RaggedDotProblem

@@ -1,0 +1,88 @@
+"""Every `MOE_TUNE_*` environment variable, read in this one place.
+
+Each accessor reads the environment when it is called (never at import), so a variable set or changed after
+`import moe_tune` (a test's monkeypatch, a launcher) takes effect at the next lookup, trace or sweep.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+PROFILE_DIR = "MOE_TUNE_PROFILE_DIR"
+DISTRIBUTION = "MOE_TUNE_DISTRIBUTION"
+STALE_POLICY = "MOE_TUNE_STALE_POLICY"
+RAGGED_GATHER_FALLBACK = "MOE_TUNE_RAGGED_GATHER_FALLBACK"
+RAGGED_GATHER_REDUCE_FALLBACK = "MOE_TUNE_RAGGED_GATHER_REDUCE_FALLBACK"
+COMPILE_CACHE_DIR = "MOE_TUNE_COMPILE_CACHE_DIR"
+WORKER_MEMORY_LIMIT = "MOE_TUNE_WORKER_MEMORY_LIMIT"
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _get(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def profile_dir() -> Path | None:
+    """`MOE_TUNE_PROFILE_DIR`: a profile dir read before the user cache dir and the shipped tables, and the
+    dir sweeps write to when no `--profile-dir` is given. None when unset."""
+    value = _get(PROFILE_DIR)
+    return Path(value).expanduser() if value else None
+
+
+def distribution() -> str | None:
+    """`MOE_TUNE_DISTRIBUTION`: the group-size distribution the runtime assumes when it looks entries up
+    (`balanced`, `skewed`, `uniform`, `single`); None when unset (the caller's default, `balanced`)."""
+    return _get(DISTRIBUTION) or None
+
+
+def stale_policy() -> str | None:
+    """`MOE_TUNE_STALE_POLICY`: what lookup does with an entry tuned with another kernel revision or JAX
+    minor version: `use` (with one warning), `skip` or `error`; None when unset. Checked by the caller."""
+    return _get(STALE_POLICY).lower() or None
+
+
+def _flag(name: str) -> bool:
+    return _get(name).lower() in _TRUE
+
+
+def ragged_gather_fallback() -> bool:
+    """`MOE_TUNE_RAGGED_GATHER_FALLBACK=1`: run every gather kernel (dispatch, the backward of combine) on
+    the plain-JAX path, as the ops' `ragged_gather_fallback=True` does for one call."""
+    return _flag(RAGGED_GATHER_FALLBACK)
+
+
+def ragged_gather_reduce_fallback() -> bool:
+    """`MOE_TUNE_RAGGED_GATHER_REDUCE_FALLBACK=1`: run every gather-reduce kernel (combine, the backward of
+    dispatch) on the plain-JAX path, as `ragged_gather_reduce_fallback=True` does for one call."""
+    return _flag(RAGGED_GATHER_REDUCE_FALLBACK)
+
+
+def compile_cache_dir() -> Path | None:
+    """`MOE_TUNE_COMPILE_CACHE_DIR`: where sweeps keep JAX's persistent compilation cache (default
+    `<user cache dir>/moe-tune/jax_cache`); `off` disables it (None)."""
+    value = _get(COMPILE_CACHE_DIR)
+    if value.lower() == "off":
+        return None
+    return Path(value).expanduser() if value else platformdirs.user_cache_path("moe-tune") / "jax_cache"
+
+
+def compile_cache_dir_set() -> bool:
+    """Whether `MOE_TUNE_COMPILE_CACHE_DIR` is set (a sweep sets it for its compile workers)."""
+    return bool(_get(COMPILE_CACHE_DIR))
+
+
+def share_compile_cache_dir(directory: Path) -> None:
+    """Set `MOE_TUNE_COMPILE_CACHE_DIR` to `directory` unless it is set, so that worker processes started
+    from now on use the same cache."""
+    os.environ.setdefault(COMPILE_CACHE_DIR, str(directory))
+
+
+def worker_memory_limit() -> int | None:
+    """`MOE_TUNE_WORKER_MEMORY_LIMIT`: bytes of address space each compile worker may use (RLIMIT_AS), so
+    that a candidate that runs out of memory fails alone; None when unset (no limit)."""
+    value = _get(WORKER_MEMORY_LIMIT)
+    return int(value) if value else None
