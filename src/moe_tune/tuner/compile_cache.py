@@ -7,21 +7,16 @@ keeps whatever cache settings it has.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
-import platformdirs
 
-ENV_CACHE_DIR = "MOE_TUNE_COMPILE_CACHE_DIR"  # a dir, or "off" to disable
+from moe_tune import settings
 
 
 def cache_dir() -> Path | None:
     """`$MOE_TUNE_COMPILE_CACHE_DIR` ("off" disables), else `<user cache dir>/moe-tune/jax_cache`."""
-    value = os.environ.get(ENV_CACHE_DIR, "").strip()
-    if value.lower() == "off":
-        return None
-    return Path(value).expanduser() if value else platformdirs.user_cache_path("moe-tune") / "jax_cache"
+    return settings.compile_cache_dir()
 
 
 def enable() -> Path | None:
@@ -35,5 +30,5 @@ def enable() -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    os.environ.setdefault(ENV_CACHE_DIR, str(directory))  # compile workers inherit the same dir
+    settings.share_compile_cache_dir(directory)  # compile workers inherit the same dir
     return directory

@@ -46,8 +46,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
+from moe_tune import settings
+
 _HEADER = struct.Struct("<Q")
-MEMORY_LIMIT_ENV = "MOE_TUNE_WORKER_MEMORY_LIMIT"
+MEMORY_LIMIT_ENV = settings.WORKER_MEMORY_LIMIT
 START_LIMIT_S = 300.0  # for a worker to read a request and import its function (not part of `timeout`)
 
 
@@ -295,11 +297,11 @@ def shared(token: str) -> Any:
 
 
 def _limit_memory() -> None:
-    limit = os.environ.get(MEMORY_LIMIT_ENV)
+    limit = settings.worker_memory_limit()
     if limit:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (int(limit), int(limit)))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def _serve() -> None:
@@ -307,7 +309,7 @@ def _serve() -> None:
 
     global _out
     _limit_memory()
-    if os.environ.get("MOE_TUNE_COMPILE_CACHE_DIR"):  # the sweep turned the persistent cache on: share it
+    if settings.compile_cache_dir_set():  # the sweep turned the persistent cache on: share it
         from moe_tune.tuner import compile_cache
 
         compile_cache.enable()
