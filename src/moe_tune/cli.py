@@ -146,8 +146,7 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
     if plot is not None:
         from moe_tune.plots import plot_entries
 
-        entries = {entry.get("key"): entry for _, _, entry in reports.effective_entries(profile_dir, op)}
-        path = plot_entries([entries[key] for key in frame["key"]], plot)
+        path = plot_entries(reports.selected_entries(frame, profile_dir, op), plot)
         console.print(f"plot written to {path}", highlight=False)
     render.frame(frame, fmt, title="Tuned configs",
                  empty="No tuned entries match: run `moe-tune sweep`, or loosen the filters.",
