@@ -242,3 +242,16 @@ def test_cli_ctrl_c_exits_130_with_what_was_kept(isolated_profiles, monkeypatch)
     assert "an interrupted entry" in last
     (entry,) = read_table(isolated_profiles / "cpu" / "ragged_dot.json")["entries"].values()
     assert entry["interrupted"] is True and entry["candidates"]["tried"] == 4
+
+
+def test_the_sweeps_settings_are_one_record_in_header_identity_and_entry(tmp_path):
+    """The log's header, the identity its name hashes and the entry's `search` take the same settings."""
+    result = run_sweep(_spec(profile_dir=tmp_path, max_candidates=2, strategy="random", budget=2,
+                             time_budget_s=600.0))
+    header = _lines(result.log_path)[0]
+    for name in ("strategy", "budget", "time_budget_s", "max_candidates", "space", "batch_size"):
+        assert header["spec"][name] == result.entry.search[name], name
+    for name in ("seed", "samples", "race", "strategy", "budget", "max_candidates"):
+        assert header["identity"][name] == header["spec"][name], name
+    assert header["identity"]["key"] == header["key"] == result.key == result.entry.key
+    assert result.entry.search["strategy"] == "random" and result.entry.search["space"] == 2
