@@ -51,18 +51,19 @@ def test_plot_draws_candidates_and_speedups(tables, tmp_path):
 def test_bench_case_uses_the_tuned_entry(tables):
     problem = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4)
     result = bench.bench_case("ragged_dot", problem, samples=1)
-    assert result["lookup_source"] == "exact"
-    t = result["times_s"]
-    assert set(t) == {"tuned", "default", "xla", "dense", "skewed", "copy"} and result["ratios"]["xla_vs_dense"] > 0
+    assert result.lookup_source == "exact"
+    t = result.times_s
+    assert set(t) == {"tuned", "default", "xla", "dense", "skewed", "copy"} and result.ratios["xla_vs_dense"] > 0
     # the roofline is the larger of the compute roof (the dense matmul) and the memory roof
-    memory_roof = problem.min_bytes / (result["copy_gbps"] * 1e9)
-    assert result["roofline_s"] == pytest.approx(max(t["dense"], memory_roof))
-    assert result["roofline_bound"] == ("compute" if t["dense"] >= memory_roof else "memory")
-    assert result["ratios"]["tuned_vs_roofline"] == pytest.approx(t["tuned"] / result["roofline_s"])
-    assert result["ratios"]["skewed_vs_balanced"] == pytest.approx(t["skewed"] / t["tuned"])
+    memory_roof = problem.min_bytes / (result.copy_gbps * 1e9)
+    assert result.roofline_s == pytest.approx(max(t["dense"], memory_roof))
+    assert result.roofline_bound == ("compute" if t["dense"] >= memory_roof else "memory")
+    assert result.ratios["tuned_vs_roofline"] == pytest.approx(t["tuned"] / result.roofline_s)
+    assert result.ratios["skewed_vs_balanced"] == pytest.approx(t["skewed"] / t["tuned"])
     gather = get_op("ragged_gather").problem(tokens=32, hidden=128, top_k=4, experts=8, ep=2)
     result = bench.bench_case("ragged_gather", gather, samples=1)
-    assert result["lookup_source"] == "exact" and set(result["times_s"]) == {"tuned", "default", "fallback", "copy", "output_write"}
+    assert result.lookup_source == "exact"
+    assert set(result.times_s) == {"tuned", "default", "fallback", "copy", "output_write"}
 
 
 def test_sweep_log_shows_every_candidate_with_reasons(isolated_profiles, monkeypatch):

@@ -11,6 +11,7 @@ import pandas as pd
 
 from moe_tune.errors import UsageError
 from moe_tune.profiles import dirs
+from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import read_table
 
 COLUMNS = [
@@ -33,7 +34,7 @@ def table_files(profile_dir: Path | None = None, op: str | None = None) -> list[
 
 
 def effective_entries(profile_dir: Path | None = None, op: str | None = None
-                      ) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+                      ) -> Iterator[tuple[str, dict[str, Any], Entry]]:
     """(origin, table, entry) of every entry the runtime could use (a key shadowed by a higher-priority dir
     is skipped); raises TableError (naming the file) for an unreadable table."""
     seen = set()
@@ -43,7 +44,13 @@ def effective_entries(profile_dir: Path | None = None, op: str | None = None
             ident = (table.get("device_kind"), key)
             if ident not in seen:
                 seen.add(ident)
-                yield origin, table, entry
+                yield origin, table, Entry.from_json(entry, key)
+
+
+def selected_entries(frame: pd.DataFrame, profile_dir: Path | None = None, op: str | None = None) -> list[Entry]:
+    """The entries behind the rows of `frame` (from `entries_frame` and `select`), in its row order."""
+    entries = {entry.key: entry for _, _, entry in effective_entries(profile_dir, op)}
+    return [entries[key] for key in frame["key"]]
 
 
 def shape_label(fields: dict[str, Any]) -> str:
@@ -51,13 +58,10 @@ def shape_label(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items() if k not in _NOT_SHAPE and not k.endswith("dtype"))
 
 
-def _row(entry: dict[str, Any], table: dict[str, Any], origin: str) -> dict[str, Any]:
-    fields = entry["fields"]
+def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
+    fields = entry.fields
     dtypes = {str(v) for k, v in fields.items() if k.endswith("dtype")}
-    default = entry.get("default") or {}
-    timing = entry.get("timing") or {}
-    counts = entry.get("candidates") or {}
-    config = entry["config"]
+    median = entry.median_s
     return {
         "device_kind": table.get("device_kind"),
         "op": table.get("op"),
@@ -66,15 +70,15 @@ def _row(entry: dict[str, Any], table: dict[str, Any], origin: str) -> dict[str,
         "shape": shape_label(fields),
         "dtype": "/".join(sorted(dtypes)),
         "distribution": fields.get("distribution"),
-        "config": " ".join(f"{k}={v}" for k, v in config.items()) or "-",
-        "time_ms": timing.get("median_s", float("nan")) * 1e3,
-        "default_ms": (default.get("median_s") or float("nan")) * 1e3,
-        "speedup": entry.get("speedup_over_default") or float("nan"),
-        "tried": counts.get("tried"), "failed": counts.get("failed"), "wrong": counts.get("wrong"),
-        "timing": timing.get("method"),
+        "config": " ".join(f"{k}={v}" for k, v in entry.config.items()) or "-",
+        "time_ms": (float("nan") if median is None else median) * 1e3,
+        "default_ms": (entry.default_median_s or float("nan")) * 1e3,
+        "speedup": entry.speedup_over_default or float("nan"),
+        "tried": entry.count("tried"), "failed": entry.count("failed"), "wrong": entry.count("wrong"),
+        "timing": entry.timing_method,
         "source": origin,
-        "tuned_at": entry.get("tuned_at"),
-        "key": entry.get("key"),
+        "tuned_at": entry.tuned_at,
+        "key": entry.key,
     }
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_tune.errors import TableError, UsageError
+from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import read_table, update_table
 from moe_tune.profiles.versions import recorded_revision
 
@@ -63,8 +64,8 @@ class MergeReport:
         return [head, *self.notes, *(f"  {d}" for d in self.decisions if d.candidates > 1)]
 
 
-def _median(entry: dict[str, Any]) -> float | None:
-    value = (entry.get("timing") or {}).get("median_s")
+def _median(entry: Entry) -> float | None:
+    value = entry.median_s
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and value == value:
         return float(value)
     return None
@@ -77,35 +78,35 @@ def _ident(record: dict[str, Any]) -> tuple:
     return tuple(str(record.get(name)) for name in _IDENT)
 
 
-def _own_record(entry: dict[str, Any], source: str) -> dict[str, Any]:
+def _own_record(entry: Entry, source: str) -> dict[str, Any]:
     """Where `entry` came from: its winning provenance record if an earlier merge kept it, else `source`."""
-    for record in entry.get("provenance") or []:
+    for record in entry.provenance or []:
         if isinstance(record, dict) and record.get("won"):
             return {k: v for k, v in record.items() if k != "won"}
-    return {"source": source, "hostname": entry.get("hostname"), "median_s": _median(entry),
-            "tuned_at": entry.get("tuned_at"), "backend_revision": recorded_revision(entry)}
+    return {"source": source, "hostname": entry.hostname, "median_s": _median(entry),
+            "tuned_at": entry.tuned_at, "backend_revision": recorded_revision(entry)}
 
 
-def _rank(entry: dict[str, Any], order: int) -> tuple:
+def _rank(entry: Entry, order: int) -> tuple:
     median = _median(entry)
     return (-recorded_revision(entry), median is None, median if median is not None else 0.0, order)
 
 
-def _pick(key: str, candidates: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], int, str]:
+def _pick(key: str, candidates: list[tuple[str, Entry]]) -> tuple[Entry, int, str]:
     """(kept entry with provenance, index of the winning candidate, why it won)."""
     ranked = sorted(range(len(candidates)), key=lambda i: _rank(candidates[i][1], i))
     win = ranked[0]
     source, winner = candidates[win]
     records: dict[tuple, dict[str, Any]] = {}
     for src, entry in candidates:
-        for record in entry.get("provenance") or []:
+        for record in entry.provenance or []:
             if isinstance(record, dict):
                 records.setdefault(_ident(record), {k: v for k, v in record.items() if k != "won"})
         own = _own_record(entry, src)
         records.setdefault(_ident(own), own)
     won = _ident(_own_record(winner, source))
     provenance = [{**record, "won": ident == won} for ident, record in records.items()]
-    kept = {**winner, "key": key, "provenance": provenance}
+    kept = winner.replace(key=key, provenance=provenance)
 
     median = _median(winner)
     if len(candidates) == 1:
@@ -162,18 +163,18 @@ def merge_tables(out_path: str | os.PathLike, in_paths: Iterable[str | os.PathLi
     def merge(table: dict[str, Any]) -> list[MergeDecision]:
         # `table` is OUT as it is now, under its lock (empty when OUT does not exist).
         out_existed.append(out.exists())
-        by_key: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        by_key: dict[str, list[tuple[str, Entry]]] = {}
         for path, other in inputs:
             for key, entry in other["entries"].items():
-                by_key.setdefault(key, []).append((os.path.abspath(path), entry))
+                by_key.setdefault(key, []).append((os.path.abspath(path), Entry.from_json(entry, key)))
         decisions = []
         for key, candidates in by_key.items():
             current = table["entries"].get(key)
             if current is not None:
-                candidates = [(os.path.abspath(out), current), *candidates]
+                candidates = [(os.path.abspath(out), Entry.from_json(current, key)), *candidates]
             kept, win, why = _pick(key, candidates)
             status = "added" if current is None else ("kept" if win == 0 else "replaced")
-            table["entries"][key] = kept
+            table["entries"][key] = kept.to_json()
             decisions.append(MergeDecision(key, status, candidates[win][0], _median(kept), len(candidates), why))
         return decisions
 

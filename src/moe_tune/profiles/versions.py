@@ -31,6 +31,7 @@ from typing import Any
 
 from moe_tune import settings
 from moe_tune.errors import TableError, UsageError
+from moe_tune.profiles.entry import Entry
 
 ENV_STALE_POLICY = settings.STALE_POLICY
 STALE_POLICIES = ("use", "skip", "error")
@@ -106,22 +107,26 @@ def _minor(version: Any) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def recorded_revision(entry: Mapping[str, Any]) -> int:
+def _versions_of(entry: Entry | Mapping[str, Any]) -> Mapping[str, Any]:
+    """An entry's `versions` record (an `Entry` or its JSON); {} when it has none."""
+    versions = entry.versions if isinstance(entry, Entry) else entry.get("versions")
+    return versions if isinstance(versions, Mapping) else {}
+
+
+def recorded_revision(entry: Entry | Mapping[str, Any]) -> int:
     """The backend revision an entry was tuned with (`UNRECORDED_REVISION` when it does not say)."""
-    versions = entry.get("versions")
-    revision = versions.get("backend_revision") if isinstance(versions, Mapping) else None
+    revision = _versions_of(entry).get("backend_revision")
     return revision if isinstance(revision, int) and not isinstance(revision, bool) else UNRECORDED_REVISION
 
 
-def staleness(entry: Mapping[str, Any], backend: Any, jax_version: str | None = None) -> list[str]:
+def staleness(entry: Entry | Mapping[str, Any], backend: Any, jax_version: str | None = None) -> list[str]:
     """What differs between what `entry` was tuned with and what is installed; empty when it is fresh.
 
     Each item is one difference, free of anything entry-specific so that it can key a once-only warning:
     `"tiled revision 1 (installed: 2)"`, `"jax 0.9 (installed: 0.10)"`.
     """
     found = []
-    versions = entry.get("versions")
-    versions = versions if isinstance(versions, Mapping) else {}
+    versions = _versions_of(entry)
     current = int(getattr(backend, "revision", UNRECORDED_REVISION))
     tuned = recorded_revision(entry)
     if tuned != current:
