@@ -1,8 +1,10 @@
 """What every kernel backend is: a named implementation of one op with a frozen config, validity rules,
 a heuristic default and a search space pruned by those rules.
 
-Ops subclass `Backend` once (e.g. `RaggedDotBackend`, which adds the op's call signature) and each backend
-module subclasses that. The tuner only talks to this interface plus the op's `OpSpec` (see `ops.py`).
+Ops subclass `Backend` once (`ragged_dot/base.py`: `RaggedDotBackend`, which adds the op's call signature;
+`gather/base.py`: `GatherBackend`, `GatherReduceBackend`) and each backend module subclasses that. The tuner
+and the public ops only talk to this interface plus the op's `OpSpec` (`kernels/spec.py`). How to add a
+backend: `kernels/README.md`.
 """
 
 from __future__ import annotations

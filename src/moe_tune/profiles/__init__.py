@@ -1,7 +1,9 @@
-"""Tuned-config tables: format, the shared key function, lookup, profile directories, versions and staleness,
-validation and merging."""
+"""Tuned-config tables: the typed entry, format, the shared key function, lookup, profile directories,
+versions and staleness, validation and merging. Nothing here imports the kernels package (kernels use
+profiles, never the other way): lookup gets the backend object, validate the op objects, from the caller."""
 
 from moe_tune.profiles.dirs import ENV_PROFILE_DIR, search_dirs, table_path, use_profiles, write_dir
+from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.key import entry_key, key_fields, key_from_fields
 from moe_tune.profiles.lookup import LookupResult, lookup
 from moe_tune.profiles.merge import MergeDecision, MergeReport, merge_tables
@@ -12,7 +14,7 @@ from moe_tune.profiles.versions import (
 )
 
 __all__ = [
-    "ENV_PROFILE_DIR", "ENV_STALE_POLICY", "LookupResult", "MergeDecision", "MergeReport", "Problem",
+    "ENV_PROFILE_DIR", "ENV_STALE_POLICY", "Entry", "LookupResult", "MergeDecision", "MergeReport", "Problem",
     "SCHEMA_VERSION", "STALE_POLICIES", "StaleEntryError", "ValidationReport", "entry_key", "entry_versions",
     "key_fields", "key_from_fields", "lookup", "merge_tables", "migrate", "read_table", "search_dirs", "staleness",
     "table_path", "use_profiles", "use_stale_policy", "validate_paths", "validate_table", "write_dir",

@@ -9,8 +9,8 @@ backend and problem is not used.
 Stale entries (tuned with another kernel revision or JAX minor version, `versions.py`) are used, skipped or
 refused by the stale policy; `LookupResult.stale` says what differs when the config came from one.
 
-This module knows nothing of `moe_tune.kernels`: the caller passes the backend (`protocols.BackendLike`) and
-the problem (`protocols.ProblemLike`). `moe_tune.kernels.get_op(op).lookup(problem, backend=None | name)` is
+This module knows nothing of the kernels package: the caller passes the backend (`protocols.BackendLike`) and
+the problem (`protocols.ProblemLike`). `kernels.get_op(op).lookup(problem, backend=None | name)` is
 the convenience that picks the backend as the runtime does.
 """
 
@@ -95,7 +95,7 @@ def lookup(
     stale_policy: str | None = None,
 ) -> LookupResult:
     """The config `moe_tune.<op>` would use for `problem` with `backend` (a backend instance, e.g.
-    `moe_tune.kernels.get_op(op).backends.get("tiled")`) on `device_kind` (default: this machine).
+    `kernels.get_op(op).backends.get("tiled")`) on `device_kind` (default: this machine).
 
     `strict=True` raises TableError for an unreadable table instead of warning and skipping it.
     `stale_policy` (`use`, `skip`, `error`; default: `use_stale_policy` blocks, then `$MOE_TUNE_STALE_POLICY`,
@@ -104,7 +104,7 @@ def lookup(
     """
     if isinstance(backend, str) or backend is None:
         raise TypeError(f"lookup needs the backend instance, got {backend!r}; "
-                        f"moe_tune.kernels.get_op({op!r}).lookup(problem, backend=NAME) picks it by name")
+                        f"kernels.get_op({op!r}).lookup(problem, backend=NAME) picks it by name")
     impl = backend
     distribution = distributions.check_name(distribution or runtime_distribution())
     device_kind = device_kind or devices.device_kind()
@@ -125,7 +125,8 @@ def lookup(
     return _memo[memo_key]
 
 
-def _stale_check(path: Path, key: str, entry: dict[str, Any], impl: BackendLike, policy: str, jax_version: str) -> list[str]:
+def _stale_check(path: Path, key: str, entry: dict[str, Any], impl: BackendLike, policy: str,
+                 jax_version: str) -> list[str]:
     """What makes `entry` stale (empty when fresh); raises under `error`, warns once per table and difference."""
     differs = _versions.staleness(entry, impl, jax_version)
     if not differs:

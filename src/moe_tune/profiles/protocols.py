@@ -1,5 +1,5 @@
 """What profiles need of an op's problems, backends and op objects, as Protocols: profiles import nothing
-from `moe_tune.kernels` (data flows kernels -> profiles); callers pass the objects in."""
+from the kernels package (data flows kernels -> profiles); callers pass the objects in."""
 
 from __future__ import annotations
 

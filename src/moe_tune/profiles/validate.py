@@ -10,7 +10,7 @@ run for the problem, a bad timing or revision record.
 Warnings (usable, but worth knowing): a stale entry (another kernel revision or JAX minor version), an older
 schema (migrated on read, rewritten at the current schema on the next write), a directory without tables.
 
-The op objects come from the caller (`get_op`, e.g. `moe_tune.kernels.get_op`): profiles know nothing of
+The op objects come from the caller (`get_op`, e.g. `kernels.get_op`): profiles know nothing of
 kernels.
 """
 
@@ -85,7 +85,7 @@ GetOp = Callable[[str], OpLike]  # op name -> op object; raises (naming the choi
 
 
 def validate_table(path: str | os.PathLike, *, get_op: GetOp) -> list[Problem]:
-    """Every problem with the table at `path` (empty when it is fine). `get_op`: `moe_tune.kernels.get_op`."""
+    """Every problem with the table at `path` (empty when it is fine). `get_op`: `kernels.get_op`."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -200,7 +200,7 @@ def table_files(directory: Path) -> list[Path]:
 def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: GetOp) -> ValidationReport:
     """Validate table files and every table under directories; no paths: every profile dir that exists
     (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables).
-    `get_op`: `moe_tune.kernels.get_op`."""
+    `get_op`: `kernels.get_op`."""
     paths = list(paths or [])
     files: list[Path] = []
     problems: list[Problem] = []
