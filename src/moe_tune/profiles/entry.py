@@ -86,7 +86,8 @@ class Entry:
             if key is None:
                 raise ValueError("entry lacks its 'key'")
             known["key"] = key  # written from now on: every schema-2 entry holds its key
-        absent = frozenset(name for name in _ORDER if name not in known)
+        # provenance: written only when set, so it need not be remembered as absent
+        absent = frozenset(name for name in _ORDER if name not in known and name != "provenance")
         extra = {name: value for name, value in data.items() if name not in _ORDER}
         return cls(**known, extra=extra, absent=absent)
 
