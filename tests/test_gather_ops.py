@@ -297,7 +297,7 @@ def test_sweep_entry_is_used_at_run_time(op, caplog):
         out = moe_tune.dense_gather_reduce(x, inputs["indices"], inputs["weights"], 4)
     assert close(out, spec.reference(problem, inputs))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(op))
-    assert "(exact: tuned entry in" in line and entry["config"]["rows_per_chunk"] == int(
+    assert "(exact: tuned entry in" in line and entry.config["rows_per_chunk"] == int(
         line.split("rows_per_chunk=")[1].split()[0])
 
 
