@@ -14,7 +14,8 @@ from faulty_backend import FaultyConfig, FaultyRaggedDot
 import moe_tune
 from moe_tune import distributions
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.profiles import entry_key, lookup, read_table, use_profiles
+from moe_tune.kernels import get_op
+from moe_tune.profiles import entry_key, read_table, use_profiles
 from moe_tune.profiles.table import SCHEMA_VERSION
 from moe_tune.tuner import SweepError, SweepSpec, run_sweep
 from moe_tune.tuner.candidates import backend_compiles
@@ -223,7 +224,7 @@ def test_tuner_key_equals_runtime_key(tmp_path, caplog):
     assert entry_key("ragged_dot", runtime_problem, "tiled", "balanced") == result.key
     with use_profiles(tmp_path), caplog.at_level(logging.INFO, logger="moe_tune"):
         jax.jit(moe_tune.ragged_dot)(lhs, rhs, sizes)
-        found = lookup("ragged_dot", runtime_problem)
+        found = get_op("ragged_dot").lookup(runtime_problem)  # the platform default backend, as the runtime
     assert found.source == "exact" and found.key == result.key
     assert found.config.to_dict() == result.entry.config
     assert any("exact" in r.getMessage() and found.config.label() in r.getMessage() for r in caplog.records)
