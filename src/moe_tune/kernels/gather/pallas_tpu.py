@@ -31,6 +31,7 @@ from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
+from moe_tune.kernels.pallas_util import interpreted, round_up, sublanes
 
 LANES = 128
 # Each in-flight DMA owns one semaphore of the ring; keep the ring modest.
@@ -64,25 +65,16 @@ class PallasTpuGatherReduceConfig(KernelConfig):
     dmas_in_flight: int = 16
 
 
-def _sublanes(dtype: str) -> int:
-    """Rows per native TPU tile: 8 for 32-bit, 16 for 16-bit (two values packed per 32-bit sublane)."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _interpret():
     """False on TPU; elsewhere the TPU interpreter, which simulates DMAs and semaphores (and fills fresh
     VMEM with NaN, so a row the kernel forgot to write shows up in the output)."""
-    return False if devices.platform() == "tpu" else pltpu.InterpretParams()
+    return pltpu.InterpretParams() if interpreted("tpu") else False
 
 
 def _lane_padded_bytes(rows: int, cols: int, itemsize: int = 4) -> int:
     """VMEM a [rows, cols] block takes once padded to whole (8, 128) tiles: narrow weight columns cost 128
     lanes each."""
-    return _round_up(rows, 8) * _round_up(cols, LANES) * itemsize
+    return round_up(rows, 8) * round_up(cols, LANES) * itemsize
 
 
 def gather_vmem_bytes(config: PallasTpuGatherConfig, problem: GatherProblem) -> int:
@@ -147,11 +139,11 @@ def _default_block(vmem_bytes, cap: int, size: int, align: int) -> int:
     block = align
     while block * 2 <= cap and vmem_bytes(block * 2) <= DEFAULT_VMEM_BYTES:
         block *= 2
-    return min(block, _round_up(size, align))
+    return min(block, round_up(size, align))
 
 
 def _block_candidates(size: int, align: int) -> list[int]:
-    return sorted({b for b in (align, 2 * align, *BLOCKS) if b % align == 0 and b <= _round_up(size, align)})
+    return sorted({b for b in (align, 2 * align, *BLOCKS) if b % align == 0 and b <= round_up(size, align)})
 
 
 class _RowDmaRing:
@@ -374,19 +366,19 @@ class PallasTpuGather(_PallasTpuBackend, GatherBackend):
     description = "Pallas Mosaic TPU: one DMA per row in [start, end) into VMEM output blocks; interpret mode off TPU"
 
     def config_error(self, config: PallasTpuGatherConfig, problem: GatherProblem) -> str | None:
-        sub = _sublanes(problem.dtype)
+        sub = sublanes(problem.dtype)
         return (_shape_error(problem)
-                or _tunable_error("block_rows", config.block_rows, sub, _round_up(problem.rows, sub))
+                or _tunable_error("block_rows", config.block_rows, sub, round_up(problem.rows, sub))
                 or _dmas_error(config.dmas_in_flight, config.block_rows)
                 or _vmem_error(gather_vmem_bytes(config, problem)))
 
     def default_config(self, problem: GatherProblem) -> PallasTpuGatherConfig:
         vmem = lambda block: gather_vmem_bytes(PallasTpuGatherConfig(block, 1), problem)
-        block = _default_block(vmem, 512, problem.rows, _sublanes(problem.dtype))
+        block = _default_block(vmem, 512, problem.rows, sublanes(problem.dtype))
         return PallasTpuGatherConfig(block_rows=block, dmas_in_flight=min(DEFAULT_DMAS_IN_FLIGHT, block))
 
     def candidate_values(self, problem: GatherProblem) -> dict[str, list[int]]:
-        return {"block_rows": _block_candidates(problem.rows, _sublanes(problem.dtype)), "dmas_in_flight": list(DMAS)}
+        return {"block_rows": _block_candidates(problem.rows, sublanes(problem.dtype)), "dmas_in_flight": list(DMAS)}
 
     def gather(self, x, indices, start, end, weights, *, config):
         return pallas_tpu_gather(x, indices, start, end, weights, block_rows=config.block_rows,
@@ -398,20 +390,20 @@ class PallasTpuGatherReduce(_PallasTpuBackend, GatherReduceBackend):
     description = "Pallas Mosaic TPU: DMA each valid row into VMEM, f32 weighted sum per token; interpret mode off TPU"
 
     def config_error(self, config: PallasTpuGatherReduceConfig, problem: GatherProblem) -> str | None:
-        sub = _sublanes(problem.dtype)
+        sub = sublanes(problem.dtype)
         return (_shape_error(problem)
-                or _tunable_error("block_tokens", config.block_tokens, sub, _round_up(problem.tokens, sub))
+                or _tunable_error("block_tokens", config.block_tokens, sub, round_up(problem.tokens, sub))
                 or _dmas_error(config.dmas_in_flight, config.block_tokens * problem.top_k)
                 or _vmem_error(gather_reduce_vmem_bytes(config, problem)))
 
     def default_config(self, problem: GatherProblem) -> PallasTpuGatherReduceConfig:
         vmem = lambda block: gather_reduce_vmem_bytes(PallasTpuGatherReduceConfig(block, 1), problem)
-        block = _default_block(vmem, 256, problem.tokens, _sublanes(problem.dtype))
+        block = _default_block(vmem, 256, problem.tokens, sublanes(problem.dtype))
         return PallasTpuGatherReduceConfig(
             block_tokens=block, dmas_in_flight=min(DEFAULT_DMAS_IN_FLIGHT, block * problem.top_k))
 
     def candidate_values(self, problem: GatherProblem) -> dict[str, list[int]]:
-        return {"block_tokens": _block_candidates(problem.tokens, _sublanes(problem.dtype)),
+        return {"block_tokens": _block_candidates(problem.tokens, sublanes(problem.dtype)),
                 "dmas_in_flight": list(DMAS)}
 
     def gather_reduce(self, x, indices, weights, valid, reduce_group_size, *, config):

@@ -35,6 +35,7 @@ from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
+from moe_tune.kernels.pallas_util import interpreted, pad_to
 
 # Uses pl.program_id / pl.ds / pl.when and triton.load / store (masked, vector-index) / CompilerParams, as
 # in 0.10.2. JAX 0.11.0 deprecates the Pallas Triton backend (still shipped) and plans its removal, hence
@@ -81,15 +82,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _pad_to(x: jax.Array, axis: int, block: int, value=0) -> jax.Array:
-    extra = -x.shape[axis] % block
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _default_block_cols(problem: GatherProblem) -> int:
     """The largest power of two that divides hidden, capped at DEFAULT_COL_BYTES of a row."""
     target = max(64, DEFAULT_COL_BYTES // jnp.dtype(problem.dtype).itemsize)
@@ -122,7 +114,7 @@ class _TritonGatherCommon:
 
     @property
     def interpret(self) -> bool:
-        return devices.platform() != "gpu"
+        return interpreted("gpu")
 
     def blocked_extent(self, problem: GatherProblem) -> int:
         """The length of the axis the row-like block tiles."""
@@ -243,11 +235,11 @@ class TritonGather(_TritonGatherCommon, GatherBackend):
         start = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows)
         end = jnp.clip(jnp.asarray(end, jnp.int32), start, rows)
         # Padded rows are >= rows >= end: never in range, so their index value is never used.
-        idx = _pad_to(indices.astype(jnp.int32), 0, br)
+        idx = pad_to(indices.astype(jnp.int32), 0, br)
         rows_p = idx.shape[0]
         operands = [jnp.stack([start, end]), idx, x]
         if weights is not None:
-            operands.append(_pad_to(weights, 0, br))
+            operands.append(pad_to(weights, 0, br))
         kernel = functools.partial(_gather_kernel, block_rows=br, block_cols=bc, weighted=weights is not None)
         out = pl.pallas_call(
             kernel,
@@ -287,8 +279,8 @@ class TritonGatherReduce(_TritonGatherCommon, GatherReduceBackend):
             idx = jnp.where(valid.astype(bool), idx, -1)
         # [r, tokens]: step j of a program reads block_tokens consecutive entries. Padded tokens are
         # invalid (-1) and weigh 0.
-        idx_t = _pad_to(idx.reshape(tokens, r).T, 1, bt, value=-1)
-        w_t = _pad_to(weights.astype(jnp.float32).reshape(tokens, r).T, 1, bt)
+        idx_t = pad_to(idx.reshape(tokens, r).T, 1, bt, value=-1)
+        w_t = pad_to(weights.astype(jnp.float32).reshape(tokens, r).T, 1, bt)
         tokens_p = idx_t.shape[1]
         kernel = functools.partial(_gather_reduce_kernel, block_tokens=bt, block_cols=bc, group=r)
         out = pl.pallas_call(

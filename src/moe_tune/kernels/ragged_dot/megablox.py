@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.pallas_util import interpreted, sublanes
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 
@@ -32,11 +33,6 @@ class MegabloxConfig(KernelConfig):
     tm: int = 128
     tk: int = 128
     tn: int = 128
-
-
-def _sublanes(dtype: str) -> int:
-    """Rows per native TPU tile: 8 for 32-bit, 16 for bf16 (two values packed per 32-bit sublane)."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
@@ -68,7 +64,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
         if min(tm, tk, tn) <= 0:
             return "tile sizes must be positive"
         m, k, n = problem.matmul_dims()
-        sub = _sublanes(problem.operand_dtypes()[0])
+        sub = sublanes(problem.operand_dtypes()[0])
         # tgmm reads lhs transposed, [tk, tm] blocks: there rows tile the lanes and k the sublanes.
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         if tm % m_align:
@@ -92,7 +88,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def default_config(self, problem: RaggedDotProblem) -> MegabloxConfig:
         m, k, n = problem.matmul_dims()
-        sub = _sublanes(problem.operand_dtypes()[0])
+        sub = sublanes(problem.operand_dtypes()[0])
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         tm = self._largest_valid(256, -(-m // m_align) * m_align, m_align)
         tk = self._largest_valid(512, k, k_align)
@@ -104,7 +100,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         _, k, n = problem.matmul_dims()
-        sub = _sublanes(problem.operand_dtypes()[0])
+        sub = sublanes(problem.operand_dtypes()[0])
         dims = lambda size: sorted({size, *(v for v in (128, 256, 512, 1024, 2048) if v < size)})
         return {"tm": [sub, 2 * sub, 64, 128, 256, 512, 1024], "tk": dims(k), "tn": dims(n)}
 
@@ -120,7 +116,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
         out = _gmm_kernel.gmm(
             self._pad_rows(lhs, config.tm), rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
             (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
-            interpret=devices.platform() != "tpu",
+            interpret=interpreted("tpu"),
         )[:m]
         # gmm leaves rows that no group owns (past sum(group_sizes)) uninitialized on TPU.
         keep = rows_in_local_groups(group_sizes, m, rhs.shape[0], group_offset)
@@ -131,5 +127,5 @@ class MegabloxRaggedDot(RaggedDotBackend):
         return _gmm_kernel.tgmm(
             self._pad_rows(lhs, config.tm).swapaxes(0, 1), self._pad_rows(dout, config.tm),
             group_sizes.astype(jnp.int32), jnp.dtype(out_dtype), (config.tm, config.tk, config.tn), offset,
-            num_actual_groups=num_groups, interpret=devices.platform() != "tpu",
+            num_actual_groups=num_groups, interpret=interpreted("tpu"),
         )

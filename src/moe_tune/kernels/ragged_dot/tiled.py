@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
@@ -128,11 +129,7 @@ def drhs_window(tm: int, *, m: int, groups: int) -> int:
     """The rows per window tgmm uses for a `tm` config: at most twice an average group (its gathered
     windows then take at most about twice the memory of lhs, whatever config a table lookup brought) and
     at most m."""
-    return max(1, min(tm, m, _round_up(2 * -(-m // max(groups, 1)), 16)))
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+    return max(1, min(tm, m, round_up(2 * -(-m // max(groups, 1)), 16)))
 
 
 def tiled_transposed_ragged_dot(
@@ -245,14 +242,14 @@ class TiledRaggedDot(RaggedDotBackend):
             tm = min(max(32, 1 << rows_per_group.bit_length() - 1), 512, m)
             return TiledConfig(tm=tm, tk=k, tn=n, tail=min(max(16, tm // 8), tm))
         # drhs: a window a quarter longer than an average group holds most groups of balanced routing whole
-        return TiledConfig(tm=min(_round_up(rows_per_group * 5 // 4, 16), m), tk=k, tn=n)
+        return TiledConfig(tm=min(round_up(rows_per_group * 5 // 4, 16), m), tk=k, tn=n)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         m, k, n = problem.matmul_dims()
         if not _is_gmm(problem):
             # windows around the average group size: shorter ones split groups, longer ones pad them
             rows_per_group = max(m // problem.groups, 1)
-            windows = {min(_round_up(max(rows_per_group * f // 8, 1), 16), m) for f in DRHS_WINDOW_EIGHTHS}
+            windows = {min(round_up(max(rows_per_group * f // 8, 1), 16), m) for f in DRHS_WINDOW_EIGHTHS}
             return {"tm": sorted(windows), "tk": [k], "tn": [n], "tail": [TiledConfig.tail]}
         return {
             "tm": _pow2_up_to(min(m, 1024), 32),

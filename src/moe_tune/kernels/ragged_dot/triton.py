@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.pallas_util import interpreted, pad_to
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
@@ -37,15 +38,6 @@ class TritonConfig(KernelConfig):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-
-
-def _pad_to(x: jax.Array, axis: int, block: int) -> jax.Array:
-    extra = -x.shape[axis] % block
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
 
 
 def _precision(dtype) -> jax.lax.Precision | None:
@@ -108,7 +100,7 @@ class TritonRaggedDot(RaggedDotBackend):
 
     @property
     def interpret(self) -> bool:
-        return devices.platform() != "gpu"
+        return interpreted("gpu")
 
     def config_error(self, config: TritonConfig, problem: RaggedDotProblem) -> str | None:
         for name in ("block_m", "block_k", "block_n"):
@@ -151,8 +143,8 @@ class TritonRaggedDot(RaggedDotBackend):
         groups = rhs.shape[0]
         n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
-        lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-        rhs_p = _pad_to(_pad_to(rhs, 2 if transpose_rhs else 1, bk), 1 if transpose_rhs else 2, bn)
+        lhs_p = pad_to(pad_to(lhs, 0, bm), 1, bk)
+        rhs_p = pad_to(pad_to(rhs, 2 if transpose_rhs else 1, bk), 1 if transpose_rhs else 2, bn)
         mp, kp = lhs_p.shape
         np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
         meta = make_group_metadata(group_sizes, m=mp, tm=bm, groups=groups,
@@ -175,8 +167,8 @@ class TritonRaggedDot(RaggedDotBackend):
         m, k = lhs.shape
         n = dout.shape[1]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
-        lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-        dout_p = _pad_to(_pad_to(dout, 0, bm), 1, bn)
+        lhs_p = pad_to(pad_to(lhs, 0, bm), 1, bk)
+        dout_p = pad_to(pad_to(dout, 0, bm), 1, bn)
         meta = make_group_metadata(group_sizes, m=lhs_p.shape[0], tm=bm, groups=num_groups,
                                    group_offset=0 if group_offset is None else group_offset)
         kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn,
