@@ -46,7 +46,7 @@ def _precision(dtype) -> jax.lax.Precision | None:
 
 
 def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, out_ref, *,
-                block_m, block_k, block_n, k_blocks, transpose_rhs, precision):
+                block_m, block_k, block_n, k_blocks, transpose_rhs, precision, dtype):
     visit, col_block = pl.program_id(0), pl.program_id(1)
 
     @pl.when(visit < num_visits[0])
@@ -56,11 +56,11 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref,
 
         def body(kb, acc):
             k0 = kb * block_k
-            x = lhs_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]
+            x = lhs_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)].astype(dtype)
             if transpose_rhs:  # rhs is [g, n_out, k_contract]
-                w = rhs_ref[group, pl.ds(col0, block_n), pl.ds(k0, block_k)]
+                w = rhs_ref[group, pl.ds(col0, block_n), pl.ds(k0, block_k)].astype(dtype)
                 return acc + plgpu.dot(x, w, trans_b=True, precision=precision)
-            w = rhs_ref[group, pl.ds(k0, block_k), pl.ds(col0, block_n)]
+            w = rhs_ref[group, pl.ds(k0, block_k), pl.ds(col0, block_n)].astype(dtype)
             return acc + plgpu.dot(x, w, precision=precision)
 
         acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -70,7 +70,7 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref,
                     mask=jnp.broadcast_to(keep[:, None], (block_m, block_n)))
 
 
-def _tgmm_kernel(starts, ends, lhs_ref, dout_ref, out_ref, *, block_m, block_k, block_n, precision):
+def _tgmm_kernel(starts, ends, lhs_ref, dout_ref, out_ref, *, block_m, block_k, block_n, precision, dtype):
     group, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = starts[group], ends[group]
 
@@ -78,8 +78,8 @@ def _tgmm_kernel(starts, ends, lhs_ref, dout_ref, out_ref, *, block_m, block_k, 
         row0 = tile * block_m
         rows = row0 + jnp.arange(block_m)
         keep = ((rows >= start) & (rows < end))[:, None]
-        x = lhs_ref[pl.ds(row0, block_m), pl.ds(k_block * block_k, block_k)]
-        d = dout_ref[pl.ds(row0, block_m), pl.ds(n_block * block_n, block_n)]
+        x = lhs_ref[pl.ds(row0, block_m), pl.ds(k_block * block_k, block_k)].astype(dtype)
+        d = dout_ref[pl.ds(row0, block_m), pl.ds(n_block * block_n, block_n)].astype(dtype)
         x = jnp.where(keep, x, jnp.zeros_like(x))
         return acc + plgpu.dot(x, d, trans_a=True, precision=precision)
 
@@ -149,8 +149,9 @@ class TritonRaggedDot(RaggedDotBackend):
         np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
         meta = make_group_metadata(group_sizes, m=mp, tm=bm, groups=groups,
                                    group_offset=0 if group_offset is None else group_offset)
+        dtype = jnp.promote_types(lhs.dtype, rhs.dtype)  # tl.dot takes one operand type (mixed: float32)
         kernel = functools.partial(_gmm_kernel, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
-                                   transpose_rhs=transpose_rhs, precision=_precision(lhs.dtype))
+                                   transpose_rhs=transpose_rhs, precision=_precision(dtype), dtype=dtype)
         out = pl.pallas_call(
             kernel,
             grid=(meta.group_ids.shape[0], np_ // bn),
@@ -171,8 +172,9 @@ class TritonRaggedDot(RaggedDotBackend):
         dout_p = pad_to(pad_to(dout, 0, bm), 1, bn)
         meta = make_group_metadata(group_sizes, m=lhs_p.shape[0], tm=bm, groups=num_groups,
                                    group_offset=0 if group_offset is None else group_offset)
+        dtype = jnp.promote_types(lhs.dtype, dout.dtype)  # tl.dot takes one operand type (mixed: float32)
         kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn,
-                                   precision=_precision(lhs.dtype))
+                                   precision=_precision(dtype), dtype=dtype)
         kp, np_ = lhs_p.shape[1], dout_p.shape[1]
         out = pl.pallas_call(
             kernel,
