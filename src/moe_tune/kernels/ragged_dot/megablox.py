@@ -3,6 +3,7 @@
 The TPU backend. Elsewhere it runs in Pallas interpret mode, which is slow and only meant for tests at
 small shapes. Tiling is (tm, tk, tn); block shapes follow the TPU rule that the last two dims of a block
 are multiples of (8 x packing, 128) or span the whole array, and double-buffered blocks must fit in VMEM.
+Quantized operands (QArray) run this package's own kernels, `megablox_quant.py`, with the same tiling.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
+from moe_tune.kernels.ragged_dot.megablox_quant import quantized_gmm, quantized_tgmm
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+from moe_tune.kernels.ragged_dot.quantized import is_low_bit, prepare_gmm, prepare_tgmm
 
 # The package re-exports a custom_vjp `gmm` under the same name as the module, so import the module itself.
 _gmm_kernel = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -39,8 +42,37 @@ def _sublanes(dtype: str) -> int:
     return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
+def block_dtypes(problem: RaggedDotProblem) -> tuple[str, str, str]:
+    """Dtypes of the blocks the kernel reads (its two operands) and writes: `operand_dtypes()`, but for a
+    quantized operand its 1-byte values, and float32 for an operand a per-channel / per-row scale was folded
+    into (`quantized.py`)."""
+    a, b, out = problem.operand_dtypes()
+    if problem.direction == "fwd":
+        return problem.lhs_qdtype or a, problem.rhs_qdtype or b, out
+    if problem.direction == "dlhs":
+        return ("float32" if problem.rhs_qblock == problem.k else a), problem.rhs_qdtype or b, out
+    return problem.lhs_qdtype or a, ("float32" if problem.lhs_qblock == problem.k else b), out
+
+
+def _scale_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
+    """The quantized kernels' scale blocks (float32, whole along k / bs): rhs [k/bs, tn] (dlhs: [k/bs, tk],
+    unless folded), lhs [tm, k/bs] (drhs: [k/bs, tm], unless folded)."""
+    total = 0
+    if problem.rhs_qblock is not None and not (problem.direction == "dlhs" and problem.rhs_qblock == problem.k):
+        total += problem.k // problem.rhs_qblock * (config.tk if problem.direction == "dlhs" else config.tn)
+    if problem.lhs_qblock is not None and not (problem.direction == "drhs" and problem.lhs_qblock == problem.k):
+        total += problem.k // problem.lhs_qblock * config.tm
+    return 2 * 4 * total
+
+
 def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     """VMEM the kernel's blocks take: double-buffered input/output blocks plus the f32 accumulator."""
+    if problem.quantized:
+        a, b, out = (jnp.dtype(d).itemsize for d in block_dtypes(problem))
+        tm, tk, tn = config.tm, config.tk, config.tn
+        blocks = (tk * tm * a + tm * tn * b + tk * tn * out) if problem.direction == "drhs" else (
+            tm * tk * a + tk * tn * b + tm * tn * out)
+        return 2 * blocks + _scale_bytes(config, problem) + (tk if problem.direction == "drhs" else tm) * tn * 4
     a, _, out = problem.operand_dtypes()
     in_bytes, out_bytes = jnp.dtype(a).itemsize, jnp.dtype(out).itemsize
     if problem.direction == "drhs":  # tgmm: lhs^T [tk, tm], dout [tm, tn] -> [tk, tn]
@@ -48,6 +80,20 @@ def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
         return 2 * (tk * tm + tm * tn) * in_bytes + 2 * tk * tn * out_bytes + tk * tn * 4
     tm, tk, tn = config.tm, config.tk, config.tn
     return 2 * (tm * tk + tk * tn) * in_bytes + 2 * tm * tn * out_bytes + tm * tn * 4
+
+
+def quant_config_error(config: MegabloxConfig, problem: RaggedDotProblem) -> str | None:
+    """The quantized kernels' own rules: no ragged contraction tile (their k loop has no remainder mask),
+    and a sub-channel scale block that is a multiple or a divisor of the tile it scales (tk along k; for
+    dlhs tn, which tiles the forward k)."""
+    _, k, _ = problem.matmul_dims()
+    if problem.direction != "drhs" and k % config.tk:
+        return f"tk={config.tk} must divide the contraction ({k}) for quantized operands"
+    tile, name = (config.tn, "tn") if problem.direction == "dlhs" else (config.tk, "tk")
+    for block in (problem.lhs_qblock, problem.rhs_qblock):
+        if block is not None and block < problem.k and tile % block and block % tile:
+            return f"{name}={tile} must be a multiple of the scale block {block} or divide it"
+    return None
 
 
 class MegabloxRaggedDot(RaggedDotBackend):
@@ -68,7 +114,9 @@ class MegabloxRaggedDot(RaggedDotBackend):
         if min(tm, tk, tn) <= 0:
             return "tile sizes must be positive"
         m, k, n = problem.matmul_dims()
-        sub = _sublanes(problem.operand_dtypes()[0])
+        if problem.quantized and (reason := quant_config_error(config, problem)):
+            return reason
+        sub = _sublanes(block_dtypes(problem)[0])
         # tgmm reads lhs transposed, [tk, tm] blocks: there rows tile the lanes and k the sublanes.
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         if tm % m_align:
@@ -92,7 +140,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def default_config(self, problem: RaggedDotProblem) -> MegabloxConfig:
         m, k, n = problem.matmul_dims()
-        sub = _sublanes(problem.operand_dtypes()[0])
+        sub = _sublanes(block_dtypes(problem)[0])
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         tm = self._largest_valid(256, -(-m // m_align) * m_align, m_align)
         tk = self._largest_valid(512, k, k_align)
@@ -104,7 +152,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         _, k, n = problem.matmul_dims()
-        sub = _sublanes(problem.operand_dtypes()[0])
+        sub = _sublanes(block_dtypes(problem)[0])
         dims = lambda size: sorted({size, *(v for v in (128, 256, 512, 1024, 2048) if v < size)})
         return {"tm": [sub, 2 * sub, 64, 128, 256, 512, 1024], "tk": dims(k), "tn": dims(n)}
 
@@ -117,17 +165,28 @@ class MegabloxRaggedDot(RaggedDotBackend):
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
         m = lhs.shape[0]
         offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-        out = _gmm_kernel.gmm(
-            self._pad_rows(lhs, config.tm), rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
-            (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
-            interpret=devices.platform() != "tpu",
-        )[:m]
+        ops = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
+        if ops.quantized:
+            out = quantized_gmm(*ops, group_sizes.astype(jnp.int32), tiling=(config.tm, config.tk, config.tn),
+                                out_dtype=jnp.dtype(out_dtype), group_offset=offset, transpose_rhs=transpose_rhs,
+                                interpret=devices.platform() != "tpu")
+        else:
+            out = _gmm_kernel.gmm(
+                self._pad_rows(lhs, config.tm), rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
+                (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
+                interpret=devices.platform() != "tpu",
+            )[:m]
         # gmm leaves rows that no group owns (past sum(group_sizes)) uninitialized on TPU.
         keep = rows_in_local_groups(group_sizes, m, rhs.shape[0], group_offset)
         return jnp.where(keep, out, jnp.zeros((), out.dtype))
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+        lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
+        if is_low_bit(lhs):
+            return quantized_tgmm(lhs, lhs_scale, dout, group_sizes.astype(jnp.int32),
+                                  tiling=(config.tm, config.tk, config.tn), out_dtype=jnp.dtype(out_dtype),
+                                  num_groups=num_groups, group_offset=offset, interpret=devices.platform() != "tpu")
         return _gmm_kernel.tgmm(
             self._pad_rows(lhs, config.tm).swapaxes(0, 1), self._pad_rows(dout, config.tm),
             group_sizes.astype(jnp.int32), jnp.dtype(out_dtype), (config.tm, config.tk, config.tn), offset,

@@ -17,6 +17,7 @@ Folded operands are float32 (the product of a low-precision value and a float32 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -101,3 +102,11 @@ def dot_dtypes(a: jax.Array, b: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
     floats = [d for d in (da, db) if d.itemsize > 1]
     common = jnp.promote_types(*floats) if len(floats) == 2 else (floats[0] if floats else jnp.dtype(jnp.bfloat16))
     return jnp.dtype(common), jnp.promote_types(common, jnp.float32)
+
+
+def k_chunk(k: int, tk: int, *blocks: int) -> int:
+    """Contraction chunk of one dot: tk (clamped to k), cut down so that no chunk straddles a block of any
+    sub-channel scale in `blocks` (block sizes along k; k itself for one scale per row / channel)."""
+    chunk = min(tk, k)
+    sub = [b for b in blocks if b < k]
+    return math.gcd(chunk, *sub) if sub else chunk

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, k_chunk, prepare_gmm, prepare_tgmm
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
 # compile time grows with them.
@@ -110,14 +109,6 @@ def _quantized_tile_product(x, w, xs, ws, *, k_blocks, n_blocks, transpose_rhs, 
             acc = acc * xs[:, :1]
         blocks.append((n0, acc.astype(out_dtype)))
     return blocks
-
-
-def k_chunk(k: int, tk: int, *blocks: int) -> int:
-    """Contraction chunk of one dot: tk (clamped to k), cut down so that no chunk straddles a block of any
-    sub-channel scale in `blocks` (block sizes along k; k itself for one scale per row / channel)."""
-    chunk = min(tk, k)
-    sub = [b for b in blocks if b < k]
-    return math.gcd(chunk, *sub) if sub else chunk
 
 
 def tiled_ragged_dot(

@@ -1,0 +1,225 @@
+"""Quantized Pallas TPU gmm / tgmm for the `megablox` backend (JAX's Megablox kernels refuse int8 / fp8).
+
+The 1-byte values travel into the kernel as they are (int8 or float8_e4m3fn blocks, half or a quarter of
+the bytes of a float block), with their float32 scales as blocks of their own. The schedule is Megablox's:
+the visits of `metadata.make_group_metadata` (a row tile shared by two groups is visited once per group)
+arrive by scalar prefetch and pick each step's blocks.
+
+gmm grid (n tiles, visits, k tiles), an f32 accumulator in VMEM; a visit's rows are stored at its last k
+step, masked to its group. Scales along the contraction k in blocks multiply the dot of each sub-block of a
+k tile (a tile never straddles a scale block; per channel / per row: once, at the store); with
+transpose_rhs (dlhs) a sub-channel scale lies along the output and the weight sub-block is dequantized.
+tgmm grid (n tiles, k tiles, visits): each group's [tk, tn] result accumulates over its visits and is
+stored at its last one; an lhs sub-channel scale dequantizes each sub-block of the lhs^T tile.
+
+Off TPU both run in interpret mode (tests only). See `quantized.py` for the scales folded before the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, k_chunk
+
+
+def _pad_rows(x: jax.Array | None, tm: int, axis: int = 0) -> jax.Array | None:
+    """Rows up to a multiple of tm (past sum(group_sizes): no visit stores them)."""
+    if x is None or x.shape[axis] % tm == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, -x.shape[axis] % tm)
+    return jnp.pad(x, widths)
+
+
+def _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm: int, shape, axis: int) -> jax.Array:
+    """bool `shape`: which entries along `axis` (rows of the visit's tile) belong to the visit's group."""
+    group = group_ids[visit]
+    rows = tile_ids[visit] * tm + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    return (rows >= starts[group]) & (rows < ends[group])
+
+
+def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, tm, tk, tn, k_tiles, transpose_rhs,
+                lhs_block, rhs_block, chunk):
+    lhs_ref, rhs_ref, out_ref, acc_ref = refs[0], refs[2], refs[4], refs[5]
+    lhs_scale_ref, rhs_scale_ref = refs[1], refs[3]
+    n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    operand, _ = dot_dtypes(lhs_ref, rhs_ref)
+
+    @pl.when(k_i == 0)
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(visit < num_visits[0])
+    def _accumulate():
+        if transpose_rhs:  # x [tm, tk] float; w [tn, tk], its scale (if any) in blocks along the output rows
+            x = lhs_ref[...].astype(jnp.float32 if rhs_scale_ref is not None else operand)
+            if rhs_scale_ref is None:
+                acc_ref[...] += jax.lax.dot_general(x, rhs_ref[...].astype(operand), (((1,), (1,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)
+                return
+            sub = min(tn, rhs_block)
+            for j in range(tn // sub):
+                row = (n_i * tn + j * sub) // rhs_block
+                w = rhs_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * rhs_scale_ref[pl.ds(row, 1), :]
+                acc_ref[:, pl.ds(j * sub, sub)] += jax.lax.dot_general(
+                    x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            return
+        # x [tm, tk], w [tk, tn]: scales along k in blocks (or one per row / channel, applied at the store)
+        for j in range(tk // chunk):
+            cols = pl.ds(j * chunk, chunk)
+            x, w = lhs_ref[:, cols].astype(operand), rhs_ref[cols, :].astype(operand)
+            part = jnp.dot(x, w, preferred_element_type=jnp.int32 if operand == jnp.int8 else jnp.float32)
+            part = part.astype(jnp.float32)
+            k0 = k_i * tk + j * chunk
+            if rhs_scale_ref is not None and rhs_block < k_tiles * tk:
+                part = part * rhs_scale_ref[pl.ds(k0 // rhs_block, 1), :]
+            if lhs_scale_ref is not None and lhs_block < k_tiles * tk:
+                part = part * lhs_scale_ref[:, pl.ds(k0 // lhs_block, 1)]
+            acc_ref[...] += part
+
+    @pl.when((k_i == k_tiles - 1) & (visit < num_visits[0]))
+    def _store():
+        acc = acc_ref[...]
+        k = k_tiles * tk
+        if not transpose_rhs and rhs_scale_ref is not None and rhs_block == k:
+            acc = acc * rhs_scale_ref[...]
+        if lhs_scale_ref is not None and lhs_block == k:
+            acc = acc * lhs_scale_ref[...]
+        keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (tm, tn), 0)
+        out_ref[...] = jax.lax.select(keep, acc, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
+
+
+def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, rhs_scale: jax.Array | None,
+                  group_sizes: jax.Array, *, tiling: tuple[int, int, int], out_dtype: jnp.dtype,
+                  group_offset: jax.Array | None, transpose_rhs: bool, interpret: bool) -> jax.Array:
+    """gmm of `quantized.GmmOperands`: lhs [m, k] (float / int8 / fp8) with lhs_scale None or f32 [m, k/bs],
+    rhs [g, k, n] with rhs_scale None or f32 [g, k/bs, n] (transpose_rhs: lhs float, rhs [g, n, k] with
+    rhs_scale None or f32 [g, n/bs, k]). -> [m, n] in out_dtype; rows of no local group are left unwritten
+    (the caller masks them). Needs tk | k; sub-channel blocks a multiple or a divisor of the tile they
+    scale (tk; tn with transpose_rhs), see `megablox.quant_config_error`."""
+    tm, tk, tn = tiling
+    m, k = lhs.shape
+    groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    lhs, lhs_scale = _pad_rows(lhs, tm), _pad_rows(lhs_scale, tm)
+    meta = make_group_metadata(group_sizes, m=lhs.shape[0], tm=tm, groups=groups,
+                               group_offset=0 if group_offset is None else group_offset)
+    rhs_block = block_of(n if transpose_rhs else k, rhs_scale, 1)
+    lhs_block = block_of(k, lhs_scale, 1)
+    chunk = tk if transpose_rhs else k_chunk(k, tk, lhs_block, rhs_block)
+
+    lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, gid, tid, *_: (tid[v], k_i))
+    if transpose_rhs:
+        rhs_spec = pl.BlockSpec((None, tn, tk), lambda n_i, v, k_i, gid, *_: (gid[v], n_i, k_i))
+        rhs_scale_spec = lambda s: pl.BlockSpec((None, s.shape[1], tk), lambda n_i, v, k_i, gid, *_: (gid[v], 0, k_i))
+    else:
+        rhs_spec = pl.BlockSpec((None, tk, tn), lambda n_i, v, k_i, gid, *_: (gid[v], k_i, n_i))
+        rhs_scale_spec = lambda s: pl.BlockSpec((None, s.shape[1], tn), lambda n_i, v, k_i, gid, *_: (gid[v], 0, n_i))
+    # Scale blocks span the whole k / bs axis (a few KiB): a block of a few rows would break the TPU's
+    # 8-row tiling; the kernel picks its rows.
+    lhs_scale_spec = lambda s: pl.BlockSpec((tm, s.shape[1]), lambda n_i, v, k_i, gid, tid, *_: (tid[v], 0))
+    operands = [(lhs, lhs_spec), (lhs_scale, lhs_scale_spec), (rhs, rhs_spec), (rhs_scale, rhs_scale_spec)]
+    present = [(x, spec if isinstance(spec, pl.BlockSpec) else spec(x)) for x, spec in operands if x is not None]
+
+    kernel_fn = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k_tiles=k // tk, transpose_rhs=transpose_rhs,
+                                  lhs_block=lhs_block, rhs_block=rhs_block, chunk=chunk)
+
+    def kernel(*refs):  # the refs of absent scales are None for _gmm_kernel
+        prefetch, given = refs[:5], iter(refs[5:])
+        kernel_fn(*prefetch, *[None if x is None else next(given) for x, _ in operands], *given)
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            in_specs=[spec for _, spec in present],
+            out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, gid, tid, *_: (tid[v], n_i)),
+            grid=(pl.cdiv(n, tn), meta.group_ids.shape[0], k // tk),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="moe_tune_quantized_gmm",
+    )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+      *[x for x, _ in present])
+    return out[:m]
+
+
+def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale_t_ref, dout_ref, out_ref,
+                 acc_ref, *, tm, tk, lhs_block):
+    k_i, visit = pl.program_id(1), pl.program_id(2)
+    group = group_ids[visit]
+    first = (visit == 0) | (group != group_ids[jnp.maximum(visit - 1, 0)])
+    last = (visit == num_visits[0] - 1) | (group != group_ids[jnp.minimum(visit + 1, group_ids.shape[0] - 1)])
+
+    @pl.when(first)
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(visit < num_visits[0])
+    def _accumulate():
+        d = dout_ref[...].astype(jnp.float32)
+        d = jnp.where(_rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, d.shape, 0), d, 0.0)
+        keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (1, tm), 1)
+        if scale_t_ref is None:
+            x = jnp.where(keep, lhs_t_ref[...].astype(jnp.float32), 0.0)
+            acc_ref[...] += jnp.dot(x, d, preferred_element_type=jnp.float32)
+            return
+        sub = min(tk, lhs_block)
+        for j in range(tk // sub):
+            row = (k_i * tk + j * sub) // lhs_block
+            x = lhs_t_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * scale_t_ref[pl.ds(row, 1), :]
+            acc_ref[pl.ds(j * sub, sub), :] += jnp.dot(jnp.where(keep, x, 0.0), d,
+                                                        preferred_element_type=jnp.float32)
+
+    @pl.when(last & (visit < num_visits[0]))
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def quantized_tgmm(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array, group_sizes: jax.Array, *,
+                   tiling: tuple[int, int, int], out_dtype: jnp.dtype, num_groups: int,
+                   group_offset: jax.Array | None, interpret: bool) -> jax.Array:
+    """tgmm with 1-byte lhs values: lhs [m, k] (int8 / fp8) with lhs_scale None or f32 [m, k/bs]
+    (sub-channel; a per-row scale is folded into dout first), dout [m, n] -> [num_groups, k, n] in
+    out_dtype, float32 products and accumulation. Empty groups come out zero."""
+    tm, tk, tn = tiling
+    m, k = lhs.shape
+    n = dout.shape[1]
+    # Megablox's layout: lhs^T [k, m], so that a block [tk, tm] feeds the matmul unit untransposed.
+    lhs_t, dout = _pad_rows(lhs, tm).T, _pad_rows(dout, tm)
+    scale_t = None if lhs_scale is None else _pad_rows(lhs_scale, tm).T
+    meta = make_group_metadata(group_sizes, m=dout.shape[0], tm=tm, groups=num_groups,
+                               group_offset=0 if group_offset is None else group_offset)
+    specs = [pl.BlockSpec((tk, tm), lambda n_i, k_i, v, gid, tid, *_: (k_i, tid[v]))]
+    if scale_t is not None:
+        specs.append(pl.BlockSpec((scale_t.shape[0], tm), lambda n_i, k_i, v, gid, tid, *_: (0, tid[v])))
+    specs.append(pl.BlockSpec((tm, tn), lambda n_i, k_i, v, gid, tid, *_: (tid[v], n_i)))
+    kernel = functools.partial(_tgmm_kernel, tm=tm, tk=tk, lhs_block=block_of(k, lhs_scale, 1))
+    if scale_t is None:
+        kernel = functools.partial(lambda f, *r: f(*r[:6], None, *r[6:]), kernel)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            in_specs=specs,
+            out_specs=pl.BlockSpec((None, tk, tn), lambda n_i, k_i, v, gid, *_: (gid[v], k_i, n_i)),
+            grid=(pl.cdiv(n, tn), pl.cdiv(k, tk), meta.group_ids.shape[0]),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="moe_tune_quantized_tgmm",
+    )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+      *[x for x in (lhs_t, scale_t, dout) if x is not None])
+    # Groups without rows have no visit, so their blocks were never written.
+    nonempty = meta.group_ends > meta.group_starts
+    return jnp.where(nonempty[:, None, None], out, jnp.zeros((), out.dtype))
