@@ -37,6 +37,12 @@ def _pad_rows(x: jax.Array | None, tm: int, axis: int = 0) -> jax.Array | None:
     return jnp.pad(x, widths)
 
 
+def _div(index: jax.Array, block: int) -> jax.Array:
+    """index // block for a non-negative traced index: truncating division (Mosaic lowers `//` on signed
+    integers through `sign`, which needs to know the chip)."""
+    return jax.lax.div(index, jnp.int32(block))
+
+
 def _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm: int, shape, axis: int) -> jax.Array:
     """bool `shape`: which entries along `axis` (rows of the visit's tile) belong to the visit's group."""
     group = group_ids[visit]
@@ -65,7 +71,7 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, tm, tk, tn
                 return
             sub = min(tn, rhs_block)
             for j in range(tn // sub):
-                row = (n_i * tn + j * sub) // rhs_block
+                row = _div(n_i * tn + j * sub, rhs_block)
                 w = rhs_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * rhs_scale_ref[pl.ds(row, 1), :]
                 acc_ref[:, pl.ds(j * sub, sub)] += jax.lax.dot_general(
                     x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -78,9 +84,9 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, tm, tk, tn
             part = part.astype(jnp.float32)
             k0 = k_i * tk + j * chunk
             if rhs_scale_ref is not None and rhs_block < k_tiles * tk:
-                part = part * rhs_scale_ref[pl.ds(k0 // rhs_block, 1), :]
+                part = part * rhs_scale_ref[pl.ds(_div(k0, rhs_block), 1), :]
             if lhs_scale_ref is not None and lhs_block < k_tiles * tk:
-                part = part * lhs_scale_ref[:, pl.ds(k0 // lhs_block, 1)]
+                part = part * lhs_scale_ref[:, pl.ds(_div(k0, lhs_block), 1)]
             acc_ref[...] += part
 
     @pl.when((k_i == k_tiles - 1) & (visit < num_visits[0]))
@@ -174,7 +180,7 @@ def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale
             return
         sub = min(tk, lhs_block)
         for j in range(tk // sub):
-            row = (k_i * tk + j * sub) // lhs_block
+            row = _div(k_i * tk + j * sub, lhs_block)
             x = lhs_t_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * scale_t_ref[pl.ds(row, 1), :]
             acc_ref[pl.ds(j * sub, sub), :] += jnp.dot(jnp.where(keep, x, 0.0), d,
                                                         preferred_element_type=jnp.float32)
