@@ -14,6 +14,7 @@ element has its own scale, the array is valid for any expected axis, and its blo
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,15 +69,23 @@ def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None) -
     `max|x| / qmax(dtype)` (1 for an all-zero run); int8 values are rounded and clipped to [-127, 127].
     Returns QArray(qvalue [x.shape] in `dtype`, scale float32 [x.shape with axis -> x.shape[axis] // block_size]).
     """
-    limit = qmax(dtype)
-    x = jnp.asarray(x, jnp.float32)
-    if not -x.ndim <= axis < x.ndim:
-        raise UsageError(f"axis {axis} is out of range for an array of rank {x.ndim}")
-    axis %= x.ndim
-    size = x.shape[axis]
+    qmax(dtype)  # a UsageError for other dtypes
+    ndim = np.ndim(x)
+    if not -ndim <= axis < ndim:
+        raise UsageError(f"axis {axis} is out of range for an array of rank {ndim}")
+    size = np.shape(x)[axis]
     block = size if block_size is None else block_size
     if not isinstance(block, (int, np.integer)) or block <= 0 or size % block:
-        raise UsageError(f"block_size {block_size!r} does not divide axis {axis} of length {size}")
+        raise UsageError(f"block_size {block_size!r} does not divide axis {axis % ndim} of length {size}")
+    return _quantize(x, jnp.dtype(dtype).name, axis % ndim, int(block))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize(x: jax.Array, dtype: str, axis: int, block: int) -> QArray:
+    """`quantize` once its arguments are checked: one compiled function, also when called eagerly."""
+    limit = QMAX[dtype]
+    x = jnp.asarray(x, jnp.float32)
+    size = x.shape[axis]
     runs = x.reshape(*x.shape[:axis], size // block, block, *x.shape[axis + 1:])
     absmax = jnp.max(jnp.abs(runs), axis=axis + 1, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / limit, 1.0).astype(jnp.float32)
