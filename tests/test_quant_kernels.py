@@ -237,6 +237,18 @@ def test_config_rules_for_quantized_problems():
     assert vmem_bytes(config, w8a8) < vmem_bytes(config, bf16)
 
 
+@pytest.mark.parametrize("direction", ["fwd", "dlhs", "drhs"])
+def test_defaults_are_valid_for_model_sized_quantized_problems(direction):
+    """Every backend's default config is valid for DeepSeek-sized experts (k = 7168) with weights in
+    sub-channel blocks of 128, weight-only and w8a8 (per-row activations)."""
+    base = dict(m=4096, k=7168, n=2048, groups=32, lhs_dtype="bfloat16", out_dtype="bfloat16", rhs_qdtype="int8",
+                rhs_qblock=128, direction=direction)
+    for problem in (RaggedDotProblem(**base), RaggedDotProblem(**{**base, "lhs_qdtype": "float8_e4m3fn"})):
+        for backend in BACKENDS.names():
+            impl = BACKENDS.get(backend)
+            assert impl.config_error(impl.default_config(problem), problem) is None, (backend, problem)
+
+
 # ---- lowering for the chips (on this CPU machine): the 1-byte weights must be operands of the kernel
 
 

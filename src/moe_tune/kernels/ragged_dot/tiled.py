@@ -313,7 +313,8 @@ class TiledRaggedDot(RaggedDotBackend):
             for block in scale_blocks(problem):
                 if block < k and chunk % block and block % chunk:
                     return f"tk={config.tk} must be a multiple of the scale block {block} or divide it"
-            chunk = k_chunk(k, chunk, *scale_blocks(problem))
+        # Counted in tk chunks: sub-channel scales cut them further (k / block dots), whatever the config,
+        # so counting those would leave no valid config for long k (k=7168 in blocks of 128: 56).
         blocks = -(-k // chunk) * -(-n // min(config.tn, n))
         if blocks > MAX_BLOCKS_PER_VISIT:
             return f"{blocks} dots per visit (k/tk * n/tn) exceeds {MAX_BLOCKS_PER_VISIT}"
