@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
-from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, k_chunk
+from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, k_chunk, with_absent_refs
 
 
 def _pad_rows(x: jax.Array | None, tm: int, axis: int = 0) -> jax.Array | None:
@@ -120,32 +120,30 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
     lhs_block = block_of(k, lhs_scale, 1)
     chunk = tk if transpose_rhs else k_chunk(k, tk, lhs_block, rhs_block)
 
-    lhs_spec = pl.BlockSpec((tm, tk), lambda n_i, v, k_i, gid, tid, *_: (tid[v], k_i))
+    # Scale blocks span the whole k / bs axis (a few KiB; a block of a few rows would break the TPU's 8-row
+    # tiling); the kernel picks its rows.
+    specs = {"lhs": pl.BlockSpec((tm, tk), lambda n_i, v, k_i, gid, tid, *_: (tid[v], k_i))}
+    if lhs_scale is not None:
+        specs["lhs_scale"] = pl.BlockSpec((tm, lhs_scale.shape[1]), lambda n_i, v, k_i, gid, tid, *_: (tid[v], 0))
     if transpose_rhs:
-        rhs_spec = pl.BlockSpec((None, tn, tk), lambda n_i, v, k_i, gid, *_: (gid[v], n_i, k_i))
-        rhs_scale_spec = lambda s: pl.BlockSpec((None, s.shape[1], tk), lambda n_i, v, k_i, gid, *_: (gid[v], 0, k_i))
+        specs["rhs"] = pl.BlockSpec((None, tn, tk), lambda n_i, v, k_i, gid, *_: (gid[v], n_i, k_i))
+        scale_cols, scale_index = tk, lambda n_i, v, k_i, gid, *_: (gid[v], 0, k_i)
     else:
-        rhs_spec = pl.BlockSpec((None, tk, tn), lambda n_i, v, k_i, gid, *_: (gid[v], k_i, n_i))
-        rhs_scale_spec = lambda s: pl.BlockSpec((None, s.shape[1], tn), lambda n_i, v, k_i, gid, *_: (gid[v], 0, n_i))
-    # Scale blocks span the whole k / bs axis (a few KiB): a block of a few rows would break the TPU's
-    # 8-row tiling; the kernel picks its rows.
-    lhs_scale_spec = lambda s: pl.BlockSpec((tm, s.shape[1]), lambda n_i, v, k_i, gid, tid, *_: (tid[v], 0))
-    operands = [(lhs, lhs_spec), (lhs_scale, lhs_scale_spec), (rhs, rhs_spec), (rhs_scale, rhs_scale_spec)]
-    present = [(x, spec if isinstance(spec, pl.BlockSpec) else spec(x)) for x, spec in operands if x is not None]
-
-    kernel_fn = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k_tiles=k // tk, transpose_rhs=transpose_rhs,
-                                  lhs_block=lhs_block, rhs_block=rhs_block, chunk=chunk)
-
-    def kernel(*refs):  # the refs of absent scales are None for _gmm_kernel
-        prefetch, given = refs[:5], iter(refs[5:])
-        kernel_fn(*prefetch, *[None if x is None else next(given) for x, _ in operands], *given)
-
+        specs["rhs"] = pl.BlockSpec((None, tk, tn), lambda n_i, v, k_i, gid, *_: (gid[v], k_i, n_i))
+        scale_cols, scale_index = tn, lambda n_i, v, k_i, gid, *_: (gid[v], 0, n_i)
+    if rhs_scale is not None:
+        specs["rhs_scale"] = pl.BlockSpec((None, rhs_scale.shape[1], scale_cols), scale_index)
+    kernel = with_absent_refs(
+        functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k_tiles=k // tk, transpose_rhs=transpose_rhs,
+                          lhs_block=lhs_block, rhs_block=rhs_block, chunk=chunk),
+        5, [True, lhs_scale is not None, True, rhs_scale is not None])
+    inputs = {"lhs": lhs, "lhs_scale": lhs_scale, "rhs": rhs, "rhs_scale": rhs_scale}
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            in_specs=[spec for _, spec in present],
+            in_specs=list(specs.values()),
             out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, gid, tid, *_: (tid[v], n_i)),
             grid=(pl.cdiv(n, tn), meta.group_ids.shape[0], k // tk),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
@@ -154,7 +152,7 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
         interpret=interpret,
         name="moe_tune_quantized_gmm",
     )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
-      *[x for x, _ in present])
+      *[inputs[name] for name in specs])
     return out[:m]
 
 
@@ -208,9 +206,8 @@ def quantized_tgmm(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array,
     if scale_t is not None:
         specs.append(pl.BlockSpec((scale_t.shape[0], tm), lambda n_i, k_i, v, gid, tid, *_: (0, tid[v])))
     specs.append(pl.BlockSpec((tm, tn), lambda n_i, k_i, v, gid, tid, *_: (tid[v], n_i)))
-    kernel = functools.partial(_tgmm_kernel, tm=tm, tk=tk, lhs_block=block_of(k, lhs_scale, 1))
-    if scale_t is None:
-        kernel = functools.partial(lambda f, *r: f(*r[:6], None, *r[6:]), kernel)
+    kernel = with_absent_refs(functools.partial(_tgmm_kernel, tm=tm, tk=tk, lhs_block=block_of(k, lhs_scale, 1)),
+                              5, [True, scale_t is not None, True])
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),

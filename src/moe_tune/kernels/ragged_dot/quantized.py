@@ -18,6 +18,7 @@ Folded operands are float32 (the product of a low-precision value and a float32 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -110,3 +111,16 @@ def k_chunk(k: int, tk: int, *blocks: int) -> int:
     chunk = min(tk, k)
     sub = [b for b in blocks if b < k]
     return math.gcd(chunk, *sub) if sub else chunk
+
+
+def with_absent_refs(kernel: Callable, leading: int, given: Sequence[bool]) -> Callable:
+    """A Pallas kernel body that takes every optional input ref, called by pallas_call with only the inputs
+    it was given: after the `leading` refs (scalar prefetch), None stands in for each input whose `given`
+    entry is False; the refs after the inputs (outputs, scratch) follow unchanged."""
+
+    def call(*refs):
+        rest = iter(refs[leading:])
+        inputs = [next(rest) if present else None for present in given]
+        return kernel(*refs[:leading], *inputs, *rest)
+
+    return call

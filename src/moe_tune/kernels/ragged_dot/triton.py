@@ -29,7 +29,8 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, is_low_bit, prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.quantized import (block_of, dot_dtypes, is_low_bit, prepare_gmm, prepare_tgmm,
+                                                   with_absent_refs)
 
 BLOCKS = (16, 32, 64, 128, 256)
 
@@ -153,20 +154,6 @@ def _tgmm_kernel(starts, ends, lhs_ref, lhs_scale_ref, dout_ref, out_ref, *, blo
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _with_absent(kernel, no_lhs_scale: bool, no_rhs_scale: bool):
-    """`kernel` called with None in place of the scale refs that pallas_call was not given."""
-
-    def call(*refs):
-        prefetch, rest = refs[:5], list(refs[5:])
-        lhs, rest = rest[0], rest[1:]
-        lhs_scale = None if no_lhs_scale else rest.pop(0)
-        rhs, rest = rest[0], rest[1:]
-        rhs_scale = None if no_rhs_scale else rest.pop(0)
-        return kernel(*prefetch, lhs, lhs_scale, rhs, rhs_scale, *rest)
-
-    return call
-
-
 class TritonRaggedDot(RaggedDotBackend):
     name = "triton"
     revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
@@ -236,9 +223,7 @@ class TritonRaggedDot(RaggedDotBackend):
                                    transpose_rhs=transpose_rhs, precision=_precision(lhs.dtype),
                                    lhs_block=block_of(k, lhs_scale, 1), k=k,
                                    rhs_block=block_of(n if transpose_rhs else k, rhs_scale, 1))
-        scales = [x for x in (lhs_scale, rhs_scale) if x is not None]
-        if len(scales) < 2:  # absent scales reach the kernel as None
-            kernel = _with_absent(kernel, lhs_scale is None, rhs_scale is None)
+        kernel = with_absent_refs(kernel, 5, [True, lhs_scale is not None, True, rhs_scale is not None])
         out = pl.pallas_call(
             kernel,
             grid=(meta.group_ids.shape[0], np_ // bn),
@@ -264,10 +249,8 @@ class TritonRaggedDot(RaggedDotBackend):
         kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn,
                                    precision=_precision(jnp.float32 if is_low_bit(lhs) else lhs.dtype),
                                    lhs_block=block_of(k, lhs_scale, 1))
-        if lhs_scale is None:
-            kernel = functools.partial(lambda f, starts, ends, x, *rest: f(starts, ends, x, None, *rest), kernel)
-        else:
-            lhs_scale = _pad_to(lhs_scale, 0, bm)
+        kernel = with_absent_refs(kernel, 2, [True, lhs_scale is not None, True])
+        lhs_scale = None if lhs_scale is None else _pad_to(lhs_scale, 0, bm)
         kp, np_ = lhs_p.shape[1], dout_p.shape[1]
         out = pl.pallas_call(
             kernel,
