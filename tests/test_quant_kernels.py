@@ -272,7 +272,10 @@ def _lowering_cases():
     sizes = jnp.asarray([64, 0, 100, 92], jnp.int32)
     w_sub, w_chan = quantize(w, "int8", axis=1, block_size=128), quantize(w, "float8_e4m3fn", axis=1)
     x_row, x_sub = quantize(x, "int8", axis=1), quantize(x, "int8", axis=1, block_size=128)
+    x_fp8, w_fp8 = quantize(x, "float8_e4m3fn", axis=1, block_size=128), quantize(w, "float8_e4m3fn", axis=1,
+                                                                                   block_size=256)
     cases = {"fwd_weight_sub_channel": ("fwd", x, w_sub), "fwd_w8a8": ("fwd", x_row, w_sub),
+             "fwd_w8a8_fp8_sub_channel": ("fwd", x_fp8, w_fp8),
              "dlhs_weight_per_channel_fp8": ("dlhs", d, w_chan), "dlhs_weight_sub_channel": ("dlhs", d, w_sub),
              "drhs_lhs_sub_channel": ("drhs", x_sub, d)}
     for name, (direction, a, b) in cases.items():
