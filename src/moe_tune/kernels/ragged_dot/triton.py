@@ -33,6 +33,8 @@ from moe_tune.kernels.ragged_dot.quantized import (block_of, dot_dtypes, is_low_
                                                    with_absent_refs)
 
 BLOCKS = (16, 32, 64, 128, 256)
+# Smallest K of an 8-bit integer MMA on NVIDIA GPUs (16 for 16-bit floats): tl.dot rejects int8 x int8 below it.
+MIN_INT8_BLOCK_K = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,14 @@ def _tgmm_kernel(starts, ends, lhs_ref, lhs_scale_ref, dout_ref, out_ref, *, blo
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
+def _int8_dot(problem: RaggedDotProblem, block_k: int) -> bool:
+    """Whether the kernel's k steps run int8 x int8 dots: a forward pass of int8 lhs and rhs where no
+    sub-channel scale block is shorter than a step (such a step is dequantized to float32 instead)."""
+    if problem.direction != "fwd" or problem.lhs_qdtype != "int8" or problem.rhs_qdtype != "int8":
+        return False
+    return all(block == problem.k or block % block_k == 0 for block in (problem.lhs_qblock, problem.rhs_qblock))
+
+
 class TritonRaggedDot(RaggedDotBackend):
     name = "triton"
     revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
@@ -178,7 +188,11 @@ class TritonRaggedDot(RaggedDotBackend):
         if not 1 <= config.num_stages <= 6:
             return f"num_stages={config.num_stages} must be in 1..6"
         _, gk, gn = problem.matmul_dims()
-        if config.block_k > max(16, 1 << (gk - 1).bit_length()) or config.block_n > max(16, 1 << (gn - 1).bit_length()):
+        int8_dot = _int8_dot(problem, config.block_k)
+        if int8_dot and config.block_k < MIN_INT8_BLOCK_K:
+            return f"block_k={config.block_k}: int8 x int8 dots need block_k >= {MIN_INT8_BLOCK_K}"
+        smallest_k = MIN_INT8_BLOCK_K if int8_dot else 16
+        if config.block_k > max(smallest_k, 1 << (gk - 1).bit_length()) or config.block_n > max(16, 1 << (gn - 1).bit_length()):
             return "block larger than the dimension it tiles"
         need = self.shared_memory_bytes(config, problem)
         budget = devices.gpu_shared_memory_bytes()
@@ -198,7 +212,10 @@ class TritonRaggedDot(RaggedDotBackend):
         fit = lambda want, size: max(16, min(want, 1 << max(size - 1, 1).bit_length()))
         if problem.direction == "drhs":
             return TritonConfig(block_m=64, block_k=fit(64, gk), block_n=fit(64, gn), num_warps=4, num_stages=2)
-        return TritonConfig(block_m=64, block_k=fit(32, gk), block_n=fit(64, gn), num_warps=4, num_stages=2)
+        block_k = fit(32, gk)
+        if _int8_dot(problem, block_k):
+            block_k = max(block_k, MIN_INT8_BLOCK_K)
+        return TritonConfig(block_m=64, block_k=block_k, block_n=fit(64, gn), num_warps=4, num_stages=2)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         return {"block_m": [32, 64, 128], "block_k": [32, 64, 128], "block_n": [64, 128, 256],
