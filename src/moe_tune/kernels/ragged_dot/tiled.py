@@ -25,7 +25,8 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, k_chunk, prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.quantized import (block_of, dot_dtypes, is_low_bit, k_chunk, prepare_gmm,
+                                                   prepare_tgmm)
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
 # compile time grows with them.
@@ -141,12 +142,10 @@ def tiled_ragged_dot(
     tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups,
                                 group_offset=0 if group_offset is None else group_offset)
-    quantized = jnp.dtype(lhs.dtype).itemsize == 1 or jnp.dtype(rhs.dtype).itemsize == 1
-    if quantized:
+    if is_low_bit(lhs) or is_low_bit(rhs):
         blocks = () if transpose_rhs else (block_of(k, lhs_scale, 1), block_of(k, rhs_scale, 1))
-        inner = functools.partial(_quantized_tile_product, k_blocks=_blocks(k, k_chunk(k, tk, *blocks)),
-                                  n_blocks=_blocks(n, tn), transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-        product = lambda x, w, xs, ws: inner(x, w, xs, ws)
+        product = functools.partial(_quantized_tile_product, k_blocks=_blocks(k, k_chunk(k, tk, *blocks)),
+                                    n_blocks=_blocks(n, tn), transpose_rhs=transpose_rhs, out_dtype=out_dtype)
     else:
         plain = functools.partial(_tile_product, k_blocks=_blocks(k, tk), n_blocks=_blocks(n, tn),
                                   transpose_rhs=transpose_rhs, acc_dtype=_acc_dtype(out_dtype), out_dtype=out_dtype)
@@ -163,7 +162,8 @@ def tiled_ragged_dot(
 
         def full_tile(t, out):
             row0 = start + t * tm
-            for n0, block in product(jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0), w, row_scales(row0, tm), ws):
+            x = jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0)
+            for n0, block in product(x, w, row_scales(row0, tm), ws):
                 out = jax.lax.dynamic_update_slice(out, block, (row0, n0))
             return out
 
@@ -174,8 +174,8 @@ def tiled_ragged_dot(
             row0 = jnp.minimum(first, m - tail)
             rows = row0 + row_in_tail
             keep = (rows >= first) & (rows < end)
-            for n0, block in product(jax.lax.dynamic_slice_in_dim(lhs, row0, tail, axis=0), w, row_scales(row0, tail),
-                                     ws):
+            x = jax.lax.dynamic_slice_in_dim(lhs, row0, tail, axis=0)
+            for n0, block in product(x, w, row_scales(row0, tail), ws):
                 current = jax.lax.dynamic_slice(out, (row0, n0), block.shape)
                 out = jax.lax.dynamic_update_slice(out, jnp.where(keep, block, current), (row0, n0))
             return out
@@ -230,7 +230,7 @@ def tiled_transposed_ragged_dot(
     row0 = jnp.minimum(starts, m - window)  # shifted back to end at row m
     rows = row0[:, None] + in_window[None, :]  # [groups, window]
     keep = (rows >= starts[:, None]) & (rows < jnp.minimum(ends, starts + window)[:, None])
-    if jnp.dtype(lhs.dtype).itemsize == 1:  # quantized values: dequantized one window at a time, in f32
+    if is_low_bit(lhs):  # quantized values: dequantized one window at a time, in f32
         block = block_of(k, lhs_scale, 1)
         dequantize = lambda x, rows: x.astype(jnp.float32) * (
             1.0 if lhs_scale is None else jnp.repeat(lhs_scale[rows], block, axis=-1))

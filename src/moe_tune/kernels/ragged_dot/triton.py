@@ -191,8 +191,8 @@ class TritonRaggedDot(RaggedDotBackend):
         int8_dot = _int8_dot(problem, config.block_k)
         if int8_dot and config.block_k < MIN_INT8_BLOCK_K:
             return f"block_k={config.block_k}: int8 x int8 dots need block_k >= {MIN_INT8_BLOCK_K}"
-        smallest_k = MIN_INT8_BLOCK_K if int8_dot else 16
-        if config.block_k > max(smallest_k, 1 << (gk - 1).bit_length()) or config.block_n > max(16, 1 << (gn - 1).bit_length()):
+        fits = lambda block, size, smallest=16: block <= max(smallest, 1 << (size - 1).bit_length())
+        if not fits(config.block_k, gk, MIN_INT8_BLOCK_K if int8_dot else 16) or not fits(config.block_n, gn):
             return "block larger than the dimension it tiles"
         need = self.shared_memory_bytes(config, problem)
         budget = devices.gpu_shared_memory_bytes()
