@@ -55,13 +55,20 @@ def block_dtypes(problem: RaggedDotProblem) -> tuple[str, str, str]:
 
 
 def _scale_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
-    """The quantized kernels' scale blocks (float32, whole along k / bs): rhs [k/bs, tn] (dlhs: [k/bs, tk],
-    unless folded), lhs [tm, k/bs] (drhs: [k/bs, tm], unless folded)."""
+    """VMEM of the quantized kernels' double-buffered float32 scale blocks, whole along k / bs and padded
+    to the (8, 128) tile as VMEM holds them: fwd rhs [k/bs, tn] and lhs [tm, k/bs]; dlhs rhs [k/bs, tk]
+    (none when a per-channel scale was folded into dout); drhs lhs^T [k/bs, tm] (none when folded)."""
+    tile = lambda rows, cols: -(-rows // 8) * 8 * -(-cols // LANES) * LANES
+    k, direction = problem.k, problem.direction
+    rhs_blocks = k // problem.rhs_qblock if problem.rhs_qblock is not None else 0
+    lhs_blocks = k // problem.lhs_qblock if problem.lhs_qblock is not None else 0
     total = 0
-    if problem.rhs_qblock is not None and not (problem.direction == "dlhs" and problem.rhs_qblock == problem.k):
-        total += problem.k // problem.rhs_qblock * (config.tk if problem.direction == "dlhs" else config.tn)
-    if problem.lhs_qblock is not None and not (problem.direction == "drhs" and problem.lhs_qblock == problem.k):
-        total += problem.k // problem.lhs_qblock * config.tm
+    if direction == "fwd":
+        total += (tile(rhs_blocks, config.tn) if rhs_blocks else 0) + (tile(config.tm, lhs_blocks) if lhs_blocks else 0)
+    elif direction == "dlhs" and rhs_blocks > 1:
+        total += tile(rhs_blocks, config.tk)
+    elif direction == "drhs" and lhs_blocks > 1:
+        total += tile(lhs_blocks, config.tm)
     return 2 * 4 * total
 
 
