@@ -37,6 +37,18 @@ def _pad_rows(x: jax.Array | None, tm: int, axis: int = 0) -> jax.Array | None:
     return jnp.pad(x, widths)
 
 
+_NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
+
+
+def _dot(x: jax.Array, w: jax.Array, dims=_NN) -> jax.Array:
+    """x @ w (or w^T), int8 x int8 in int32, else in float32; float32 operands at full precision (Mosaic's
+    default may take bf16 passes), so results match a float32 reference."""
+    if x.dtype == jnp.int8:
+        return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _div(index: jax.Array, block: int) -> jax.Array:
     """index // block for a non-negative traced index: truncating division (Mosaic lowers `//` on signed
     integers through `sign`, which needs to know the chip)."""
@@ -66,22 +78,19 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, tm, tk, tn
         if transpose_rhs:  # x [tm, tk] float; w [tn, tk], its scale (if any) in blocks along the output rows
             x = lhs_ref[...].astype(jnp.float32 if rhs_scale_ref is not None else operand)
             if rhs_scale_ref is None:
-                acc_ref[...] += jax.lax.dot_general(x, rhs_ref[...].astype(operand), (((1,), (1,)), ((), ())),
-                                                    preferred_element_type=jnp.float32)
+                acc_ref[...] += _dot(x, rhs_ref[...].astype(operand), _NT)
                 return
             sub = min(tn, rhs_block)
             for j in range(tn // sub):
                 row = _div(n_i * tn + j * sub, rhs_block)
                 w = rhs_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * rhs_scale_ref[pl.ds(row, 1), :]
-                acc_ref[:, pl.ds(j * sub, sub)] += jax.lax.dot_general(
-                    x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                acc_ref[:, pl.ds(j * sub, sub)] += _dot(x, w, _NT)
             return
         # x [tm, tk], w [tk, tn]: scales along k in blocks (or one per row / channel, applied at the store)
         for j in range(tk // chunk):
             cols = pl.ds(j * chunk, chunk)
             x, w = lhs_ref[:, cols].astype(operand), rhs_ref[cols, :].astype(operand)
-            part = jnp.dot(x, w, preferred_element_type=jnp.int32 if operand == jnp.int8 else jnp.float32)
-            part = part.astype(jnp.float32)
+            part = _dot(x, w).astype(jnp.float32)
             k0 = k_i * tk + j * chunk
             if rhs_scale_ref is not None and rhs_block < k_tiles * tk:
                 part = part * rhs_scale_ref[pl.ds(_div(k0, rhs_block), 1), :]
@@ -174,14 +183,13 @@ def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale
         keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (1, tm), 1)
         if scale_t_ref is None:
             x = jnp.where(keep, lhs_t_ref[...].astype(jnp.float32), 0.0)
-            acc_ref[...] += jnp.dot(x, d, preferred_element_type=jnp.float32)
+            acc_ref[...] += _dot(x, d)
             return
         sub = min(tk, lhs_block)
         for j in range(tk // sub):
             row = _div(k_i * tk + j * sub, lhs_block)
             x = lhs_t_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * scale_t_ref[pl.ds(row, 1), :]
-            acc_ref[pl.ds(j * sub, sub), :] += jnp.dot(jnp.where(keep, x, 0.0), d,
-                                                        preferred_element_type=jnp.float32)
+            acc_ref[pl.ds(j * sub, sub), :] += _dot(jnp.where(keep, x, 0.0), d)
 
     @pl.when(last & (visit < num_visits[0]))
     def _store():
