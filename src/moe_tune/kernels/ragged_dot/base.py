@@ -10,19 +10,25 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+from moe_tune.quant import QArray
 
 
 class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
     """The two kernels every backend implements, `gmm` and `tgmm`; the three directions are built on them:
-    fwd = gmm(lhs, rhs), dlhs = gmm(dout, rhs, transpose_rhs=True), drhs = tgmm(lhs, dout)."""
+    fwd = gmm(lhs, rhs), dlhs = gmm(dout, rhs, transpose_rhs=True), drhs = tgmm(lhs, dout).
+
+    Operands marked `Array | QArray` may be quantized (`moe_tune.QArray`, scaled along k: lhs [m, k] with
+    scale [m, k/bs], rhs [g, k, n] with scale [g, k/bs, n]); the result is then that of the dequantized
+    operands up to float32 accumulation. `quantized.prepare_gmm` / `prepare_tgmm` fold the scales a kernel
+    cannot apply cheaply into the float operand."""
 
     op = "ragged_dot"
 
     @abc.abstractmethod
     def gmm(
         self,
-        lhs: jax.Array,
-        rhs: jax.Array,
+        lhs: jax.Array | QArray,
+        rhs: jax.Array | QArray,
         group_sizes: jax.Array,
         *,
         config: KernelConfig,
@@ -30,13 +36,14 @@ class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
         group_offset: jax.Array | None = None,
         transpose_rhs: bool = False,
     ) -> jax.Array:
-        """lhs [m, k], rhs [groups, k, n] ([groups, n, k] with transpose_rhs), group_sizes int [total_groups]
-        -> [m, n] in out_dtype. Rows outside the local groups (and past sum(group_sizes)) are zero."""
+        """lhs [m, k], rhs [groups, k, n] ([groups, n, k] with transpose_rhs: the forward rhs of dlhs, its
+        scale still [groups, n/bs, k]), group_sizes int [total_groups] -> [m, n] in out_dtype. Rows outside
+        the local groups (and past sum(group_sizes)) are zero."""
 
     @abc.abstractmethod
     def tgmm(
         self,
-        lhs: jax.Array,
+        lhs: jax.Array | QArray,
         dout: jax.Array,
         group_sizes: jax.Array,
         *,

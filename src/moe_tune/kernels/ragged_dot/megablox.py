@@ -3,6 +3,7 @@
 The TPU backend. Elsewhere it runs in Pallas interpret mode, which is slow and only meant for tests at
 small shapes. Tiling is (tm, tk, tn); block shapes follow the TPU rule that the last two dims of a block
 are multiples of (8 x packing, 128) or span the whole array, and double-buffered blocks must fit in VMEM.
+Quantized operands (QArray) run this package's own kernels, `megablox_quant.py`, with the same tiling.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.pallas_util import interpreted, sublanes
+from moe_tune.kernels.pallas_util import interpreted, pad_to, sublanes
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
+from moe_tune.kernels.ragged_dot.megablox_quant import quantized_gmm, quantized_tgmm
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+from moe_tune.kernels.ragged_dot.quantized import is_low_bit, prepare_gmm, prepare_tgmm
 
 # The package re-exports a custom_vjp `gmm` under the same name as the module, so import the module itself.
 _gmm_kernel = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -35,8 +38,44 @@ class MegabloxConfig(KernelConfig):
     tn: int = 128
 
 
+def block_dtypes(problem: RaggedDotProblem) -> tuple[str, str, str]:
+    """Dtypes of the blocks the kernel reads (its two operands) and writes: `operand_dtypes()`, but for a
+    quantized operand its 1-byte values, and float32 for an operand a per-channel / per-row scale was folded
+    into (`quantized.py`)."""
+    a, b, out = problem.operand_dtypes()
+    if problem.direction == "fwd":
+        return problem.lhs_qdtype or a, problem.rhs_qdtype or b, out
+    if problem.direction == "dlhs":
+        return ("float32" if problem.rhs_qblock == problem.k else a), problem.rhs_qdtype or b, out
+    return problem.lhs_qdtype or a, ("float32" if problem.lhs_qblock == problem.k else b), out
+
+
+def _scale_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
+    """VMEM of the quantized kernels' double-buffered float32 scale blocks, whole along k / bs and padded
+    to the (8, 128) tile as VMEM holds them: fwd rhs [k/bs, tn] and lhs [tm, k/bs]; dlhs rhs [k/bs, tk]
+    (none when a per-channel scale was folded into dout); drhs lhs^T [k/bs, tm] (none when folded)."""
+    tile = lambda rows, cols: -(-rows // 8) * 8 * -(-cols // LANES) * LANES
+    k, direction = problem.k, problem.direction
+    rhs_blocks = k // problem.rhs_qblock if problem.rhs_qblock is not None else 0
+    lhs_blocks = k // problem.lhs_qblock if problem.lhs_qblock is not None else 0
+    total = 0
+    if direction == "fwd":
+        total += (tile(rhs_blocks, config.tn) if rhs_blocks else 0) + (tile(config.tm, lhs_blocks) if lhs_blocks else 0)
+    elif direction == "dlhs" and rhs_blocks > 1:
+        total += tile(rhs_blocks, config.tk)
+    elif direction == "drhs" and lhs_blocks > 1:
+        total += tile(lhs_blocks, config.tm)
+    return 2 * 4 * total
+
+
 def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     """VMEM the kernel's blocks take: double-buffered input/output blocks plus the f32 accumulator."""
+    if problem.quantized:
+        a, b, out = (jnp.dtype(d).itemsize for d in block_dtypes(problem))
+        tm, tk, tn = config.tm, config.tk, config.tn
+        blocks = (tk * tm * a + tm * tn * b + tk * tn * out) if problem.direction == "drhs" else (
+            tm * tk * a + tk * tn * b + tm * tn * out)
+        return 2 * blocks + _scale_bytes(config, problem) + (tk if problem.direction == "drhs" else tm) * tn * 4
     a, _, out = problem.operand_dtypes()
     in_bytes, out_bytes = jnp.dtype(a).itemsize, jnp.dtype(out).itemsize
     if problem.direction == "drhs":  # tgmm: lhs^T [tk, tm], dout [tm, tn] -> [tk, tn]
@@ -44,6 +83,20 @@ def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
         return 2 * (tk * tm + tm * tn) * in_bytes + 2 * tk * tn * out_bytes + tk * tn * 4
     tm, tk, tn = config.tm, config.tk, config.tn
     return 2 * (tm * tk + tk * tn) * in_bytes + 2 * tm * tn * out_bytes + tm * tn * 4
+
+
+def quant_config_error(config: MegabloxConfig, problem: RaggedDotProblem) -> str | None:
+    """The quantized kernels' own rules: no ragged contraction tile (their k loop has no remainder mask),
+    and a sub-channel scale block that is a multiple or a divisor of the tile it scales (tk along k; for
+    dlhs tn, which tiles the forward k)."""
+    _, k, _ = problem.matmul_dims()
+    if problem.direction != "drhs" and k % config.tk:
+        return f"tk={config.tk} must divide the contraction ({k}) for quantized operands"
+    tile, name = (config.tn, "tn") if problem.direction == "dlhs" else (config.tk, "tk")
+    for block in (problem.lhs_qblock, problem.rhs_qblock):
+        if block is not None and block < problem.k and tile % block and block % tile:
+            return f"{name}={tile} must be a multiple of the scale block {block} or divide it"
+    return None
 
 
 class MegabloxRaggedDot(RaggedDotBackend):
@@ -64,7 +117,9 @@ class MegabloxRaggedDot(RaggedDotBackend):
         if min(tm, tk, tn) <= 0:
             return "tile sizes must be positive"
         m, k, n = problem.matmul_dims()
-        sub = sublanes(problem.operand_dtypes()[0])
+        if problem.quantized and (reason := quant_config_error(config, problem)):
+            return reason
+        sub = sublanes(block_dtypes(problem)[0])
         # tgmm reads lhs transposed, [tk, tm] blocks: there rows tile the lanes and k the sublanes.
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         if tm % m_align:
@@ -88,7 +143,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def default_config(self, problem: RaggedDotProblem) -> MegabloxConfig:
         m, k, n = problem.matmul_dims()
-        sub = sublanes(problem.operand_dtypes()[0])
+        sub = sublanes(block_dtypes(problem)[0])
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         tm = self._largest_valid(256, -(-m // m_align) * m_align, m_align)
         tk = self._largest_valid(512, k, k_align)
@@ -100,32 +155,38 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         _, k, n = problem.matmul_dims()
-        sub = sublanes(problem.operand_dtypes()[0])
+        sub = sublanes(block_dtypes(problem)[0])
         dims = lambda size: sorted({size, *(v for v in (128, 256, 512, 1024, 2048) if v < size)})
         return {"tm": [sub, 2 * sub, 64, 128, 256, 512, 1024], "tk": dims(k), "tn": dims(n)}
-
-    @staticmethod
-    def _pad_rows(x: jax.Array, tm: int) -> jax.Array:
-        """Megablox needs tm | m; padding rows are past sum(group_sizes), so no group visits them."""
-        extra = -x.shape[0] % tm
-        return jnp.pad(x, ((0, extra), (0, 0))) if extra else x
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
         m = lhs.shape[0]
         offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-        out = _gmm_kernel.gmm(
-            self._pad_rows(lhs, config.tm), rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
-            (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
-            interpret=interpreted("tpu"),
-        )[:m]
+        ops = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
+        if ops.quantized:
+            out = quantized_gmm(*ops, group_sizes.astype(jnp.int32), tiling=(config.tm, config.tk, config.tn),
+                                out_dtype=jnp.dtype(out_dtype), group_offset=offset, transpose_rhs=transpose_rhs,
+                                interpret=interpreted("tpu"))
+        else:
+            # Megablox needs tm | m; the padded rows are past sum(group_sizes), so no group visits them
+            out = _gmm_kernel.gmm(
+                pad_to(lhs, 0, config.tm), rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
+                (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
+                interpret=interpreted("tpu"),
+            )[:m]
         # gmm leaves rows that no group owns (past sum(group_sizes)) uninitialized on TPU.
         keep = rows_in_local_groups(group_sizes, m, rhs.shape[0], group_offset)
         return jnp.where(keep, out, jnp.zeros((), out.dtype))
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+        lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
+        if is_low_bit(lhs):
+            return quantized_tgmm(lhs, lhs_scale, dout, group_sizes.astype(jnp.int32),
+                                  tiling=(config.tm, config.tk, config.tn), out_dtype=jnp.dtype(out_dtype),
+                                  num_groups=num_groups, group_offset=offset, interpret=interpreted("tpu"))
         return _gmm_kernel.tgmm(
-            self._pad_rows(lhs, config.tm).swapaxes(0, 1), self._pad_rows(dout, config.tm),
+            pad_to(lhs, 0, config.tm).swapaxes(0, 1), pad_to(dout, 0, config.tm),
             group_sizes.astype(jnp.int32), jnp.dtype(out_dtype), (config.tm, config.tk, config.tn), offset,
             num_actual_groups=num_groups, interpret=interpreted("tpu"),
         )

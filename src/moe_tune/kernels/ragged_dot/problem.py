@@ -9,9 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.errors import UsageError
+from moe_tune.quant import QDTYPES, QArray, check_operand
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# The layouts a quantized operand must have (named in the error for any other).
+LHS_LAYOUT = "[m, k] scaled along axis 1 (k) with scale [m, k/bs]"
+RHS_LAYOUT = "[g, k, n] scaled along axis 1 (k) with scale [g, k/bs, n]"
 
 
 def dtype_name(dtype: Any) -> str:
@@ -33,6 +37,12 @@ class RaggedDotProblem:
     `groups` is the number of groups this call computes (rhs.shape[0]); with `group_offset` (expert
     parallelism) `group_sizes` may hold more groups than that, but the work and the key only depend on
     the local count. `total_groups` is kept for input generation and is not part of the key.
+
+    Quantized operands (`moe_tune.QArray`): `lhs_qdtype` / `rhs_qdtype` name the stored dtype (int8,
+    float8_e4m3fn; None for a float operand) and `lhs_qblock` / `rhs_qblock` how many elements along k share
+    one scale (k: one scale per row / channel). A quantized operand's `lhs_dtype` / `rhs_dtype` is float32,
+    the dtype of its dequantized values. The quantization fields enter `key_fields` only for a quantized
+    operand, so the keys of float problems are those they always were.
     """
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("m",)  # what `nearest` lookup may vary
@@ -46,6 +56,10 @@ class RaggedDotProblem:
     out_dtype: str = "float32"
     direction: str = "fwd"
     total_groups: int | None = None
+    lhs_qdtype: str | None = None
+    rhs_qdtype: str | None = None
+    lhs_qblock: int | None = None
+    rhs_qblock: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("m", "k", "n", "groups"):
@@ -61,6 +75,27 @@ class RaggedDotProblem:
             if canonical not in SUPPORTED_DTYPES:
                 raise UsageError(f"{name} {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
             object.__setattr__(self, name, canonical)
+        for side in ("lhs", "rhs"):
+            self._check_quantization(side)
+
+    def _check_quantization(self, side: str) -> None:
+        qdtype, qblock = getattr(self, f"{side}_qdtype"), getattr(self, f"{side}_qblock")
+        if qdtype is None:
+            if qblock is not None:
+                raise UsageError(f"{side}_qblock given without {side}_qdtype")
+            return
+        qdtype = dtype_name(qdtype)
+        if qdtype not in QDTYPES:
+            raise UsageError(f"{side}_qdtype {qdtype} is not supported; use one of {', '.join(QDTYPES)}")
+        qblock = self.k if qblock is None else qblock
+        if not isinstance(qblock, (int, np.integer)) or qblock <= 0 or self.k % qblock:
+            raise UsageError(f"{side}_qblock {qblock!r} must be a positive divisor of k={self.k}")
+        object.__setattr__(self, f"{side}_qdtype", qdtype)
+        object.__setattr__(self, f"{side}_qblock", int(qblock))
+
+    @property
+    def quantized(self) -> bool:
+        return self.lhs_qdtype is not None or self.rhs_qdtype is not None
 
     def matmul_dims(self) -> tuple[int, int, int]:
         """(rows, contracting, output columns) of the matmul this direction runs.
@@ -95,8 +130,11 @@ class RaggedDotProblem:
         """Bytes every direction must move at least: its two operands read once and its result written once
         (the rows [m, k] and [m, n], and the groups' [groups, k, n] matrices)."""
         size = lambda dtype: np.dtype(jnp.dtype(dtype)).itemsize
-        return (self.m * self.k * size(self.lhs_dtype) + self.m * self.n * size(self.out_dtype)
-                + self.groups * self.k * self.n * size(self.rhs_dtype))
+        lhs, rhs = self.m * self.k, self.groups * self.k * self.n
+        # a quantized operand: its 1-byte values and its float32 scales (one per qblock elements along k)
+        lhs = lhs * size(self.lhs_dtype) if self.lhs_qdtype is None else lhs + 4 * lhs // self.lhs_qblock
+        rhs = rhs * size(self.rhs_dtype) if self.rhs_qdtype is None else rhs + 4 * rhs // self.rhs_qblock
+        return lhs + rhs + self.m * self.n * size(self.out_dtype)
 
     def key_fields(self) -> dict[str, Any]:
         """The fields a table entry is keyed on (order matters: it is the key's order)."""
@@ -109,6 +147,8 @@ class RaggedDotProblem:
             "lhs_dtype": self.lhs_dtype,
             "rhs_dtype": self.rhs_dtype,
             "out_dtype": self.out_dtype,
+            **{f"{side}_{field}": getattr(self, f"{side}_{field}") for side in ("lhs", "rhs")
+               if getattr(self, f"{side}_qdtype") is not None for field in ("qdtype", "qblock")},
         }
 
     @classmethod
@@ -129,7 +169,8 @@ class RaggedDotProblem:
         group_offset: Any = None,
         direction: str = "fwd",
     ) -> "RaggedDotProblem":
-        """Validate the operands of a forward ragged_dot and describe them (works on tracers)."""
+        """Validate the operands of a forward ragged_dot and describe them (works on tracers). Either operand
+        may be a `QArray` (lhs [m, k] scaled [m, k/bs], rhs [g, k, n] scaled [g, k/bs, n])."""
         if getattr(lhs, "ndim", None) != 2:
             raise UsageError(f"lhs must be [m, k], got shape {getattr(lhs, 'shape', None)}")
         if getattr(rhs, "ndim", None) != 3:
@@ -145,9 +186,17 @@ class RaggedDotProblem:
             raise UsageError(f"group_sizes has {total} groups but rhs has {groups} (pass group_offset to shard)")
         if total < groups:
             raise UsageError(f"group_sizes has {total} groups, fewer than rhs's {groups}")
-        out = preferred_element_type if preferred_element_type is not None else jnp.result_type(lhs, rhs)
+        quant: dict[str, Any] = {}
+        for side, x, layout in (("lhs", lhs, LHS_LAYOUT), ("rhs", rhs, RHS_LAYOUT)):
+            if isinstance(x, QArray):
+                quant[f"{side}_qblock"] = check_operand(x, name=side, layout=layout)
+                quant[f"{side}_qdtype"] = x.dtype.name
+        # a quantized operand counts as float32 (what it dequantizes to); the output follows the float ones
+        lhs_dtype, rhs_dtype = (jnp.float32 if isinstance(x, QArray) else x.dtype for x in (lhs, rhs))
+        floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)] or [jnp.float32]
+        out = preferred_element_type if preferred_element_type is not None else jnp.result_type(*floats)
         return cls(
             m=m, k=k, n=n, groups=groups,
-            lhs_dtype=dtype_name(lhs.dtype), rhs_dtype=dtype_name(rhs.dtype), out_dtype=dtype_name(out),
-            direction=direction, total_groups=total if total != groups else None,
+            lhs_dtype=dtype_name(lhs_dtype), rhs_dtype=dtype_name(rhs_dtype), out_dtype=dtype_name(out),
+            direction=direction, total_groups=total if total != groups else None, **quant,
         )

@@ -6,6 +6,11 @@ k x n plane is split into `tk` x `tn` blocks (one dot each). tgmm (drhs) gathers
 of `tm` rows and runs one batched dot that writes every group's [k, n] result in place; only groups longer
 than the window add further windows (it ignores `tail`, `tk` and `tn`). See benchmarks/NOTES.md for what
 was measured to choose this design.
+
+Quantized operands (see `quantized.py`) stay 1-byte in memory and are converted block by block inside the
+loop: a scale per row / channel multiplies each result block once after its k loop; sub-channel scales
+multiply the dot of each k chunk (a chunk never straddles a scale block: `tk` must be a multiple of the
+scale block or divide it). dlhs with sub-channel weights dequantizes each weight block before its dot.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+from moe_tune.kernels.ragged_dot.quantized import (block_of, dot_dtypes, is_low_bit, k_chunk, prepare_gmm,
+                                                   prepare_tgmm)
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
 # compile time grows with them.
@@ -63,6 +70,49 @@ def _tile_product(x, w, *, k_blocks, n_blocks, transpose_rhs, acc_dtype, out_dty
     return blocks
 
 
+def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Array:
+    """Rows [start, start + size) of `scale` repeated `block` times along axis 0 (static bounds): the
+    per-element scale of those rows of an operand scaled in blocks of `block` rows."""
+    first = start // block
+    rows = jnp.repeat(scale[first:-(-(start + size) // block)], block, axis=0)
+    return rows[start - first * block:start - first * block + size]
+
+
+def _quantized_tile_product(x, w, xs, ws, *, k_blocks, n_blocks, transpose_rhs, out_dtype):
+    """`_tile_product` for 1-byte operands. Without transpose_rhs: x [rows, k] with xs None or [rows, k/bl],
+    w [k, n] with ws None or [k/br, n]; every k chunk lies inside one scale block of each. With
+    transpose_rhs: x float, w [n, k] with ws None or [n/br, k] (scaled along the output n: dequantized)."""
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    k = x.shape[1]
+    operand, acc_dtype = dot_dtypes(x, w)
+    x_block, w_block = block_of(k, xs, 1), block_of(w.shape[0] if transpose_rhs else k, ws, 0)
+    blocks = []
+    for n0, nb in n_blocks:
+        acc = None
+        for k0, kb in k_blocks:
+            xb = x[:, k0:k0 + kb].astype(operand)
+            if transpose_rhs:
+                wb = w[n0:n0 + nb, k0:k0 + kb].astype(operand)
+                if ws is not None:
+                    wb = wb.astype(jnp.float32) * _scale_rows(ws, w_block, n0, nb)[:, k0:k0 + kb]
+                    xb = xb.astype(jnp.float32)
+            else:
+                wb = w[k0:k0 + kb, n0:n0 + nb].astype(operand)
+            part = jax.lax.dot_general(xb, wb, dims, preferred_element_type=acc_dtype)
+            if not transpose_rhs and w_block < k:  # sub-channel: this chunk's scales
+                part = part.astype(jnp.float32) * ws[k0 // w_block, n0:n0 + nb]
+            if not transpose_rhs and x_block < k:
+                part = part.astype(jnp.float32) * xs[:, k0 // x_block, None]
+            acc = part if acc is None else acc + part
+        acc = acc.astype(jnp.float32)
+        if ws is not None and not transpose_rhs and w_block == k:  # one scale per channel: once, after the k loop
+            acc = acc * ws[0, n0:n0 + nb]
+        if xs is not None and x_block == k:
+            acc = acc * xs[:, :1]
+        blocks.append((n0, acc.astype(out_dtype)))
+    return blocks
+
+
 def tiled_ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -75,9 +125,11 @@ def tiled_ragged_dot(
     out_dtype: jnp.dtype,
     group_offset: jax.Array | None = None,
     transpose_rhs: bool = False,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
 ) -> jax.Array:
     """gmm. lhs [m, k], rhs [groups, k, n] ([groups, n, k] if transpose_rhs), group_sizes int [total_groups]
-    -> [m, n] in out_dtype.
+    -> [m, n] in out_dtype. 1-byte lhs / rhs values come with the scales of `quantized.GmmOperands`.
 
     Each group's rows are cut into tiles that start at the group's first row: as many full `tm`-row tiles
     as fit, which need no mask, then the rest in `tail`-row tiles, masked to the group. A group of s rows
@@ -91,18 +143,28 @@ def tiled_ragged_dot(
     tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups,
                                 group_offset=0 if group_offset is None else group_offset)
-    product = functools.partial(_tile_product, k_blocks=_blocks(k, tk), n_blocks=_blocks(n, tn),
-                                transpose_rhs=transpose_rhs, acc_dtype=_acc_dtype(out_dtype), out_dtype=out_dtype)
+    if is_low_bit(lhs) or is_low_bit(rhs):
+        blocks = () if transpose_rhs else (block_of(k, lhs_scale, 1), block_of(k, rhs_scale, 1))
+        product = functools.partial(_quantized_tile_product, k_blocks=_blocks(k, k_chunk(k, tk, *blocks)),
+                                    n_blocks=_blocks(n, tn), transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    else:
+        plain = functools.partial(_tile_product, k_blocks=_blocks(k, tk), n_blocks=_blocks(n, tn),
+                                  transpose_rhs=transpose_rhs, acc_dtype=_acc_dtype(out_dtype), out_dtype=out_dtype)
+        product = lambda x, w, xs, ws: plain(x, w)
+    row_scales = lambda row0, rows: (None if lhs_scale is None
+                                     else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
 
     def group_rows(g, out):
         start, end = starts[g], ends[g]
         full = jnp.maximum(end - start, 0) // tm
         w = rhs[g]  # sliced once per group, not once per tile
+        ws = None if rhs_scale is None else rhs_scale[g]
 
         def full_tile(t, out):
             row0 = start + t * tm
-            for n0, block in product(jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0), w):
+            x = jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0)
+            for n0, block in product(x, w, row_scales(row0, tm), ws):
                 out = jax.lax.dynamic_update_slice(out, block, (row0, n0))
             return out
 
@@ -113,7 +175,8 @@ def tiled_ragged_dot(
             row0 = jnp.minimum(first, m - tail)
             rows = row0 + row_in_tail
             keep = (rows >= first) & (rows < end)
-            for n0, block in product(jax.lax.dynamic_slice_in_dim(lhs, row0, tail, axis=0), w):
+            x = jax.lax.dynamic_slice_in_dim(lhs, row0, tail, axis=0)
+            for n0, block in product(x, w, row_scales(row0, tail), ws):
                 current = jax.lax.dynamic_slice(out, (row0, n0), block.shape)
                 out = jax.lax.dynamic_update_slice(out, jnp.where(keep, block, current), (row0, n0))
             return out
@@ -141,9 +204,11 @@ def tiled_transposed_ragged_dot(
     out_dtype: jnp.dtype,
     num_groups: int,
     group_offset: jax.Array | None = None,
+    lhs_scale: jax.Array | None = None,
 ) -> jax.Array:
     """tgmm. lhs [m, k], dout [m, n] -> [num_groups, k, n]: group g's result is lhs[rows of g]^T @
-    dout[rows of g] (zeros for an empty group), accumulated in f32 for low-precision outputs.
+    dout[rows of g] (zeros for an empty group), accumulated in f32 for low-precision outputs. 1-byte lhs
+    values are converted per window (times their sub-channel scale f32 [m, k/bs], if given) to float32.
 
     Each group's first window of `tm` rows (see `drhs_window`; rows past the group masked to zero) is
     gathered into [num_groups, tm, k] and [num_groups, tm, n], and one batched dot writes every group's
@@ -162,7 +227,14 @@ def tiled_transposed_ragged_dot(
     row0 = jnp.minimum(starts, m - window)  # shifted back to end at row m
     rows = row0[:, None] + in_window[None, :]  # [groups, window]
     keep = (rows >= starts[:, None]) & (rows < jnp.minimum(ends, starts + window)[:, None])
-    x = jnp.where(keep[..., None], lhs[rows], jnp.zeros((), lhs.dtype))
+    if is_low_bit(lhs):  # quantized values: dequantized one window at a time, in f32
+        block = block_of(k, lhs_scale, 1)
+        dequantize = lambda x, rows: x.astype(jnp.float32) * (
+            1.0 if lhs_scale is None else jnp.repeat(lhs_scale[rows], block, axis=-1))
+        dout, acc_dtype = dout.astype(jnp.float32), jnp.dtype(jnp.float32)
+    else:
+        dequantize = lambda x, rows: x
+    x = jnp.where(keep[..., None], dequantize(lhs[rows], rows), 0.0)
     contract_rows = (((0,), (0,)), ((), ()))
     out = jax.lax.dot_general(x, dout[rows], (((1,), (1,)), ((0,), (0,))), preferred_element_type=acc_dtype)
 
@@ -173,7 +245,7 @@ def tiled_transposed_ragged_dot(
             first = start + (w + 1) * window
             r0 = jnp.minimum(first, m - window)
             rows = r0 + in_window[:, None]
-            x = jax.lax.dynamic_slice_in_dim(lhs, r0, window, axis=0)
+            x = dequantize(jax.lax.dynamic_slice_in_dim(lhs, r0, window, axis=0), rows[:, 0])
             x = jnp.where((rows >= first) & (rows < end), x, jnp.zeros((), x.dtype))
             part = jax.lax.dot_general(x, jax.lax.dynamic_slice_in_dim(dout, r0, window, axis=0), contract_rows,
                                        preferred_element_type=acc_dtype)
@@ -205,6 +277,11 @@ TAIL_SIZES = (16, 32, 64)
 DRHS_WINDOW_EIGHTHS = (4, 8, 9, 10, 12, 16)
 
 
+def scale_blocks(problem: RaggedDotProblem) -> tuple[int, ...]:
+    """Block sizes along k of the problem's quantized operands (k for one scale per row / channel)."""
+    return tuple(b for b in (problem.lhs_qblock, problem.rhs_qblock) if b is not None)
+
+
 def _is_gmm(problem: RaggedDotProblem) -> bool:
     """fwd and dlhs run gmm (tiles, tail tiles, tk x tn blocks); drhs runs tgmm (windows of tm rows)."""
     return problem.direction != "drhs"
@@ -228,7 +305,14 @@ class TiledRaggedDot(RaggedDotBackend):
         if config.tail > config.tm:
             return f"tail ({config.tail}) must not exceed tm ({config.tm})"
         _, k, n = problem.matmul_dims()
-        blocks = -(-k // min(config.tk, k)) * -(-n // min(config.tn, n))
+        chunk = min(config.tk, k)
+        if problem.direction == "fwd":  # sub-channel scales lie along the contraction k
+            for block in scale_blocks(problem):
+                if block < k and chunk % block and block % chunk:
+                    return f"tk={config.tk} must be a multiple of the scale block {block} or divide it"
+        # Counted in tk chunks: sub-channel scales cut them further (k / block dots), whatever the config,
+        # so counting those would leave no valid config for long k (k=7168 in blocks of 128: 56).
+        blocks = -(-k // chunk) * -(-n // min(config.tn, n))
         if blocks > MAX_BLOCKS_PER_VISIT:
             return f"{blocks} dots per visit (k/tk * n/tn) exceeds {MAX_BLOCKS_PER_VISIT}"
         return None
@@ -251,17 +335,21 @@ class TiledRaggedDot(RaggedDotBackend):
             rows_per_group = max(m // problem.groups, 1)
             windows = {min(round_up(max(rows_per_group * f // 8, 1), 16), m) for f in DRHS_WINDOW_EIGHTHS}
             return {"tm": sorted(windows), "tk": [k], "tn": [n], "tail": [TiledConfig.tail]}
+        sub_channel = [b for b in scale_blocks(problem) if b < k] if problem.direction == "fwd" else []
         return {
             "tm": _pow2_up_to(min(m, 1024), 32),
-            "tk": sorted({k, *(v for v in (512,) if v < k)}),
+            "tk": sorted({k, *(v for v in (512, *sub_channel) if v < k)}),
             "tn": sorted({n, *(v for v in (512,) if v < n)}),
             "tail": list(TAIL_SIZES),
         }
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
-        return tiled_ragged_dot(lhs, rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn, tail=config.tail,
-                                out_dtype=out_dtype, group_offset=group_offset, transpose_rhs=transpose_rhs)
+        ops = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
+        return tiled_ragged_dot(ops.lhs, ops.rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn,
+                                tail=config.tail, out_dtype=out_dtype, group_offset=group_offset,
+                                transpose_rhs=transpose_rhs, lhs_scale=ops.lhs_scale, rhs_scale=ops.rhs_scale)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
         return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, out_dtype=out_dtype,
-                                           num_groups=num_groups, group_offset=group_offset)
+                                           num_groups=num_groups, group_offset=group_offset, lhs_scale=lhs_scale)

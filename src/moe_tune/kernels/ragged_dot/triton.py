@@ -7,6 +7,11 @@ program per (group, k block, n block), looping over the row tiles its group touc
 
 Operands are padded to whole blocks so that every load is in bounds (the same code then runs compiled and
 in interpret mode); for the usual MoE shapes (k and n multiples of 128) only `m` ever needs padding.
+
+Quantized operands (QArray, after `quantized.prepare_gmm` / `prepare_tgmm`) are loaded as 1-byte blocks
+with their float32 scales: where one scale covers a whole `block_k` step the raw dot (int8 x int8 in int32)
+is multiplied by it, and a per-row / per-channel scale once after the k loop; otherwise the block is
+dequantized in the kernel from a gathered load of its scales.
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ from moe_tune.kernels.pallas_util import interpreted, pad_to
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+from moe_tune.kernels.ragged_dot.quantized import (block_of, dot_dtypes, is_low_bit, prepare_gmm, prepare_tgmm,
+                                                   with_absent_refs)
 
 BLOCKS = (16, 32, 64, 128, 256)
+# Smallest K of an 8-bit integer MMA on NVIDIA GPUs (16 for 16-bit floats): tl.dot rejects int8 x int8 below it.
+MIN_INT8_BLOCK_K = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,32 +54,87 @@ def _precision(dtype) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, out_ref, *,
-                block_m, block_k, block_n, k_blocks, transpose_rhs, precision, dtype):
+def _dot_dtype(a: jax.Array, b: jax.Array) -> jnp.dtype:
+    """The one operand type of a float tile product (tl.dot takes one; mixed float inputs meet in float32).
+    1-byte quantized operands take `_quantized_step`'s path instead, so any float type serves them here."""
+    if is_low_bit(a) or is_low_bit(b):
+        return jnp.dtype(jnp.float32)
+    return jnp.promote_types(a.dtype, b.dtype)
+
+
+def _scale_index(start, size: int, block: int, limit: int) -> jax.Array:
+    """int32 [size]: the scale row of each of `size` entries from `start` (clipped: padding entries)."""
+    return jnp.minimum((start + jnp.arange(size)) // block, limit - 1)
+
+
+def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, lhs_scale_ref, rhs_ref, rhs_scale_ref,
+                out_ref, *, block_m, block_k, block_n, k_blocks, transpose_rhs, precision, dtype, lhs_block=None,
+                rhs_block=None, k=None):
     visit, col_block = pl.program_id(0), pl.program_id(1)
 
     @pl.when(visit < num_visits[0])
     def _():
         group, row0 = group_ids[visit], tile_ids[visit] * block_m
         col0 = col_block * block_n
+        rows, cols = pl.ds(row0, block_m), pl.ds(col0, block_n)
 
         def body(kb, acc):
             k0 = kb * block_k
-            x = lhs_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)].astype(dtype)
+            x = lhs_ref[rows, pl.ds(k0, block_k)]
             if transpose_rhs:  # rhs is [g, n_out, k_contract]
-                w = rhs_ref[group, pl.ds(col0, block_n), pl.ds(k0, block_k)].astype(dtype)
-                return acc + plgpu.dot(x, w, trans_b=True, precision=precision)
-            w = rhs_ref[group, pl.ds(k0, block_k), pl.ds(col0, block_n)].astype(dtype)
-            return acc + plgpu.dot(x, w, precision=precision)
+                w = rhs_ref[group, cols, pl.ds(k0, block_k)]
+            else:
+                w = rhs_ref[group, pl.ds(k0, block_k), cols]
+            if lhs_scale_ref is None and rhs_scale_ref is None and not is_low_bit(x) and not is_low_bit(w):
+                # tl.dot takes one operand type: both tiles in the promoted dtype (mixed: float32)
+                return acc + plgpu.dot(x.astype(dtype), w.astype(dtype), trans_b=transpose_rhs, precision=precision)
+            return acc + _quantized_step(x, w, lhs_scale_ref, rhs_scale_ref, group, row0, col0, k0,
+                                         block_m=block_m, block_k=block_k, block_n=block_n, k=k,
+                                         transpose_rhs=transpose_rhs, lhs_block=lhs_block, rhs_block=rhs_block)
 
         acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
-        rows = row0 + jnp.arange(block_m)
-        keep = (rows >= starts[group]) & (rows < ends[group])
-        plgpu.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc.astype(out_ref.dtype),
+        if rhs_scale_ref is not None and not transpose_rhs and rhs_block == k:  # one scale per channel
+            acc = acc * rhs_scale_ref[group, 0, cols][None, :]
+        if lhs_scale_ref is not None and lhs_block == k:  # one scale per row
+            acc = acc * lhs_scale_ref[rows, 0][:, None]
+        keep = (row0 + jnp.arange(block_m) >= starts[group]) & (row0 + jnp.arange(block_m) < ends[group])
+        plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype),
                     mask=jnp.broadcast_to(keep[:, None], (block_m, block_n)))
 
 
-def _tgmm_kernel(starts, ends, lhs_ref, dout_ref, out_ref, *, block_m, block_k, block_n, precision, dtype):
+def _quantized_step(x, w, lhs_scale_ref, rhs_scale_ref, group, row0, col0, k0, *, block_m, block_k, block_n, k,
+                    transpose_rhs, lhs_block, rhs_block):
+    """One block_k step of a gmm with 1-byte operands -> f32 [block_m, block_n]: a raw dot times the step's
+    scales where one scale covers the step, else the operand dequantized from its gathered scales."""
+    operand, _ = dot_dtypes(x, w)
+    x, w = x.astype(operand), w.astype(operand)
+    after = []  # scales of the whole step: [block_m, 1] / [1, block_n] factors of the raw dot
+    if transpose_rhs and rhs_scale_ref is not None:  # scale along the output rows of w: dequantize w
+        out_rows = _scale_index(col0, block_n, rhs_block, rhs_scale_ref.shape[1])
+        w = w.astype(jnp.float32) * rhs_scale_ref[group, out_rows[:, None], (k0 + jnp.arange(block_k))[None, :]]
+    elif rhs_scale_ref is not None and rhs_block < k:
+        if rhs_block % block_k == 0:
+            after.append(rhs_scale_ref[group, k0 // rhs_block, pl.ds(col0, block_n)][None, :])
+        else:
+            k_rows = _scale_index(k0, block_k, rhs_block, rhs_scale_ref.shape[1])
+            cols = (col0 + jnp.arange(block_n))[None, :]
+            w = w.astype(jnp.float32) * rhs_scale_ref[group, k_rows[:, None], cols]
+    if lhs_scale_ref is not None and lhs_block < k:
+        if lhs_block % block_k == 0:
+            after.append(lhs_scale_ref[pl.ds(row0, block_m), k0 // lhs_block][:, None])
+        else:
+            k_cols = _scale_index(k0, block_k, lhs_block, lhs_scale_ref.shape[1])
+            x = x.astype(jnp.float32) * lhs_scale_ref[(row0 + jnp.arange(block_m))[:, None], k_cols[None, :]]
+    if x.dtype != w.dtype:  # one side was dequantized: both in float32
+        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    part = plgpu.dot(x, w, trans_b=transpose_rhs, precision=_precision(x.dtype)).astype(jnp.float32)
+    for scale in after:
+        part = part * scale
+    return part
+
+
+def _tgmm_kernel(starts, ends, lhs_ref, lhs_scale_ref, dout_ref, out_ref, *, block_m, block_k, block_n, precision,
+                 dtype, lhs_block=None):
     group, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = starts[group], ends[group]
 
@@ -78,14 +142,29 @@ def _tgmm_kernel(starts, ends, lhs_ref, dout_ref, out_ref, *, block_m, block_k, 
         row0 = tile * block_m
         rows = row0 + jnp.arange(block_m)
         keep = ((rows >= start) & (rows < end))[:, None]
-        x = lhs_ref[pl.ds(row0, block_m), pl.ds(k_block * block_k, block_k)].astype(dtype)
-        d = dout_ref[pl.ds(row0, block_m), pl.ds(n_block * block_n, block_n)].astype(dtype)
+        x = lhs_ref[pl.ds(row0, block_m), pl.ds(k_block * block_k, block_k)]
+        d = dout_ref[pl.ds(row0, block_m), pl.ds(n_block * block_n, block_n)]
+        if is_low_bit(x):  # quantized lhs: float32 products (a per-row scale was folded into dout)
+            x, d = x.astype(jnp.float32), d.astype(jnp.float32)
+            if lhs_scale_ref is not None:
+                k_cols = _scale_index(k_block * block_k, block_k, lhs_block, lhs_scale_ref.shape[1])
+                x = x * lhs_scale_ref[rows[:, None], k_cols[None, :]]
+        else:  # tl.dot takes one operand type: both tiles in the promoted dtype (mixed: float32)
+            x, d = x.astype(dtype), d.astype(dtype)
         x = jnp.where(keep, x, jnp.zeros_like(x))
         return acc + plgpu.dot(x, d, trans_a=True, precision=precision)
 
     first, last = start // block_m, (end + block_m - 1) // block_m
     acc = jax.lax.fori_loop(first, jnp.maximum(first, last), body, jnp.zeros((block_k, block_n), jnp.float32))
     out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _int8_dot(problem: RaggedDotProblem, block_k: int) -> bool:
+    """Whether the kernel's k steps run int8 x int8 dots: a forward pass of int8 lhs and rhs where no
+    sub-channel scale block is shorter than a step (such a step is dequantized to float32 instead)."""
+    if problem.direction != "fwd" or problem.lhs_qdtype != "int8" or problem.rhs_qdtype != "int8":
+        return False
+    return all(block == problem.k or block % block_k == 0 for block in (problem.lhs_qblock, problem.rhs_qblock))
 
 
 class TritonRaggedDot(RaggedDotBackend):
@@ -112,7 +191,11 @@ class TritonRaggedDot(RaggedDotBackend):
         if not 1 <= config.num_stages <= 6:
             return f"num_stages={config.num_stages} must be in 1..6"
         _, gk, gn = problem.matmul_dims()
-        if config.block_k > max(16, 1 << (gk - 1).bit_length()) or config.block_n > max(16, 1 << (gn - 1).bit_length()):
+        int8_dot = _int8_dot(problem, config.block_k)
+        if int8_dot and config.block_k < MIN_INT8_BLOCK_K:
+            return f"block_k={config.block_k}: int8 x int8 dots need block_k >= {MIN_INT8_BLOCK_K}"
+        fits = lambda block, size, smallest=16: block <= max(smallest, 1 << (size - 1).bit_length())
+        if not fits(config.block_k, gk, MIN_INT8_BLOCK_K if int8_dot else 16) or not fits(config.block_n, gn):
             return "block larger than the dimension it tiles"
         need = self.shared_memory_bytes(config, problem)
         budget = devices.gpu_shared_memory_bytes()
@@ -132,26 +215,36 @@ class TritonRaggedDot(RaggedDotBackend):
         fit = lambda want, size: max(16, min(want, 1 << max(size - 1, 1).bit_length()))
         if problem.direction == "drhs":
             return TritonConfig(block_m=64, block_k=fit(64, gk), block_n=fit(64, gn), num_warps=4, num_stages=2)
-        return TritonConfig(block_m=64, block_k=fit(32, gk), block_n=fit(64, gn), num_warps=4, num_stages=2)
+        block_k = fit(32, gk)
+        if _int8_dot(problem, block_k):
+            block_k = max(block_k, MIN_INT8_BLOCK_K)
+        return TritonConfig(block_m=64, block_k=block_k, block_n=fit(64, gn), num_warps=4, num_stages=2)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         return {"block_m": [32, 64, 128], "block_k": [32, 64, 128], "block_n": [64, 128, 256],
                 "num_warps": [4, 8], "num_stages": [2, 3, 4]}
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
+        lhs, lhs_scale, rhs, rhs_scale = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
         m, k = lhs.shape
         groups = rhs.shape[0]
         n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
         lhs_p = pad_to(pad_to(lhs, 0, bm), 1, bk)
         rhs_p = pad_to(pad_to(rhs, 2 if transpose_rhs else 1, bk), 1 if transpose_rhs else 2, bn)
+        # scales: rows of lhs, and the columns a block reads along rhs's last axis, padded like the values
+        lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, bm)
+        rhs_scale = None if rhs_scale is None else pad_to(rhs_scale, 2, bk if transpose_rhs else bn)
         mp, kp = lhs_p.shape
         np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
         meta = make_group_metadata(group_sizes, m=mp, tm=bm, groups=groups,
                                    group_offset=0 if group_offset is None else group_offset)
-        dtype = jnp.promote_types(lhs.dtype, rhs.dtype)  # tl.dot takes one operand type (mixed: float32)
+        dtype = _dot_dtype(lhs, rhs)
         kernel = functools.partial(_gmm_kernel, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
-                                   transpose_rhs=transpose_rhs, precision=_precision(dtype), dtype=dtype)
+                                   transpose_rhs=transpose_rhs, precision=_precision(dtype), dtype=dtype,
+                                   lhs_block=block_of(k, lhs_scale, 1), k=k,
+                                   rhs_block=block_of(n if transpose_rhs else k, rhs_scale, 1))
+        kernel = with_absent_refs(kernel, 5, [True, lhs_scale is not None, True, rhs_scale is not None])
         out = pl.pallas_call(
             kernel,
             grid=(meta.group_ids.shape[0], np_ // bn),
@@ -159,12 +252,14 @@ class TritonRaggedDot(RaggedDotBackend):
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=self.interpret,
             name="moe_tune_gmm",
-        )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None], lhs_p, rhs_p)
+        )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None], lhs_p,
+          *[x for x in (lhs_scale, rhs_p, rhs_scale) if x is not None])
         out = out[:m, :n]
         # Rows no local group owns were never stored.
         return jnp.where(rows_in_local_groups(group_sizes, m, groups, group_offset), out, jnp.zeros((), out.dtype))
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
         m, k = lhs.shape
         n = dout.shape[1]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
@@ -172,9 +267,12 @@ class TritonRaggedDot(RaggedDotBackend):
         dout_p = pad_to(pad_to(dout, 0, bm), 1, bn)
         meta = make_group_metadata(group_sizes, m=lhs_p.shape[0], tm=bm, groups=num_groups,
                                    group_offset=0 if group_offset is None else group_offset)
-        dtype = jnp.promote_types(lhs.dtype, dout.dtype)  # tl.dot takes one operand type (mixed: float32)
+        dtype = _dot_dtype(lhs, dout)
         kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn,
-                                   precision=_precision(dtype), dtype=dtype)
+                                   precision=_precision(dtype), dtype=dtype,
+                                   lhs_block=block_of(k, lhs_scale, 1))
+        kernel = with_absent_refs(kernel, 2, [True, lhs_scale is not None, True])
+        lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, bm)
         kp, np_ = lhs_p.shape[1], dout_p.shape[1]
         out = pl.pallas_call(
             kernel,
@@ -184,5 +282,5 @@ class TritonRaggedDot(RaggedDotBackend):
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=self.interpret,
             name="moe_tune_tgmm",
-        )(meta.group_starts, meta.group_ends, lhs_p, dout_p)
+        )(meta.group_starts, meta.group_ends, lhs_p, *([] if lhs_scale is None else [lhs_scale]), dout_p)
         return out[:, :k, :n]

@@ -1,4 +1,6 @@
-"""`xla` backend: `jax.lax.ragged_dot_general`, no tunables; the baseline every other backend is measured against."""
+"""`xla` backend: `jax.lax.ragged_dot_general`, no tunables; the baseline every other backend is measured against.
+
+Quantized operands (QArray) are dequantized first: the reference path, not a fast one."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from jax import lax
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+from moe_tune.quant import QArray, dequantize
 
 # lhs [m, k] x rhs [g, k, n] (or [g, n, k]): ragged rows of lhs select a group of rhs.
 _GMM = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
@@ -55,6 +58,15 @@ def _ragged_dot_general(lhs, rhs, sizes, dims: lax.RaggedDotDimensionNumbers, ou
     return batched_call(lhs, rhs, sizes)
 
 
+def _floats(*operands: jax.Array | QArray) -> list[jax.Array]:
+    """The operands as floats of one dtype: QArrays dequantized (float32), the others promoted to match."""
+    if not any(isinstance(x, QArray) for x in operands):
+        return list(operands)
+    values = [dequantize(x) if isinstance(x, QArray) else x for x in operands]
+    dtype = jnp.result_type(*values)
+    return [x.astype(dtype) for x in values]
+
+
 class XlaRaggedDot(RaggedDotBackend):
     name = "xla"
     revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
@@ -66,6 +78,7 @@ class XlaRaggedDot(RaggedDotBackend):
         return XlaConfig()
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
+        lhs, rhs = _floats(lhs, rhs)
         sizes = group_sizes.astype(jnp.int32)
         if group_offset is not None:  # the leading group multiplies zeros
             sizes = _shard_sizes(sizes, rhs.shape[0], group_offset)
@@ -73,6 +86,7 @@ class XlaRaggedDot(RaggedDotBackend):
         return _ragged_dot_general(lhs, rhs, sizes, _GMM_T if transpose_rhs else _GMM, out_dtype)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        lhs, dout = _floats(lhs, dout)
         sizes = group_sizes.astype(jnp.int32)
         if group_offset is not None:  # drop the leading group's result
             sizes = _shard_sizes(sizes, num_groups, group_offset)

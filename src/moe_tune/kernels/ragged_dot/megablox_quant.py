@@ -1,0 +1,229 @@
+"""Quantized Pallas TPU gmm / tgmm for the `megablox` backend (JAX's Megablox kernels refuse int8 / fp8).
+
+The 1-byte values travel into the kernel as they are (int8 or float8_e4m3fn blocks, half or a quarter of
+the bytes of a float block), with their float32 scales as blocks of their own. The schedule is Megablox's:
+the visits of `metadata.make_group_metadata` (a row tile shared by two groups is visited once per group)
+arrive by scalar prefetch and pick each step's blocks.
+
+gmm grid (n tiles, visits, k tiles), an f32 accumulator in VMEM; a visit's rows are stored at its last k
+step, masked to its group. Scales along the contraction k in blocks multiply the dot of each sub-block of a
+k tile (a tile never straddles a scale block; per channel / per row: once, at the store); with
+transpose_rhs (dlhs) a sub-channel scale lies along the output and the weight sub-block is dequantized.
+tgmm grid (n tiles, k tiles, visits): each group's [tk, tn] result accumulates over its visits and is
+stored at its last one; an lhs sub-channel scale dequantizes each sub-block of the lhs^T tile.
+
+Off TPU both run in interpret mode (tests only). See `quantized.py` for the scales folded before the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from moe_tune.kernels.pallas_util import pad_to
+from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, k_chunk, with_absent_refs
+
+
+_NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
+
+
+def _dot(x: jax.Array, w: jax.Array, dims=_NN) -> jax.Array:
+    """x @ w (or w^T), int8 x int8 in int32, else in float32; float32 operands at full precision (Mosaic's
+    default may take bf16 passes), so results match a float32 reference."""
+    if x.dtype == jnp.int8:
+        return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _div(index: jax.Array, block: int) -> jax.Array:
+    """index // block for a non-negative traced index: truncating division (Mosaic lowers `//` on signed
+    integers through `sign`, which needs to know the chip)."""
+    return jax.lax.div(index, jnp.int32(block))
+
+
+def _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm: int, shape, axis: int) -> jax.Array:
+    """bool `shape`: which entries along `axis` (rows of the visit's tile) belong to the visit's group."""
+    group = group_ids[visit]
+    rows = tile_ids[visit] * tm + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    return (rows >= starts[group]) & (rows < ends[group])
+
+
+def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, tm, tk, tn, k_tiles, transpose_rhs,
+                lhs_block, rhs_block, chunk):
+    lhs_ref, rhs_ref, out_ref, acc_ref = refs[0], refs[2], refs[4], refs[5]
+    lhs_scale_ref, rhs_scale_ref = refs[1], refs[3]
+    n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    operand, _ = dot_dtypes(lhs_ref, rhs_ref)
+
+    @pl.when(k_i == 0)
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(visit < num_visits[0])
+    def _accumulate():
+        if transpose_rhs:  # x [tm, tk] float; w [tn, tk], its scale (if any) in blocks along the output rows
+            x = lhs_ref[...].astype(jnp.float32 if rhs_scale_ref is not None else operand)
+            if rhs_scale_ref is None:
+                acc_ref[...] += _dot(x, rhs_ref[...].astype(operand), _NT)
+                return
+            sub = min(tn, rhs_block)
+            for j in range(tn // sub):
+                row = _div(n_i * tn + j * sub, rhs_block)
+                w = rhs_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * rhs_scale_ref[pl.ds(row, 1), :]
+                acc_ref[:, pl.ds(j * sub, sub)] += _dot(x, w, _NT)
+            return
+        # x [tm, tk], w [tk, tn]: scales along k in blocks (or one per row / channel, applied at the store)
+        for j in range(tk // chunk):
+            cols = pl.ds(j * chunk, chunk)
+            x, w = lhs_ref[:, cols].astype(operand), rhs_ref[cols, :].astype(operand)
+            part = _dot(x, w).astype(jnp.float32)
+            k0 = k_i * tk + j * chunk
+            if rhs_scale_ref is not None and rhs_block < k_tiles * tk:
+                part = part * rhs_scale_ref[pl.ds(_div(k0, rhs_block), 1), :]
+            if lhs_scale_ref is not None and lhs_block < k_tiles * tk:
+                part = part * lhs_scale_ref[:, pl.ds(_div(k0, lhs_block), 1)]
+            acc_ref[...] += part
+
+    @pl.when((k_i == k_tiles - 1) & (visit < num_visits[0]))
+    def _store():
+        acc = acc_ref[...]
+        k = k_tiles * tk
+        if not transpose_rhs and rhs_scale_ref is not None and rhs_block == k:
+            acc = acc * rhs_scale_ref[...]
+        if lhs_scale_ref is not None and lhs_block == k:
+            acc = acc * lhs_scale_ref[...]
+        keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (tm, tn), 0)
+        out_ref[...] = jax.lax.select(keep, acc, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
+
+
+def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, rhs_scale: jax.Array | None,
+                  group_sizes: jax.Array, *, tiling: tuple[int, int, int], out_dtype: jnp.dtype,
+                  group_offset: jax.Array | None, transpose_rhs: bool, interpret: bool) -> jax.Array:
+    """gmm of `quantized.GmmOperands`: lhs [m, k] (float / int8 / fp8) with lhs_scale None or f32 [m, k/bs],
+    rhs [g, k, n] with rhs_scale None or f32 [g, k/bs, n] (transpose_rhs: lhs float, rhs [g, n, k] with
+    rhs_scale None or f32 [g, n/bs, k]). -> [m, n] in out_dtype; rows of no local group are left unwritten
+    (the caller masks them). Needs tk | k; sub-channel blocks a multiple or a divisor of the tile they
+    scale (tk; tn with transpose_rhs), see `megablox.quant_config_error`."""
+    tm, tk, tn = tiling
+    m, k = lhs.shape
+    groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    lhs = pad_to(lhs, 0, tm)  # rows past sum(group_sizes): no visit stores them
+    lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, tm)
+    meta = make_group_metadata(group_sizes, m=lhs.shape[0], tm=tm, groups=groups,
+                               group_offset=0 if group_offset is None else group_offset)
+    rhs_block = block_of(n if transpose_rhs else k, rhs_scale, 1)
+    lhs_block = block_of(k, lhs_scale, 1)
+    chunk = tk if transpose_rhs else k_chunk(k, tk, lhs_block, rhs_block)
+
+    # Scale blocks span the whole k / bs axis (a few KiB; a block of a few rows would break the TPU's 8-row
+    # tiling); the kernel picks its rows.
+    specs = {"lhs": pl.BlockSpec((tm, tk), lambda n_i, v, k_i, gid, tid, *_: (tid[v], k_i))}
+    if lhs_scale is not None:
+        specs["lhs_scale"] = pl.BlockSpec((tm, lhs_scale.shape[1]), lambda n_i, v, k_i, gid, tid, *_: (tid[v], 0))
+    if transpose_rhs:
+        specs["rhs"] = pl.BlockSpec((None, tn, tk), lambda n_i, v, k_i, gid, *_: (gid[v], n_i, k_i))
+        scale_cols, scale_index = tk, lambda n_i, v, k_i, gid, *_: (gid[v], 0, k_i)
+    else:
+        specs["rhs"] = pl.BlockSpec((None, tk, tn), lambda n_i, v, k_i, gid, *_: (gid[v], k_i, n_i))
+        scale_cols, scale_index = tn, lambda n_i, v, k_i, gid, *_: (gid[v], 0, n_i)
+    if rhs_scale is not None:
+        specs["rhs_scale"] = pl.BlockSpec((None, rhs_scale.shape[1], scale_cols), scale_index)
+    kernel = with_absent_refs(
+        functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k_tiles=k // tk, transpose_rhs=transpose_rhs,
+                          lhs_block=lhs_block, rhs_block=rhs_block, chunk=chunk),
+        5, [True, lhs_scale is not None, True, rhs_scale is not None])
+    inputs = {"lhs": lhs, "lhs_scale": lhs_scale, "rhs": rhs, "rhs_scale": rhs_scale}
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            in_specs=list(specs.values()),
+            out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, gid, tid, *_: (tid[v], n_i)),
+            grid=(pl.cdiv(n, tn), meta.group_ids.shape[0], k // tk),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="moe_tune_quantized_gmm",
+    )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+      *[inputs[name] for name in specs])
+    return out[:m]
+
+
+def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale_t_ref, dout_ref, out_ref,
+                 acc_ref, *, tm, tk, lhs_block):
+    k_i, visit = pl.program_id(1), pl.program_id(2)
+    group = group_ids[visit]
+    first = (visit == 0) | (group != group_ids[jnp.maximum(visit - 1, 0)])
+    last = (visit == num_visits[0] - 1) | (group != group_ids[jnp.minimum(visit + 1, group_ids.shape[0] - 1)])
+
+    @pl.when(first)
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(visit < num_visits[0])
+    def _accumulate():
+        d = dout_ref[...].astype(jnp.float32)
+        d = jnp.where(_rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, d.shape, 0), d, 0.0)
+        keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (1, tm), 1)
+        if scale_t_ref is None:
+            x = jnp.where(keep, lhs_t_ref[...].astype(jnp.float32), 0.0)
+            acc_ref[...] += _dot(x, d)
+            return
+        sub = min(tk, lhs_block)
+        for j in range(tk // sub):
+            row = _div(k_i * tk + j * sub, lhs_block)
+            x = lhs_t_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * scale_t_ref[pl.ds(row, 1), :]
+            acc_ref[pl.ds(j * sub, sub), :] += _dot(jnp.where(keep, x, 0.0), d)
+
+    @pl.when(last & (visit < num_visits[0]))
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def quantized_tgmm(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array, group_sizes: jax.Array, *,
+                   tiling: tuple[int, int, int], out_dtype: jnp.dtype, num_groups: int,
+                   group_offset: jax.Array | None, interpret: bool) -> jax.Array:
+    """tgmm with 1-byte lhs values: lhs [m, k] (int8 / fp8) with lhs_scale None or f32 [m, k/bs]
+    (sub-channel; a per-row scale is folded into dout first), dout [m, n] -> [num_groups, k, n] in
+    out_dtype, float32 products and accumulation. Empty groups come out zero."""
+    tm, tk, tn = tiling
+    m, k = lhs.shape
+    n = dout.shape[1]
+    # Megablox's layout: lhs^T [k, m], so that a block [tk, tm] feeds the matmul unit untransposed.
+    lhs_t, dout = pad_to(lhs, 0, tm).T, pad_to(dout, 0, tm)
+    scale_t = None if lhs_scale is None else pad_to(lhs_scale, 0, tm).T
+    meta = make_group_metadata(group_sizes, m=dout.shape[0], tm=tm, groups=num_groups,
+                               group_offset=0 if group_offset is None else group_offset)
+    specs = [pl.BlockSpec((tk, tm), lambda n_i, k_i, v, gid, tid, *_: (k_i, tid[v]))]
+    if scale_t is not None:
+        specs.append(pl.BlockSpec((scale_t.shape[0], tm), lambda n_i, k_i, v, gid, tid, *_: (0, tid[v])))
+    specs.append(pl.BlockSpec((tm, tn), lambda n_i, k_i, v, gid, tid, *_: (tid[v], n_i)))
+    kernel = with_absent_refs(functools.partial(_tgmm_kernel, tm=tm, tk=tk, lhs_block=block_of(k, lhs_scale, 1)),
+                              5, [True, scale_t is not None, True])
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            in_specs=specs,
+            out_specs=pl.BlockSpec((None, tk, tn), lambda n_i, k_i, v, gid, *_: (gid[v], k_i, n_i)),
+            grid=(pl.cdiv(n, tn), pl.cdiv(k, tk), meta.group_ids.shape[0]),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="moe_tune_quantized_tgmm",
+    )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+      *[x for x in (lhs_t, scale_t, dout) if x is not None])
+    # Groups without rows have no visit, so their blocks were never written.
+    nonempty = meta.group_ends > meta.group_starts
+    return jnp.where(nonempty[:, None, None], out, jnp.zeros((), out.dtype))

@@ -1,0 +1,126 @@
+"""Quantized operands of the ragged_dot kernels: what every backend's gmm / tgmm does before its kernel.
+
+A kernel applies a scale cheaply only where the scale lies along the matmul's reduction axis in blocks
+(then a raw dot of a block is multiplied by the block's scale) or along an output axis (then the result is
+multiplied by it). Scales that vary along the reduction axis element by element are folded into the other,
+float operand here, before the kernel, so that the kernel reads the 1-byte values as they are:
+
+- gmm, rhs [g, k, n] scaled [g, k/bs, n], lhs [m, k] scaled [m, k/bs]: both along the reduction k; kept.
+- gmm with transpose_rhs (dlhs: dout [m, n] x rhs [g, k, n]^T, reducing n): a per-channel rhs scale [g, 1, n]
+  lies along n element by element, so it is folded into dout row by row (`dout[rows of g] * scale[g, 0]`);
+  a sub-channel scale [g, k/bs, n] varies along the output k too and is applied to the block in the kernel.
+- tgmm (drhs: lhs [m, k]^T x dout [m, n], reducing m): a per-row lhs scale [m, 1] is folded into dout; a
+  sub-channel one [m, k/bs] is applied to the lhs block in the kernel.
+
+Folded operands are float32 (the product of a low-precision value and a float32 scale, kept exact).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.kernels.ragged_dot.metadata import group_bounds
+from moe_tune.quant import QArray, dequantize, split
+
+
+class GmmOperands(NamedTuple):
+    """What a gmm kernel reads. Without transpose_rhs: lhs [m, k] (float, int8 or fp8) with lhs_scale None
+    or f32 [m, k/bs_l], rhs [g, k, n] with rhs_scale None or f32 [g, k/bs_r, n]. With transpose_rhs: lhs is
+    float (lhs_scale None), rhs [g, n_out, k] with rhs_scale None or f32 [g, n_out/bs, k] (sub-channel)."""
+
+    lhs: jax.Array
+    lhs_scale: jax.Array | None
+    rhs: jax.Array
+    rhs_scale: jax.Array | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.lhs_scale is not None or self.rhs_scale is not None or is_low_bit(self.rhs) or is_low_bit(self.lhs)
+
+
+def is_low_bit(x: jax.Array) -> bool:
+    """Whether `x` holds 1-byte quantized values (int8 or float8) rather than floats."""
+    return jnp.dtype(x.dtype).itemsize == 1
+
+
+def block_of(size: int, scale: jax.Array | None, axis: int) -> int:
+    """Elements per scale along `axis` of an operand whose dim there is `size` (size when unscaled)."""
+    return size if scale is None else size // scale.shape[axis]
+
+
+def row_groups(group_sizes: jax.Array, m: int, groups: int, group_offset: jax.Array | None) -> jax.Array:
+    """int32 [m]: the local group of each row, clipped to [0, groups) for rows no local group owns (those
+    rows come out zero, so which scale they see does not matter)."""
+    starts, _ = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return jnp.clip(jnp.searchsorted(starts, rows, side="right").astype(jnp.int32) - 1, 0, groups - 1)
+
+
+def fold_rows(x: jax.Array, row_scale: jax.Array) -> jax.Array:
+    """float32 x * row_scale: x [m, n], row_scale [m, 1] or [m, n]."""
+    return x.astype(jnp.float32) * row_scale
+
+
+def prepare_gmm(lhs: jax.Array | QArray, rhs: jax.Array | QArray, group_sizes: jax.Array,
+                group_offset: jax.Array | None, transpose_rhs: bool) -> GmmOperands:
+    """Split the operands of gmm into values and scales, folding scales that lie element by element along
+    the reduction axis into the float operand (see the module docstring)."""
+    lhs_values, lhs_scale = split(lhs)
+    rhs_values, rhs_scale = split(rhs)
+    if not transpose_rhs:
+        return GmmOperands(lhs_values, lhs_scale, rhs_values, rhs_scale)
+    if isinstance(lhs, QArray):  # not a ragged_dot direction (dout is float); kept correct, not fast
+        lhs_values, lhs_scale = dequantize(lhs), None
+    if rhs_scale is not None and rhs_scale.shape[1] == 1:  # per channel: along the reduced n, fold into lhs
+        groups = rhs_values.shape[0]
+        gid = row_groups(group_sizes, lhs_values.shape[0], groups, group_offset)
+        lhs_values, rhs_scale = fold_rows(lhs_values, rhs_scale[gid, 0, :]), None
+    return GmmOperands(lhs_values, lhs_scale, rhs_values, rhs_scale)
+
+
+def prepare_tgmm(lhs: jax.Array | QArray, dout: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """(lhs values, lhs sub-channel scale f32 [m, k/bs] or None, dout): a per-row lhs scale [m, 1] lies
+    along the reduced m and is folded into dout (float32)."""
+    values, scale = split(lhs)
+    if scale is not None and scale.shape[1] == 1:
+        return values, None, fold_rows(dout, scale)
+    return values, scale, dout
+
+
+def dot_dtypes(a: jax.Array, b: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
+    """(operand dtype, accumulator dtype) for a dot of a and b, either of which may hold 1-byte values:
+    int8 x int8 runs on integers (exact, int32); a 1-byte operand next to a float one is converted to that
+    float dtype (exact: int8 and float8_e4m3fn values fit bfloat16); two 1-byte float operands meet in
+    bfloat16. Accumulation is float32 or wider."""
+    da, db = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
+    if da == db == jnp.int8:
+        return jnp.dtype(jnp.int8), jnp.dtype(jnp.int32)
+    floats = [d for d in (da, db) if d.itemsize > 1]
+    common = jnp.promote_types(*floats) if len(floats) == 2 else (floats[0] if floats else jnp.dtype(jnp.bfloat16))
+    return jnp.dtype(common), jnp.promote_types(common, jnp.float32)
+
+
+def k_chunk(k: int, tk: int, *blocks: int) -> int:
+    """Contraction chunk of one dot: tk (clamped to k), cut down so that no chunk straddles a block of any
+    sub-channel scale in `blocks` (block sizes along k; k itself for one scale per row / channel)."""
+    chunk = min(tk, k)
+    sub = [b for b in blocks if b < k]
+    return math.gcd(chunk, *sub) if sub else chunk
+
+
+def with_absent_refs(kernel: Callable, leading: int, given: Sequence[bool]) -> Callable:
+    """A Pallas kernel body that takes every optional input ref, called by pallas_call with only the inputs
+    it was given: after the `leading` refs (scalar prefetch), None stands in for each input whose `given`
+    entry is False; the refs after the inputs (outputs, scratch) follow unchanged."""
+
+    def call(*refs):
+        rest = iter(refs[leading:])
+        inputs = [next(rest) if present else None for present in given]
+        return kernel(*refs[:leading], *inputs, *rest)
+
+    return call
