@@ -7,6 +7,7 @@ Megablox runs in Pallas interpret mode off TPU, so its shapes and example counts
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -303,6 +304,42 @@ class RaggedDotBackendTests:
     def test_grad_matches_reference(self, case, dtype):
         m, sizes, shard = CASES[case]
         self.check_grads(m, sizes, shard, dtype)
+
+    def test_per_direction_configs_are_the_ones_that_run(self, caplog):
+        """config={"fwd", "dlhs", "drhs"}: each direction's trace logs its own entry, given by the caller (not
+        the lookup's), and an invalid dlhs or drhs entry is an InvalidConfigError once the backward is traced
+        (the forward alone does not read it). Traced only (make_jaxpr): nothing runs."""
+        m, sizes = 37, [3, 20, 1, 13]
+        lhs, rhs = make_operands(m, self.k, self.n, len(sizes), "float32", 0)
+        group_sizes = jnp.asarray(sizes, jnp.int32)
+        problem = self.problem(m, self.k, self.n, len(sizes), "float32")
+
+        def trace(config, grad=True):
+            loss = lambda x, w: moe_tune.ragged_dot(x, w, group_sizes, backend=self.backend, config=config).sum()
+            jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)) if grad else loss)(lhs, rhs)
+
+        # the last config of each direction's space: not the default, where the space has another one
+        given = {d: self.impl.search_space(problem.with_direction(d))[-1] for d in ("fwd", "dlhs", "drhs")}
+        caplog.set_level(logging.INFO, logger="moe_tune")
+        trace(given)
+        logged = {}
+        for record in caplog.records:
+            message = record.getMessage()
+            if message.startswith("ragged_dot {'direction': "):
+                logged[message.split("'")[3]] = message
+        assert set(logged) == {"fwd", "dlhs", "drhs"}, logged
+        for direction, config in given.items():
+            assert f"backend {self.backend}, config {config.label()} (given by the caller)" in logged[direction], (
+                direction, logged[direction])
+
+        for direction in ("dlhs", "drhs"):
+            bad = self.invalid_configs(problem.with_direction(direction))
+            if self.impl.tunables():
+                assert bad, "a backend with tunables lists invalid configs"
+            for fields in bad[:2]:
+                trace({direction: fields}, grad=False)  # the forward does not use it
+                with pytest.raises(InvalidConfigError):
+                    trace({direction: fields})
 
     def test_grad_without_jit(self):
         m, sizes, shard = CASES["uneven"]
