@@ -16,7 +16,10 @@ from moe_tune.tuner import SweepSpec, run_sweep, workers
 from moe_tune.tuner.candidates import backend_compiles
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
-TIMEOUT_S = 6.0  # compile + first run of a tiny good candidate: under a second (a few on a loaded machine)
+# Per-candidate deadline (compile + first run). A tiny good candidate takes about a second (several on a loaded
+# 2-core machine, with a worker restarting beside it); hang_run sleeps for an hour, so only a real hang
+# reaches the deadline, and only the hung candidate pays for its length.
+TIMEOUT_S = 30.0
 MEMORY_LIMIT = 8 << 30  # RLIMIT_AS of the workers here: far above what they use, far below oom_run's 1e13 bytes
 
 
