@@ -121,6 +121,9 @@ class RaggedDotBackendTests:
     k, n = 24, 40  # dims of the fixed cases
     max_m, max_k, max_n, max_groups = 200, 96, 96, 8  # hypothesis shapes
     max_examples = 20
+    # Draws the random test leaves out (fixed to these values): the slow backends' few examples go to shapes,
+    # group patterns, dtypes and configs, not to the seed or jit.
+    fixed_draws: dict[str, Any] = {}
     sampled_configs = 2  # non-default configs from the search space per fixed case
     fixed_case_extras = 2  # how many of `extra_configs` the fixed cases run too (the random test draws all)
 
@@ -361,6 +364,25 @@ class RaggedDotBackendTests:
             ref = ragged_dot_dlhs_reference(np.ones((m, n)), np.asarray(rhs), np.asarray(sizes))
             assert np.abs(np.asarray(grads[i]) - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0), f"vmap grad {i}"
 
+    # ---- dimension edge cases (what the few hypothesis examples of the slow backends would have to find)
+
+    # (m, k, n, group_sizes, shard, dtype, preferred_element_type)
+    EDGE_CASES = {
+        "all_dims_1": (1, 1, 1, [1], None, "float32", None),
+        "k_is_1": (6, 1, 5, [2, 0, 4], None, "float32", None),
+        "n_is_1": (9, 7, 1, [0, 9], None, "bfloat16", "float32"),
+        "m_is_1_of_a_shard": (1, 3, 2, [0, 1, 0], (1, 2), "float32", "bfloat16"),
+        "odd_dims_shard_with_rows_past_the_sum": (33, 131, 129, [4, 10, 0, 11], (1, 2), "bfloat16", None),
+    }
+
+    @pytest.mark.parametrize("case", list(EDGE_CASES), ids=str)
+    def test_dimension_edge_cases(self, case):
+        m, k, n, sizes, shard, dtype, out_dtype = self.EDGE_CASES[case]
+        groups = len(sizes) if shard is None else shard[1]
+        problem = self.problem(m, k, n, groups, dtype, out_dtype, total_groups=len(sizes))
+        self.run_case(m, sizes, shard, dtype, out_dtype=out_dtype, configs=[self.impl.default_config(problem)],
+                      jit=True, k=k, n=n)
+
     # ---- random problems
 
     def test_random_problems(self):
@@ -393,8 +415,10 @@ class RaggedDotBackendTests:
             problem = self.problem(m, k, n, groups, dtype, out_dtype, total_groups=total)
             space = self.impl.search_space(problem) + self.extra_configs(problem)
             config = data.draw(st.sampled_from(space), label="config")
-            jit = data.draw(st.booleans(), label="jit")
-            seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+            jit = self.fixed_draws.get("jit", None)
+            jit = data.draw(st.booleans(), label="jit") if jit is None else jit
+            seed = self.fixed_draws.get("seed", None)
+            seed = data.draw(st.integers(0, 2**31 - 1), label="seed") if seed is None else seed
             self.run_case(m, sizes, shard, dtype, out_dtype=out_dtype, configs=[config], jit=jit, seed=seed, k=k, n=n)
 
         check()
@@ -567,6 +591,7 @@ class TestMegablox(RaggedDotBackendTests):
     k, n = 160, 136  # tk=128 leaves a ragged contraction chunk, tn=128 a ragged column block
     max_m, max_k, max_n, max_groups = 128, 256, 256, 6
     max_examples = 6
+    fixed_draws = {"jit": True, "seed": 0}  # see `test_dimension_edge_cases` for the shapes 6 examples miss
     sampled_configs = 1
 
     def invalid_configs(self, problem):
@@ -597,6 +622,7 @@ class TestTriton(RaggedDotBackendTests):
     extra_dtypes = ("float16",)
     max_m, max_k, max_n, max_groups = 96, 64, 64, 5
     max_examples = 6
+    fixed_draws = {"jit": True, "seed": 0}  # see `test_dimension_edge_cases` for the shapes 6 examples miss
     sampled_configs = 1
 
     def extra_configs(self, problem):
