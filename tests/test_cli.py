@@ -9,6 +9,8 @@ from click.testing import CliRunner
 
 from moe_tune.cli import cli
 
+from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
+
 TINY = ["--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--samples", "2", "--max-candidates", "3"]
 
 
@@ -134,14 +136,28 @@ def test_empty_report_says_how_to_start(run):
     assert result.exit_code == 0 and "moe-tune sweep" in result.output
 
 
-def test_report_filters_plot_and_sweep_log(run, tmp_path, isolated_profiles):
+def test_report_filters_plot_and_sweep_log(run, tmp_path, isolated_profiles, drawn):
     assert run("sweep", *TINY).exit_code == 0
     assert run("sweep", *TINY, "--direction", "drhs").exit_code == 0
     drhs = run("report", "--direction", "drhs", "--format", "csv").output.strip().splitlines()
     assert len(drhs) == 2 and ",drhs," in drhs[1]
     assert "No tuned entries match" in run("report", "--backend", "xla").output
+    assert len(json.loads(run("report", "--dtype", "float32", "--format", "json").output)) == 2
+    assert "No tuned entries match" in run("report", "--dtype", "bfloat16").output
+
+    def records(*args):
+        return json.loads(run("report", "--format", "json", *args).output)
+
+    slowest_first = records("--sort", "time_ms", "--desc")
+    times = [r["time_ms"] for r in slowest_first]
+    assert len(times) == 2 and times[0] > times[1]
+    assert [r["key"] for r in records("--sort", "time_ms")] == [r["key"] for r in slowest_first][::-1]
+
     plot = run("report", "--plot", str(tmp_path / "r.png"), "--sort", "time_ms", "--desc")
     assert plot.exit_code == 0 and (tmp_path / "r.png").stat().st_size > 1000
+    (fig,) = drawn  # the plot shows the entries in the report's order: the slowest's candidates on the left
+    table = json.loads((isolated_profiles / "cpu" / "ragged_dot.json").read_text())["entries"]
+    check_plot(fig, [table[r["key"]] for r in slowest_first])
     logs = sorted(isolated_profiles.glob("cpu/sweeps/ragged_dot/*.jsonl"))
     assert len(logs) == 2
     shown = run("report", "--sweep", str(logs[0]))
@@ -179,17 +195,55 @@ def test_bench_command_prints_ratios(run, isolated_profiles):
 
 
 def test_sweep_model_runs_every_kernel_of_a_layer(run, isolated_profiles):
-    result = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "8", "--ep", "16", "--dtype", "float32",
+    """Several token counts: each count's every kernel is swept and stored under its own key."""
+    result = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "8,16", "--ep", "16", "--dtype", "float32",
                  "--max-candidates", "1", "--samples", "1", "--workers", "1")
     assert result.exit_code == 0, result.output
-    assert "deepseek-v2-lite: 8 kernel sweeps" in result.output
-    for op in ("ragged_dot", "ragged_gather", "ragged_gather_reduce"):
-        assert (isolated_profiles / "cpu" / f"{op}.json").exists()
+    assert "deepseek-v2-lite: 16 kernel sweeps" in result.output
+    entries = {op: json.loads((isolated_profiles / "cpu" / f"{op}.json").read_text())["entries"].values()
+               for op in ("ragged_dot", "ragged_gather", "ragged_gather_reduce")}
+    assert sorted(e["fields"]["tokens"] for e in entries["ragged_gather"]) == [8, 16]
+    assert sorted(e["fields"]["tokens"] for e in entries["ragged_gather_reduce"]) == [8, 16]
+    dot_rows = sorted({e["fields"]["m"] for e in entries["ragged_dot"]})
+    assert dot_rows == [8 * 6, 16 * 6] and len(entries["ragged_dot"]) == 12  # 2 counts x 2 matmuls x 3 directions
     assert run("sweep", "--model", "deepseek-v2-lite", "--m", "64").exit_code == 2
     assert "did you mean" in run("sweep", "--model", "deepseek").output
     assert run("sweep", "--op", "ragged_gather", "--tokens", "8,16").exit_code == 2
     bad_race = run("sweep", "--m", "64", "--k", "32", "--n", "32", "--groups", "2", "--race", "0.5")
     assert bad_race.exit_code == 2 and "race must be > 1" in bad_race.output and "Traceback" not in bad_race.output
+
+
+def test_sweep_options_reach_the_sweep(run, tmp_path, isolated_profiles):
+    """`--direction all` with `--strategy random --budget 2 --race 0 --distribution skewed --keep-trace DIR`:
+    three entries (fwd, dlhs, drhs), each tried 2 candidates at random, with skewed groups, no racing (the
+    sweep logs' header), traces kept; `lookup` finds them exactly only for --distribution skewed. Then
+    `--strategy coordinate --time-budget 300`."""
+    shape = ["--m", "256", "--k", "128", "--n", "128", "--groups", "4"]
+    traces = tmp_path / "traces"
+    result = run("sweep", *shape, "--samples", "1", "--workers", "1", "--direction", "all", "--strategy", "random",
+                 "--budget", "2", "--race", "0", "--distribution", "skewed", "--keep-trace", str(traces))
+    assert result.exit_code == 0, result.output
+    entries = list(json.loads((isolated_profiles / "cpu" / "ragged_dot.json").read_text())["entries"].values())
+    assert sorted(e["fields"]["direction"] for e in entries) == ["dlhs", "drhs", "fwd"]
+    for entry in entries:
+        assert entry["fields"]["distribution"] == "skewed" and entry["distribution"]["name"] == "skewed", entry["key"]
+        assert entry["search"]["strategy"] == "random" and entry["search"]["budget"] == 2
+        assert entry["candidates"]["tried"] == 2
+    logs = sorted(isolated_profiles.glob("cpu/sweeps/ragged_dot/*.jsonl"))
+    headers = [json.loads(log.read_text().splitlines()[0]) for log in logs]
+    assert len(headers) == 3 and all(h["type"] == "header" and h["spec"]["race"] is None for h in headers)
+    assert list(traces.glob("**/*.xplane.pb"))
+
+    assert "source: nearest" in run("lookup", *shape).output  # balanced assumed: the skewed entry is only near
+    assert "source: exact" in run("lookup", *shape, "--distribution", "skewed").output
+
+    result = run("sweep", *shape, "--samples", "1", "--workers", "1", "--max-candidates", "3",
+                 "--strategy", "coordinate", "--time-budget", "300")
+    assert result.exit_code == 0, result.output
+    table = json.loads((isolated_profiles / "cpu" / "ragged_dot.json").read_text())["entries"]
+    (entry,) = [e for e in table.values() if e["fields"]["distribution"] == "balanced"]
+    assert entry["search"]["strategy"] == "coordinate" and entry["search"]["time_budget_s"] == 300
+    assert entry["search"]["stopped"] in ("converged", "exhausted")
 
 
 def test_persistent_compile_cache_makes_a_rerun_compile_nothing(tmp_path):

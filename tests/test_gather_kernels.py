@@ -33,6 +33,9 @@ class TestTiledGatherSinglePass(GatherBackendTests):
         assert len(single) == 1
         return single
 
+    def invalid_with_reasons(self, problem):
+        return [({**fields, "single_pass": True}, reason) for fields, reason in chunk_reasons(problem)]
+
 
 
 class TestPlainGatherReduce(GatherReduceBackendTests):

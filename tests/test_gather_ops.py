@@ -17,6 +17,7 @@ from moe_tune.kernels import guard
 from moe_tune.kernels.gather import op as gather_op
 from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
 from moe_tune.kernels.gather.spec import RAGGED_GATHER
+from moe_tune.kernels.gather.plain_jax import PlainGather, PlainGatherReduce
 from moe_tune.kernels.gather.tiled import TiledGather, TiledGatherReduce
 from moe_tune.tuner import SweepSpec, run_sweep
 
@@ -44,6 +45,25 @@ def close(a, b, tol=1e-5):
     return np.max(np.abs(a - b), initial=0.0) <= tol * max(np.max(np.abs(b), initial=0.0), 1.0)
 
 
+KERNELS = {("jax", "gather"): PlainGather, ("jax", "gather_reduce"): PlainGatherReduce,
+           ("tiled", "gather"): TiledGather, ("tiled", "gather_reduce"): TiledGatherReduce}
+
+
+def count_runs(monkeypatch, backend: str, method: str) -> list[str]:
+    """Wrap `backend`'s `method` kernel so that each *execution* of it (not each trace) appends to the list
+    returned: a debug callback in the traced kernel runs only where its `lax.cond` branch is taken."""
+    cls = KERNELS[backend, method]
+    runs: list[str] = []
+    original = getattr(cls, method)
+
+    def counted(self, *args, **kwargs):
+        jax.debug.callback(lambda: runs.append(method))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, counted)
+    return runs
+
+
 @pytest.fixture
 def data():
     rng = np.random.default_rng(0)
@@ -65,9 +85,10 @@ def data():
 
 @pytest.mark.parametrize("backend", ["jax", "tiled"])
 @pytest.mark.parametrize("fan_out", [True, False], ids=["fan_out", "random_indices"])
-def test_ragged_gather_matches_reference_with_gradients(data, backend, fan_out):
+def test_ragged_gather_matches_reference_with_gradients(data, backend, fan_out, monkeypatch):
     """Forward vs float64, and grad in x and weights vs JAX's own autodiff of the plain formula, for the MoE
-    fan-out (the gather-reduce kernel runs the backward) and arbitrary indices (the segment-sum path)."""
+    fan-out (the gather-reduce kernel runs the backward: it runs once) and arbitrary indices (the segment-sum
+    path: the kernel never runs)."""
     x, w, dout = data["x"], data["weights"], data["dout_rows"]
     indices = data["gather_indices"] if fan_out else jnp.asarray(np.random.default_rng(1).integers(0, TOKENS, ROWS),
                                                                   jnp.int32)
@@ -76,7 +97,10 @@ def test_ragged_gather_matches_reference_with_gradients(data, backend, fan_out):
     assert close(out, ragged_gather_reference(x, indices, start, end, w))
 
     loss = lambda f: lambda x, w: jnp.sum(f(x, indices, start, end, w) * dout)
+    runs = count_runs(monkeypatch, backend, "gather_reduce")
     ours = jax.grad(loss(lambda *a: moe_tune.ragged_gather(*a[:4], weights=a[4], backend=backend)), (0, 1))(x, w)
+    jax.effects_barrier()
+    assert runs == (["gather_reduce"] if fan_out else [])
     ref = jax.grad(loss(plain_gather), (0, 1))(x, w)
     for got, want in zip(ours, ref):
         assert close(got, want)
@@ -91,9 +115,9 @@ def test_ragged_gather_without_weights_has_x_gradient(data):
 
 @pytest.mark.parametrize("backend", ["jax", "tiled"])
 @pytest.mark.parametrize("permutation", [True, False], ids=["permutation", "repeated_rows"])
-def test_ragged_gather_reduce_matches_reference_with_gradients(data, backend, permutation):
+def test_ragged_gather_reduce_matches_reference_with_gradients(data, backend, permutation, monkeypatch):
     """Rows of x that no valid entry reads are NaN (another shard's): value and gradients stay finite and
-    match; the x gradient runs on the gather kernel when indices is a permutation."""
+    match; the x gradient runs on the gather kernel (once) when indices is a permutation, else never."""
     w, dout = data["weights"], data["dout_tokens"]
     if permutation:
         indices = data["combine_indices"]
@@ -106,7 +130,10 @@ def test_ragged_gather_reduce_matches_reference_with_gradients(data, backend, pe
     assert close(out, gather_reduce_reference(x, indices, w, valid, TOP_K))
 
     loss = lambda f: lambda x, w: jnp.sum(f(x, indices, w, valid, TOP_K) * dout)
+    runs = count_runs(monkeypatch, backend, "gather")
     ours = jax.grad(loss(lambda *a: moe_tune.ragged_gather_reduce(*a, backend=backend)), (0, 1))(x, w)
+    jax.effects_barrier()
+    assert runs == (["gather"] if permutation else [])
     x_clean = jnp.nan_to_num(x)  # autodiff of the plain formula would spread NaN through the select's zeros
     ref = jax.grad(loss(plain_gather_reduce), (0, 1))(x_clean, w)
     for got, want in zip(ours, ref):
@@ -114,13 +141,17 @@ def test_ragged_gather_reduce_matches_reference_with_gradients(data, backend, pe
 
 
 @pytest.mark.parametrize("backend", ["jax", "tiled"])
-def test_dense_gather_reduce_matches_reference_with_gradients(data, backend):
+def test_dense_gather_reduce_matches_reference_with_gradients(data, backend, monkeypatch):
+    """The combine's indices are a permutation: the x gradient runs on the gather kernel, once."""
     x, indices, w, dout = data["expert_out"], data["combine_indices"], data["weights"], data["dout_tokens"]
     out = moe_tune.dense_gather_reduce(x, indices, w, TOP_K, backend=backend)
     assert close(out, gather_reduce_reference(x, indices, w, None, TOP_K))
     everything = jnp.ones(ROWS, bool)
+    runs = count_runs(monkeypatch, backend, "gather")
     ours = jax.grad(lambda x, w: jnp.sum(moe_tune.dense_gather_reduce(x, indices, w, TOP_K, backend=backend) * dout),
                     (0, 1))(x, w)
+    jax.effects_barrier()
+    assert runs == ["gather"]
     ref = jax.grad(lambda x, w: jnp.sum(plain_gather_reduce(x, indices, w, everything, TOP_K) * dout), (0, 1))(x, w)
     for got, want in zip(ours, ref):
         assert close(got, want)
@@ -148,19 +179,32 @@ def test_zero_weight_times_nan(data, op):
 
 
 def test_jit_and_vmap(data):
-    """Traced ranges under jit (one compile), and a vmapped batch of shards with different ranges."""
+    """Traced ranges under jit (one trace and one compile for every range), and vmapped batches (of shards with
+    different ranges; of combines with different inputs and masks), each element against the reference."""
     x, indices = data["x"], data["gather_indices"]
-    fn = jax.jit(lambda x, s, e: moe_tune.ragged_gather(x, indices, s, e))
-    for s, e in [(0, ROWS), (4, 20)]:
+    traces = []
+
+    def gather(x, s, e):
+        traces.append(1)
+        return moe_tune.ragged_gather(x, indices, s, e)
+
+    fn = jax.jit(gather)
+    for s, e in [(0, ROWS), (4, 20), (30, 31)]:
         assert close(fn(x, s, e), ragged_gather_reference(x, indices, s, e))
+    assert len(traces) == 1 and fn._cache_size() == 1
     starts, ends = jnp.array([0, 16, 40]), jnp.array([16, 40, ROWS])
     batched = jax.vmap(lambda s, e: moe_tune.ragged_gather(x, indices, s, e))(starts, ends)
+    for i in range(3):
+        assert close(batched[i], ragged_gather_reference(x, indices, int(starts[i]), int(ends[i]))), i
     assert close(batched.sum(0), ragged_gather_reference(x, indices, 0, ROWS))
 
-    xs = jnp.stack([data["expert_out"], 2 * data["expert_out"]])
-    combine = jax.vmap(lambda x: moe_tune.ragged_gather_reduce(x, data["combine_indices"], data["weights"],
-                                                               jnp.ones(ROWS, bool), TOP_K))(xs)
-    assert close(combine[1], 2 * combine[0])
+    xs = jnp.stack([data["expert_out"], -2 * data["expert_out"][::-1]])
+    valid = jnp.stack([jnp.ones(ROWS, bool), data["combine_indices"] < ROWS // 2])
+    combine = jax.vmap(lambda x, v: moe_tune.ragged_gather_reduce(x, data["combine_indices"], data["weights"],
+                                                                  v, TOP_K))(xs, valid)
+    for i in range(2):
+        want = gather_reduce_reference(xs[i], data["combine_indices"], data["weights"], valid[i], TOP_K)
+        assert np.abs(np.asarray(want)).max() > 0.1 and close(combine[i], want), i
 
 
 def test_input_errors_are_usage_errors(data):

@@ -7,7 +7,7 @@ import pytest
 
 from gather_backend_tests import GatherBackendTests, GatherReduceBackendTests
 from moe_tune.kernels.gather.pallas_tpu import (
-    PallasTpuGather, PallasTpuGatherConfig, PallasTpuGatherReduce, PallasTpuGatherReduceConfig)
+    MAX_DMAS_IN_FLIGHT, PallasTpuGather, PallasTpuGatherConfig, PallasTpuGatherReduce, PallasTpuGatherReduceConfig)
 from moe_tune.kernels.gather.problem import GatherProblem
 
 # Interpret mode is slow, so small shapes: 96 rows / 24 tokens, and 21 rows / 7 tokens (a partial last block),
@@ -22,11 +22,15 @@ class TestPallasTpuGather(GatherBackendTests):
     shapes = SHAPES
     max_configs = MAX_CONFIGS
 
-    def invalid_configs(self, problem):
+    def invalid_with_reasons(self, problem):
         too_tall = -(-problem.rows // 8) * 8 + 8
-        return [*super().invalid_configs(problem), {"block_rows": 0}, {"block_rows": 12},
-                {"block_rows": too_tall}, {"block_rows": 8, "dmas_in_flight": 0},
-                {"block_rows": 8, "dmas_in_flight": 16}, {"block_rows": too_tall - 8, "dmas_in_flight": 65}]
+        return [({"block_rows": 0}, "block_rows must be a positive integer"),
+                ({"block_rows": 12}, "block_rows=12 is not a multiple of 8"),
+                ({"block_rows": too_tall}, f"block_rows={too_tall} exceeds {too_tall - 8}"),
+                ({"block_rows": 8, "dmas_in_flight": 0}, "dmas_in_flight must be a positive integer"),
+                ({"block_rows": 8, "dmas_in_flight": 16}, "exceeds the 8 row DMAs one grid step can issue"),
+                ({"block_rows": too_tall - 8, "dmas_in_flight": MAX_DMAS_IN_FLIGHT + 1},
+                 f"dmas_in_flight={MAX_DMAS_IN_FLIGHT + 1} exceeds {MAX_DMAS_IN_FLIGHT} (one DMA semaphore each)")]
 
 
 class TestPallasTpuGatherReduce(GatherReduceBackendTests):
@@ -34,10 +38,17 @@ class TestPallasTpuGatherReduce(GatherReduceBackendTests):
     shapes = SHAPES
     max_configs = MAX_CONFIGS
 
-    def invalid_configs(self, problem):
+    def invalid_with_reasons(self, problem):
         too_tall = -(-problem.tokens // 8) * 8 + 8
-        return [*super().invalid_configs(problem), {"block_tokens": -8}, {"block_tokens": 4},
-                {"block_tokens": too_tall}, {"block_tokens": 8, "dmas_in_flight": 8 * problem.top_k + 1}]
+        per_block = 8 * problem.top_k
+        return [({"block_tokens": -8}, "block_tokens must be a positive integer"),
+                ({"block_tokens": 4}, "block_tokens=4 is not a multiple of 8"),
+                ({"block_tokens": too_tall}, f"block_tokens={too_tall} exceeds {too_tall - 8}"),
+                ({"block_tokens": 8, "dmas_in_flight": 0}, "dmas_in_flight must be a positive integer"),
+                ({"block_tokens": 8, "dmas_in_flight": per_block + 1},
+                 f"exceeds the {per_block} row DMAs one grid step can issue"),
+                ({"block_tokens": too_tall - 8, "dmas_in_flight": MAX_DMAS_IN_FLIGHT + 1},
+                 f"dmas_in_flight={MAX_DMAS_IN_FLIGHT + 1} exceeds {MAX_DMAS_IN_FLIGHT} (one DMA semaphore each)")]
 
 
 @pytest.mark.parametrize("impl", [PallasTpuGather(), PallasTpuGatherReduce()], ids=["gather", "gather_reduce"])

@@ -3,6 +3,8 @@ that add up to the whole layer, and the fallback flags (same numbers, plain path
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,16 +12,20 @@ import pytest
 
 import moe_tune
 from moe_tune.errors import UsageError
-from moe_tune.moe import route
 
 TOKENS, HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 24, 32, 16, 8, 2
 
 
 def dense_moe(x, logits, w_gate, w_up, w_down):
     """Every expert on every token, each output weighted by the token's combine weight for that expert
-    (0 unless it is in the token's top-k): no sorting, gathering or ragged matmuls."""
-    weights, chosen = route(logits, TOP_K)
-    combine = jnp.sum(jax.nn.one_hot(chosen, EXPERTS) * weights[..., None], axis=1)  # [tokens, experts]
+    (0 unless it is in the token's top-k): no sorting, gathering or ragged matmuls, and none of moe_tune's
+    routing: softmax, top-k and renormalization are written out here."""
+    z = logits - jax.lax.stop_gradient(logits.max(axis=1, keepdims=True))
+    probs = jnp.exp(z) / jnp.sum(jnp.exp(z), axis=1, keepdims=True)
+    chosen = jnp.argsort(-jax.lax.stop_gradient(probs), axis=1, stable=True)[:, :TOP_K]
+    in_top_k = jnp.sum(jax.nn.one_hot(chosen, EXPERTS), axis=1)  # [tokens, experts], 1 on the top-k
+    kept = probs * in_top_k
+    combine = kept / jnp.sum(kept, axis=1, keepdims=True)  # [tokens, experts]
     hidden = jax.nn.silu(jnp.einsum("td,edf->etf", x, w_gate)) * jnp.einsum("td,edf->etf", x, w_up)
     return jnp.einsum("etf,efd,te->td", hidden, w_down, combine)
 
@@ -86,9 +92,33 @@ def test_expert_parallel_shards_add_up_to_the_layer(layer):
         assert relative(got, ref) < 1e-4
 
 
-def test_fallback_flags_give_the_same_block(layer):
-    reference = moe_tune.moe_mlp(*layer, TOP_K)
-    plain = moe_tune.moe_mlp(*layer, TOP_K, ragged_gather_fallback=True, ragged_gather_reduce_fallback=True)
+def gather_backends(caplog) -> dict[str, set[str]]:
+    """Gather op -> the backends its kernels were traced with, from the ops' INFO log lines."""
+    found: dict[str, set[str]] = {}
+    for record in caplog.records:
+        words = record.getMessage().split()
+        if words and words[0] != "ragged_dot" and "backend" in words:
+            found.setdefault(words[0], set()).add(words[words.index("backend") + 1].rstrip(","))
+    return found
+
+
+def test_fallback_flags_give_the_same_block(layer, caplog):
+    """The flags reach the gather kernels of the block, forward and backward: the plain path (`jax`) runs them
+    all, not the CPU's `tiled`, and the block's value and gradient are unchanged."""
+    caplog.set_level(logging.INFO, logger="moe_tune")
+
+    def run(**flags):
+        """The block's value, and the backends of its kernels forward and backward (the gradient traced only)."""
+        caplog.clear()
+        out = moe_tune.moe_mlp(*layer, TOP_K, **flags)
+        jax.make_jaxpr(jax.grad(lambda x: jnp.sum(moe_tune.moe_mlp(x, *layer[1:], TOP_K, **flags))))(layer[0])
+        return out, gather_backends(caplog)
+
+    reference, backends = run()
+    assert backends == {"ragged_gather": {"tiled"}, "dense_gather_reduce": {"tiled"},
+                        "ragged_gather_reduce": {"tiled"}}  # the last: the backward of the dispatch
+    plain, backends = run(ragged_gather_fallback=True, ragged_gather_reduce_fallback=True)
+    assert backends == {"ragged_gather": {"jax"}, "dense_gather_reduce": {"jax"}, "ragged_gather_reduce": {"jax"}}
     assert relative(plain, reference) < 1e-6
 
 

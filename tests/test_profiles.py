@@ -118,3 +118,60 @@ def test_key_names_every_field():
     key = entry_key("ragged_dot", PROBLEM, "tiled", "balanced")
     assert key == ("ragged_dot|direction=fwd|m=1024|k=256|n=128|groups=8|lhs_dtype=float32|rhs_dtype=float32"
                    "|out_dtype=float32|backend=tiled|distribution=balanced")
+
+
+def test_profile_dirs_are_read_in_order_and_a_users_table_wins_over_the_shipped_one(isolated_profiles, tmp_path,
+                                                                                    monkeypatch):
+    """use_profiles(...) > $MOE_TUNE_PROFILE_DIR > the user cache dir > the shipped tables: each dir holds an
+    exact entry with its own tm; taking the dirs away one at a time uncovers the next one (the user's entry
+    wins over the shipped one while both exist)."""
+    from moe_tune.profiles import dirs
+
+    user, shipped, overlay = dirs.user_dir(), dirs.shipped_dir(), tmp_path / "overlay"
+    assert isolated_profiles not in (user, shipped)
+    for directory, tm in ((shipped, 40), (user, 48), (isolated_profiles, 56), (overlay, 64)):
+        _write(directory, _entry(PROBLEM, {"tm": tm, "tk": 256, "tn": 128}))
+    table = lambda directory: directory / "cpu" / "ragged_dot.json"
+
+    def found(tm, directory):
+        result = get_op("ragged_dot").lookup(PROBLEM)
+        assert (result.source, result.config.tm, result.path) == ("exact", tm, table(directory))
+
+    with use_profiles(overlay):
+        found(64, overlay)
+    found(56, isolated_profiles)
+    monkeypatch.delenv("MOE_TUNE_PROFILE_DIR")
+    found(48, user)
+    table(user).unlink()
+    found(40, shipped)
+
+
+def test_runtime_assumes_balanced_groups_unless_the_environment_names_another(isolated_profiles, monkeypatch,
+                                                                              caplog):
+    """$MOE_TUNE_DISTRIBUTION picks which distribution's entry the runtime looks up, in lookup() and in the op
+    at trace time."""
+    import logging
+
+    import jax
+
+    _write(isolated_profiles, _entry(PROBLEM, {"tm": 48, "tk": 256, "tn": 128}),
+           _entry(PROBLEM, {"tm": 64, "tk": 256, "tn": 128}, distribution="skewed"))
+    lhs, rhs = jnp.zeros((PROBLEM.m, PROBLEM.k)), jnp.zeros((PROBLEM.groups, PROBLEM.k, PROBLEM.n))
+    sizes = jnp.full((PROBLEM.groups,), PROBLEM.m // PROBLEM.groups, jnp.int32)
+    caplog.set_level(logging.INFO, logger="moe_tune")
+
+    def traced_tm() -> int:
+        caplog.clear()
+        jax.make_jaxpr(lambda a, b: moe_tune.ragged_dot(a, b, sizes, backend="tiled"))(lhs, rhs)
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ragged_dot")]
+        assert "(exact: " in line, line
+        return int(line.split(" tm=")[1].split()[0])
+
+    assert get_op("ragged_dot").lookup(PROBLEM).config.tm == 48 and traced_tm() == 48
+    monkeypatch.setenv("MOE_TUNE_DISTRIBUTION", "skewed")
+    found = get_op("ragged_dot").lookup(PROBLEM)
+    assert found.source == "exact" and found.config.tm == 64 and found.entry.fields["distribution"] == "skewed"
+    assert traced_tm() == 64
+    monkeypatch.setenv("MOE_TUNE_DISTRIBUTION", "lopsided")
+    with pytest.raises(moe_tune.errors.UsageError, match="lopsided"):
+        get_op("ragged_dot").lookup(PROBLEM)

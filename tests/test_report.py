@@ -12,38 +12,68 @@ from moe_tune.kernels import get_op
 from moe_tune.plots import plot_entries
 from moe_tune.tuner import SweepSpec, run_sweep
 
+from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
+
 FAST = {"samples": 1, "max_candidates": 3, "workers": 1}
 
 
 @pytest.fixture
 def tables(isolated_profiles):
+    """Three entries that differ in every filtered column but the device: ragged_dot fwd (tiled, float32),
+    ragged_dot drhs (xla, bfloat16) and ragged_gather (tiled, float32)."""
     dot = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4)
     run_sweep(SweepSpec("ragged_dot", dot, **FAST))
-    run_sweep(SweepSpec("ragged_dot", dot.with_direction("drhs"), **FAST))
+    drhs = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4, dtype="bfloat16", direction="drhs")
+    run_sweep(SweepSpec("ragged_dot", drhs, backend="xla", **FAST))
     gather = get_op("ragged_gather").problem(tokens=32, hidden=128, top_k=4, experts=8, ep=2)
     run_sweep(SweepSpec("ragged_gather", gather, **FAST))
     return isolated_profiles
 
 
+def rows(frame) -> set[tuple[str, str, str, str]]:
+    return {(r.op, r.direction, r.backend, r.dtype) for r in frame.itertuples()}
+
+
+DOT_FWD = ("ragged_dot", "fwd", "tiled", "float32")
+DOT_DRHS = ("ragged_dot", "drhs", "xla", "bfloat16")
+
+
 def test_filters_and_sorting(tables):
     frame = report.entries_frame()
     assert len(frame) == 3 and set(frame["op"]) == {"ragged_dot", "ragged_gather"}
-    assert list(report.select(frame, op="ragged_dot", direction="drhs")["direction"]) == ["drhs"]
-    assert len(report.select(frame, dtype="float32", device="cpu", backend="tiled")) == 3
-    assert report.select(frame, backend="xla").empty
+    (gather,) = rows(frame) - {DOT_FWD, DOT_DRHS}
+    assert gather[0] == "ragged_gather" and gather[2:] == ("tiled", "float32")
+    # each filter keeps exactly the rows it names
+    assert rows(report.select(frame, op="ragged_dot")) == {DOT_FWD, DOT_DRHS}
+    assert rows(report.select(frame, op="ragged_gather")) == {gather}
+    assert rows(report.select(frame, op="ragged_dot", direction="drhs")) == {DOT_DRHS}
+    assert rows(report.select(frame, direction="drhs")) == {DOT_DRHS}
+    assert rows(report.select(frame, backend="xla")) == {DOT_DRHS}
+    assert rows(report.select(frame, backend="tiled")) == {DOT_FWD, gather}
+    assert rows(report.select(frame, dtype="bfloat16")) == {DOT_DRHS}
+    assert rows(report.select(frame, dtype="float32", device="cpu", backend="tiled")) == {DOT_FWD, gather}
+    assert len(report.select(frame, device="cpu")) == 3 and report.select(frame, device="tpu_v5_lite").empty
+    assert report.select(frame, dtype="float16").empty and report.select(frame, op="dense_gather_reduce").empty
+    # sorting: by a number either way, by a string
     by_time = report.select(frame, sort="time_ms", descending=True)["time_ms"].tolist()
-    assert by_time == sorted(by_time, reverse=True)
+    assert by_time == sorted(frame["time_ms"].tolist(), reverse=True)
+    assert report.select(frame, sort="time_ms")["time_ms"].tolist() == sorted(by_time)
+    assert report.select(frame, sort="backend")["backend"].tolist() == ["tiled", "tiled", "xla"]
+    assert report.select(frame, sort="backend", descending=True)["backend"].tolist()[0] == "xla"
     with pytest.raises(UsageError, match="cannot sort"):
         report.select(frame, sort="colour")
     with pytest.raises(UsageError, match="unknown filter"):
         report.select(frame, flavour="x")
 
 
-def test_plot_draws_candidates_and_speedups(tables, tmp_path):
+def test_plot_draws_candidates_and_speedups(tables, tmp_path, drawn):
     entries = [entry for _, _, entry in report.effective_entries()]
     path = plot_entries(entries, tmp_path / "plots" / "report.png", title="test")
     image = matplotlib.image.imread(path)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    (fig,) = drawn
+    assert fig.get_suptitle() == "test"
+    check_plot(fig, entries)
     with pytest.raises(UsageError, match="nothing to plot"):
         plot_entries([], tmp_path / "empty.png")
 

@@ -22,6 +22,10 @@ from moe_tune.tuner.candidates import backend_compiles
 from moe_tune.tuner.timing import _race, cross_check, time_candidates
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)
+# Per-candidate deadline where a test needs a hang to be found: the faulty "hang" sleeps for an hour, a good
+# tiny candidate compiles and runs in about a second (several on a loaded machine), so only a real hang
+# reaches it; it costs its length once per hung candidate.
+HANG_DEADLINE_S = 30
 
 
 @pytest.fixture
@@ -154,14 +158,48 @@ def test_entry_records_what_design_requires(tmp_path):
     assert entry["tuned_at"] and entry["candidates"]["tried"] == len(result.candidates)
 
 
-def test_trace_timing_agrees_with_the_wall_clock(tmp_path):
-    """On CPU the profiler trace parses; its times are below, and close to, the wall-clock times."""
-    result = run_sweep(SweepSpec("ragged_dot", RaggedDotProblem(m=1024, k=256, n=256, groups=8), backend="tiled",
-                                 samples=3, profile_dir=tmp_path, max_candidates=8))
-    assert result.entry.timing["method"] == "trace", result.entry.timing_fallback
-    for cand in result.candidates:
-        t = cand.timing
-        assert t.median_s <= t.wall_median_s * 1.1 + 50e-6
+def test_trace_timing_parses_one_event_per_run_and_the_method_is_recorded(tmp_path, monkeypatch):
+    """On CPU the profiler trace parses: every timed run of every candidate has its trace event, of a positive
+    duration. Which clock timed the sweep is recorded: the trace, unless the wall-clock cross-check refused
+    a parse (on a loaded machine it may), and then the wall clock with the reason. No timing ratio is
+    asserted here (`test_cross_check_catches_broken_parses` checks the cross-check on given numbers)."""
+    from moe_tune.tuner import timing as timing_module
+
+    real = timing_module.cross_check
+    checked = []
+    monkeypatch.setattr(timing_module, "cross_check",
+                        lambda trace, wall, expected: checked.append((list(trace), list(wall), expected))
+                        or real(trace, wall, expected))
+    result = run_sweep(SweepSpec("ragged_dot", RaggedDotProblem(m=512, k=256, n=256, groups=8), backend="tiled",
+                                 samples=3, profile_dir=tmp_path, max_candidates=4))
+    assert checked and all(len(trace) == expected == len(wall) and min(trace) > 0
+                           for trace, wall, expected in checked)
+    refused = [why for why in (real(*args) for args in checked) if why]
+    timed = [c.timing for c in result.candidates if c.timing is not None]
+    assert len(timed) == 4
+    if refused:
+        assert result.entry.timing["method"] == "wall" and "cross-check" in result.entry.timing_fallback
+        assert {t.method for t in timed} == {"wall"}
+    else:
+        assert result.entry.timing["method"] == "trace" and result.entry.timing_fallback is None
+        assert {t.method for t in timed} == {"trace"}
+        assert all(t.wall_median_s > 0 for t in timed)
+
+
+def test_wall_clock_timing_when_the_trace_cannot_be_parsed(tmp_path, monkeypatch):
+    """A trace that yields no events: every candidate is timed by the wall clock, and the entry (in the table
+    too) says so and why."""
+    from moe_tune.tuner import timing as timing_module
+
+    monkeypatch.setattr(timing_module, "parse_trace", lambda trace_dir, platform: {})
+    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=2, profile_dir=tmp_path,
+                                 max_candidates=2))
+    entry = read_table(tmp_path / "cpu" / "ragged_dot.json")["entries"][result.key]
+    assert entry["timing"]["method"] == "wall"
+    assert "found 0 trace events" in entry["timing_fallback"]
+    assert entry["timing_fallback"] == result.entry.timing_fallback
+    assert [c.timing.method for c in result.candidates] == ["wall", "wall"]
+    assert all(c.timing.median_s > 0 for c in result.candidates)
 
 
 def test_cross_check_catches_broken_parses():
@@ -329,9 +367,9 @@ def test_compile_worker_hang_and_crash_are_recorded_and_the_sweep_goes_on(faulty
     monkeypatch.setattr(FaultyRaggedDot, "candidate_values",
                         lambda self, p: {"mode": ["hang", "crash", "good"], "tm": [32]})
     result = run_sweep(SweepSpec("ragged_dot", SMALL, backend=faulty.name, samples=1, workers=2,
-                                 compile_timeout_s=5, profile_dir=tmp_path))
+                                 compile_timeout_s=HANG_DEADLINE_S, profile_dir=tmp_path))
     status = {c.config.mode: (c.status, c.reason) for c in result.candidates if c.config.tm == 32}
-    assert status["hang"][0] == "failed" and "hung" in status["hang"][1]
+    assert status["hang"][0] == "failed" and f"hung: timed out after {HANG_DEADLINE_S} s" in status["hang"][1]
     assert status["crash"][0] == "failed" and "died" in status["crash"][1] and "signal" in status["crash"][1]
     assert status["good"][0] == "ok"
     assert result.entry.config["mode"] == "good"
