@@ -111,9 +111,19 @@ def scale_layout(q: QArray) -> tuple[int | None, int]:
 
 def dequantize(q: QArray) -> jax.Array:
     """float32 `qvalue * scale`, the scale repeated `block_size` times along the scaled axis."""
+    return _dequantize(q, jnp, jnp.float32)
+
+
+def dequantize_host(q: QArray) -> np.ndarray:
+    """float64 NumPy `qvalue * scale` (exact: a reference's operand), e.g. of a QArray of NumPy arrays."""
+    return _dequantize(q, np, np.float64)
+
+
+def _dequantize(q: QArray, xp, dtype):
     axis, block = scale_layout(q)
-    scale = q.scale if axis is None else jnp.repeat(q.scale, block, axis=axis)
-    return q.qvalue.astype(jnp.float32) * scale
+    scale = xp.asarray(q.scale, dtype)
+    scale = scale if axis is None else xp.repeat(scale, block, axis=axis)
+    return xp.asarray(q.qvalue).astype(dtype) * scale
 
 
 def check_operand(q: QArray, *, name: str, layout: str) -> int:
@@ -170,3 +180,8 @@ class AsQArray:
     def __getitem__(self, index) -> "AsQArray":
         """Slice along leading axes other than the scaled one (e.g. one shard's experts)."""
         return dataclasses.replace(self, value=self.value[index])
+
+
+def as_float(x: jax.Array | QArray) -> jax.Array:
+    """`x` itself, or a QArray dequantized (float32)."""
+    return dequantize(x) if isinstance(x, QArray) else x
