@@ -18,11 +18,10 @@ from moe_tune.kernels.ragged_dot.reference import (
     ragged_dot_drhs_reference,
     ragged_dot_reference,
 )
-from moe_tune.quant import AsQArray, QArray, dequantize, quantize
+from moe_tune.quant import AsQArray, QArray, dequantize, dequantize_host, quantize
 
-M, K, N = 40, 32, 24
-SIZES = [9, 0, 23, 3]  # an empty group; rows 35..39 are past sum(group_sizes)
-TOLERANCE = 2e-6  # relative to max|reference|: float32 accumulation of exact products
+# the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the kernel tests
+from test_quant_kernels import SIZES, K, M, N, assert_close  # noqa: E402
 
 # name: (lhs quantization, rhs quantization), each None (float) or (qdtype, block_size; None = per row/channel)
 MODES = {
@@ -46,14 +45,7 @@ def quantized(x, how):
 
 
 def f64(x) -> np.ndarray:
-    return np.asarray(dequantize(x) if isinstance(x, QArray) else x, np.float64)
-
-
-def assert_close(got, ref, what=""):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, what
-    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
-    assert err <= TOLERANCE, f"max error {err:.3g} x max|ref| {what}"
+    return dequantize_host(x) if isinstance(x, QArray) else np.asarray(x, np.float64)
 
 
 def check_mode(mode: str, backend: str, jit: bool = True):
