@@ -9,6 +9,10 @@ Shapes (bf16, balanced group sizes), all three directions of the up projection:
   * DeepSeek-V3 expert layer: hidden 7168 -> expert width 2048, 256 experts over an expert-parallel group
     of 8 (32 local experts), 4096 tokens x top-8 routed / 8 shards = 4096 rows per shard;
   * Mixtral-8x7B: hidden 4096 -> 14336, 8 experts, 4096 tokens x top-2 = 8192 rows.
+Quantized weights (`--quant`, fwd and dlhs: the directions that read them): weight-only int8 with one scale
+per channel, and float8_e4m3fn with 128-wide blocks along k (32 in --small), each swept (every candidate
+checked against the dequantized float64 reference), its error against the unquantized weights recorded, and
+its tuned time compared with the bf16 kernel's of the same shape and direction (`vs_bf16`).
 Dispatch / combine (bf16): DeepSeek-V3 (4096 tokens, hidden 7168, top-8, 256 experts, ep=8: ragged ops) and
 Mixtral-8x7B (4096 tokens, hidden 4096, top-2, ep=1: the dense combine).
 Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished.
@@ -43,6 +47,50 @@ GATHER_SHAPES = {
 GATHER_SMALL = {"toy (ep=2)": dict(tokens=32, hidden=128, top_k=4, experts=8, ep=2),
                 "toy": dict(tokens=32, hidden=128, top_k=4, experts=8, ep=1)}
 GATHER_OPS = ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
+# Quantized weight modes: name -> the ragged_dot quantization options (block None: filled per run, see QUANT_BLOCK).
+QUANT_MODES = {"int8": dict(rhs_quant="int8"), "fp8": dict(rhs_quant="float8_e4m3fn", quant_block=None)}
+QUANT_BLOCK = {"full": 128, "small": 32}
+QUANT_DIRECTIONS = ("fwd", "dlhs")  # drhs reads no weights (it is the float kernel)
+
+
+def _ragged_dot_case(name: str, problem, args, profile_dir: str) -> dict:
+    """Sweep `triton` for one ragged_dot problem and time it against the default, XLA and a dense matmul."""
+    spec = get_op("ragged_dot")
+    case = {"model": name, "shape": problem.key_fields()}
+    started = time.perf_counter()
+    try:
+        sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="triton", max_candidates=args.max_candidates,
+                                    profile_dir=profile_dir))
+        case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
+        case["sweep"]["wall_s"] = time.perf_counter() - started
+        case["default_error"] = sweep.default.error  # relative error vs the (dequantized) reference
+        if problem.quantized:
+            case["quantization_error"] = sweep.entry.quantization_error  # vs the unquantized weights
+        compared = bench.compare(problem, "triton", sweep.best.config, samples=args.samples)
+        case.update(compared.to_dict())
+        print(f"\n{name}: {spec.describe(problem)}")
+        print("\n".join(bench.format_comparison(compared)), flush=True)
+    except Exception as e:  # noqa: BLE001 - record it and go on to the next case
+        case["error"] = f"{type(e).__name__}: {e}"
+        case["traceback"] = traceback.format_exc()[-4000:]
+        print(f"\n{name} {problem.direction}: FAILED {case['error'][:300]}", flush=True)
+    return case
+
+
+def _quant_cases(name: str, shape: dict, directions: list[str], bf16: dict, args, profile_dir: str):
+    """The quantized-weight cases of one shape; each with `vs_bf16`, its tuned time over the bf16 kernel's
+    (`bf16`: direction -> that case) measured in the same run."""
+    block = QUANT_BLOCK["small" if args.small else "full"]
+    for mode in args.quant.split(",") if args.quant else ():
+        options = {k: block if k == "quant_block" else v for k, v in QUANT_MODES[mode].items()}
+        for direction in (d for d in directions if d in QUANT_DIRECTIONS):
+            problem = get_op("ragged_dot").problem(**shape, **options, dtype=args.dtype, direction=direction)
+            case = {"quant": mode, **_ragged_dot_case(name, problem, args, profile_dir)}
+            float_case = bf16.get(direction, {})
+            if "times_s" in case and "times_s" in float_case:
+                case["vs_bf16"] = case["times_s"]["tuned"] / float_case["times_s"]["tuned"]
+                print(f"  {mode} tuned / {args.dtype} tuned: {case['vs_bf16']:.2f}", flush=True)
+            yield case
 
 
 def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dict:
@@ -81,6 +129,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ops", default="ragged_dot," + ",".join(GATHER_OPS))
+    parser.add_argument("--quant", default=",".join(QUANT_MODES),
+                        help=f"quantized weight modes of ragged_dot ({', '.join(QUANT_MODES)}; '' for none)")
     args = parser.parse_args()
     ops = args.ops.split(",")
 
@@ -94,24 +144,12 @@ def main() -> int:
     print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as profile_dir:
         for name, shape in (SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
-            for direction in args.directions.split(","):
+            directions, bf16 = args.directions.split(","), {}
+            for direction in directions:
                 problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
-                case = {"model": name, "shape": problem.key_fields()}
-                started = time.perf_counter()
-                try:
-                    sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="triton",
-                                                max_candidates=args.max_candidates, profile_dir=profile_dir))
-                    case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
-                    case["sweep"]["wall_s"] = time.perf_counter() - started
-                    case["default_error"] = sweep.default.error  # relative error vs the reference
-                    compared = bench.compare(problem, "triton", sweep.best.config, samples=args.samples)
-                    case.update(compared.to_dict())
-                    print(f"\n{name}: {spec.describe(problem)}")
-                    print("\n".join(bench.format_comparison(compared)), flush=True)
-                except Exception as e:  # noqa: BLE001 - record it and go on to the next case
-                    case["error"] = f"{type(e).__name__}: {e}"
-                    case["traceback"] = traceback.format_exc()[-4000:]
-                    print(f"\n{name} {direction}: FAILED {case['error'][:300]}", flush=True)
+                bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir)
+                _record(report, bf16[direction], out_path)
+            for case in _quant_cases(name, shape, directions, bf16, args, profile_dir):
                 _record(report, case, out_path)
         for op in (op for op in GATHER_OPS if op in ops):
             for name, shape in (GATHER_SMALL if args.small else GATHER_SHAPES).items():

@@ -52,11 +52,15 @@ def test_gpu_check_smoke(tmp_path):
                 "--samples", "1", "--out", str(tmp_path)], tmp_path)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["meta"]["device_kind"]
-    ops = [case.get("op", "ragged_dot") for case in report["cases"]]
-    assert ops == ["ragged_dot", "ragged_dot", "ragged_gather", "ragged_gather_reduce", "dense_gather_reduce"]
+    ops = [(case.get("op", "ragged_dot"), case.get("quant")) for case in report["cases"]]
+    assert ops == [("ragged_dot", None), ("ragged_dot", None), ("ragged_dot", "int8"), ("ragged_dot", "fp8"),
+                   ("ragged_gather", None), ("ragged_gather_reduce", None), ("dense_gather_reduce", None)]
     for case in report["cases"]:
         assert "error" not in case, case.get("traceback")
         assert case["default_error"] < 0.05 and case["sweep"]["candidates"]["tried"] == 2
+    for case in report["cases"][2:4]:  # the quantized weights: fwd only (drhs reads no weights)
+        assert case["shape"]["rhs_qdtype"] in ("int8", "float8_e4m3fn") and case["shape"]["direction"] == "fwd"
+        assert 0 < case["quantization_error"] < 0.1 and case["vs_bf16"] > 0
     assert "wrote" in out
 
 

@@ -26,6 +26,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.registry import FALLBACK
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.quant import as_float
 from moe_tune.tuner.memory import check_fits
 from moe_tune.tuner.timing import time_candidates, traceable
 
@@ -144,7 +145,7 @@ def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, sam
         "tuned": run(impl, tuned),
         "default": run(impl, default),
         "xla": run(xla, xla.default_config(problem)),
-        "dense": lambda x: DENSE[problem.direction](x["a"], x["b"]),
+        "dense": lambda x: DENSE[problem.direction](*map(as_float, (x["a"], x["b"]))),  # quantized: dequantized
         "skewed": run(impl, tuned, "skewed_sizes"),
         "copy": lambda x: x["copy_source"] + 1,  # not x * 1 or x + 0, which XLA may fold to no copy
     }, inputs, samples=samples)

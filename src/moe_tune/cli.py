@@ -12,7 +12,7 @@ import click
 from moe_tune import cli_render as render
 from moe_tune import devices
 from moe_tune import models as presets
-from moe_tune.cli_options import DTYPES, handle_errors, model_only, problems, shape_options
+from moe_tune.cli_options import DTYPES, handle_errors, model_only, problems, quant_options, shape_options
 from moe_tune.cli_options import directions as all_directions
 from moe_tune.cli_render import ProgressReporter, console, out, progress
 from moe_tune.kernels import get_op, op_names
@@ -95,7 +95,8 @@ def _sweep_model(model: str, backend, shape: dict, options: dict) -> None:
     model_only(shape, explicit=explicit + (["backend"] if backend is not None else []))
     preset = presets.get_preset(model)
     tokens, ep, dtype = presets.layer_settings(shape.get("tokens"), shape.get("ep"), shape.get("dtype"))
-    preflight(preset, tokens, ep=ep, dtype=dtype, sweep_options=options)  # before anything is printed
+    quant = quant_options(shape)  # only the ragged_dot kernels are quantized
+    preflight(preset, tokens, ep=ep, dtype=dtype, sweep_options=options, quant=quant)  # before anything is printed
     compile_cache.enable()
     with progress(transient=True) as bars:
         def heading(count, case, i, total):
@@ -103,7 +104,7 @@ def _sweep_model(model: str, backend, shape: dict, options: dict) -> None:
                                f"[/bold] ({count} tokens per shard)", highlight=False)
 
         results = sweep_model(preset, tokens, ep=ep, dtype=dtype, sweep_options=options, on_case=heading,
-                              reporter_for=lambda count, case: ProgressReporter(bars))
+                              reporter_for=lambda count, case: ProgressReporter(bars), quant=quant)
     render.model_sweep_summary(f"{model}: {len(results)} kernel sweeps on {devices.device_kind()} (ep={ep}, {dtype})",
                                results)
     if any(r.error for r in results):
@@ -150,8 +151,7 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
         console.print(f"plot written to {path}", highlight=False)
     render.frame(frame, fmt, title="Tuned configs",
                  empty="No tuned entries match: run `moe-tune sweep`, or loosen the filters.",
-                 shown=["device_kind", "op", "direction", "backend", "shape", "dtype", "distribution", "config",
-                        "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing"])
+                 shown=reports.table_columns(frame))
 
 
 @cli.command()
@@ -241,7 +241,8 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
 
     if model is not None:
         cases = [(case.op, case.problem) for _, case in presets.layer_cases(
-            presets.get_preset(model), shape.get("tokens"), ep=shape.get("ep"), dtype=shape.get("dtype"))]
+            presets.get_preset(model), shape.get("tokens"), ep=shape.get("ep"), dtype=shape.get("dtype"),
+            quant=quant_options(shape))]
     else:
         cases = [(op, problem) for problem in problems(op, direction, shape)]
     compared = [(get_op(case_op).describe(problem), benches.bench_case(case_op, problem, backend=backend,

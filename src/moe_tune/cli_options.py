@@ -15,7 +15,7 @@ import click
 from moe_tune import distributions
 from moe_tune.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op, op_names
-from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.options import QUANT, ShapeOption, names
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
 
 DTYPES = click.Choice(SUPPORTED_DTYPES)
@@ -136,10 +136,18 @@ def problems(op_name: str, direction: str, shape: dict[str, Any]) -> list[Any]:
     return [spec.problem(**options, direction=d) for d in wanted]
 
 
+# The shape flags a `--model` run takes: the layer's token counts, ep and dtype, and its quantization.
+MODEL_OPTIONS = ("tokens", "ep", "dtype", *names(QUANT))
+
+
 def model_only(shape: dict[str, Any], *, explicit: list[str]) -> None:
-    """UsageError when a flag other than --tokens, --ep and --dtype shapes a `--model` run."""
-    explicit = explicit + [name for name, value in shape.items()
-                           if value is not None and name not in ("tokens", "ep", "dtype")]
+    """UsageError when a flag other than `MODEL_OPTIONS` shapes a `--model` run."""
+    explicit = explicit + [name for name, value in shape.items() if value is not None and name not in MODEL_OPTIONS]
     if explicit:
         raise UsageError(f"--model sweeps every kernel of the model's layer; {flag(explicit[0])} does not apply "
-                         "(only --tokens, --ep and --dtype shape it)")
+                         f"(only {', '.join(flag(o) for o in MODEL_OPTIONS)} shape it)")
+
+
+def quant_options(shape: dict[str, Any]) -> dict[str, Any]:
+    """The quantization flags given (`--rhs-quant`, `--lhs-quant`, `--quant-block`), for a model's layer."""
+    return {name: shape[name] for name in names(QUANT) if shape.get(name) is not None}

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import json
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
@@ -81,11 +82,11 @@ def layer_settings(tokens: int | list[int] | None = None, ep: int | None = None,
 
 
 def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, ep: int | None = None,
-                dtype: str | None = None) -> list[tuple[int, KernelCase]]:
+                dtype: str | None = None, quant: Mapping[str, Any] | None = None) -> list[tuple[int, KernelCase]]:
     """(tokens, case) for every token count and every kernel call of one layer; every count is checked
-    before anything runs."""
+    before anything runs. `quant`: see `kernel_problems`."""
     counts, ep, dtype = layer_settings(tokens, ep, dtype)
-    return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype)]
+    return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype, quant=quant)]
 
 
 def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") -> KernelCase:
@@ -95,7 +96,8 @@ def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") 
     return KernelCase(op=op, role=role, problem=spec.problem(**taken, direction=direction))
 
 
-def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16") -> list[KernelCase]:
+def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16",
+                    quant: Mapping[str, Any] | None = None) -> list[KernelCase]:
     """Every tunable kernel call of one MoE layer of `preset`, for `tokens` tokens per expert-parallel shard.
 
     Convention: `tokens` is the number of tokens one shard routes (x [tokens, hidden] on that shard); with
@@ -113,7 +115,9 @@ def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str
     - combine: [tokens * top_k, hidden] -> [tokens, hidden]; `ragged_gather_reduce` (rows masked to the
       shard's experts) when ep > 1, `dense_gather_reduce` (no mask) when ep == 1.
 
-    `dtype` is the dtype of activations and weights (all operands).
+    `dtype` is the dtype of activations and weights (all operands). `quant`: the ragged_dot quantization
+    options (`rhs_quant`, `lhs_quant`, `quant_block`; kernels/options.py `QUANT`) for a quantized layer:
+    only the ragged_dot cases take them, the gathers stay float.
     """
     if not isinstance(tokens, int) or tokens < 1:
         raise UsageError(f"tokens must be a positive integer, got {tokens!r}")
@@ -124,7 +128,8 @@ def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str
     m, groups = tokens * preset.top_k, preset.experts // ep
     matmuls = [("gate/up", preset.hidden, preset.expert_intermediate),
                ("down", preset.expert_intermediate, preset.hidden)]
-    cases = [_build("ragged_dot", role, {"m": m, "k": k, "n": n, "groups": groups, "dtype": dtype}, direction)
+    cases = [_build("ragged_dot", role, {"m": m, "k": k, "n": n, "groups": groups, "dtype": dtype, **(quant or {})},
+                    direction)
              for role, k, n in matmuls for direction in get_op("ragged_dot").directions]
     gather = {"tokens": tokens, "hidden": preset.hidden, "top_k": preset.top_k, "experts": preset.experts,
               "ep": ep, "dtype": dtype}

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from moe_tune.errors import UsageError
 from moe_tune.kernels.gather.op import dense_gather_reduce, ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
+from moe_tune.quant import AsQArray, QArray
 
 
 def route(router_logits: jax.Array, top_k: int, *, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
@@ -32,9 +33,9 @@ def route(router_logits: jax.Array, top_k: int, *, renormalize: bool = True) -> 
 def moe_mlp(
     x: jax.Array,
     router_logits: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
+    w_gate: jax.Array | QArray | AsQArray,
+    w_up: jax.Array | QArray | AsQArray,
+    w_down: jax.Array | QArray | AsQArray,
     top_k: int,
     *,
     expert_offset: jax.Array | int | None = None,
@@ -51,6 +52,8 @@ def moe_mlp(
       x: [tokens, hidden].
       router_logits: [tokens, experts] (all experts, also under expert parallelism).
       w_gate, w_up: [local_experts, hidden, intermediate]; w_down: [local_experts, intermediate, hidden].
+        Each may be a `QArray` (scaled along its axis 1, the contracting one: a constant, no gradient) or an
+        `AsQArray` (quantization-aware training: straight-through gradient); the gathers stay float.
       top_k: experts per token.
       expert_offset: first expert of this shard when local_experts < experts (int32 scalar, may be traced);
         None means every expert is local.

@@ -111,9 +111,19 @@ def scale_layout(q: QArray) -> tuple[int | None, int]:
 
 def dequantize(q: QArray) -> jax.Array:
     """float32 `qvalue * scale`, the scale repeated `block_size` times along the scaled axis."""
+    return _dequantize(q, jnp, jnp.float32)
+
+
+def dequantize_host(q: QArray) -> np.ndarray:
+    """float64 NumPy `qvalue * scale` (exact: a reference's operand), e.g. of a QArray of NumPy arrays."""
+    return _dequantize(q, np, np.float64)
+
+
+def _dequantize(q: QArray, xp, dtype):
     axis, block = scale_layout(q)
-    scale = q.scale if axis is None else jnp.repeat(q.scale, block, axis=axis)
-    return q.qvalue.astype(jnp.float32) * scale
+    scale = xp.asarray(q.scale, dtype)
+    scale = scale if axis is None else xp.repeat(scale, block, axis=axis)
+    return xp.asarray(q.qvalue).astype(dtype) * scale
 
 
 def check_operand(q: QArray, *, name: str, layout: str) -> int:
@@ -136,3 +146,42 @@ def check_operand(q: QArray, *, name: str, layout: str) -> int:
 def split(x: jax.Array | QArray) -> tuple[jax.Array, jax.Array | None]:
     """(values, scale or None): the parts a kernel reads of an operand that may be quantized."""
     return (x.qvalue, x.scale) if isinstance(x, QArray) else (x, None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AsQArray:
+    """Quantization-aware training: a float array that `moe_tune.ragged_dot` (and `moe_mlp`) quantizes inside
+    the op, `quantize(value, dtype, axis=axis, block_size=block_size)`, and runs on the quantized kernels.
+
+    Its gradient is the straight-through one: the gradient of the product of the dequantized operands with
+    respect to the dequantized value, handed to `value` as is (rounding and clipping are passed through), in
+    `value`'s dtype. A pytree whose only leaf is `value` (dtype, axis and block_size are static), so
+    `jax.grad` of a function of the float weights flows through it.
+    """
+
+    value: jax.Array
+    qdtype: str = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(default=1, metadata=dict(static=True))
+    block_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.value.shape)
+
+    def quantize(self) -> QArray:
+        """The QArray the op runs on."""
+        return quantize(self.value, self.qdtype, axis=self.axis, block_size=self.block_size)
+
+    def __getitem__(self, index) -> "AsQArray":
+        """Slice along leading axes other than the scaled one (e.g. one shard's experts)."""
+        return dataclasses.replace(self, value=self.value[index])
+
+
+def as_float(x: jax.Array | QArray) -> jax.Array:
+    """`x` itself, or a QArray dequantized (float32)."""
+    return dequantize(x) if isinstance(x, QArray) else x

@@ -15,9 +15,13 @@ from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import read_table
 
 COLUMNS = [
-    "device_kind", "op", "direction", "backend", "shape", "dtype", "distribution", "config",
+    "device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution", "config",
     "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
 ]
+# The columns of the rich table; the quantization ones only when an entry is quantized.
+TABLE_COLUMNS = ["device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution",
+                 "config", "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing"]
+_QUANT_COLUMNS = ("quant", "quant_error")
 # `moe-tune report` filters: option name -> column it matches.
 FILTERS = {"op": "op", "direction": "direction", "device": "device_kind", "backend": "backend", "dtype": "dtype"}
 _NOT_SHAPE = ("direction", "backend", "distribution")
@@ -54,13 +58,29 @@ def selected_entries(frame: pd.DataFrame, profile_dir: Path | None = None, op: s
 
 
 def shape_label(fields: dict[str, Any]) -> str:
-    """`m=4096 k=1024 n=1024 groups=8`: the key fields that are sizes (not direction, dtypes, backend...)."""
-    return " ".join(f"{k}={v}" for k, v in fields.items() if k not in _NOT_SHAPE and not k.endswith("dtype"))
+    """`m=4096 k=1024 n=1024 groups=8`: the key fields that are sizes (not direction, dtypes, backend,
+    quantization...)."""
+    return " ".join(f"{k}={v}" for k, v in fields.items()
+                    if k not in _NOT_SHAPE and not k.endswith("dtype") and not k.endswith("qblock"))
+
+
+def quant_label(fields: dict[str, Any]) -> str:
+    """`rhs int8/128` (per side: quantized dtype, and the scale block when it is not all of k), or `-`."""
+    sides = [f"{side} {fields[side + '_qdtype']}" + (f"/{fields[side + '_qblock']}" if fields.get(side + "_qblock")
+                                                     not in (None, fields.get("k")) else "")
+             for side in ("lhs", "rhs") if fields.get(side + "_qdtype") is not None]
+    return " ".join(sides) or "-"
+
+
+def table_columns(frame: pd.DataFrame) -> list[str]:
+    """`TABLE_COLUMNS`, less the quantization ones when no row is quantized."""
+    quantized = bool((frame["quant"] != "-").any()) if len(frame) else False
+    return [c for c in TABLE_COLUMNS if quantized or c not in _QUANT_COLUMNS]
 
 
 def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
     fields = entry.fields
-    dtypes = {str(v) for k, v in fields.items() if k.endswith("dtype")}
+    dtypes = {str(v) for k, v in fields.items() if k.endswith("dtype") and not k.endswith("qdtype")}
     median = entry.median_s
     return {
         "device_kind": table.get("device_kind"),
@@ -69,6 +89,8 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "backend": fields.get("backend"),
         "shape": shape_label(fields),
         "dtype": "/".join(sorted(dtypes)),
+        "quant": quant_label(fields),
+        "quant_error": float("nan") if entry.quantization_error is None else entry.quantization_error,
         "distribution": fields.get("distribution"),
         "config": " ".join(f"{k}={v}" for k, v in entry.config.items()) or "-",
         "time_ms": (float("nan") if median is None else median) * 1e3,

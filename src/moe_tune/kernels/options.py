@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
+from moe_tune.quant import QDTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,13 @@ M = ShapeOption("m", int, "ragged_dot: rows of lhs (tokens x top_k on this shard
 K = ShapeOption("k", int, "ragged_dot: contracting dim (hidden size for gate/up).")
 N = ShapeOption("n", int, "ragged_dot: output dim (expert width for gate/up).")
 GROUPS = ShapeOption("groups", int, "ragged_dot: experts on this shard.", aliases=("--g",))
+RHS_QUANT = ShapeOption("rhs_quant", QDTYPES, "ragged_dot: quantize the weights (rhs) to this dtype, one scale per "
+                        "channel (or per --quant-block along k); its key gains the quantization fields.")
+LHS_QUANT = ShapeOption("lhs_quant", QDTYPES, "ragged_dot: quantize the activations (lhs) too (w8a8), one scale per "
+                        "row (or per --quant-block along k).")
+QUANT_BLOCK = ShapeOption("quant_block", int, "ragged_dot: elements along k sharing one scale (sub-channel; "
+                          "default: all of k) for the quantized operands.")
+QUANT = (RHS_QUANT, LHS_QUANT, QUANT_BLOCK)
 
 # the gather ops
 TOKENS = ShapeOption("tokens", int, "gather ops: tokens in the batch; with --model, comma-separated counts per "

@@ -67,6 +67,12 @@ class OpSpec(abc.ABC):
         return (*self.problem(**self.default_problem_options()).key_fields(), "backend", "distribution")
 
     @property
+    def optional_key_field_names(self) -> tuple[str, ...]:
+        """Names of `fields` only some problems' keys have (ragged_dot: the quantization fields, only when an
+        operand is quantized), so that the keys of the other problems stay what they were."""
+        return tuple(getattr(self.problem_class, "OPTIONAL_KEY_FIELDS", ()))
+
+    @property
     def option_names(self) -> tuple[str, ...]:
         """The keywords of `problem()`, in declaration order."""
         return tuple(option.name for option in self.options)
@@ -153,7 +159,8 @@ class OpSpec(abc.ABC):
         return {"group_sizes": np.asarray(inputs["group_sizes"]).tolist()}
 
     def tolerance(self, problem: Any) -> float:
-        dtypes = [v for k, v in problem.key_fields().items() if k.endswith("dtype")]
+        # the float dtypes: a quantized operand's products are exact (its `*_qdtype` does not loosen this)
+        dtypes = [v for k, v in problem.key_fields().items() if k.endswith("dtype") and not k.endswith("qdtype")]
         return max(TOLERANCE.get(d, 2e-2) for d in dtypes)
 
     def flops(self, problem: Any) -> int:

@@ -37,7 +37,8 @@ class Entry:
     the sweep, else None; default: {config, status, median_s, reason} of the heuristic default;
     speedup_over_default: default median / winner median (None when the default failed); candidates: {tried,
     ok, failed, wrong, compiles}; failures / results: one record per failed-or-wrong / correct candidate;
-    distribution: {name, seed, ...what the op records: group_sizes, ep, experts, valid_fraction}; flops: of
+    distribution: {name, seed, ...what the op records: group_sizes, ep, experts, valid_fraction, and for a
+    quantized ragged_dot quantization_error}; flops: of
     the problem; versions: `versions.entry_versions` (jax, jaxlib, moe-tune, tune-jax, backend_revision);
     hostname, platform, device_kind, tuned_at (ISO 8601, UTC); within_noise_of_default: the default kept for
     being within noise; interrupted: written from a Ctrl-C'd sweep; search: the strategy's record;
@@ -125,6 +126,12 @@ class Entry:
     def median_s(self) -> Any:
         """The winner's median time in seconds as recorded (None when the entry has no timing)."""
         return _get(self.timing, "median_s")
+
+    @property
+    def quantization_error(self) -> float | None:
+        """For a quantized problem: the error of the dequantized operands' product against the unquantized
+        one (`distribution.quantization_error`, relative to max |unquantized|), recorded, not gated on."""
+        return _get(self.distribution, "quantization_error")
 
     @property
     def timing_method(self) -> str | None:

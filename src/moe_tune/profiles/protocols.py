@@ -56,3 +56,5 @@ class OpLike(Protocol):
     backends: RegistryLike
     # The names of an entry's `fields`, in key order: the problem's key fields, then backend, distribution.
     key_field_names: tuple[str, ...]
+    # Names some entries' `fields` hold besides those (e.g. ragged_dot's quantization fields).
+    optional_key_field_names: tuple[str, ...]

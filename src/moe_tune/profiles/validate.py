@@ -158,7 +158,7 @@ def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | Non
         found.append(f"key does not match its fields, which give {expected_key!r}")
     names = list(spec.key_field_names)
     missing = [n for n in names if n not in fields]
-    unknown = [n for n in fields if n not in names]
+    unknown = [n for n in fields if n not in names and n not in spec.optional_key_field_names]
     if missing:
         found.append(f"fields lack {', '.join(missing)}")
     if unknown:

@@ -5,7 +5,7 @@ with the platform's default backend for that op. One failing case is recorded an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from moe_tune import devices
@@ -28,16 +28,19 @@ class CaseResult:
     error: str | None = None
 
 
-def model_cases(preset: ModelPreset, tokens: Iterable[int], *, ep: int, dtype: str) -> list[tuple[int, KernelCase]]:
-    """(tokens, case) for every token count, in order; validates every count before anything runs."""
-    return layer_cases(preset, list(tokens), ep=ep, dtype=dtype)
+def model_cases(preset: ModelPreset, tokens: Iterable[int], *, ep: int, dtype: str,
+                quant: Mapping[str, Any] | None = None) -> list[tuple[int, KernelCase]]:
+    """(tokens, case) for every token count, in order; validates every count before anything runs. `quant`:
+    the ragged_dot quantization options (`models.kernel_problems`)."""
+    return layer_cases(preset, list(tokens), ep=ep, dtype=dtype, quant=quant)
 
 
 def preflight(preset: ModelPreset, tokens: Iterable[int], *, ep: int, dtype: str,
-              sweep_options: dict[str, Any] | None = None) -> list[tuple[int, KernelCase]]:
+              sweep_options: dict[str, Any] | None = None,
+              quant: Mapping[str, Any] | None = None) -> list[tuple[int, KernelCase]]:
     """The cases of a model sweep, once every token count and the ep are checked and the profile dir can be
     written (one error for a bad dir, not one failed case per kernel)."""
-    cases = model_cases(preset, tokens, ep=ep, dtype=dtype)
+    cases = model_cases(preset, tokens, ep=ep, dtype=dtype, quant=quant)
     record.writable_dir(dirs.write_dir((sweep_options or {}).get("profile_dir")))
     return cases
 
@@ -51,15 +54,17 @@ def sweep_model(
     sweep_options: dict[str, Any] | None = None,
     on_case: Callable[[int, KernelCase, int, int], Any] | None = None,
     reporter_for: Callable[[int, KernelCase], Any] | None = None,
+    quant: Mapping[str, Any] | None = None,
 ) -> list[CaseResult]:
     """Run one sweep per (token count, kernel case) with `SweepSpec(op, problem, **sweep_options)`.
 
     `on_case(tokens, case, i, total)` is called before each sweep (the CLI prints a heading) and
-    `reporter_for(tokens, case)` may supply its progress reporter. A case whose sweep fails (no valid
+    `reporter_for(tokens, case)` may supply its progress reporter; `quant` quantizes the layer's ragged_dot
+    kernels (`models.kernel_problems`). A case whose sweep fails (no valid
     candidate, a backend that cannot run here) is recorded with its error and the next one runs; a
     KeyboardInterrupt stops the whole run. A case whose (op, problem) an earlier case already swept gets
     that result without a second sweep."""
-    cases = preflight(preset, tokens, ep=ep, dtype=dtype, sweep_options=sweep_options)
+    cases = preflight(preset, tokens, ep=ep, dtype=dtype, sweep_options=sweep_options, quant=quant)
     results: list[CaseResult] = []
     swept: dict[tuple[str, Any], CaseResult] = {}  # a layer can repeat a kernel (gpt-oss: gate/up == down)
     for i, (count, case) in enumerate(cases):

@@ -16,15 +16,19 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.spec import SPEC
 from moe_tune.kernels.spec import freeze_config
+from moe_tune.quant import AsQArray, QArray
 
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """Static (hashable) part of one call: backend, forward problem, configs the caller fixed per direction."""
+    """Static (hashable) part of one call: backend, forward problem, configs the caller fixed per direction,
+    and, per operand (lhs, rhs), the `AsQArray` template of a quantization-aware-training operand (its value
+    a ShapeDtypeStruct), else None."""
 
     backend: str
     problem: RaggedDotProblem
     given: tuple[tuple[str, Any], ...]  # (direction, config or `freeze_config` tuple)
+    ste: tuple[AsQArray | None, AsQArray | None] = (None, None)
 
     def run(self, direction: str, a, b, group_sizes, group_offset):
         """One direction's kernel, its config resolved now (at trace time) by `SPEC.resolve_config`."""
@@ -33,23 +37,54 @@ class _Call:
         return resolved.backend.run(problem, resolved.config, a, b, group_sizes, group_offset)
 
 
+def _kernel_operand(x: jax.Array | QArray | AsQArray) -> jax.Array | QArray:
+    """What the kernels read: an AsQArray is quantized here, inside the custom VJP, so that no gradient
+    flows through the rounding (the straight-through rule is the bwd's)."""
+    return x.quantize() if isinstance(x, AsQArray) else x
+
+
+def _cotangent(primal_kind: AsQArray | None, x, grad: jax.Array | None):
+    """The cotangent of one operand: None for a QArray (a constant), the straight-through gradient wrapped
+    in the AsQArray's structure for a quantization-aware one (in its value's dtype), else `grad`."""
+    if isinstance(x, QArray) and primal_kind is None:
+        return None
+    if primal_kind is not None:
+        return dataclasses.replace(primal_kind, value=grad.astype(primal_kind.value.dtype))
+    return grad
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged_dot(lhs, rhs, group_sizes, group_offset, call: _Call):
-    return call.run("fwd", lhs, rhs, group_sizes, group_offset)
+    return call.run("fwd", _kernel_operand(lhs), _kernel_operand(rhs), group_sizes, group_offset)
 
 
 def _ragged_dot_fwd(lhs, rhs, group_sizes, group_offset, call: _Call):
-    return call.run("fwd", lhs, rhs, group_sizes, group_offset), (lhs, rhs, group_sizes, group_offset)
+    a, b = _kernel_operand(lhs), _kernel_operand(rhs)
+    return call.run("fwd", a, b, group_sizes, group_offset), (a, b, group_sizes, group_offset)
 
 
 def _ragged_dot_bwd(call: _Call, residuals, dout):
+    # lhs / rhs are what the forward kernel read: floats, or QArrays (given, or quantized from an AsQArray).
+    # A given QArray gets no gradient, so its direction is not run; any other operand's gradient is that of
+    # the dequantized product, run on the quantized kernels (dlhs reads rhs quantized, drhs lhs quantized).
     lhs, rhs, group_sizes, group_offset = residuals
-    dlhs = call.run("dlhs", dout, rhs, group_sizes, group_offset)  # dout @ rhs[g]^T per group
-    drhs = call.run("drhs", lhs, dout, group_sizes, group_offset)  # lhs[rows]^T @ dout[rows] per group
-    return dlhs, drhs, None, None
+    lhs_ste, rhs_ste = call.ste
+    dlhs = drhs = None
+    if not isinstance(lhs, QArray) or lhs_ste is not None:
+        dlhs = call.run("dlhs", dout, rhs, group_sizes, group_offset)  # dout @ rhs[g]^T per group
+    if not isinstance(rhs, QArray) or rhs_ste is not None:
+        drhs = call.run("drhs", lhs, dout, group_sizes, group_offset)  # lhs[rows]^T @ dout[rows] per group
+    return _cotangent(lhs_ste, lhs, dlhs), _cotangent(rhs_ste, rhs, drhs), None, None
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+def _ste_template(x: Any) -> AsQArray | None:
+    """An AsQArray's static description (its value a ShapeDtypeStruct: hashable), else None."""
+    if not isinstance(x, AsQArray):
+        return None
+    return dataclasses.replace(x, value=jax.ShapeDtypeStruct(x.value.shape, x.value.dtype))
 
 
 def _given_configs(config: Any) -> tuple[tuple[str, Any], ...]:
@@ -64,8 +99,8 @@ def _given_configs(config: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def ragged_dot(
-    lhs: jax.Array,
-    rhs: jax.Array,
+    lhs: jax.Array | QArray | AsQArray,
+    rhs: jax.Array | QArray | AsQArray,
     group_sizes: jax.Array,
     *,
     preferred_element_type: Any = None,
@@ -75,12 +110,19 @@ def ragged_dot(
 ) -> jax.Array:
     """Grouped matmul: `out[rows of group i] = lhs[rows] @ rhs[i]`; differentiable in lhs and rhs.
 
+    Either operand may be quantized (`moe_tune.QArray`, scaled along k: lhs scale [m, k/bs], rhs scale
+    [groups, k/bs, n]); the result is that of the dequantized operands up to float32 accumulation. A QArray
+    is a constant for autodiff (no gradient flows into it, and its direction is not run); the gradient of
+    the other, float operand is that of the dequantized product, run on the quantized kernels. An
+    `moe_tune.AsQArray` (quantization-aware training) is quantized inside the op and gets the
+    straight-through gradient (that of the dequantized value) in its value's dtype.
+
     Args:
-      lhs: [m, k], rows sorted by group (float32, bfloat16 or float16).
-      rhs: [groups, k, n].
+      lhs: [m, k], rows sorted by group (float32, bfloat16 or float16; or a QArray / AsQArray).
+      rhs: [groups, k, n] (or a QArray / AsQArray).
       group_sizes: int [total_groups]; rows past `sum(group_sizes)` come out zero.
-      preferred_element_type: output dtype (default: the promoted input dtype); low-precision inputs are
-        accumulated in float32. Gradients come back in lhs's and rhs's dtypes.
+      preferred_element_type: output dtype (default: the promoted dtype of the float operands, float32 when
+        both are quantized); low-precision inputs are accumulated in float32. Gradients come back in lhs's and rhs's dtypes.
       group_offset: int32 scalar; with it, `group_sizes` covers all groups and this call computes only the
         local groups `[group_offset, group_offset + groups)` (an expert-parallel shard); other rows are zero.
       backend: `xla`, `tiled`, `megablox`, `triton`; None picks by platform (cpu: tiled, gpu: xla, tpu:
@@ -92,13 +134,15 @@ def ragged_dot(
     Returns:
       [m, n] in `preferred_element_type`.
     """
+    # an AsQArray is described by the QArray it becomes (its shapes only: nothing is quantized here)
+    lhs_q, rhs_q = (jax.eval_shape(AsQArray.quantize, x) if isinstance(x, AsQArray) else x for x in (lhs, rhs))
     problem = RaggedDotProblem.from_arrays(
-        lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset
+        lhs_q, rhs_q, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset
     )
     impl = SPEC.backend(backend)
     if group_offset is not None:
         group_offset = jnp.asarray(group_offset, jnp.int32)
         if group_offset.shape != ():
             raise UsageError(f"group_offset must be a scalar, got shape {group_offset.shape}")
-    call = _Call(impl.name, problem, _given_configs(config))
+    call = _Call(impl.name, problem, _given_configs(config), (_ste_template(lhs), _ste_template(rhs)))
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)

@@ -16,6 +16,8 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # The layouts a quantized operand must have (named in the error for any other).
 LHS_LAYOUT = "[m, k] scaled along axis 1 (k) with scale [m, k/bs]"
 RHS_LAYOUT = "[g, k, n] scaled along axis 1 (k) with scale [g, k/bs, n]"
+# The dtype a quantized operand counts as in a problem (what `dequantize` returns).
+DEQUANTIZED_DTYPE = "float32"
 
 
 def dtype_name(dtype: Any) -> str:
@@ -46,6 +48,8 @@ class RaggedDotProblem:
     """
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("m",)  # what `nearest` lookup may vary
+    # key fields only a quantized problem has (after the others, in this order)
+    OPTIONAL_KEY_FIELDS: ClassVar[tuple[str, ...]] = ("lhs_qdtype", "lhs_qblock", "rhs_qdtype", "rhs_qblock")
 
     m: int
     k: int
@@ -192,7 +196,7 @@ class RaggedDotProblem:
                 quant[f"{side}_qblock"] = check_operand(x, name=side, layout=layout)
                 quant[f"{side}_qdtype"] = x.dtype.name
         # a quantized operand counts as float32 (what it dequantizes to); the output follows the float ones
-        lhs_dtype, rhs_dtype = (jnp.float32 if isinstance(x, QArray) else x.dtype for x in (lhs, rhs))
+        lhs_dtype, rhs_dtype = (DEQUANTIZED_DTYPE if isinstance(x, QArray) else x.dtype for x in (lhs, rhs))
         floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)] or [jnp.float32]
         out = preferred_element_type if preferred_element_type is not None else jnp.result_type(*floats)
         return cls(

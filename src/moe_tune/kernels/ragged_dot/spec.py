@@ -11,16 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune import devices, distributions
+from moe_tune.errors import UsageError
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, KernelConfig
-from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
+from moe_tune.kernels.ragged_dot.problem import DEQUANTIZED_DTYPE, DIRECTIONS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.reference import (
     ragged_dot_dlhs_reference,
     ragged_dot_drhs_reference,
     ragged_dot_reference,
 )
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
-from moe_tune.kernels.spec import OpSpec
+from moe_tune.kernels.spec import OpSpec, relative_error
+from moe_tune.quant import QArray, dequantize_host, quantize
 
 # The default sweep: the up projection of one Qwen3-30B-A3B MoE layer (hidden 2048 -> expert width 768,
 # 128 experts, top-8) for 256 tokens on an expert-parallel shard of 16 experts: m = 256 * 8 * 16/128 rows.
@@ -30,6 +32,8 @@ from moe_tune.kernels.spec import OpSpec
 HOST_REFERENCE_MAX_FLOPS = 2 * 10**10
 
 DEFAULT_OPTIONS = {"m": 2048, "k": 2048, "n": 768, "groups": 16, "dtype": "float32"}
+# The operands of each direction's matmul, `a` and `b` of the inputs (dout: the forward output's gradient).
+OPERANDS = {"fwd": ("lhs", "rhs"), "dlhs": ("dout", "rhs"), "drhs": ("lhs", "dout")}
 
 
 class RaggedDotSpec(OpSpec):
@@ -39,37 +43,65 @@ class RaggedDotSpec(OpSpec):
     description = "grouped matmul lhs[m,k] x rhs[g,k,n] -> [m,n] (Megablox gmm)"
     directions = DIRECTIONS
     problem_class = RaggedDotProblem
-    options = (opt.M, opt.K, opt.N, opt.GROUPS, opt.DTYPE, opt.OUT_DTYPE)
+    options = (opt.M, opt.K, opt.N, opt.GROUPS, *opt.QUANT, opt.DTYPE, opt.OUT_DTYPE)
 
     def problem(
         self, *, m: int, k: int, n: int, groups: int, dtype: str = "float32", out_dtype: str | None = None,
-        direction: str = "fwd", **_: Any,
+        direction: str = "fwd", rhs_quant: str | None = None, lhs_quant: str | None = None,
+        quant_block: int | None = None, **_: Any,
     ) -> RaggedDotProblem:
+        """`dtype`: of the float operands (a quantized one counts as float32, what it dequantizes to, as
+        `RaggedDotProblem.from_arrays` says) and of the output unless `out_dtype`. `rhs_quant` / `lhs_quant`:
+        quantize that operand (int8, float8_e4m3fn) with `quant_block` elements along k per scale (None:
+        one scale per channel / row)."""
+        if quant_block is not None and rhs_quant is None and lhs_quant is None:
+            raise UsageError("quant_block (--quant-block) needs rhs_quant or lhs_quant (--rhs-quant / --lhs-quant)")
+        side = lambda quant: dict(dtype=DEQUANTIZED_DTYPE if quant else dtype, qdtype=quant,
+                                  qblock=quant_block if quant else None)
+        lhs, rhs = side(lhs_quant), side(rhs_quant)
         return RaggedDotProblem(
-            m=m, k=k, n=n, groups=groups, lhs_dtype=dtype, rhs_dtype=dtype, out_dtype=out_dtype or dtype,
-            direction=direction,
+            m=m, k=k, n=n, groups=groups, lhs_dtype=lhs["dtype"], rhs_dtype=rhs["dtype"],
+            out_dtype=out_dtype or dtype, direction=direction, lhs_qdtype=lhs["qdtype"], lhs_qblock=lhs["qblock"],
+            rhs_qdtype=rhs["qdtype"], rhs_qblock=rhs["qblock"],
         )
 
     def default_problem_options(self) -> dict[str, Any]:
         return dict(DEFAULT_OPTIONS)
 
-    def make_inputs(self, problem: RaggedDotProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
-        """The two operands of the direction, `a` and `b` (fwd: lhs, rhs; dlhs: dout, rhs; drhs: lhs,
-        dout), and `group_sizes`; values scaled so that results are O(1) whatever the sizes."""
+    def float_inputs(self, problem: RaggedDotProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
+        """The two float operands of the direction, `a` and `b` (`OPERANDS`), and `group_sizes`; values scaled
+        so that results are O(1) whatever the sizes. A quantized operand is float32 here."""
         rng = np.random.default_rng(seed)
         m, k, n, g = problem.m, problem.k, problem.n, problem.groups
-        lhs = lambda: rng.standard_normal((m, k), np.float32).astype(jnp.dtype(problem.lhs_dtype))
-        rhs = lambda: (rng.standard_normal((g, k, n), np.float32) / np.sqrt(k)).astype(jnp.dtype(problem.rhs_dtype))
-        dout = lambda: (rng.standard_normal((m, n), np.float32) / np.sqrt(n)).astype(jnp.dtype(problem.out_dtype))
-        a, b = {"fwd": (lhs, rhs), "dlhs": (dout, rhs), "drhs": (lhs, dout)}[problem.direction]
+        make = {
+            "lhs": lambda: rng.standard_normal((m, k), np.float32).astype(jnp.dtype(problem.lhs_dtype)),
+            "rhs": lambda: (rng.standard_normal((g, k, n), np.float32) / np.sqrt(k)).astype(jnp.dtype(problem.rhs_dtype)),
+            "dout": lambda: (rng.standard_normal((m, n), np.float32) / np.sqrt(n)).astype(jnp.dtype(problem.out_dtype)),
+        }
+        a, b = OPERANDS[problem.direction]
+        a, b = make[a](), make[b]()
         sizes = distributions.group_sizes(distribution, m, problem.num_group_sizes, seed)
-        return {"a": a(), "b": b(), "group_sizes": sizes}
+        return {"a": a, "b": b, "group_sizes": sizes}
 
-    def reference(self, problem: RaggedDotProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Float64 on the host; for problems too big for that on an accelerator's host, XLA's ragged dot on
-        the device in float32 at the highest matmul precision. Never on CPU: there XLA's ragged dot is the
-        slower of the two and holds several times its output in temporaries (m=4096 k=2048 n=1408 g=128 drhs:
-        16 s and 12 GB, where the NumPy reference took 1.9 s and 2.9 GB, its result)."""
+    def make_inputs(self, problem: RaggedDotProblem, distribution: str, seed: int) -> dict[str, Any]:
+        """`float_inputs`, with the direction's quantized operands (lhs, rhs) quantized along k: QArrays of
+        NumPy arrays (1-byte values, float32 scales)."""
+        inputs = self.float_inputs(problem, distribution, seed)
+        for name, operand in zip(("a", "b"), OPERANDS[problem.direction]):
+            qdtype = getattr(problem, f"{operand}_qdtype", None)
+            if qdtype is not None:
+                q = quantize(inputs[name], qdtype, axis=1, block_size=getattr(problem, f"{operand}_qblock"))
+                inputs[name] = jax.tree.map(np.asarray, q)
+        return inputs
+
+    def reference(self, problem: RaggedDotProblem, inputs: Mapping[str, Any]) -> np.ndarray:
+        """Of the dequantized operands (exactly, in float64). Float64 on the host; for problems too big for
+        that on an accelerator's host, XLA's ragged dot on the device in float32 at the highest matmul
+        precision. Never on CPU: there XLA's ragged dot is the slower of the two and holds several times its
+        output in temporaries (m=4096 k=2048 n=1408 g=128 drhs: 16 s and 12 GB, where the NumPy reference
+        took 1.9 s and 2.9 GB, its result)."""
+        inputs = {**inputs, **{name: dequantize_host(inputs[name]) for name in ("a", "b")
+                               if isinstance(inputs[name], QArray)}}
         if problem.flops > HOST_REFERENCE_MAX_FLOPS and devices.platform() != "cpu":
             return self._device_reference(problem, inputs)
         a, b, sizes = inputs["a"], inputs["b"], inputs["group_sizes"]
@@ -79,8 +111,20 @@ class RaggedDotSpec(OpSpec):
             return ragged_dot_drhs_reference(a, b, sizes, groups=problem.groups)
         return ragged_dot_reference(a, b, sizes)
 
+    def distribution_record(self, problem: RaggedDotProblem, distribution: str, seed: int,
+                            inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The group sizes; for a quantized problem also `quantization_error`: max |reference of the dequantized
+        operands - reference of the unquantized ones| / max |the latter|. Recorded, never gated on: every
+        correct candidate is within the tolerance of the former (the integer products are exact)."""
+        record = super().distribution_record(problem, distribution, seed, inputs)
+        if problem.quantized:
+            unquantized = self.reference(problem, self.float_inputs(problem, distribution, seed))
+            record["quantization_error"] = relative_error(self.reference(problem, inputs), unquantized)
+        return record
+
     def _device_reference(self, problem: RaggedDotProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        f32 = dataclasses.replace(problem, lhs_dtype="float32", rhs_dtype="float32", out_dtype="float32")
+        f32 = dataclasses.replace(problem, lhs_dtype="float32", rhs_dtype="float32", out_dtype="float32",
+                                  lhs_qdtype=None, lhs_qblock=None, rhs_qdtype=None, rhs_qblock=None)
         xla = BACKENDS.get("xla")
         with jax.default_matmul_precision("highest"):
             out = jax.jit(lambda a, b, s: xla.run(f32, xla.default_config(f32), a, b, s))(
@@ -100,14 +144,17 @@ class RaggedDotSpec(OpSpec):
         size = lambda dtype: np.dtype(jnp.dtype(dtype)).itemsize
         lhs, rhs = m * k * size(problem.lhs_dtype), g * k * n * size(problem.rhs_dtype)
         dout = m * n * size(problem.out_dtype)
-        a, b = {"fwd": (lhs, rhs), "dlhs": (dout, rhs), "drhs": (lhs, dout)}[problem.direction]
+        a, b = (dict(lhs=lhs, rhs=rhs, dout=dout)[operand] for operand in OPERANDS[problem.direction])
         out_elements = {"fwd": m * n, "dlhs": m * k, "drhs": g * k * n}[problem.direction]
         out_dtype = problem.operand_dtypes()[2]
         return 2 * (a + b + 4 * problem.num_group_sizes) + out_elements * (8 + size(out_dtype))
 
     def describe(self, problem: RaggedDotProblem) -> str:
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"
-        return f"ragged_dot {problem.direction} m={problem.m} k={problem.k} n={problem.n} g={problem.groups} {dt}"
+        quant = "".join(f" {side} {getattr(problem, side + '_qdtype')}" + (
+            f"/{getattr(problem, side + '_qblock')}" if getattr(problem, side + "_qblock") < problem.k else "")
+            for side in ("lhs", "rhs") if getattr(problem, side + "_qdtype") is not None)
+        return f"ragged_dot {problem.direction} m={problem.m} k={problem.k} n={problem.n} g={problem.groups} {dt}{quant}"
 
 
 SPEC = RaggedDotSpec()
