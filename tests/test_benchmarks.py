@@ -80,3 +80,22 @@ def test_sweep_benchmark_reports_stages_and_compiles(tmp_path):
     runs = json.loads((tmp_path / "w.json").read_text())["results"]
     assert [r["workers"] for r in runs] == [1, 2] and all(r["compiles_per_candidate"] == 1.0 for r in runs)
     assert runs[1]["main_process_compiles"] == 0 and "compile stage" in out
+
+
+@pytest.mark.slow
+def test_quant_benchmark_times_every_mode(tmp_path):
+    """quant_cpu.py at toy sizes: every mode tuned and timed beside the float baselines, dequantize-then-f32
+    for the quantized ones, the bytes and both errors recorded, and the int8 target printed."""
+    out = _run(["benchmarks/quant_cpu.py", "--small", "--json", str(tmp_path / "q.json")], tmp_path)
+    summary, results = json.loads((tmp_path / "q.json").read_text())["results"]
+    [case] = results["cases"]
+    modes = case["modes"]
+    assert list(modes) == ["float32", "bfloat16", "int8", "int8/128", "fp8/128", "w8a8", "int8 a16", "fp8 a16"]
+    assert {"dense", "copy", "deq+f32:int8", "deq+f32:w8a8"} <= set(case["times_s"])
+    assert modes["int8"]["weight_bytes"] < modes["bfloat16"]["weight_bytes"] < modes["float32"]["weight_bytes"]
+    for mode, r in modes.items():
+        assert r["time_s"] > 0 and r["error_vs_dequantized"] < 1e-2 and r["tuned_config"]
+        assert (r["deq_f32_time_s"] is None) == (mode in ("float32", "bfloat16"))
+    assert 0 < modes["int8"]["error_vs_unquantized"] < 0.1 and not modes["float32"]["differs_from_f32"]
+    assert [s["target"] for s in summary["summary"]] == [f"{mode} weight-only vs tuned f32, toy m=256 g=4" for mode in ("int8", "int8 a16")]
+    assert "tuned tiles differ from float32's" in out
