@@ -1,11 +1,11 @@
 """How the pure-JAX CPU kernels hold low-precision arrays inside their loops, and load blocks of them.
 
-XLA CPU computes bfloat16 / float16 elementwise ops in float32: an array of 2-byte floats that a loop slices
-or updates is converted whole to float32 before the loop (the convert is hoisted), sliced there and
-converted back per block, and a 2-byte output updated in a loop is converted whole to float32 and back at
-every update (not in place). Measured in benchmarks/NOTES.md (13): that, not the dot, made the bf16 tiled
+XLA CPU computes bfloat16 elementwise ops in float32: a bfloat16 array that a loop slices is converted
+whole to float32 before the loop (the convert is hoisted), sliced there and converted back to bfloat16
+per block for the dot, and a bfloat16 output updated in a loop is converted to float32 and back around
+every update. (float16 is sliced and updated in place: it needs none of this.) Measured in benchmarks/NOTES.md (13): that, not the dot, made the bf16 tiled
 ragged_dot 2.2-2.5x slower than its float32 path. XLA does not touch integers, so the kernels carry
-2-byte floats as their uint16 bits (`as_bits`), which loops slice and update in place at 2 bytes per
+bfloat16 arrays as their uint16 bits (`as_bits`), which loops slice and update in place at 2 bytes per
 element, and convert a block only where they use it (`load`): the one mechanism for bf16 / f16 blocks and
 for 1-byte quantized ones (int8, fp8), which stay 1-byte in memory the same way.
 """
@@ -18,15 +18,9 @@ import jax.numpy as jnp
 _BITS = jnp.dtype(jnp.uint16)
 
 
-def is_half(dtype) -> bool:
-    """Whether `dtype` is a 2-byte float (bfloat16, float16)."""
-    dtype = jnp.dtype(dtype)
-    return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
-
-
 def as_bits(x: jax.Array) -> jax.Array:
-    """x as a loop should carry it: 2-byte floats as their uint16 bits, anything else unchanged."""
-    return jax.lax.bitcast_convert_type(x, _BITS) if is_half(x.dtype) else x
+    """x as a loop should carry it: bfloat16 as its uint16 bits, anything else unchanged."""
+    return jax.lax.bitcast_convert_type(x, _BITS) if x.dtype == jnp.bfloat16 else x
 
 
 def from_bits(x: jax.Array, dtype) -> jax.Array:
@@ -47,7 +41,7 @@ def compute_dtype(*dtypes) -> jnp.dtype:
     - any float32 (or wider) operand: float32 (or wider): 1-byte and 2-byte values convert exactly;
     - bfloat16 with bfloat16 or 1-byte values: bfloat16 (int8 and float8_e4m3fn values fit it exactly; the
       CPU dot runs bf16 natively, AVX512-BF16, at no loss);
-    - float16 anywhere else: float32 (XLA CPU has no float16 dot; it would convert to float32 anyway)."""
+    - float16 anywhere else: float32 (what XLA CPU's dot does with it; measured faster than a float16 dot)."""
     dtypes = [jnp.dtype(d) for d in dtypes]
     if all(d == jnp.int8 for d in dtypes):
         return jnp.dtype(jnp.int8)
