@@ -135,7 +135,8 @@ def ragged_dot_targets(args, profile_dir: str, summary: list, results: list, sav
                 problems = {d: spec.problem(m=m, k=k, n=n, groups=groups, dtype=d, direction=direction) for d in dtypes}
                 sweeps = {d: tuned_config("ragged_dot", p, profile_dir, args.strategy) for d, p in problems.items()}
                 if not args.skip_baselines:
-                    ragged_dot_baselines(args, label, shape, problems[args.dtype], *sweeps[args.dtype], summary, results)
+                    ragged_dot_baselines(args, label, shape, problems[args.dtype], *sweeps[args.dtype], summary,
+                                         results)
                 configs = {d: sweep.best.config for d, (sweep, _) in sweeps.items()}
                 times = ragged_dot_dtype_round(problems, configs, args.samples)
                 print(f"\n{label}: tuned configs " + "; ".join(f"{d} {c.to_dict()}" for d, c in configs.items()))

@@ -3,11 +3,12 @@
 XLA CPU computes bfloat16 elementwise ops in float32: a bfloat16 array that a loop slices is converted
 whole to float32 before the loop (the convert is hoisted), sliced there and converted back to bfloat16
 per block for the dot, and a bfloat16 output updated in a loop is converted to float32 and back around
-every update. (float16 is sliced and updated in place: it needs none of this.) Measured in benchmarks/NOTES.md (13): that, not the dot, made the bf16 tiled
-ragged_dot 2.2-2.5x slower than its float32 path. XLA does not touch integers, so the kernels carry
-bfloat16 arrays as their uint16 bits (`as_bits`), which loops slice and update in place at 2 bytes per
-element, and convert a block only where they use it (`load`): the one mechanism for bf16 / f16 blocks and
-for 1-byte quantized ones (int8, fp8), which stay 1-byte in memory the same way.
+every update. (float16 is sliced and updated in place: it needs none of this.) Measured in
+benchmarks/NOTES.md (13): that, not the dot, made the bf16 tiled ragged_dot 2.2-2.5x slower than its
+float32 path. XLA does not touch integers, so the kernels carry bfloat16 arrays as their uint16 bits
+(`as_bits`), which loops slice and update in place at 2 bytes per element, and convert a block only where
+they use it (`load`): the one mechanism for bf16 blocks and for 1-byte quantized ones (int8, fp8), which
+stay 1-byte in memory the same way. (`as_bits` itself copies the array once on XLA CPU: see NOTES 13.)
 """
 
 from __future__ import annotations
@@ -33,30 +34,3 @@ def load(block: jax.Array, dtype, compute, scale: jax.Array | float | None = Non
     of the op that uses it, times `scale` (in float32, where given)."""
     block = from_bits(block, dtype).astype(compute)
     return block if scale is None else block.astype(jnp.float32) * scale
-
-
-def compute_dtype(*dtypes) -> jnp.dtype:
-    """The dtype a CPU dot of operands of `dtypes` runs in (accumulating in float32 or wider):
-    - int8 x int8: int8 (int32 accumulation, exact);
-    - any float32 (or wider) operand: float32 (or wider): 1-byte and 2-byte values convert exactly;
-    - bfloat16 with bfloat16 or 1-byte values: bfloat16 (int8 and float8_e4m3fn values fit it exactly; the
-      CPU dot runs bf16 natively, AVX512-BF16, at no loss);
-    - float16 anywhere else: float32 (what XLA CPU's dot does with it; measured faster than a float16 dot)."""
-    dtypes = [jnp.dtype(d) for d in dtypes]
-    if all(d == jnp.int8 for d in dtypes):
-        return jnp.dtype(jnp.int8)
-    floats = [d for d in dtypes if d.itemsize > 1]
-    if not floats:  # two 1-byte float (or mixed 1-byte) operands
-        return jnp.dtype(jnp.bfloat16)
-    common = floats[0]
-    for d in floats[1:]:
-        common = jnp.promote_types(common, d)
-    if common.itemsize >= 4:
-        return common
-    return jnp.dtype(jnp.bfloat16) if common == jnp.bfloat16 else jnp.dtype(jnp.float32)
-
-
-def accumulator_dtype(compute) -> jnp.dtype:
-    """What a dot in `compute` accumulates in: int32 for int8, else float32 or wider."""
-    compute = jnp.dtype(compute)
-    return jnp.dtype(jnp.int32) if compute == jnp.int8 else jnp.promote_types(compute, jnp.float32)

@@ -7,10 +7,12 @@ of `tm` rows and runs one batched dot that writes every group's [k, n] result in
 than the window add further windows (it ignores `tail`, `tk` and `tn`). See benchmarks/NOTES.md for what
 was measured to choose this design.
 
-Quantized operands (see `quantized.py`) stay 1-byte in memory and are converted block by block inside the
-loop: a scale per row / channel multiplies each result block once after its k loop; sub-channel scales
-multiply the dot of each k chunk (a chunk never straddles a scale block: `tk` must be a multiple of the
-scale block or divide it). dlhs with sub-channel weights dequantizes each weight block before its dot.
+bfloat16 operands and outputs are carried through the loops as their uint16 bits and quantized operands
+(see `quantized.py`) as their 1-byte values; both are converted block by block inside the loop by the
+same `loop_dtypes.load` (why: `loop_dtypes`). Quantized scales: a scale per row / channel multiplies each
+result block once after its k loop; sub-channel scales multiply the dot of each k chunk (a chunk never
+straddles a scale block: `tk` must be a multiple of the scale block or divide it). dlhs with sub-channel
+weights dequantizes each weight block before its dot.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.loop_dtypes import accumulator_dtype, as_bits, compute_dtype, from_bits, load
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load
 from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import block_of, is_low_bit, k_chunk, prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, is_low_bit, k_chunk, prepare_gmm, prepare_tgmm
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
 # compile time grows with them.
@@ -50,6 +52,14 @@ def _blocks(size: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(block, size - start)) for start in range(0, size, block)]
 
 
+def _dot_dtypes(a_dtype, b_dtype) -> tuple[jnp.dtype, jnp.dtype]:
+    """(operand, accumulator) dtypes of a dot: `quantized.dot_dtypes` (every backend's rule: bf16 stays bf16,
+    which the CPU dot runs natively), except float16, which runs in float32 here as XLA CPU's own dot does
+    (an f16 dot measured slower, benchmarks/NOTES.md 13)."""
+    operand, acc = dot_dtypes(jax.ShapeDtypeStruct((), a_dtype), jax.ShapeDtypeStruct((), b_dtype))
+    return (jnp.dtype(jnp.float32), acc) if operand == jnp.float16 else (operand, acc)
+
+
 def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Array:
     """Rows [start, start + size) of `scale` repeated `block` times along axis 0 (static bounds): the
     per-element scale of those rows of an operand scaled in blocks of `block` rows."""
@@ -70,8 +80,7 @@ def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpo
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     k = x.shape[1]
     dequantized = transpose_rhs and ws is not None
-    operand = jnp.dtype(jnp.float32) if dequantized else compute_dtype(x_dtype, w_dtype)
-    acc_dtype = accumulator_dtype(operand)
+    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if dequantized else _dot_dtypes(x_dtype, w_dtype)
     x_block, w_block = block_of(k, xs, 1), block_of(w.shape[0] if transpose_rhs else k, ws, 0)
     x_chunks = [load(x[:, k0:k0 + kb], x_dtype, operand) for k0, kb in k_blocks]  # reused by every column block
     blocks = []
@@ -210,8 +219,7 @@ def tiled_transposed_ragged_dot(
     rows = row0[:, None] + in_window[None, :]  # [groups, window]
     keep = (rows >= starts[:, None]) & (rows < jnp.minimum(ends, starts + window)[:, None])
     # quantized lhs values: dequantized one window at a time, in f32 (times their sub-channel scale)
-    operand = jnp.dtype(jnp.float32) if is_low_bit(lhs) else compute_dtype(lhs.dtype, dout.dtype)
-    acc_dtype = accumulator_dtype(operand)
+    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if is_low_bit(lhs) else _dot_dtypes(lhs.dtype, dout.dtype)
     block = block_of(k, lhs_scale, 1)
     scale = lambda rows: None if lhs_scale is None else jnp.repeat(lhs_scale[rows], block, axis=-1)
     x_dtype, d_dtype = lhs.dtype, dout.dtype
