@@ -32,7 +32,7 @@ def test_ops_lists_backends_and_tunables(run):
         assert name in result.output
 
 
-def test_sweep_report_lookup_round_trip(run, tmp_path, isolated_profiles):
+def test_sweep_report_lookup_round_trip(run, tmp_path, isolated_profiles, monkeypatch):
     result = run("sweep", *TINY)
     assert result.exit_code == 0, result.output
     assert "winner" in result.output and "speedup" in result.output and "3 tried" in result.output
@@ -59,6 +59,11 @@ def test_sweep_report_lookup_round_trip(run, tmp_path, isolated_profiles):
     assert "source: nearest" in near.output
     none = run("lookup", "--m", "300", "--k", "64", "--n", "128", "--groups", "4")
     assert "source: default" in none.output
+    # lookup answers for the distribution the runtime assumes: $MOE_TUNE_DISTRIBUTION unless --distribution
+    monkeypatch.setenv("MOE_TUNE_DISTRIBUTION", "skewed")
+    assert "source: nearest" in run("lookup", "--m", "256", "--k", "128", "--n", "128", "--groups", "4").output
+    assert "source: exact" in run("lookup", "--m", "256", "--k", "128", "--n", "128", "--groups", "4",
+                                  "--distribution", "balanced").output
 
 
 @pytest.mark.parametrize("op", ["ragged_gather", "ragged_gather_reduce", "dense_gather_reduce"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from moe_tune import cli_render as render
-from moe_tune import devices
+from moe_tune import devices, distributions
 from moe_tune import models as presets
 from moe_tune.cli_options import DTYPES, handle_errors, model_only, problems, quant_options, shape_options
 from moe_tune.cli_options import directions as all_directions
@@ -61,6 +61,7 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, race, ma
     resumes it (finished candidates are not run again). Ctrl-C keeps what finished."""
     from moe_tune.tuner import SweepSpec, compile_cache, preflight, run_sweep
 
+    distribution = distribution or distributions.DEFAULT
     options = dict(distribution=distribution, seed=seed, workers=workers, profile_dir=profile_dir,
                    max_candidates=max_candidates, keep_trace_dir=keep_trace, strategy=strategy, budget=budget,
                    time_budget_s=time_budget, fresh=fresh)

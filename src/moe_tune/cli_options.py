@@ -104,9 +104,10 @@ def shape_options(fn: Callable) -> Callable:
         click.option("--backend", default=None, help=f"Backend (default: the platform's): {', '.join(backends())}; "
                                                      "which op has which: `moe-tune ops`."),
         *(_click_option(option) for option in _all_shape_options()),
-        click.option("--distribution", type=click.Choice(list(distributions.DISTRIBUTIONS)),
-                     default=distributions.DEFAULT, show_default=True,
-                     help="Distribution of rows (tokens) over groups (experts)."),
+        click.option("--distribution", type=click.Choice(list(distributions.DISTRIBUTIONS)), default=None,
+                     help=f"Distribution of rows (tokens) over groups (experts). Default: {distributions.DEFAULT} "
+                          "for sweep; for lookup and bench the one the runtime assumes ($MOE_TUNE_DISTRIBUTION, "
+                          f"else {distributions.DEFAULT})."),
         click.option("--direction", type=click.Choice([*directions(), "all"]), default="fwd", show_default=True,
                      help="The forward pass, a gradient, or all of the op's directions."),
     ]

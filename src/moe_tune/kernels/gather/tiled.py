@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load
 
 CHUNKS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # The default chunk holds about this many bytes of rows: a few chunks fit in a core's L2 cache.
@@ -90,6 +91,7 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
     start = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows)
     end = jnp.clip(jnp.asarray(end, jnp.int32), start, rows)
     row_in_chunk = jnp.arange(chunk, dtype=jnp.int32)
+    dtype, x = x.dtype, as_bits(x)  # see loop_dtypes: 2-byte rows gathered as their bits, in place
 
     def body(c, out):
         # The last chunk is shifted back to end at `rows`; rows it shares with the previous chunk are
@@ -99,13 +101,13 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
         keep = (row0 + row_in_chunk >= start) & (row0 + row_in_chunk < end)
         block = jnp.take(x, jnp.where(keep, ids, 0), axis=0, mode="clip")
         if weights is not None:
-            w = jax.lax.dynamic_slice_in_dim(weights, row0, chunk).astype(jnp.float32)
-            block = block.astype(jnp.float32) * w[:, None]
-        block = jnp.where(keep[:, None], block, 0).astype(x.dtype)
+            w = jax.lax.dynamic_slice_in_dim(weights, row0, chunk)[:, None]
+            block = as_bits(load(block, dtype, jnp.float32, w.astype(jnp.float32)).astype(dtype))
+        block = jnp.where(keep[:, None], block, jnp.zeros((), block.dtype))  # bits 0: +0.0
         return jax.lax.dynamic_update_slice_in_dim(out, block, row0, axis=0)
 
     out = jnp.zeros((rows, hidden), x.dtype)
-    return jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, out)
+    return from_bits(jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, out), dtype)
 
 
 def single_pass_gather(x, indices, start, end, weights) -> jax.Array:
@@ -134,19 +136,20 @@ def tiled_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, r
     slot = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1, rows)
     order = jnp.zeros(rows, jnp.int32).at[slot].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
     pos_in_chunk = jnp.arange(chunk, dtype=jnp.int32)
+    dtype, x = x.dtype, as_bits(x)  # see loop_dtypes
 
     def body(c, out):
         pos = c * chunk + pos_in_chunk
         ok = pos < count
         entry = jnp.take(order, pos, mode="clip")
-        block = jnp.take(x, jnp.take(indices, entry), axis=0, mode="clip").astype(jnp.float32)
+        block = load(jnp.take(x, jnp.take(indices, entry), axis=0, mode="clip"), dtype, jnp.float32)
         w = jnp.take(weights, entry).astype(jnp.float32)
         contribution = jnp.where(ok[:, None], block * w[:, None], 0.0)  # select: x[0] may be NaN
         token = jnp.where(ok, entry // reduce_group_size, tokens)
         return out.at[token].add(contribution, mode="drop", indices_are_sorted=True)
 
     out = jnp.zeros((tokens, hidden), jnp.float32)
-    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, out).astype(x.dtype)
+    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, out).astype(dtype)
 
 
 def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> jax.Array:
@@ -154,17 +157,18 @@ def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> ja
     rows, hidden = indices.shape[0], x.shape[1]
     tokens = rows // r
     per_chunk = max(1, min(rows_per_chunk // r, tokens))
+    dtype, x = x.dtype, as_bits(x)  # see loop_dtypes: rows gathered and the output updated as bits
 
     def body(c, out):
         token0 = jnp.minimum(c * per_chunk, tokens - per_chunk)  # last block shifted back, rewritten equal
         ids = jax.lax.dynamic_slice_in_dim(indices, token0 * r, per_chunk * r)
         w = jax.lax.dynamic_slice_in_dim(weights, token0 * r, per_chunk * r).astype(jnp.float32)
-        block = jnp.take(x, ids, axis=0, mode="clip").astype(jnp.float32) * w[:, None]
-        block = block.reshape(per_chunk, r, hidden).sum(axis=1).astype(x.dtype)
+        block = load(jnp.take(x, ids, axis=0, mode="clip"), dtype, jnp.float32, w[:, None])
+        block = as_bits(block.reshape(per_chunk, r, hidden).sum(axis=1).astype(dtype))
         return jax.lax.dynamic_update_slice_in_dim(out, block, token0, axis=0)
 
     out = jnp.zeros((tokens, hidden), x.dtype)
-    return jax.lax.fori_loop(0, -(-tokens // per_chunk), body, out)
+    return from_bits(jax.lax.fori_loop(0, -(-tokens // per_chunk), body, out), dtype)
 
 
 class TiledGather(_ChunkedBackend, GatherBackend):

@@ -7,10 +7,12 @@ of `tm` rows and runs one batched dot that writes every group's [k, n] result in
 than the window add further windows (it ignores `tail`, `tk` and `tn`). See benchmarks/NOTES.md for what
 was measured to choose this design.
 
-Quantized operands (see `quantized.py`) stay 1-byte in memory and are converted block by block inside the
-loop: a scale per row / channel multiplies each result block once after its k loop; sub-channel scales
-multiply the dot of each k chunk (a chunk never straddles a scale block: `tk` must be a multiple of the
-scale block or divide it). dlhs with sub-channel weights dequantizes each weight block before its dot.
+bfloat16 operands and outputs are carried through the loops as their uint16 bits and quantized operands
+(see `quantized.py`) as their 1-byte values; both are converted block by block inside the loop by the
+same `loop_dtypes.load` (why: `loop_dtypes`). Quantized scales: a scale per row / channel multiplies each
+result block once after its k loop; sub-channel scales multiply the dot of each k chunk (a chunk never
+straddles a scale block: `tk` must be a multiple of the scale block or divide it). dlhs with sub-channel
+weights dequantizes each weight block before its dot.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load
 from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import (block_of, dot_dtypes, is_low_bit, k_chunk, prepare_gmm,
-                                                   prepare_tgmm)
+from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, is_low_bit, k_chunk, prepare_gmm, prepare_tgmm
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
 # compile time grows with them.
@@ -50,24 +52,12 @@ def _blocks(size: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(block, size - start)) for start in range(0, size, block)]
 
 
-def _acc_dtype(out_dtype) -> jnp.dtype:
-    """Accumulate low-precision results in f32 (what preferred_element_type asks of a matmul unit)."""
-    return jnp.dtype(jnp.float32) if jnp.dtype(out_dtype).itemsize < 4 else jnp.dtype(out_dtype)
-
-
-def _tile_product(x, w, *, k_blocks, n_blocks, transpose_rhs, acc_dtype, out_dtype):
-    """[rows, k] x w ([k, n], or [n, k] if transpose_rhs) -> list of (n0, [rows, nb] block) in out_dtype,
-    one dot per (column block, contraction chunk)."""
-    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-    blocks = []
-    for n0, nb in n_blocks:
-        acc = None
-        for k0, kb in k_blocks:
-            wb = w[n0:n0 + nb, k0:k0 + kb] if transpose_rhs else w[k0:k0 + kb, n0:n0 + nb]
-            part = jax.lax.dot_general(x[:, k0:k0 + kb], wb, dims, preferred_element_type=acc_dtype)
-            acc = part if acc is None else acc + part
-        blocks.append((n0, acc.astype(out_dtype)))
-    return blocks
+def _dot_dtypes(a_dtype, b_dtype) -> tuple[jnp.dtype, jnp.dtype]:
+    """(operand, accumulator) dtypes of a dot: `quantized.dot_dtypes` (every backend's rule: bf16 stays bf16,
+    which the CPU dot runs natively), except float16, which runs in float32 here as XLA CPU's own dot does
+    (an f16 dot measured slower, benchmarks/NOTES.md 13)."""
+    operand, acc = dot_dtypes(jax.ShapeDtypeStruct((), a_dtype), jax.ShapeDtypeStruct((), b_dtype))
+    return (jnp.dtype(jnp.float32), acc) if operand == jnp.float16 else (operand, acc)
 
 
 def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Array:
@@ -78,37 +68,40 @@ def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Arra
     return rows[start - first * block:start - first * block + size]
 
 
-def _quantized_tile_product(x, w, xs, ws, *, k_blocks, n_blocks, transpose_rhs, out_dtype):
-    """`_tile_product` for 1-byte operands. Without transpose_rhs: x [rows, k] with xs None or [rows, k/bl],
-    w [k, n] with ws None or [k/br, n]; every k chunk lies inside one scale block of each. With
-    transpose_rhs: x float, w [n, k] with ws None or [n/br, k] (scaled along the output n: dequantized)."""
+def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpose_rhs, out_dtype):
+    """[rows, k] x w ([k, n], or [n, k] if transpose_rhs) -> list of (n0, [rows, nb] block) in out_dtype,
+    one dot per (column block, contraction chunk). x and w are carried as `loop_dtypes.as_bits` (logical
+    dtypes x_dtype, w_dtype) and loaded block by block in the dot's compute dtype.
+
+    Scales (1-byte operands): without transpose_rhs, xs None or [rows, k/bl], ws None or [k/br, n]; every k
+    chunk lies inside one scale block of each: a scale per row / channel multiplies each result block once
+    after its k loop, a sub-channel one the dot of each chunk. With transpose_rhs: x float, ws None or
+    [n/br, k] (scaled along the output n: each weight block is dequantized in f32 before its dot)."""
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     k = x.shape[1]
-    operand, acc_dtype = dot_dtypes(x, w)
+    dequantized = transpose_rhs and ws is not None
+    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if dequantized else _dot_dtypes(x_dtype, w_dtype)
     x_block, w_block = block_of(k, xs, 1), block_of(w.shape[0] if transpose_rhs else k, ws, 0)
+    x_chunks = [load(x[:, k0:k0 + kb], x_dtype, operand) for k0, kb in k_blocks]  # reused by every column block
     blocks = []
     for n0, nb in n_blocks:
         acc = None
-        for k0, kb in k_blocks:
-            xb = x[:, k0:k0 + kb].astype(operand)
+        for (k0, kb), xb in zip(k_blocks, x_chunks):
             if transpose_rhs:
-                wb = w[n0:n0 + nb, k0:k0 + kb].astype(operand)
-                if ws is not None:
-                    wb = wb.astype(jnp.float32) * _scale_rows(ws, w_block, n0, nb)[:, k0:k0 + kb]
-                    xb = xb.astype(jnp.float32)
+                scale = _scale_rows(ws, w_block, n0, nb)[:, k0:k0 + kb] if dequantized else None
+                wb = load(w[n0:n0 + nb, k0:k0 + kb], w_dtype, operand, scale)
             else:
-                wb = w[k0:k0 + kb, n0:n0 + nb].astype(operand)
+                wb = load(w[k0:k0 + kb, n0:n0 + nb], w_dtype, operand)
             part = jax.lax.dot_general(xb, wb, dims, preferred_element_type=acc_dtype)
             if not transpose_rhs and w_block < k:  # sub-channel: this chunk's scales
                 part = part.astype(jnp.float32) * ws[k0 // w_block, n0:n0 + nb]
             if not transpose_rhs and x_block < k:
                 part = part.astype(jnp.float32) * xs[:, k0 // x_block, None]
             acc = part if acc is None else acc + part
-        acc = acc.astype(jnp.float32)
         if ws is not None and not transpose_rhs and w_block == k:  # one scale per channel: once, after the k loop
-            acc = acc * ws[0, n0:n0 + nb]
+            acc = acc.astype(jnp.float32) * ws[0, n0:n0 + nb]
         if xs is not None and x_block == k:
-            acc = acc * xs[:, :1]
+            acc = acc.astype(jnp.float32) * xs[:, :1]
         blocks.append((n0, acc.astype(out_dtype)))
     return blocks
 
@@ -143,14 +136,11 @@ def tiled_ragged_dot(
     tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups,
                                 group_offset=0 if group_offset is None else group_offset)
-    if is_low_bit(lhs) or is_low_bit(rhs):
-        blocks = () if transpose_rhs else (block_of(k, lhs_scale, 1), block_of(k, rhs_scale, 1))
-        product = functools.partial(_quantized_tile_product, k_blocks=_blocks(k, k_chunk(k, tk, *blocks)),
-                                    n_blocks=_blocks(n, tn), transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-    else:
-        plain = functools.partial(_tile_product, k_blocks=_blocks(k, tk), n_blocks=_blocks(n, tn),
-                                  transpose_rhs=transpose_rhs, acc_dtype=_acc_dtype(out_dtype), out_dtype=out_dtype)
-        product = lambda x, w, xs, ws: plain(x, w)
+    scales = () if transpose_rhs else (block_of(k, lhs_scale, 1), block_of(k, rhs_scale, 1))
+    product = functools.partial(_tile_product, x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=out_dtype,
+                                k_blocks=_blocks(k, k_chunk(k, tk, *scales)), n_blocks=_blocks(n, tn),
+                                transpose_rhs=transpose_rhs)
+    lhs, rhs = as_bits(lhs), as_bits(rhs)  # see loop_dtypes: sliced in place, loaded per block
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -165,7 +155,7 @@ def tiled_ragged_dot(
             row0 = start + t * tm
             x = jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0)
             for n0, block in product(x, w, row_scales(row0, tm), ws):
-                out = jax.lax.dynamic_update_slice(out, block, (row0, n0))
+                out = jax.lax.dynamic_update_slice(out, as_bits(block), (row0, n0))
             return out
 
         def tail_tile(t, out):
@@ -178,14 +168,16 @@ def tiled_ragged_dot(
             x = jax.lax.dynamic_slice_in_dim(lhs, row0, tail, axis=0)
             for n0, block in product(x, w, row_scales(row0, tail), ws):
                 current = jax.lax.dynamic_slice(out, (row0, n0), block.shape)
-                out = jax.lax.dynamic_update_slice(out, jnp.where(keep, block, current), (row0, n0))
+                out = jax.lax.dynamic_update_slice(out, jnp.where(keep, as_bits(block), current), (row0, n0))
             return out
 
         out = jax.lax.fori_loop(0, full, full_tile, out)
         tails = (end - (start + full * tm) + tail - 1) // tail
         return jax.lax.fori_loop(0, jnp.maximum(tails, 0), tail_tile, out)
 
-    return jax.lax.fori_loop(0, groups, group_rows, jnp.zeros((m, n), out_dtype))
+    # a 2-byte output is carried as its bits too, so that every tile's update is in place
+    out = jax.lax.fori_loop(0, groups, group_rows, as_bits(jnp.zeros((m, n), out_dtype)))
+    return from_bits(out, out_dtype)
 
 
 def drhs_window(tm: int, *, m: int, groups: int) -> int:
@@ -220,23 +212,22 @@ def tiled_transposed_ragged_dot(
     m, k = lhs.shape
     n = dout.shape[1]
     window = drhs_window(tm, m=m, groups=num_groups)
-    acc_dtype = _acc_dtype(out_dtype)
     starts, ends = group_bounds(group_sizes, m=m, groups=num_groups,
                                 group_offset=0 if group_offset is None else group_offset)
     in_window = jnp.arange(window, dtype=jnp.int32)
     row0 = jnp.minimum(starts, m - window)  # shifted back to end at row m
     rows = row0[:, None] + in_window[None, :]  # [groups, window]
     keep = (rows >= starts[:, None]) & (rows < jnp.minimum(ends, starts + window)[:, None])
-    if is_low_bit(lhs):  # quantized values: dequantized one window at a time, in f32
-        block = block_of(k, lhs_scale, 1)
-        dequantize = lambda x, rows: x.astype(jnp.float32) * (
-            1.0 if lhs_scale is None else jnp.repeat(lhs_scale[rows], block, axis=-1))
-        dout, acc_dtype = dout.astype(jnp.float32), jnp.dtype(jnp.float32)
-    else:
-        dequantize = lambda x, rows: x
-    x = jnp.where(keep[..., None], dequantize(lhs[rows], rows), 0.0)
+    # quantized lhs values: dequantized one window at a time, in f32 (times their sub-channel scale)
+    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if is_low_bit(lhs) else _dot_dtypes(lhs.dtype, dout.dtype)
+    block = block_of(k, lhs_scale, 1)
+    scale = lambda rows: None if lhs_scale is None else jnp.repeat(lhs_scale[rows], block, axis=-1)
+    x_dtype, d_dtype = lhs.dtype, dout.dtype
+    lhs, dout = as_bits(lhs), as_bits(dout)  # see loop_dtypes: sliced in place, loaded per window
+    x = jnp.where(keep[..., None], load(lhs[rows], x_dtype, operand, scale(rows)), 0.0)
     contract_rows = (((0,), (0,)), ((), ()))
-    out = jax.lax.dot_general(x, dout[rows], (((1,), (1,)), ((0,), (0,))), preferred_element_type=acc_dtype)
+    out = jax.lax.dot_general(x, load(dout[rows], d_dtype, operand), (((1,), (1,)), ((0,), (0,))),
+                              preferred_element_type=acc_dtype)
 
     def more_windows(g, out):
         start, end = starts[g], ends[g]
@@ -245,10 +236,10 @@ def tiled_transposed_ragged_dot(
             first = start + (w + 1) * window
             r0 = jnp.minimum(first, m - window)
             rows = r0 + in_window[:, None]
-            x = dequantize(jax.lax.dynamic_slice_in_dim(lhs, r0, window, axis=0), rows[:, 0])
+            x = load(jax.lax.dynamic_slice_in_dim(lhs, r0, window, axis=0), x_dtype, operand, scale(rows[:, 0]))
             x = jnp.where((rows >= first) & (rows < end), x, jnp.zeros((), x.dtype))
-            part = jax.lax.dot_general(x, jax.lax.dynamic_slice_in_dim(dout, r0, window, axis=0), contract_rows,
-                                       preferred_element_type=acc_dtype)
+            y = load(jax.lax.dynamic_slice_in_dim(dout, r0, window, axis=0), d_dtype, operand)
+            part = jax.lax.dot_general(x, y, contract_rows, preferred_element_type=acc_dtype)
             current = jax.lax.dynamic_slice_in_dim(out, g, 1, axis=0)
             return jax.lax.dynamic_update_slice_in_dim(out, current + part[None], g, axis=0)
 
