@@ -19,7 +19,7 @@ TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
 # Per-candidate deadline (compile + first run). A tiny good candidate takes about a second (several on a loaded
 # 2-core machine, with a worker restarting beside it); hang_run sleeps for an hour, so only a real hang
 # reaches the deadline, and only the hung candidate pays for its length.
-TIMEOUT_S = 30.0
+TIMEOUT_S = 20.0
 MEMORY_LIMIT = 8 << 30  # RLIMIT_AS of the workers here: far above what they use, far below oom_run's 1e13 bytes
 
 

@@ -25,7 +25,7 @@ SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)
 # Per-candidate deadline where a test needs a hang to be found: the faulty "hang" sleeps for an hour, a good
 # tiny candidate compiles and runs in about a second (several on a loaded machine), so only a real hang
 # reaches it; it costs its length once per hung candidate.
-HANG_DEADLINE_S = 30
+HANG_DEADLINE_S = 20
 
 
 @pytest.fixture
