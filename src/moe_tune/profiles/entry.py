@@ -118,11 +118,6 @@ class Entry:
         return self.fields.get("direction")
 
     @property
-    def distribution_name(self) -> str | None:
-        """The group-size distribution of the key (`fields.distribution`)."""
-        return self.fields.get("distribution")
-
-    @property
     def median_s(self) -> Any:
         """The winner's median time in seconds as recorded (None when the entry has no timing)."""
         return _get(self.timing, "median_s")
