@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,xprof,ray]'
 	touch $(STAMP)
 
 # A real sweep of ragged_dot tile sizes at a realistic MoE expert shape on this machine, then the report,
