@@ -280,7 +280,7 @@ def _is_gmm(problem: RaggedDotProblem) -> bool:
 
 class TiledRaggedDot(RaggedDotBackend):
     name = "tiled"
-    revision = 3  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 4  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TiledConfig
     platforms = ("cpu", "gpu", "tpu")
     description = ("pure-JAX loop over each group's row tiles (full tiles, then small tail tiles); drhs: one "
