@@ -140,8 +140,11 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
                       highlight=False)
             for final in finals:
                 state = "interrupted" if final.get("interrupted") else "finished"
-                out.print(f"  {state} {final.get('finished', '')}: winner {final.get('winner')}", highlight=False)
-        return render.frame(frame, fmt, title=f"{len(frame)} candidates", empty="The log has no finished candidate yet.",
+                verdict = f" ({final['verdict']})" if final.get("verdict") else ""
+                out.print(f"  {state} {final.get('finished', '')}: winner {final.get('winner')}{verdict}",
+                          highlight=False)
+        return render.frame(frame, fmt, title=f"{len(frame)} candidates (median_ms: sweep round, final_ms: final round)",
+                            empty="The log has no finished candidate yet.",
                             shown=list(reports.LOG_COLUMNS))
     frame = reports.select(reports.entries_frame(profile_dir, op), sort=sort, descending=desc, op=op,
                            direction=direction, device=device, backend=backend, dtype=dtype)

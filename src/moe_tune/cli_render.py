@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from moe_tune.profiles.verdict import verdict_of
+
 if TYPE_CHECKING:
     from moe_tune.bench import Comparison
     from moe_tune.profiles import LookupResult
@@ -73,11 +75,10 @@ def sweep_summary(result: SweepResult) -> None:
                             f"(spread {best.timing.spread:.1%}, {best.timing.samples} samples)")
     if default.timing is not None:
         shown.add_row("default", f"{default.config.label()}  {_ms(default.timing.median_s)} ms")
-        kept = (" (the best was within noise of the default, so the default is kept)"
-                if entry.within_noise_of_default else "")
-        shown.add_row("speedup", f"{entry.speedup_over_default:.2f}x over the default{kept}")
+        shown.add_row("speedup", f"{entry.speedup_over_default:.2f}x over the default")
     else:
         shown.add_row("default", f"{default.config.label()}  {default.status}: {default.reason}")
+    shown.add_row("verdict", verdict_of(entry).text)
     shown.add_row("candidates", _counts(entry, "ok"))
     for failure in entry.failures[:5]:
         label = " ".join(f"{k}={v}" for k, v in failure["config"].items())
