@@ -17,6 +17,7 @@ from moe_tune.profiles.verdict import verdict_of
 
 if TYPE_CHECKING:
     from moe_tune.bench import Comparison
+    from moe_tune.breakdown import Breakdown
     from moe_tune.profiles import LookupResult
     from moe_tune.profiles.entry import Entry
     from moe_tune.tuner import SweepResult
@@ -154,6 +155,21 @@ def frame(data, fmt: str, *, title: str, empty: str, shown: list[str]) -> None:
     else:
         table(title, shown, [[_cell(row[c]) for c in shown] for _, row in data.iterrows()],
               right=[c for c in shown if data[c].dtype.kind in "if"])
+
+
+def breakdowns(found: Sequence[Breakdown], fmt: str, *, top: int) -> None:
+    """`report --breakdown`: a table per config of its largest `top` ops, or every op of every config as one
+    csv / json / markdown frame."""
+    from moe_tune.report import breakdown_frame
+
+    if fmt != "table":
+        return frame(breakdown_frame(found), fmt, title="", empty="", shown=[])
+    for b in found:
+        ops = breakdown_frame([b], top)
+        groups = ["group"] if any(o.group for o in b.ops) else []
+        frame(ops, fmt, title=f"{b.label}: {ops['config'][0]}, {_ms(b.total_s)} ms of op time per run ({b.source}, "
+                              f"{b.runs} runs)",
+              empty="no ops", shown=["rank", "op", *groups, "ms_per_run", "share", "cumulative", "calls_per_run"])
 
 
 def _cell(value) -> str:

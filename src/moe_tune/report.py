@@ -3,12 +3,13 @@ filters and sorting for `moe-tune report`, and its plots."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from moe_tune.breakdown.ops import Breakdown
 from moe_tune.errors import UsageError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
@@ -181,3 +182,27 @@ def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, lis
     frame = frame.assign(_rank=frame["status"].map(order).fillna(3)).sort_values(
         ["_rank", "median_ms", "index"], kind="stable").drop(columns="_rank").reset_index(drop=True)
     return lines[0], frame, finals
+
+
+BREAKDOWN_COLUMNS = ["label", "config", "source", "rank", "op", "group", "ms_per_run", "share", "cumulative", "calls_per_run"]
+
+
+def breakdown_frame(breakdowns: Sequence[Breakdown], top: int | None = None) -> pd.DataFrame:
+    """One row per op of each breakdown (`moe_tune.breakdown`), largest first, with its share and the
+    cumulative share; `top`: only each one's first `top` ops, the rest summed into one `other (N ops)` row."""
+    rows = []
+    for breakdown in breakdowns:
+        ops = list(breakdown.ops)
+        shown, rest = (ops, []) if top is None else (ops[:top], ops[top:])
+        config = " ".join(f"{k}={v}" for k, v in breakdown.config.items())
+        common = {"label": breakdown.label, "config": config, "source": breakdown.source}
+        cumulative = 0.0
+        for rank, op in enumerate(shown, 1):
+            cumulative += op.share
+            rows.append({**common, "rank": rank, "op": op.name, "group": op.group, "ms_per_run": op.seconds * 1e3,
+                         "share": op.share, "cumulative": cumulative, "calls_per_run": op.count})
+        if rest:
+            rows.append({**common, "rank": "-", "op": f"other ({len(rest)} ops)", "group": "",
+                         "ms_per_run": sum(o.seconds for o in rest) * 1e3, "share": sum(o.share for o in rest),
+                         "cumulative": 1.0, "calls_per_run": sum(o.count for o in rest)})
+    return pd.DataFrame(rows, columns=BREAKDOWN_COLUMNS)
