@@ -8,8 +8,9 @@ side with twice the samples (the final round, `tuner.finals`). The winner is
   the larger relative median absolute deviation (MAD) of the two finalists' samples;
 - `only_candidate`: the one correct candidate (no final round).
 
-New entries record it as `verdict` = {rule, noise, finalists: [{config, is_default, median_s, spread, samples,
-first_median_s, first_spread}]}: the final round's medians and spreads (and each finalist's sweep-round ones).
+New entries record it as `verdict` = {rule, noise, finalists: [{config, is_default, median_s, spread, min_s,
+max_s, samples, first_median_s, first_spread}]}: the final round's timings (and each finalist's sweep-round
+median and spread).
 Entries written before the verdict was recorded get one derived from what they hold (`derived`): the rule
 from `within_noise_of_default`, the default and the candidate counts; the noise from the kept default's
 re-timed samples alone (the only samples such an entry kept: a lower bound of the threshold the sweep used,
@@ -95,5 +96,5 @@ def verdict_of(entry: Entry) -> Verdict:
 
 
 def _finalist(config: Mapping[str, Any], is_default: bool, timing: Mapping[str, Any]) -> dict[str, Any]:
-    return {"config": dict(config), "is_default": is_default, "median_s": timing.get("median_s"),
-            "spread": timing.get("spread"), "samples": timing.get("samples")}
+    return {"config": dict(config), "is_default": is_default, **{name: timing.get(name) for name in (
+        "median_s", "spread", "min_s", "max_s", "samples")}}

@@ -77,15 +77,17 @@ class Candidate:
             out["error"] = self.error
         sweep_round = self.first_timing or self.timing  # all candidates' from one kind of round, comparable
         if sweep_round is not None:
-            out["median_s"], out["spread"] = sweep_round.median_s, sweep_round.spread
+            out.update(median_s=sweep_round.median_s, spread=sweep_round.spread, min_s=sweep_round.min_s,
+                       max_s=sweep_round.max_s)
         return out
 
     def finalist_record(self) -> dict[str, Any]:
         """A finalist as the entry's verdict records it: its final-round and sweep-round timing."""
         first = self.first_timing or self.timing
-        return {"config": self.config.to_dict(), "is_default": self.is_default, "median_s": self.timing.median_s,
-                "spread": self.timing.spread, "samples": self.timing.samples, "first_median_s": first.median_s,
-                "first_spread": first.spread}
+        final = self.timing
+        return {"config": self.config.to_dict(), "is_default": self.is_default, "median_s": final.median_s,
+                "spread": final.spread, "min_s": final.min_s, "max_s": final.max_s, "samples": final.samples,
+                "first_median_s": first.median_s, "first_spread": first.spread}
 
 
 def _short(exc: BaseException) -> str:
