@@ -159,7 +159,8 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
                 verdict = f" ({final['verdict']})" if final.get("verdict") else ""
                 out.print(f"  {state} {final.get('finished', '')}: winner {final.get('winner')}{verdict}",
                           highlight=False)
-        return render.frame(frame, fmt, title=f"{len(frame)} candidates (median_ms: sweep round, final_ms: final round)",
+        title = f"{len(frame)} candidates (median_ms: sweep round, final_ms: final round)"
+        return render.frame(frame, fmt, title=title,
                             empty="The log has no finished candidate yet.",
                             shown=list(reports.LOG_COLUMNS))
     frame = reports.select(reports.entries_frame(profile_dir, op), sort=sort, descending=desc, op=op,

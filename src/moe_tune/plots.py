@@ -94,7 +94,8 @@ def _candidates(ax, entry: Entry, results: list[dict[str, Any]]) -> None:
     handles = [Patch(color=WINNER, label="winner"), Patch(color=DEFAULT, label="default"),
                Patch(color=OTHER, label="other candidate"),
                Line2D([], [], color="0.35", linewidth=0.8, label="sweep round: min to max"),
-               Line2D([], [], color=FINAL, marker="D", linestyle="none", label="final round: re-timed median, min to max")]
+               Line2D([], [], color=FINAL, marker="D", linestyle="none",
+                      label="final round: re-timed median, min to max")]
     if winner == default:
         handles[0] = Patch(facecolor=WINNER, edgecolor=DEFAULT, linewidth=2, label="winner = default")
     band = _noise_band(entry, verdict)

@@ -184,7 +184,8 @@ def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, lis
     return lines[0], frame, finals
 
 
-BREAKDOWN_COLUMNS = ["label", "config", "source", "rank", "op", "group", "ms_per_run", "share", "cumulative", "calls_per_run"]
+BREAKDOWN_COLUMNS = ["label", "config", "source", "rank", "op", "group", "ms_per_run", "share", "cumulative",
+                     "calls_per_run"]
 
 
 def breakdown_frame(breakdowns: Sequence[Breakdown], top: int | None = None) -> pd.DataFrame:

@@ -45,7 +45,8 @@ class Entry:
     hostname, platform, device_kind, tuned_at (ISO 8601, UTC); within_noise_of_default: the default kept for
     being within noise; verdict: how the winner was chosen and the final round's timings (`verdict.py`;
     read it with `verdict.verdict_of`, which derives one for entries that lack it); interrupted: written
-    from a Ctrl-C'd sweep; search: the strategy's record; sweep_wall_s; provenance: the entries `moe-tune merge` chose between (None when not merged).
+    from a Ctrl-C'd sweep; search: the strategy's record; sweep_wall_s; provenance: the entries `moe-tune merge`
+    chose between (None when not merged).
     """
 
     key: str

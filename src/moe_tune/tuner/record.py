@@ -72,7 +72,8 @@ def log_final(state: SweepState, best: Candidate | None, verdict: Verdict | None
     """The last line of a run: the winner (or why there is none), the verdict, and the finalists' timings of
     both rounds (`Candidate.finalist_record`, with their index)."""
     index = {sweep_log.config_key(c.config.to_dict()): c.index for c in state.done}
-    finalists = [{"index": index.get(sweep_log.config_key(f["config"])), **f} for f in (verdict.finalists if verdict else ())]
+    finalists = [{"index": index.get(sweep_log.config_key(f["config"])), **f}
+                 for f in (verdict.finalists if verdict else ())]
     state.log.append([{
         "type": "final", "finished": sweep_log.now(), "interrupted": interrupted,
         "winner": None if best is None else best.config.to_dict(),
