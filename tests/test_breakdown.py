@@ -106,6 +106,8 @@ def test_report_breakdown_cli(tuned, tmp_path):
     assert "\nwinner,tm=" in result.output
     missing = runner.invoke(cli, ["report", "--profile-dir", str(profile_dir), "--key", "nope", "--breakdown"])
     assert missing.exit_code == 2 and "nothing to break down" in missing.output
+    stray = runner.invoke(cli, ["report", "--profile-dir", str(profile_dir), "--keep-trace", str(tmp_path)])
+    assert stray.exit_code == 2 and "apply to --breakdown" in stray.output
 
 
 def test_hlo_stats_fixture():

@@ -148,6 +148,7 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
     """Show the tuned tables (or one sweep's candidates, with --sweep LOG; or where one entry's time goes, with
     --breakdown)."""
     from moe_tune import report as reports
+    from moe_tune.errors import UsageError
 
     if sweep_log is not None:
         header, frame, finals = reports.sweep_log_frame(sweep_log)
@@ -165,6 +166,8 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
                             shown=list(reports.LOG_COLUMNS))
     frame = reports.select(reports.entries_frame(profile_dir, op), sort=sort, descending=desc, op=op,
                            direction=direction, device=device, backend=backend, dtype=dtype, key=key)
+    if not breakdown and (via is not None or keep_trace is not None):
+        raise UsageError("--via and --keep-trace apply to --breakdown")
     if breakdown:
         return _breakdown(reports.selected_entries(frame, profile_dir, op), fmt, via=via, runs=runs, top=top,
                           keep_trace=keep_trace)
