@@ -15,6 +15,10 @@ checked against the dequantized float64 reference), its error against the unquan
 its tuned time compared with the bf16 kernel's of the same shape and direction (`vs_bf16`).
 Dispatch / combine (bf16): DeepSeek-V3 (4096 tokens, hidden 7168, top-8, 256 experts, ep=8: ragged ops) and
 Mixtral-8x7B (4096 tokens, hidden 4096, top-2, ep=1: the dense combine).
+Each ragged_dot case also records its `breakdown` (`moe-tune report --breakdown`): the tuned winner and the
+default re-run under the profiler, time per HLO op from xprof's `hlo_stats` and per kernel from its
+`kernel_stats` on GPU (the per-op trace events on CPU), largest first; a breakdown that fails is recorded as
+`breakdown_error` and fails the run.
 Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished.
 """
 
@@ -32,6 +36,8 @@ from pathlib import Path
 import jax
 
 from moe_tune import bench, devices
+from moe_tune.breakdown import profile_entry
+from moe_tune.breakdown.run import as_json
 from moe_tune.kernels import get_op
 from moe_tune.tuner import SweepSpec, run_sweep
 
@@ -70,11 +76,25 @@ def _ragged_dot_case(name: str, problem, args, profile_dir: str) -> dict:
         case.update(compared.to_dict())
         print(f"\n{name}: {spec.describe(problem)}")
         print("\n".join(bench.format_comparison(compared)), flush=True)
+        case.update(_breakdown(sweep.entry, args))
     except Exception as e:  # noqa: BLE001 - record it and go on to the next case
         case["error"] = f"{type(e).__name__}: {e}"
         case["traceback"] = traceback.format_exc()[-4000:]
         print(f"\n{name} {problem.direction}: FAILED {case['error'][:300]}", flush=True)
     return case
+
+
+def _breakdown(entry, args) -> dict:
+    """{"breakdown": ...} of a tuned entry (its winner and default per op / kernel), or {"breakdown_error": ...}."""
+    try:
+        found = profile_entry(entry, runs=args.breakdown_runs)
+    except Exception as e:  # noqa: BLE001 - record it; the case's timings stand
+        print(f"  breakdown FAILED: {type(e).__name__}: {e}", flush=True)
+        return {"breakdown_error": f"{type(e).__name__}: {e}", "breakdown_traceback": traceback.format_exc()[-4000:]}
+    for b in found:
+        top = ", ".join(f"{op.name} {op.share:.0%}" for op in b.ops[:4])
+        print(f"  {b.label} ({b.source}): {b.total_s * 1e3:.3f} ms of op time per run: {top}", flush=True)
+    return {"breakdown": as_json(found, entry)}
 
 
 def _quant_cases(name: str, shape: dict, directions: list[str], bf16: dict, args, profile_dir: str):
@@ -128,6 +148,7 @@ def main() -> int:
     parser.add_argument("--max-candidates", type=int, default=40, help="per sweep (the default config is first)")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--breakdown-runs", type=int, default=3, help="profiled runs per config of each breakdown")
     parser.add_argument("--ops", default="ragged_dot," + ",".join(GATHER_OPS))
     parser.add_argument("--quant", default=",".join(QUANT_MODES),
                         help=f"quantized weight modes of ragged_dot ({', '.join(QUANT_MODES)}; '' for none)")
@@ -163,7 +184,7 @@ def main() -> int:
                     print(f"\n{name} {op}: FAILED {case['error'][:300]}", flush=True)
                 _record(report, case, out_path)
     print(f"\nwrote {out_path}")
-    return 0 if all("error" not in c for c in report["cases"]) else 1
+    return 0 if all("error" not in c and "breakdown_error" not in c for c in report["cases"]) else 1
 
 
 if __name__ == "__main__":

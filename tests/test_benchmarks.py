@@ -58,6 +58,10 @@ def test_gpu_check_smoke(tmp_path):
     for case in report["cases"]:
         assert "error" not in case, case.get("traceback")
         assert case["default_error"] < 0.05 and case["sweep"]["candidates"]["tried"] == 2
+    for case in report["cases"][:4]:  # each ragged_dot case: where its winner's time goes, per HLO op
+        (winner, *_) = case["breakdown"]["breakdowns"]
+        assert winner["label"] == "winner" and winner["ops"] and winner["total_s"] > 0
+        assert sum(op["share"] for op in winner["ops"]) == pytest.approx(1.0)
     for case in report["cases"][2:4]:  # the quantized weights: fwd only (drhs reads no weights)
         assert case["shape"]["rhs_qdtype"] in ("int8", "float8_e4m3fn") and case["shape"]["direction"] == "fwd"
         assert 0 < case["quantization_error"] < 0.1 and case["vs_bf16"] > 0

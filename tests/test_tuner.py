@@ -357,9 +357,19 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
     final = {0: _timing([1.02, 0.98, 1.0, 1.05, 0.96, 1.01]), 1: _timing(best_samples), 2: _timing([3.0] * 6)}
     monkeypatch.setattr(finals, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
     spec = SweepSpec("ragged_dot", SMALL, finalists=1)
-    winner, within_noise, _ = finals.final_round(spec, [default, other, slow], default, {}, "cpu", Reporter())
-    assert within_noise is kept_default
+    winner, verdict, _ = finals.final_round(spec, [default, other, slow], default, {}, "cpu", Reporter())
+    assert (verdict.rule == "within_noise") is kept_default
     assert winner is (default if kept_default else other)
+    # the verdict records the noise rule's threshold and both finalists' rounds, the winner first
+    mads = [float(np.median(np.abs(np.array(s) - np.median(s))) / np.median(s))
+            for s in (best_samples, final[0].samples_s)]
+    assert verdict.noise == pytest.approx(2 * max(mads))
+    assert verdict.text == (f"kept default: within noise (+-{verdict.noise:.0%})" if kept_default else "fastest")
+    loser = other if kept_default else default
+    assert [f["config"] for f in verdict.finalists] == [winner.config.to_dict(), loser.config.to_dict()]
+    assert [f["median_s"] for f in verdict.finalists] == [winner.timing.median_s, loser.timing.median_s]
+    assert verdict.finalists[0]["first_median_s"] == (1.0 if kept_default else 0.9)
+    assert default.record()["median_s"] == 1.0  # an entry's results keep the sweep round's timing
     assert slow.timing.samples == 3  # only the finalists (the fastest one and the default) were re-timed
 
 

@@ -128,10 +128,27 @@ def _sweep_model(model: str, backend, shape: dict, options: dict) -> None:
               help="Show every candidate of one sweep from its log (failed and wrong ones with their reasons).")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Only the tables under this dir (default: every profile dir, effective entries).")
+@click.option("--key", default=None, help="Only the entry with this key (the `key` column of --format csv/json).")
+@click.option("--breakdown", is_flag=True,
+              help="Re-run the first selected entry's winner and default under the profiler and show the time per "
+                   "HLO op (GPU: and per kernel), largest first, with its share of the total.")
+@click.option("--via", type=click.Choice(["trace", "xprof"]), default=None,
+              help="Breakdown reader: the xplane's per-op events (CPU), or xprof's tools (trace_viewer on CPU, "
+                   "hlo_stats on GPU/TPU, kernel_stats on GPU; needs the xprof extra). Default: trace on CPU, "
+                   "else xprof.")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Breakdown: profiled runs per config (times are per run).")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="Breakdown table: the largest N ops, the rest summed in one row.")
+@click.option("--keep-trace", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Breakdown: keep the traces here, to open with `xprof --logdir DIR`.")
 @handle_errors
-def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_log, profile_dir):
-    """Show the tuned tables (or one sweep's candidates, with --sweep LOG)."""
+def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_log, profile_dir, key, breakdown, via,
+           runs, top, keep_trace):
+    """Show the tuned tables (or one sweep's candidates, with --sweep LOG; or where one entry's time goes, with
+    --breakdown)."""
     from moe_tune import report as reports
+    from moe_tune.errors import UsageError
 
     if sweep_log is not None:
         header, frame, finals = reports.sweep_log_frame(sweep_log)
@@ -140,11 +157,20 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
                       highlight=False)
             for final in finals:
                 state = "interrupted" if final.get("interrupted") else "finished"
-                out.print(f"  {state} {final.get('finished', '')}: winner {final.get('winner')}", highlight=False)
-        return render.frame(frame, fmt, title=f"{len(frame)} candidates", empty="The log has no finished candidate yet.",
+                verdict = f" ({final['verdict']})" if final.get("verdict") else ""
+                out.print(f"  {state} {final.get('finished', '')}: winner {final.get('winner')}{verdict}",
+                          highlight=False)
+        title = f"{len(frame)} candidates (median_ms: sweep round, final_ms: final round)"
+        return render.frame(frame, fmt, title=title,
+                            empty="The log has no finished candidate yet.",
                             shown=list(reports.LOG_COLUMNS))
     frame = reports.select(reports.entries_frame(profile_dir, op), sort=sort, descending=desc, op=op,
-                           direction=direction, device=device, backend=backend, dtype=dtype)
+                           direction=direction, device=device, backend=backend, dtype=dtype, key=key)
+    if not breakdown and (via is not None or keep_trace is not None):
+        raise UsageError("--via and --keep-trace apply to --breakdown")
+    if breakdown:
+        return _breakdown(reports.selected_entries(frame, profile_dir, op), fmt, via=via, runs=runs, top=top,
+                          keep_trace=keep_trace)
     if plot is not None:
         from moe_tune.plots import plot_entries
 
@@ -153,6 +179,23 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
     render.frame(frame, fmt, title="Tuned configs",
                  empty="No tuned entries match: run `moe-tune sweep`, or loosen the filters.",
                  shown=reports.table_columns(frame))
+
+
+def _breakdown(entries, fmt: str, *, via, runs: int, top: int, keep_trace) -> None:
+    """`report --breakdown`: the first selected entry's winner and default, per op."""
+    from moe_tune.breakdown import profile_entry
+    from moe_tune.errors import UsageError
+    from moe_tune.profiles.verdict import verdict_of
+
+    if not entries:
+        raise UsageError("nothing to break down: no tuned entry matches (run `moe-tune sweep`, or loosen the filters)")
+    entry = entries[0]
+    more = f" (the first of {len(entries)} selected; pick one with --key)" if len(entries) > 1 else ""
+    # plain lines on stderr (unwrapped: the key is long; stdout stays the tables, or pure CSV / JSON)
+    click.echo(f"breakdown of {entry.key}{more}\n  verdict: {verdict_of(entry).label}", err=True)
+    render.breakdowns(profile_entry(entry, source=via, runs=runs, keep_trace=keep_trace), fmt, top=top)
+    if keep_trace is not None:
+        click.echo(f"traces kept in {keep_trace}: open them with `xprof --logdir {keep_trace}`", err=True)
 
 
 @cli.command()

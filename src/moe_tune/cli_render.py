@@ -13,8 +13,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from moe_tune.profiles.verdict import verdict_of
+
 if TYPE_CHECKING:
     from moe_tune.bench import Comparison
+    from moe_tune.breakdown import Breakdown
     from moe_tune.profiles import LookupResult
     from moe_tune.profiles.entry import Entry
     from moe_tune.tuner import SweepResult
@@ -73,11 +76,10 @@ def sweep_summary(result: SweepResult) -> None:
                             f"(spread {best.timing.spread:.1%}, {best.timing.samples} samples)")
     if default.timing is not None:
         shown.add_row("default", f"{default.config.label()}  {_ms(default.timing.median_s)} ms")
-        kept = (" (the best was within noise of the default, so the default is kept)"
-                if entry.within_noise_of_default else "")
-        shown.add_row("speedup", f"{entry.speedup_over_default:.2f}x over the default{kept}")
+        shown.add_row("speedup", f"{entry.speedup_over_default:.2f}x over the default")
     else:
         shown.add_row("default", f"{default.config.label()}  {default.status}: {default.reason}")
+    shown.add_row("verdict", verdict_of(entry).text)
     shown.add_row("candidates", _counts(entry, "ok"))
     for failure in entry.failures[:5]:
         label = " ".join(f"{k}={v}" for k, v in failure["config"].items())
@@ -153,6 +155,21 @@ def frame(data, fmt: str, *, title: str, empty: str, shown: list[str]) -> None:
     else:
         table(title, shown, [[_cell(row[c]) for c in shown] for _, row in data.iterrows()],
               right=[c for c in shown if data[c].dtype.kind in "if"])
+
+
+def breakdowns(found: Sequence[Breakdown], fmt: str, *, top: int) -> None:
+    """`report --breakdown`: a table per config of its largest `top` ops, or every op of every config as one
+    csv / json / markdown frame."""
+    from moe_tune.report import breakdown_frame
+
+    if fmt != "table":
+        return frame(breakdown_frame(found), fmt, title="", empty="", shown=[])
+    for b in found:
+        ops = breakdown_frame([b], top)
+        groups = ["group"] if any(o.group for o in b.ops) else []
+        frame(ops, fmt, title=f"{b.label}: {ops['config'][0]}, {_ms(b.total_s)} ms of op time per run ({b.source}, "
+                              f"{b.runs} runs)",
+              empty="no ops", shown=["rank", "op", *groups, "ms_per_run", "share", "cumulative", "calls_per_run"])
 
 
 def _cell(value) -> str:

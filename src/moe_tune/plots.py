@@ -1,26 +1,52 @@
-"""`moe-tune report --plot FILE.png`: what a sweep measured, drawn with matplotlib (headless).
+"""`moe-tune report --plot FILE.png`: what a sweep measured and why it chose its winner, drawn with matplotlib
+(headless).
 
-Left: the time of every correct candidate of one entry (its shape's sweep), fastest first, the winner and
-the default marked. Right: each selected entry's speedup over its default config, one bar per shape.
+Left, one entry (the first selected): every correct candidate's sweep-round median as a bar, fastest first,
+its spread as a whisker; the finalists' re-timed medians of the final round as diamonds beside them; the
+winner and the default coloured; when the default was kept for being within noise, the band of times a
+candidate had to beat to count as a win; the verdict in the title. Right: each selected entry's speedup over
+its default, coloured by verdict. Long keys and labels are wrapped, and the figure is saved with a tight
+bounding box, so nothing is cut off at any length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from moe_tune.errors import UsageError
 from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict, verdict_of
+
+WINNER, DEFAULT, OTHER, FINAL, BAND = "tab:green", "tab:orange", "tab:blue", "black", "0.85"
+_LABEL_WIDTH = 40  # characters per line of a y label
+_TITLE_WIDTH = 90  # characters per line of a wrapped key
+_SIZES = ("m", "k", "n", "groups", "tokens", "hidden")
 
 
-def _label(config: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in config.items()) or "-"
+def config_label(config: Mapping[str, Any]) -> str:
+    """`tm=128 tk=2048 tn=1408 tail=16` (wrapped at word boundaries when long)."""
+    return "\n".join(textwrap.wrap(" ".join(f"{k}={v}" for k, v in config.items()), _LABEL_WIDTH)) or "-"
+
+
+def wrapped_key(key: str) -> str:
+    """An entry key broken into lines after its `|` separators (removing the newlines gives the key back)."""
+    lines, line = [], ""
+    for part in key.split("|"):
+        piece = part if not line else "|" + part
+        if line and len(line) + len(piece) > _TITLE_WIDTH:
+            lines.append(line + "|")
+            piece = part
+            line = ""
+        line += piece
+    return "\n".join([*lines, line])
 
 
 def plot_entries(entries: Sequence[Entry], path: str | Path, *, title: str | None = None) -> Path:
-    """Draw the candidates of `entries[0]` and the speedups of all `entries` into `path` (format from its
-    suffix: .png, .svg, .pdf)."""
+    """Draw the candidates and verdict of `entries[0]` and the speedups of all `entries` into `path` (format
+    from its suffix: .png, .svg, .pdf)."""
     if not entries:
         raise UsageError("nothing to plot: no tuned entry matches (run `moe-tune sweep`, or loosen the filters)")
     import matplotlib
@@ -30,35 +56,107 @@ def plot_entries(entries: Sequence[Entry], path: str | Path, *, title: str | Non
 
     first = entries[0]
     results = sorted((r for r in first.results if r.get("median_s")), key=lambda r: r["median_s"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, max(4.0, 0.28 * max(len(results), len(entries)) + 1.5)))
-
-    winner, default = first.config, first.default_config
-    colors = ["tab:green" if r["config"] == winner else "tab:orange" if r["config"] == default else "tab:blue"
-              for r in results]
-    left.barh([_label(r["config"]) for r in results], [r["median_s"] * 1e3 for r in results], color=colors)
-    left.invert_yaxis()
-    left.set_xlabel("median time (ms)")
-    failed = len(first.failures)
-    left.set_title(f"{first.key}\n{len(results)} correct candidates, {failed} failed or wrong "
-                   "(green: winner, orange: default)", fontsize=8)
-    left.tick_params(axis="y", labelsize=7)
-
-    labels = [f"{e.op or ''} {e.direction or ''} "
-              + " ".join(f"{k}={v}" for k, v in e.fields.items() if k in ("m", "k", "n", "groups", "tokens",
-                                                                           "hidden")) for e in entries]
-    speedups = [e.speedup_over_default or 0.0 for e in entries]
-    right.barh(labels, speedups, color="tab:purple")
-    right.axvline(1.0, color="black", linewidth=0.8)
-    right.invert_yaxis()
-    right.set_xlabel("speedup over the default config")
-    right.tick_params(axis="y", labelsize=7)
-    right.set_title("speedup per shape", fontsize=9)
-
+    rows = max(len(results), len(entries))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(16, max(4.5, 0.42 * rows + 2.5)),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    _candidates(left, first, results)
+    _speedups(right, entries)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the tight box grows to hold every label and the legend
     plt.close(fig)
     return path
+
+
+def _candidates(ax, entry: Entry, results: list[dict[str, Any]]) -> None:
+    """The left panel: sweep-round bars with spread, final-round diamonds, winner / default, verdict."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    verdict = verdict_of(entry)
+    winner, default = dict(entry.config), entry.default_config
+    medians = [r["median_s"] * 1e3 for r in results]
+    colors = [WINNER if r["config"] == winner else DEFAULT if r["config"] == default else OTHER for r in results]
+    edges = [DEFAULT if r["config"] == default else "none" for r in results]  # the default kept: green, edged
+    ax.barh(range(len(results)), medians, xerr=_whiskers(results), color=colors, edgecolor=edges, linewidth=2,
+            error_kw={"ecolor": "0.35", "capsize": 2, "linewidth": 0.8})
+    ax.set_yticks(range(len(results)), [config_label(r["config"]) for r in results], fontsize=7)
+    row = {_key(r["config"]): i for i, r in enumerate(results)}
+    finals = [(row[_key(f["config"])], f) for f in verdict.finalists
+              if f.get("median_s") and _key(f["config"]) in row]
+    if finals:
+        ax.errorbar([f["median_s"] * 1e3 for _, f in finals], [i for i, _ in finals],
+                    xerr=_whiskers([f for _, f in finals]),
+                    fmt="D", color=FINAL, markersize=6, capsize=3, linewidth=1, zorder=3)
+    handles = [Patch(color=WINNER, label="winner"), Patch(color=DEFAULT, label="default"),
+               Patch(color=OTHER, label="other candidate"),
+               Line2D([], [], color="0.35", linewidth=0.8, label="sweep round: min to max"),
+               Line2D([], [], color=FINAL, marker="D", linestyle="none",
+                      label="final round: re-timed median, min to max")]
+    if winner == default:
+        handles[0] = Patch(facecolor=WINNER, edgecolor=DEFAULT, linewidth=2, label="winner = default")
+    band = _noise_band(entry, verdict)
+    if band is not None:
+        ax.axvspan(*band, color=BAND, zorder=0)
+        handles.append(Patch(color=BAND, label=f"within noise of the default (+-{verdict.noise:.0%}): not a win"))
+    ax.invert_yaxis()
+    ax.set_xlim(left=0)
+    ax.set_xlabel("median time (ms)")
+    ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper left", bbox_to_anchor=(0.0, -0.08))  # below the axis
+    lines = [f"verdict: {verdict.label}", wrapped_key(entry.key),
+             f"{len(results)} correct candidates, {len(entry.failures)} failed or wrong"]
+    if verdict.derived:
+        lines += textwrap.wrap("derived: the entry predates recorded verdicts, so the noise is from the default's "
+                               "samples alone and a finalist's bar may be its re-timed median", _TITLE_WIDTH + 20)
+    ax.set_title("\n".join(lines), fontsize=8, loc="left")
+
+
+def _whiskers(timings: Sequence[Mapping[str, Any]]) -> list[list[float]]:
+    """[[below], [above]] the median (ms) of each timing record: to its min and max where recorded, else the
+    spread (max - min, all an older entry kept) centred on the median, cut at zero."""
+    below, above = [], []
+    for t in timings:
+        median = t["median_s"] * 1e3
+        if t.get("min_s") is not None and t.get("max_s") is not None:
+            low, high = median - t["min_s"] * 1e3, t["max_s"] * 1e3 - median
+        else:
+            low = high = (t.get("spread") or 0.0) * median / 2
+        below.append(min(low, median))
+        above.append(high)
+    return [below, above]
+
+
+def _noise_band(entry: Entry, verdict: Verdict) -> tuple[float, float] | None:
+    """(low, high) ms of the times that were within noise of the kept default, or None."""
+    default_ms = next((f["median_s"] * 1e3 for f in verdict.finalists if f.get("is_default") and f.get("median_s")),
+                      None)
+    if verdict.rule != WITHIN_NOISE or verdict.noise is None or default_ms is None:
+        return None
+    return default_ms / (1 + verdict.noise), default_ms
+
+
+def _speedups(ax, entries: Sequence[Entry]) -> None:
+    """The right panel: each entry's speedup over its default, coloured by how its winner was chosen."""
+    from matplotlib.patches import Patch
+
+    labels = [f"{e.op or ''} {e.direction or ''} " + " ".join(f"{k}={v}" for k, v in e.fields.items() if k in _SIZES)
+              for e in entries]
+    kept = [verdict_of(e).rule == WITHIN_NOISE for e in entries]
+    ax.barh(range(len(entries)), [e.speedup_over_default or 0.0 for e in entries],
+            color=["0.6" if k else "tab:purple" for k in kept])
+    ax.set_yticks(range(len(entries)), ["\n".join(textwrap.wrap(label, 2 * _LABEL_WIDTH)) for label in labels],
+                  fontsize=7)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over the default config")
+    ax.set_title("speedup per shape", fontsize=9)
+    ax.legend(handles=[Patch(color="tab:purple", label="a win over the default"),
+                       Patch(color="0.6", label="default kept (within noise)")], fontsize=7, ncol=2, loc="upper left",
+              bbox_to_anchor=(0.0, -0.08))
+
+
+def _key(config: Mapping[str, Any]) -> tuple:
+    return tuple(sorted(config.items()))

@@ -3,27 +3,30 @@ filters and sorting for `moe-tune report`, and its plots."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from moe_tune.breakdown.ops import Breakdown
 from moe_tune.errors import UsageError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import read_table
+from moe_tune.profiles.verdict import verdict_of
 
 COLUMNS = [
     "device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution", "config",
-    "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
+    "time_ms", "default_ms", "speedup", "verdict", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
 ]
 # The columns of the rich table; the quantization ones only when an entry is quantized.
 TABLE_COLUMNS = ["device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution",
-                 "config", "time_ms", "default_ms", "speedup", "tried", "failed", "wrong", "timing"]
+                 "config", "time_ms", "default_ms", "speedup", "verdict", "tried", "failed", "wrong", "timing"]
 _QUANT_COLUMNS = ("quant", "quant_error")
 # `moe-tune report` filters: option name -> column it matches.
-FILTERS = {"op": "op", "direction": "direction", "device": "device_kind", "backend": "backend", "dtype": "dtype"}
+FILTERS = {"op": "op", "direction": "direction", "device": "device_kind", "backend": "backend", "dtype": "dtype",
+           "key": "key"}
 _NOT_SHAPE = ("direction", "backend", "distribution")
 
 
@@ -82,6 +85,7 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
     fields = entry.fields
     dtypes = {str(v) for k, v in fields.items() if k.endswith("dtype") and not k.endswith("qdtype")}
     median = entry.median_s
+    verdict = verdict_of(entry)  # derived for an entry written before verdicts were recorded
     return {
         "device_kind": table.get("device_kind"),
         "op": table.get("op"),
@@ -96,6 +100,7 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "time_ms": (float("nan") if median is None else median) * 1e3,
         "default_ms": (entry.default_median_s or float("nan")) * 1e3,
         "speedup": entry.speedup_over_default or float("nan"),
+        "verdict": verdict.label,
         "tried": entry.count("tried"), "failed": entry.count("failed"), "wrong": entry.count("wrong"),
         "timing": entry.timing_method,
         "source": origin,
@@ -130,12 +135,17 @@ def select(frame: pd.DataFrame, *, sort: str | None = None, descending: bool = F
     return frame.reset_index(drop=True)
 
 
-LOG_COLUMNS = ["index", "status", "config", "median_ms", "spread", "error", "stage", "reason", "compile_s", "default"]
+LOG_COLUMNS = ["index", "status", "config", "median_ms", "spread", "final_ms", "final_spread", "winner", "error",
+               "stage", "reason", "compile_s", "default"]
 
 
 def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, list[dict[str, Any]]]:
     """(header, one row per candidate of LOG_COLUMNS, the `final` lines) of a sweep log (tuner/log.py):
-    every candidate a sweep finished, failed and wrong ones with their reasons, fastest correct first."""
+    every candidate a sweep finished, failed and wrong ones with their reasons, fastest correct first.
+
+    median_ms / spread: the candidate's sweep round; final_ms / final_spread: a finalist's final round (from
+    the last `final` line; NaN for the others, and the spread for logs written before it was recorded);
+    winner: the config that last `final` line chose."""
     from moe_tune.errors import MoeTuneError
     from moe_tune.tuner.log import read_log
 
@@ -145,15 +155,22 @@ def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, lis
     lines, _ = read_log(path)
     if not lines or lines[0].get("type") != "header":
         raise MoeTuneError(f"{path}: not a moe-tune sweep log (no header line)")
+    finals = [line for line in lines if line.get("type") == "final"]
+    last = finals[-1] if finals else {}
+    final_round = {f.get("index"): f for f in last.get("finalists") or ()}
     rows = []
     for line in (line for line in lines if line.get("type") == "candidate"):
         timing = line.get("timing") or {}
+        final = final_round.get(line.get("index"), {})
         rows.append({
             "index": line.get("index"),
             "status": line.get("status"),
             "config": " ".join(f"{k}={v}" for k, v in (line.get("config") or {}).items()) or "-",
             "median_ms": timing["median_s"] * 1e3 if timing.get("median_s") else float("nan"),
             "spread": timing.get("spread", float("nan")),
+            "final_ms": final["median_s"] * 1e3 if final.get("median_s") else float("nan"),
+            "final_spread": final.get("spread") if final.get("spread") is not None else float("nan"),
+            "winner": line.get("config") == last.get("winner"),
             "error": line.get("error") if line.get("error") is not None else float("nan"),
             "stage": line.get("stage") or "",
             "reason": line.get("reason") or "",
@@ -164,4 +181,29 @@ def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, lis
     order = {"ok": 0, "wrong": 1, "failed": 2}
     frame = frame.assign(_rank=frame["status"].map(order).fillna(3)).sort_values(
         ["_rank", "median_ms", "index"], kind="stable").drop(columns="_rank").reset_index(drop=True)
-    return lines[0], frame, [line for line in lines if line.get("type") == "final"]
+    return lines[0], frame, finals
+
+
+BREAKDOWN_COLUMNS = ["label", "config", "source", "rank", "op", "group", "ms_per_run", "share", "cumulative",
+                     "calls_per_run"]
+
+
+def breakdown_frame(breakdowns: Sequence[Breakdown], top: int | None = None) -> pd.DataFrame:
+    """One row per op of each breakdown (`moe_tune.breakdown`), largest first, with its share and the
+    cumulative share; `top`: only each one's first `top` ops, the rest summed into one `other (N ops)` row."""
+    rows = []
+    for breakdown in breakdowns:
+        ops = list(breakdown.ops)
+        shown, rest = (ops, []) if top is None else (ops[:top], ops[top:])
+        config = " ".join(f"{k}={v}" for k, v in breakdown.config.items())
+        common = {"label": breakdown.label, "config": config, "source": breakdown.source}
+        cumulative = 0.0
+        for rank, op in enumerate(shown, 1):
+            cumulative += op.share
+            rows.append({**common, "rank": rank, "op": op.name, "group": op.group, "ms_per_run": op.seconds * 1e3,
+                         "share": op.share, "cumulative": cumulative, "calls_per_run": op.count})
+        if rest:
+            rows.append({**common, "rank": "-", "op": f"other ({len(rest)} ops)", "group": "",
+                         "ms_per_run": sum(o.seconds for o in rest) * 1e3, "share": sum(o.share for o in rest),
+                         "cumulative": 1.0, "calls_per_run": sum(o.count for o in rest)})
+    return pd.DataFrame(rows, columns=BREAKDOWN_COLUMNS)

@@ -22,7 +22,7 @@ JSON = dict[str, Any]
 # The entry's JSON keys in the order a sweep writes them (`provenance` only after `moe-tune merge`).
 _ORDER = ("key", "op", "fields", "config", "timing", "timing_fallback", "default", "speedup_over_default",
           "candidates", "failures", "results", "distribution", "flops", "versions", "hostname", "platform",
-          "device_kind", "tuned_at", "within_noise_of_default", "interrupted", "search", "sweep_wall_s",
+          "device_kind", "tuned_at", "within_noise_of_default", "verdict", "interrupted", "search", "sweep_wall_s",
           "provenance")
 _REQUIRED = ("key", "fields", "config")
 
@@ -36,13 +36,17 @@ class Entry:
     min_s, max_s, spread, samples, method, wall_median_s, samples_s); timing_fallback: why the wall clock timed
     the sweep, else None; default: {config, status, median_s, reason} of the heuristic default;
     speedup_over_default: default median / winner median (None when the default failed); candidates: {tried,
-    ok, failed, wrong, compiles}; failures / results: one record per failed-or-wrong / correct candidate;
+    ok, failed, wrong, compiles}; failures / results: one record per failed-or-wrong / correct candidate
+    (a result's median_s and spread are of its sweep round; before `verdict` was recorded, a finalist's were
+    of the final round);
     distribution: {name, seed, ...what the op records: group_sizes, ep, experts, valid_fraction, and for a
     quantized ragged_dot quantization_error}; flops: of
     the problem; versions: `versions.entry_versions` (jax, jaxlib, moe-tune, tune-jax, backend_revision);
     hostname, platform, device_kind, tuned_at (ISO 8601, UTC); within_noise_of_default: the default kept for
-    being within noise; interrupted: written from a Ctrl-C'd sweep; search: the strategy's record;
-    sweep_wall_s; provenance: the entries `moe-tune merge` chose between (None when not merged).
+    being within noise; verdict: how the winner was chosen and the final round's timings (`verdict.py`;
+    read it with `verdict.verdict_of`, which derives one for entries that lack it); interrupted: written
+    from a Ctrl-C'd sweep; search: the strategy's record; sweep_wall_s; provenance: the entries `moe-tune merge`
+    chose between (None when not merged).
     """
 
     key: str
@@ -64,6 +68,7 @@ class Entry:
     device_kind: str | None = None
     tuned_at: str | None = None
     within_noise_of_default: bool | None = None
+    verdict: Mapping[str, Any] | None = None
     interrupted: bool | None = None
     search: Mapping[str, Any] | None = None
     sweep_wall_s: float | None = None

@@ -12,8 +12,10 @@ Schema history (`MIGRATIONS` turns each into the next on read; writes always wri
 - 1: as above, without `backend_revision` or `provenance`.
 - 2: `versions.backend_revision`, `provenance`; every entry holds its `key` and a `versions` object.
 
-Writes hold a file lock (`<table>.lock`), re-read the file, merge, and replace it atomically, so concurrent
-writers never lose each other's entries and a crash never leaves a half-written table.
+Writes hold a file lock (`.locks/<op>.json.lock` beside the table, see `locks.py`), re-read the file, merge,
+and replace it atomically, so concurrent writers never lose each other's entries and a crash never leaves a
+half-written table. Tables are written with the mode a new file gets (0644 under the usual umask), readable
+by whoever the directory is shared with.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import filelock
 
 from moe_tune.errors import TableError
 from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.locks import lock_path, shared_mode
 
 SCHEMA_VERSION = 2
 
@@ -159,10 +162,10 @@ def read_table_cached(path: Path) -> tuple[tuple[int, int, int], dict[str, Any]]
 
 @contextlib.contextmanager
 def locked(path: Path | str) -> Iterator[Path]:
-    """Hold the table's write lock (`<path>.lock`, shared by every writer on this file system)."""
+    """Hold the table's write lock (`locks.lock_path`, shared by every writer on this file system)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(path) + ".lock"):
+    with filelock.FileLock(str(lock_path(path))):
         yield path
 
 
@@ -172,6 +175,7 @@ def write_table_atomic(path: Path | str, table: dict[str, Any]) -> Path:
     table = {**table, "schema_version": SCHEMA_VERSION}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, shared_mode())  # mkstemp's 0600 would keep the table from the people it is shared with
         with os.fdopen(fd, "w") as f:
             json.dump(table, f, indent=1, sort_keys=False)
             f.write("\n")

@@ -64,6 +64,7 @@ class Candidate:
     compile_s: float | None = None
     compiles: int = 0  # XLA compilations spent on this candidate, wherever they ran
     timing: Timing | None = None
+    first_timing: Timing | None = None  # a finalist's sweep-round timing, before the final round replaced it
 
     def record(self) -> dict[str, Any]:
         """JSON-ready summary (what tables and logs keep)."""
@@ -74,9 +75,19 @@ class Candidate:
             out["stage"], out["reason"] = self.stage, self.reason
         if self.error is not None:
             out["error"] = self.error
-        if self.timing is not None:
-            out["median_s"], out["spread"] = self.timing.median_s, self.timing.spread
+        sweep_round = self.first_timing or self.timing  # all candidates' from one kind of round, comparable
+        if sweep_round is not None:
+            out.update(median_s=sweep_round.median_s, spread=sweep_round.spread, min_s=sweep_round.min_s,
+                       max_s=sweep_round.max_s)
         return out
+
+    def finalist_record(self) -> dict[str, Any]:
+        """A finalist as the entry's verdict records it: its final-round and sweep-round timing."""
+        first = self.first_timing or self.timing
+        final = self.timing
+        return {"config": self.config.to_dict(), "is_default": self.is_default, "median_s": final.median_s,
+                "spread": final.spread, "min_s": final.min_s, "max_s": final.max_s, "samples": final.samples,
+                "first_median_s": first.median_s, "first_spread": first.spread}
 
 
 def _short(exc: BaseException) -> str:

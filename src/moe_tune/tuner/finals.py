@@ -3,26 +3,21 @@ whether the fastest is a win.
 
 One sweep round's medians of near-equal candidates are mostly noise on a shared machine; the finalists are
 compared like for like, with twice the samples. A winner that beats the default by less than the noise
-(twice the larger relative median absolute deviation of the two) is not a win: the default is kept and the
-entry says `within_noise_of_default`.
+(`profiles.verdict.noise_threshold`: twice the larger relative median absolute deviation of the two) is not
+a win: the default is kept. The outcome is a `Verdict` (the rule applied, the threshold, the finalists'
+timings of both rounds), which the entry records.
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
+from moe_tune.profiles.verdict import FASTEST, ONLY_CANDIDATE, WITHIN_NOISE, Verdict, noise_threshold
 from moe_tune.tuner import measure
 from moe_tune.tuner.candidates import OK, Candidate
 from moe_tune.tuner.spec import Reporter, SweepError, SweepSpec
 from moe_tune.tuner.state import SweepState
-from moe_tune.tuner.timing import Timing, time_candidates
-
-
-def relative_noise(timing: Timing) -> float:
-    """Median absolute deviation of the samples over their median: a spread that ignores outliers."""
-    med = timing.median_s
-    return statistics.median(abs(x - med) for x in timing.samples_s) / med if med > 0 else 0.0
+from moe_tune.tuner.timing import time_candidates
 
 
 def finalists(spec: SweepSpec, survivors: list[Candidate], default: Candidate) -> list[Candidate]:
@@ -34,24 +29,26 @@ def finalists(spec: SweepSpec, survivors: list[Candidate], default: Candidate) -
     return chosen
 
 
-def decide(best: Candidate, default: Candidate) -> tuple[Candidate, bool]:
-    """(winner, kept for being within noise): a win over the default by less than twice the larger relative
-    MAD of the two is not a win."""
-    if best is default or default.status != OK:
-        return best, False
-    noise = 2 * max(relative_noise(best.timing), relative_noise(default.timing))
-    if default.timing.median_s / best.timing.median_s - 1 <= noise:
-        return default, True
-    return best, False
+def decide(best: Candidate, default: Candidate, compared: list[Candidate] = ()) -> tuple[Candidate, Verdict]:
+    """(winner, verdict): a win over the default by no more than the noise threshold is not a win.
+    `compared`: the finalists of the final round, recorded in the verdict (none for an interrupted sweep)."""
+    if best is default or default.status != OK:  # nothing to hold the default to
+        winner, rule, noise = best, FASTEST, None
+    else:
+        noise = noise_threshold(best.timing.samples_s, default.timing.samples_s)
+        kept = default.timing.median_s / best.timing.median_s - 1 <= noise
+        winner, rule = (default, WITHIN_NOISE) if kept else (best, FASTEST)
+    ranked = sorted(compared, key=lambda c: c is not winner)  # the winner first
+    return winner, Verdict(rule, noise, tuple(c.finalist_record() for c in ranked))
 
 
 def final_round(spec: SweepSpec, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
-                reporter: Reporter) -> tuple[Candidate, bool, str | None]:
+                reporter: Reporter) -> tuple[Candidate, Verdict, str | None]:
     """Re-time the fastest few and the default together, with twice the samples, and pick the winner there.
-    Returns (winner, whether the default was kept for being within noise, timing fallback reason)."""
+    Returns (winner, verdict, timing fallback reason)."""
     chosen = finalists(spec, survivors, default)
     if len(chosen) < 2:
-        return chosen[0], False, None
+        return chosen[0], Verdict(ONLY_CANDIDATE), None
     reporter.stage("finalists", 2 * spec.samples)
     final, fallback = time_candidates(
         {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
@@ -59,15 +56,15 @@ def final_round(spec: SweepSpec, survivors: list[Candidate], default: Candidate,
         on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
     )
     for c in chosen:
-        c.timing = final[c.index]
+        c.first_timing, c.timing = c.timing, final[c.index]
     best = min(chosen, key=lambda c: c.timing.median_s)
-    winner, within_noise = decide(best, default)
-    return winner, within_noise, fallback
+    winner, verdict = decide(best, default, chosen)
+    return winner, verdict, fallback
 
 
-def run_finals(state: SweepState) -> tuple[Candidate, bool]:
+def run_finals(state: SweepState) -> tuple[Candidate, Verdict]:
     """Compile the finalists restored from the log (they have no executable), run each once, then
-    `final_round`; returns (winner, within noise). Raises SweepError when no candidate survived."""
+    `final_round`; returns (winner, verdict). Raises SweepError when no candidate survived."""
     survivors = [c for c in state.done if c.status == OK]
     default = state.default()
     while survivors:
@@ -81,15 +78,15 @@ def run_finals(state: SweepState) -> tuple[Candidate, bool]:
     if not survivors:
         reasons = "; ".join(f"{c.config.label()}: {c.reason}" for c in state.done[:3])
         raise SweepError(f"no candidate of {state.plan.backend.name} compiled and passed the check ({reasons})")
-    winner, within_noise, fallback = final_round(state.spec, survivors, default, state.inputs, state.plan.platform,
-                                                 state.reporter)
+    winner, verdict, fallback = final_round(state.spec, survivors, default, state.inputs, state.plan.platform,
+                                            state.reporter)
     state.fallback = state.fallback or fallback
-    return winner, within_noise
+    return winner, verdict
 
 
-def interrupted_winner(state: SweepState) -> tuple[Candidate | None, bool | None]:
-    """Among the finished candidates, by their batch timings: (winner, within noise), or (None, None) when
-    the default and one other candidate have not both finished."""
+def interrupted_winner(state: SweepState) -> tuple[Candidate | None, Verdict | None]:
+    """Among the finished candidates, by their batch timings (no final round): (winner, verdict), or
+    (None, None) when the default and one other candidate have not both finished."""
     default = state.default()
     timed = [c for c in state.done if c.status == OK and c.timing is not None]
     if default is None or len(state.done) < 2 or not timed:

@@ -16,7 +16,8 @@ Lines, each one JSON object with a `type`:
 
 Each append is one `os.write` followed by `os.fsync`. A process killed mid-write leaves at most a torn last
 line; reading ignores it and opening the log again cuts it off before anything is appended. The log is
-locked while a sweep writes it, so two sweeps of the same thing cannot interleave their lines.
+locked while a sweep writes it (`profiles.locks.lock_path`: `.locks/<name>.jsonl.lock` beside it), so two
+sweeps of the same thing cannot interleave their lines.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import filelock
 
 from moe_tune.errors import MoeTuneError
+from moe_tune.profiles.locks import lock_path
 
 LOG_VERSION = 1
 
@@ -98,7 +100,7 @@ class SweepLog:
         self.restored: dict[str, dict[str, Any]] = {}
         self.restarted: str | None = None
         self.finals: list[dict[str, Any]] = []
-        self._lock = filelock.FileLock(str(self.path) + ".lock", timeout=0)
+        self._lock = filelock.FileLock(str(lock_path(self.path)), timeout=0)
         self._fd: int | None = None
 
     def __enter__(self) -> SweepLog:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from moe_tune.errors import MoeTuneError, TableError
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import read_table, write_entries
+from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict
 from moe_tune.profiles.versions import entry_versions
 from moe_tune.tuner import log as sweep_log
 from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate
@@ -66,16 +67,19 @@ def candidate_line(c: Candidate, batch: int | None, recompiled: bool = False) ->
     return line
 
 
-def log_final(state: SweepState, best: Candidate | None, within_noise: bool | None, *, interrupted: bool,
+def log_final(state: SweepState, best: Candidate | None, verdict: Verdict | None, *, interrupted: bool,
               table: Path | None, error: str | None = None) -> None:
-    """The last line of a run: the winner (or why there is none) and the finalists' timings."""
-    finalists = [{"index": c.index, "config": c.config.to_dict(), "median_s": c.timing.median_s,
-                  "samples": c.timing.samples} for c in state.done if c.status == OK and c.timing is not None
-                 and c.timing.samples > state.spec.samples]
+    """The last line of a run: the winner (or why there is none), the verdict, and the finalists' timings of
+    both rounds (`Candidate.finalist_record`, with their index)."""
+    index = {sweep_log.config_key(c.config.to_dict()): c.index for c in state.done}
+    finalists = [{"index": index.get(sweep_log.config_key(f["config"])), **f}
+                 for f in (verdict.finalists if verdict else ())]
     state.log.append([{
         "type": "final", "finished": sweep_log.now(), "interrupted": interrupted,
         "winner": None if best is None else best.config.to_dict(),
-        "within_noise_of_default": within_noise, "error": error,
+        "within_noise_of_default": None if verdict is None else verdict.rule == WITHIN_NOISE,
+        "verdict": None if verdict is None else verdict.text, "noise": None if verdict is None else verdict.noise,
+        "error": error,
         "stopped": _stopped(state, interrupted), "candidates": len(state.done),
         "resumed": state.resumed, "recompiled_finalists": state.recompiled, "finalists": finalists,
         "table": None if table is None else str(table),
@@ -88,7 +92,7 @@ def _stopped(state: SweepState, interrupted: bool) -> str | None:
 
 # -- the table entry -------------------------------------------------------------------------------------------
 
-def build_entry(state: SweepState, best: Candidate, within_noise: bool, interrupted: bool) -> Entry:
+def build_entry(state: SweepState, best: Candidate, verdict: Verdict, interrupted: bool) -> Entry:
     """The table entry of a sweep: the winner, the default, every candidate's record, and how it was found."""
     plan, spec = state.plan, state.spec
     candidates, default = state.done, state.default()
@@ -116,7 +120,8 @@ def build_entry(state: SweepState, best: Candidate, within_noise: bool, interrup
         platform=plan.platform,
         device_kind=plan.device_kind,
         tuned_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        within_noise_of_default=within_noise,
+        within_noise_of_default=verdict.rule == WITHIN_NOISE,
+        verdict=verdict.to_json(),
         interrupted=interrupted,
         search={**plan.search_settings(), "stopped": _stopped(state, interrupted), "batches": state.batches,
                 "resumed": state.resumed, "recompiled_finalists": state.recompiled,

@@ -68,15 +68,15 @@ def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
     if state.log.restored or state.log.finals:
         state.log.append([record.run_line(state)])
     interrupted = False
-    best = within_noise = None
+    best = verdict = None
     try:
         start_workers(state.spec.workers)  # they start while the inputs and the reference are computed
         state.prepare_inputs()
         search.search(state, strategy)
-        best, within_noise = finals.run_finals(state)
+        best, verdict = finals.run_finals(state)
     except KeyboardInterrupt:
         interrupted = True
-        best, within_noise = finals.interrupted_winner(state)
+        best, verdict = finals.interrupted_winner(state)
     except SweepError as e:
         record.log_final(state, None, None, interrupted=False, table=None, error=str(e))
         raise
@@ -86,9 +86,9 @@ def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
                                kept=len(state.done), result=None)
 
     state.done.sort(key=lambda c: c.index)
-    entry = record.build_entry(state, best, within_noise, interrupted)
+    entry = record.build_entry(state, best, verdict, interrupted)
     table, kept_complete = record.write(state, entry, interrupted)
-    record.log_final(state, best, within_noise, interrupted=interrupted, table=None if kept_complete else table)
+    record.log_final(state, best, verdict, interrupted=interrupted, table=None if kept_complete else table)
     result = SweepResult(state.spec, state.plan.key, entry, state.done, None if kept_complete else table,
                          state.elapsed_s(), state.log.path, state.resumed, interrupted)
     if interrupted:

@@ -19,8 +19,9 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 from tune_jax import profile_reader
@@ -74,6 +75,16 @@ def _summarize(values: list[float], method: str, wall: list[float]) -> Timing:
 _BOOKKEEPING = ("end: ", "ThreadpoolListener::", "SlinkyThreadPool::")
 
 
+def plane_events(plane) -> Iterator[tuple[int, str, int, int, dict]]:
+    """(line index, name, start ns, duration ns, stats) of a plane's events, bookkeeping events skipped
+    unread. The one reading of an xplane's events: the timing here and `breakdown` both use it."""
+    for line_index, line in enumerate(plane.lines):
+        for event in line.events:
+            if event.name.startswith(_BOOKKEEPING):
+                continue
+            yield line_index, event.name, event.start_ns, event.duration_ns, dict(event.stats)
+
+
 def _spans_by_run(plane) -> dict[int, list[float]]:
     """Group a plane's events by execution (`run_id` stat): one execution's span is its first start to its
     last end, over every event of the run, and its program is the `hlo_module` of those that name one.
@@ -85,19 +96,15 @@ def _spans_by_run(plane) -> dict[int, list[float]]:
     """
     spans: dict[int, list[float]] = {}
     modules: dict[int, str] = {}
-    for line in plane.lines:
-        for event in line.events:
-            if event.name.startswith(_BOOKKEEPING):
-                continue
-            stats = dict(event.stats)
-            run = stats.get("run_id")
-            if run is None:
-                continue
-            start, end = event.start_ns, event.start_ns + event.duration_ns
-            span = spans.setdefault(run, [start, end])
-            span[0], span[1] = min(span[0], start), max(span[1], end)
-            if (module := stats.get("hlo_module")) is not None:
-                modules.setdefault(run, module)
+    for _, _, start, duration, stats in plane_events(plane):
+        run = stats.get("run_id")
+        if run is None:
+            continue
+        end = start + duration
+        span = spans.setdefault(run, [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+        if (module := stats.get("hlo_module")) is not None:
+            modules.setdefault(run, module)
     found: dict[int, list[float]] = defaultdict(list)
     for run, (start, end) in spans.items():
         if (match := _EVENT.match(f"{modules.get(run, '')}(")) is not None:
@@ -115,19 +122,34 @@ def _spans_by_contiguity(profile, plane_index: int) -> dict[int, list[float]]:
     return found
 
 
+def xplane_file(trace_dir: Path) -> Path | None:
+    """The newest xplane under a `jax.profiler.trace` dir, or None when there is none."""
+    files = sorted(Path(trace_dir).glob("**/*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+    return files[-1] if files else None
+
+
+def device_planes(trace_dir: Path, platform: str) -> tuple[Any, list[int]]:
+    """(the parsed profile of the xplane under `trace_dir`, the indexes of its `platform` device planes);
+    (None, []) when the dir holds no xplane."""
+    file = xplane_file(trace_dir)
+    if file is None:
+        return None, []
+    profile = profile_reader.parse_profile_from_bytes(file.read_bytes())
+    return profile, list(profile_reader.find_device_plane_ids(profile, platform))
+
+
 def parse_trace(trace_dir: Path, platform: str) -> dict[int, list[float]]:
     """Candidate index -> device durations (s) of its executions found in the xplane under `trace_dir`.
 
     With several device planes (one per device) each candidate's events come from the device where it
     was slowest, as in tune-jax.
     """
-    files = sorted(Path(trace_dir).glob("**/*.xplane.pb"), key=lambda f: f.stat().st_mtime)
-    if not files:
+    profile, plane_ids = device_planes(trace_dir, platform)
+    if profile is None:
         return {}
-    profile = profile_reader.parse_profile_from_bytes(files[-1].read_bytes())
     planes = list(profile.planes)
     per_plane = []
-    for index in profile_reader.find_device_plane_ids(profile, platform):
+    for index in plane_ids:
         found = _spans_by_run(planes[index]) if hasattr(planes[index], "lines") else {}
         per_plane.append(found or _spans_by_contiguity(profile, index))
     candidates = {i for found in per_plane for i in found}

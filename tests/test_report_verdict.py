@@ -1,0 +1,110 @@
+"""The verdict in every view: how each entry's winner was chosen, recorded by new sweeps and derived for the
+shipped tables (written before it was recorded), in the report's frame and the sweep log's final round."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from moe_tune import report
+from moe_tune.kernels import get_op
+from moe_tune.plots import plot_entries
+from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.verdict import FASTEST, ONLY_CANDIDATE, RULES, WITHIN_NOISE, Verdict, verdict_of
+from moe_tune.tuner import SweepSpec, run_sweep
+
+from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
+
+SHIPPED = Path(report.__file__).parent / "profiles" / "data"
+ISSUE_CASE = {"direction": "dlhs", "m": 1024, "k": 2880, "n": 2880, "groups": 8}  # issue 16's example
+
+
+def shipped_entries() -> list[dict]:
+    return [entry for path in sorted(SHIPPED.glob("*/*.json"))
+            for entry in json.loads(path.read_text())["entries"].values()]
+
+
+def test_every_shipped_entry_has_a_verdict_and_still_round_trips():
+    entries = shipped_entries()
+    assert len(entries) == 45
+    for data in entries:
+        entry = Entry.from_json(data)
+        assert entry.to_json() == data and "verdict" not in entry.to_json()  # old tables stay as they were
+        verdict = verdict_of(entry)
+        assert verdict.derived and verdict.rule in RULES
+        if data["within_noise_of_default"]:
+            assert verdict.rule == WITHIN_NOISE
+            assert verdict.text == f"kept default: within noise (+-{verdict.noise:.0%})"
+        else:
+            assert verdict.rule == FASTEST
+    frame = report.entries_frame(SHIPPED)
+    assert len(frame) == 45 and frame["verdict"].str.len().gt(0).all()
+    assert frame["verdict"].str.startswith("kept default: within noise").sum() == 17
+
+
+def test_the_issue_case_is_a_default_kept_within_noise(drawn, tmp_path):
+    """ragged_dot dlhs m=1024 k=2880 n=2880: a candidate's 255 ms beside the default's 328 ms was no win: the
+    default's re-timed samples alone put the noise at +-31%, and the fastest recorded median is within it."""
+    (data,) = [e for e in shipped_entries() if e["op"] == "ragged_dot"
+               and all(e["fields"].get(k) == v for k, v in ISSUE_CASE.items())]
+    entry = Entry.from_json(data)
+    verdict = verdict_of(entry)
+    samples = entry.timing["samples_s"]
+    median = statistics.median(samples)
+    assert verdict.noise == pytest.approx(2 * statistics.median(abs(x - median) for x in samples) / median)
+    fastest = min(r["median_s"] for r in entry.results)
+    assert entry.default_median_s / fastest - 1 <= verdict.noise
+    assert [f["is_default"] for f in verdict.finalists] == [True]  # the winner is the default
+    plot_entries([entry], tmp_path / "issue.png")
+    (fig,) = drawn
+    check_plot(fig, [entry])
+    band = [p for p in fig.axes[0].patches if p.get_facecolor()[:3] == pytest.approx((0.85,) * 3)]
+    assert len(band) == 1  # the band of times within noise of the default
+
+
+def _entry(**changes) -> Entry:
+    base = {"key": "k", "fields": {"m": 1}, "config": {"tm": 8}, "default": {"config": {"tm": 8}, "status": "ok",
+                                                                             "median_s": 1.0},
+            "timing": {"median_s": 1.0, "samples_s": [1.0, 1.1, 0.9]}, "candidates": {"ok": 3},
+            "within_noise_of_default": False}
+    return Entry.from_json({**base, **changes})
+
+
+def test_derived_rules():
+    assert verdict_of(_entry()).label == "fastest (derived)"
+    assert verdict_of(_entry(candidates={"ok": 1})).rule == ONLY_CANDIDATE
+    kept = verdict_of(_entry(within_noise_of_default=True))
+    assert kept.rule == WITHIN_NOISE and kept.noise == pytest.approx(0.2)
+    faster = verdict_of(_entry(config={"tm": 16}))  # a win: the winner's and the default's re-timed medians
+    assert [f["config"] for f in faster.finalists] == [{"tm": 16}, {"tm": 8}]
+    assert verdict_of(_entry(verdict=Verdict(ONLY_CANDIDATE).to_json())) == Verdict(ONLY_CANDIDATE)
+
+
+def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
+    problem = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4)
+    result = run_sweep(SweepSpec("ragged_dot", problem, samples=2, max_candidates=4, workers=1))
+    entry = Entry.from_json(json.loads(result.table_path.read_text())["entries"][result.entry.key])
+    assert entry.to_json() == result.entry.to_json()
+    verdict = verdict_of(entry)
+    assert not verdict.derived and verdict.rule in (FASTEST, WITHIN_NOISE)
+    assert (verdict.rule == WITHIN_NOISE) == entry.within_noise_of_default
+    assert verdict.noise is not None and verdict.noise >= 0
+    finalists = verdict.finalists
+    assert finalists[0]["config"] == entry.config and finalists[0]["median_s"] == entry.median_s
+    assert sum(f["is_default"] for f in finalists) == 1 and all(f["samples"] == 4 for f in finalists)
+    assert all(f["min_s"] <= f["median_s"] <= f["max_s"] for f in finalists)
+    first_round = {json.dumps(r["config"]): r["median_s"] for r in entry.results}
+    assert all(first_round[json.dumps(f["config"])] == f["first_median_s"] for f in finalists)
+    row = report.entries_frame().iloc[0]
+    assert row["verdict"] == verdict.text
+    # the sweep log: the final round beside the first, the winner marked
+    _, frame, finals = report.sweep_log_frame(result.log_path)
+    assert finals[-1]["verdict"] == verdict.text
+    timed = frame[frame["final_ms"].notna()]
+    assert len(timed) == len(finalists) and frame["winner"].sum() == 1
+    assert sorted(timed["final_ms"]) == pytest.approx(sorted(f["median_s"] * 1e3 for f in finalists))
+    assert all(not math.isnan(x) for x in timed["median_ms"])
