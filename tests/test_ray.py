@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,16 +32,14 @@ def fake_gpu():
 class Recorder:
     """A `CampaignReporter` that keeps what it was shown."""
 
-    def __init__(self, stop_after: int | None = None):
-        self.snapshots, self.outcomes, self.stop_after = [], [], stop_after
+    def __init__(self):
+        self.snapshots, self.outcomes = [], []
 
     def running(self, sweeps):
         self.snapshots.append({key: dict(state) for key, state in sweeps.items()})
 
     def finished(self, outcome):
         self.outcomes.append(outcome)
-        if self.stop_after is not None and len(self.outcomes) >= self.stop_after:
-            raise KeyboardInterrupt  # the driver stops here, as if killed: only what it wrote so far is kept
 
 
 def gpu_ids(device) -> list[str]:
@@ -133,23 +132,45 @@ def test_a_task_that_raises_is_recorded_and_a_dead_one_resumes(local_ray, tmp_pa
     assert sorted(entries(isolated_profiles)) == sorted(s.key for s in sweeps if s.op != "ragged_gather")
 
 
+DRIVER = """
+import sys
+import ray
+from moe_tune.campaign.plan import plan
+from moe_tune.campaign.ray_runner import run_on_ray
+from test_ray import FAST, fake_gpu, tiny_cases
+
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+options = {**FAST, "max_candidates": 3, "profile_dir": sys.argv[2]}
+run_on_ray(plan(tiny_cases(), platform="cpu", distribution="balanced"), options, fake_gpu())
+"""
+
+
 def test_a_restarted_driver_skips_what_is_done(local_ray, isolated_profiles):
+    """A driver on the session's Ray is killed (SIGKILL) once it has written its first entry; a new driver
+    plans the same campaign, skips what the table holds, and runs the rest."""
     from moe_tune.campaign.ray_runner import run_on_ray
 
-    sweeps = plan(tiny_cases(), platform="cpu", distribution="balanced")
-    options = {**FAST, "profile_dir": isolated_profiles}
-    with pytest.raises(KeyboardInterrupt):
-        run_on_ray(sweeps, options, fake_gpu(), reporter=Recorder(stop_after=1))
+    address = local_ray.get_runtime_context().gcs_address
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, address, str(isolated_profiles)],
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 120
+        while not entries(isolated_profiles) and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        driver.kill()
+        driver.wait()
     written = entries(isolated_profiles)
-    assert len(written) == 1  # the driver wrote the first result at once
+    assert written, f"the driver wrote nothing (exit {driver.returncode})"
 
+    sweeps = plan(tiny_cases(), platform="cpu", distribution="balanced")
     todo, done = split_done(sweeps, profile_dir=isolated_profiles, device_kind="cpu")
-    assert [s.key for s in done] == list(written) and len(todo) == 2
-    outcomes = run_on_ray(todo, options, fake_gpu())
-    assert [o.error for o in outcomes] == [None, None]
+    assert sorted(s.key for s in done) == sorted(written) and len(todo) == 3 - len(written)
+    outcomes = run_on_ray(todo, {**FAST, "max_candidates": 3, "profile_dir": isolated_profiles}, fake_gpu())
+    assert [o.error for o in outcomes] == [None] * len(todo)
     after = entries(isolated_profiles)
     assert sorted(after) == sorted(s.key for s in sweeps)
-    assert after[done[0].key]["tuned_at"] == written[done[0].key]["tuned_at"]  # not swept again
+    assert all(after[key]["tuned_at"] == entry["tuned_at"] for key, entry in written.items())  # not swept again
 
 
 def test_a_task_on_the_wrong_platform_fails_loudly(local_ray):
@@ -179,3 +200,25 @@ def test_importing_the_cli_does_not_import_ray():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.stdout.strip() == "False"
+
+
+def test_progress_shows_one_line_per_running_sweep_and_the_count():
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from moe_tune.campaign.outcome import SweepOutcome
+    from moe_tune.cli_render import CampaignProgress
+
+    sweeps = plan(tiny_cases(), platform="cpu", distribution="balanced")
+    bars = Progress(console=Console(file=open(os.devnull, "w")))
+    shown = CampaignProgress(bars, sweeps)
+    device = {"host": "node1", "device": "cpu:0", "accelerator_ids": {"GPU": ["1"]}}
+    shown.running({sweeps[0].key: {"device": device, "stage": "time", "completed": 3, "total": 8},
+                   sweeps[1].key: {"device": device, "stage": None}})
+    lines = {t.description: (t.completed, t.total) for t in bars.tasks}
+    assert lines == {"sweeps done": (0, 3), f"{sweeps[0].label} on node1 GPU 1: Timing (trace rounds)": (3, 8),
+                     f"{sweeps[1].label} on node1 GPU 1: starting": (0, None)}
+    shown.finished(SweepOutcome(sweeps[1], error="boom"))
+    shown.running({sweeps[0].key: {"device": device, "stage": "finalists", "completed": 1, "total": 2}})
+    assert {t.description: t.completed for t in bars.tasks} == {
+        "sweeps done": 1, f"{sweeps[0].label} on node1 GPU 1: Re-timing finalists": 1}

@@ -83,10 +83,10 @@ def campaign_heading(bars: Progress, total: int):
 
 
 def where(device: dict[str, Any] | None) -> str:
-    """`host GPU[3]`: a campaign's device record, short (`-` when unknown)."""
+    """`host GPU 3`: a campaign's device record, short (`-` when unknown)."""
     if not device:
         return "-"
-    ids = " ".join(f"{name}{ids}" for name, ids in (device.get("accelerator_ids") or {}).items())
+    ids = " ".join(f"{name} {','.join(ids)}" for name, ids in (device.get("accelerator_ids") or {}).items())
     return f"{device['host']} {ids or device['device']}"
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from moe_tune.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.models import get_preset, layer_cases, presets
+from moe_tune.models import KernelCase, get_preset, layer_cases, presets
 from moe_tune.profiles import dirs
 from moe_tune.profiles.key import entry_key
 
@@ -26,7 +26,7 @@ from moe_tune.profiles.key import entry_key
 class PlannedSweep:
     """One sweep of a campaign. `problem`: the op's problem object (`RaggedDotProblem` / `GatherProblem`);
     `backend`: the backend's name on the campaign's platform; `key`: its table key (`profiles.key`);
-    `label`: where it first came from (`deepseek-v3 gate/up tokens=4096 ep=8`), for people."""
+    `label`: where it first came from (`deepseek-v3 gate/up fwd tokens=4096 ep=8`), for people."""
 
     op: str
     problem: Any
@@ -65,10 +65,16 @@ def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequ
                 notes.append(f"{name}: ep={ep} left out ({preset.experts} experts are not divisible by {ep})")
                 continue
             for count, case in layer_cases(preset, list(tokens), ep=ep, dtype=dtype, quant=quant):
-                cases.append(Case(case.op, case.problem, f"{name} {case.role} tokens={count} ep={ep}"))
+                cases.append(Case(case.op, case.problem, f"{name} {_role(case)} tokens={count} ep={ep}"))
     if not cases:
         raise UsageError("the campaign has no sweep: " + "; ".join(notes))
     return cases, notes
+
+
+def _role(case: KernelCase) -> str:
+    """`gate/up drhs`: the case's role in the layer, and its direction when its op has several."""
+    several = len(get_op(case.op).directions) > 1
+    return f"{case.role} {case.problem.key_fields()['direction']}" if several else case.role
 
 
 def op_cases(op: str, problems: Iterable[Any]) -> list[Case]:
@@ -95,7 +101,7 @@ def shard(sweeps: Sequence[PlannedSweep], index: int, count: int) -> list[Planne
     """The `index`-th (0-based) of `count` disjoint shares whose union is `sweeps`: every count-th sweep
     from the index-th. The plan is largest first, so the shares get about equal work."""
     if not 0 <= index < count:
-        raise UsageError(f"shard {index}/{count}: the index must be 0 to {count - 1}")
+        raise UsageError(f"share {index} of {count}: the index must be 0 to {count - 1}")
     return list(sweeps[index::count])
 
 
@@ -108,7 +114,8 @@ def parse_shard(text: str) -> tuple[int, int]:
         raise UsageError(f"--shard {text!r}: expected I/N, e.g. 0/4 (the I-th of N shares, 0-based)") from None
     if count < 1:
         raise UsageError(f"--shard {text!r}: N must be at least 1")
-    shard([], index, count)  # checks the index
+    if not 0 <= index < count:
+        raise UsageError(f"--shard {text!r}: I must be 0 to {count - 1} (the shares are counted from 0)")
     return index, count
 
 
