@@ -62,7 +62,12 @@ def prepare(cases: Sequence[Case], options: dict[str, Any], *, backend: str | No
 def execute(campaign: Campaign, options: dict[str, Any], *, reporter: Any = None,
             on_sweep: Callable[[int, PlannedSweep], Any] | None = None) -> list[SweepOutcome]:
     """Run the campaign's `todo`: on Ray (`reporter`: a `ray_runner.CampaignReporter`), or here one after
-    another (`on_sweep`: see `run_here`)."""
+    another (`on_sweep`: see `run_here`). MoeTuneError first when the profile dir cannot be written (one error,
+    not one failed sweep each)."""
+    from moe_tune.profiles import dirs
+    from moe_tune.tuner.record import writable_dir
+
+    writable_dir(dirs.write_dir(options.get("profile_dir")))
     if campaign.accelerator is None:
         return run_here(campaign.todo, options, on_sweep=on_sweep)
     from moe_tune.campaign import ray_runner

@@ -21,9 +21,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -126,24 +126,29 @@ class LogRelay:
     def __init__(self, profile_dir: str):
         self.profile_dir = Path(profile_dir)
         self.running: dict[str, dict[str, Any]] = {}
-        self.attempts: dict[str, int] = {}
+        self.started: dict[str, dict[str, Any]] = {}  # by key: attempts (starts so far), the last device
 
     def start(self, key: str, device: dict[str, Any], log: str, fresh: bool) -> bytes:
         """A task starts `key` on `device`: the sweep log received so far (whole lines), to resume from. With
         `fresh`, the first start deletes the log (a retry then resumes what the first attempt sent)."""
         from moe_tune.tuner.log import read_log
 
-        self.attempts[key] = self.attempts.get(key, 0) + 1
+        attempts = self.started.get(key, {}).get("attempts", 0) + 1
+        self.started[key] = {"attempts": attempts, "device": device}
         self.running[key] = {"device": device, "stage": None, "completed": 0, "total": 0, "since": time.time()}
         path = self.profile_dir / log
-        if fresh and self.attempts[key] == 1:
+        if fresh and attempts == 1:
             path.unlink(missing_ok=True)
         _, good_end = read_log(path)
         return path.read_bytes()[:good_end] if good_end else b""
 
     def append(self, log: str, data: bytes) -> None:
+        """Append whole lines a task's sweep log appended. Lines starting with a header begin a new log (the
+        task could not resume this one: another sweep version): the old one is set aside, as `SweepLog` does."""
         path = self.profile_dir / log
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and json.loads(data.split(b"\n", 1)[0]).get("type") == "header":
+            path.replace(path.with_suffix(".stale.jsonl"))
         with open(path, "ab") as f:
             f.write(data)
             f.flush()
@@ -155,9 +160,10 @@ class LogRelay:
     def finish(self, key: str) -> None:
         self.running.pop(key, None)
 
-    def snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
-        """(the running sweeps by key: device, stage, completed, total; starts per key)."""
-        return self.running, self.attempts
+    def snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """(the running sweeps by key: device, stage, completed, total; every started sweep by key: attempts,
+        the device of the last)."""
+        return self.running, self.started
 
 
 class _RelayReporter:
@@ -258,9 +264,9 @@ def run_on_ray(sweeps: Sequence[PlannedSweep], options: dict[str, Any], accelera
     try:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=poll_s)
-            running, attempts = ray.get(relay.snapshot.remote())
+            running, started = ray.get(relay.snapshot.remote())
             for ref in ready:
-                outcome = _collect(pending.pop(ref), ref, directory, attempts)
+                outcome = _collect(pending.pop(ref), ref, directory, started)
                 outcomes.append(outcome)
                 running.pop(outcome.sweep.key, None)
                 if reporter is not None:
@@ -271,14 +277,19 @@ def run_on_ray(sweeps: Sequence[PlannedSweep], options: dict[str, Any], accelera
         for ref in pending:
             ray.cancel(ref, force=True)
         raise
+    except ray.exceptions.RayError as e:  # the relay or the cluster itself failed
+        raise MoeTuneError(f"Ray failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     finally:
         ray.kill(relay)
     return outcomes
 
 
-def _collect(sweep: PlannedSweep, ref: ray.ObjectRef, directory: Path, attempts: dict[str, int]) -> SweepOutcome:
-    """The outcome of one finished task; its entry, with provenance, written to the table at once."""
-    outcome = SweepOutcome(sweep, attempts=attempts.get(sweep.key, 1))
+def _collect(sweep: PlannedSweep, ref: ray.ObjectRef, directory: Path,
+             started: dict[str, dict[str, Any]]) -> SweepOutcome:
+    """The outcome of one finished task; its entry, with provenance, written to the table at once. `started`:
+    the relay's record of the sweep's starts (a failed sweep's device comes from there)."""
+    start = started.get(sweep.key, {})
+    outcome = SweepOutcome(sweep, device=start.get("device"), attempts=start.get("attempts", 1))
     try:
         done = ray.get(ref)
     except ray.exceptions.RayTaskError as e:  # the sweep raised: recorded, the campaign goes on
