@@ -40,3 +40,28 @@ def fresh_jax_caches():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+FAKE_GPUS = 2  # accelerators the shared local Ray pretends to have (scheduling only; the tasks run on the CPU)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One private Ray for the whole test session (starting one costs seconds): 2 CPUs and `FAKE_GPUS` fake
+    GPUs. Its workers get the tests dir on their path, so tests can hand them functions of test modules."""
+    import os
+    from pathlib import Path
+
+    ray = pytest.importorskip("ray")
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), saved) if p)
+    try:
+        ray.init(address="local", num_cpus=2, num_gpus=FAKE_GPUS, include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR")
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
+    yield ray
+    ray.shutdown()

@@ -12,7 +12,9 @@ import click
 from moe_tune import cli_render as render
 from moe_tune import devices, distributions
 from moe_tune import models as presets
-from moe_tune.cli_options import DTYPES, handle_errors, model_only, problems, quant_options, shape_options
+from moe_tune.cli_options import (
+    DTYPES, campaign_options, handle_errors, model_only, one, problems, quant_options, shape_options, shard_of,
+)
 from moe_tune.cli_options import directions as all_directions
 from moe_tune.cli_render import ProgressReporter, console, out, progress
 from moe_tune.kernels import get_op, op_names
@@ -49,16 +51,19 @@ def cli() -> None:
               help="Start no new candidates after this many seconds (finished ones are kept).")
 @click.option("--fresh", is_flag=True, help="Delete this sweep's log and start over instead of resuming.")
 @click.option("--model", default=None,
-              help="Sweep every kernel and direction of one layer of this preset (see `moe-tune models`) at "
-                   "--tokens, --ep and --dtype (defaults: " + ", ".join(
+              help="Sweep every kernel and direction of one layer of this preset (see `moe-tune models`; several "
+                   "comma-separated, or `all`) at --tokens, --ep and --dtype (defaults: " + ", ".join(
                        f"{k} {v}" for k, v in presets.LAYER_DEFAULTS.items()) + ").")
+@campaign_options
 @handle_errors
 def sweep(op, backend, distribution, direction, seed, workers, samples, race, max_candidates, profile_dir, keep_trace,
-          strategy, budget, time_budget, fresh, model, **shape):
+          strategy, budget, time_budget, fresh, model, ray_address, shard, dry_run, **shape):
     """Sweep a kernel's configs for one shape (or a whole model's kernels) and store the fastest correct ones.
 
     Every finished candidate is appended to a sweep log beside the tables; running the same sweep again
-    resumes it (finished candidates are not run again). Ctrl-C keeps what finished."""
+    resumes it (finished candidates are not run again). Ctrl-C keeps what finished. Several models or ep
+    sizes, --ray, --shard and --dry-run run a campaign: its sweeps planned once (duplicates removed, those the
+    table holds skipped unless --fresh, largest first)."""
     from moe_tune.tuner import SweepSpec, compile_cache, preflight, run_sweep
 
     distribution = distribution or distributions.DEFAULT
@@ -69,9 +74,14 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, race, ma
         options["samples"] = samples
     if race is not None:
         options["race"] = race or None
+    campaign = dict(ray_address=ray_address, share=shard_of(shard), dry_run=dry_run)
     if model is not None:
-        return _sweep_model(model, backend, shape, options)
+        return _sweep_model(model, backend, shape, options, campaign)
     cases = problems(op, direction, shape)
+    if any(campaign.values()):
+        from moe_tune.campaign.plan import op_cases
+
+        return _sweep_campaign(op_cases(op, cases), backend, options, campaign)
     specs = [SweepSpec(op, problem, backend=backend, **options) for problem in cases]
     for sweep_spec in specs:  # every sweep's shape, memory and profile dir, before anything is printed
         preflight(sweep_spec)
@@ -86,17 +96,24 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, race, ma
         render.sweep_summary(result)
 
 
-def _sweep_model(model: str, backend, shape: dict, options: dict) -> None:
-    """`sweep --model`: every kernel case of one layer, then one summary table."""
+def _sweep_model(model: str, backend, shape: dict, options: dict, campaign: dict) -> None:
+    """`sweep --model`: every kernel case of one layer, then one summary table (several models or ep sizes,
+    or a campaign flag: a campaign)."""
     from moe_tune.tuner import compile_cache
     from moe_tune.tuner.model_sweep import preflight, sweep_model
 
     ctx = click.get_current_context()
     explicit = [name for name in ("op", "direction") if ctx.get_parameter_source(name).name != "DEFAULT"]
     model_only(shape, explicit=explicit + (["backend"] if backend is not None else []))
-    preset = presets.get_preset(model)
-    tokens, ep, dtype = presets.layer_settings(shape.get("tokens"), shape.get("ep"), shape.get("dtype"))
+    models, eps = model.split(","), shape.get("ep") or [presets.LAYER_DEFAULTS["ep"]]
+    tokens, _, dtype = presets.layer_settings(shape.get("tokens"), None, shape.get("dtype"))
     quant = quant_options(shape)  # only the ragged_dot kernels are quantized
+    if len(models) > 1 or len(eps) > 1 or models == ["all"] or any(campaign.values()):
+        from moe_tune.campaign.plan import model_campaign_cases
+
+        cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant)
+        return _sweep_campaign(cases, None, options, campaign, notes)
+    preset, ep = presets.get_preset(model), eps[0]
     preflight(preset, tokens, ep=ep, dtype=dtype, sweep_options=options, quant=quant)  # before anything is printed
     compile_cache.enable()
     with progress(transient=True) as bars:
@@ -109,6 +126,25 @@ def _sweep_model(model: str, backend, shape: dict, options: dict) -> None:
     render.model_sweep_summary(f"{model}: {len(results)} kernel sweeps on {devices.device_kind()} (ep={ep}, {dtype})",
                                results)
     if any(r.error for r in results):
+        sys.exit(1)
+
+
+def _sweep_campaign(cases, backend, options: dict, campaign: dict, notes=()) -> None:
+    """A campaign (`moe_tune.campaign`): plan it, print the plan (--dry-run) or run it, then a summary."""
+    from moe_tune.campaign import engine
+    from moe_tune.tuner import compile_cache
+
+    planned = engine.prepare(cases, options, backend=backend, ray_address=campaign["ray_address"],
+                             share=campaign["share"], notes=notes)
+    render.campaign_plan(planned, listed=campaign["dry_run"])
+    if campaign["dry_run"] or not planned.todo:
+        return
+    compile_cache.enable()
+    with progress(transient=True) as bars:
+        outcomes = engine.execute(planned, options, reporter=render.CampaignProgress(bars, planned.todo),
+                                  on_sweep=render.campaign_heading(bars, len(planned.todo)))
+    render.campaign_summary(outcomes)
+    if any(o.error for o in outcomes):
         sys.exit(1)
 
 
@@ -285,7 +321,7 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
 
     if model is not None:
         cases = [(case.op, case.problem) for _, case in presets.layer_cases(
-            presets.get_preset(model), shape.get("tokens"), ep=shape.get("ep"), dtype=shape.get("dtype"),
+            presets.get_preset(model), shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
             quant=quant_options(shape))]
     else:
         cases = [(op, problem) for problem in problems(op, direction, shape)]

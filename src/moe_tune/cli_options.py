@@ -54,7 +54,7 @@ class _TokenList(click.ParamType):
         except ValueError:
             self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
         if not counts or any(c < 1 for c in counts):
-            self.fail(f"{value!r}: token counts must be positive integers", param, ctx)
+            self.fail(f"{value!r}: the values must be positive integers", param, ctx)
         return counts
 
 
@@ -124,17 +124,24 @@ def problems(op_name: str, direction: str, shape: dict[str, Any]) -> list[Any]:
     unknown = [d for d in wanted if d not in spec.directions]
     if unknown:
         raise UsageError(f"op {op_name!r} has no direction {unknown[0]!r}; it has {', '.join(spec.directions)}")
-    given = {k: v for k, v in shape.items() if v is not None}
-    if isinstance(given.get("tokens"), list):
-        if len(given["tokens"]) > 1:
-            raise UsageError("several --tokens counts need --model; for one op give one count")
-        given["tokens"] = given["tokens"][0]
+    given = {k: one(shape, k) for k, v in shape.items() if v is not None}
     foreign = [k for k in given if k not in spec.option_names]
     if foreign:
         raise UsageError(f"{flag(foreign[0])} does not apply to {op_name}; its shape options are "
                          f"{' '.join(flag(o) for o in spec.option_names)}")
     options = {**spec.default_problem_options(), **given}
     return [spec.problem(**options, direction=d) for d in wanted]
+
+
+def one(shape: dict[str, Any], name: str) -> Any:
+    """The value of a shape flag that takes `N[,N...]` (`--tokens`, `--ep`) where one value is wanted; UsageError
+    for several."""
+    value = shape.get(name)
+    if not isinstance(value, list):
+        return value
+    if len(value) > 1:
+        raise UsageError(f"several {flag(name)} values need `sweep --model`; give one here")
+    return value[0]
 
 
 # The shape flags a `--model` run takes: the layer's token counts, ep and dtype, and its quantization.
@@ -152,3 +159,28 @@ def model_only(shape: dict[str, Any], *, explicit: list[str]) -> None:
 def quant_options(shape: dict[str, Any]) -> dict[str, Any]:
     """The quantization flags given (`--rhs-quant`, `--lhs-quant`, `--quant-block`), for a model's layer."""
     return {name: shape[name] for name in names(QUANT) if shape.get(name) is not None}
+
+
+def campaign_options(fn: Callable) -> Callable:
+    """`sweep`'s campaign flags: --ray, --shard, --dry-run (`moe_tune.campaign`)."""
+    options = [
+        click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
+                     help="Run the sweeps as Ray tasks, one accelerator each, on the Ray cluster at ADDRESS, or on "
+                          "a private Ray started here with `local` ($RAY_ADDRESS is ignored then). Needs the `ray` "
+                          "extra: pip install 'moe-tune[ray]'."),
+        click.option("--shard", metavar="I/N", default=None,
+                     help="Run only the I-th (0-based) of N disjoint shares of the plan (default: from "
+                          "SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT when set); combine the shares' tables with "
+                          "`moe-tune merge`."),
+        click.option("--dry-run", is_flag=True, help="Print the campaign's plan and exit."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def shard_of(text: str | None) -> tuple[int, int] | None:
+    """`--shard I/N` as (index, count), else the SLURM job array's, else None."""
+    from moe_tune.campaign.plan import parse_shard, shard_from_env
+
+    return parse_shard(text) if text is not None else shard_from_env()

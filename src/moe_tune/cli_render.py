@@ -18,6 +18,9 @@ from moe_tune.profiles.verdict import verdict_of
 if TYPE_CHECKING:
     from moe_tune.bench import Comparison
     from moe_tune.breakdown import Breakdown
+    from moe_tune.campaign.engine import Campaign
+    from moe_tune.campaign.outcome import SweepOutcome
+    from moe_tune.campaign.plan import PlannedSweep
     from moe_tune.profiles import LookupResult
     from moe_tune.profiles.entry import Entry
     from moe_tune.tuner import SweepResult
@@ -42,6 +45,91 @@ class ProgressReporter:
 
     def advance(self, name: str, amount: float = 1) -> None:
         self.progress.advance(self.tasks[name], amount)
+
+
+class CampaignProgress:
+    """A campaign on Ray (`campaign.ray_runner.CampaignReporter`): the overall count, one progress line per
+    running sweep (its current stage, and where it runs), and one printed line per sweep as it ends."""
+
+    def __init__(self, progress: Progress, sweeps: Sequence[PlannedSweep]):
+        self.progress, self.labels = progress, {s.key: s.label for s in sweeps}
+        self.overall = None
+        self.lines: dict[str, Any] = {}
+
+    def running(self, sweeps: dict[str, dict[str, Any]]) -> None:
+        if self.overall is None:
+            self.overall = self.progress.add_task("sweeps done", total=len(self.labels))
+        for key in [k for k in self.lines if k not in sweeps]:
+            self.progress.remove_task(self.lines.pop(key))
+        for key, state in sweeps.items():
+            stage = STAGES.get(state.get("stage"), "starting")
+            text = f"{self.labels.get(key, key)} on {where(state.get('device'))}: {stage}"
+            if key not in self.lines:
+                self.lines[key] = self.progress.add_task(text, total=None)
+            self.progress.update(self.lines[key], description=text, completed=state.get("completed", 0),
+                                 total=state.get("total") or None)
+
+    def finished(self, outcome: SweepOutcome) -> None:
+        if self.overall is not None:
+            self.progress.advance(self.overall)
+        self.progress.console.print(outcome_line(outcome), highlight=False)
+
+
+def campaign_heading(bars: Progress, total: int):
+    """`on_sweep` of a campaign run here: a heading line per sweep, and its stages' progress bars."""
+
+    def heading(i: int, sweep: PlannedSweep) -> ProgressReporter:
+        bars.console.print(f"[{i + 1}/{total}] [bold]{sweep.label}[/bold]", highlight=False)
+        return ProgressReporter(bars)
+
+    return heading
+
+
+def where(device: dict[str, Any] | None) -> str:
+    """`host GPU 3`: a campaign's device record, short (`-` when unknown)."""
+    if not device:
+        return "-"
+    ids = " ".join(f"{name} {','.join(ids)}" for name, ids in (device.get("accelerator_ids") or {}).items())
+    return f"{device['host']} {ids or device['device']}"
+
+
+def outcome_line(outcome: SweepOutcome) -> str:
+    if outcome.error is not None:
+        return f"failed {outcome.sweep.label}: {outcome.error}"
+    entry = outcome.entry
+    return (f"done {outcome.sweep.label}: {' '.join(f'{k}={v}' for k, v in entry.config.items())} "
+            f"{_ms(entry.median_s)} ms, {entry.speedup_over_default or 0:.2f}x, on {where(outcome.device)}")
+
+
+def campaign_plan(campaign: Campaign, *, listed: bool) -> None:
+    """What a campaign will do: its size, its share, what the table already holds; `listed`: every sweep."""
+    c = campaign
+    share = f"; share {c.share[0]}/{c.share[1]}: {len(c.todo) + len(c.done)} sweeps" if c.share else ""
+    out.print(f"Campaign on {c.device_kind} ({c.platform}): {c.cases} kernel cases, {len(c.planned)} sweeps after "
+              f"removing duplicates{share}; {len(c.done)} already in the table, {len(c.todo)} to run", highlight=False)
+    for note in c.notes:
+        out.print(f"  note: {note}", highlight=False)
+    if listed:
+        done = {s.key for s in c.done}
+        table("Plan (largest first)", ("#", "sweep", "op", "direction", "backend", "state"),
+              [(i + 1, s.label, s.op, s.problem.key_fields().get("direction", "-"), s.backend,
+                "done" if s.key in done else "to run")
+               for i, s in enumerate(c.todo + c.done)], right=("#",))
+
+
+def campaign_summary(outcomes: Sequence[SweepOutcome]) -> None:
+    rows = []
+    for o in outcomes:
+        direction = o.sweep.problem.key_fields().get("direction", "-")
+        if o.error is not None:
+            rows.append((o.sweep.label, o.sweep.op, direction, f"failed: {o.error}", "-", "-", where(o.device), "-"))
+            continue
+        rows.append((o.sweep.label, o.sweep.op, direction, " ".join(f"{k}={v}" for k, v in o.entry.config.items()),
+                     _ms(o.entry.median_s), f"{o.entry.speedup_over_default or 0:.2f}x", where(o.device),
+                     f"{o.attempts} start(s), {o.resumed} resumed"))
+    failed = sum(o.error is not None for o in outcomes)
+    table(f"{len(outcomes)} sweeps, {failed} failed", ("sweep", "op", "direction", "winner", "time_ms", "speedup",
+                                                       "where", "runs"), rows, right=("time_ms", "speedup"))
 
 
 @contextmanager

@@ -20,7 +20,7 @@ class ShapeOption:
 
     type: `int` (a positive integer), `str`, `bool` (a flag pair: `--name` / `negative_flag`), or a tuple of
     strings (one of these choices). default: None means "not given": the op's `default_problem_options()` (or
-    the problem's own default) supplies it. token_list: the CLI accepts `N[,N...]` (several counts need
+    the problem's own default) supplies it. token_list: the CLI accepts `N[,N...]` (several values need
     `--model`; one op takes one). aliases: extra flags (e.g. `--g` for `--groups`).
     """
 
@@ -69,7 +69,8 @@ TOKENS = ShapeOption("tokens", int, "gather ops: tokens in the batch; with --mod
 HIDDEN = ShapeOption("hidden", int, "gather ops: hidden size (row width).")
 TOP_K = ShapeOption("top_k", int, "gather ops: experts per token.")
 EXPERTS = ShapeOption("experts", int, "gather ops: routed experts (all shards).")
-EP = ShapeOption("ep", int, "gather ops: expert-parallel size; the valid rows are about 1/ep of them.")
+EP = ShapeOption("ep", int, "gather ops: expert-parallel size; the valid rows are about 1/ep of them; with --model, "
+                 "comma-separated sizes.", token_list=True)
 WEIGHTED = ShapeOption("weighted", bool, "ragged_gather: with or without row weights.",
                        negative_flag="--unweighted")
 

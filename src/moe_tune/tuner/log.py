@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +90,16 @@ class SweepLog:
 
     `restored` maps config_key -> the candidate line of every candidate already finished by an earlier run
     (the last one wins, should a config appear twice). `restarted` says why an existing log was set aside
-    (its header did not match this sweep), or is None.
+    (its header did not match this sweep), or is None. `on_append`, when given, gets the bytes of every
+    append (whole JSON lines) once they are on disk: a distributed sweep sends them on to its driver.
     """
 
-    def __init__(self, path: Path, header: dict[str, Any], *, fresh: bool = False):
+    def __init__(self, path: Path, header: dict[str, Any], *, fresh: bool = False,
+                 on_append: Callable[[bytes], None] | None = None):
         self.path = Path(path)
         self.header = header
         self.fresh = fresh
+        self.on_append = on_append
         self.restored: dict[str, dict[str, Any]] = {}
         self.restarted: str | None = None
         self.finals: list[dict[str, Any]] = []
@@ -156,6 +159,8 @@ class SweepLog:
             written = os.write(self._fd, view)
             view = view[written:]
         os.fsync(self._fd)
+        if self.on_append is not None:
+            self.on_append(data)
 
 
 def _jsonable(value: Any) -> Any:

@@ -21,6 +21,7 @@ the same sweep again resumes it. A KeyboardInterrupt stops the sweep, keeps the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from moe_tune.tuner import finals, memory, record, search, strategies
@@ -49,17 +50,19 @@ def preflight(spec: SweepSpec) -> SweepPlan:
     return plan
 
 
-def run_sweep(spec: SweepSpec, reporter: Reporter | None = None) -> SweepResult:
+def run_sweep(spec: SweepSpec, reporter: Reporter | None = None, *,
+              on_log: Callable[[bytes], None] | None = None) -> SweepResult:
     """Tune one (op, backend, problem, distribution) and write the winning entry; returns everything.
 
-    Resumes from the sweep log when there is one (`spec.fresh` deletes it first). Raises what `preflight`
+    Resumes from the sweep log when there is one (`spec.fresh` deletes it first); `on_log` gets every
+    append to the log (`SweepLog.on_append`). Raises what `preflight`
     raises, SweepError when no candidate is correct, and SweepInterrupted (a KeyboardInterrupt) when
     interrupted."""
     started = time.perf_counter()
     plan = preflight(spec)
     strategy = strategies.make(spec.strategy, plan.space, backend=plan.backend, problem=spec.problem,
                                budget=spec.budget, seed=spec.seed)
-    with SweepLog(plan.log_path, record.header(plan), fresh=spec.fresh) as log:
+    with SweepLog(plan.log_path, record.header(plan), fresh=spec.fresh, on_append=on_log) as log:
         state = SweepState(plan, log, reporter or Reporter(), started)
         return _run(state, strategy)
 

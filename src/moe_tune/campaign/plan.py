@@ -1,0 +1,144 @@
+"""The plan of a tuning campaign: every sweep (one table key each) across models, token counts, ep values and
+directions, duplicates removed, largest first; its shares (`shard`) for job arrays; and which of its sweeps a
+target table already holds (`split_done`).
+
+A sweep is the unit of work: its candidates are never split across devices (timings from two devices are not
+comparable, and the final round re-times the finalists side by side on one device). The order is
+deterministic, so every shard of a job array computes the same plan and takes a disjoint share of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels import get_op
+from moe_tune.models import KernelCase, get_preset, layer_cases, presets
+from moe_tune.profiles import dirs
+from moe_tune.profiles.key import entry_key
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedSweep:
+    """One sweep of a campaign. `problem`: the op's problem object (`RaggedDotProblem` / `GatherProblem`);
+    `backend`: the backend's name on the campaign's platform; `key`: its table key (`profiles.key`);
+    `label`: where it first came from (`deepseek-v3 gate/up fwd tokens=4096 ep=8`), for people."""
+
+    op: str
+    problem: Any
+    backend: str
+    key: str
+    label: str
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(FLOPs, bytes of memory it needs): what `largest first` sorts by (the gathers have no FLOPs)."""
+        spec = get_op(self.op)
+        return spec.flops(self.problem), spec.memory_estimate(self.problem)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel call to tune: op, problem, and a label saying where it came from."""
+
+    op: str
+    problem: Any
+    label: str
+
+
+def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *, dtype: str,
+                         quant: Mapping[str, Any] | None = None) -> tuple[list[Case], list[str]]:
+    """(every kernel case of one layer of each model at each token count and ep, notes). `models`: preset
+    names, or `["all"]` for every preset. A (model, ep) whose ep does not divide the model's experts is left
+    out with a note (a campaign over several models and ep values usually has some); an unknown model or a
+    bad token count is a UsageError."""
+    names = list(presets()) if list(models) == ["all"] else list(models)
+    cases, notes = [], []
+    for name in names:
+        preset = get_preset(name)
+        for ep in eps:
+            if preset.experts % ep:
+                notes.append(f"{name}: ep={ep} left out ({preset.experts} experts are not divisible by {ep})")
+                continue
+            for count, case in layer_cases(preset, list(tokens), ep=ep, dtype=dtype, quant=quant):
+                cases.append(Case(case.op, case.problem, f"{name} {_role(case)} tokens={count} ep={ep}"))
+    if not cases:
+        raise UsageError("the campaign has no sweep: " + "; ".join(notes))
+    return cases, notes
+
+
+def _role(case: KernelCase) -> str:
+    """`gate/up drhs`: the case's role in the layer, and its direction when its op has several."""
+    several = len(get_op(case.op).directions) > 1
+    return f"{case.role} {case.problem.key_fields()['direction']}" if several else case.role
+
+
+def op_cases(op: str, problems: Iterable[Any]) -> list[Case]:
+    """`sweep --op`: one case per problem (one per direction asked for)."""
+    spec = get_op(op)
+    return [Case(op, problem, spec.describe(problem)) for problem in problems]
+
+
+def plan(cases: Iterable[Case], *, platform: str, distribution: str, backend: str | None = None) -> list[PlannedSweep]:
+    """The campaign's sweeps on `platform`: one per table key (the first case of a key names it), largest
+    first, ties in the order given. `backend`: None takes each op's default backend on `platform`."""
+    by_key: dict[str, PlannedSweep] = {}
+    for case in cases:
+        name = get_op(case.op).backends.resolve(backend, platform).name
+        key = entry_key(case.op, case.problem, name, distribution)
+        by_key.setdefault(key, PlannedSweep(case.op, case.problem, name, key, case.label))
+    sweeps = list(by_key.values())
+    sizes = [s.size for s in sweeps]
+    order = sorted(range(len(sweeps)), key=lambda i: (-sizes[i][0], -sizes[i][1], i))
+    return [sweeps[i] for i in order]
+
+
+def shard(sweeps: Sequence[PlannedSweep], index: int, count: int) -> list[PlannedSweep]:
+    """The `index`-th (0-based) of `count` disjoint shares whose union is `sweeps`: every count-th sweep
+    from the index-th. The plan is largest first, so the shares get about equal work."""
+    if not 0 <= index < count:
+        raise UsageError(f"share {index} of {count}: the index must be 0 to {count - 1}")
+    return list(sweeps[index::count])
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`"2/8"` -> (2, 8); UsageError (one line) for anything else."""
+    parts = text.split("/")
+    try:
+        index, count = (int(part) for part in parts)
+    except ValueError:
+        raise UsageError(f"--shard {text!r}: expected I/N, e.g. 0/4 (the I-th of N shares, 0-based)") from None
+    if count < 1:
+        raise UsageError(f"--shard {text!r}: N must be at least 1")
+    if not 0 <= index < count:
+        raise UsageError(f"--shard {text!r}: I must be 0 to {count - 1} (the shares are counted from 0)")
+    return index, count
+
+
+def shard_from_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """(index, count) of this task of a SLURM job array (`SLURM_ARRAY_TASK_ID` counted from
+    `SLURM_ARRAY_TASK_MIN`, `SLURM_ARRAY_TASK_COUNT`), or None outside one."""
+    task, count = environ.get("SLURM_ARRAY_TASK_ID"), environ.get("SLURM_ARRAY_TASK_COUNT")
+    if task is None or count is None:
+        return None
+    try:
+        return parse_shard(f"{int(task) - int(environ.get('SLURM_ARRAY_TASK_MIN', '0'))}/{int(count)}")
+    except ValueError:
+        raise UsageError(f"SLURM_ARRAY_TASK_ID={task!r} / SLURM_ARRAY_TASK_COUNT={count!r} are not integers") from None
+
+
+def split_done(sweeps: Sequence[PlannedSweep], *, profile_dir: Path | None, device_kind: str,
+               fresh: bool = False) -> tuple[list[PlannedSweep], list[PlannedSweep]]:
+    """(to run, already done): a sweep is done when the target table (the write dir of `profile_dir`, this
+    device kind) holds a complete (not interrupted) entry for its key; with `fresh` nothing is done."""
+    from moe_tune.tuner.record import has_complete_entry  # the tuner's own test of "complete"
+
+    if fresh:
+        return list(sweeps), []
+    directory = dirs.write_dir(profile_dir)
+    done = {s.key for s in sweeps if has_complete_entry(dirs.table_path(directory, device_kind, s.op), s.key)}
+    return [s for s in sweeps if s.key not in done], [s for s in sweeps if s.key in done]

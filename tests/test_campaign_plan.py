@@ -1,0 +1,130 @@
+"""A campaign's plan (no engine): duplicates removed across models, largest first, shares for job arrays,
+what the table already holds; and `sweep --dry-run` / `--shard` through the CLI, the shares then merged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moe_tune.campaign.plan import (
+    Case, model_campaign_cases, parse_shard, plan, shard, shard_from_env, split_done,
+)
+from moe_tune.cli import cli
+from moe_tune.errors import UsageError
+from moe_tune.models import ModelPreset, layer_cases
+from moe_tune.profiles.key import entry_key
+
+# Same matmuls per shard (4 experts on one shard, or 8 on two: 4 groups of the same m, k, n); other gathers.
+FOUR = ModelPreset(name="four", hidden=128, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
+EIGHT = ModelPreset(name="eight", hidden=128, expert_intermediate=64, experts=8, top_k=2, shared_experts=0)
+
+
+def cases_of(preset: ModelPreset, ep: int) -> list[Case]:
+    return [Case(c.op, c.problem, f"{preset.name} {c.role}") for _, c in layer_cases(preset, [16], ep=ep,
+                                                                                     dtype="float32")]
+
+
+def test_duplicates_across_models_are_swept_once_largest_first():
+    cases = cases_of(FOUR, 1) + cases_of(EIGHT, 2)
+    sweeps = plan(cases, platform="cpu", distribution="balanced")
+    keys = [s.key for s in sweeps]
+    every = {entry_key(c.op, c.problem, "tiled", "balanced") for c in cases}
+    assert len(keys) == len(set(keys)) and set(keys) == every and len(cases) == 16
+    assert sum(s.op == "ragged_dot" for s in sweeps) == 6  # the same 6 matmuls in both models
+    assert all(s.label.startswith("four") for s in sweeps if s.op == "ragged_dot")  # named by its first case
+    sizes = [s.size for s in sweeps]
+    assert sizes == sorted(sizes, reverse=True) and sweeps[0].op == "ragged_dot"
+
+
+def test_model_campaign_leaves_out_ep_sizes_a_model_cannot_take():
+    cases, notes = model_campaign_cases(["mixtral-8x7b", "qwen3-30b-a3b"], [16], [1, 16], dtype="float32")
+    assert {c.label.split()[0] for c in cases if "ep=16" in c.label} == {"qwen3-30b-a3b"}
+    assert notes == ["mixtral-8x7b: ep=16 left out (8 experts are not divisible by 16)"]
+    assert len(model_campaign_cases(["all"], [16], [1], dtype="float32")[0]) == 8 * 10
+    with pytest.raises(UsageError, match="no sweep"):
+        model_campaign_cases(["mixtral-8x7b"], [16], [16], dtype="float32")
+
+
+@given(st.integers(0, 60), st.integers(1, 12))
+def test_shares_are_disjoint_and_complete(size, count):
+    items = list(range(size))
+    shares = [shard(items, i, count) for i in range(count)]
+    together = sorted(x for share in shares for x in share)
+    assert together == items  # complete, and disjoint: every item exactly once
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+@pytest.mark.parametrize("text", ["2/2", "-1/2", "1/0", "a/b", "1", "1/2/3"])
+def test_bad_shards_are_usage_errors(text):
+    with pytest.raises(UsageError, match="--shard"):
+        parse_shard(text)
+
+
+def test_shard_defaults_from_a_slurm_job_array():
+    assert shard_from_env({}) is None
+    assert shard_from_env({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4"}) == (3, 4)
+    assert shard_from_env({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4",
+                           "SLURM_ARRAY_TASK_MIN": "1"}) == (3, 4)
+    with pytest.raises(UsageError):
+        shard_from_env({"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "4"})
+
+
+def test_complete_entries_are_skipped_unless_fresh(isolated_profiles):
+    from moe_tune.profiles.table import write_entries
+
+    sweeps = plan(cases_of(FOUR, 1), platform="cpu", distribution="balanced")
+    first, second = sweeps[0], sweeps[1]
+    table = isolated_profiles / "cpu" / "ragged_dot.json"
+    write_entries(table, "ragged_dot", "cpu", [{"key": first.key, "fields": {}, "config": {}},
+                                               {"key": second.key, "fields": {}, "config": {}, "interrupted": True}])
+    todo, done = split_done(sweeps, profile_dir=None, device_kind="cpu")
+    assert done == [first] and todo == sweeps[1:]  # an interrupted entry is not complete
+    assert split_done(sweeps, profile_dir=None, device_kind="cpu", fresh=True) == (sweeps, [])
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+    return lambda *args: runner.invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_dry_run_prints_the_plan(run, monkeypatch):
+    result = run("sweep", "--model", "gpt-oss-20b,gpt-oss-120b", "--tokens", "64,512", "--ep", "1,4", "--dry-run")
+    assert result.exit_code == 0, result.output
+    # 2 models x 2 counts x 2 ep x 8 cases; gpt-oss's down matmuls are its gate/up ones, 20b at ep=1 has the
+    # matmuls of 120b at ep=4 (32 experts per shard), and the gathers' keys do not hold the model's experts
+    assert "64 kernel cases, 24 sweeps after removing duplicates" in result.output
+    assert "24 to run" in result.output and "gpt-oss-20b gate/up drhs tokens=512 ep=1" in result.output
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
+    shared = run("sweep", "--model", "gpt-oss-20b", "--tokens", "64", "--dry-run")
+    assert "5 sweeps after removing duplicates; share 1/3: 2 sweeps" in shared.output
+
+
+def test_bad_campaign_flags_are_one_line(run):
+    for args, message in ((["--shard", "3/2"], "I must be 0 to 1"),
+                          (["--model", "gpt-oss-20b,nope"], "unknown model 'nope'"),
+                          (["--model", "gpt-oss-20b", "--ep", "0"], "positive integers")):
+        result = run("sweep", *args, "--dry-run")
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_shards_run_their_share_and_merge_into_the_whole(run, tmp_path):
+    shape = ["--m", "64", "--k", "64", "--n", "64", "--groups", "4", "--direction", "all", "--samples", "1",
+             "--max-candidates", "1", "--workers", "1"]
+    tables = []
+    for index in (0, 1):
+        result = run("sweep", *shape, "--shard", f"{index}/2", "--profile-dir", str(tmp_path / f"shard{index}"))
+        assert result.exit_code == 0, result.output
+        tables.append(tmp_path / f"shard{index}" / "cpu" / "ragged_dot.json")
+    keys = [set(json.loads(t.read_text())["entries"]) for t in tables]
+    assert [len(k) for k in keys] == [2, 1] and not keys[0] & keys[1]
+    merged = tmp_path / "all" / "cpu" / "ragged_dot.json"
+    assert run("merge", str(merged), *map(str, tables)).exit_code == 0
+    assert set(json.loads(merged.read_text())["entries"]) == keys[0] | keys[1]
+    again = run("sweep", *shape, "--shard", "0/2", "--profile-dir", str(tmp_path / "shard0"))
+    assert "2 already in the table, 0 to run" in again.output
