@@ -14,7 +14,8 @@ stay 1-byte in memory the same way.
 reinterpretation): applied to an array a loop only reads, it costs a pass over the whole array before
 the loop (NOTES 13). `per_iteration` avoids that pass for a loop that reads only some blocks of an input
 (the gathers' rows): the input seen through it is not loop-invariant, so XLA cannot hoist a convert or
-bitcast of it out of the loop; it stays fused into the gather or slice that reads each block (NOTES 15).
+bitcast of it out of the loop; it stays fused into the gather that reads each block (NOTES 15; measured
+for gathers only, not yet for the ragged_dot's slices).
 """
 
 from __future__ import annotations
@@ -47,6 +48,6 @@ def per_iteration(x: jax.Array, step: jax.Array) -> jax.Array:
 
     An optimization barrier ties x to `step`, so XLA's loop-invariant code motion cannot hoist an op on the
     whole of x out of the loop: XLA CPU's bf16 -> f32 convert, or `as_bits`, then runs fused into the gather
-    or slice of each block, on that block's elements only, instead of as a pass over all of x before the
-    loop. The barrier itself costs nothing: x is passed through, not copied."""
+    of each block, on that block's elements only, instead of as a pass over all of x before the loop. The
+    barrier itself compiles away: x is passed into the loop, not copied."""
     return jax.lax.optimization_barrier((x, step))[0]
