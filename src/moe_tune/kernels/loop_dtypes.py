@@ -8,7 +8,14 @@ benchmarks/NOTES.md (13): that, not the dot, made the bf16 tiled ragged_dot 2.2-
 float32 path. XLA does not touch integers, so the kernels carry bfloat16 arrays as their uint16 bits
 (`as_bits`), which loops slice and update in place at 2 bytes per element, and convert a block only where
 they use it (`load`): the one mechanism for bf16 blocks and for 1-byte quantized ones (int8, fp8), which
-stay 1-byte in memory the same way. (`as_bits` itself copies the array once on XLA CPU: see NOTES 13.)
+stay 1-byte in memory the same way.
+
+`as_bits` itself is a copy on XLA CPU (a bitcast-convert is a loop over the elements, not a free
+reinterpretation): applied to an array a loop only reads, it costs a pass over the whole array before
+the loop (NOTES 13). `per_iteration` avoids that pass for a loop that reads only some blocks of an input
+(the gathers' rows): the input seen through it is not loop-invariant, so XLA cannot hoist a convert or
+bitcast of it out of the loop; it stays fused into the gather that reads each block (NOTES 15; measured
+for gathers only, not yet for the ragged_dot's slices).
 """
 
 from __future__ import annotations
@@ -34,3 +41,13 @@ def load(block: jax.Array, dtype, compute, scale: jax.Array | float | None = Non
     of the op that uses it, times `scale` (in float32, where given)."""
     block = from_bits(block, dtype).astype(compute)
     return block if scale is None else block.astype(jnp.float32) * scale
+
+
+def per_iteration(x: jax.Array, step: jax.Array) -> jax.Array:
+    """x, for a loop body that reads blocks of it at iteration `step` (any traced loop variable).
+
+    An optimization barrier ties x to `step`, so XLA's loop-invariant code motion cannot hoist an op on the
+    whole of x out of the loop: XLA CPU's bf16 -> f32 convert, or `as_bits`, then runs fused into the gather
+    of each block, on that block's elements only, instead of as a pass over all of x before the loop. The
+    barrier itself compiles away: x is passed into the loop, not copied."""
+    return jax.lax.optimization_barrier((x, step))[0]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
 
 CHUNKS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # The default chunk holds about this many bytes of rows: a few chunks fit in a core's L2 cache.
@@ -70,7 +70,9 @@ class _ChunkedBackend:
     """Validity rules, default and search space shared by the two tiled kernels (`rows_per_chunk`)."""
 
     name = "tiled"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    # bump on changes that can change the fastest or a valid config (Backend.revision). 2: bf16 rows read
+    # through `per_iteration` (no whole-input copy before the loop), so the fastest bf16 chunk can change.
+    revision = 2
     platforms = ("cpu", "gpu", "tpu")
 
     def config_error(self, config, problem: GatherProblem) -> str | None:
@@ -91,7 +93,7 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
     start = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows)
     end = jnp.clip(jnp.asarray(end, jnp.int32), start, rows)
     row_in_chunk = jnp.arange(chunk, dtype=jnp.int32)
-    dtype, x = x.dtype, as_bits(x)  # see loop_dtypes: 2-byte rows gathered as their bits, in place
+    dtype = x.dtype
 
     def body(c, out):
         # The last chunk is shifted back to end at `rows`; rows it shares with the previous chunk are
@@ -99,14 +101,15 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
         row0 = jnp.minimum(c * chunk, rows - chunk)
         ids = jax.lax.dynamic_slice_in_dim(indices, row0, chunk)
         keep = (row0 + row_in_chunk >= start) & (row0 + row_in_chunk < end)
-        block = jnp.take(x, jnp.where(keep, ids, 0), axis=0, mode="clip")
+        x_bits = as_bits(per_iteration(x, c))  # see loop_dtypes: 2-byte rows gathered as their bits
+        block = jnp.take(x_bits, jnp.where(keep, ids, 0), axis=0, mode="clip")
         if weights is not None:
             w = jax.lax.dynamic_slice_in_dim(weights, row0, chunk)[:, None]
             block = as_bits(load(block, dtype, jnp.float32, w.astype(jnp.float32)).astype(dtype))
         block = jnp.where(keep[:, None], block, jnp.zeros((), block.dtype))  # bits 0: +0.0
         return jax.lax.dynamic_update_slice_in_dim(out, block, row0, axis=0)
 
-    out = jnp.zeros((rows, hidden), x.dtype)
+    out = as_bits(jnp.zeros((rows, hidden), dtype))
     return from_bits(jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, out), dtype)
 
 
@@ -136,13 +139,14 @@ def tiled_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, r
     slot = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1, rows)
     order = jnp.zeros(rows, jnp.int32).at[slot].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
     pos_in_chunk = jnp.arange(chunk, dtype=jnp.int32)
-    dtype, x = x.dtype, as_bits(x)  # see loop_dtypes
+    dtype = x.dtype
 
     def body(c, out):
         pos = c * chunk + pos_in_chunk
         ok = pos < count
         entry = jnp.take(order, pos, mode="clip")
-        block = load(jnp.take(x, jnp.take(indices, entry), axis=0, mode="clip"), dtype, jnp.float32)
+        x_bits = as_bits(per_iteration(x, c))  # see loop_dtypes: only the gathered rows are converted
+        block = load(jnp.take(x_bits, jnp.take(indices, entry), axis=0, mode="clip"), dtype, jnp.float32)
         w = jnp.take(weights, entry).astype(jnp.float32)
         contribution = jnp.where(ok[:, None], block * w[:, None], 0.0)  # select: x[0] may be NaN
         token = jnp.where(ok, entry // reduce_group_size, tokens)
@@ -157,17 +161,18 @@ def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> ja
     rows, hidden = indices.shape[0], x.shape[1]
     tokens = rows // r
     per_chunk = max(1, min(rows_per_chunk // r, tokens))
-    dtype, x = x.dtype, as_bits(x)  # see loop_dtypes: rows gathered and the output updated as bits
+    dtype = x.dtype  # see loop_dtypes: rows gathered and the output updated as bits
 
     def body(c, out):
         token0 = jnp.minimum(c * per_chunk, tokens - per_chunk)  # last block shifted back, rewritten equal
         ids = jax.lax.dynamic_slice_in_dim(indices, token0 * r, per_chunk * r)
         w = jax.lax.dynamic_slice_in_dim(weights, token0 * r, per_chunk * r).astype(jnp.float32)
-        block = load(jnp.take(x, ids, axis=0, mode="clip"), dtype, jnp.float32, w[:, None])
+        x_bits = as_bits(per_iteration(x, c))
+        block = load(jnp.take(x_bits, ids, axis=0, mode="clip"), dtype, jnp.float32, w[:, None])
         block = as_bits(block.reshape(per_chunk, r, hidden).sum(axis=1).astype(dtype))
         return jax.lax.dynamic_update_slice_in_dim(out, block, token0, axis=0)
 
-    out = jnp.zeros((tokens, hidden), x.dtype)
+    out = as_bits(jnp.zeros((tokens, hidden), dtype))
     return from_bits(jax.lax.fori_loop(0, -(-tokens // per_chunk), body, out), dtype)
 
 
