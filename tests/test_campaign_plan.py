@@ -15,6 +15,7 @@ from moe_tune.campaign.plan import (
 )
 from moe_tune.cli import cli
 from moe_tune.errors import UsageError
+from moe_tune.kernels import get_op
 from moe_tune.models import ModelPreset, layer_cases
 from moe_tune.profiles.key import entry_key
 
@@ -77,12 +78,17 @@ def test_complete_entries_are_skipped_unless_fresh(isolated_profiles):
     from moe_tune.profiles.table import write_entries
 
     sweeps = plan(cases_of(FOUR, 1), platform="cpu", distribution="balanced")
-    first, second = sweeps[0], sweeps[1]
+    first, second, third = sweeps[0], sweeps[1], sweeps[2]
+    revision = get_op("ragged_dot").backends.get(first.backend).revision
     table = isolated_profiles / "cpu" / "ragged_dot.json"
-    write_entries(table, "ragged_dot", "cpu", [{"key": first.key, "fields": {}, "config": {}},
-                                               {"key": second.key, "fields": {}, "config": {}, "interrupted": True}])
+    current = {"backend_revision": revision}
+    write_entries(table, "ragged_dot", "cpu", [
+        {"key": first.key, "fields": {}, "config": {}, "versions": current},
+        {"key": second.key, "fields": {}, "config": {}, "versions": current, "interrupted": True},
+        {"key": third.key, "fields": {}, "config": {}, "versions": {"backend_revision": revision - 1}}])
     todo, done = split_done(sweeps, profile_dir=None, device_kind="cpu")
-    assert done == [first] and todo == sweeps[1:]  # an interrupted entry is not complete
+    # an interrupted entry is not complete, and one of an older kernel revision is stale: both run again
+    assert done == [first] and todo == sweeps[1:]
     assert split_done(sweeps, profile_dir=None, device_kind="cpu", fresh=True) == (sweeps, [])
 
 

@@ -134,11 +134,18 @@ def shard_from_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int] |
 def split_done(sweeps: Sequence[PlannedSweep], *, profile_dir: Path | None, device_kind: str,
                fresh: bool = False) -> tuple[list[PlannedSweep], list[PlannedSweep]]:
     """(to run, already done): a sweep is done when the target table (the write dir of `profile_dir`, this
-    device kind) holds a complete (not interrupted) entry for its key; with `fresh` nothing is done."""
+    device kind) holds a complete (not interrupted) entry for its key, tuned with the backend's current
+    revision (a revision bump makes the old entries stale: they are swept again); with `fresh` nothing is
+    done."""
     from moe_tune.tuner.record import has_complete_entry  # the tuner's own test of "complete"
 
     if fresh:
         return list(sweeps), []
     directory = dirs.write_dir(profile_dir)
-    done = {s.key for s in sweeps if has_complete_entry(dirs.table_path(directory, device_kind, s.op), s.key)}
+
+    def is_done(s: PlannedSweep) -> bool:
+        revision = get_op(s.op).backends.get(s.backend).revision
+        return has_complete_entry(dirs.table_path(directory, device_kind, s.op), s.key, revision=revision)
+
+    done = {s.key for s in sweeps if is_done(s)}
     return [s for s in sweeps if s.key not in done], [s for s in sweeps if s.key in done]

@@ -16,7 +16,7 @@ from moe_tune.errors import MoeTuneError, TableError
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import read_table, write_entries
 from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict
-from moe_tune.profiles.versions import entry_versions
+from moe_tune.profiles.versions import entry_versions, recorded_revision
 from moe_tune.tuner import log as sweep_log
 from moe_tune.tuner.candidates import FAILED, OK, WRONG, Candidate
 from moe_tune.tuner.spec import SweepPlan
@@ -139,12 +139,16 @@ def write(state: SweepState, entry: Entry, interrupted: bool) -> tuple[Path, boo
     return write_entries(table, state.spec.op, state.plan.device_kind, [entry]), False
 
 
-def has_complete_entry(table: Path, key: str) -> bool:
+def has_complete_entry(table: Path, key: str, revision: int | None = None) -> bool:
+    """Whether `table` holds a complete (not interrupted) entry for `key`, and, with `revision`, one tuned
+    with that backend revision."""
     try:
         entry = read_table(table)["entries"].get(key) if table.exists() else None
     except TableError:
         return False
-    return entry is not None and not entry.get("interrupted")
+    if entry is None or entry.get("interrupted"):
+        return False
+    return revision is None or recorded_revision(entry) == revision
 
 
 def interrupt_message(state: SweepState, table: Path | None, kept_complete: bool | None) -> str:
