@@ -51,6 +51,8 @@ def check_plot(fig, entries) -> None:
     assert len(left.get_legend().get_texts()) >= 5
     assert [b.get_width() for b in _bars(right)] == pytest.approx(
         [e.speedup_over_default or 0.0 for e in entries])
+    grey = [b.get_facecolor()[:3] == pytest.approx((0.6,) * 3) for b in _bars(right)]
+    assert grey == [e.default_config is not None and dict(e.config) == dict(e.default_config) for e in entries]
     right_labels = [t.get_text() for t in right.get_yticklabels()]
     assert len(right_labels) == len(entries)
     for label, entry in zip(right_labels, entries):  # each bar is labelled by its own entry's shape
