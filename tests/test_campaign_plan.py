@@ -111,6 +111,21 @@ def test_dry_run_prints_the_plan(run, monkeypatch):
     assert "5 sweeps after removing duplicates; share 1/3: 2 sweeps" in shared.output
 
 
+def test_a_list_of_shapes_is_a_campaign_of_every_combination(run):
+    result = run("sweep", "--op", "ragged_dot", "--m", "256,512", "--k", "128", "--n", "128,256", "--groups", "4",
+                 "--direction", "all", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "12 kernel cases, 12 sweeps after removing duplicates" in result.output  # 2 m x 2 n x 3 directions
+    for m in (256, 512):
+        for n in (128, 256):
+            assert f"ragged_dot dlhs m={m} k=128 n={n} g=4" in result.output
+    gathers = run("sweep", "--op", "ragged_gather", "--tokens", "64,128,64", "--hidden", "128", "--dry-run")
+    assert "3 kernel cases, 2 sweeps after removing duplicates" in gathers.output  # the repeated 64 once
+    for command in ("lookup", "bench"):  # one shape each: several values are a one-line error
+        single = run(command, "--op", "ragged_dot", "--m", "256,512")
+        assert single.exit_code == 2 and "several --m values make a campaign" in single.output, single.output
+
+
 def test_bad_campaign_flags_are_one_line(run):
     for args, message in ((["--shard", "3/2"], "I must be 0 to 1"),
                           (["--model", "gpt-oss-20b,nope"], "unknown model 'nope'"),

@@ -13,7 +13,8 @@ from moe_tune import cli_render as render
 from moe_tune import devices, distributions
 from moe_tune import models as presets
 from moe_tune.cli_options import (
-    DTYPES, campaign_options, handle_errors, model_only, one, problems, quant_options, shape_options, shard_of,
+    DTYPES, campaign_options, handle_errors, model_only, one, problems, quant_options, several, shape_options,
+    shard_of,
 )
 from moe_tune.cli_options import directions as all_directions
 from moe_tune.cli_render import ProgressReporter, console, out, progress
@@ -62,8 +63,9 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, race, ma
 
     Every finished candidate is appended to a sweep log beside the tables; running the same sweep again
     resumes it (finished candidates are not run again). Ctrl-C keeps what finished. Several models or ep
-    sizes, --ray, --shard and --dry-run run a campaign: its sweeps planned once (duplicates removed, those the
-    table holds skipped unless --fresh, largest first)."""
+    sizes, several values of a shape flag (`--m 256,1024`: one sweep per shape), --ray, --shard and
+    --dry-run run a campaign: its sweeps planned once (duplicates removed, those the table holds skipped
+    unless --fresh, largest first)."""
     from moe_tune.tuner import SweepSpec, compile_cache, preflight, run_sweep
 
     distribution = distribution or distributions.DEFAULT
@@ -77,8 +79,9 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, race, ma
     campaign = dict(ray_address=ray_address, share=shard_of(shard), dry_run=dry_run)
     if model is not None:
         return _sweep_model(model, backend, shape, options, campaign)
-    cases = problems(op, direction, shape)
-    if any(campaign.values()):
+    is_campaign = any(campaign.values()) or several(shape)
+    cases = problems(op, direction, shape, grid=is_campaign)
+    if is_campaign:
         from moe_tune.campaign.plan import op_cases
 
         return _sweep_campaign(op_cases(op, cases), backend, options, campaign)

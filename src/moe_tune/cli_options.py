@@ -6,6 +6,7 @@ problems. Errors become one line (`handle_errors`)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,7 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-class _TokenList(click.ParamType):
+class _IntList(click.ParamType):
     """`512` or `512,4096,16384` -> a list of positive ints."""
 
     name = "N[,N...]"
@@ -58,7 +59,7 @@ class _TokenList(click.ParamType):
         return counts
 
 
-TOKEN_LIST = _TokenList()
+INT_LIST = _IntList()
 
 
 def flag(name: str) -> str:
@@ -77,8 +78,8 @@ def _all_shape_options() -> list[ShapeOption]:
 def _click_option(option: ShapeOption) -> Callable:
     if option.type is bool:
         return click.option(f"{option.flag}/{option.off_flag}", option.name, default=None, help=option.help)
-    if option.token_list:
-        kind = TOKEN_LIST
+    if option.listable:
+        kind = INT_LIST
     elif option.choices is not None:
         kind = click.Choice(option.choices)
     else:
@@ -116,31 +117,40 @@ def shape_options(fn: Callable) -> Callable:
     return fn
 
 
-def problems(op_name: str, direction: str, shape: dict[str, Any]) -> list[Any]:
-    """One problem of `op_name` per requested direction (`all`: every direction the op has), from the shape
-    flags given (the op's defaults fill the rest). UsageError for a flag the op does not take."""
+def problems(op_name: str, direction: str, shape: dict[str, Any], *, grid: bool = False) -> list[Any]:
+    """The problems of `op_name` the shape flags ask for (the op's defaults fill the rest): one per requested
+    direction (`all`: every direction the op has) and, with `grid`, per combination of the values of the flags
+    that take several (`--m 256,1024 --groups 8,16`: four shapes); without it such a flag must have one value.
+    UsageError for a flag the op does not take."""
     spec = get_op(op_name)
     wanted = spec.directions if direction == "all" else (direction,)
     unknown = [d for d in wanted if d not in spec.directions]
     if unknown:
         raise UsageError(f"op {op_name!r} has no direction {unknown[0]!r}; it has {', '.join(spec.directions)}")
-    given = {k: one(shape, k) for k, v in shape.items() if v is not None}
+    given = {k: v for k, v in shape.items() if v is not None}
     foreign = [k for k in given if k not in spec.option_names]
     if foreign:
         raise UsageError(f"{flag(foreign[0])} does not apply to {op_name}; its shape options are "
                          f"{' '.join(flag(o) for o in spec.option_names)}")
-    options = {**spec.default_problem_options(), **given}
-    return [spec.problem(**options, direction=d) for d in wanted]
+    values = [v if grid and isinstance(v, list) else [one(given, k)] for k, v in given.items()]
+    defaults = spec.default_problem_options()
+    return [spec.problem(**{**defaults, **dict(zip(given, combination))}, direction=d)
+            for combination in itertools.product(*values) for d in wanted]
+
+
+def several(shape: dict[str, Any]) -> bool:
+    """Whether a shape flag was given several values (`--m 256,1024`): a campaign."""
+    return any(isinstance(v, list) and len(v) > 1 for v in shape.values())
 
 
 def one(shape: dict[str, Any], name: str) -> Any:
-    """The value of a shape flag that takes `N[,N...]` (`--tokens`, `--ep`) where one value is wanted; UsageError
-    for several."""
+    """The value of a shape flag that takes `N[,N...]` where one value is wanted; UsageError for several."""
     value = shape.get(name)
     if not isinstance(value, list):
         return value
     if len(value) > 1:
-        raise UsageError(f"several {flag(name)} values need `sweep --model`; give one here")
+        raise UsageError(f"several {flag(name)} values make a campaign: `sweep` (one sweep per shape) or "
+                         f"`sweep --model` (--tokens, --ep); give one here")
     return value[0]
 
 

@@ -20,15 +20,16 @@ class ShapeOption:
 
     type: `int` (a positive integer), `str`, `bool` (a flag pair: `--name` / `negative_flag`), or a tuple of
     strings (one of these choices). default: None means "not given": the op's `default_problem_options()` (or
-    the problem's own default) supplies it. token_list: the CLI accepts `N[,N...]` (several values need
-    `--model`; one op takes one). aliases: extra flags (e.g. `--g` for `--groups`).
+    the problem's own default) supplies it. listable: the CLI accepts `N[,N...]`: several values make a
+    campaign (`sweep --op`: one sweep per combination; `sweep --model`: token counts and ep sizes); elsewhere one
+    value is taken. aliases: extra flags (e.g. `--g` for `--groups`).
     """
 
     name: str
     type: type | tuple[str, ...]
     help: str
     default: Any = None
-    token_list: bool = False
+    listable: bool = False
     aliases: tuple[str, ...] = ()
     negative_flag: str | None = None  # bool options: the flag that sets False (default `--no-<name>`)
 
@@ -51,10 +52,10 @@ DTYPE = ShapeOption("dtype", SUPPORTED_DTYPES, "Input dtype.")
 OUT_DTYPE = ShapeOption("out_dtype", SUPPORTED_DTYPES, "Output dtype (default: --dtype).")
 
 # ragged_dot
-M = ShapeOption("m", int, "ragged_dot: rows of lhs (tokens x top_k on this shard).")
-K = ShapeOption("k", int, "ragged_dot: contracting dim (hidden size for gate/up).")
-N = ShapeOption("n", int, "ragged_dot: output dim (expert width for gate/up).")
-GROUPS = ShapeOption("groups", int, "ragged_dot: experts on this shard.", aliases=("--g",))
+M = ShapeOption("m", int, "ragged_dot: rows of lhs (tokens x top_k on this shard).", listable=True)
+K = ShapeOption("k", int, "ragged_dot: contracting dim (hidden size for gate/up).", listable=True)
+N = ShapeOption("n", int, "ragged_dot: output dim (expert width for gate/up).", listable=True)
+GROUPS = ShapeOption("groups", int, "ragged_dot: experts on this shard.", aliases=("--g",), listable=True)
 RHS_QUANT = ShapeOption("rhs_quant", QDTYPES, "ragged_dot: quantize the weights (rhs) to this dtype, one scale per "
                         "channel (or per --quant-block along k); its key gains the quantization fields.")
 LHS_QUANT = ShapeOption("lhs_quant", QDTYPES, "ragged_dot: quantize the activations (lhs) too (w8a8), one scale per "
@@ -65,12 +66,12 @@ QUANT = (RHS_QUANT, LHS_QUANT, QUANT_BLOCK)
 
 # the gather ops
 TOKENS = ShapeOption("tokens", int, "gather ops: tokens in the batch; with --model, comma-separated counts per "
-                     "shard.", token_list=True)
-HIDDEN = ShapeOption("hidden", int, "gather ops: hidden size (row width).")
-TOP_K = ShapeOption("top_k", int, "gather ops: experts per token.")
-EXPERTS = ShapeOption("experts", int, "gather ops: routed experts (all shards).")
+                     "shard.", listable=True)
+HIDDEN = ShapeOption("hidden", int, "gather ops: hidden size (row width).", listable=True)
+TOP_K = ShapeOption("top_k", int, "gather ops: experts per token.", listable=True)
+EXPERTS = ShapeOption("experts", int, "gather ops: routed experts (all shards).", listable=True)
 EP = ShapeOption("ep", int, "gather ops: expert-parallel size; the valid rows are about 1/ep of them; with --model, "
-                 "comma-separated sizes.", token_list=True)
+                 "comma-separated sizes.", listable=True)
 WEIGHTED = ShapeOption("weighted", bool, "ragged_gather: with or without row weights.",
                        negative_flag="--unweighted")
 
