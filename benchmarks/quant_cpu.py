@@ -11,7 +11,8 @@ the quantization error.
 Per (shape, m, groups, direction): every mode is swept with the real tuner (coordinate strategy, a fresh
 temporary profile dir), then one `bench.time_variants` call times together: each mode's tuned kernel,
 `deq+f32:<mode>` (the QArray dequantized to float32 inside the same jitted function, then the float32
-kernel with the tuned float32 config), a dense matmul of the same FLOPs (the compute floor) and a copy and a
+kernel with the tuned float32 config), `f32@tiles:<mode>` for each judged mode whose tuned tiles differ from
+float32's (the float32 kernel at those tiles: the `same tiles` column, f32 at the mode's tiles / mode), a dense matmul of the same FLOPs (the compute floor) and a copy and a
 sum of an array of the float32 weights' size (this machine's copy and read bandwidths; the memory floor of
 each mode is its least bytes moved at the read bandwidth). Errors: max-abs relative error (`relative_error`)
 of each mode's output against the float64 reference of the unquantized operands and against that of its own
@@ -91,6 +92,10 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
         if problems[mode].quantized:
             variants[f"deq+f32:{mode}"] = (lambda mode: lambda x: tiled.run(
                 f32, f32_config, *(as_float(x[mode][o]).astype(jnp.float32) for o in "ab"), x[mode]["group_sizes"]))(mode)
+    # the float32 kernel at a judged mode's tiles, where they differ from float32's own: how much of the mode's
+    # gain is its weight format and how much its tiles (its search space can differ: tiled.candidate_values)
+    for mode in (m for m in TARGETS if m in problems and sweeps[m].best.config != f32_config):
+        variants[f"f32@tiles:{mode}"] = run("float32", f32, sweeps[mode].best.config)
     variants["dense"] = lambda x: bench.DENSE[direction](x["float32"]["a"], x["float32"]["b"])
     variants["copy"] = lambda x: x["copy_source"] + 1  # the f32 weights' size, read and written
     variants["read"] = lambda x: jnp.sum(x["copy_source"])  # the same array read only: no fresh output
@@ -110,6 +115,8 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
             "time_s": times[mode], "spread": measured["spread"][mode],
             "f32_vs_mode": times["float32"] / times[mode],
             "deq_f32_time_s": times.get(f"deq+f32:{mode}"),
+            "f32_at_mode_tiles_vs_mode": times.get(f"f32@tiles:{mode}", times["float32"]) / times[mode]
+            if mode in TARGETS and direction == "fwd" else None,
             "weight_bytes": weight_bytes(inputs[mode]["b"]), "min_bytes": problem.min_bytes,
             "memory_floor_s": problem.min_bytes / bandwidth,
             "error_vs_unquantized": relative_error(out, unquantized),
@@ -131,12 +138,14 @@ def print_case(name, case) -> None:
     print(f"\nragged_dot {case['direction']} m={case['m']} k={case['k']} n={case['n']} g={case['groups']} ({name}): "
           f"dense {t['dense'] * 1e3:.3f} ms ({case['dense_tflops'] * 1e3:.0f} GFLOP/s), copy "
           f"{case['copy_gbps']:.1f} GB/s, read {case['read_gbps']:.1f} GB/s (mem floor: least bytes at the read rate); timed by {case['timing_method']}")
-    print(f"  {'mode':<11} {'ms':>8} {'f32/mode':>8} {'deq+f32 ms':>10} {'weight MiB':>10} {'mem floor':>9} "
-          f"{'err/unq':>8} {'err/deq':>8}  tuned config (differs from f32's)")
+    print(f"  {'mode':<11} {'ms':>8} {'f32/mode':>8} {'same tiles':>10} {'deq+f32 ms':>10} {'weight MiB':>10} "
+          f"{'mem floor':>9} {'err/unq':>8} {'err/deq':>8}  tuned config (differs from f32's)")
     for mode, r in case["modes"].items():
         deq = f"{r['deq_f32_time_s'] * 1e3:10.3f}" if r["deq_f32_time_s"] else f"{'-':>10}"
+        same = r.get("f32_at_mode_tiles_vs_mode")
+        same = f"{same:10.2f}" if same else f"{'-':>10}"
         c = r["tuned_config"]
-        print(f"  {mode:<11} {r['time_s'] * 1e3:8.3f} {r['f32_vs_mode']:8.2f} {deq} {r['weight_bytes'] / 2**20:10.1f} "
+        print(f"  {mode:<11} {r['time_s'] * 1e3:8.3f} {r['f32_vs_mode']:8.2f} {same} {deq} {r['weight_bytes'] / 2**20:10.1f} "
               f"{r['memory_floor_s'] * 1e3:9.3f} {r['error_vs_unquantized']:8.1e} {r['error_vs_dequantized']:8.1e}  "
               f"tm={c['tm']} tail={c['tail']} tk={c['tk']} tn={c['tn']}{' (differs)' if r['differs_from_f32'] else ''}"
               f" [{r['sweep_candidates']} cand, {r['sweep_s']:.0f} s]", flush=True)

@@ -213,7 +213,7 @@ def test_sweep_model_runs_every_kernel_of_a_layer(run, isolated_profiles):
     assert dot_rows == [8 * 6, 16 * 6] and len(entries["ragged_dot"]) == 12  # 2 counts x 2 matmuls x 3 directions
     assert run("sweep", "--model", "deepseek-v2-lite", "--m", "64").exit_code == 2
     assert "did you mean" in run("sweep", "--model", "deepseek").output
-    assert run("sweep", "--op", "ragged_gather", "--tokens", "8,16").exit_code == 2
+    assert run("lookup", "--op", "ragged_gather", "--tokens", "8,16").exit_code == 2  # one shape (sweep: a campaign)
     bad_race = run("sweep", "--m", "64", "--k", "32", "--n", "32", "--groups", "2", "--race", "0.5")
     assert bad_race.exit_code == 2 and "race must be > 1" in bad_race.output and "Traceback" not in bad_race.output
 

@@ -243,6 +243,19 @@ def test_config_rules_for_quantized_problems():
     assert vmem_bytes(config, w8a8) < vmem_bytes(config, bf16)
 
 
+def test_tiled_tries_small_tails_for_quantized_weights_in_small_groups():
+    """Decode (no more rows a group than the smallest float tail): the quantized search space adds tails of 4 and
+    8 rows, and each of those configs is valid; float problems and bigger groups keep the float tails."""
+    tiled = BACKENDS.get("tiled")
+    decode = RaggedDotProblem(m=256, k=64, n=32, groups=64, rhs_qdtype="int8")
+    assert tiled.candidate_values(decode)["tail"] == [4, 8, 16, 32, 64]
+    assert {4, 8} <= {c.tail for c in tiled.search_space(decode)}
+    assert all(tiled.config_error(c, decode) is None for c in tiled.search_space(decode))
+    for problem in (RaggedDotProblem(m=256, k=64, n=32, groups=64),  # float: its tables' space
+                    RaggedDotProblem(m=256, k=64, n=32, groups=8, rhs_qdtype="int8")):  # 32 rows a group
+        assert tiled.candidate_values(problem)["tail"] == [16, 32, 64]
+
+
 @pytest.mark.parametrize("direction", ["fwd", "dlhs", "drhs"])
 def test_defaults_are_valid_for_model_sized_quantized_problems(direction):
     """Every backend's default config is valid for DeepSeek-sized experts (k = 7168) with weights in
