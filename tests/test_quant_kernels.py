@@ -243,16 +243,18 @@ def test_config_rules_for_quantized_problems():
     assert vmem_bytes(config, w8a8) < vmem_bytes(config, bf16)
 
 
-def test_tiled_tries_small_tails_for_quantized_weights_in_small_groups():
-    """Decode (no more rows a group than the smallest float tail): the quantized search space adds tails of 4 and
-    8 rows, and each of those configs is valid; float problems and bigger groups keep the float tails."""
+def test_tiled_tries_small_tails_in_small_groups():
+    """Decode (no more rows a group than the smallest tail of TAIL_SIZES): the search space adds tails of 4
+    and 8 rows, for quantized and float weights, and each of those configs is valid; bigger groups keep
+    TAIL_SIZES."""
     tiled = BACKENDS.get("tiled")
-    decode = RaggedDotProblem(m=256, k=64, n=32, groups=64, rhs_qdtype="int8")
-    assert tiled.candidate_values(decode)["tail"] == [4, 8, 16, 32, 64]
-    assert {4, 8} <= {c.tail for c in tiled.search_space(decode)}
-    assert all(tiled.config_error(c, decode) is None for c in tiled.search_space(decode))
-    for problem in (RaggedDotProblem(m=256, k=64, n=32, groups=64),  # float: its tables' space
-                    RaggedDotProblem(m=256, k=64, n=32, groups=8, rhs_qdtype="int8")):  # 32 rows a group
+    for decode in (RaggedDotProblem(m=256, k=64, n=32, groups=64, rhs_qdtype="int8"),
+                   RaggedDotProblem(m=256, k=64, n=32, groups=64)):
+        assert tiled.candidate_values(decode)["tail"] == [4, 8, 16, 32, 64]
+        assert {4, 8} <= {c.tail for c in tiled.search_space(decode)}
+        assert all(tiled.config_error(c, decode) is None for c in tiled.search_space(decode))
+    for problem in (RaggedDotProblem(m=256, k=64, n=32, groups=8),  # 32 rows a group
+                    RaggedDotProblem(m=256, k=64, n=32, groups=8, rhs_qdtype="int8")):
         assert tiled.candidate_values(problem)["tail"] == [16, 32, 64]
 
 

@@ -262,10 +262,10 @@ def _pow2_up_to(limit: int, low: int) -> list[int]:
 # enough that its dot is not dominated by overhead.
 TAIL_SIZES = (16, 32, 64)
 
-# Also tried for quantized weights when an average group holds no more rows than the smallest of TAIL_SIZES
-# (decode: m=256 over 64 groups is 4 rows a group): a 16-row tail computes up to 4x a group's rows, and with
-# 1-byte weights those wasted dot FLOPs, not the weight bytes, were most of the time (benchmarks/NOTES.md
-# 14.1). The float space keeps TAIL_SIZES: its shipped tables were swept over it.
+# Also tried when an average group holds no more rows than the smallest of TAIL_SIZES (decode: m=256 over
+# 64 groups is 4 rows a group): a 16-row tail computes up to 4x a group's rows, and those wasted dot FLOPs,
+# not the weight bytes, were most of the time, for 1-byte and float weights alike (benchmarks/NOTES.md 14.1:
+# f32 74.6 -> 43.6 ms at 64 groups of 4 rows). No shipped table has groups that small.
 SMALL_GROUP_TAIL_SIZES = (4, 8)
 
 
@@ -333,7 +333,7 @@ class TiledRaggedDot(RaggedDotBackend):
             windows = {min(round_up(max(rows_per_group * f // 8, 1), 16), m) for f in DRHS_WINDOW_EIGHTHS}
             return {"tm": sorted(windows), "tk": [k], "tn": [n], "tail": [TiledConfig.tail]}
         sub_channel = [b for b in scale_blocks(problem) if b < k] if problem.direction == "fwd" else []
-        small_groups = problem.quantized and m // problem.groups <= min(TAIL_SIZES)
+        small_groups = m // problem.groups <= min(TAIL_SIZES)
         return {
             "tm": _pow2_up_to(min(m, 1024), 32),
             "tk": sorted({k, *(v for v in (512, *sub_channel) if v < k)}),
