@@ -89,6 +89,13 @@ def test_models_lists_presets_and_one_layers_kernels(run):
     assert layer.exit_code == 0, layer.output
     assert "ragged_dot drhs m=4096 k=2048 n=768 g=32 bfloat16" in layer.output
     assert "ragged_gather_reduce tokens=512 top_k=8 hidden=2048 bfloat16 (ep=4)" in layer.output
+    quantized = run("models", "qwen3-30b-a3b", "--tokens", "512", "--ep", "4", "--rhs-quant", "int8",
+                    "--quant-block", "128")
+    assert quantized.exit_code == 0, quantized.output
+    assert "ragged_dot drhs m=4096 k=2048 n=768 g=32 bfloat16 rhs int8/128" in quantized.output
+    assert quantized.output.count("int8/128") == 6  # the six matmuls; the gathers are not quantized
+    bad_block = run("models", "qwen3-30b-a3b", "--rhs-quant", "int8", "--quant-block", "100")
+    assert bad_block.exit_code == 2 and "divisor of k=2048" in bad_block.output
     typo = run("models", "qwen3-30b")
     assert typo.exit_code == 2 and "did you mean" in typo.output and "Traceback" not in typo.output
 

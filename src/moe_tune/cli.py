@@ -13,8 +13,8 @@ from moe_tune import cli_render as render
 from moe_tune import devices, distributions
 from moe_tune import models as presets
 from moe_tune.cli_options import (
-    DTYPES, campaign_options, handle_errors, model_only, one, problems, quant_options, several, shape_options,
-    shard_of,
+    DTYPES, campaign_options, handle_errors, model_only, one, problems, quant_flags, quant_options, several,
+    shape_options, shard_of,
 )
 from moe_tune.cli_options import directions as all_directions
 from moe_tune.cli_render import ProgressReporter, console, out, progress
@@ -271,15 +271,16 @@ def ops():
 @click.option("--ep", type=click.IntRange(min=1), default=presets.LAYER_DEFAULTS["ep"], show_default=True,
               help="Expert-parallel size.")
 @click.option("--dtype", type=DTYPES, default=presets.LAYER_DEFAULTS["dtype"], show_default=True)
+@quant_flags
 @handle_errors
-def models(name, tokens, ep, dtype):
+def models(name, tokens, ep, dtype, **quant):
     """List the model presets, or the tunable kernel calls of one layer of model NAME."""
     if name is None:
         fields = ("hidden", "expert_intermediate", "experts", "top_k", "shared_experts")
         return render.table("Model presets (routed-expert shapes)", ("model", *fields),
                             [(p.name, *(getattr(p, f) for f in fields)) for p in presets.presets().values()],
                             right=fields)
-    cases = presets.kernel_problems(presets.get_preset(name), tokens, ep=ep, dtype=dtype)
+    cases = presets.kernel_problems(presets.get_preset(name), tokens, ep=ep, dtype=dtype, quant=quant_options(quant))
     render.table(f"{name}: one MoE layer, {tokens} tokens per shard, ep={ep}, {dtype}", ("op", "role", "problem"),
                  [(case.op, case.role, get_op(case.op).describe(case.problem)) for case in cases])
 

@@ -171,6 +171,14 @@ def quant_options(shape: dict[str, Any]) -> dict[str, Any]:
     return {name: shape[name] for name in names(QUANT) if shape.get(name) is not None}
 
 
+def quant_flags(fn: Callable) -> Callable:
+    """The quantization flags alone (`--rhs-quant`, `--lhs-quant`, `--quant-block`), for commands that take a
+    model's layer rather than one shape (`models NAME`)."""
+    for option in reversed(QUANT):
+        fn = _click_option(option)(fn)
+    return fn
+
+
 def campaign_options(fn: Callable) -> Callable:
     """`sweep`'s campaign flags: --ray, --shard, --dry-run (`moe_tune.campaign`)."""
     options = [
