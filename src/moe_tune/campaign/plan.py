@@ -137,15 +137,16 @@ def split_done(sweeps: Sequence[PlannedSweep], *, profile_dir: Path | None, devi
     device kind) holds a complete (not interrupted) entry for its key, tuned with the backend's current
     revision (a revision bump makes the old entries stale: they are swept again); with `fresh` nothing is
     done."""
-    from moe_tune.tuner.record import has_complete_entry  # the tuner's own test of "complete"
+    from moe_tune.tuner.record import is_complete, table_entries  # the tuner's own test of "complete"
 
     if fresh:
         return list(sweeps), []
     directory = dirs.write_dir(profile_dir)
+    tables = {op: table_entries(dirs.table_path(directory, device_kind, op)) for op in {s.op for s in sweeps}}
 
     def is_done(s: PlannedSweep) -> bool:
         revision = get_op(s.op).backends.get(s.backend).revision
-        return has_complete_entry(dirs.table_path(directory, device_kind, s.op), s.key, revision=revision)
+        return is_complete(tables[s.op].get(s.key), revision=revision)
 
     done = {s.key for s in sweeps if is_done(s)}
     return [s for s in sweeps if s.key not in done], [s for s in sweeps if s.key in done]

@@ -139,13 +139,22 @@ def write(state: SweepState, entry: Entry, interrupted: bool) -> tuple[Path, boo
     return write_entries(table, state.spec.op, state.plan.device_kind, [entry]), False
 
 
-def has_complete_entry(table: Path, key: str, revision: int | None = None) -> bool:
-    """Whether `table` holds a complete (not interrupted) entry for `key`, and, with `revision`, one tuned
-    with that backend revision."""
+def has_complete_entry(table: Path, key: str) -> bool:
+    """Whether `table` holds a complete entry for `key` (an unreadable table holds none)."""
+    return is_complete(table_entries(table).get(key))
+
+
+def table_entries(table: Path) -> dict[str, Any]:
+    """The entries (JSON, by key) of `table`; none when it is missing or unreadable."""
     try:
-        entry = read_table(table)["entries"].get(key) if table.exists() else None
+        return read_table(table)["entries"] if table.exists() else {}
     except TableError:
-        return False
+        return {}
+
+
+def is_complete(entry: dict[str, Any] | None, revision: int | None = None) -> bool:
+    """Whether a table entry (JSON) is complete: present and not written by an interrupted sweep; with
+    `revision`, also tuned with that backend revision (one of an older revision is stale)."""
     if entry is None or entry.get("interrupted"):
         return False
     return revision is None or recorded_revision(entry) == revision
