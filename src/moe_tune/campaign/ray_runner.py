@@ -84,7 +84,7 @@ def connect(address: str) -> None:
     try:
         ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise MoeTuneError(f"cannot start or reach Ray at {address!r}: {str(e).splitlines()[0]}") from None
+        raise MoeTuneError(f"cannot start or reach Ray at {address!r}: {_first_line(e)}") from None
     finally:
         if saved is not None:
             os.environ["RAY_ADDRESS"] = saved
@@ -224,9 +224,15 @@ def probe(accelerator: Accelerator) -> dict[str, Any]:
         raise _cause(e) from None
 
 
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's message ("" for none): Ray's messages carry whole remote tracebacks."""
+    lines = str(error).splitlines()
+    return lines[0] if lines else ""
+
+
 def _cause(error: ray.exceptions.RayTaskError) -> BaseException:
     cause = getattr(error, "cause", None)
-    return cause if isinstance(cause, BaseException) else MoeTuneError(str(error).splitlines()[0])
+    return cause if isinstance(cause, BaseException) else MoeTuneError(_first_line(error))
 
 
 def provenance(entry: dict[str, Any], device: dict[str, Any]) -> list[dict[str, Any]]:
@@ -278,7 +284,7 @@ def run_on_ray(sweeps: Sequence[PlannedSweep], options: dict[str, Any], accelera
             ray.cancel(ref, force=True)
         raise
     except ray.exceptions.RayError as e:  # the relay or the cluster itself failed
-        raise MoeTuneError(f"Ray failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise MoeTuneError(f"Ray failed: {type(e).__name__}: {_first_line(e)}") from None
     finally:
         ray.kill(relay)
     return outcomes
@@ -297,7 +303,7 @@ def _collect(sweep: PlannedSweep, ref: ray.ObjectRef, directory: Path,
         outcome.error = str(cause) if isinstance(cause, MoeTuneError) else f"{type(cause).__name__}: {cause}"
         return outcome
     except ray.exceptions.RayError as e:  # its process or node died more often than it was retried
-        outcome.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        outcome.error = f"{type(e).__name__}: {_first_line(e)}"
         return outcome
     entry = {**done["entry"], "provenance": provenance(done["entry"], done["device"])}
     outcome.table = dirs.table_path(directory, entry["device_kind"], sweep.op)
