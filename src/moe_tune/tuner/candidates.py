@@ -75,16 +75,20 @@ class Candidate:
             out["stage"], out["reason"] = self.stage, self.reason
         if self.error is not None:
             out["error"] = self.error
-        sweep_round = self.first_timing or self.timing  # all candidates' from one kind of round, comparable
+        sweep_round = self.sweep_round_timing  # every candidate's from one kind of round: comparable
         if sweep_round is not None:
             out.update(median_s=sweep_round.median_s, spread=sweep_round.spread, min_s=sweep_round.min_s,
                        max_s=sweep_round.max_s)
         return out
 
+    @property
+    def sweep_round_timing(self) -> Timing | None:
+        """The timing of the round every candidate ran (a finalist's before the final round replaced it)."""
+        return self.first_timing or self.timing
+
     def finalist_record(self) -> dict[str, Any]:
         """A finalist as the entry's verdict records it: its final-round and sweep-round timing."""
-        first = self.first_timing or self.timing
-        final = self.timing
+        first, final = self.sweep_round_timing, self.timing
         return {"config": self.config.to_dict(), "is_default": self.is_default, "median_s": final.median_s,
                 "spread": final.spread, "min_s": final.min_s, "max_s": final.max_s, "samples": final.samples,
                 "first_median_s": first.median_s, "first_spread": first.spread}
