@@ -83,7 +83,7 @@ class FaultyRaggedDot(RaggedDotBackend):
         return {"mode": list(MODES), "tm": [32, 64]}
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
-        return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, tk=lhs.shape[1], tn=dout.shape[1],
+        return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, batched=True,
                                            out_dtype=out_dtype, num_groups=num_groups, group_offset=group_offset)
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):

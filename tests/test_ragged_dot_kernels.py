@@ -543,7 +543,7 @@ class TestTiled(RaggedDotBackendTests):
         return [c for c in wanted if self.impl.config_error(c, problem) is None]
 
     def invalid_configs(self, problem):
-        bad = [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tail": 0}]
+        bad = [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tail": 0}, {"batched": 1}]
         if problem.direction != "drhs":  # drhs runs windows of tm rows and ignores tail, tk and tn
             bad += [{"tm": 8, "tail": 16}, {"tm": 1, "tk": 1, "tn": 1, "tail": 1}]  # the last: k*n dots > cap
         return bad
@@ -556,9 +556,10 @@ class TestTiled(RaggedDotBackendTests):
         bound (GRAD_TOLERANCE, 5e-3) passes the first and fails the second; at the fixed cases' sizes the
         broken kernel errs only 0.002-0.008 (one or a few chunks), which a loose bound cannot tell apart."""
         m, k, n = 256, 128, 256
-        configs = [{"dlhs": TiledConfig(tm=m, tk=8, tn=k, tail=8), "drhs": TiledConfig(tm=8)}]
+        configs = [{"dlhs": TiledConfig(tm=m, tk=8, tn=k, tail=8), "drhs": TiledConfig(tm=8, batched=batched)}
+                   for batched in (True, False)]  # both drhs schedules
         problem = self.problem(m, k, n, 2, "bfloat16")
-        for direction, config in configs[0].items():
+        for direction, config in configs[1].items():
             assert self.impl.config_error(config, problem.with_direction(direction)) is None, direction
         self.check_grads(m, [128, 128], None, "bfloat16", k=k, n=n, configs=configs)
 
@@ -571,16 +572,18 @@ class TestTiled(RaggedDotBackendTests):
 
 @pytest.mark.parametrize("tm", [8, 48, 10_000])
 @pytest.mark.parametrize("group_offset", [0, 1])
-def test_tiled_drhs_windows_cover_long_groups_empty_groups_and_shards(tm, group_offset):
-    """tgmm's batched first windows plus the extra windows of groups longer than the window: a group of 70
-    rows with windows of 8 or 48, empty groups (zeros), a shard of the groups; tm=10_000 is clamped to
-    twice the average group (`drhs_window`)."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_tiled_drhs_windows_cover_long_groups_empty_groups_and_shards(tm, group_offset, batched):
+    """tgmm's first windows (batched, or one group at a time) plus the extra windows of groups longer than
+    the window: a group of 70 rows with windows of 8 or 48, empty groups (zeros), a shard of the groups;
+    tm=10_000 is clamped to twice the average group (`drhs_window`)."""
     m, k, n, groups = 100, 24, 20, 3
     sizes = np.array([0, 70, 0, 3, 27], np.int32)
     rng = np.random.default_rng(tm + group_offset)
     lhs, dout = rng.standard_normal((m, k), np.float32), rng.standard_normal((m, n), np.float32)
     got = tiled_transposed_ragged_dot(jnp.asarray(lhs), jnp.asarray(dout), jnp.asarray(sizes), tm=tm,
-                                      out_dtype=jnp.float32, num_groups=groups, group_offset=jnp.int32(group_offset))
+                                      batched=batched, out_dtype=jnp.float32, num_groups=groups,
+                                      group_offset=jnp.int32(group_offset))
     ref = ragged_dot_drhs_reference(lhs, dout, sizes, groups=groups, group_offset=group_offset)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
     assert drhs_window(10_000, m=m, groups=groups) == 80  # 2 * ceil(100 / 3) = 68, rounded up to 16s

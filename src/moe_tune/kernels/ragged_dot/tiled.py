@@ -2,10 +2,10 @@
 
 gmm (fwd, dlhs) loops over groups; each group's rows go through full `tm`-row tiles (unmasked, big dots)
 and then `tail`-row tiles for the rest (masked, small), so a group wastes fewer than `tail` rows; the
-k x n plane is split into `tk` x `tn` blocks (one dot each). tgmm (drhs) gathers each group's first window
-of `tm` rows and runs one batched dot that writes every group's [k, n] result in place; only groups longer
-than the window add further windows (it ignores `tail`, `tk` and `tn`). See benchmarks/NOTES.md for what
-was measured to choose this design.
+k x n plane is split into `tk` x `tn` blocks (one dot each). tgmm (drhs) cuts each group's rows into windows
+of `tm` rows and writes each group's [k, n] result once, either from one batched dot over every group's
+first window or from a loop over groups with a 2-D dot per window (`batched`); it ignores `tail`, `tk` and
+`tn`. See benchmarks/NOTES.md for what was measured to choose this design.
 
 bfloat16 operands and outputs are carried through the loops as their uint16 bits and quantized operands
 (see `quantized.py`) as their 1-byte values; both are converted block by block inside the loop by the
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
 from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
@@ -40,12 +40,15 @@ MAX_BLOCKS_PER_VISIT = 32
 class TiledConfig(KernelConfig):
     """tm: rows per tile (drhs: rows per window, see `drhs_window`); tail: rows per tile for what is left of
     a group after its full `tm`-row tiles; tk, tn: blocks of the k x n plane (for dlhs: of n x k, the matmul
-    it runs). Clamped to the dimensions they tile. drhs uses tm only."""
+    it runs). Clamped to the dimensions they tile. batched: drhs's schedule (one batched dot over every
+    group's first window, or a loop over groups; see `tiled_transposed_ragged_dot`). fwd and dlhs use tm,
+    tail, tk and tn; drhs uses tm and batched."""
 
     tm: int = 256
     tk: int = 1024
     tn: int = 1024
     tail: int = 32
+    batched: bool = True
 
 
 def _blocks(size: int, block: int) -> list[tuple[int, int]]:
@@ -193,6 +196,7 @@ def tiled_transposed_ragged_dot(
     group_sizes: jax.Array,
     *,
     tm: int,
+    batched: bool,
     out_dtype: jnp.dtype,
     num_groups: int,
     group_offset: jax.Array | None = None,
@@ -202,12 +206,16 @@ def tiled_transposed_ragged_dot(
     dout[rows of g] (zeros for an empty group), accumulated in f32 for low-precision outputs. 1-byte lhs
     values are converted per window (times their sub-channel scale f32 [m, k/bs], if given) to float32.
 
-    Each group's first window of `tm` rows (see `drhs_window`; rows past the group masked to zero) is
-    gathered into [num_groups, tm, k] and [num_groups, tm, n], and one batched dot writes every group's
-    [k, n] result at once. Only a group with more than `tm` rows then adds its further windows, one dot
-    each, into its result. A `tm` at about the largest group size thus makes one dot per group, written
-    in place: the [k, n] results are what costs when groups are small (g x k x n output for 2 x m x k x n
-    FLOPs), and a schedule that adds every tile into its group's result reads and writes them per tile.
+    Each group's rows are cut into windows of `tm` rows (see `drhs_window`) that start at the group's first
+    row, rows past the group masked to zero; a `tm` at about the largest group size makes one dot per
+    group, written once: the [k, n] results are what costs when groups are small (g x k x n output for
+    2 x m x k x n FLOPs), and a schedule that adds every tile into its group's result reads and writes
+    them per tile. Two schedules (benchmarks/NOTES.md 8 and 16):
+    - batched: every group's first window gathered into [num_groups, tm, k] and [num_groups, tm, n], one
+      batched dot for all of them, then a loop adds the further windows of longer groups. No loop over
+      groups: the faster schedule for many small groups in float32.
+    - per group (not batched): a loop over groups, a 2-D dot per window, each result written once. XLA
+      CPU's batched dot runs bfloat16 well below its 2-D dot's rate, so this is the faster one for bf16.
     """
     m, k = lhs.shape
     n = dout.shape[1]
@@ -215,39 +223,54 @@ def tiled_transposed_ragged_dot(
     starts, ends = group_bounds(group_sizes, m=m, groups=num_groups,
                                 group_offset=0 if group_offset is None else group_offset)
     in_window = jnp.arange(window, dtype=jnp.int32)
-    row0 = jnp.minimum(starts, m - window)  # shifted back to end at row m
-    rows = row0[:, None] + in_window[None, :]  # [groups, window]
-    keep = (rows >= starts[:, None]) & (rows < jnp.minimum(ends, starts + window)[:, None])
     # quantized lhs values: dequantized one window at a time, in f32 (times their sub-channel scale)
     operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if is_low_bit(lhs) else _dot_dtypes(lhs.dtype, dout.dtype)
     block = block_of(k, lhs_scale, 1)
-    scale = lambda rows: None if lhs_scale is None else jnp.repeat(lhs_scale[rows], block, axis=-1)
     x_dtype, d_dtype = lhs.dtype, dout.dtype
-    lhs, dout = as_bits(lhs), as_bits(dout)  # see loop_dtypes: sliced in place, loaded per window
-    x = jnp.where(keep[..., None], load(lhs[rows], x_dtype, operand, scale(rows)), 0.0)
-    contract_rows = (((0,), (0,)), ((), ()))
-    out = jax.lax.dot_general(x, load(dout[rows], d_dtype, operand), (((1,), (1,)), ((0,), (0,))),
-                              preferred_element_type=acc_dtype)
 
-    def more_windows(g, out):
+    def windows(step, first, end):
+        """[b, k, n] in acc_dtype: for each of b groups (first, end: int [b]), the product of its rows in
+        [first, end) of the window that starts at `first`; `step`: the loop iteration it runs in."""
+        # per_iteration: the bf16 -> bits view fuses into this window's slice or gather (loop_dtypes); a view
+        # made once outside a loop is a pass over the whole operand.
+        x_bits, d_bits = as_bits(per_iteration(lhs, step)), as_bits(per_iteration(dout, step))
+        row0 = jnp.minimum(first, m - window)  # shifted back to end at row m
+        rows = row0[:, None] + in_window[None, :]  # [b, window]
+        keep = (rows >= first[:, None]) & (rows < jnp.minimum(end, first + window)[:, None])
+        if len(first) == 1:  # a slice and a 2-D dot: XLA CPU's gather and batched dot are slower (NOTES 16)
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, row0[0], window, axis=0)
+            keep, dims = keep[0], (((0,), (0,)), ((), ()))
+        else:
+            take, dims = (lambda a: a[rows]), (((1,), (1,)), ((0,), (0,)))
+        scale = None if lhs_scale is None else jnp.repeat(take(lhs_scale), block, axis=-1)
+        x = jnp.where(keep[..., None], load(take(x_bits), x_dtype, operand, scale), 0.0)
+        product = jax.lax.dot_general(x, load(take(d_bits), d_dtype, operand), dims, preferred_element_type=acc_dtype)
+        return product.reshape(len(first), k, n)
+
+    def later_windows(g):
+        """(count, product): how many windows group g has after its first, and window w's [1, k, n] product
+        (w = 0 for the second window)."""
         start, end = starts[g], ends[g]
+        count = (jnp.maximum(end - start - window, 0) + window - 1) // window
+        return count, lambda w: windows(w, (start + (w + 1) * window)[None], end[None])
 
-        def add_window(w, out):
-            first = start + (w + 1) * window
-            r0 = jnp.minimum(first, m - window)
-            rows = r0 + in_window[:, None]
-            x = load(jax.lax.dynamic_slice_in_dim(lhs, r0, window, axis=0), x_dtype, operand, scale(rows[:, 0]))
-            x = jnp.where((rows >= first) & (rows < end), x, jnp.zeros((), x.dtype))
-            y = load(jax.lax.dynamic_slice_in_dim(dout, r0, window, axis=0), d_dtype, operand)
-            part = jax.lax.dot_general(x, y, contract_rows, preferred_element_type=acc_dtype)
-            current = jax.lax.dynamic_slice_in_dim(out, g, 1, axis=0)
-            return jax.lax.dynamic_update_slice_in_dim(out, current + part[None], g, axis=0)
+    if batched:
+        def add_later(g, out):
+            count, product = later_windows(g)
+            add = lambda w, out: jax.lax.dynamic_update_slice_in_dim(
+                out, jax.lax.dynamic_slice_in_dim(out, g, 1) + product(w), g, axis=0)
+            return jax.lax.fori_loop(0, count, add, out)
 
-        extra = (jnp.maximum(end - start - window, 0) + window - 1) // window
-        return jax.lax.fori_loop(0, extra, add_window, out)
+        return jax.lax.fori_loop(0, num_groups, add_later, windows(0, starts, ends)).astype(out_dtype)
 
-    out = jax.lax.fori_loop(0, num_groups, more_windows, out)
-    return out.astype(out_dtype)
+    def group(g, out):
+        count, product = later_windows(g)
+        acc = jax.lax.fori_loop(0, count, lambda w, acc: acc + product(w), windows(g, starts[g][None], ends[g][None]))
+        return jax.lax.dynamic_update_slice_in_dim(out, as_bits(acc.astype(out_dtype)), g, axis=0)
+
+    # a 2-byte output is carried as its bits, so that every group's write is in place
+    out = jax.lax.fori_loop(0, num_groups, group, as_bits(jnp.zeros((num_groups, k, n), out_dtype)))
+    return from_bits(out, out_dtype)
 
 
 def _pow2_up_to(limit: int, low: int) -> list[int]:
@@ -286,17 +309,19 @@ def _is_gmm(problem: RaggedDotProblem) -> bool:
 
 class TiledRaggedDot(RaggedDotBackend):
     name = "tiled"
-    revision = 4  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 5  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TiledConfig
     platforms = ("cpu", "gpu", "tpu")
-    description = ("pure-JAX loop over each group's row tiles (full tiles, then small tail tiles); drhs: one "
-                   "batched dot over each group's window; the CPU backend")
+    description = ("pure-JAX loop over each group's row tiles (full tiles, then small tail tiles); drhs: a dot "
+                   "over each group's window, batched or in a loop over groups; the CPU backend")
 
     def config_error(self, config: TiledConfig, problem: RaggedDotProblem) -> str | None:
         for field in ("tm", "tk", "tn", "tail"):
             value = getattr(config, field)
             if not isinstance(value, int) or value <= 0:
                 return f"{field} must be a positive integer, got {value!r}"
+        if not isinstance(config.batched, bool):
+            return f"batched must be true or false, got {config.batched!r}"
         if not _is_gmm(problem):
             return None
         if config.tail > config.tm:
@@ -322,8 +347,10 @@ class TiledRaggedDot(RaggedDotBackend):
             # tails of 1/8 of that keep the waste per group small.
             tm = min(max(32, 1 << rows_per_group.bit_length() - 1), 512, m)
             return TiledConfig(tm=tm, tk=k, tn=n, tail=min(max(16, tm // 8), tm))
-        # drhs: a window a quarter longer than an average group holds most groups of balanced routing whole
-        return TiledConfig(tm=min(round_up(rows_per_group * 5 // 4, 16), m), tk=k, tn=n)
+        # drhs: a window a quarter longer than an average group holds most groups of balanced routing whole;
+        # a bf16 dot runs per group (XLA CPU's batched bf16 dot is slow: NOTES 16), any other batched
+        bf16_dot = _dot_dtypes(problem.lhs_dtype, problem.out_dtype)[0] == jnp.bfloat16
+        return TiledConfig(tm=min(round_up(rows_per_group * 5 // 4, 16), m), tk=k, tn=n, batched=not bf16_dot)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         m, k, n = problem.matmul_dims()
@@ -331,7 +358,7 @@ class TiledRaggedDot(RaggedDotBackend):
             # windows around the average group size: shorter ones split groups, longer ones pad them
             rows_per_group = max(m // problem.groups, 1)
             windows = {min(round_up(max(rows_per_group * f // 8, 1), 16), m) for f in DRHS_WINDOW_EIGHTHS}
-            return {"tm": sorted(windows), "tk": [k], "tn": [n], "tail": [TiledConfig.tail]}
+            return {"tm": sorted(windows), "tk": [k], "tn": [n], "tail": [TiledConfig.tail], "batched": [True, False]}
         sub_channel = [b for b in scale_blocks(problem) if b < k] if problem.direction == "fwd" else []
         small_groups = m // problem.groups <= min(TAIL_SIZES)
         return {
@@ -349,5 +376,6 @@ class TiledRaggedDot(RaggedDotBackend):
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
-        return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, out_dtype=out_dtype,
+        return tiled_transposed_ragged_dot(lhs, dout, group_sizes, tm=config.tm, batched=config.batched,
+                                           out_dtype=out_dtype,
                                            num_groups=num_groups, group_offset=group_offset, lhs_scale=lhs_scale)
