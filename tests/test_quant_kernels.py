@@ -258,6 +258,15 @@ def test_tiled_tries_small_tails_in_small_groups():
         assert tiled.candidate_values(problem)["tail"] == [16, 32, 64]
 
 
+def test_tiled_default_tail_fits_small_groups():
+    """The default tail is about an average group's size when groups hold a few rows (4 rows: tail 4, 5-8
+    rows: tail 8), so that a sweep starts where NOTES 14.1 measured the decode time to be; bigger groups
+    keep the 1/8-of-tm rule (at least 16)."""
+    tiled = BACKENDS.get("tiled")
+    tail = lambda groups, m=256: tiled.default_config(RaggedDotProblem(m=m, k=64, n=32, groups=groups)).tail
+    assert [tail(64), tail(40), tail(32), tail(16), tail(8), tail(2, m=4096)] == [4, 8, 8, 16, 16, 64]
+
+
 @pytest.mark.parametrize("direction", ["fwd", "dlhs", "drhs"])
 def test_defaults_are_valid_for_model_sized_quantized_problems(direction):
     """Every backend's default config is valid for DeepSeek-sized experts (k = 7168) with weights in

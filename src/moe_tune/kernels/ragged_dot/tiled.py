@@ -344,9 +344,12 @@ class TiledRaggedDot(RaggedDotBackend):
         rows_per_group = max(m // problem.groups, 1)
         if _is_gmm(problem):
             # Full tiles as big as an average group (up to 512 rows), so that most rows go through big dots;
-            # tails of 1/8 of that keep the waste per group small.
+            # tails of 1/8 of that keep the waste per group small, and groups of a few rows (decode) get a
+            # tail about their size: wasted tail rows were most of the time there (NOTES 14.1).
             tm = min(max(32, 1 << rows_per_group.bit_length() - 1), 512, m)
-            return TiledConfig(tm=tm, tk=k, tn=n, tail=min(max(16, tm // 8), tm))
+            small = [t for t in SMALL_GROUP_TAIL_SIZES if t >= rows_per_group]
+            tail = small[0] if small else max(16, tm // 8)
+            return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm))
         # drhs: a window a quarter longer than an average group holds most groups of balanced routing whole;
         # a bf16 dot runs per group (XLA CPU's batched bf16 dot is slow: NOTES 16), any other batched
         bf16_dot = _dot_dtypes(problem.lhs_dtype, problem.out_dtype)[0] == jnp.bfloat16
