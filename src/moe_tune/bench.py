@@ -128,14 +128,15 @@ def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, 
 
 
 def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
-            seed: int = 1) -> RaggedDotComparison:
-    """`backend` tuned vs its default vs xla vs dense (a matmul of the same FLOPs) vs `skewed` (tuned, on the
-    same operands with skewed group sizes) vs `copy` (an elementwise copy of an array of the problem's largest
-    operand's size: read + written bytes over its time are the copy bandwidth)."""
+            distribution: str = "balanced", seed: int = 1) -> RaggedDotComparison:
+    """`backend` tuned vs its default vs xla vs dense (a matmul of the same FLOPs), on group sizes drawn from
+    `distribution`, vs `skewed` (tuned, on the same operands with skewed group sizes) vs `copy` (an
+    elementwise copy of an array of the problem's largest operand's size: read + written bytes over its time
+    are the copy bandwidth)."""
     spec = get_op("ragged_dot")
     impl, xla = BACKENDS.get(backend), BACKENDS.get("xla")
     default = impl.default_config(problem)
-    host = spec.make_inputs(problem, "balanced", seed=seed)
+    host = spec.make_inputs(problem, distribution, seed=seed)
     host["skewed_sizes"] = distributions.group_sizes("skewed", problem.m, problem.num_group_sizes, seed)
     largest = max(problem.m * problem.k, problem.m * problem.n, problem.groups * problem.k * problem.n)
     inputs = jax.device_put(host)
@@ -228,15 +229,18 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
     )
 
 
-def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: int = 7) -> Comparison:
-    """What `moe-tune bench` measures for one problem: the config the runtime would use (the tables' exact or
-    nearest entry, else the default; `lookup_source` says which) against the default and the baselines.
-    A problem that cannot fit in memory is refused first (UsageError)."""
+def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: int = 7,
+               distribution: str | None = None) -> Comparison:
+    """What `moe-tune bench` measures for one problem: the config the runtime would use for `distribution`'s
+    routing (the tables' exact or nearest entry, else the default; `lookup_source` says which) against the
+    default and the baselines, on inputs routed by it (default: `distributions.DEFAULT`). A problem that
+    cannot fit in memory is refused first (UsageError)."""
     spec = get_op(op)
     check_fits(spec, problem)
-    found = spec.lookup(problem, backend=backend)
+    distribution = distribution or distributions.DEFAULT
+    found = spec.lookup(problem, backend=backend, distribution=distribution)
     if isinstance(problem, RaggedDotProblem):
-        result = compare(problem, found.backend, found.config, samples=samples)
+        result = compare(problem, found.backend, found.config, samples=samples, distribution=distribution)
     else:
-        result = compare_gather(op, problem, found.backend, found.config, samples=samples)
+        result = compare_gather(op, problem, found.backend, found.config, samples=samples, distribution=distribution)
     return dataclasses.replace(result, lookup_source=found.source, lookup_reason=found.reason)

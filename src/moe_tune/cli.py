@@ -329,9 +329,11 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
             quant=quant_options(shape))]
     else:
         cases = [(op, problem) for problem in problems(op, direction, shape)]
-    compared = [(get_op(case_op).describe(problem), benches.bench_case(case_op, problem, backend=backend,
-                                                                        samples=samples)) for case_op, problem in cases]
-    render.bench_table(f"bench on {devices.device_kind()} (median of {samples} trace samples)", compared)
+    distribution = distribution or distributions.DEFAULT
+    compared = [(get_op(case_op).describe(problem), benches.bench_case(
+        case_op, problem, backend=backend, samples=samples, distribution=distribution)) for case_op, problem in cases]
+    render.bench_table(f"bench on {devices.device_kind()}, {distribution} routing (median of {samples} trace samples)",
+                       compared)
 
 
 def main() -> None:
