@@ -78,6 +78,7 @@ def test_stale_revision_is_used_with_one_warning_by_default(isolated_profiles, m
     with pytest.warns(RuntimeWarning, match=r"tiled revision 1 \(installed: 2\)") as record:
         found = get_op("ragged_dot").lookup(PROBLEM)
     assert str(path) in str(record[0].message) and "using them" in str(record[0].message)
+    assert record[0].filename == __file__  # attributed to the caller, not to a line inside moe-tune
     assert found.source == "exact" and found.config == TiledConfig(**GOOD)
     assert found.stale == "tiled revision 1 (installed: 2)" and "stale" in found.reason
     with warnings.catch_warnings():

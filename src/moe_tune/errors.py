@@ -1,4 +1,9 @@
-"""Exceptions that the CLI turns into one-line messages (exit 2 for usage, 1 for runtime)."""
+"""Exceptions that the CLI turns into one-line messages (exit 2 for usage, 1 for runtime), and the warnings
+moe-tune gives a library user."""
+
+import os
+import sys
+import warnings
 
 
 class MoeTuneError(Exception):
@@ -15,3 +20,16 @@ class InvalidConfigError(UsageError):
 
 class TableError(MoeTuneError):
     """A profile table that cannot be read, parsed or written."""
+
+
+def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """`warnings.warn` attributed to the first frame outside moe-tune (the user's call into it), however
+    deep inside moe-tune the warning is raised: a fixed `stacklevel` points into moe-tune from some call
+    paths."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of warn_caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

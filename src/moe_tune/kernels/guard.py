@@ -8,12 +8,12 @@ running, slower, rather than fail to compile or, worse, compute something else.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from moe_tune.errors import warn_caller
 from moe_tune.kernels.base import Backend
 
 
@@ -39,8 +39,7 @@ def guard(impl: Backend, fallback: Backend) -> Backend:
         return impl
     if (impl.op, impl.name) not in _warned:
         _warned.add((impl.op, impl.name))
-        warnings.warn(
+        warn_caller(
             f"moe-tune: backend {impl.name!r} of {impl.op} supports jax {impl.jax_versions}, but jax "
-            f"{installed_jax()} is installed; using the plain-JAX fallback {fallback.name!r}",
-            RuntimeWarning, stacklevel=3)
+            f"{installed_jax()} is installed; using the plain-JAX fallback {fallback.name!r}")
     return fallback

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
 from moe_tune import devices, distributions, settings
-from moe_tune.errors import TableError
+from moe_tune.errors import TableError, warn_caller
 from moe_tune.profiles import dirs
 from moe_tune.profiles import versions as _versions
 from moe_tune.profiles.entry import Entry
@@ -60,7 +59,7 @@ _warned: set[Any] = set()
 def _warn_once(ident: Any, message: str) -> None:
     if ident not in _warned:
         _warned.add(ident)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)
+        warn_caller(message)
 
 
 def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, tuple, dict[str, Any]]]:
