@@ -143,7 +143,8 @@ def tiled_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, r
     return _first_entries_in_output(x, indices, weights, valid, reduce_group_size, chunk)
 
 
-def _add_entries(x, indices, weights, entries, r: int, chunk: int, acc, acc_row=None) -> jax.Array:
+def _add_entries(x: jax.Array, indices: jax.Array, weights: jax.Array, entries: jax.Array, r: int, chunk: int,
+                 acc: jax.Array, acc_row: jax.Array | None = None) -> jax.Array:
     """acc [n, hidden] float32 plus, for every entry e with entries[e] (bool [rows]), w[e] * x[indices[e]]
     added into row acc_row[e // r] (int32 [rows // r], non-decreasing; None: row e // r) -> [n, hidden].
 
@@ -173,8 +174,8 @@ def _add_entries(x, indices, weights, entries, r: int, chunk: int, acc, acc_row=
 
 
 def accumulator_sizes(tokens: int) -> tuple[int, ...]:
-    """The row counts `_first_entries_in_output` compiles an accumulator for, smallest first: tokens,
-    tokens / 4 and tokens / 16 (each at least 8 rows). Each is its own loop in the program (compile time),
+    """The row counts `_first_entries_in_output` compiles an accumulator for, smallest first: tokens / 16,
+    tokens / 4 and tokens (those of at least 8 rows). Each is its own loop in the program (compile time),
     and a call uses the smallest that holds its tokens, so its zero fill is at most 4x the rows it needs."""
     sizes = [tokens]
     while len(sizes) < 3 and sizes[-1] // 4 >= 8:
@@ -182,7 +183,8 @@ def accumulator_sizes(tokens: int) -> tuple[int, ...]:
     return tuple(reversed(sizes))
 
 
-def _first_entries_in_output(x, indices, weights, valid, r: int, chunk: int) -> jax.Array:
+def _first_entries_in_output(x: jax.Array, indices: jax.Array, weights: jax.Array, valid: jax.Array, r: int,
+                             chunk: int) -> jax.Array:
     """The masked combine for a 2-byte x (bf16, f16) without a float32 [tokens, hidden] pass at the end.
 
     A float32 accumulator of the whole output would have to be converted to x.dtype after the loop: a pass
@@ -190,7 +192,7 @@ def _first_entries_in_output(x, indices, weights, valid, r: int, chunk: int) -> 
     dominated at low valid fractions (NOTES 15, 16). Instead, each token's first valid entry is read by the
     one pass that writes the output (each row once, in x.dtype; a token with no valid entry reads row 0 of x,
     cached, and stores zeros), and only its later valid entries are summed in float32 by the loop, into an
-    accumulator with one row per token that has any: at valid fraction 1/16 about a sixth of the tokens.
+    accumulator with one row per token that has any (at valid fraction 1/16, one token in 20: NOTES 16).
     Its row count is dynamic, so `lax.switch` picks the smallest of `accumulator_sizes` that holds it."""
     rows, hidden = indices.shape[0], x.shape[1]
     tokens = rows // r
