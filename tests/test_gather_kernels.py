@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from gather_backend_tests import GatherBackendTests, GatherReduceBackendTests
+from gather_backend_tests import (GARBAGE_INDEX, TOLERANCE, GatherBackendTests, GatherReduceBackendTests,
+                                  relative_error, routing)
 
-from moe_tune.kernels.gather.tiled import tiled_gather, tiled_gather_reduce
+from moe_tune.kernels.gather.reference import gather_reduce_reference
+from moe_tune.kernels.gather.tiled import accumulator_sizes, tiled_gather, tiled_gather_reduce
 
 
 class TestPlainGather(GatherBackendTests):
@@ -79,3 +84,45 @@ def test_tiled_kernels_convert_only_the_rows_they_gather(name):
     whole_x = [line for line in entry.splitlines()
                if "=" in line and f"[{x_shape[0]},{x_shape[1]}]" in line.split("=")[1].split("(")[0]]
     assert [line for line in whole_x if "parameter(" not in line] == []
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [TOKENS, 64])  # one accumulator size; two, chosen by a switch
+def test_two_byte_combine_writes_its_output_in_the_pass_that_reads_x(dtype, tokens):
+    """Every fusion that makes the bf16 / f16 [tokens, hidden] output also reads x (the tokens' first
+    entries): none converts a float32 accumulator of the whole output alone, the pass over all tokens
+    that made the 2-byte combine slower than float32 at low valid fractions (NOTES 15, 16)."""
+    rows = tokens * TOP_K
+    kernel = lambda x, i, w, v: tiled_gather_reduce(x, i, w, v, TOP_K, rows_per_chunk=16)  # noqa: E731
+    hlo = jax.jit(kernel).lower(S((rows, HIDDEN), dtype), S((rows,), jnp.int32), S((rows,), jnp.float32),
+                                S((rows,), bool)).compile().as_text()
+    short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    writers = re.findall(rf"^%\S+ \((.*)\) -> {short}\[{tokens},{HIDDEN}\] {{$", hlo, flags=re.M)
+    assert writers and all(f"{short}[{rows},{HIDDEN}]" in params for params in writers), writers
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_two_byte_combine_at_each_accumulator_size(dtype):
+    """Tokens with more than one valid entry filling each accumulator size of the switch, and one more,
+    against the float64 reference; the other tokens have one valid entry or none."""
+    tokens, top_k, hidden = 128, 4, 64
+    rows = tokens * top_k
+    sizes = accumulator_sizes(tokens)
+    assert len(sizes) == 3
+    rng = np.random.default_rng(0)
+    _, indices = routing(tokens, top_k, 0)
+    x = rng.standard_normal((rows, hidden))
+    weights = rng.random(rows).astype(np.float32)
+    kernel = jax.jit(lambda x, i, w, v: tiled_gather_reduce(x, i, w, v, top_k, rows_per_chunk=16))
+    for several in sorted({n + extra for n in sizes[:-1] for extra in (0, 1)} | {tokens}):
+        valid = np.zeros((tokens, top_k), bool)
+        valid[:several, rng.integers(1, top_k)] = True  # a later entry of the first `several` tokens
+        valid[: tokens - 10, 0] = True  # a first entry of most tokens; the last 10 have none
+        valid = valid.reshape(rows)
+        unread = np.ones(rows, bool)
+        unread[indices[valid]] = False
+        x_shard = jnp.asarray(np.where(unread[:, None], np.nan, x), dtype)  # rows no valid entry reads: NaN
+        garbage = np.where(valid, indices, GARBAGE_INDEX).astype(np.int32)
+        expected = gather_reduce_reference(np.asarray(x_shard, np.float64), indices, weights, valid, top_k)
+        out = kernel(x_shard, jnp.asarray(garbage), jnp.asarray(weights), jnp.asarray(valid))
+        assert relative_error(out, expected) <= TOLERANCE[dtype], several

@@ -8,8 +8,10 @@ CPU backend.
   once and reads only the valid ones from memory) is also in the search space, and the sweep picks.
 - Combine: the valid entries are compacted (a prefix sum, keeping their order, so their tokens stay
   sorted) and a loop over chunks of them gathers and scatter-adds into a float32 output. Invalid entries
-  are never read, so work is proportional to the valid fraction. Without a mask (dense) the loop runs over
-  whole tokens and reduces each token's rows in registers instead.
+  are never read, so work is proportional to the valid fraction. A bf16 / f16 output is not converted
+  from a float32 one: each token's first valid entry is read by the pass that writes the output, and the
+  loop sums only the later ones, in a float32 accumulator with one row per token that has any. Without a
+  mask (dense) the loop runs over whole tokens and reduces each token's rows in registers instead.
 
 `rows_per_chunk` trades the loop's per-iteration overhead (small chunks) against a working set that no
 longer fits in cache (large chunks): the tuner picks it per shape.
@@ -70,8 +72,9 @@ class _ChunkedBackend:
     """Validity rules, default and search space shared by the two tiled kernels (`rows_per_chunk`)."""
 
     name = "tiled"
-    # bump on changes that can change the fastest or a valid config (Backend.revision). 2: bf16 rows read
-    # through `per_iteration` (no whole-input copy before the loop), so the fastest bf16 chunk can change.
+    # bump on changes that can change the fastest or a valid config (Backend.revision); a kernel that
+    # changes alone overrides it (the combine). 2: bf16 rows read through `per_iteration` (no whole-input
+    # copy before the loop), so the fastest bf16 chunk can change.
     revision = 2
     platforms = ("cpu", "gpu", "tpu")
 
@@ -134,14 +137,28 @@ def tiled_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, r
     rows, hidden = indices.shape[0], x.shape[1]
     tokens, chunk = rows // reduce_group_size, min(rows_per_chunk, rows)
     valid = valid.astype(bool)
-    count = jnp.sum(valid, dtype=jnp.int32)
-    # order[p] = the p-th valid entry, in entry order (so the tokens it adds into are sorted).
-    slot = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1, rows)
+    if x.dtype == jnp.float32:  # the output is its own accumulator
+        return _add_entries(x, indices, weights, valid, reduce_group_size, chunk,
+                            jnp.zeros((tokens, hidden), jnp.float32))
+    return _first_entries_in_output(x, indices, weights, valid, reduce_group_size, chunk)
+
+
+def _add_entries(x: jax.Array, indices: jax.Array, weights: jax.Array, entries: jax.Array, r: int, chunk: int,
+                 acc: jax.Array, acc_row: jax.Array | None = None) -> jax.Array:
+    """acc [n, hidden] float32 plus, for every entry e with entries[e] (bool [rows]), w[e] * x[indices[e]]
+    added into row acc_row[e // r] (int32 [rows // r], non-decreasing; None: row e // r) -> [n, hidden].
+
+    A loop over chunks of the selected entries only, compacted by a prefix sum that keeps their order (so
+    the rows they add into are sorted): other entries are never read."""
+    rows = indices.shape[0]
+    count = jnp.sum(entries, dtype=jnp.int32)
+    # order[p] = the p-th selected entry, in entry order.
+    slot = jnp.where(entries, jnp.cumsum(entries, dtype=jnp.int32) - 1, rows)
     order = jnp.zeros(rows, jnp.int32).at[slot].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
     pos_in_chunk = jnp.arange(chunk, dtype=jnp.int32)
     dtype = x.dtype
 
-    def body(c, out):
+    def body(c, acc):
         pos = c * chunk + pos_in_chunk
         ok = pos < count
         entry = jnp.take(order, pos, mode="clip")
@@ -149,11 +166,59 @@ def tiled_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, r
         block = load(jnp.take(x_bits, jnp.take(indices, entry), axis=0, mode="clip"), dtype, jnp.float32)
         w = jnp.take(weights, entry).astype(jnp.float32)
         contribution = jnp.where(ok[:, None], block * w[:, None], 0.0)  # select: x[0] may be NaN
-        token = jnp.where(ok, entry // reduce_group_size, tokens)
-        return out.at[token].add(contribution, mode="drop", indices_are_sorted=True)
+        row = entry // r if acc_row is None else jnp.take(acc_row, entry // r)
+        row = jnp.where(ok, row, acc.shape[0])
+        return acc.at[row].add(contribution, mode="drop", indices_are_sorted=True)
 
-    out = jnp.zeros((tokens, hidden), jnp.float32)
-    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, out).astype(dtype)
+    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, acc)
+
+
+def accumulator_sizes(tokens: int) -> tuple[int, ...]:
+    """The row counts `_first_entries_in_output` compiles an accumulator for, smallest first: tokens / 16,
+    tokens / 4 and tokens (those of at least 8 rows). Each is its own loop in the program (compile time),
+    and a call uses the smallest that holds its tokens, so its zero fill is at most 4x the rows it needs."""
+    sizes = [tokens]
+    while len(sizes) < 3 and sizes[-1] // 4 >= 8:
+        sizes.append(sizes[-1] // 4)
+    return tuple(reversed(sizes))
+
+
+def _first_entries_in_output(x: jax.Array, indices: jax.Array, weights: jax.Array, valid: jax.Array, r: int,
+                             chunk: int) -> jax.Array:
+    """The masked combine for a 2-byte x (bf16, f16) without a float32 [tokens, hidden] pass at the end.
+
+    A float32 accumulator of the whole output would have to be converted to x.dtype after the loop: a pass
+    over all tokens (4 bytes read, 2 written per element) that the float32 kernel does not make, and that
+    dominated at low valid fractions (NOTES 15, 16). Instead, each token's first valid entry is read by the
+    one pass that writes the output (each row once, in x.dtype; a token with no valid entry reads row 0 of x,
+    cached, and stores zeros), and only its later valid entries are summed in float32 by the loop, into an
+    accumulator with one row per token that has any (at valid fraction 1/16, one token in 20: NOTES 16).
+    Its row count is dynamic, so `lax.switch` picks the smallest of `accumulator_sizes` that holds it."""
+    rows, hidden = indices.shape[0], x.shape[1]
+    tokens = rows // r
+    by_token = valid.reshape(tokens, r)
+    has_any = by_token.any(axis=1)
+    first = jnp.argmax(by_token, axis=1).astype(jnp.int32)  # 0 where none is valid
+    later = by_token & (jnp.arange(r, dtype=jnp.int32)[None, :] > first[:, None])
+    has_later = later.any(axis=1)
+    acc_row = jnp.cumsum(has_later, dtype=jnp.int32) - 1  # non-decreasing; a token's own row where has_later
+    first_entry = jnp.arange(tokens, dtype=jnp.int32) * r + first
+    first_row = jnp.where(has_any, jnp.take(indices, first_entry), 0)
+    first_weight = jnp.take(weights, first_entry).astype(jnp.float32)[:, None]
+    sizes = accumulator_sizes(tokens)
+
+    def output_with(size: int):
+        def output(_):
+            acc = _add_entries(x, indices, weights, later.reshape(rows), r, chunk,
+                               jnp.zeros((size, hidden), jnp.float32), acc_row)
+            rest = jnp.where(has_later[:, None], jnp.take(acc, jnp.clip(acc_row, 0, size - 1), axis=0), 0.0)
+            total = jnp.take(x, first_row, axis=0, mode="clip").astype(jnp.float32) * first_weight + rest
+            return jnp.where(has_any[:, None], total, 0.0).astype(x.dtype)  # select: x[0] may be NaN
+        return output
+
+    needed = jnp.sum(has_later, dtype=jnp.int32)
+    branch = sum((needed > size).astype(jnp.int32) for size in sizes[:-1])
+    return jax.lax.switch(branch, [output_with(size) for size in sizes], None)
 
 
 def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> jax.Array:
@@ -197,6 +262,9 @@ class TiledGather(_ChunkedBackend, GatherBackend):
 
 
 class TiledGatherReduce(_ChunkedBackend, GatherReduceBackend):
+    # 3: a bf16 / f16 masked combine writes its output in one pass, without a float32 [tokens, hidden]
+    # accumulator converted at the end (`_first_entries_in_output`), so its fastest chunk can change.
+    revision = 3
     config_cls = TiledGatherReduceConfig
     description = "pure-JAX loop over chunks of the valid entries, scatter-add in f32 (CPU)"
 

@@ -210,7 +210,7 @@ def tiled_transposed_ragged_dot(
     row, rows past the group masked to zero; a `tm` at about the largest group size makes one dot per
     group, written once: the [k, n] results are what costs when groups are small (g x k x n output for
     2 x m x k x n FLOPs), and a schedule that adds every tile into its group's result reads and writes
-    them per tile. Two schedules (benchmarks/NOTES.md 8 and 16):
+    them per tile. Two schedules (benchmarks/NOTES.md 8 and 17):
     - batched: every group's first window gathered into [num_groups, tm, k] and [num_groups, tm, n], one
       batched dot for all of them, then a loop adds the further windows of longer groups. No loop over
       groups: the faster schedule for many small groups in float32.
@@ -237,7 +237,7 @@ def tiled_transposed_ragged_dot(
         row0 = jnp.minimum(first, m - window)  # shifted back to end at row m
         rows = row0[:, None] + in_window[None, :]  # [b, window]
         keep = (rows >= first[:, None]) & (rows < jnp.minimum(end, first + window)[:, None])
-        if len(first) == 1:  # a slice and a 2-D dot: XLA CPU's gather and batched dot are slower (NOTES 16)
+        if len(first) == 1:  # a slice and a 2-D dot: XLA CPU's gather and batched dot are slower (NOTES 17)
             take = lambda a: jax.lax.dynamic_slice_in_dim(a, row0[0], window, axis=0)
             keep, dims = keep[0], (((0,), (0,)), ((), ()))
         else:
@@ -351,7 +351,7 @@ class TiledRaggedDot(RaggedDotBackend):
             tail = small[0] if small else max(16, tm // 8)
             return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm))
         # drhs: a window a quarter longer than an average group holds most groups of balanced routing whole;
-        # a bf16 dot runs per group (XLA CPU's batched bf16 dot is slow: NOTES 16), any other batched
+        # a bf16 dot runs per group (XLA CPU's batched bf16 dot is slow: NOTES 17), any other batched
         bf16_dot = _dot_dtypes(problem.lhs_dtype, problem.out_dtype)[0] == jnp.bfloat16
         return TiledConfig(tm=min(round_up(rows_per_group * 5 // 4, 16), m), tk=k, tn=n, batched=not bf16_dot)
 
