@@ -25,7 +25,7 @@ from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem, ragged_dot_r
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
 from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
 from moe_tune.kernels.ragged_dot.tiled import (MAX_BLOCKS_PER_VISIT, TiledConfig, drhs_window,
-                                               tiled_transposed_ragged_dot)
+                                               tiled_ragged_dot, tiled_transposed_ragged_dot)
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.kernels.ragged_dot.xla import XlaConfig
 
@@ -587,6 +587,35 @@ def test_tiled_drhs_windows_cover_long_groups_empty_groups_and_shards(tm, group_
     ref = ragged_dot_drhs_reference(lhs, dout, sizes, groups=groups, group_offset=group_offset)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
     assert drhs_window(10_000, m=m, groups=groups) == 80  # 2 * ceil(100 / 3) = 68, rounded up to 16s
+
+
+_S = jax.ShapeDtypeStruct
+# name: (kernel, bf16 operands whose whole shape no op outside the loops may have); shapes differ from the outputs'
+TILED_BF16_KERNELS = {
+    "fwd": (lambda x, w, s: tiled_ragged_dot(x, w, s, tm=16, tk=48, tn=40, tail=8, out_dtype=jnp.bfloat16),
+            (_S((64, 48), jnp.bfloat16), _S((4, 48, 40), jnp.bfloat16))),
+    "dlhs": (lambda d, w, s: tiled_ragged_dot(d, w, s, tm=16, tk=48, tn=40, tail=8, out_dtype=jnp.bfloat16,
+                                              transpose_rhs=True),
+             (_S((64, 48), jnp.bfloat16), _S((4, 40, 48), jnp.bfloat16))),
+    **{f"drhs batched={b}": (lambda x, d, s, b=b: tiled_transposed_ragged_dot(
+        x, d, s, tm=16, batched=b, out_dtype=jnp.bfloat16, num_groups=4),
+        (_S((64, 48), jnp.bfloat16), _S((64, 40), jnp.bfloat16))) for b in (True, False)},
+}
+
+
+@pytest.mark.parametrize("name", TILED_BF16_KERNELS)
+def test_tiled_bfloat16_operands_are_viewed_per_block_not_copied_whole(name):
+    """No op on a whole bf16 operand outside the loops: its uint16 view (`loop_dtypes.as_bits`) fuses into
+    each block's slice. A view made before the loop was a copy of the whole operand per call, the size of
+    all the expert weights at a decode shape (NOTES 13, 17)."""
+    kernel, operands = TILED_BF16_KERNELS[name]
+    hlo = jax.jit(kernel).lower(*operands, _S((4,), jnp.int32)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    for operand in operands:
+        shape = "[" + ",".join(map(str, operand.shape)) + "]"
+        whole = [line for line in entry.splitlines()
+                 if "=" in line and shape in line.split("=")[1].split("(")[0] and "parameter(" not in line]
+        assert whole == [], (name, shape)
 
 
 class TestMegablox(RaggedDotBackendTests):

@@ -14,8 +14,9 @@ stay 1-byte in memory the same way.
 reinterpretation): applied to an array a loop only reads, it costs a pass over the whole array before
 the loop (NOTES 13). `per_iteration` avoids that pass for a loop that reads only some blocks of an input
 (the gathers' rows): the input seen through it is not loop-invariant, so XLA cannot hoist a convert or
-bitcast of it out of the loop; it stays fused into the gather that reads each block (NOTES 15; measured
-for gathers only, not yet for the ragged_dot's slices).
+bitcast of it out of the loop; it stays fused into the gather or slice that reads each block (NOTES 15 for
+the gathers, 17 for the tiled ragged_dot: bf16 2.3x faster at 128 groups, where the weights' whole-array
+copy had been a third of the time).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ of `tm` rows and writes each group's [k, n] result once, either from one batched
 first window or from a loop over groups with a 2-D dot per window (`batched`); it ignores `tail`, `tk` and
 `tn`. See benchmarks/NOTES.md for what was measured to choose this design.
 
-bfloat16 operands and outputs are carried through the loops as their uint16 bits and quantized operands
-(see `quantized.py`) as their 1-byte values; both are converted block by block inside the loop by the
-same `loop_dtypes.load` (why: `loop_dtypes`). Quantized scales: a scale per row / channel multiplies each
+bfloat16 operands and outputs are carried through the loops as their uint16 bits (an operand viewed so per
+block, by `loop_dtypes.per_iteration`, never copied whole) and quantized operands (see `quantized.py`) as
+their 1-byte values; both are converted block by block inside the loop by the same `loop_dtypes.load` (why:
+`loop_dtypes`). Quantized scales: a scale per row / channel multiplies each
 result block once after its k loop; sub-channel scales multiply the dot of each k chunk (a chunk never
 straddles a scale block: `tk` must be a multiple of the scale block or divide it). dlhs with sub-channel
 weights dequantizes each weight block before its dot.
@@ -143,7 +144,6 @@ def tiled_ragged_dot(
     product = functools.partial(_tile_product, x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=out_dtype,
                                 k_blocks=_blocks(k, k_chunk(k, tk, *scales)), n_blocks=_blocks(n, tn),
                                 transpose_rhs=transpose_rhs)
-    lhs, rhs = as_bits(lhs), as_bits(rhs)  # see loop_dtypes: sliced in place, loaded per block
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -151,12 +151,12 @@ def tiled_ragged_dot(
     def group_rows(g, out):
         start, end = starts[g], ends[g]
         full = jnp.maximum(end - start, 0) // tm
-        w = rhs[g]  # sliced once per group, not once per tile
+        w = as_bits(per_iteration(rhs, g))[g]  # sliced once per group, not once per tile
         ws = None if rhs_scale is None else rhs_scale[g]
 
         def full_tile(t, out):
             row0 = start + t * tm
-            x = jax.lax.dynamic_slice_in_dim(lhs, row0, tm, axis=0)
+            x = jax.lax.dynamic_slice_in_dim(as_bits(per_iteration(lhs, t)), row0, tm, axis=0)
             for n0, block in product(x, w, row_scales(row0, tm), ws):
                 out = jax.lax.dynamic_update_slice(out, as_bits(block), (row0, n0))
             return out
@@ -168,7 +168,7 @@ def tiled_ragged_dot(
             row0 = jnp.minimum(first, m - tail)
             rows = row0 + row_in_tail
             keep = (rows >= first) & (rows < end)
-            x = jax.lax.dynamic_slice_in_dim(lhs, row0, tail, axis=0)
+            x = jax.lax.dynamic_slice_in_dim(as_bits(per_iteration(lhs, t)), row0, tail, axis=0)
             for n0, block in product(x, w, row_scales(row0, tail), ws):
                 current = jax.lax.dynamic_slice(out, (row0, n0), block.shape)
                 out = jax.lax.dynamic_update_slice(out, jnp.where(keep, as_bits(block), current), (row0, n0))
