@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -350,10 +351,14 @@ class TiledRaggedDot(RaggedDotBackend):
             small = [t for t in SMALL_GROUP_TAIL_SIZES if t >= rows_per_group]
             tail = small[0] if small else max(16, tm // 8)
             return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm))
-        # drhs: a window a quarter longer than an average group holds most groups of balanced routing whole;
-        # a bf16 dot runs per group (XLA CPU's batched bf16 dot is slow: NOTES 17), any other batched
+        # drhs: a window 2.5 standard deviations above an average group holds the groups of balanced
+        # routing (multinomial) whole and pads little: a longer default window, kept by sweeps whose faster
+        # candidates lay within noise of it, cost up to 20% (NOTES 17). A bf16 dot runs per group (XLA
+        # CPU's batched bf16 dot is slow: NOTES 17), any other batched.
+        p = 1 / max(problem.groups, 1)
+        window = round_up(math.ceil(m * p + 2.5 * math.sqrt(m * p * (1 - p))), 16)
         bf16_dot = _dot_dtypes(problem.lhs_dtype, problem.out_dtype)[0] == jnp.bfloat16
-        return TiledConfig(tm=min(round_up(rows_per_group * 5 // 4, 16), m), tk=k, tn=n, batched=not bf16_dot)
+        return TiledConfig(tm=min(window, m), tk=k, tn=n, batched=not bf16_dot)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         m, k, n = problem.matmul_dims()
