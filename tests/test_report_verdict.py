@@ -45,11 +45,12 @@ def test_every_shipped_entry_records_its_verdict_and_still_round_trips():
 
 
 def test_the_issue_case_is_a_default_kept_within_noise(drawn, tmp_path):
-    """ragged_dot dlhs m=1024 k=2880 n=2880 (issue 16's example): the final round re-timed the fastest three
-    and the default; the fastest beat the default by less than the noise threshold, so the default was kept,
-    and the plot shows that band and the re-timed medians."""
-    (data,) = [e for e in shipped_entries() if e["op"] == "ragged_dot"
-               and all(e["fields"].get(k) == v for k, v in ISSUE_CASE.items())]
+    """ragged_dot dlhs m=1024 k=2880 n=2880 (issue 16's example), as session 7 shipped it (a fixed copy: the
+    shipped tables are re-swept, and their verdicts change with the machine's noise): the final round
+    re-timed the fastest three and the default; the fastest beat the default by less than the noise
+    threshold, so the default was kept, and the plot shows that band and the re-timed medians."""
+    data = json.loads((Path(__file__).parent / "data" / "entry_kept_within_noise.json").read_text())
+    assert all(data["fields"].get(k) == v for k, v in ISSUE_CASE.items())
     entry = Entry.from_json(data)
     verdict = verdict_of(entry)
     assert verdict.rule == WITHIN_NOISE and entry.config == entry.default_config

@@ -99,7 +99,7 @@ def test_coordinate_descent_walks_valid_neighbours_downhill_to_the_optimum(optim
     times = [measured[c].timing.median_s for c in strategy.path]
     assert times == sorted(times, reverse=True)  # the best so far never gets slower
     best = min(measured.values(), key=lambda c: c.timing.median_s).config
-    assert best.to_dict() == optimum and strategy.stopped == "converged"
+    assert best == TILED.config_cls(**optimum) and strategy.stopped == "converged"
     assert len(proposed) < len(SPACE)  # and it did not need the whole space
 
 
