@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_tune
+from moe_tune import distributions
 from moe_tune.errors import InvalidConfigError, UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem, ragged_dot_reference
@@ -594,8 +595,6 @@ def test_tiled_default_drhs_window_holds_balanced_groups_with_little_padding(m, 
     """The default drhs window holds the largest group of a typical draw of balanced routing whole (the
     median over 10 draws), and pads the average group by less than a fifth (a 5/4 window, kept within noise
     by sweeps, made bf16 drhs up to 20% slower than one that fits: NOTES 17)."""
-    from moe_tune import distributions
-
     problem = RaggedDotProblem(m=m, k=64, n=32, groups=groups, direction="drhs")
     window = BACKENDS.get("tiled").default_config(problem).tm
     largest = np.median([distributions.group_sizes("balanced", m, groups, seed).max() for seed in range(10)])

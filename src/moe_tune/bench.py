@@ -128,7 +128,7 @@ def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, 
 
 
 def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
-            distribution: str = "balanced", seed: int = 1) -> RaggedDotComparison:
+            distribution: str = distributions.DEFAULT, seed: int = 1) -> RaggedDotComparison:
     """`backend` tuned vs its default vs xla vs dense (a matmul of the same FLOPs), on group sizes drawn from
     `distribution`, vs `skewed` (tuned, on the same operands with skewed group sizes) vs `copy` (an
     elementwise copy of an array of the problem's largest operand's size: read + written bytes over its time
@@ -190,7 +190,7 @@ def format_comparison(result: RaggedDotComparison) -> list[str]:
 
 
 def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelConfig, *, samples: int = 7,
-                   distribution: str = "balanced", seed: int = 1) -> GatherComparison:
+                   distribution: str = distributions.DEFAULT, seed: int = 1) -> GatherComparison:
     """`backend` tuned vs its default vs the plain-JAX fallback vs `copy`: a jitted elementwise copy of one
     array, whose bytes read + written give the copy bandwidth. The copied array has the size of the op's
     larger side ([rows, hidden]: dispatch's output, combine's input), so that it streams from memory as the

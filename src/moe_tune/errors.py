@@ -5,6 +5,8 @@ import os
 import sys
 import warnings
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # moe-tune's own frames
+
 
 class MoeTuneError(Exception):
     """A problem the user can fix; the CLI prints it without a traceback and exits 1."""
@@ -31,5 +33,3 @@ def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
