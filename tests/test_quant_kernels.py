@@ -9,6 +9,8 @@ interpret mode here, so shapes are tiny; their lowering for TPU / GPU is checked
 
 from __future__ import annotations
 
+import dataclasses
+
 from unittest import mock
 
 import jax
@@ -99,8 +101,12 @@ def run(backend: str, problem, a, b, sizes, offset=None, config=None, jit=True):
 def kernel_configs(backend: str, problem: RaggedDotProblem) -> list:
     """Pallas backends: the search space's config with the smallest row tile (several tiles and visits at
     these tiny shapes); triton also blocks of 16, so that a 16-wide scale block covers a whole k step (the
-    raw-dot path) while an 8-wide one does not (the in-kernel dequantization). Others: the default."""
+    raw-dot path) while an 8-wide one does not (the in-kernel dequantization). Others: the default; tiled drhs
+    also its other schedule (`batched`), whose windows slice the lhs scales instead of gathering them."""
     impl = BACKENDS.get(backend)
+    if backend == "tiled" and problem.direction == "drhs":
+        default = impl.default_config(problem)
+        return [default, dataclasses.replace(default, batched=not default.batched)]
     if backend == "xla" or backend == "tiled":
         return [impl.default_config(problem)]
     space = impl.search_space(problem)
