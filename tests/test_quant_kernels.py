@@ -273,6 +273,27 @@ def test_tiled_default_tail_fits_small_groups():
     assert [tail(64), tail(40), tail(32), tail(16), tail(8), tail(2, m=4096)] == [4, 8, 8, 16, 16, 64]
 
 
+@pytest.mark.parametrize("tail, dot_dtype", [(4, "f32"), (8, "bf16")])
+def test_tiled_bfloat16_activations_dot_in_float32_when_tails_hold_at_most_4_rows(tail, dot_dtype):
+    """int8 weights with bf16 activations (w8a16 at decode): a kernel whose tail tiles hold at most 4 rows
+    converts each group's weights to f32 only, for f32 dots (a bf16 dot of a few rows costs more than an f32
+    one on XLA CPU: NOTES 14.4); bigger tails keep bf16 dots. Both match the reference to bf16's rounding."""
+    rng = np.random.default_rng(5)
+    lhs = jnp.asarray(rng.standard_normal((M, K), np.float32)).astype(jnp.bfloat16)
+    rhs = quantize(jnp.asarray(rng.standard_normal((4, K, N), np.float32)), "int8", axis=1)
+    problem = RaggedDotProblem.from_arrays(lhs, rhs, jnp.asarray(SIZES, jnp.int32))
+    config = TiledConfig(tm=16, tail=tail, tk=K, tn=N)
+    out = run("tiled", problem, lhs, rhs, SIZES, config=config)
+    ref = reference(problem, lhs, rhs, SIZES)
+    assert out.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2 ** -8 * np.abs(ref).max()
+    impl = BACKENDS.get("tiled")
+    hlo = jax.jit(lambda a, b, s: impl.run(problem, config, a, b, s)).lower(
+        lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile().as_text()
+    weight_blocks = {d: f"{d}[{K},{N}]" in hlo for d in ("f32", "bf16")}  # a group's converted weights
+    assert weight_blocks == {"f32": dot_dtype == "f32", "bf16": dot_dtype == "bf16"}
+
+
 @pytest.mark.parametrize("direction", ["fwd", "dlhs", "drhs"])
 def test_defaults_are_valid_for_model_sized_quantized_problems(direction):
     """Every backend's default config is valid for DeepSeek-sized experts (k = 7168) with weights in

@@ -13,7 +13,8 @@ their 1-byte values; both are converted block by block inside the loop by the sa
 `loop_dtypes`). Quantized scales: a scale per row / channel multiplies each
 result block once after its k loop; sub-channel scales multiply the dot of each k chunk (a chunk never
 straddles a scale block: `tk` must be a multiple of the scale block or divide it). dlhs with sub-channel
-weights dequantizes each weight block before its dot.
+weights dequantizes each weight block before its dot. A gmm whose tail tiles hold at most 4 rows (decode)
+runs its bf16 dots in f32 (`F32_DOT_MAX_ROWS`).
 """
 
 from __future__ import annotations
@@ -57,12 +58,23 @@ def _blocks(size: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(block, size - start)) for start in range(0, size, block)]
 
 
-def _dot_dtypes(a_dtype, b_dtype) -> tuple[jnp.dtype, jnp.dtype]:
+# A kernel whose smallest tiles hold at most this many rows runs its bf16 dots in float32: XLA CPU's bf16 dot
+# costs more per call than the f32 one, which a dot of a few rows does not amortize (64 dots of 4 rows: bf16
+# 16.5 ms, f32 12.5; of 8 rows: 17.7 against 18.9; NOTES 14.3, 14.4).
+F32_DOT_MAX_ROWS = 4
+
+
+def _dot_dtypes(a_dtype, b_dtype, min_rows: int | None = None) -> tuple[jnp.dtype, jnp.dtype]:
     """(operand, accumulator) dtypes of a dot: `quantized.dot_dtypes` (every backend's rule: bf16 stays bf16,
     which the CPU dot runs natively), except float16, which runs in float32 here as XLA CPU's own dot does
-    (an f16 dot measured slower, benchmarks/NOTES.md 13)."""
+    (an f16 dot measured slower, benchmarks/NOTES.md 13), and bf16 in a kernel whose smallest tiles hold
+    `min_rows` <= F32_DOT_MAX_ROWS rows (every dot of the kernel then runs in f32: a group's weights are
+    converted once, for one dtype, before its tiles)."""
     operand, acc = dot_dtypes(jax.ShapeDtypeStruct((), a_dtype), jax.ShapeDtypeStruct((), b_dtype))
-    return (jnp.dtype(jnp.float32), acc) if operand == jnp.float16 else (operand, acc)
+    small = min_rows is not None and min_rows <= F32_DOT_MAX_ROWS
+    if operand == jnp.float16 or (operand == jnp.bfloat16 and small):
+        return jnp.dtype(jnp.float32), acc
+    return operand, acc
 
 
 def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Array:
@@ -73,7 +85,7 @@ def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Arra
     return rows[start - first * block:start - first * block + size]
 
 
-def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpose_rhs, out_dtype):
+def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpose_rhs, out_dtype, min_rows):
     """[rows, k] x w ([k, n], or [n, k] if transpose_rhs) -> list of (n0, [rows, nb] block) in out_dtype,
     one dot per (column block, contraction chunk). x and w are carried as `loop_dtypes.as_bits` (logical
     dtypes x_dtype, w_dtype) and loaded block by block in the dot's compute dtype.
@@ -81,11 +93,12 @@ def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpo
     Scales (1-byte operands): without transpose_rhs, xs None or [rows, k/bl], ws None or [k/br, n]; every k
     chunk lies inside one scale block of each: a scale per row / channel multiplies each result block once
     after its k loop, a sub-channel one the dot of each chunk. With transpose_rhs: x float, ws None or
-    [n/br, k] (scaled along the output n: each weight block is dequantized in f32 before its dot)."""
+    [n/br, k] (scaled along the output n: each weight block is dequantized in f32 before its dot).
+    min_rows: the rows of the kernel's smallest tiles, which can make its bf16 dots f32 (`_dot_dtypes`)."""
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     k = x.shape[1]
     dequantized = transpose_rhs and ws is not None
-    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if dequantized else _dot_dtypes(x_dtype, w_dtype)
+    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if dequantized else _dot_dtypes(x_dtype, w_dtype, min_rows)
     x_block, w_block = block_of(k, xs, 1), block_of(w.shape[0] if transpose_rhs else k, ws, 0)
     x_chunks = [load(x[:, k0:k0 + kb], x_dtype, operand) for k0, kb in k_blocks]  # reused by every column block
     blocks = []
@@ -144,7 +157,7 @@ def tiled_ragged_dot(
     scales = () if transpose_rhs else (block_of(k, lhs_scale, 1), block_of(k, rhs_scale, 1))
     product = functools.partial(_tile_product, x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=out_dtype,
                                 k_blocks=_blocks(k, k_chunk(k, tk, *scales)), n_blocks=_blocks(n, tn),
-                                transpose_rhs=transpose_rhs)
+                                transpose_rhs=transpose_rhs, min_rows=tail)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -310,7 +323,7 @@ def _is_gmm(problem: RaggedDotProblem) -> bool:
 
 class TiledRaggedDot(RaggedDotBackend):
     name = "tiled"
-    revision = 5  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 6  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TiledConfig
     platforms = ("cpu", "gpu", "tpu")
     description = ("pure-JAX loop over each group's row tiles (full tiles, then small tail tiles); drhs: a dot "
