@@ -18,7 +18,8 @@ each mode is its least bytes moved at the read bandwidth). Errors: max-abs relat
 of each mode's output against the float64 reference of the unquantized operands and against that of its own
 dequantized operands.
 Target (CPU): int8 weight-only per channel (with float32 activations, and with bfloat16 ones) >= 1.5x faster
-than the tuned float32 kernel at m=256.
+than the tuned float32 kernel at m=256. Each case also says which floor bounds the float32 kernel on this machine
+(its weight bytes at the read rate or its FLOPs at the dense rate): 1-byte weights cut only the first.
 Nothing is asserted; the machine is shared and noisy, only the ratios of one run count.
 """
 
@@ -127,7 +128,11 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
             "key": sweeps[mode].key,
         }
     jax.clear_caches()
+    # Which floor bounds the float32 kernel on this machine: its weight bytes at the read rate, or its FLOPs at
+    # the dense matmul's rate. Quantized weights cut only the first (a 1-byte weight still meets an f32 dot).
+    floors = {"memory": 4 * groups * k * n / bandwidth, "compute": times["dense"]}
     return {"m": m, "k": k, "n": n, "groups": groups, "direction": direction, "flops": f32.flops,
+            "f32_floors_s": floors, "bound": max(floors, key=floors.get),
             "times_s": times, "timing_method": measured["timing_method"], "copy_gbps": 2 * 4 * groups * k * n / times["copy"] / 1e9,
             "read_gbps": bandwidth / 1e9,
             "dense_tflops": f32.flops / times["dense"] / 1e12, "modes": rows}
@@ -138,6 +143,9 @@ def print_case(name, case) -> None:
     print(f"\nragged_dot {case['direction']} m={case['m']} k={case['k']} n={case['n']} g={case['groups']} ({name}): "
           f"dense {t['dense'] * 1e3:.3f} ms ({case['dense_tflops'] * 1e3:.0f} GFLOP/s), copy "
           f"{case['copy_gbps']:.1f} GB/s, read {case['read_gbps']:.1f} GB/s (mem floor: least bytes at the read rate); timed by {case['timing_method']}")
+    floors = case["f32_floors_s"]
+    print(f"  float32 floors here: weights at the read rate {floors['memory'] * 1e3:.3f} ms, FLOPs at the dense rate "
+          f"{floors['compute'] * 1e3:.3f} ms: {case['bound']}-bound on this machine")
     print(f"  {'mode':<11} {'ms':>8} {'f32/mode':>8} {'same tiles':>10} {'deq+f32 ms':>10} {'weight MiB':>10} "
           f"{'mem floor':>9} {'err/unq':>8} {'err/deq':>8}  tuned config (differs from f32's)")
     for mode, r in case["modes"].items():
@@ -186,12 +194,14 @@ def main() -> int:
                         for mode in (t for t in TARGETS if t in case["modes"] and m == TARGET_M and direction == "fwd"):
                             ratio = case["modes"][mode]["f32_vs_mode"]
                             summary.append({"target": f"{mode} weight-only vs tuned f32, {name} m={m} g={groups}",
-                                            "value": ratio, "wanted": f">= {TARGET}", "met": ratio >= TARGET})
+                                            "value": ratio, "wanted": f">= {TARGET}", "met": ratio >= TARGET,
+                                            "bound": case["bound"]})
                         if args.json:
                             bench.write_results(args.json, [{"summary": summary}, {"cases": cases}])
     print(f"\nSummary ({devices.device_kind()}, {time.perf_counter() - started:.0f} s):")
     for s in summary:
-        print(f"  {s['target']:<55} {s['value']:6.2f}x  target {s['wanted']}  {verdict(s['met'])}")
+        print(f"  {s['target']:<55} {s['value']:6.2f}x  target {s['wanted']}  {verdict(s['met'])}"
+              f"  (f32 {s['bound']}-bound here)")
     differ = [f"{c['name']} m={c['m']} g={c['groups']} {c['direction']} {mode}" for c in cases
               for mode, r in c["modes"].items() if r["differs_from_f32"]]
     print(f"  tuned tiles differ from float32's: {len(differ)} of "

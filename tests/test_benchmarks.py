@@ -103,4 +103,6 @@ def test_quant_benchmark_times_every_mode(tmp_path):
         assert (r["deq_f32_time_s"] is None) == (mode in ("float32", "bfloat16"))
     assert 0 < modes["int8"]["error_vs_unquantized"] < 0.1 and not modes["float32"]["differs_from_f32"]
     assert [s["target"] for s in summary["summary"]] == [f"{mode} weight-only vs tuned f32, toy m=256 g=4" for mode in ("int8", "int8 a16")]
+    assert case["bound"] in ("memory", "compute") and all(t > 0 for t in case["f32_floors_s"].values())
+    assert all(s["bound"] == case["bound"] for s in summary["summary"]) and f"{case['bound']}-bound on this machine" in out
     assert "tuned tiles differ from float32's" in out

@@ -222,3 +222,32 @@ def test_progress_shows_one_line_per_running_sweep_and_the_count():
     shown.running({sweeps[0].key: {"device": device, "stage": "finalists", "completed": 1, "total": 2}})
     assert {t.description: t.completed for t in bars.tasks} == {
         "sweeps done": 1, f"{sweeps[0].label} on node1 GPU 1: Re-timing finalists": 1}
+
+
+def test_tasks_compile_into_the_drivers_compile_cache(local_ray, tmp_path, isolated_profiles, monkeypatch):
+    """A task turns JAX's persistent compilation cache on, in the dir the driver's
+    `$MOE_TUNE_COMPILE_CACHE_DIR` names (the session's Ray workers started before the test set it)."""
+    from moe_tune.campaign.ray_runner import run_on_ray
+
+    cache = tmp_path / "jax_cache"
+    monkeypatch.setenv("MOE_TUNE_COMPILE_CACHE_DIR", str(cache))
+    [dispatch] = [s for s in plan(tiny_cases(), platform="cpu", distribution="balanced") if s.op == "ragged_gather"]
+    [outcome] = run_on_ray([dispatch], {**FAST, "profile_dir": isolated_profiles}, fake_gpu())
+    assert outcome.error is None and any(cache.iterdir())
+
+
+@pytest.mark.parametrize("resources, workers, reserved", [
+    ({"GPU": 8, "CPU": 64}, 4, ("GPU", 4)),  # the sweep's compile workers
+    ({"GPU": 8, "CPU": 16}, 16, ("GPU", 2)),  # an even share of the CPUs per GPU: no GPU left idle
+    ({"GPU": 8, "CPU": 4}, 16, ("GPU", 1)),  # at least one
+    ({"TPU": 4, "CPU": 96}, 8, ("TPU", 8)),
+    ({"CPU": 2}, 16, (None, 2)),  # CPU sweeps: at most the cluster's CPUs
+])
+def test_a_task_reserves_its_compile_workers_cpus(monkeypatch, resources, workers, reserved):
+    import ray
+
+    from moe_tune.campaign import ray_runner
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
+    accelerator = ray_runner.detect_accelerator(cpus_per_sweep=workers)
+    assert (accelerator.assigned, accelerator.resources["num_cpus"]) == reserved

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from moe_tune import settings
 from moe_tune.campaign.outcome import SweepOutcome, local_device
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.errors import MoeTuneError
@@ -92,13 +93,15 @@ def connect(address: str) -> None:
 
 def detect_accelerator(cpus_per_sweep: float) -> Accelerator:
     """The cluster's accelerator: one GPU per sweep if it has GPUs, else one TPU chip if it has TPUs, else
-    `cpus_per_sweep` CPUs (a CPU sweep's compile workers each take a core)."""
+    CPUs only. A sweep's compile workers each take a core, so a task reserves `cpus_per_sweep` CPUs (its
+    `--workers`), at most the cluster's CPUs, and with a chip at most an even share of the CPUs per chip
+    (at least 1), so that the CPUs never leave chips idle."""
     resources = ray.cluster_resources()
-    if resources.get("GPU"):
-        return gpu()
-    if resources.get("TPU"):
-        return tpu()
-    return cpu(min(cpus_per_sweep, resources.get("CPU", 1)))
+    cpus = resources.get("CPU", 1)
+    for name, accelerator in (("GPU", gpu), ("TPU", tpu)):
+        if resources.get(name):
+            return accelerator(max(1, min(cpus_per_sweep, cpus // resources[name])))
+    return cpu(min(cpus_per_sweep, cpus))
 
 
 def check_device(accelerator: Accelerator) -> dict[str, Any]:
@@ -184,13 +187,26 @@ class _RelayReporter:
 SweepFn = Callable[..., Any]  # run_sweep's signature: (spec, reporter, *, on_log) -> SweepResult
 
 
+def _enable_compile_cache(driver_setting: str | None) -> None:
+    """In a task, before its first compile: JAX's persistent compilation cache, as a sweep on the command line
+    has it (a retried or resumed sweep compiles nothing twice), in the driver's `$MOE_TUNE_COMPILE_CACHE_DIR`
+    where the driver set one (`off`, or a path every node can write) and else in the node's default dir."""
+    from moe_tune.tuner import compile_cache
+
+    if driver_setting is not None:
+        os.environ[settings.COMPILE_CACHE_DIR] = driver_setting  # this worker process runs one task only
+    compile_cache.enable()
+
+
 def _sweep_task(sweep: PlannedSweep, options: dict[str, Any], accelerator: Accelerator, relay: Any,
-                sweep_fn: SweepFn | None) -> dict[str, Any]:
-    """One sweep in a Ray task: check the device, restore the log, run it in a scratch profile dir (the
-    driver writes the table), send every log append to the relay. Returns the entry's JSON and the device."""
+                compile_cache_setting: str | None, sweep_fn: SweepFn | None) -> dict[str, Any]:
+    """One sweep in a Ray task: check the device, turn the compile cache on, restore the log, run it in a
+    scratch profile dir (the driver writes the table), send every log append to the relay. Returns the
+    entry's JSON and the device."""
     from moe_tune.tuner import SweepSpec, log_path_for, run_sweep
 
     device = check_device(accelerator)
+    _enable_compile_cache(compile_cache_setting)
     scratch = Path(tempfile.mkdtemp(prefix="moe-tune-sweep-"))
     try:
         # fresh: the relay deletes the driver's copy of the log once; the scratch dir starts empty anyway
@@ -265,7 +281,8 @@ def run_on_ray(sweeps: Sequence[PlannedSweep], options: dict[str, Any], accelera
     relay = LogRelay.options(scheduling_strategy=here).remote(str(directory))
     task = ray.remote(max_calls=1)(_sweep_task).options(max_retries=max_retries, retry_exceptions=False,
                                                         **accelerator.resources)
-    pending = {task.remote(sweep, options, accelerator, relay, sweep_fn): sweep for sweep in sweeps}
+    cache_setting = os.environ.get(settings.COMPILE_CACHE_DIR)
+    pending = {task.remote(sweep, options, accelerator, relay, cache_setting, sweep_fn): sweep for sweep in sweeps}
     outcomes: list[SweepOutcome] = []
     try:
         while pending:
