@@ -7,6 +7,7 @@ the quantization error.
         [--m 256,4096] [--groups 16,64] [--modes float32,bfloat16,int8,int8/128,fp8/128,w8a8,int8 a16,...]
         [--directions fwd,dlhs] [--budget 12] [--json OUT]
     PYTHONPATH=src .venv/bin/python benchmarks/quant_cpu.py --small   # toy sizes: the test suite runs it
+    PYTHONPATH=src .venv/bin/python benchmarks/quant_cpu.py --print OUT.json   # a saved run, printed again
 
 Per (shape, m, groups, direction): every mode is swept with the real tuner (coordinate strategy, a fresh
 temporary profile dir), then one `bench.time_variants` call times together: each mode's tuned kernel,
@@ -26,6 +27,7 @@ Nothing is asserted; the machine is shared and noisy, only the ratios of one run
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -171,7 +173,12 @@ def main() -> int:
     parser.add_argument("--samples-compare", type=int, default=7, help="samples of the side-by-side rounds")
     parser.add_argument("--small", action="store_true", help="toy sizes (k=256 n=128, m=256, 4 groups)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--print", dest="saved", default=None, metavar="JSON",
+                        help="print a run saved with --json again, measuring nothing")
     args = parser.parse_args()
+    if args.saved:
+        print_saved(args.saved)
+        return 0
     if args.small:
         args.shapes, args.m, args.groups, args.budget, args.samples_compare = "toy", "256", "4", 1, 1
     shapes = SMALL_SHAPES if args.small else SHAPES
@@ -198,7 +205,12 @@ def main() -> int:
                                             "bound": case["bound"]})
                         if args.json:
                             bench.write_results(args.json, [{"summary": summary}, {"cases": cases}])
-    print(f"\nSummary ({devices.device_kind()}, {time.perf_counter() - started:.0f} s):")
+    print_summary(summary, cases, f"{devices.device_kind()}, {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def print_summary(summary: list[dict], cases: list[dict], measured_on: str) -> None:
+    print(f"\nSummary ({measured_on}):")
     for s in summary:
         print(f"  {s['target']:<55} {s['value']:6.2f}x  target {s['wanted']}  {verdict(s['met'])}"
               f"  (f32 {s['bound']}-bound here)")
@@ -206,7 +218,18 @@ def main() -> int:
               for mode, r in c["modes"].items() if r["differs_from_f32"]]
     print(f"  tuned tiles differ from float32's: {len(differ)} of "
           f"{sum(len(c['modes']) - 1 for c in cases)} (mode, case) pairs" + (f": {'; '.join(differ)}" if differ else ""))
-    return 0
+
+
+def print_saved(path: str) -> None:
+    """Prints a run saved with --json again, as it printed when measured (nothing is re-measured)."""
+    with open(path) as f:
+        saved = json.load(f)
+    results = {k: v for part in saved["results"] for k, v in part.items()}
+    for case in results["cases"]:
+        print_case(case["name"], case)
+    meta = saved["meta"]
+    print_summary(results["summary"], results["cases"],
+                  f"{meta['device_kind']}, {meta['cpus']} CPUs, jax {meta['jax']}, {meta['date']}, re-printed from {path}")
 
 
 if __name__ == "__main__":

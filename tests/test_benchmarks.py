@@ -106,3 +106,8 @@ def test_quant_benchmark_times_every_mode(tmp_path):
     assert case["bound"] in ("memory", "compute") and all(t > 0 for t in case["f32_floors_s"].values())
     assert all(s["bound"] == case["bound"] for s in summary["summary"]) and f"{case['bound']}-bound on this machine" in out
     assert "tuned tiles differ from float32's" in out
+    # --print re-prints the saved run: the same case and summary lines, nothing measured again
+    again = _run(["benchmarks/quant_cpu.py", "--print", str(tmp_path / "q.json")], tmp_path)
+    measured_lines = [line for line in out.splitlines() if line.startswith("  ") and "[" in line]
+    assert measured_lines and all(line in again.splitlines() for line in measured_lines)
+    assert "re-printed from" in again and "tuned tiles differ from float32's" in again
