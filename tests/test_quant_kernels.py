@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from moe_tune.errors import UsageError
+from moe_tune.kernels.loop_dtypes import e4m3fn_to_float32
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, vmem_bytes
 from moe_tune.kernels.ragged_dot.reference import (
@@ -102,12 +103,17 @@ def kernel_configs(backend: str, problem: RaggedDotProblem) -> list:
     """Pallas backends: the search space's config with the smallest row tile (several tiles and visits at
     these tiny shapes); triton also blocks of 16, so that a 16-wide scale block covers a whole k step (the
     raw-dot path) while an 8-wide one does not (the in-kernel dequantization). Others: the default; tiled drhs
-    also its other schedule (`batched`), whose windows slice the lhs scales instead of gathering them."""
+    also its other schedule (`batched`), whose windows slice the lhs scales instead of gathering them, and
+    tiled fwd every `dequantize` value it searches (a dot per scale block, or dequantized weights)."""
     impl = BACKENDS.get(backend)
     if backend == "tiled" and problem.direction == "drhs":
         default = impl.default_config(problem)
         return [default, dataclasses.replace(default, batched=not default.batched)]
-    if backend == "xla" or backend == "tiled":
+    if backend == "tiled":
+        default = impl.default_config(problem)
+        values = impl.candidate_values(problem).get("dequantize", [default.dequantize])
+        return [dataclasses.replace(default, dequantize=v) for v in values]
+    if backend == "xla":
         return [impl.default_config(problem)]
     space = impl.search_space(problem)
     smallest = min(space, key=lambda c: (getattr(c, "tm", 0) or getattr(c, "block_m", 0)))
@@ -292,6 +298,43 @@ def test_tiled_bfloat16_activations_dot_in_float32_when_tails_hold_at_most_4_row
         lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile().as_text()
     weight_blocks = {d: f"{d}[{K},{N}]" in hlo for d in ("f32", "bf16")}  # a group's converted weights
     assert weight_blocks == {"f32": dot_dtype == "f32", "bf16": dot_dtype == "bf16"}
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "float8_e4m3fn"])
+def test_tiled_dequantizes_sub_channel_weights_before_full_k_dots(qdtype):
+    """Float activations with sub-channel weights (fwd): `dequantize` converts a group's weight block to f32
+    with its scales once ([K, N] in the HLO, then dots over all of k) instead of a dot per scale block
+    ([rows, 8] x [8, N] dots, scaled after). The sweep tries both, the default dequantizes; a problem it
+    does not apply to (per-channel weights, quantized activations) rejects it in one line."""
+    impl = BACKENDS.get("tiled")
+    problem, lhs, rhs = make_case("fwd_weight_sub_channel", qdtype)
+    assert impl.candidate_values(problem)["dequantize"] == [True, False] and impl.default_config(problem).dequantize
+    ref = reference(problem, lhs, rhs, SIZES)
+    hlo = {}
+    for dequantize in (True, False):
+        # tk=4 divides the scale block of 8: valid only for the per-block dots (dequantized blocks span blocks)
+        config = TiledConfig(tm=16, tail=8, tk=K, tn=N, dequantize=dequantize)
+        assert_close(run("tiled", problem, lhs, rhs, SIZES, config=config), ref, f"dequantize={dequantize}")
+        hlo[dequantize] = jax.jit(lambda a, b, s, c=config: impl.run(problem, c, a, b, s)).lower(
+            lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile().as_text()
+    assert f"f32[{K},{N}]" in hlo[True] and f"f32[{K},{N}]" not in hlo[False]
+    assert impl.config_error(TiledConfig(tk=12, dequantize=True), problem) is None
+    assert "multiple of the scale block" in impl.config_error(TiledConfig(tk=12), problem)
+    for mode in ("fwd_weight_per_channel", "fwd_w8a8_rows_x_sub_channel", "dlhs_weight_sub_channel"):
+        other, *_ = make_case(mode, "int8")
+        assert "dequantize" not in impl.candidate_values(other) and not impl.default_config(other).dequantize
+        assert "dequantize applies only to fwd" in impl.config_error(TiledConfig(dequantize=True), other)
+
+
+def test_e4m3fn_to_float32_is_exact_for_every_bit_pattern():
+    """The bit-built fp8 convert that the CPU kernels load fp8 blocks with agrees with JAX's own convert on
+    all 256 values: normals, subnormals, both zeros and NaN."""
+    every = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)
+    got = np.asarray(jax.jit(e4m3fn_to_float32)(jnp.asarray(every)))
+    expected = every.astype(np.float32)
+    numbers = ~np.isnan(expected)  # a NaN's sign bit carries nothing
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert np.array_equal(np.signbit(got[numbers]), np.signbit(expected[numbers]))
 
 
 @pytest.mark.parametrize("direction", ["fwd", "dlhs", "drhs"])

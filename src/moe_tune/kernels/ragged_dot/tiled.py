@@ -44,14 +44,17 @@ class TiledConfig(KernelConfig):
     """tm: rows per tile (drhs: rows per window, see `drhs_window`); tail: rows per tile for what is left of
     a group after its full `tm`-row tiles; tk, tn: blocks of the k x n plane (for dlhs: of n x k, the matmul
     it runs). Clamped to the dimensions they tile. batched: drhs's schedule (one batched dot over every
-    group's first window, or a loop over groups; see `tiled_transposed_ragged_dot`). fwd and dlhs use tm,
-    tail, tk and tn; drhs uses tm and batched."""
+    group's first window, or a loop over groups; see `tiled_transposed_ragged_dot`). dequantize: fwd with
+    sub-channel weight scales and float activations dequantizes each group's weights before its dots, instead
+    of a dot per scale block (see `tiled_ragged_dot`). fwd and dlhs use tm, tail, tk and tn (fwd also
+    dequantize); drhs uses tm and batched."""
 
     tm: int = 256
     tk: int = 1024
     tn: int = 1024
     tail: int = 32
     batched: bool = True
+    dequantize: bool = False
 
 
 def _blocks(size: int, block: int) -> list[tuple[int, int]]:
@@ -85,7 +88,8 @@ def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Arra
     return rows[start - first * block:start - first * block + size]
 
 
-def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpose_rhs, out_dtype, min_rows):
+def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpose_rhs, out_dtype, min_rows,
+                  dequantize=False):
     """[rows, k] x w ([k, n], or [n, k] if transpose_rhs) -> list of (n0, [rows, nb] block) in out_dtype,
     one dot per (column block, contraction chunk). x and w are carried as `loop_dtypes.as_bits` (logical
     dtypes x_dtype, w_dtype) and loaded block by block in the dot's compute dtype.
@@ -94,10 +98,12 @@ def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpo
     chunk lies inside one scale block of each: a scale per row / channel multiplies each result block once
     after its k loop, a sub-channel one the dot of each chunk. With transpose_rhs: x float, ws None or
     [n/br, k] (scaled along the output n: each weight block is dequantized in f32 before its dot).
+    dequantize (without transpose_rhs, x float, ws sub-channel): each weight block is dequantized in f32
+    before its dot as well, so that a k chunk may span many scale blocks (one dot instead of one per block).
     min_rows: the rows of the kernel's smallest tiles, which can make its bf16 dots f32 (`_dot_dtypes`)."""
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     k = x.shape[1]
-    dequantized = transpose_rhs and ws is not None
+    dequantized = (transpose_rhs or dequantize) and ws is not None
     operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if dequantized else _dot_dtypes(x_dtype, w_dtype, min_rows)
     x_block, w_block = block_of(k, xs, 1), block_of(w.shape[0] if transpose_rhs else k, ws, 0)
     x_chunks = [load(x[:, k0:k0 + kb], x_dtype, operand) for k0, kb in k_blocks]  # reused by every column block
@@ -109,14 +115,15 @@ def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpo
                 scale = _scale_rows(ws, w_block, n0, nb)[:, k0:k0 + kb] if dequantized else None
                 wb = load(w[n0:n0 + nb, k0:k0 + kb], w_dtype, operand, scale)
             else:
-                wb = load(w[k0:k0 + kb, n0:n0 + nb], w_dtype, operand)
+                scale = _scale_rows(ws, w_block, k0, kb)[:, n0:n0 + nb] if dequantized else None
+                wb = load(w[k0:k0 + kb, n0:n0 + nb], w_dtype, operand, scale)
             part = jax.lax.dot_general(xb, wb, dims, preferred_element_type=acc_dtype)
-            if not transpose_rhs and w_block < k:  # sub-channel: this chunk's scales
+            if not dequantized and w_block < k:  # sub-channel: this chunk's scales
                 part = part.astype(jnp.float32) * ws[k0 // w_block, n0:n0 + nb]
             if not transpose_rhs and x_block < k:
                 part = part.astype(jnp.float32) * xs[:, k0 // x_block, None]
             acc = part if acc is None else acc + part
-        if ws is not None and not transpose_rhs and w_block == k:  # one scale per channel: once, after the k loop
+        if ws is not None and not dequantized and w_block == k:  # one scale per channel: once, after the k loop
             acc = acc.astype(jnp.float32) * ws[0, n0:n0 + nb]
         if xs is not None and x_block == k:
             acc = acc.astype(jnp.float32) * xs[:, :1]
@@ -138,9 +145,13 @@ def tiled_ragged_dot(
     transpose_rhs: bool = False,
     lhs_scale: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
+    dequantize: bool = False,
 ) -> jax.Array:
     """gmm. lhs [m, k], rhs [groups, k, n] ([groups, n, k] if transpose_rhs), group_sizes int [total_groups]
     -> [m, n] in out_dtype. 1-byte lhs / rhs values come with the scales of `quantized.GmmOperands`.
+    dequantize: with a float lhs and sub-channel rhs scales (fwd), dequantize each group's weights in f32
+    (once per group: the blocks depend on the group only, and XLA hoists them out of the tile loops) and run
+    full tk chunks, rather than a dot per scale block with its scales applied to the result.
 
     Each group's rows are cut into tiles that start at the group's first row: as many full `tm`-row tiles
     as fit, which need no mask, then the rest in `tail`-row tiles, masked to the group. A group of s rows
@@ -154,10 +165,12 @@ def tiled_ragged_dot(
     tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups,
                                 group_offset=0 if group_offset is None else group_offset)
-    scales = () if transpose_rhs else (block_of(k, lhs_scale, 1), block_of(k, rhs_scale, 1))
+    dequantize = dequantize and not transpose_rhs and lhs_scale is None and block_of(k, rhs_scale, 1) < k
+    # a dequantized rhs block may span scale blocks: only the lhs's scales cut the chunks then
+    scales = () if transpose_rhs else (block_of(k, lhs_scale, 1), *(() if dequantize else (block_of(k, rhs_scale, 1),)))
     product = functools.partial(_tile_product, x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=out_dtype,
                                 k_blocks=_blocks(k, k_chunk(k, tk, *scales)), n_blocks=_blocks(n, tn),
-                                transpose_rhs=transpose_rhs, min_rows=tail)
+                                transpose_rhs=transpose_rhs, min_rows=tail, dequantize=dequantize)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -316,6 +329,13 @@ def scale_blocks(problem: RaggedDotProblem) -> tuple[int, ...]:
     return tuple(b for b in (problem.lhs_qblock, problem.rhs_qblock) if b is not None)
 
 
+def _dequantizable(problem: RaggedDotProblem) -> bool:
+    """Whether `TiledConfig.dequantize` applies: fwd, float activations, sub-channel weight scales."""
+    _, k, _ = problem.matmul_dims()
+    return (problem.direction == "fwd" and problem.lhs_qdtype is None
+            and problem.rhs_qblock is not None and problem.rhs_qblock < k)
+
+
 def _is_gmm(problem: RaggedDotProblem) -> bool:
     """fwd and dlhs run gmm (tiles, tail tiles, tk x tn blocks); drhs runs tgmm (windows of tm rows)."""
     return problem.direction != "drhs"
@@ -334,15 +354,18 @@ class TiledRaggedDot(RaggedDotBackend):
             value = getattr(config, field)
             if not isinstance(value, int) or value <= 0:
                 return f"{field} must be a positive integer, got {value!r}"
-        if not isinstance(config.batched, bool):
-            return f"batched must be true or false, got {config.batched!r}"
+        for field in ("batched", "dequantize"):
+            if not isinstance(getattr(config, field), bool):
+                return f"{field} must be true or false, got {getattr(config, field)!r}"
+        if config.dequantize and not _dequantizable(problem):
+            return "dequantize applies only to fwd with sub-channel weight scales and float activations"
         if not _is_gmm(problem):
             return None
         if config.tail > config.tm:
             return f"tail ({config.tail}) must not exceed tm ({config.tm})"
         _, k, n = problem.matmul_dims()
         chunk = min(config.tk, k)
-        if problem.direction == "fwd":  # sub-channel scales lie along the contraction k
+        if problem.direction == "fwd" and not config.dequantize:  # sub-channel scales lie along the contraction k
             for block in scale_blocks(problem):
                 if block < k and chunk % block and block % chunk:
                     return f"tk={config.tk} must be a multiple of the scale block {block} or divide it"
@@ -363,7 +386,8 @@ class TiledRaggedDot(RaggedDotBackend):
             tm = min(max(32, 1 << rows_per_group.bit_length() - 1), 512, m)
             small = [t for t in SMALL_GROUP_TAIL_SIZES if t >= rows_per_group]
             tail = small[0] if small else max(16, tm // 8)
-            return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm))
+            # dequantized sub-channel weights won at every shape measured (NOTES 14.5)
+            return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm), dequantize=_dequantizable(problem))
         # drhs: a window 2.5 standard deviations above an average group holds the groups of balanced
         # routing (multinomial) whole and pads little: a longer default window, kept by sweeps whose faster
         # candidates lay within noise of it, cost up to 20% (NOTES 17). A bf16 dot runs per group (XLA
@@ -387,13 +411,15 @@ class TiledRaggedDot(RaggedDotBackend):
             "tk": sorted({k, *(v for v in (512, *sub_channel) if v < k)}),
             "tn": sorted({n, *(v for v in (512,) if v < n)}),
             "tail": [*(SMALL_GROUP_TAIL_SIZES if small_groups else ()), *TAIL_SIZES],
+            **({"dequantize": [True, False]} if _dequantizable(problem) else {}),
         }
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
         ops = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
         return tiled_ragged_dot(ops.lhs, ops.rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn,
                                 tail=config.tail, out_dtype=out_dtype, group_offset=group_offset,
-                                transpose_rhs=transpose_rhs, lhs_scale=ops.lhs_scale, rhs_scale=ops.rhs_scale)
+                                transpose_rhs=transpose_rhs, lhs_scale=ops.lhs_scale, rhs_scale=ops.rhs_scale,
+                                dequantize=config.dequantize)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
