@@ -125,7 +125,7 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
             "error_vs_unquantized": relative_error(out, unquantized),
             "error_vs_dequantized": relative_error(out, spec.reference(problem, inputs[mode])),
             "tuned_config": config, "default_config": tiled.default_config(problem).to_dict(),
-            "differs_from_f32": config != f32_config.to_dict(),
+            "differs_from_f32": _tiles(config) != _tiles(f32_config.to_dict()),
             "sweep_candidates": len(sweeps[mode].candidates), "sweep_s": sweep_s[mode],
             "key": sweeps[mode].key,
         }
@@ -140,6 +140,11 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
             "dense_tflops": f32.flops / times["dense"] / 1e12, "modes": rows}
 
 
+def _tiles(config: dict) -> dict:
+    """A tiled config's tiles: without `dequantize`, an option only sub-channel weights have."""
+    return {field: value for field, value in config.items() if field != "dequantize"}
+
+
 def print_case(name, case) -> None:
     t = case["times_s"]
     print(f"\nragged_dot {case['direction']} m={case['m']} k={case['k']} n={case['n']} g={case['groups']} ({name}): "
@@ -149,7 +154,7 @@ def print_case(name, case) -> None:
     print(f"  float32 floors here: weights at the read rate {floors['memory'] * 1e3:.3f} ms, FLOPs at the dense rate "
           f"{floors['compute'] * 1e3:.3f} ms: {case['bound']}-bound on this machine")
     print(f"  {'mode':<11} {'ms':>8} {'f32/mode':>8} {'same tiles':>10} {'deq+f32 ms':>10} {'weight MiB':>10} "
-          f"{'mem floor':>9} {'err/unq':>8} {'err/deq':>8}  tuned config (differs from f32's)")
+          f"{'mem floor':>9} {'err/unq':>8} {'err/deq':>8}  tuned config (differs: its tiles differ from f32's)")
     for mode, r in case["modes"].items():
         deq = f"{r['deq_f32_time_s'] * 1e3:10.3f}" if r["deq_f32_time_s"] else f"{'-':>10}"
         same = r.get("f32_at_mode_tiles_vs_mode")
@@ -157,7 +162,8 @@ def print_case(name, case) -> None:
         c = r["tuned_config"]
         print(f"  {mode:<11} {r['time_s'] * 1e3:8.3f} {r['f32_vs_mode']:8.2f} {same} {deq} {r['weight_bytes'] / 2**20:10.1f} "
               f"{r['memory_floor_s'] * 1e3:9.3f} {r['error_vs_unquantized']:8.1e} {r['error_vs_dequantized']:8.1e}  "
-              f"tm={c['tm']} tail={c['tail']} tk={c['tk']} tn={c['tn']}{' (differs)' if r['differs_from_f32'] else ''}"
+              f"tm={c['tm']} tail={c['tail']} tk={c['tk']} tn={c['tn']}{' dequantize' if c.get('dequantize') else ''}"
+              f"{' (differs)' if r['differs_from_f32'] else ''}"
               f" [{r['sweep_candidates']} cand, {r['sweep_s']:.0f} s]", flush=True)
 
 
@@ -226,6 +232,10 @@ def print_saved(path: str) -> None:
         saved = json.load(f)
     results = {k: v for part in saved["results"] for k, v in part.items()}
     for case in results["cases"]:
+        # by this script's `_tiles` (a run saved before `dequantize` existed counted it as a tile)
+        f32_tiles = _tiles(case["modes"]["float32"]["tuned_config"])
+        for r in case["modes"].values():
+            r["differs_from_f32"] = _tiles(r["tuned_config"]) != f32_tiles
         print_case(case["name"], case)
     meta = saved["meta"]
     print_summary(results["summary"], results["cases"],
