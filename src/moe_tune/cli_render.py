@@ -140,10 +140,11 @@ def progress(*, transient: bool) -> Iterator[Progress]:
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = ()) -> None:
-    """A rich table on stdout; `right`: the columns to right-align (numbers)."""
+    """A rich table on stdout; `right`: the columns to right-align (numbers). The first column names the row
+    and is kept on one line; the others wrap when the table is too wide."""
     shown = Table(title=title, title_justify="left")
-    for column in columns:
-        shown.add_column(column, justify="right" if column in right else "left")
+    for i, column in enumerate(columns):
+        shown.add_column(column, justify="right" if column in right else "left", no_wrap=i == 0)
     for row in rows:
         shown.add_row(*(str(cell) for cell in row))
     out.print(shown)

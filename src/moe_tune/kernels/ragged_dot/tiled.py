@@ -118,7 +118,7 @@ def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpo
                 scale = _scale_rows(ws, w_block, k0, kb)[:, n0:n0 + nb] if dequantized else None
                 wb = load(w[k0:k0 + kb, n0:n0 + nb], w_dtype, operand, scale)
             part = jax.lax.dot_general(xb, wb, dims, preferred_element_type=acc_dtype)
-            if not dequantized and w_block < k:  # sub-channel: this chunk's scales
+            if not transpose_rhs and not dequantized and w_block < k:  # sub-channel: this chunk's scales
                 part = part.astype(jnp.float32) * ws[k0 // w_block, n0:n0 + nb]
             if not transpose_rhs and x_block < k:
                 part = part.astype(jnp.float32) * xs[:, k0 // x_block, None]
