@@ -326,6 +326,28 @@ def test_tiled_dequantizes_sub_channel_weights_before_full_k_dots(qdtype):
         assert "dequantize applies only to fwd" in impl.config_error(TiledConfig(dequantize=True), other)
 
 
+@pytest.mark.parametrize("tail, dot_dtype", [(4, "f32"), (8, "bf16")])
+def test_tiled_dequantizes_to_the_dtype_of_its_dots(tail, dot_dtype):
+    """bf16 activations with sub-channel fp8 weights: the dequantized weights take the dtype of the kernel's
+    dots (bf16, or f32 in a kernel whose tails hold at most 4 rows), so bf16 dots keep bf16's speed. Rounding
+    the dequantized weights to bf16 costs an error at bf16's level, inside the bf16 tolerance."""
+    impl = BACKENDS.get("tiled")
+    rng = np.random.default_rng(6)
+    lhs = jnp.asarray(rng.standard_normal((M, K), np.float32)).astype(jnp.bfloat16)
+    rhs = quantize(jnp.asarray(rng.standard_normal((4, K, N), np.float32)), "float8_e4m3fn", axis=1, block_size=8)
+    problem = RaggedDotProblem.from_arrays(lhs, rhs, jnp.asarray(SIZES, jnp.int32))
+    config = TiledConfig(tm=16, tail=tail, tk=K, tn=N, dequantize=True)
+    out = run("tiled", problem, lhs, rhs, SIZES, config=config)
+    ref = reference(problem, lhs, rhs, SIZES)
+    assert out.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2 ** -6 * np.abs(ref).max()
+    hlo = jax.jit(lambda a, b, s: impl.run(problem, config, a, b, s)).lower(
+        lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile().as_text()
+    # the group's dequantized block, hoisted: bf16 where the dots run in bf16 (its f32 product with the scales
+    # is an intermediate of the same fusion), f32 only otherwise
+    assert (f"bf16[{K},{N}]" in hlo) == (dot_dtype == "bf16") and f"f32[{K},{N}]" in hlo
+
+
 def test_e4m3fn_to_float32_is_exact_for_every_bit_pattern():
     """The bit-built fp8 convert that the CPU kernels load fp8 blocks with agrees with JAX's own convert on
     all 256 values: normals, subnormals, both zeros and NaN."""

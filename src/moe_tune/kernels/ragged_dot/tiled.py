@@ -12,8 +12,9 @@ block, by `loop_dtypes.per_iteration`, never copied whole) and quantized operand
 their 1-byte values; both are converted block by block inside the loop by the same `loop_dtypes.load` (why:
 `loop_dtypes`). Quantized scales: a scale per row / channel multiplies each
 result block once after its k loop; sub-channel scales multiply the dot of each k chunk (a chunk never
-straddles a scale block: `tk` must be a multiple of the scale block or divide it). dlhs with sub-channel
-weights dequantizes each weight block before its dot. A gmm whose tail tiles hold at most 4 rows (decode)
+straddles a scale block: `tk` must be a multiple of the scale block or divide it), or, with float
+activations and `dequantize`, each group's weights are dequantized once, to the dot's dtype, for full-k dots.
+dlhs with sub-channel weights dequantizes each weight block before its dot. A gmm whose tail tiles hold at most 4 rows (decode)
 runs its bf16 dots in f32 (`F32_DOT_MAX_ROWS`).
 """
 
@@ -98,13 +99,16 @@ def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpo
     chunk lies inside one scale block of each: a scale per row / channel multiplies each result block once
     after its k loop, a sub-channel one the dot of each chunk. With transpose_rhs: x float, ws None or
     [n/br, k] (scaled along the output n: each weight block is dequantized in f32 before its dot).
-    dequantize (without transpose_rhs, x float, ws sub-channel): each weight block is dequantized in f32
-    before its dot as well, so that a k chunk may span many scale blocks (one dot instead of one per block).
+    dequantize (without transpose_rhs, x float, ws sub-channel): each weight block is dequantized before its
+    dot as well, so that a k chunk may span many scale blocks (one dot instead of one per block), in f32 and
+    then rounded to the dot's dtype (bf16 for bf16 dots: an error at bf16's level, where the per-block dots
+    are exact products).
     min_rows: the rows of the kernel's smallest tiles, which can make its bf16 dots f32 (`_dot_dtypes`)."""
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     k = x.shape[1]
     dequantized = (transpose_rhs or dequantize) and ws is not None
-    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if dequantized else _dot_dtypes(x_dtype, w_dtype, min_rows)
+    f32_dot = dequantized and transpose_rhs  # dlhs: x is d(out), whatever its dtype the weights meet it in f32
+    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if f32_dot else _dot_dtypes(x_dtype, w_dtype, min_rows)
     x_block, w_block = block_of(k, xs, 1), block_of(w.shape[0] if transpose_rhs else k, ws, 0)
     x_chunks = [load(x[:, k0:k0 + kb], x_dtype, operand) for k0, kb in k_blocks]  # reused by every column block
     blocks = []
@@ -116,7 +120,7 @@ def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpo
                 wb = load(w[n0:n0 + nb, k0:k0 + kb], w_dtype, operand, scale)
             else:
                 scale = _scale_rows(ws, w_block, k0, kb)[:, n0:n0 + nb] if dequantized else None
-                wb = load(w[k0:k0 + kb, n0:n0 + nb], w_dtype, operand, scale)
+                wb = load(w[k0:k0 + kb, n0:n0 + nb], w_dtype, operand, scale).astype(operand)
             part = jax.lax.dot_general(xb, wb, dims, preferred_element_type=acc_dtype)
             if not transpose_rhs and not dequantized and w_block < k:  # sub-channel: this chunk's scales
                 part = part.astype(jnp.float32) * ws[k0 // w_block, n0:n0 + nb]
@@ -149,9 +153,9 @@ def tiled_ragged_dot(
 ) -> jax.Array:
     """gmm. lhs [m, k], rhs [groups, k, n] ([groups, n, k] if transpose_rhs), group_sizes int [total_groups]
     -> [m, n] in out_dtype. 1-byte lhs / rhs values come with the scales of `quantized.GmmOperands`.
-    dequantize: with a float lhs and sub-channel rhs scales (fwd), dequantize each group's weights in f32
-    (once per group: the blocks depend on the group only, and XLA hoists them out of the tile loops) and run
-    full tk chunks, rather than a dot per scale block with its scales applied to the result.
+    dequantize: with a float lhs and sub-channel rhs scales (fwd), dequantize each group's weights to the
+    dot's dtype (once per group: the blocks depend on the group only, and XLA hoists them out of the tile
+    loops) and run full tk chunks, rather than a dot per scale block with its scales applied to the result.
 
     Each group's rows are cut into tiles that start at the group's first row: as many full `tm`-row tiles
     as fit, which need no mask, then the rest in `tail`-row tiles, masked to the group. A group of s rows
