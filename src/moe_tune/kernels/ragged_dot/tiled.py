@@ -10,12 +10,12 @@ first window or from a loop over groups with a 2-D dot per window (`batched`); i
 bfloat16 operands and outputs are carried through the loops as their uint16 bits (an operand viewed so per
 block, by `loop_dtypes.per_iteration`, never copied whole) and quantized operands (see `quantized.py`) as
 their 1-byte values; both are converted block by block inside the loop by the same `loop_dtypes.load` (why:
-`loop_dtypes`). Quantized scales: a scale per row / channel multiplies each
-result block once after its k loop; sub-channel scales multiply the dot of each k chunk (a chunk never
-straddles a scale block: `tk` must be a multiple of the scale block or divide it), or, with float
-activations and `dequantize`, each group's weights are dequantized once, to the dot's dtype, for full-k dots.
-dlhs with sub-channel weights dequantizes each weight block before its dot. A gmm whose tail tiles hold at most 4 rows (decode)
-runs its bf16 dots in f32 (`F32_DOT_MAX_ROWS`).
+`loop_dtypes`). Quantized scales: a scale per row / channel multiplies each result block once after its k
+loop; sub-channel scales multiply the dot of each k chunk (a chunk never straddles a scale block: `tk` must
+be a multiple of the scale block or divide it), or, with float activations and `dequantize`, each group's
+weights are dequantized once, to the dot's dtype, for full-k dots. dlhs with sub-channel weights
+dequantizes each weight block before its dot. A gmm whose tail tiles hold at most 4 rows (decode) runs its
+bf16 dots in f32 (`F32_DOT_MAX_ROWS`).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def tiled_ragged_dot(
                                 group_offset=0 if group_offset is None else group_offset)
     dequantize = dequantize and not transpose_rhs and lhs_scale is None and block_of(k, rhs_scale, 1) < k
     # a dequantized rhs block may span scale blocks: only the lhs's scales cut the chunks then
-    scales = () if transpose_rhs else (block_of(k, lhs_scale, 1), *(() if dequantize else (block_of(k, rhs_scale, 1),)))
+    scales = () if transpose_rhs else (block_of(k, lhs_scale, 1),) + (() if dequantize else (block_of(k, rhs_scale, 1),))
     product = functools.partial(_tile_product, x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=out_dtype,
                                 k_blocks=_blocks(k, k_chunk(k, tk, *scales)), n_blocks=_blocks(n, tn),
                                 transpose_rhs=transpose_rhs, min_rows=tail, dequantize=dequantize)
