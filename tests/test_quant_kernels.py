@@ -312,13 +312,16 @@ def test_tiled_dequantizes_sub_channel_weights_before_full_k_dots(qdtype):
     ref = reference(problem, lhs, rhs, SIZES)
     hlo = {}
     for dequantize in (True, False):
-        # tk=4 divides the scale block of 8: valid only for the per-block dots (dequantized blocks span blocks)
         config = TiledConfig(tm=16, tail=8, tk=K, tn=N, dequantize=dequantize)
         assert_close(run("tiled", problem, lhs, rhs, SIZES, config=config), ref, f"dequantize={dequantize}")
         hlo[dequantize] = jax.jit(lambda a, b, s, c=config: impl.run(problem, c, a, b, s)).lower(
             lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile().as_text()
     assert f"f32[{K},{N}]" in hlo[True] and f"f32[{K},{N}]" not in hlo[False]
-    assert impl.config_error(TiledConfig(tk=12, dequantize=True), problem) is None
+    # tk=12 neither divides the scale block of 8 nor is a multiple of it: valid only for dequantized blocks,
+    # whose chunks (k 0-12, 12-24, 24-32) span scale blocks and take their scales from the middle of one
+    chunked = TiledConfig(tm=16, tail=8, tk=12, tn=N, dequantize=True)
+    assert impl.config_error(chunked, problem) is None
+    assert_close(run("tiled", problem, lhs, rhs, SIZES, config=chunked), ref, "dequantize, tk=12")
     assert "multiple of the scale block" in impl.config_error(TiledConfig(tk=12), problem)
     for mode in ("fwd_weight_per_channel", "fwd_w8a8_rows_x_sub_channel", "dlhs_weight_sub_channel"):
         other, *_ = make_case(mode, "int8")
