@@ -40,7 +40,7 @@ import numpy as np
 from moe_tune import bench, devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
-from moe_tune.kernels.spec import relative_error
+from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.quant import as_float
 from moe_tune.tuner import SweepSpec, run_sweep
 

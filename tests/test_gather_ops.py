@@ -16,7 +16,7 @@ from moe_tune.errors import UsageError
 from moe_tune.kernels import guard
 from moe_tune.kernels.gather import op as gather_op
 from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
-from moe_tune.kernels.gather.spec import RAGGED_GATHER
+from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.plain_jax import PlainGather, PlainGatherReduce
 from moe_tune.kernels.gather.tiled import TiledGather, TiledGatherReduce
 from moe_tune.tuner import SweepSpec, run_sweep

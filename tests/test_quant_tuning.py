@@ -23,39 +23,39 @@ from moe_tune.models import get_preset, kernel_problems
 from moe_tune.profiles.entry import Entry
 from moe_tune.quant import QArray, dequantize_host
 
-SPEC = get_op("ragged_dot")
+OP = get_op("ragged_dot")
 SHAPE = ["--m", "64", "--k", "64", "--n", "32", "--groups", "4"]
 QUANT = ["--rhs-quant", "int8", "--quant-block", "16"]
 
 
 def test_float_keys_are_unchanged_and_quantized_keys_gain_the_fields():
-    plain = SPEC.problem(m=64, k=64, n=32, groups=4, dtype="bfloat16")
+    plain = OP.problem(m=64, k=64, n=32, groups=4, dtype="bfloat16")
     assert list(plain.key_fields()) == ["direction", "m", "k", "n", "groups", "lhs_dtype", "rhs_dtype", "out_dtype"]
-    assert SPEC.key_field_names == (*plain.key_fields(), "backend", "distribution")
-    quant = SPEC.problem(m=64, k=64, n=32, groups=4, dtype="bfloat16", rhs_quant="int8", direction="dlhs")
+    assert OP.key_field_names == (*plain.key_fields(), "backend", "distribution")
+    quant = OP.problem(m=64, k=64, n=32, groups=4, dtype="bfloat16", rhs_quant="int8", direction="dlhs")
     fields = quant.key_fields()
     # a quantized operand counts as float32 (what it dequantizes to), as in RaggedDotProblem.from_arrays
     assert (fields["lhs_dtype"], fields["rhs_dtype"], fields["out_dtype"]) == ("bfloat16", "float32", "bfloat16")
     assert (fields["rhs_qdtype"], fields["rhs_qblock"]) == ("int8", 64) and "lhs_qdtype" not in fields
-    w8a8 = SPEC.problem(m=64, k=64, n=32, groups=4, rhs_quant="int8", lhs_quant="float8_e4m3fn", quant_block=16)
+    w8a8 = OP.problem(m=64, k=64, n=32, groups=4, rhs_quant="int8", lhs_quant="float8_e4m3fn", quant_block=16)
     assert (w8a8.lhs_qdtype, w8a8.lhs_qblock, w8a8.rhs_qblock) == ("float8_e4m3fn", 16, 16)
-    assert SPEC.tolerance(w8a8) == SPEC.tolerance(SPEC.problem(m=64, k=64, n=32, groups=4))  # exact products
+    assert OP.tolerance(w8a8) == OP.tolerance(OP.problem(m=64, k=64, n=32, groups=4))  # exact products
     with pytest.raises(UsageError, match="needs rhs_quant or lhs_quant"):
-        SPEC.problem(m=64, k=64, n=32, groups=4, quant_block=16)
+        OP.problem(m=64, k=64, n=32, groups=4, quant_block=16)
 
 
 @pytest.mark.parametrize("direction", ["fwd", "dlhs", "drhs"])
 def test_inputs_are_seeded_qarrays_and_the_reference_is_of_the_dequantized_operands(direction):
-    problem = SPEC.problem(m=16, k=32, n=8, groups=2, rhs_quant="int8", lhs_quant="int8", quant_block=8,
+    problem = OP.problem(m=16, k=32, n=8, groups=2, rhs_quant="int8", lhs_quant="int8", quant_block=8,
                            direction=direction)
-    inputs = SPEC.make_inputs(problem, "balanced", seed=3)
+    inputs = OP.make_inputs(problem, "balanced", seed=3)
     quantized = {"fwd": (True, True), "dlhs": (False, True), "drhs": (True, False)}[direction]
     assert tuple(isinstance(inputs[name], QArray) for name in ("a", "b")) == quantized
-    again = SPEC.make_inputs(problem, "balanced", seed=3)
+    again = OP.make_inputs(problem, "balanced", seed=3)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(inputs), jax.tree.leaves(again)))
     floats = {name: dequantize_host(x) if isinstance(x, QArray) else x for name, x in inputs.items()}
-    np.testing.assert_array_equal(SPEC.reference(problem, inputs), SPEC.reference(problem, floats))
-    record = SPEC.distribution_record(problem, "balanced", 3, inputs)
+    np.testing.assert_array_equal(OP.reference(problem, inputs), OP.reference(problem, floats))
+    record = OP.distribution_record(problem, "balanced", 3, inputs)
     assert 0 < record["quantization_error"] < 0.05  # int8 with 8-wide blocks: about 1%
 
 
@@ -81,7 +81,7 @@ def test_quantized_sweep_is_found_by_the_runtime(run, isolated_profiles, caplog)
     weights = moe_tune.quantize(jnp.asarray(rng.standard_normal((4, 64, 32), np.float32)), "int8", axis=1,
                                 block_size=16)
     problem = RaggedDotProblem.from_arrays(lhs, weights, sizes)
-    assert SPEC.lookup(problem, backend="tiled").source == "exact"
+    assert OP.lookup(problem, backend="tiled").source == "exact"
     with caplog.at_level(logging.INFO, logger="moe_tune"):
         moe_tune.ragged_dot(lhs, weights, sizes, backend="tiled")
     assert any("rhs_qdtype" in r.getMessage() and "(exact:" in r.getMessage() for r in caplog.records)

@@ -706,30 +706,30 @@ def test_min_bytes_counts_each_array_once_in_its_dtype():
 def test_reference_paths_agree_and_cpu_always_uses_the_host_one(direction, monkeypatch):
     """The tuner's two references (float64 NumPy; XLA in float32 at highest precision, for big problems on
     an accelerator) agree, and on CPU a problem past the FLOPs limit still gets the NumPy one."""
-    from moe_tune.kernels.ragged_dot import spec as spec_module
-    from moe_tune.kernels.spec import relative_error
+    from moe_tune.kernels.ragged_dot import definition as definition_module
+    from moe_tune.kernels.kernel_op import relative_error
 
-    op = spec_module.SPEC
+    op = definition_module.RAGGED_DOT
     problem = op.problem(m=96, k=24, n=40, groups=5, dtype="float32", direction=direction)
     inputs = op.make_inputs(problem, "skewed", 3)
     host = op.reference(problem, inputs)
     assert host.dtype == np.float64
     assert relative_error(op._device_reference(problem, inputs), host) < 1e-5
-    monkeypatch.setattr(spec_module, "HOST_REFERENCE_MAX_FLOPS", 0)
+    monkeypatch.setattr(definition_module, "HOST_REFERENCE_MAX_FLOPS", 0)
     monkeypatch.setattr(op, "_device_reference", lambda *a: pytest.fail("device reference used on CPU"))
     np.testing.assert_array_equal(op.reference(problem, inputs), host)
 
 
 def test_relative_error_in_blocks_matches_the_whole_array_formula(monkeypatch):
-    from moe_tune.kernels import spec as spec_module
+    from moe_tune.kernels import kernel_op as kernel_op_module
 
-    monkeypatch.setattr(spec_module, "_ERROR_BLOCK", 7)  # many blocks, the last one partial
+    monkeypatch.setattr(kernel_op_module, "_ERROR_BLOCK", 7)  # many blocks, the last one partial
     rng = np.random.default_rng(0)
     expected = rng.standard_normal((5, 6, 4))
     out = (expected + rng.standard_normal(expected.shape) * 1e-3).astype(np.float32)
     whole = np.max(np.abs(out.astype(np.float64) - expected)) / np.max(np.abs(expected))
-    assert spec_module.relative_error(out, expected) == pytest.approx(whole, rel=1e-12)
+    assert kernel_op_module.relative_error(out, expected) == pytest.approx(whole, rel=1e-12)
     out[4, 5, 3] = np.nan  # in the last block
-    assert spec_module.relative_error(out, expected) == float("inf")
-    assert spec_module.relative_error(out[:4], expected) == float("inf")  # shape mismatch
-    assert spec_module.relative_error(np.zeros((0, 3)), np.zeros((0, 3))) == 0.0
+    assert kernel_op_module.relative_error(out, expected) == float("inf")
+    assert kernel_op_module.relative_error(out[:4], expected) == float("inf")  # shape mismatch
+    assert kernel_op_module.relative_error(np.zeros((0, 3)), np.zeros((0, 3))) == 0.0

@@ -1,5 +1,5 @@
 """The `moe-tune` command's options, generated from the facts they stand for: each op's shape flags from its
-`OpSpec.options` (kernels/options.py), directions and backends from the op objects, strategies from
+`KernelOp.options` (kernels/options.py), directions and backends from the op objects, strategies from
 tuner/strategies, dtypes from the one list; and the one function that turns parsed shape flags into
 problems. Errors become one line (`handle_errors`)."""
 
@@ -99,7 +99,7 @@ def backends() -> list[str]:
 
 def shape_options(fn: Callable) -> Callable:
     """--op, --backend, the ops' shape options, --distribution and --direction (shared by `sweep`, `lookup`
-    and `bench`); each op takes some of the shape options (`OpSpec.options`)."""
+    and `bench`); each op takes some of the shape options (`KernelOp.options`)."""
     options = [
         click.option("--op", type=click.Choice(op_names()), default="ragged_dot", show_default=True),
         click.option("--backend", default=None, help=f"Backend (default: the platform's): {', '.join(backends())}; "

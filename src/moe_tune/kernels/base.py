@@ -3,7 +3,7 @@ a heuristic default and a search space pruned by those rules.
 
 Ops subclass `Backend` once (`ragged_dot/base.py`: `RaggedDotBackend`, which adds the op's call signature;
 `gather/base.py`: `GatherBackend`, `GatherReduceBackend`) and each backend module subclasses that. The tuner
-and the public ops only talk to this interface plus the op's `OpSpec` (`kernels/spec.py`). How to add a
+and the public ops only talk to this interface plus the op's `KernelOp` (`kernels/kernel_op.py`). How to add a
 backend: `kernels/README.md`.
 """
 

@@ -1,4 +1,4 @@
-"""The shape options of an op, declared as data: what `OpSpec.problem(**options)` takes, and what the CLI
+"""The shape options of an op, declared as data: what `KernelOp.problem(**options)` takes, and what the CLI
 turns into flags (`--top-k`, `--weighted/--unweighted`, ...) and model presets fill in.
 
 An option shared by several ops (dtype, the gather ops' tokens / hidden / top_k ...) is declared once here and
@@ -16,7 +16,7 @@ from moe_tune.quant import QDTYPES
 
 @dataclasses.dataclass(frozen=True)
 class ShapeOption:
-    """One keyword of `OpSpec.problem()`.
+    """One keyword of `KernelOp.problem()`.
 
     type: `int` (a positive integer), `str`, `bool` (a flag pair: `--name` / `negative_flag`), or a tuple of
     strings (one of these choices). default: None means "not given": the op's `default_problem_options()` (or

@@ -43,7 +43,7 @@ from jax.experimental import serialize_executable
 
 from moe_tune import devices
 from moe_tune.kernels.base import Backend, KernelConfig
-from moe_tune.kernels.spec import OpSpec, relative_error
+from moe_tune.kernels.kernel_op import KernelOp, relative_error
 from moe_tune.tuner import workers as workers_module
 from moe_tune.tuner.timing import Timing, traceable
 
@@ -100,7 +100,7 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def candidate_function(spec: OpSpec, backend: Backend, config: KernelConfig, problem: Any, index: int) -> Callable:
+def candidate_function(spec: KernelOp, backend: Backend, config: KernelConfig, problem: Any, index: int) -> Callable:
     return traceable(lambda inputs: spec.run(backend, config, problem, inputs), index)
 
 
@@ -133,7 +133,7 @@ def backend_compiles() -> int:
     return _backend_compiles
 
 
-def _compile(spec: OpSpec, backend: Backend, problem: Any, config: KernelConfig, index: int, args: Any):
+def _compile(spec: KernelOp, backend: Backend, problem: Any, config: KernelConfig, index: int, args: Any):
     """(executable, how many XLA compilations building it took: one, or zero on a cache hit)."""
     before = _backend_compiles
     compiled = candidate_function(spec, backend, config, problem, index).lower(args).compile()
@@ -293,7 +293,7 @@ def start_workers(workers: int) -> None:
 
 
 def compile_all(
-    spec: OpSpec,
+    spec: KernelOp,
     backend: Backend,
     problem: Any,
     candidates: list[Candidate],

@@ -3,7 +3,7 @@
 A sweep (and `moe-tune bench`) holds the problem's inputs on the host and on the device, the float64
 reference and a candidate's output at once. A shape typed wrong (`--m 100000000 --k 100000 --n 100000`)
 would otherwise die in NumPy with a 36 TiB allocation traceback; the op knows what its problem needs
-(`OpSpec.memory_estimate`), this module knows what the machine has.
+(`KernelOp.memory_estimate`), this module knows what the machine has.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from moe_tune import devices, distributions
 from moe_tune.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import Backend, KernelConfig
-from moe_tune.kernels.spec import OpSpec
+from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.key import key_fields, key_from_fields
@@ -126,7 +126,7 @@ class SweepPlan:
 
     def __init__(self, spec: SweepSpec):
         self.spec = spec
-        self.op: OpSpec = get_op(spec.op)
+        self.op: KernelOp = get_op(spec.op)
         self.platform = devices.platform()
         self.device_kind = devices.device_kind()
         self.backend: Backend = self.op.backends.resolve(spec.backend, self.platform)

@@ -26,9 +26,9 @@ from moe_tune.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.plain_jax import row_range_mask
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.gather.spec import SPECS
+from moe_tune.kernels.gather.definition import OPS
 from moe_tune.kernels.ragged_dot.problem import dtype_name
-from moe_tune.kernels.spec import freeze_config
+from moe_tune.kernels.kernel_op import freeze_config
 
 ENV_GATHER_FALLBACK = settings.RAGGED_GATHER_FALLBACK
 ENV_GATHER_REDUCE_FALLBACK = settings.RAGGED_GATHER_REDUCE_FALLBACK
@@ -45,14 +45,14 @@ class _Kernel:
     def gather(self, x, indices, start, end, weights):
         problem = GatherProblem(tokens=x.shape[0], rows=indices.shape[0], hidden=x.shape[1],
                                 dtype=dtype_name(x.dtype), weighted=weights is not None)
-        resolved = SPECS[self.op].resolve_config(self.backend, problem, self.given)
+        resolved = OPS[self.op].resolve_config(self.backend, problem, self.given)
         return resolved.backend.gather(x, indices, start, end, weights, config=resolved.config)
 
     def gather_reduce(self, x, indices, weights, valid, reduce_group_size: int):
         rows = indices.shape[0]
         problem = GatherProblem(tokens=rows // reduce_group_size, rows=rows, hidden=x.shape[1],
                                 dtype=dtype_name(x.dtype))
-        resolved = SPECS[self.op].resolve_config(self.backend, problem, self.given)
+        resolved = OPS[self.op].resolve_config(self.backend, problem, self.given)
         return resolved.backend.gather_reduce(x, indices, weights, valid, reduce_group_size, config=resolved.config)
 
 
@@ -69,7 +69,7 @@ def _kernels(forward_op: str, backward_op: str, backend: str | None, config: Any
     """The fallback flags (None: the environment, `settings`) pick the plain-JAX backend per kernel kind."""
     gather_fb = settings.ragged_gather_fallback() if gather_fallback is None else bool(gather_fallback)
     reduce_fb = settings.ragged_gather_reduce_fallback() if reduce_fallback is None else bool(reduce_fallback)
-    kernel = lambda op, given=None: _Kernel(op, SPECS[op].backend(
+    kernel = lambda op, given=None: _Kernel(op, OPS[op].backend(
         backend, force_fallback=gather_fb if op == "ragged_gather" else reduce_fb).name, given)
     return _Kernels(kernel(forward_op, freeze_config(config)), kernel(backward_op))
 

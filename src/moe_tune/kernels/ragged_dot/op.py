@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
-from moe_tune.kernels.ragged_dot.spec import SPEC
-from moe_tune.kernels.spec import freeze_config
+from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
+from moe_tune.kernels.kernel_op import freeze_config
 from moe_tune.quant import AsQArray, QArray
 
 
@@ -31,9 +31,9 @@ class _Call:
     ste: tuple[AsQArray | None, AsQArray | None] = (None, None)
 
     def run(self, direction: str, a, b, group_sizes, group_offset):
-        """One direction's kernel, its config resolved now (at trace time) by `SPEC.resolve_config`."""
+        """One direction's kernel, its config resolved now (at trace time) by `RAGGED_DOT.resolve_config`."""
         problem = self.problem.with_direction(direction)
-        resolved = SPEC.resolve_config(self.backend, problem, dict(self.given).get(direction))
+        resolved = RAGGED_DOT.resolve_config(self.backend, problem, dict(self.given).get(direction))
         return resolved.backend.run(problem, resolved.config, a, b, group_sizes, group_offset)
 
 
@@ -139,7 +139,7 @@ def ragged_dot(
     problem = RaggedDotProblem.from_arrays(
         lhs_q, rhs_q, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset
     )
-    impl = SPEC.backend(backend)
+    impl = RAGGED_DOT.backend(backend)
     if group_offset is not None:
         group_offset = jnp.asarray(group_offset, jnp.int32)
         if group_offset.shape != ():

@@ -18,7 +18,7 @@ from moe_tune.kernels.gather.registry import (
     DENSE_GATHER_REDUCE_BACKENDS, FALLBACK, GATHER_BACKENDS, GATHER_REDUCE_BACKENDS,
 )
 from moe_tune.kernels.options import ShapeOption
-from moe_tune.kernels.spec import OpSpec
+from moe_tune.kernels.kernel_op import KernelOp
 
 # The default sweep: dispatch / combine of one Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts, top-8) for
 # 1024 tokens; a 64 MiB expert-ordered buffer that a 2-core CPU sweeps in well under a minute.
@@ -44,7 +44,7 @@ def routed_rows(problem: GatherProblem, distribution: str, seed: int) -> dict[st
             "end": end}
 
 
-class _GatherOpSpec(OpSpec):
+class _GatherOp(KernelOp):
     options: ClassVar[tuple[ShapeOption, ...]] = (opt.TOKENS, opt.HIDDEN, opt.TOP_K, opt.EXPERTS, opt.EP, opt.DTYPE)
     default_weighted: ClassVar[bool] = True
     fallback = FALLBACK
@@ -92,11 +92,11 @@ class _GatherOpSpec(OpSpec):
                 f"{problem.dtype}{weights}{ep}")
 
 
-class RaggedGatherSpec(_GatherOpSpec):
+class RaggedGatherOp(_GatherOp):
     name = "ragged_gather"
     backends = GATHER_BACKENDS
     description = "dispatch: x[tokens,d] -> [tokens*top_k,d] in expert order, rows in [start,end) only"
-    options = (*_GatherOpSpec.options, opt.WEIGHTED)
+    options = (*_GatherOp.options, opt.WEIGHTED)
     default_weighted = False  # MoE dispatch copies tokens; the top-k weights are applied at combine
 
     def make_inputs(self, problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
@@ -119,7 +119,7 @@ class RaggedGatherSpec(_GatherOpSpec):
                               config=config)
 
 
-class _GatherReduceSpec(_GatherOpSpec):
+class _GatherReduceOp(_GatherOp):
     masked: ClassVar[bool]
 
     def make_inputs(self, problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
@@ -147,14 +147,14 @@ class _GatherReduceSpec(_GatherOpSpec):
                                      problem.top_k, config=config)
 
 
-class RaggedGatherReduceSpec(_GatherReduceSpec):
+class RaggedGatherReduceOp(_GatherReduceOp):
     name = "ragged_gather_reduce"
     backends: ClassVar[BackendRegistry] = GATHER_REDUCE_BACKENDS
     description = "combine: [tokens*top_k,d] -> [tokens,d], weighted sum of each token's valid rows"
     masked = True
 
 
-class DenseGatherReduceSpec(_GatherReduceSpec):
+class DenseGatherReduceOp(_GatherReduceOp):
     name = "dense_gather_reduce"
     backends: ClassVar[BackendRegistry] = DENSE_GATHER_REDUCE_BACKENDS
     description = "combine without a mask (pure tensor parallelism): weighted sum of each token's rows"
@@ -162,7 +162,7 @@ class DenseGatherReduceSpec(_GatherReduceSpec):
     options = (opt.TOKENS, opt.HIDDEN, opt.TOP_K, opt.EXPERTS, opt.DTYPE)
 
 
-RAGGED_GATHER = RaggedGatherSpec()
-RAGGED_GATHER_REDUCE = RaggedGatherReduceSpec()
-DENSE_GATHER_REDUCE = DenseGatherReduceSpec()
-SPECS = {spec.name: spec for spec in (RAGGED_GATHER, RAGGED_GATHER_REDUCE, DENSE_GATHER_REDUCE)}
+RAGGED_GATHER = RaggedGatherOp()
+RAGGED_GATHER_REDUCE = RaggedGatherReduceOp()
+DENSE_GATHER_REDUCE = DenseGatherReduceOp()
+OPS = {op.name: op for op in (RAGGED_GATHER, RAGGED_GATHER_REDUCE, DENSE_GATHER_REDUCE)}

@@ -21,7 +21,7 @@ from moe_tune.kernels.ragged_dot.reference import (
     ragged_dot_reference,
 )
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
-from moe_tune.kernels.spec import OpSpec, relative_error
+from moe_tune.kernels.kernel_op import KernelOp, relative_error
 from moe_tune.quant import QArray, dequantize_host, quantize
 
 # The default sweep: the up projection of one Qwen3-30B-A3B MoE layer (hidden 2048 -> expert width 768,
@@ -36,7 +36,7 @@ DEFAULT_OPTIONS = {"m": 2048, "k": 2048, "n": 768, "groups": 16, "dtype": "float
 OPERANDS = {"fwd": ("lhs", "rhs"), "dlhs": ("dout", "rhs"), "drhs": ("lhs", "dout")}
 
 
-class RaggedDotSpec(OpSpec):
+class RaggedDotOp(KernelOp):
     name = "ragged_dot"
     backends = BACKENDS
     fallback = "xla"  # jax.lax.ragged_dot_general
@@ -157,4 +157,4 @@ class RaggedDotSpec(OpSpec):
         return f"ragged_dot {problem.direction} m={problem.m} k={problem.k} n={problem.n} g={problem.groups} {dt}{quant}"
 
 
-SPEC = RaggedDotSpec()
+RAGGED_DOT = RaggedDotOp()

@@ -1,4 +1,4 @@
-"""`OpSpec`: the one object that describes an op (`moe_tune.kernels.get_op(name)`).
+"""`KernelOp`: the one object that describes an op (`moe_tune.kernels.get_op(name)`).
 
 It owns the op's problem class, its backend registry, its shape options (`kernels/options.py`), the one
 `resolve_config` the public wrapper calls at trace time (the caller's config, else the tables, else the
@@ -50,7 +50,7 @@ def _thaw(config: Any) -> Any:
     return dict(config) if isinstance(config, tuple) else config
 
 
-class OpSpec(abc.ABC):
+class KernelOp(abc.ABC):
     name: ClassVar[str]
     backends: ClassVar[BackendRegistry]
     # The plain-JAX backend that the version guard and the can't-run fallback (and any fallback flags) select.
