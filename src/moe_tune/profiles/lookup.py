@@ -31,9 +31,6 @@ from moe_tune.profiles.protocols import BackendLike, ProblemLike
 from moe_tune.profiles.table import read_table_cached
 from moe_tune.profiles.versions import StaleEntryError
 
-ENV_DISTRIBUTION = settings.DISTRIBUTION
-
-
 @dataclasses.dataclass(frozen=True)
 class LookupResult:
     config: Any

@@ -24,13 +24,13 @@ from moe_tune.kernels.ragged_dot.registry import BACKENDS
 from moe_tune.kernels.kernel_op import KernelOp, relative_error
 from moe_tune.quant import QArray, dequantize_host, quantize
 
-# The default sweep: the up projection of one Qwen3-30B-A3B MoE layer (hidden 2048 -> expert width 768,
-# 128 experts, top-8) for 256 tokens on an expert-parallel shard of 16 experts: m = 256 * 8 * 16/128 rows.
-# It is a real expert shape that a 2-core CPU sweeps in about a minute.
 # Above this many FLOPs an accelerator's reference runs on the device (float32, highest precision) instead
 # of in float64 NumPy on the host, which would take minutes at real model sizes.
 HOST_REFERENCE_MAX_FLOPS = 2 * 10**10
 
+# The default sweep: the up projection of one Qwen3-30B-A3B MoE layer (hidden 2048 -> expert width 768,
+# 128 experts, top-8) for 2048 tokens on an expert-parallel shard of 16 experts: m = 2048 * 8 * 16/128 = 2048
+# rows. It is a real expert shape that a 2-core CPU sweeps in about a minute.
 DEFAULT_OPTIONS = {"m": 2048, "k": 2048, "n": 768, "groups": 16, "dtype": "float32"}
 # The operands of each direction's matmul, `a` and `b` of the inputs (dout: the forward output's gradient).
 OPERANDS = {"fwd": ("lhs", "rhs"), "dlhs": ("dout", "rhs"), "drhs": ("lhs", "dout")}
