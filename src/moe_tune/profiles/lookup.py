@@ -31,6 +31,7 @@ from moe_tune.profiles.protocols import BackendLike, ProblemLike
 from moe_tune.profiles.table import read_table_cached
 from moe_tune.profiles.versions import StaleEntryError
 
+
 @dataclasses.dataclass(frozen=True)
 class LookupResult:
     config: Any
