@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -98,17 +99,32 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
         return [f.name for f in dataclasses.fields(self.config_cls)]
 
     def coerce_config(self, config: Any, problem: ProblemT) -> ConfigT:
-        """Accept a config instance or a dict; raise InvalidConfigError (naming the reason) when unusable."""
-        if isinstance(config, Mapping):
-            config = self.config_cls.from_dict(config)
+        """Accept a config instance or a dict; raise InvalidConfigError (naming the reason) when unusable. For a
+        dict, the message shows the fields the caller gave and names any default the rule broke (a default
+        the caller never passed is otherwise a puzzle: `{"tm": 16}` breaks `tail <= tm` with tail's 32)."""
+        given = dict(config) if isinstance(config, Mapping) else None
+        if given is not None:
+            config = self.config_cls.from_dict(given)
         if not isinstance(config, self.config_cls):
             raise InvalidConfigError(
                 f"backend {self.name!r} takes a {self.config_cls.__name__}, got {type(config).__name__}"
             )
         reason = self.config_error(config, problem)
-        if reason is not None:
+        if reason is None:
+            return config
+        if given is None:
             raise InvalidConfigError(f"{self.name} config {config.label()} is invalid: {reason}")
-        return config
+        raise InvalidConfigError(f"{self.name} config {given} is invalid: {reason}{_defaults_named(config, given, reason)}")
+
+
+def _defaults_named(config: KernelConfig, given: Mapping[str, Any], reason: str) -> str:
+    """`; tail=32 is the default (not given): pass a value that fits` for each field the caller left to its
+    default that `reason` names, else ''."""
+    named = [f"{name}={value!r}" for name, value in config.to_dict().items()
+             if name not in given and re.search(rf"\b{re.escape(name)}\b", reason)]
+    if not named:
+        return ""
+    return f"; {', '.join(named)} {'is the default' if len(named) == 1 else 'are defaults'} (not given): pass a value that fits"
 
 
 class BackendRegistry:

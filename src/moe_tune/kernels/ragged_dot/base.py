@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import Backend, KernelConfig
+from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.quant import QArray
 
@@ -70,10 +71,8 @@ class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
 def rows_in_local_groups(
     group_sizes: jax.Array, m: int, groups: int, group_offset: jax.Array | None
 ) -> jax.Array:
-    """bool [m, 1]: which rows belong to the local groups `[group_offset, group_offset + groups)`."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
-    offset = jnp.int32(0) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    first, last = starts[offset], ends[offset + groups - 1]
+    """bool [m, 1]: which rows belong to the local groups `[group_offset, group_offset + groups)` (none for an
+    offset out of range: `metadata.select_shard`)."""
+    starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
     rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
-    return (rows >= first) & (rows < last)
+    return (rows >= starts[0]) & (rows < ends[groups - 1])

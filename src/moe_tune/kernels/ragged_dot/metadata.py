@@ -38,14 +38,38 @@ def max_visits(m: int, tm: int, groups: int) -> int:
     return -(-m // tm) + groups - 1
 
 
+def clip_group_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
+    """int32 group sizes as every backend reads them: negative sizes count as 0, and rows past `m` are
+    dropped (a group that would end past row m ends at m, the groups after it are empty)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
+def offset_in_range(group_offset: jax.Array | int, total_groups: int, groups: int) -> jax.Array:
+    """bool scalar: whether the shard `[group_offset, group_offset + groups)` lies inside the
+    `total_groups` groups. An offset outside selects no group at all (every row comes out zero)."""
+    offset = jnp.asarray(group_offset, jnp.int32)
+    return (offset >= 0) & (offset <= total_groups - groups)
+
+
+def select_shard(group_sizes: jax.Array, group_offset: jax.Array | int, *, m: int, groups: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(group sizes, offset) that every backend reads the same way: sizes clipped (`clip_group_sizes`), and
+    for an out-of-range offset (`offset_in_range`) all sizes 0 and offset 0, so the shard owns no row (a
+    bare `dynamic_slice` would clamp the offset and compute some other shard's groups)."""
+    sizes = clip_group_sizes(group_sizes, m)
+    valid = offset_in_range(group_offset, sizes.shape[0], groups)
+    return jnp.where(valid, sizes, 0), jnp.where(valid, jnp.asarray(group_offset, jnp.int32), 0)
+
+
 def group_bounds(group_sizes: jax.Array, *, m: int, groups: int, group_offset: jax.Array | int = 0
                  ) -> tuple[jax.Array, jax.Array]:
     """int32 [groups] first row and one-past-last row (clipped to m) of the groups
-    `[group_offset, group_offset + groups)`; rows are sorted by group, negative sizes count as 0."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    offset = jnp.asarray(group_offset, jnp.int32)
+    `[group_offset, group_offset + groups)`; rows are sorted by group, negative sizes count as 0, and an
+    offset out of range selects no group (`select_shard`)."""
+    sizes, offset = select_shard(group_sizes, group_offset, m=m, groups=groups)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
     return (jax.lax.dynamic_slice_in_dim(starts, offset, groups),
             jax.lax.dynamic_slice_in_dim(ends, offset, groups))
 

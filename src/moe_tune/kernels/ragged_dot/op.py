@@ -10,11 +10,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
+from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, select_shard
 from moe_tune.kernels.kernel_op import freeze_config
 from moe_tune.quant import AsQArray, QArray
 
@@ -88,14 +90,57 @@ def _ste_template(x: Any) -> AsQArray | None:
 
 
 def _given_configs(config: Any) -> tuple[tuple[str, Any], ...]:
-    """`config` is one config (or field dict) for fwd, or a mapping direction -> config."""
+    """`config` is one config (or field dict) for fwd, or a mapping direction -> config. A mapping that
+    names some directions and other keys (`{"fwd": ..., "bwd": ...}`) is a UsageError naming them."""
     if config is None:
         return ()
     if isinstance(config, Mapping) and config and set(config) <= set(DIRECTIONS):
         items = config.items()
+    elif isinstance(config, Mapping) and set(config) & set(DIRECTIONS):
+        unknown = sorted(set(config) - set(DIRECTIONS))
+        raise UsageError(f"config keys {unknown} are not directions: a config per direction takes "
+                         f"{', '.join(DIRECTIONS)} (a config's own fields go in one of them)")
     else:
         items = [("fwd", config)]
     return tuple((d, freeze_config(c)) for d, c in items if c is not None)
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """`x` as a NumPy array when its value is known now (a Python int, a NumPy or a committed JAX array),
+    None when it is traced (inside jit, grad or vmap): a traced value cannot be checked, only normalized."""
+    if x is None or isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_groups(group_sizes: Any, group_offset: Any, *, m: int, groups: int) -> None:
+    """One-line UsageErrors for group sizes and offsets whose values are known (see `_shard_groups` for
+    what traced ones do instead): a negative size, `sum(group_sizes) > m`, an offset whose shard
+    `[offset, offset + groups)` does not lie inside `group_sizes`."""
+    sizes, offset = _concrete(group_sizes), _concrete(group_offset)
+    if sizes is not None and (sizes < 0).any():
+        first = int(np.argmax(sizes < 0))
+        raise UsageError(f"group_sizes must be >= 0, got {int(sizes[first])} for group {first}")
+    if sizes is not None and int(sizes.sum()) > m:
+        raise UsageError(f"sum(group_sizes) = {int(sizes.sum())} exceeds lhs's {m} rows")
+    total = group_sizes.shape[0]
+    if offset is not None and not 0 <= int(offset) <= total - groups:
+        raise UsageError(f"group_offset {int(offset)} is out of range: with {total} groups in group_sizes and "
+                         f"{groups} in rhs it must be in [0, {total - groups}]")
+
+
+def _shard_groups(group_sizes: jax.Array, group_offset: Any, *, m: int, groups: int
+                  ) -> tuple[jax.Array, jax.Array | None]:
+    """The group sizes and offset every backend is given, so that all of them compute the same rows from
+    traced values too: negative sizes count as 0, rows past m belong to no group, and an offset out of range
+    selects no group (every row zero). `metadata.select_shard` defines it; checked first when concrete."""
+    _check_groups(group_sizes, group_offset, m=m, groups=groups)
+    if group_offset is None:
+        return clip_group_sizes(jnp.asarray(group_sizes), m), None
+    offset = jnp.asarray(group_offset, jnp.int32)
+    if offset.shape != ():
+        raise UsageError(f"group_offset must be a scalar, got shape {offset.shape}")
+    return select_shard(jnp.asarray(group_sizes), offset, m=m, groups=groups)
 
 
 def ragged_dot(
@@ -120,11 +165,15 @@ def ragged_dot(
     Args:
       lhs: [m, k], rows sorted by group (float32, bfloat16 or float16; or a QArray / AsQArray).
       rhs: [groups, k, n] (or a QArray / AsQArray).
-      group_sizes: int [total_groups]; rows past `sum(group_sizes)` come out zero.
+      group_sizes: int [total_groups], each >= 0, summing to at most m; rows past `sum(group_sizes)` come out
+        zero. Known values that break this are a UsageError; traced ones count negative sizes as 0 and
+        drop rows past m (every backend alike).
       preferred_element_type: output dtype (default: the promoted dtype of the float operands, float32 when
         both are quantized); low-precision inputs are accumulated in float32. Gradients come back in lhs's and rhs's dtypes.
       group_offset: int32 scalar; with it, `group_sizes` covers all groups and this call computes only the
         local groups `[group_offset, group_offset + groups)` (an expert-parallel shard); other rows are zero.
+        It must lie in `[0, total_groups - groups]`: a known value outside is a UsageError, a traced one
+        selects no group (every row, and drhs's result, zero).
       backend: `xla`, `tiled`, `megablox`, `triton`; None picks by platform (cpu: tiled, gpu: xla, tpu:
         megablox).
       config: the backend's config (or a dict of its fields) for the forward pass, or a mapping
@@ -140,9 +189,6 @@ def ragged_dot(
         lhs_q, rhs_q, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset
     )
     impl = RAGGED_DOT.backend(backend)
-    if group_offset is not None:
-        group_offset = jnp.asarray(group_offset, jnp.int32)
-        if group_offset.shape != ():
-            raise UsageError(f"group_offset must be a scalar, got shape {group_offset.shape}")
+    group_sizes, group_offset = _shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
     call = _Call(impl.name, problem, _given_configs(config), (_ste_template(lhs), _ste_template(rhs)))
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)
