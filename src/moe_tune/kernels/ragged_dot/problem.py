@@ -12,6 +12,8 @@ from moe_tune.errors import UsageError
 from moe_tune.quant import QDTYPES, QArray, check_operand
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")
+# The two operands each direction's kernel reads, `a` and `b` (`RaggedDotBackend.run`), by forward name.
+OPERANDS = {"fwd": ("lhs", "rhs"), "dlhs": ("dout", "rhs"), "drhs": ("lhs", "dout")}
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # The layouts a quantized operand must have (named in the error for any other).
 LHS_LAYOUT = "[m, k] scaled along axis 1 (k) with scale [m, k/bs]"

@@ -1,16 +1,14 @@
 """Quantized operands of the ragged_dot kernels: what every backend's gmm / tgmm does before its kernel.
 
-A kernel applies a scale cheaply only where the scale lies along the matmul's reduction axis in blocks
-(then a raw dot of a block is multiplied by the block's scale) or along an output axis (then the result is
-multiplied by it). Scales that vary along the reduction axis element by element are folded into the other,
-float operand here, before the kernel, so that the kernel reads the 1-byte values as they are:
+Which scale is folded into which operand, and which is left to the kernel, is the direction's plan
+(`quant_plan.py`); `prepare_gmm` / `prepare_tgmm` carry out its FOLD and BEFORE steps, so that the kernel
+reads 1-byte values as they are:
 
-- gmm, rhs [g, k, n] scaled [g, k/bs, n], lhs [m, k] scaled [m, k/bs]: both along the reduction k; kept.
-- gmm with transpose_rhs (dlhs: dout [m, n] x rhs [g, k, n]^T, reducing n): a per-channel rhs scale [g, 1, n]
-  lies along n element by element, so it is folded into dout row by row (`dout[rows of g] * scale[g, 0]`);
-  a sub-channel scale [g, k/bs, n] varies along the output k too and is applied to the block in the kernel.
+- dlhs (gmm with transpose_rhs: dout [m, n] x rhs [g, k, n]^T, reducing n): a per-channel rhs scale
+  [g, 1, n] lies along n element by element, so it is folded into dout row by row (`dout[rows of g] *
+  scale[g, 0]`); a sub-channel scale [g, k/bs, n] is left to the kernel.
 - tgmm (drhs: lhs [m, k]^T x dout [m, n], reducing m): a per-row lhs scale [m, 1] is folded into dout; a
-  sub-channel one [m, k/bs] is applied to the lhs block in the kernel.
+  sub-channel one [m, k/bs] is left to the kernel.
 
 Folded operands are float32 (the product of a low-precision value and a float32 scale, kept exact).
 """
@@ -25,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, tgmm_plan
 from moe_tune.quant import QArray, dequantize, split
 
 
@@ -38,9 +37,9 @@ class GmmOperands(NamedTuple):
     rhs: jax.Array
     rhs_scale: jax.Array | None
 
-    @property
-    def quantized(self) -> bool:
-        return self.lhs_scale is not None or self.rhs_scale is not None or is_low_bit(self.rhs) or is_low_bit(self.lhs)
+    def plan(self, transpose_rhs: bool) -> QuantPlan:
+        """The kernel's plan for these operands (`quant_plan.gmm_plan`)."""
+        return gmm_plan(*self, transpose_rhs=transpose_rhs)
 
 
 def is_low_bit(x: jax.Array) -> bool:
@@ -68,28 +67,31 @@ def fold_rows(x: jax.Array, row_scale: jax.Array) -> jax.Array:
 
 def prepare_gmm(lhs: jax.Array | QArray, rhs: jax.Array | QArray, group_sizes: jax.Array,
                 group_offset: jax.Array | None, transpose_rhs: bool) -> GmmOperands:
-    """Split the operands of gmm into values and scales, folding scales that lie element by element along
-    the reduction axis into the float operand (see the module docstring)."""
-    lhs_values, lhs_scale = split(lhs)
-    rhs_values, rhs_scale = split(rhs)
-    if not transpose_rhs:
-        return GmmOperands(lhs_values, lhs_scale, rhs_values, rhs_scale)
-    if isinstance(lhs, QArray):  # not a ragged_dot direction (dout is float); kept correct, not fast
+    """Split the operands of gmm into values and scales, and carry out the plan's steps before the kernel
+    (`quant_plan.gmm_plan`): a quantized dout (dlhs) dequantized, a per-channel rhs scale (dlhs) folded into
+    dout by each row's group."""
+    (lhs_values, lhs_scale), (rhs_values, rhs_scale) = split(lhs), split(rhs)
+    plan = gmm_plan(lhs_values, lhs_scale, rhs_values, rhs_scale, transpose_rhs=transpose_rhs)
+    if plan.a.scale is Apply.BEFORE:
         lhs_values, lhs_scale = dequantize(lhs), None
-    if rhs_scale is not None and rhs_scale.shape[1] == 1:  # per channel: along the reduced n, fold into lhs
+    if plan.b.scale is Apply.FOLD:
         groups = rhs_values.shape[0]
         gid = row_groups(group_sizes, lhs_values.shape[0], groups, group_offset)
         lhs_values, rhs_scale = fold_rows(lhs_values, rhs_scale[gid, 0, :]), None
     return GmmOperands(lhs_values, lhs_scale, rhs_values, rhs_scale)
 
 
-def prepare_tgmm(lhs: jax.Array | QArray, dout: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-    """(lhs values, lhs sub-channel scale f32 [m, k/bs] or None, dout): a per-row lhs scale [m, 1] lies
-    along the reduced m and is folded into dout (float32)."""
-    values, scale = split(lhs)
-    if scale is not None and scale.shape[1] == 1:
-        return values, None, fold_rows(dout, scale)
-    return values, scale, dout
+def prepare_tgmm(lhs: jax.Array | QArray, dout: jax.Array | QArray) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """(lhs values, lhs sub-channel scale f32 [m, k/bs] or None, dout), after the plan's steps before the
+    kernel (`quant_plan.tgmm_plan`): a per-row lhs scale [m, 1] lies along the reduced m and is folded into
+    dout (float32); a quantized dout is dequantized."""
+    (values, scale), (dout_values, dout_scale) = split(lhs), split(dout)
+    plan = tgmm_plan(values, scale, dout_values, dout_scale)
+    if plan.b.scale is Apply.BEFORE:
+        dout_values = dequantize(dout)
+    if plan.a.scale is Apply.FOLD:
+        return values, None, fold_rows(dout_values, scale)
+    return values, scale, dout_values
 
 
 def dot_dtypes(a: jax.Array, b: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:

@@ -33,7 +33,8 @@ from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, is_low_bit, k_chunk, prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, problem_plan, tgmm_plan
+from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk, prepare_gmm, prepare_tgmm
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
 # compile time grows with them.
@@ -89,50 +90,83 @@ def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Arra
     return rows[start - first * block:start - first * block + size]
 
 
-def _tile_product(x, w, xs, ws, *, x_dtype, w_dtype, k_blocks, n_blocks, transpose_rhs, out_dtype, min_rows,
-                  dequantize=False):
-    """[rows, k] x w ([k, n], or [n, k] if transpose_rhs) -> list of (n0, [rows, nb] block) in out_dtype,
-    one dot per (column block, contraction chunk). x and w are carried as `loop_dtypes.as_bits` (logical
-    dtypes x_dtype, w_dtype) and loaded block by block in the dot's compute dtype.
+_NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
 
-    Scales (1-byte operands): without transpose_rhs, xs None or [rows, k/bl], ws None or [k/br, n]; every k
-    chunk lies inside one scale block of each: a scale per row / channel multiplies each result block once
-    after its k loop, a sub-channel one the dot of each chunk. With transpose_rhs: x float, ws None or
-    [n/br, k] (scaled along the output n: each weight block is dequantized in f32 before its dot).
-    dequantize (without transpose_rhs, x float, ws sub-channel): each weight block is dequantized before its
-    dot as well, so that a k chunk may span many scale blocks (one dot instead of one per block), in f32 and
-    then rounded to the dot's dtype (bf16 for bf16 dots: an error at bf16's level, where the per-block dots
-    are exact products).
-    min_rows: the rows of the kernel's smallest tiles, which can make its bf16 dots f32 (`_dot_dtypes`)."""
-    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-    k = x.shape[1]
-    dequantized = (transpose_rhs or dequantize) and ws is not None
-    f32_dot = dequantized and transpose_rhs  # dlhs: x is d(out), whatever its dtype the weights meet it in f32
-    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if f32_dot else _dot_dtypes(x_dtype, w_dtype, min_rows)
-    x_block, w_block = block_of(k, xs, 1), block_of(w.shape[0] if transpose_rhs else k, ws, 0)
-    x_chunks = [load(x[:, k0:k0 + kb], x_dtype, operand) for k0, kb in k_blocks]  # reused by every column block
+
+@dataclasses.dataclass(frozen=True)
+class _TileDots:
+    """The static side of one tile's products. plan: the kernel's (operand dtypes, where each scale
+    applies); k_blocks, n_blocks: (start, size) of the contraction chunks and the column blocks, one dot each;
+    operand, acc: the dots' operand and accumulator dtypes; out_dtype: the result blocks'."""
+
+    plan: QuantPlan
+    k_blocks: tuple[tuple[int, int], ...]
+    n_blocks: tuple[tuple[int, int], ...]
+    operand: jnp.dtype
+    acc: jnp.dtype
+    out_dtype: jnp.dtype
+
+
+def _fwd_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
+    """fwd: x [rows, k] @ w [k, n] -> list of (n0, [rows, nb] block in out_dtype), one dot per (column block,
+    contraction chunk). x and w are carried as `loop_dtypes.as_bits` and loaded block by block in the dot's
+    dtype. Scales (`dots.plan`): xs None or [rows, k/bl], ws None or [k/br, n]; a STEP scale multiplies the
+    dot of each chunk (which lies inside one of its blocks), an OUTPUT one each result block once after its k
+    loop. DEQUANTIZE weights (`QuantPlan.with_dequantize`): each weight block times its scales in f32 before
+    its dot, so that a chunk may span many scale blocks (one dot instead of one per block), then rounded to
+    the dot's dtype (bf16 for bf16 dots: an error at bf16's level, where the per-block dots are exact)."""
+    a, b = dots.plan.a, dots.plan.b
+    x_chunks = [load(x[:, k0:k0 + kb], a.dtype, dots.operand) for k0, kb in dots.k_blocks]  # reused by every column
     blocks = []
-    for n0, nb in n_blocks:
+    for n0, nb in dots.n_blocks:
         acc = None
-        for (k0, kb), xb in zip(k_blocks, x_chunks):
-            if transpose_rhs:
-                scale = _scale_rows(ws, w_block, n0, nb)[:, k0:k0 + kb] if dequantized else None
-                wb = load(w[n0:n0 + nb, k0:k0 + kb], w_dtype, operand, scale)
-            else:
-                scale = _scale_rows(ws, w_block, k0, kb)[:, n0:n0 + nb] if dequantized else None
-                wb = load(w[k0:k0 + kb, n0:n0 + nb], w_dtype, operand, scale).astype(operand)
-            part = jax.lax.dot_general(xb, wb, dims, preferred_element_type=acc_dtype)
-            if not transpose_rhs and not dequantized and w_block < k:  # sub-channel: this chunk's scales
-                part = part.astype(jnp.float32) * ws[k0 // w_block, n0:n0 + nb]
-            if not transpose_rhs and x_block < k:
-                part = part.astype(jnp.float32) * xs[:, k0 // x_block, None]
+        for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
+            scale = _scale_rows(ws, b.block, k0, kb)[:, n0:n0 + nb] if b.scale is Apply.DEQUANTIZE else None
+            wb = load(w[k0:k0 + kb, n0:n0 + nb], b.dtype, dots.operand, scale).astype(dots.operand)
+            part = jax.lax.dot_general(xb, wb, _NN, preferred_element_type=dots.acc)
+            if b.scale is Apply.STEP:
+                part = part.astype(jnp.float32) * ws[k0 // b.block, n0:n0 + nb]
+            if a.scale is Apply.STEP:
+                part = part.astype(jnp.float32) * xs[:, k0 // a.block, None]
             acc = part if acc is None else acc + part
-        if ws is not None and not dequantized and w_block == k:  # one scale per channel: once, after the k loop
+        if b.scale is Apply.OUTPUT:
             acc = acc.astype(jnp.float32) * ws[0, n0:n0 + nb]
-        if xs is not None and x_block == k:
+        if a.scale is Apply.OUTPUT:
             acc = acc.astype(jnp.float32) * xs[:, :1]
-        blocks.append((n0, acc.astype(out_dtype)))
+        blocks.append((n0, acc.astype(dots.out_dtype)))
     return blocks
+
+
+def _dlhs_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
+    """dlhs: x [rows, n] @ w^T (w [k, n]) -> list of (k0, [rows, kb] block in out_dtype), one dot per (column
+    block, contraction chunk); here the columns are the forward k and the contraction n. x is float (xs is
+    always None); a DEQUANTIZE weight scale ws [k/br, n] runs along the output columns: each weight block is
+    dequantized in f32 before its dot (`QuantPlan.float32_dots`)."""
+    b = dots.plan.b
+    x_chunks = [load(x[:, k0:k0 + kb], dots.plan.a.dtype, dots.operand) for k0, kb in dots.k_blocks]
+    blocks = []
+    for n0, nb in dots.n_blocks:
+        acc = None
+        for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
+            scale = _scale_rows(ws, b.block, n0, nb)[:, k0:k0 + kb] if b.scale is Apply.DEQUANTIZE else None
+            part = jax.lax.dot_general(xb, load(w[n0:n0 + nb, k0:k0 + kb], b.dtype, dots.operand, scale), _NT,
+                                       preferred_element_type=dots.acc)
+            acc = part if acc is None else acc + part
+        blocks.append((n0, acc.astype(dots.out_dtype)))
+    return blocks
+
+
+_PRODUCTS = {"fwd": _fwd_product, "dlhs": _dlhs_product}
+
+
+def _tile_dots(plan: QuantPlan, *, k: int, n: int, tk: int, tn: int, min_rows: int, out_dtype) -> _TileDots:
+    """The static side of a gmm's tile products (`_TileDots`) for contraction k, output columns n: chunks of
+    tk (cut so that none straddles a STEP scale block), blocks of tn, and the dot dtypes: float32 where the
+    plan says so, else `_dot_dtypes` (min_rows: the rows of the kernel's smallest tiles)."""
+    f32 = jnp.dtype(jnp.float32)
+    operand, acc = (f32, f32) if plan.float32_dots else _dot_dtypes(plan.a.dtype, plan.b.dtype, min_rows)
+    return _TileDots(plan, tuple(_blocks(k, k_chunk(k, tk, *plan.step_blocks))), tuple(_blocks(n, tn)),
+                     operand, acc, out_dtype)
 
 
 def tiled_ragged_dot(
@@ -169,12 +203,11 @@ def tiled_ragged_dot(
     tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups,
                                 group_offset=0 if group_offset is None else group_offset)
-    dequantize = dequantize and not transpose_rhs and lhs_scale is None and block_of(k, rhs_scale, 1) < k
-    # a dequantized rhs block may span scale blocks: only the lhs's scales cut the chunks then
-    scales = () if transpose_rhs else (block_of(k, lhs_scale, 1),) + (() if dequantize else (block_of(k, rhs_scale, 1),))
-    product = functools.partial(_tile_product, x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=out_dtype,
-                                k_blocks=_blocks(k, k_chunk(k, tk, *scales)), n_blocks=_blocks(n, tn),
-                                transpose_rhs=transpose_rhs, min_rows=tail, dequantize=dequantize)
+    # the one place that decides whether `dequantize` applies (`QuantPlan.dequantizable`)
+    plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, transpose_rhs=transpose_rhs).kernel_plan()
+    plan = plan.with_dequantize(dequantize)
+    dots = _tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype)
+    product = functools.partial(_PRODUCTS[plan.direction], dots=dots)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -254,9 +287,10 @@ def tiled_transposed_ragged_dot(
     starts, ends = group_bounds(group_sizes, m=m, groups=num_groups,
                                 group_offset=0 if group_offset is None else group_offset)
     in_window = jnp.arange(window, dtype=jnp.int32)
+    plan = tgmm_plan(lhs, lhs_scale, dout).kernel_plan()
     # quantized lhs values: dequantized one window at a time, in f32 (times their sub-channel scale)
-    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if is_low_bit(lhs) else _dot_dtypes(lhs.dtype, dout.dtype)
-    block = block_of(k, lhs_scale, 1)
+    operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if plan.float32_dots else _dot_dtypes(lhs.dtype, dout.dtype)
+    dequantize_lhs = plan.a.scale is Apply.DEQUANTIZE
     x_dtype, d_dtype = lhs.dtype, dout.dtype
 
     def windows(step, first, end):
@@ -273,7 +307,7 @@ def tiled_transposed_ragged_dot(
             keep, dims = keep[0], (((0,), (0,)), ((), ()))
         else:
             take, dims = (lambda a: a[rows]), (((1,), (1,)), ((0,), (0,)))
-        scale = None if lhs_scale is None else jnp.repeat(take(lhs_scale), block, axis=-1)
+        scale = jnp.repeat(take(lhs_scale), plan.a.block, axis=-1) if dequantize_lhs else None
         x = jnp.where(keep[..., None], load(take(x_bits), x_dtype, operand, scale), 0.0)
         product = jax.lax.dot_general(x, load(take(d_bits), d_dtype, operand), dims, preferred_element_type=acc_dtype)
         return product.reshape(len(first), k, n)
@@ -328,18 +362,6 @@ SMALL_GROUP_TAIL_SIZES = (4, 8)
 DRHS_WINDOW_EIGHTHS = (4, 8, 9, 10, 12, 16)
 
 
-def scale_blocks(problem: RaggedDotProblem) -> tuple[int, ...]:
-    """Block sizes along k of the problem's quantized operands (k for one scale per row / channel)."""
-    return tuple(b for b in (problem.lhs_qblock, problem.rhs_qblock) if b is not None)
-
-
-def _dequantizable(problem: RaggedDotProblem) -> bool:
-    """Whether `TiledConfig.dequantize` applies: fwd, float activations, sub-channel weight scales."""
-    _, k, _ = problem.matmul_dims()
-    return (problem.direction == "fwd" and problem.lhs_qdtype is None
-            and problem.rhs_qblock is not None and problem.rhs_qblock < k)
-
-
 def _is_gmm(problem: RaggedDotProblem) -> bool:
     """fwd and dlhs run gmm (tiles, tail tiles, tk x tn blocks); drhs runs tgmm (windows of tm rows)."""
     return problem.direction != "drhs"
@@ -361,7 +383,8 @@ class TiledRaggedDot(RaggedDotBackend):
         for field in ("batched", "dequantize"):
             if not isinstance(getattr(config, field), bool):
                 return f"{field} must be true or false, got {getattr(config, field)!r}"
-        if config.dequantize and not _dequantizable(problem):
+        plan = problem_plan(problem)
+        if config.dequantize and not plan.dequantizable:
             return "dequantize applies only to fwd with sub-channel weight scales and float activations"
         if not _is_gmm(problem):
             return None
@@ -369,10 +392,9 @@ class TiledRaggedDot(RaggedDotBackend):
             return f"tail ({config.tail}) must not exceed tm ({config.tm})"
         _, k, n = problem.matmul_dims()
         chunk = min(config.tk, k)
-        if problem.direction == "fwd" and not config.dequantize:  # sub-channel scales lie along the contraction k
-            for block in scale_blocks(problem):
-                if block < k and chunk % block and block % chunk:
-                    return f"tk={config.tk} must be a multiple of the scale block {block} or divide it"
+        for block in plan.with_dequantize(config.dequantize).step_blocks:  # k chunks the plan scales per step
+            if chunk % block and block % chunk:
+                return f"tk={config.tk} must be a multiple of the scale block {block} or divide it"
         # Counted in tk chunks: sub-channel scales cut them further (k / block dots), whatever the config,
         # so counting those would leave no valid config for long k (k=7168 in blocks of 128: 56).
         blocks = -(-k // chunk) * -(-n // min(config.tn, n))
@@ -391,7 +413,8 @@ class TiledRaggedDot(RaggedDotBackend):
             small = [t for t in SMALL_GROUP_TAIL_SIZES if t >= rows_per_group]
             tail = small[0] if small else max(16, tm // 8)
             # dequantized sub-channel weights won at every shape measured (NOTES 14.5)
-            return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm), dequantize=_dequantizable(problem))
+            dequantize = problem_plan(problem).dequantizable
+            return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm), dequantize=dequantize)
         # drhs: a window 2.5 standard deviations above an average group holds the groups of balanced
         # routing (multinomial) whole and pads little: a longer default window, kept by sweeps whose faster
         # candidates lay within noise of it, cost up to 20% (NOTES 17). A bf16 dot runs per group (XLA
@@ -408,14 +431,14 @@ class TiledRaggedDot(RaggedDotBackend):
             rows_per_group = max(m // problem.groups, 1)
             windows = {min(round_up(max(rows_per_group * f // 8, 1), 16), m) for f in DRHS_WINDOW_EIGHTHS}
             return {"tm": sorted(windows), "tk": [k], "tn": [n], "tail": [TiledConfig.tail], "batched": [True, False]}
-        sub_channel = [b for b in scale_blocks(problem) if b < k] if problem.direction == "fwd" else []
+        plan = problem_plan(problem)
         small_groups = m // problem.groups <= min(TAIL_SIZES)
         return {
             "tm": _pow2_up_to(min(m, 1024), 32),
-            "tk": sorted({k, *(v for v in (512, *sub_channel) if v < k)}),
+            "tk": sorted({k, *(v for v in (512, *plan.step_blocks) if v < k)}),
             "tn": sorted({n, *(v for v in (512,) if v < n)}),
             "tail": [*(SMALL_GROUP_TAIL_SIZES if small_groups else ()), *TAIL_SIZES],
-            **({"dequantize": [True, False]} if _dequantizable(problem) else {}),
+            **({"dequantize": [True, False]} if plan.dequantizable else {}),
         }
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
