@@ -39,7 +39,7 @@ from moe_tune import bench, devices
 from moe_tune.breakdown import profile_entry
 from moe_tune.breakdown.run import as_json
 from moe_tune.kernels import get_op
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 
 SHAPES = {
     "deepseek-v3 (ep=8)": dict(m=4096, k=7168, n=2048, groups=32),
@@ -65,7 +65,7 @@ def _ragged_dot_case(name: str, problem, args, profile_dir: str) -> dict:
     case = {"model": name, "shape": problem.key_fields()}
     started = time.perf_counter()
     try:
-        sweep = run_sweep(SweepSpec("ragged_dot", problem, backend="triton", max_candidates=args.max_candidates,
+        sweep = run_sweep(SweepRequest.make("ragged_dot", problem, backend="triton", max_candidates=args.max_candidates,
                                     profile_dir=profile_dir))
         case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
         case["sweep"]["wall_s"] = time.perf_counter() - started
@@ -119,7 +119,7 @@ def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dic
     problem = spec.problem(**{k: v for k, v in shape.items() if k in spec.option_names}, dtype=args.dtype)
     case = {"model": name, "op": op, "shape": problem.key_fields()}
     started = time.perf_counter()
-    sweep = run_sweep(SweepSpec(op, problem, backend="triton", max_candidates=args.max_candidates,
+    sweep = run_sweep(SweepRequest.make(op, problem, backend="triton", max_candidates=args.max_candidates,
                                 profile_dir=profile_dir))
     case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
     case["sweep"]["wall_s"] = time.perf_counter() - started

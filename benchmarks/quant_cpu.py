@@ -42,7 +42,7 @@ from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
 from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.quant import as_float
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 
 sys.path.insert(0, os.path.dirname(__file__))
 from targets_cpu import verdict  # noqa: E402  (the scripts share their met/MISSED wording)
@@ -81,7 +81,7 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
         problems[mode] = spec.problem(m=m, k=k, n=n, groups=groups, direction=direction,
                                       **{"dtype": "float32", **MODES[mode]})
         started = time.perf_counter()
-        sweeps[mode] = run_sweep(SweepSpec("ragged_dot", problems[mode], backend="tiled", strategy="coordinate",
+        sweeps[mode] = run_sweep(SweepRequest.make("ragged_dot", problems[mode], backend="tiled", strategy="coordinate",
                                            profile_dir=profile_dir, workers=1, samples=args.samples,
                                            budget=args.budget))
         sweep_s[mode] = time.perf_counter() - started

@@ -30,7 +30,7 @@ import jax
 
 from moe_tune import bench, devices
 from moe_tune.kernels import get_op
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 
 
 def _ints(text: str) -> list[int | None]:
@@ -67,11 +67,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as profile_dir:
         # Start the compile workers and warm this process up first, so that grid (the first sweep) does not
         # pay for it in its wall time.
-        run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", max_candidates=1, samples=1,
+        run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", max_candidates=1, samples=1,
                             profile_dir=profile_dir, **extra))
         for strategy, budget, seed in plan:
             started = time.perf_counter()
-            result = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", strategy=strategy, budget=budget,
+            result = run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", strategy=strategy, budget=budget,
                                          seed=seed, samples=args.samples, profile_dir=profile_dir, fresh=True,
                                          **extra))
             wall = time.perf_counter() - started

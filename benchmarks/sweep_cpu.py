@@ -23,14 +23,14 @@ def one_sweep(workers: int, candidates: int, samples: int) -> dict:
     """In this (fresh) process: the sweep and its wall time per stage (with workers, "compile" includes each
     candidate's first run in its worker, which gives the check its output)."""
     from moe_tune.kernels import get_op
-    from moe_tune.tuner import SweepSpec, compile_cache, run_sweep
-    from moe_tune.tuner.candidates import backend_compiles
+    from moe_tune.tuner import SweepRequest, compile_cache, run_sweep
+    from moe_tune.tuner.compile_count import backend_compiles
 
     compile_cache.enable()  # the dir is fresh and empty: a cold cache, as a first sweep on a machine has
 
     problem = get_op("ragged_dot").problem(**SHAPE)
     started = time.perf_counter()
-    result = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", workers=workers, samples=samples,
+    result = run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", workers=workers, samples=samples,
                                  max_candidates=candidates, fresh=True))
     ended = time.perf_counter()
     stages = dict(result.entry.search["stage_s"])
@@ -42,12 +42,12 @@ def one_sweep(workers: int, candidates: int, samples: int) -> dict:
 
 
 def main() -> int:
-    from moe_tune.tuner import SweepSpec
+    from moe_tune.tuner import SweepSettings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--candidates", type=int, default=64)
     parser.add_argument("--workers", default="1,2")
-    parser.add_argument("--samples", type=int, default=SweepSpec.samples)
+    parser.add_argument("--samples", type=int, default=SweepSettings.samples)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

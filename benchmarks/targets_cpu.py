@@ -43,7 +43,7 @@ import numpy as np
 from moe_tune import bench, devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, SweepSettings, run_sweep
 
 # [m, k, n] of the ragged_dot cases: the square case and the gate/up expert shapes of two presets
 # (k = hidden, n = expert width) at 4096 routed rows.
@@ -76,7 +76,7 @@ def shape_table(args) -> dict[str, tuple[int, int, int]]:
 
 def tuned_config(op: str, problem, profile_dir: str, strategy: str):
     started = time.perf_counter()
-    sweep = run_sweep(SweepSpec(op, problem, backend="tiled", strategy=strategy, profile_dir=profile_dir))
+    sweep = run_sweep(SweepRequest.make(op, problem, backend="tiled", strategy=strategy, profile_dir=profile_dir))
     return sweep, time.perf_counter() - started
 
 
@@ -260,7 +260,7 @@ def main() -> int:
     parser.add_argument("--strategy", default="coordinate", help="sweep strategy for the tuned configs")
     parser.add_argument("--samples", type=int, default=7, help="timing samples of the side-by-side rounds")
     parser.add_argument("--workers", type=int, default=2, help="compile workers of the tuner target")
-    parser.add_argument("--tuner-samples", type=int, default=SweepSpec.samples,
+    parser.add_argument("--tuner-samples", type=int, default=SweepSettings.samples,
                         help="first-round samples of the tuner target (default: the tuner's)")
     parser.add_argument("--tuner-candidates", type=int, default=64, help="candidates of the tuner target")
     parser.add_argument("--skip-tuner", action="store_true")

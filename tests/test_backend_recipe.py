@@ -13,7 +13,7 @@ import moe_tune
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 
 
 # --- the recipe: a frozen config, a backend subclass (gmm, tgmm, a default, a search space) --------------
@@ -66,7 +66,7 @@ def toy():
 def test_a_toy_backend_sweeps_end_to_end_and_is_used(toy, tmp_path):
     spec = get_op("ragged_dot")
     problem = spec.problem(m=128, k=64, n=128, groups=4)
-    result = run_sweep(SweepSpec("ragged_dot", problem, backend="toy", samples=2, workers=1, max_candidates=2,
+    result = run_sweep(SweepRequest.make("ragged_dot", problem, backend="toy", samples=2, workers=1, max_candidates=2,
                                  profile_dir=tmp_path))
     assert result.entry.count("tried") == 2 and result.entry.count("wrong") == 0
     assert result.entry.backend == "toy" and result.entry.versions["backend_revision"] == 1

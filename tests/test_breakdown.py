@@ -18,7 +18,7 @@ from moe_tune.breakdown.run import program, read_ops
 from moe_tune.breakdown.xprof_tools import datatable_rows, hlo_stats_ops, kernel_stats_ops
 from moe_tune.cli import cli
 from moe_tune.kernels import get_op
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 from moe_tune.tuner.timing import traceable
 
 DATA = Path(__file__).parent / "data"
@@ -31,7 +31,7 @@ def tuned(tmp_path_factory):
     """(profile dir, its tuned entry of PROBLEM): a tiny sweep, the default and two more candidates."""
     problem = get_op("ragged_dot").problem(**PROBLEM)
     profile_dir = tmp_path_factory.mktemp("profiles")
-    result = run_sweep(SweepSpec("ragged_dot", problem, samples=1, max_candidates=3, workers=1,
+    result = run_sweep(SweepRequest.make("ragged_dot", problem, samples=1, max_candidates=3, workers=1,
                                  profile_dir=profile_dir))
     return profile_dir, result.entry
 

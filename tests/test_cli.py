@@ -313,10 +313,10 @@ def test_available_memory_and_the_check(monkeypatch):
     from moe_tune.tuner import memory
 
     assert memory.available_bytes() > 0
-    spec = get_op("ragged_dot")
-    problem = spec.problem(m=256, k=128, n=128, groups=4)
-    monkeypatch.setattr(memory, "available_bytes", lambda: spec.memory_estimate(problem) - 1)
+    op = get_op("ragged_dot")
+    problem = op.problem(m=256, k=128, n=128, groups=4)
+    monkeypatch.setattr(memory, "available_bytes", lambda: op.memory_estimate(problem) - 1)
     with pytest.raises(UsageError, match="needs about"):
-        memory.check_fits(spec, problem)
-    monkeypatch.setattr(memory, "available_bytes", lambda: spec.memory_estimate(problem))
-    memory.check_fits(spec, problem)
+        memory.check_fits(op, problem)
+    monkeypatch.setattr(memory, "available_bytes", lambda: op.memory_estimate(problem))
+    memory.check_fits(op, problem)

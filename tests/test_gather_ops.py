@@ -19,7 +19,7 @@ from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_ga
 from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.plain_jax import PlainGather, PlainGatherReduce
 from moe_tune.kernels.gather.tiled import TiledGather, TiledGatherReduce
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 
 from gather_backend_tests import routing
 
@@ -324,7 +324,7 @@ def test_sweep_entry_is_used_at_run_time(op, caplog):
     from moe_tune.kernels import get_op
     spec = get_op(op)
     problem = spec.problem(tokens=64, hidden=128, top_k=4, experts=8, ep=2, dtype="float32")
-    result = run_sweep(SweepSpec(op, problem, samples=2, workers=1, max_candidates=3))
+    result = run_sweep(SweepRequest.make(op, problem, samples=2, workers=1, max_candidates=3))
     entry = result.entry
     assert entry.count("tried") == 3 and entry.count("wrong") == 0
     record = entry.distribution

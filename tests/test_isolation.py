@@ -12,8 +12,8 @@ from faulty_backend import FaultyConfig, FaultyRaggedDot
 
 from moe_tune import devices
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.tuner import SweepSpec, run_sweep, workers
-from moe_tune.tuner.candidates import backend_compiles
+from moe_tune.tuner import SweepRequest, run_sweep, workers
+from moe_tune.tuner.compile_count import backend_compiles
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
 # Per-candidate deadline (compile + first run). A tiny good candidate takes about a second (several on a loaded
@@ -47,7 +47,7 @@ def faulty(monkeypatch):
 
 def _sweep(backend, monkeypatch, tmp_path, modes):
     monkeypatch.setattr(FaultyRaggedDot, "candidate_values", lambda self, p: {"mode": list(modes), "tm": [32]})
-    return run_sweep(SweepSpec("ragged_dot", TINY, backend=backend.name, samples=1, finalists=1, workers=2,
+    return run_sweep(SweepRequest.make("ragged_dot", TINY, backend=backend.name, samples=1, finalists=1, workers=2,
                                compile_timeout_s=TIMEOUT_S, profile_dir=tmp_path))
 
 
@@ -131,7 +131,10 @@ def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
     import jax
 
     from moe_tune.kernels import get_op
-    from moe_tune.tuner.candidates import Candidate, check_all, compile_all
+    from moe_tune.tuner.candidate import Candidate
+    from moe_tune.tuner.compiling import compile_all
+    from moe_tune.tuner.gate import check_all
+    from moe_tune.tuner.kernel import Kernel
 
     sent = []
     write_all = workers._write_all
@@ -142,7 +145,7 @@ def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
     nbytes = sum(np.asarray(x).nbytes for x in host.values())
     cands = [Candidate(i, cfg) for i, cfg in enumerate(backend.search_space(TINY)[:4])]
     for chunk in (cands[:2], cands[2:]):
-        compile_all(op, backend, TINY, chunk, inputs, workers=2, timeout=60)
+        compile_all(Kernel(op, backend, TINY), chunk, inputs, workers=2, timeout=60)
     assert all(c.status == "ok" and c.output is not None for c in cands)
     assert 1 <= sum(size > nbytes for size in sent) <= 2
     check_all(cands, inputs, op.reference(TINY, host), op.tolerance(TINY))

@@ -1,5 +1,5 @@
-"""Sweeping a whole model preset: every kernel case gets an entry, and a MoE block of that model then runs
-every forward kernel on an exact tuned entry."""
+"""Sweeping a whole model preset's layer (a campaign of its kernel cases, run here): every kernel case gets an
+entry, and a MoE block of that model then runs every forward kernel on an exact tuned entry."""
 
 from __future__ import annotations
 
@@ -10,19 +10,30 @@ import numpy as np
 import pytest
 
 import moe_tune
+from moe_tune.campaign import engine, runner
+from moe_tune.campaign.plan import Case
 from moe_tune.errors import UsageError
-from moe_tune.models import ModelPreset
-from moe_tune.tuner.model_sweep import model_cases, sweep_model
+from moe_tune.models import ModelPreset, layer_cases
+from moe_tune.tuner import SweepSettings
 
 TINY = ModelPreset(name="tiny", hidden=128, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
-FAST = {"samples": 1, "max_candidates": 2, "workers": 1, "finalists": 1}
+FAST = SweepSettings(samples=1, max_candidates=2, workers=1, finalists=1)
+
+
+def sweep_layer(preset: ModelPreset, tokens: int, ep: int) -> list:
+    """Every kernel case of one layer of `preset`, planned and run here as `sweep --model` runs them."""
+    cases = [Case(c.op, c.problem, f"{c.role} tokens={count}")
+             for count, c in layer_cases(preset, [tokens], ep=ep, dtype="float32")]
+    campaign = engine.prepare(cases, FAST, skip_done=False)
+    engine.preflight(campaign)
+    return runner.run(campaign)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_model_sweep_entries_are_what_moe_mlp_looks_up(ep, caplog):
-    results = sweep_model(TINY, [16], ep=ep, dtype="float32", sweep_options=FAST)
-    assert [r.error for r in results] == [None] * 8
-    ops = [r.case.op for r in results]
+    outcomes = sweep_layer(TINY, 16, ep)
+    assert [o.error for o in outcomes] == [None] * 8
+    ops = [o.sweep.op for o in outcomes]
     assert ops.count("ragged_dot") == 6 and "ragged_gather" in ops
     assert ("ragged_gather_reduce" if ep > 1 else "dense_gather_reduce") in ops
 
@@ -44,45 +55,44 @@ def test_model_sweep_entries_are_what_moe_mlp_looks_up(ep, caplog):
     "RuntimeError: NOT_FOUND: Function wrapped_iota not found",  # not a moe-tune error: recorded all the same
 ])
 def test_a_failing_case_is_recorded_and_the_rest_go_on(monkeypatch, error):
-    from moe_tune.tuner import model_sweep
     from moe_tune.tuner import SweepError
 
-    real = model_sweep.run_sweep
+    real = runner.run_sweep
     kind, message = error.split(": ", 1)
 
-    def flaky(spec, reporter=None):
-        if spec.op == "ragged_gather":
+    def flaky(request, reporter=None):
+        if request.op == "ragged_gather":
             raise {"SweepError": SweepError, "RuntimeError": RuntimeError}[kind](message)
-        return real(spec, reporter)
+        return real(request, reporter)
 
-    monkeypatch.setattr(model_sweep, "run_sweep", flaky)
-    results = sweep_model(TINY, [8], ep=2, dtype="float32", sweep_options=FAST)
-    failed = [r for r in results if r.error]
-    assert [r.case.op for r in failed] == ["ragged_gather"] and message in failed[0].error
-    assert all(r.result is not None for r in results if not r.error) and len(results) == 8
+    monkeypatch.setattr(runner, "run_sweep", flaky)
+    outcomes = sweep_layer(TINY, 8, 2)
+    failed = [o for o in outcomes if o.error]
+    assert [o.sweep.op for o in failed] == ["ragged_gather"] and message in failed[0].error
+    assert all(o.result is not None and o.entry is not None for o in outcomes if not o.error)
+    assert len(outcomes) == 8
 
 
 def test_a_kernel_the_layer_repeats_is_swept_once(monkeypatch):
-    """With hidden == expert width (gpt-oss), the down projection's problems are the gate/up ones."""
-    from moe_tune.tuner import model_sweep
-
+    """With hidden == expert width (gpt-oss), the down projection's problems are the gate/up ones: the plan
+    holds one sweep per table key."""
     square = ModelPreset(name="square", hidden=64, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
-    swept, real = [], model_sweep.run_sweep
+    swept, real = [], runner.run_sweep
 
-    def counted(spec, reporter=None):
-        swept.append(spec)
-        return real(spec, reporter)
+    def counted(request, reporter=None):
+        swept.append(request)
+        return real(request, reporter)
 
-    monkeypatch.setattr(model_sweep, "run_sweep", counted)
-    results = sweep_model(square, [8], ep=2, dtype="float32", sweep_options=FAST)
-    assert len(results) == 8 and [r.error for r in results] == [None] * 8
+    monkeypatch.setattr(runner, "run_sweep", counted)
+    outcomes = sweep_layer(square, 8, 2)
+    assert len(outcomes) == 5 and [o.error for o in outcomes] == [None] * 5
     assert len(swept) == 5  # fwd, dlhs, drhs once; dispatch; combine
-    gate, down = results[0], results[3]
-    assert (gate.case.role, down.case.role) == ("gate/up", "down") and down.result is gate.result
+    gate_up = [o.sweep.label for o in outcomes if o.sweep.op == "ragged_dot"]
+    assert all("gate/up" in label for label in gate_up)  # named by the first case of its key
 
 
 def test_bad_token_counts_fail_before_any_sweep():
     with pytest.raises(UsageError):
-        model_cases(TINY, [16, 0], ep=1, dtype="float32")
+        layer_cases(TINY, [16, 0], ep=1, dtype="float32")
     with pytest.raises(UsageError, match="divide"):
-        model_cases(TINY, [16], ep=3, dtype="float32")
+        layer_cases(TINY, [16], ep=3, dtype="float32")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 import os
 import subprocess
 import sys
@@ -16,10 +17,11 @@ import pytest
 from conftest import FAKE_GPUS
 from moe_tune.campaign.plan import Case, plan, split_done
 from moe_tune.models import ModelPreset, layer_cases
+from moe_tune.tuner import SweepSettings
 
 # gate/up and down have the same problems (hidden == expert width): 5 sweeps for the layer's 8 kernel cases
 SQUARE = ModelPreset(name="square", hidden=64, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
-FAST = {"distribution": "balanced", "samples": 1, "max_candidates": 2, "workers": 1, "finalists": 1}
+FAST = SweepSettings(distribution="balanced", samples=1, max_candidates=2, workers=1, finalists=1)
 
 
 def fake_gpu():
@@ -56,14 +58,14 @@ def entries(profile_dir: Path) -> dict[str, dict]:
 
 def test_a_model_sweep_on_ray_writes_what_the_sequential_sweep_writes(local_ray, tmp_path, isolated_profiles):
     from moe_tune.campaign.ray_runner import run_on_ray
-    from moe_tune.tuner.model_sweep import sweep_model
+    from moe_tune.campaign.runner import run_here
 
     sequential = tmp_path / "sequential"
-    sweep_model(SQUARE, [8], ep=2, dtype="float32", sweep_options={**FAST, "profile_dir": sequential})
     cases = [Case(c.op, c.problem, c.role) for _, c in layer_cases(SQUARE, [8], ep=2, dtype="float32")]
     sweeps = plan(cases, platform="cpu", distribution="balanced")
+    run_here(sweeps, replace(FAST, profile_dir=sequential))
     shown = Recorder()
-    outcomes = run_on_ray(sweeps, {**FAST, "profile_dir": isolated_profiles}, fake_gpu(), reporter=shown)
+    outcomes = run_on_ray(sweeps, replace(FAST, profile_dir=isolated_profiles), fake_gpu(), reporter=shown)
 
     assert len(sweeps) == 5 and [o.error for o in outcomes] == [None] * 5
     on_ray, alone = entries(isolated_profiles), entries(sequential)
@@ -84,22 +86,22 @@ def test_a_model_sweep_on_ray_writes_what_the_sequential_sweep_writes(local_ray,
     assert all(len(ids) == len(set(ids)) <= FAKE_GPUS for ids in concurrent)
 
 
-def faulty_sweep(spec, reporter=None, *, on_log=None, marker: str):
+def faulty_sweep(request, reporter=None, *, on_log=None, marker: str):
     """`run_sweep` with faults: ragged_gather raises; ragged_dot's process dies (os._exit) right after its
     first finished candidate reached the driver, the first time only (`marker` remembers)."""
     from moe_tune.tuner import run_sweep
 
-    if spec.op == "ragged_gather":
+    if request.op == "ragged_gather":
         raise RuntimeError("injected failure")
-    if spec.op == "ragged_dot" and not os.path.exists(marker):
+    if request.op == "ragged_dot" and not os.path.exists(marker):
         def dies(data: bytes) -> None:
             on_log(data)
             if b'"type": "candidate"' in data:
                 Path(marker).touch()
                 os._exit(3)
 
-        return run_sweep(spec, reporter, on_log=dies)
-    return run_sweep(spec, reporter, on_log=on_log)
+        return run_sweep(request, reporter, on_log=dies)
+    return run_sweep(request, reporter, on_log=on_log)
 
 
 def tiny_cases() -> list[Case]:
@@ -115,8 +117,8 @@ def test_a_task_that_raises_is_recorded_and_a_dead_one_resumes(local_ray, tmp_pa
     from moe_tune.campaign.ray_runner import run_on_ray
 
     sweeps = plan(tiny_cases(), platform="cpu", distribution="balanced")
-    options = {**FAST, "batch_size": 1, "profile_dir": isolated_profiles}
-    outcomes = run_on_ray(sweeps, options, fake_gpu(),
+    settings = replace(FAST, batch_size=1, profile_dir=isolated_profiles)
+    outcomes = run_on_ray(sweeps, settings, fake_gpu(),
                           sweep_fn=functools.partial(faulty_sweep, marker=str(tmp_path / "died")))
     by_op = {o.sweep.op: o for o in outcomes}
     failed = by_op["ragged_gather"]
@@ -137,12 +139,13 @@ DRIVER = """
 import sys
 import ray
 from moe_tune.campaign.plan import plan
+from dataclasses import replace
 from moe_tune.campaign.ray_runner import run_on_ray
 from test_ray import FAST, fake_gpu, tiny_cases
 
 ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
-options = {**FAST, "profile_dir": sys.argv[2]}
-run_on_ray(plan(tiny_cases(), platform="cpu", distribution="balanced"), options, fake_gpu())
+settings = replace(FAST, profile_dir=sys.argv[2])
+run_on_ray(plan(tiny_cases(), platform="cpu", distribution="balanced"), settings, fake_gpu())
 """
 
 
@@ -167,7 +170,7 @@ def test_a_restarted_driver_skips_what_is_done(local_ray, isolated_profiles):
     sweeps = plan(tiny_cases(), platform="cpu", distribution="balanced")
     todo, done = split_done(sweeps, profile_dir=isolated_profiles, device_kind="cpu")
     assert sorted(s.key for s in done) == sorted(written) and len(todo) == 3 - len(written)
-    outcomes = run_on_ray(todo, {**FAST, "profile_dir": isolated_profiles}, fake_gpu())
+    outcomes = run_on_ray(todo, replace(FAST, profile_dir=isolated_profiles), fake_gpu())
     assert [o.error for o in outcomes] == [None] * len(todo)
     after = entries(isolated_profiles)
     assert sorted(after) == sorted(s.key for s in sweeps)
@@ -232,7 +235,7 @@ def test_tasks_compile_into_the_drivers_compile_cache(local_ray, tmp_path, isola
     cache = tmp_path / "jax_cache"
     monkeypatch.setenv("MOE_TUNE_COMPILE_CACHE_DIR", str(cache))
     [dispatch] = [s for s in plan(tiny_cases(), platform="cpu", distribution="balanced") if s.op == "ragged_gather"]
-    [outcome] = run_on_ray([dispatch], {**FAST, "profile_dir": isolated_profiles}, fake_gpu())
+    [outcome] = run_on_ray([dispatch], replace(FAST, profile_dir=isolated_profiles), fake_gpu())
     assert outcome.error is None and any(cache.iterdir())
 
 

@@ -10,7 +10,7 @@ from moe_tune import bench, report
 from moe_tune.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.plots import plot_entries
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
 
@@ -22,11 +22,11 @@ def tables(isolated_profiles):
     """Three entries that differ in every filtered column but the device: ragged_dot fwd (tiled, float32),
     ragged_dot drhs (xla, bfloat16) and ragged_gather (tiled, float32)."""
     dot = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4)
-    run_sweep(SweepSpec("ragged_dot", dot, **FAST))
+    run_sweep(SweepRequest.make("ragged_dot", dot, **FAST))
     drhs = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4, dtype="bfloat16", direction="drhs")
-    run_sweep(SweepSpec("ragged_dot", drhs, backend="xla", **FAST))
+    run_sweep(SweepRequest.make("ragged_dot", drhs, backend="xla", **FAST))
     gather = get_op("ragged_gather").problem(tokens=32, hidden=128, top_k=4, experts=8, ep=2)
-    run_sweep(SweepSpec("ragged_gather", gather, **FAST))
+    run_sweep(SweepRequest.make("ragged_gather", gather, **FAST))
     return isolated_profiles
 
 
@@ -116,7 +116,7 @@ def test_sweep_log_shows_every_candidate_with_reasons(isolated_profiles, monkeyp
     BACKENDS.register(FaultyRaggedDot())
     try:
         problem = get_op("ragged_dot").problem(m=128, k=64, n=64, groups=4)
-        run_sweep(SweepSpec("ragged_dot", problem, backend="faulty_test", samples=1, workers=1))
+        run_sweep(SweepRequest.make("ragged_dot", problem, backend="faulty_test", samples=1, workers=1))
     finally:
         BACKENDS.unregister("faulty_test")
     (log,) = isolated_profiles.glob("cpu/sweeps/ragged_dot/*.jsonl")

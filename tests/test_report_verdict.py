@@ -15,7 +15,7 @@ from moe_tune.kernels import get_op
 from moe_tune.plots import plot_entries
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import FASTEST, ONLY_CANDIDATE, RULES, WITHIN_NOISE, Verdict, verdict_of
-from moe_tune.tuner import SweepSpec, run_sweep
+from moe_tune.tuner import SweepRequest, run_sweep
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
 
@@ -103,7 +103,7 @@ def test_derived_rules():
 
 def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
     problem = get_op("ragged_dot").problem(m=256, k=128, n=128, groups=4)
-    result = run_sweep(SweepSpec("ragged_dot", problem, samples=2, max_candidates=4, workers=1))
+    result = run_sweep(SweepRequest.make("ragged_dot", problem, samples=2, max_candidates=4, workers=1))
     entry = Entry.from_json(json.loads(result.table_path.read_text())["entries"][result.entry.key])
     assert entry.to_json() == result.entry.to_json()
     verdict = verdict_of(entry)

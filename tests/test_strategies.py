@@ -10,9 +10,9 @@ import pytest
 from moe_tune.cli import sweep as sweep_command
 from moe_tune.errors import UsageError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.tuner import STRATEGIES, SweepSpec, run_sweep
+from moe_tune.tuner import STRATEGIES, SweepRequest, run_sweep
 from moe_tune.tuner import strategies as S
-from moe_tune.tuner.candidates import OK, Candidate
+from moe_tune.tuner.candidate import OK, Candidate
 from moe_tune.tuner.timing import Timing
 
 TILED = BACKENDS.get("tiled")
@@ -118,7 +118,7 @@ def test_budget_validation():
     for bad, message in [(dict(budget=0), "budget must be at least 1"), (dict(time_budget_s=-1), "time budget"),
                          (dict(strategy="annealing"), "unknown strategy 'annealing'")]:
         with pytest.raises(UsageError, match=message):
-            SweepSpec("ragged_dot", BIG, **bad)
+            SweepRequest.make("ragged_dot", BIG, **bad)
 
 
 SMALL_REAL = RaggedDotProblem(m=256, k=384, n=192, groups=4)  # 16 candidates
@@ -127,7 +127,7 @@ SMALL_REAL = RaggedDotProblem(m=256, k=384, n=192, groups=4)  # 16 candidates
 @pytest.mark.slow
 def test_real_coordinate_and_random_sweeps(tmp_path):
     space = TILED.search_space(SMALL_REAL)
-    result = run_sweep(SweepSpec("ragged_dot", SMALL_REAL, backend="tiled", strategy="coordinate", samples=2,
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL_REAL, backend="tiled", strategy="coordinate", samples=2,
                                  workers=2, profile_dir=tmp_path))
     tried = [c.config for c in result.candidates]
     assert tried[0] == space[0] and result.candidates[0].is_default
@@ -139,11 +139,11 @@ def test_real_coordinate_and_random_sweeps(tmp_path):
     assert result.entry.timing["median_s"] <= result.entry.default["median_s"]
     assert result.entry.config in [c.to_dict() for c in tried]
 
-    budgeted = run_sweep(SweepSpec("ragged_dot", SMALL_REAL, backend="tiled", strategy="coordinate", budget=3,
+    budgeted = run_sweep(SweepRequest.make("ragged_dot", SMALL_REAL, backend="tiled", strategy="coordinate", budget=3,
                                    samples=2, workers=2, profile_dir=tmp_path))
     assert len(budgeted.candidates) == 3 and budgeted.log_path != result.log_path
 
-    picks = [c.config for c in run_sweep(SweepSpec("ragged_dot", SMALL_REAL, backend="tiled", strategy="random",
+    picks = [c.config for c in run_sweep(SweepRequest.make("ragged_dot", SMALL_REAL, backend="tiled", strategy="random",
                                                    budget=4, seed=7, samples=2, workers=2,
                                                    profile_dir=tmp_path)).candidates]
     expected = S.make("random", space, budget=4, seed=7).next_round({})

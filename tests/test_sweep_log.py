@@ -17,8 +17,8 @@ from moe_tune.cli import cli
 from moe_tune.errors import MoeTuneError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.profiles import read_table
-from moe_tune.tuner import Reporter, SweepInterrupted, SweepSpec, log_path_for, run_sweep
-from moe_tune.tuner.candidates import backend_compiles
+from moe_tune.tuner import Reporter, SweepInterrupted, SweepRequest, log_path_for, run_sweep
+from moe_tune.tuner.compile_count import backend_compiles
 from moe_tune.tuner.log import SweepLog, read_log
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)  # swept with its first 4 candidates
@@ -27,9 +27,9 @@ MEDIUM = ["--m", "256", "--k", "640", "--n", "640", "--groups", "4", "--max-cand
 SMALL_CLI = ["sweep", "--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--max-candidates", "4"]
 
 
-def _spec(**kw):
+def _request(**kw):
     # no racing: a raced-out candidate has fewer samples, and these tests count them (racing: test_tuner)
-    return SweepSpec("ragged_dot", SMALL, **{"backend": "tiled", "samples": 2, "workers": 1, "batch_size": 2,
+    return SweepRequest.make("ragged_dot", SMALL, **{"backend": "tiled", "samples": 2, "workers": 1, "batch_size": 2,
                                              "max_candidates": 4, "race": None, **kw})
 
 
@@ -57,9 +57,9 @@ class InterruptAt(Reporter):
 
 def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
     space = BACKENDS.get("tiled").search_space(SMALL)[:4]
-    first = run_sweep(_spec(profile_dir=tmp_path))
+    first = run_sweep(_request(profile_dir=tmp_path))
     log = first.log_path
-    assert log.parent == tmp_path / "cpu" / "sweeps" / "ragged_dot" and log == log_path_for(_spec(profile_dir=tmp_path))
+    assert log.parent == tmp_path / "cpu" / "sweeps" / "ragged_dot" and log == log_path_for(_request(profile_dir=tmp_path))
     lines = _raw_lines(log)
     assert [x["type"] for x in lines] == ["header"] + ["candidate"] * len(space) + ["final"]
     assert lines[0]["key"] == first.key and lines[0]["versions"]["jax"]
@@ -73,7 +73,7 @@ def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
     assert first.resumed == 0 and first.entry.search["resumed"] == 0 and first.entry.interrupted is False
 
     before = backend_compiles()
-    again = run_sweep(_spec(profile_dir=tmp_path))
+    again = run_sweep(_request(profile_dir=tmp_path))
     compiled = backend_compiles() - before
     search = again.entry.search
     assert again.resumed == search["resumed"] == len(space) and again.log_path == log
@@ -85,7 +85,7 @@ def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
     kinds = [x["type"] for x in _raw_lines(log)]
     assert kinds.count("header") == 1 and kinds.count("run") == 1 and kinds.count("final") == 2
 
-    fresh = run_sweep(_spec(profile_dir=tmp_path, fresh=True))
+    fresh = run_sweep(_request(profile_dir=tmp_path, fresh=True))
     assert fresh.resumed == 0 and fresh.entry.search["recompiled_finalists"] == 0
     kinds = [x["type"] for x in _raw_lines(log)]
     assert kinds == ["header"] + ["candidate"] * len(space) + ["final"]
@@ -93,7 +93,7 @@ def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
 
 def test_keyboard_interrupt_keeps_finished_candidates_and_writes_an_interrupted_entry(tmp_path):
     with pytest.raises(SweepInterrupted) as caught:  # during the second batch's timing rounds
-        run_sweep(_spec(profile_dir=tmp_path), InterruptAt("time", 2))
+        run_sweep(_request(profile_dir=tmp_path), InterruptAt("time", 2))
     e = caught.value
     assert isinstance(e, KeyboardInterrupt) and e.kept == 2
     assert "2 finished candidate(s) kept" in str(e) and "resume" in str(e) and str(e.log_path) in str(e)
@@ -103,7 +103,7 @@ def test_keyboard_interrupt_keeps_finished_candidates_and_writes_an_interrupted_
     log = _lines(e.log_path)
     assert [x["type"] for x in log] == ["header", "candidate", "candidate", "final"] and log[-1]["interrupted"]
 
-    result = run_sweep(_spec(profile_dir=tmp_path))  # resumes the two, measures the other two
+    result = run_sweep(_request(profile_dir=tmp_path))  # resumes the two, measures the other two
     assert result.resumed == 2 and result.entry.interrupted is False and result.entry.candidates["tried"] == 4
     configs = [x["config"] for x in _lines(e.log_path, "candidate")]
     assert len(configs) == 4 and len({json.dumps(c) for c in configs}) == 4
@@ -113,39 +113,39 @@ def test_keyboard_interrupt_keeps_finished_candidates_and_writes_an_interrupted_
 
 def test_interrupt_before_the_default_finished_writes_no_entry(tmp_path):
     with pytest.raises(SweepInterrupted) as caught:
-        run_sweep(_spec(profile_dir=tmp_path), InterruptAt("time", 0))
+        run_sweep(_request(profile_dir=tmp_path), InterruptAt("time", 0))
     assert caught.value.result is None and caught.value.kept == 0 and "no table entry" in str(caught.value)
     assert not (tmp_path / "cpu" / "ragged_dot.json").exists()
 
 
 def test_an_interrupted_sweep_does_not_replace_a_complete_entry(tmp_path):
-    complete = run_sweep(_spec(profile_dir=tmp_path, max_candidates=2))
+    complete = run_sweep(_request(profile_dir=tmp_path, max_candidates=2))
     with pytest.raises(SweepInterrupted) as caught:  # another sweep (strategy) of the same key, interrupted
-        run_sweep(_spec(profile_dir=tmp_path, strategy="random", budget=4), InterruptAt("time", 2))
+        run_sweep(_request(profile_dir=tmp_path, strategy="random", budget=4), InterruptAt("time", 2))
     assert "complete entry already in" in str(caught.value)
     entry = read_table(tmp_path / "cpu" / "ragged_dot.json")["entries"][complete.key]
     assert entry["interrupted"] is False and entry["tuned_at"] == complete.entry.tuned_at
 
 
 def test_torn_last_line_is_ignored_and_cut_before_appending(tmp_path):
-    first = run_sweep(_spec(profile_dir=tmp_path, max_candidates=3))
+    first = run_sweep(_request(profile_dir=tmp_path, max_candidates=3))
     log = first.log_path
     with open(log, "a") as f:  # a kill in the middle of writing a line
         f.write('{"type": "candidate", "index": 3, "config": {"tm": 256, "tk"')
     lines, _ = read_log(log)
     assert len([x for x in lines if x["type"] == "candidate"]) == 3
-    again = run_sweep(_spec(profile_dir=tmp_path, max_candidates=3))
+    again = run_sweep(_request(profile_dir=tmp_path, max_candidates=3))
     assert again.resumed == 3
     assert [x["type"] for x in _raw_lines(log)].count("candidate") == 3  # the torn tail is gone
 
 
 def test_log_of_other_versions_is_set_aside(tmp_path):
-    first = run_sweep(_spec(profile_dir=tmp_path, max_candidates=2))
+    first = run_sweep(_request(profile_dir=tmp_path, max_candidates=2))
     lines = first.log_path.read_text().splitlines()
     header = json.loads(lines[0])
     header["versions"]["jax"] = "0.0.1"
     first.log_path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
-    again = run_sweep(_spec(profile_dir=tmp_path, max_candidates=2))
+    again = run_sweep(_request(profile_dir=tmp_path, max_candidates=2))
     assert again.resumed == 0 and "versions changed" in again.entry.search["log_restarted"]
     assert first.log_path.with_suffix(".stale.jsonl").exists()
 
@@ -160,7 +160,7 @@ def test_one_writer_per_log(tmp_path):
 
 
 def test_time_budget_stops_starting_new_candidates(tmp_path):
-    result = run_sweep(_spec(profile_dir=tmp_path, batch_size=1, time_budget_s=1e-3))
+    result = run_sweep(_request(profile_dir=tmp_path, batch_size=1, time_budget_s=1e-3))
     assert result.entry.search["stopped"] == "time budget"
     assert result.entry.candidates["tried"] == 1 and result.candidates[0].is_default  # the default always runs
 
@@ -230,7 +230,7 @@ def test_cli_ctrl_c_exits_130_with_what_was_kept(isolated_profiles, monkeypatch)
     real = measure.time_batch
 
     def interrupt_after_first_batch(state, batch):
-        real(state, batch)
+        real(state, batch)  # its candidates are logged as it returns; what it did (its Step) is lost
         raise KeyboardInterrupt
 
     monkeypatch.setattr(measure, "time_batch", interrupt_after_first_batch)
@@ -246,7 +246,7 @@ def test_cli_ctrl_c_exits_130_with_what_was_kept(isolated_profiles, monkeypatch)
 
 def test_the_sweeps_settings_are_one_record_in_header_identity_and_entry(tmp_path):
     """The log's header, the identity its name hashes and the entry's `search` take the same settings."""
-    result = run_sweep(_spec(profile_dir=tmp_path, max_candidates=2, strategy="random", budget=2,
+    result = run_sweep(_request(profile_dir=tmp_path, max_candidates=2, strategy="random", budget=2,
                              time_budget_s=600.0))
     header = _lines(result.log_path)[0]
     for name in ("strategy", "budget", "time_budget_s", "max_candidates", "space", "batch_size"):

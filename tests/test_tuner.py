@@ -17,8 +17,8 @@ from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels import get_op
 from moe_tune.profiles import entry_key, read_table, use_profiles
 from moe_tune.profiles.table import SCHEMA_VERSION
-from moe_tune.tuner import SweepError, SweepSpec, run_sweep
-from moe_tune.tuner.candidates import backend_compiles
+from moe_tune.tuner import SweepError, SweepRequest, SweepSettings, run_sweep
+from moe_tune.tuner.compile_count import backend_compiles
 from moe_tune.tuner.timing import _race, cross_check, time_candidates
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)
@@ -36,7 +36,7 @@ def faulty():
 
 
 def test_wrong_and_failing_candidates_are_recorded_and_never_win(faulty, tmp_path):
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend=faulty.name, samples=3, workers=2, profile_dir=tmp_path))
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend=faulty.name, samples=3, workers=2, profile_dir=tmp_path))
     by_mode = {}
     for cand in result.candidates:
         by_mode.setdefault(cand.config.mode, []).append(cand)
@@ -60,7 +60,7 @@ def test_sweep_with_no_correct_candidate_fails_cleanly(faulty, tmp_path, monkeyp
     monkeypatch.setattr(FaultyRaggedDot, "candidate_values", lambda self, p: {"mode": ["wrong"], "tm": [64]})
     monkeypatch.setattr(FaultyRaggedDot, "default_config", lambda self, p: FaultyConfig("fail_compile", 64))
     with pytest.raises(SweepError, match="no candidate"):
-        run_sweep(SweepSpec("ragged_dot", SMALL, backend=faulty.name, samples=1, profile_dir=tmp_path))
+        run_sweep(SweepRequest.make("ragged_dot", SMALL, backend=faulty.name, samples=1, profile_dir=tmp_path))
     assert not (tmp_path / "cpu" / "ragged_dot.json").exists()
 
 
@@ -70,7 +70,7 @@ def test_each_candidate_is_compiled_exactly_once(tmp_path, workers):
     then is the one checked and timed (nothing is compiled again in this process)."""
     n_candidates = 6
     before = backend_compiles()
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=2, workers=workers,
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=2, workers=workers,
                                  profile_dir=tmp_path, max_candidates=n_candidates))
     here = backend_compiles() - before
     assert len(result.candidates) == n_candidates
@@ -101,8 +101,8 @@ def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, m
     real_compile_all = measure.compile_all
     compiled = {}  # candidate index -> how many times compile_all built it
 
-    def flaky_compile_all(op, backend, problem, cands, inputs, **kwargs):
-        real_compile_all(op, backend, problem, cands, inputs, **kwargs)
+    def flaky_compile_all(kernel, cands, inputs, **kwargs):
+        real_compile_all(kernel, cands, inputs, **kwargs)
         for c in cands:
             compiled[c.index] = compiled.get(c.index, 0) + 1
             # candidate 1 breaks once (its recompile works); candidate 2's recompile is broken too
@@ -112,7 +112,7 @@ def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, m
                 c.executable = _FailsAfterCalls(c.executable, working=0)
 
     monkeypatch.setattr(measure, "compile_all", flaky_compile_all)
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=1, workers=1, profile_dir=tmp_path))
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=1, workers=1, profile_dir=tmp_path))
     by_index = {c.index: c for c in result.candidates}
     assert compiled[1] == 2 and by_index[1].status == "ok" and by_index[1].timing is not None
     assert by_index[1].compiles == 2  # counted: the recompile is a second XLA compilation
@@ -134,14 +134,14 @@ def test_worker_outputs_are_checked_as_they_arrive(tmp_path, monkeypatch):
         assert all(c.output is None for c in cands)
 
     monkeypatch.setattr(measure, "check_all", check_all)
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=1, workers=2, max_candidates=4,
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=1, workers=2, max_candidates=4,
                                  profile_dir=tmp_path))
     assert result.entry.candidates["ok"] == 4
     assert max(held) == 1 and held.count(1) == 4
 
 
 def test_entry_records_what_design_requires(tmp_path):
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
                                  samples=3, profile_dir=tmp_path, max_candidates=4))
     table = read_table(tmp_path / "cpu" / "ragged_dot.json")
     assert table["schema_version"] == SCHEMA_VERSION == 2 and table["op"] == "ragged_dot" and table["device_kind"] == "cpu"
@@ -170,7 +170,7 @@ def test_trace_timing_parses_one_event_per_run_and_the_method_is_recorded(tmp_pa
     monkeypatch.setattr(timing_module, "cross_check",
                         lambda trace, wall, expected: checked.append((list(trace), list(wall), expected))
                         or real(trace, wall, expected))
-    result = run_sweep(SweepSpec("ragged_dot", RaggedDotProblem(m=512, k=256, n=256, groups=8), backend="tiled",
+    result = run_sweep(SweepRequest.make("ragged_dot", RaggedDotProblem(m=512, k=256, n=256, groups=8), backend="tiled",
                                  samples=3, profile_dir=tmp_path, max_candidates=4))
     assert checked and all(len(trace) == expected == len(wall) and min(trace) > 0
                            for trace, wall, expected in checked)
@@ -192,7 +192,7 @@ def test_wall_clock_timing_when_the_trace_cannot_be_parsed(tmp_path, monkeypatch
     from moe_tune.tuner import timing as timing_module
 
     monkeypatch.setattr(timing_module, "parse_trace", lambda trace_dir, platform: {})
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=2, profile_dir=tmp_path,
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=2, profile_dir=tmp_path,
                                  max_candidates=2))
     entry = read_table(tmp_path / "cpu" / "ragged_dot.json")["entries"][result.key]
     assert entry["timing"]["method"] == "wall"
@@ -238,7 +238,7 @@ def test_race_keeps_the_calls_within_the_factor_of_the_fastest():
 def test_a_sweep_times_raced_out_candidates_once_and_the_finalists_fully(tmp_path):
     """With racing a candidate has one sample (raced out), `samples` or, as a finalist, twice as many (without
     racing every call gets every round: `test_racing_stops_timing_calls_slower_than_the_best_known`)."""
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend="tiled", samples=3, race=1.5, max_candidates=4,
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=3, race=1.5, max_candidates=4,
                                  workers=1, profile_dir=tmp_path))
     assert {c.timing.samples for c in result.candidates if c.status == "ok"} <= {1, 3, 6}
     assert result.entry.timing["samples"] == 6
@@ -248,14 +248,14 @@ def test_a_sweep_times_raced_out_candidates_once_and_the_finalists_fully(tmp_pat
 
 def test_race_must_be_above_one():
     with pytest.raises(moe_tune.errors.UsageError, match="race must be > 1"):
-        SweepSpec("ragged_dot", SMALL, race=1.0)
-    assert SweepSpec("ragged_dot", SMALL, race=None).race is None
+        SweepSettings(race=1.0)
+    assert SweepSettings(race=None).race is None
 
 
 def test_tuner_key_equals_runtime_key(tmp_path, caplog):
     """A table written by the tuner is found by the runtime for the same call: the one shared key."""
     problem = RaggedDotProblem(m=384, k=128, n=64, groups=6)
-    result = run_sweep(SweepSpec("ragged_dot", problem, samples=2, max_candidates=3, profile_dir=tmp_path))
+    result = run_sweep(SweepRequest.make("ragged_dot", problem, samples=2, max_candidates=3, profile_dir=tmp_path))
     lhs = jax.numpy.ones((384, 128)); rhs = jax.numpy.ones((6, 128, 64))
     sizes = jax.numpy.full((6,), 64, jax.numpy.int32)
     runtime_problem = RaggedDotProblem.from_arrays(lhs, rhs, sizes)
@@ -317,7 +317,7 @@ def test_every_direction_sweeps_and_the_vjp_uses_each_entry(tmp_path, caplog):
     problem = RaggedDotProblem(m=256, k=64, n=32, groups=4)
     keys = {}
     for direction in ("fwd", "dlhs", "drhs"):
-        result = run_sweep(SweepSpec("ragged_dot", problem.with_direction(direction), samples=2, max_candidates=3,
+        result = run_sweep(SweepRequest.make("ragged_dot", problem.with_direction(direction), samples=2, max_candidates=3,
                                      profile_dir=tmp_path))
         keys[direction] = result
     assert len({r.key for r in keys.values()}) == 3
@@ -347,7 +347,7 @@ def _timing(samples):
 ])
 def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, best_samples, kept_default):
     from moe_tune.tuner import Reporter, finals
-    from moe_tune.tuner.candidates import Candidate
+    from moe_tune.tuner.candidate import Candidate
 
     default = Candidate(0, FaultyConfig("good", 64), is_default=True)
     other = Candidate(1, FaultyConfig("good", 32))
@@ -356,8 +356,8 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
         c.timing = _timing([t] * 3)
     final = {0: _timing([1.02, 0.98, 1.0, 1.05, 0.96, 1.01]), 1: _timing(best_samples), 2: _timing([3.0] * 6)}
     monkeypatch.setattr(finals, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
-    spec = SweepSpec("ragged_dot", SMALL, finalists=1)
-    winner, verdict, _ = finals.final_round(spec, [default, other, slow], default, {}, "cpu", Reporter())
+    settings = SweepSettings(finalists=1)
+    winner, verdict, _ = finals.final_round(settings, [default, other, slow], default, {}, "cpu", Reporter())
     assert (verdict.rule == "within_noise") is kept_default
     assert winner is (default if kept_default else other)
     # the verdict records the noise rule's threshold and both finalists' rounds, the winner first
@@ -376,7 +376,7 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
 def test_compile_worker_hang_and_crash_are_recorded_and_the_sweep_goes_on(faulty, tmp_path, monkeypatch):
     monkeypatch.setattr(FaultyRaggedDot, "candidate_values",
                         lambda self, p: {"mode": ["hang", "crash", "good"], "tm": [32]})
-    result = run_sweep(SweepSpec("ragged_dot", SMALL, backend=faulty.name, samples=1, workers=2,
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend=faulty.name, samples=1, workers=2,
                                  compile_timeout_s=HANG_DEADLINE_S, profile_dir=tmp_path))
     status = {c.config.mode: (c.status, c.reason) for c in result.candidates if c.config.tm == 32}
     assert status["hang"][0] == "failed" and f"hung: timed out after {HANG_DEADLINE_S} s" in status["hang"][1]
@@ -396,13 +396,13 @@ def test_resuming_in_a_process_that_ran_the_sweep_with_the_compile_cache(tmp_pat
     code = """
 import json, sys
 from moe_tune.kernels import get_op
-from moe_tune.tuner import SweepSpec, compile_cache, run_sweep
+from moe_tune.tuner import SweepRequest, compile_cache, run_sweep
 compile_cache.enable()
 out = []
 for fresh in (True, False, False):
     for direction in ("fwd", "drhs"):
         problem = get_op("ragged_dot").problem(m=512, k=256, n=256, groups=8, dtype="bfloat16", direction=direction)
-        r = run_sweep(SweepSpec("ragged_dot", problem, backend="tiled", samples=1, workers=2,
+        r = run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", samples=1, workers=2,
                                 strategy="coordinate", profile_dir=sys.argv[1], fresh=fresh))
         out.append([direction, r.entry.search["resumed"], r.entry.candidates["ok"]])
 print(json.dumps(out))

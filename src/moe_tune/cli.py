@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,13 +12,11 @@ from moe_tune import cli_render as render
 from moe_tune import devices, distributions
 from moe_tune import models as presets
 from moe_tune.cli_options import (
-    DTYPES, campaign_options, handle_errors, model_only, one, problems, quant_flags, quant_options, several,
-    shape_options, shard_of,
+    DTYPES, handle_errors, one, problems, quant_flags, quant_options, shape_options, sweep_cases, sweep_options,
 )
 from moe_tune.cli_options import directions as all_directions
-from moe_tune.cli_render import ProgressReporter, console, out, progress
+from moe_tune.cli_render import console
 from moe_tune.kernels import get_op, op_names
-from moe_tune.tuner.strategies import STRATEGIES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,35 +27,8 @@ def cli() -> None:
 
 @cli.command()
 @shape_options
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of inputs and group sizes.")
-@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
-              help="Parallel compile workers.")
-@click.option("--samples", type=click.IntRange(min=1), default=None,
-              help="Timing samples (profiler-trace rounds) per candidate (default: the tuner's); the "
-                   "finalists get twice as many.")
-@click.option("--race", type=click.FloatRange(min=0), default=None, metavar="FACTOR",
-              help="After the first timing round, stop timing candidates more than FACTOR times slower than the "
-                   "best so far (default: the tuner's, 1.5); 0 times every candidate fully.")
-@click.option("--max-candidates", type=click.IntRange(min=1), default=None,
-              help="Keep only the first N candidates of the search space (the default config is first).")
-@click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where to write the table (default: $MOE_TUNE_PROFILE_DIR, else the user cache dir).")
-@click.option("--keep-trace", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep the profiler traces (xplane) here, to open with xprof.")
-@click.option("--strategy", type=click.Choice(list(STRATEGIES)), default="grid", show_default=True,
-              help="; ".join(f"{name}: {s.summary}" for name, s in STRATEGIES.items()) + ".")
-@click.option("--budget", type=int, default=None, help="Try at most N candidates (the default config included).")
-@click.option("--time-budget", type=float, default=None, metavar="SECONDS",
-              help="Start no new candidates after this many seconds (finished ones are kept).")
-@click.option("--fresh", is_flag=True, help="Delete this sweep's log and start over instead of resuming.")
-@click.option("--model", default=None,
-              help="Sweep every kernel and direction of one layer of this preset (see `moe-tune models`; several "
-                   "comma-separated, or `all`) at --tokens, --ep and --dtype (defaults: " + ", ".join(
-                       f"{k} {v}" for k, v in presets.LAYER_DEFAULTS.items()) + ").")
-@campaign_options
-@handle_errors
-def sweep(op, backend, distribution, direction, seed, workers, samples, race, max_candidates, profile_dir, keep_trace,
-          strategy, budget, time_budget, fresh, model, ray_address, shard, dry_run, **shape):
+@sweep_options
+def sweep(op, backend, direction, model, settings, campaign, **shape):
     """Sweep a kernel's configs for one shape (or a whole model's kernels) and store the fastest correct ones.
 
     Every finished candidate is appended to a sweep log beside the tables; running the same sweep again
@@ -66,87 +36,23 @@ def sweep(op, backend, distribution, direction, seed, workers, samples, race, ma
     sizes, several values of a shape flag (`--m 256,1024`: one sweep per shape), --ray, --shard and
     --dry-run run a campaign: its sweeps planned once (duplicates removed, those the table holds skipped
     unless --fresh, largest first)."""
-    from moe_tune.tuner import SweepSpec, compile_cache, preflight, run_sweep
-
-    distribution = distribution or distributions.DEFAULT
-    options = dict(distribution=distribution, seed=seed, workers=workers, profile_dir=profile_dir,
-                   max_candidates=max_candidates, keep_trace_dir=keep_trace, strategy=strategy, budget=budget,
-                   time_budget_s=time_budget, fresh=fresh)
-    if samples is not None:
-        options["samples"] = samples
-    if race is not None:
-        options["race"] = race or None
-    campaign = dict(ray_address=ray_address, share=shard_of(shard), dry_run=dry_run)
-    if model is not None:
-        return _sweep_model(model, backend, shape, options, campaign)
-    is_campaign = any(campaign.values()) or several(shape)
-    cases = problems(op, direction, shape, grid=is_campaign)
-    if is_campaign:
-        from moe_tune.campaign.plan import op_cases
-
-        return _sweep_campaign(op_cases(op, cases), backend, options, campaign)
-    specs = [SweepSpec(op, problem, backend=backend, **options) for problem in cases]
-    for sweep_spec in specs:  # every sweep's shape, memory and profile dir, before anything is printed
-        preflight(sweep_spec)
-    compile_cache.enable()
-    impl = get_op(op).backends.resolve(backend, devices.platform())
-    for problem, sweep_spec in zip(cases, specs):
-        console.print(f"Sweeping [bold]{get_op(op).describe(problem)}[/bold], backend [bold]{impl.name}[/bold], "
-                      f"{distribution} groups (seed {seed}), strategy {strategy} on "
-                      f"[bold]{devices.device_kind()}[/bold]", highlight=False)
-        with progress(transient=False) as bars:
-            result = run_sweep(sweep_spec, ProgressReporter(bars))
-        render.sweep_summary(result)
-
-
-def _sweep_model(model: str, backend, shape: dict, options: dict, campaign: dict) -> None:
-    """`sweep --model`: every kernel case of one layer, then one summary table (several models or ep sizes,
-    or a campaign flag: a campaign)."""
-    from moe_tune.tuner import compile_cache
-    from moe_tune.tuner.model_sweep import preflight, sweep_model
-
-    ctx = click.get_current_context()
-    explicit = [name for name in ("op", "direction") if ctx.get_parameter_source(name).name != "DEFAULT"]
-    model_only(shape, explicit=explicit + (["backend"] if backend is not None else []))
-    models, eps = model.split(","), shape.get("ep") or [presets.LAYER_DEFAULTS["ep"]]
-    tokens, _, dtype = presets.layer_settings(shape.get("tokens"), None, shape.get("dtype"))
-    quant = quant_options(shape)  # only the ragged_dot kernels are quantized
-    if len(models) > 1 or len(eps) > 1 or models == ["all"] or any(campaign.values()):
-        from moe_tune.campaign.plan import model_campaign_cases
-
-        cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant)
-        return _sweep_campaign(cases, None, options, campaign, notes)
-    preset, ep = presets.get_preset(model), eps[0]
-    preflight(preset, tokens, ep=ep, dtype=dtype, sweep_options=options, quant=quant)  # before anything is printed
-    compile_cache.enable()
-    with progress(transient=True) as bars:
-        def heading(count, case, i, total):
-            bars.console.print(f"[{i + 1}/{total}] {case.role}: [bold]{get_op(case.op).describe(case.problem)}"
-                               f"[/bold] ({count} tokens per shard)", highlight=False)
-
-        results = sweep_model(preset, tokens, ep=ep, dtype=dtype, sweep_options=options, on_case=heading,
-                              reporter_for=lambda count, case: ProgressReporter(bars), quant=quant)
-    render.model_sweep_summary(f"{model}: {len(results)} kernel sweeps on {devices.device_kind()} (ep={ep}, {dtype})",
-                               results)
-    if any(r.error for r in results):
-        sys.exit(1)
-
-
-def _sweep_campaign(cases, backend, options: dict, campaign: dict, notes=()) -> None:
-    """A campaign (`moe_tune.campaign`): plan it, print the plan (--dry-run) or run it, then a summary."""
-    from moe_tune.campaign import engine
+    from moe_tune.campaign import engine, runner
     from moe_tune.tuner import compile_cache
 
-    planned = engine.prepare(cases, options, backend=backend, ray_address=campaign["ray_address"],
-                             share=campaign["share"], notes=notes)
-    render.campaign_plan(planned, listed=campaign["dry_run"])
-    if campaign["dry_run"] or not planned.todo:
+    asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=campaign.given)
+    planned = engine.prepare(asked.cases, settings, backend=asked.backend, ray_address=campaign.ray_address,
+                             share=campaign.share, notes=asked.notes, skip_done=asked.several)
+    if not campaign.dry_run:
+        engine.preflight(planned)  # every sweep's backend, memory and profile dir, before anything is printed
+    if asked.several:
+        render.campaign_plan(planned, listed=campaign.dry_run)
+    if campaign.dry_run or not planned.todo:
         return
     compile_cache.enable()
-    with progress(transient=True) as bars:
-        outcomes = engine.execute(planned, options, reporter=render.CampaignProgress(bars, planned.todo),
-                                  on_sweep=render.campaign_heading(bars, len(planned.todo)))
-    render.campaign_summary(outcomes)
+    with render.sweep_progress(planned, detailed=asked.one_shape) as hooks:
+        outcomes = runner.run(planned, **hooks)
+    render.sweep_outcomes(outcomes, title=asked.title(len(planned.todo), planned.device_kind),
+                          detailed=asked.one_shape)
     if any(o.error for o in outcomes):
         sys.exit(1)
 
@@ -190,19 +96,7 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
     from moe_tune.errors import UsageError
 
     if sweep_log is not None:
-        header, frame, finals = reports.sweep_log_frame(sweep_log)
-        if fmt == "table":
-            out.print(f"sweep log {sweep_log}\n  key: {header.get('key')}\n  started: {header.get('started')}",
-                      highlight=False)
-            for final in finals:
-                state = "interrupted" if final.get("interrupted") else "finished"
-                verdict = f" ({final['verdict']})" if final.get("verdict") else ""
-                out.print(f"  {state} {final.get('finished', '')}: winner {final.get('winner')}{verdict}",
-                          highlight=False)
-        title = f"{len(frame)} candidates (median_ms: sweep round, final_ms: final round)"
-        return render.frame(frame, fmt, title=title,
-                            empty="The log has no finished candidate yet.",
-                            shown=list(reports.LOG_COLUMNS))
+        return render.sweep_log(sweep_log, *reports.sweep_log_frame(sweep_log), fmt, shown=list(reports.LOG_COLUMNS))
     frame = reports.select(reports.entries_frame(profile_dir, op), sort=sort, descending=desc, op=op,
                            direction=direction, device=device, backend=backend, dtype=dtype, key=key)
     if not breakdown and (via is not None or keep_trace is not None):
@@ -243,10 +137,11 @@ def _breakdown(entries, fmt: str, *, via, runs: int, top: int, keep_trace) -> No
 @handle_errors
 def lookup(op, backend, distribution, direction, device_kind, **shape):
     """Explain which config the runtime would use for a shape, and why."""
-    spec = get_op(op)
+    kernel_op = get_op(op)
     for problem in problems(op, direction, shape):
-        result = spec.lookup(problem, backend=backend, distribution=distribution, device_kind=device_kind, strict=True)
-        render.lookup_result(spec.describe(problem), result)
+        result = kernel_op.lookup(problem, backend=backend, distribution=distribution, device_kind=device_kind,
+                                  strict=True)
+        render.lookup_result(kernel_op.describe(problem), result)
 
 
 @cli.command()

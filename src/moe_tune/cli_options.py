@@ -5,19 +5,25 @@ problems. Errors become one line (`handle_errors`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from moe_tune import distributions
+from moe_tune import models as presets
 from moe_tune.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.options import QUANT, ShapeOption, names
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
+from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.strategies import STRATEGIES
 
 DTYPES = click.Choice(SUPPORTED_DTYPES)
 
@@ -122,19 +128,19 @@ def problems(op_name: str, direction: str, shape: dict[str, Any], *, grid: bool 
     direction (`all`: every direction the op has) and, with `grid`, per combination of the values of the flags
     that take several (`--m 256,1024 --groups 8,16`: four shapes); without it such a flag must have one value.
     UsageError for a flag the op does not take."""
-    spec = get_op(op_name)
-    wanted = spec.directions if direction == "all" else (direction,)
-    unknown = [d for d in wanted if d not in spec.directions]
+    op = get_op(op_name)
+    wanted = op.directions if direction == "all" else (direction,)
+    unknown = [d for d in wanted if d not in op.directions]
     if unknown:
-        raise UsageError(f"op {op_name!r} has no direction {unknown[0]!r}; it has {', '.join(spec.directions)}")
+        raise UsageError(f"op {op_name!r} has no direction {unknown[0]!r}; it has {', '.join(op.directions)}")
     given = {k: v for k, v in shape.items() if v is not None}
-    foreign = [k for k in given if k not in spec.option_names]
+    foreign = [k for k in given if k not in op.option_names]
     if foreign:
         raise UsageError(f"{flag(foreign[0])} does not apply to {op_name}; its shape options are "
-                         f"{' '.join(flag(o) for o in spec.option_names)}")
+                         f"{' '.join(flag(o) for o in op.option_names)}")
     values = [v if grid and isinstance(v, list) else [one(given, k)] for k, v in given.items()]
-    defaults = spec.default_problem_options()
-    return [spec.problem(**{**defaults, **dict(zip(given, combination))}, direction=d)
+    defaults = op.default_problem_options()
+    return [op.problem(**{**defaults, **dict(zip(given, combination))}, direction=d)
             for combination in itertools.product(*values) for d in wanted]
 
 
@@ -179,9 +185,97 @@ def quant_flags(fn: Callable) -> Callable:
     return fn
 
 
-def campaign_options(fn: Callable) -> Callable:
-    """`sweep`'s campaign flags: --ray, --shard, --dry-run (`moe_tune.campaign`)."""
+@dataclasses.dataclass(frozen=True)
+class SweepCases:
+    """What `sweep` was asked to tune: the kernel cases (`campaign.plan.Case`), notes on what was left out,
+    the backend asked for (None: each op's default), and how it is shown: `one_shape` (one shape, no
+    campaign flag: each sweep's detailed summary) or `several` (a campaign: its plan is printed and the
+    sweeps the table holds are skipped); `layer`: (model, its ep and dtype) for one model's layer."""
+
+    cases: list[Any]
+    notes: list[str] = dataclasses.field(default_factory=list)
+    backend: str | None = None
+    several: bool = False
+    layer: tuple[str, str] | None = None
+
+    @property
+    def one_shape(self) -> bool:
+        return not self.several and self.layer is None
+
+    def title(self, sweeps: int, device_kind: str) -> str | None:
+        """The summary's title for one model's layer (None otherwise: the counts are the title)."""
+        return None if self.layer is None else f"{self.layer[0]}: {sweeps} kernel sweeps on {device_kind} {self.layer[1]}"
+
+
+def sweep_cases(op: str, direction: str, backend: str | None, model: str | None, shape: dict[str, Any], *,
+                campaign_flags: bool) -> SweepCases:
+    """The cases of `sweep`: one per direction (and per combination of listed shape values) of `op`, or every
+    kernel case of the layers of `model` (comma-separated presets, or `all`) at each --tokens and --ep.
+    Several values, several models or a campaign flag make it a campaign. UsageError for a flag that does not
+    apply."""
+    from moe_tune.campaign.plan import model_campaign_cases, op_cases
+
+    if model is None:
+        several_ = campaign_flags or several(shape)
+        return SweepCases(op_cases(op, problems(op, direction, shape, grid=several_)), backend=backend,
+                          several=several_)
+    ctx = click.get_current_context()
+    explicit = [name for name in ("op", "direction") if ctx.get_parameter_source(name).name != "DEFAULT"]
+    model_only(shape, explicit=explicit + (["backend"] if backend is not None else []))
+    models, eps = model.split(","), shape.get("ep") or [presets.LAYER_DEFAULTS["ep"]]
+    tokens, _, dtype = presets.layer_settings(shape.get("tokens"), None, shape.get("dtype"))
+    # only the ragged_dot kernels are quantized
+    cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape))
+    several_ = len(models) > 1 or len(eps) > 1 or models == ["all"] or campaign_flags
+    return SweepCases(cases, notes, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"))
+
+
+@dataclasses.dataclass(frozen=True)
+class CampaignFlags:
+    """`sweep`'s campaign flags: where the sweeps run (`--ray`), the share this process takes (`--shard`, or
+    the SLURM job array's), `--dry-run`."""
+
+    ray_address: str | None = None
+    share: tuple[int, int] | None = None
+    dry_run: bool = False
+
+    @property
+    def given(self) -> bool:
+        """Whether any was given (any makes a campaign)."""
+        return self.ray_address is not None or self.share is not None or self.dry_run
+
+
+def sweep_options(fn: Callable) -> Callable:
+    """`sweep`'s flags (the settings, --model, the campaign flags) on `fn`, which gets them as two values:
+    `settings` (a `SweepSettings`, built once here with --distribution of `shape_options`) and `campaign`
+    (`CampaignFlags`). A bad value is one line and exit 2 (`handle_errors`)."""
     options = [
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed of inputs and group sizes."),
+        click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+                     help="Parallel compile workers."),
+        click.option("--samples", type=click.IntRange(min=1), default=None,
+                     help="Timing samples (profiler-trace rounds) per candidate (default: the tuner's); the "
+                          "finalists get twice as many."),
+        click.option("--race", type=click.FloatRange(min=0), default=None, metavar="FACTOR",
+                     help="After the first timing round, stop timing candidates more than FACTOR times slower than "
+                          "the best so far (default: the tuner's, 1.5); 0 times every candidate fully."),
+        click.option("--max-candidates", type=click.IntRange(min=1), default=None,
+                     help="Keep only the first N candidates of the search space (the default config is first)."),
+        click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Where to write the table (default: $MOE_TUNE_PROFILE_DIR, else the user cache dir)."),
+        click.option("--keep-trace", "keep_trace_dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=None, help="Keep the profiler traces (xplane) here, to open with xprof."),
+        click.option("--strategy", type=click.Choice(list(STRATEGIES)), default="grid", show_default=True,
+                     help="; ".join(f"{name}: {s.summary}" for name, s in STRATEGIES.items()) + "."),
+        click.option("--budget", type=int, default=None,
+                     help="Try at most N candidates (the default config included)."),
+        click.option("--time-budget", "time_budget_s", type=float, default=None, metavar="SECONDS",
+                     help="Start no new candidates after this many seconds (finished ones are kept)."),
+        click.option("--fresh", is_flag=True, help="Delete this sweep's log and start over instead of resuming."),
+        click.option("--model", default=None,
+                     help="Sweep every kernel and direction of one layer of this preset (see `moe-tune models`; "
+                          "several comma-separated, or `all`) at --tokens, --ep and --dtype (defaults: " + ", ".join(
+                              f"{k} {v}" for k, v in presets.LAYER_DEFAULTS.items()) + ")."),
         click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
                      help="Run the sweeps as Ray tasks, one accelerator each, on the Ray cluster at ADDRESS, or on "
                           "a private Ray started here with `local` ($RAY_ADDRESS is ignored then). Needs the `ray` "
@@ -192,9 +286,23 @@ def campaign_options(fn: Callable) -> Callable:
                           "`moe-tune merge`."),
         click.option("--dry-run", is_flag=True, help="Print the campaign's plan and exit."),
     ]
+    setting_names = [f.name for f in dataclasses.fields(SweepSettings)]
+
+    @functools.wraps(fn)
+    @handle_errors
+    def wrapper(*args, samples, race, ray_address, shard, dry_run, **kwargs):
+        given = {name: kwargs.pop(name) for name in setting_names if name in kwargs}
+        given["distribution"] = given["distribution"] or distributions.DEFAULT
+        if samples is not None:
+            given["samples"] = samples
+        if race is not None:
+            given["race"] = race or None  # 0: no racing
+        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run)
+        return fn(*args, settings=SweepSettings(**given), campaign=campaign, **kwargs)
+
     for option in reversed(options):
-        fn = option(fn)
-    return fn
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def shard_of(text: str | None) -> tuple[int, int] | None:

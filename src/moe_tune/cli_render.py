@@ -1,5 +1,6 @@
-"""How `moe-tune` shows things: rich progress bars for the tuner's progress callbacks, and tables of sweep
-results (read from the typed table `Entry`), model sweeps, bench comparisons and report frames."""
+"""How `moe-tune` shows things: rich progress bars for the tuner's progress callbacks, a campaign's plan and
+progress, one sweep's detailed result, the one summary table of a campaign's sweeps (read from the typed table
+`Entry`), bench comparisons and report frames."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from moe_tune.kernels import get_op
 from moe_tune.profiles.verdict import verdict_of
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from moe_tune.bench import Comparison
     from moe_tune.breakdown import Breakdown
     from moe_tune.campaign.engine import Campaign
@@ -24,7 +28,6 @@ if TYPE_CHECKING:
     from moe_tune.profiles import LookupResult
     from moe_tune.profiles.entry import Entry
     from moe_tune.tuner import SweepResult
-    from moe_tune.tuner.model_sweep import CaseResult
 
 console = Console(stderr=True)
 # Wide when piped (CI logs, files) so that tables are not squeezed into 80 columns.
@@ -75,14 +78,28 @@ class CampaignProgress:
         self.progress.console.print(outcome_line(outcome), highlight=False)
 
 
-def campaign_heading(bars: Progress, total: int):
-    """`on_sweep` of a campaign run here: a heading line per sweep, and its stages' progress bars."""
+@contextmanager
+def sweep_progress(campaign: Campaign, *, detailed: bool) -> Iterator[dict[str, Any]]:
+    """The progress display of a campaign's run, as the runner's hooks (`campaign.runner.run`): on Ray, a
+    line per running sweep; here, a heading per sweep and its stages' bars (`detailed`: one shape, the
+    heading says how it is swept and the bars stay)."""
+    with progress(transient=not detailed) as bars:
+        if campaign.accelerator is not None:
+            yield {"reporter": CampaignProgress(bars, campaign.todo)}
+            return
+        total, s = len(campaign.todo), campaign.settings
 
-    def heading(i: int, sweep: PlannedSweep) -> ProgressReporter:
-        bars.console.print(f"[{i + 1}/{total}] [bold]{sweep.label}[/bold]", highlight=False)
-        return ProgressReporter(bars)
+        def heading(i: int, sweep: PlannedSweep) -> ProgressReporter:
+            if detailed:
+                bars.console.print(
+                    f"Sweeping [bold]{get_op(sweep.op).describe(sweep.problem)}[/bold], backend [bold]{sweep.backend}"
+                    f"[/bold], {s.distribution} groups (seed {s.seed}), strategy {s.strategy} on "
+                    f"[bold]{campaign.device_kind}[/bold]", highlight=False)
+            else:
+                bars.console.print(f"[{i + 1}/{total}] [bold]{sweep.label}[/bold]", highlight=False)
+            return ProgressReporter(bars)
 
-    return heading
+        yield {"on_sweep": heading}
 
 
 def where(device: dict[str, Any] | None) -> str:
@@ -117,19 +134,30 @@ def campaign_plan(campaign: Campaign, *, listed: bool) -> None:
                for i, s in enumerate(c.todo + c.done)], right=("#",))
 
 
-def campaign_summary(outcomes: Sequence[SweepOutcome]) -> None:
+def sweep_outcomes(outcomes: Sequence[SweepOutcome], *, title: str | None, detailed: bool) -> None:
+    """How a campaign's sweeps ended: `detailed` (one shape), each sweep's own summary (`sweep_summary`) or
+    its error; else one table, one row per sweep, titled `title` (one model's layer) or by the count."""
+    if detailed:
+        for o in outcomes:
+            if o.result is not None:
+                sweep_summary(o.result)
+            else:
+                click.echo(f"error: {o.error}", err=True)
+        return
+    failed = sum(o.error is not None for o in outcomes)
+    heading = f"{title or f'{len(outcomes)} sweeps'}, {failed} failed"
     rows = []
     for o in outcomes:
         direction = o.sweep.problem.key_fields().get("direction", "-")
         if o.error is not None:
-            rows.append((o.sweep.label, o.sweep.op, direction, f"failed: {o.error}", "-", "-", where(o.device), "-"))
+            rows.append((o.sweep.label, o.sweep.op, direction, f"failed: {o.error}", "-", "-", "-", where(o.device),
+                         "-"))
             continue
         rows.append((o.sweep.label, o.sweep.op, direction, " ".join(f"{k}={v}" for k, v in o.entry.config.items()),
-                     _ms(o.entry.median_s), f"{o.entry.speedup_over_default or 0:.2f}x", where(o.device),
-                     f"{o.attempts} start(s), {o.resumed} resumed"))
-    failed = sum(o.error is not None for o in outcomes)
-    table(f"{len(outcomes)} sweeps, {failed} failed", ("sweep", "op", "direction", "winner", "time_ms", "speedup",
-                                                       "where", "runs"), rows, right=("time_ms", "speedup"))
+                     _ms(o.entry.median_s), f"{o.entry.speedup_over_default or 0:.2f}x", _counts(o.entry),
+                     where(o.device), f"{o.attempts} start(s), {o.resumed} resumed"))
+    table(heading, ("sweep", "op", "direction", "winner", "time_ms", "speedup", "candidates", "where", "runs"), rows,
+          right=("time_ms", "speedup"))
 
 
 @contextmanager
@@ -193,21 +221,6 @@ def _counts(entry: Entry, *names: str) -> str:
     return ", ".join(f"{entry.count(name)} {name}" for name in parts)
 
 
-def model_sweep_summary(title: str, results: Sequence[CaseResult]) -> None:
-    """One row per case of a model sweep (`tuner.model_sweep.CaseResult`)."""
-    rows = []
-    for r in results:
-        direction = r.case.problem.key_fields()["direction"]
-        if r.error is not None:
-            rows.append((r.tokens, r.case.op, r.case.role, direction, f"failed: {r.error}", "-", "-", "-"))
-            continue
-        entry = r.result.entry
-        rows.append((r.tokens, r.case.op, r.case.role, direction, r.result.best.config.label(), _ms(entry.median_s),
-                     f"{entry.speedup_over_default or 0:.2f}x", _counts(entry)))
-    table(title, ("tokens", "op", "role", "direction", "winner", "time_ms", "speedup", "candidates"), rows,
-          right=("tokens", "time_ms", "speedup"))
-
-
 def bench_table(title: str, cases: Sequence[tuple[str, Comparison]]) -> None:
     """`moe-tune bench`: (kernel description, `bench.Comparison`) pairs, one row each."""
     rows = []
@@ -229,6 +242,19 @@ def lookup_result(description: str, result: LookupResult) -> None:
         out.print(f"  tuned time: {(median if median is not None else float('nan')) * 1e3:.3f} ms"
                   + (f", {speedup:.2f}x over default" if speedup else ""), highlight=False)
     out.print(f"  key: {result.key}", highlight=False)
+
+
+def sweep_log(path: Path, header: dict[str, Any], data, finals: Sequence[dict[str, Any]], fmt: str, *,
+              shown: list[str]) -> None:
+    """`report --sweep LOG`: the log's key and runs (as a table), then every candidate (`report.sweep_log_frame`)."""
+    if fmt == "table":
+        out.print(f"sweep log {path}\n  key: {header.get('key')}\n  started: {header.get('started')}", highlight=False)
+        for final in finals:
+            state = "interrupted" if final.get("interrupted") else "finished"
+            verdict = f" ({final['verdict']})" if final.get("verdict") else ""
+            out.print(f"  {state} {final.get('finished', '')}: winner {final.get('winner')}{verdict}", highlight=False)
+    frame(data, fmt, title=f"{len(data)} candidates (median_ms: sweep round, final_ms: final round)",
+          empty="The log has no finished candidate yet.", shown=shown)
 
 
 def frame(data, fmt: str, *, title: str, empty: str, shown: list[str]) -> None:

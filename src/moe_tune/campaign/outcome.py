@@ -1,17 +1,17 @@
-"""How one sweep of a campaign ended, whichever engine ran it; and `run_here`, the engine-less runner (this
-process, one sweep after another: `--shard` shares and plain multi-model sweeps)."""
+"""How one sweep of a campaign ended, wherever it ran (this process or a Ray task): the one result type that
+the campaign runner returns and the CLI's summary shows."""
 
 from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.errors import MoeTuneError
 from moe_tune.profiles.entry import Entry
+from moe_tune.tuner.result import SweepResult
 
 
 @dataclasses.dataclass
@@ -20,7 +20,8 @@ class SweepOutcome:
 
     device: where it ran (`host`, `device` as JAX names it, `device_kind`, `platform`, and on Ray the
     `accelerator_ids` Ray assigned); attempts: how many times it was started (a retry after a dead process
-    counts); resumed: candidates restored from its sweep log instead of run again."""
+    counts); resumed: candidates restored from its sweep log instead of run again; result: the tuner's whole
+    result (every candidate) when the sweep ran in this process (None on Ray, where only the entry comes back)."""
 
     sweep: PlannedSweep
     entry: Entry | None = None
@@ -30,6 +31,13 @@ class SweepOutcome:
     attempts: int = 1
     resumed: int = 0
     wall_s: float = 0.0
+    result: SweepResult | None = None
+
+    @classmethod
+    def of(cls, sweep: PlannedSweep, result: SweepResult, device: dict[str, Any]) -> SweepOutcome:
+        """The outcome of a sweep run in this process."""
+        return cls(sweep, entry=result.entry, table=result.table_path, device=device, resumed=result.resumed,
+                   wall_s=result.wall_s, result=result)
 
 
 def local_device() -> dict[str, Any]:
@@ -42,25 +50,7 @@ def local_device() -> dict[str, Any]:
             "platform": devices.platform()}
 
 
-def run_here(sweeps: Sequence[PlannedSweep], options: dict[str, Any], *,
-             on_sweep: Callable[[int, PlannedSweep], Any] | None = None) -> list[SweepOutcome]:
-    """Run `sweeps` one after another in this process with `SweepSpec(op, problem, backend, **options)`; each
-    writes its own entry (`run_sweep`). A sweep that fails is recorded and the next one runs; a
-    KeyboardInterrupt stops the run (what finished is in the tables and sweep logs). `on_sweep(i, sweep)` is
-    called before each sweep and may return its progress reporter."""
-    from moe_tune.tuner import SweepSpec, run_sweep
-
-    device, outcomes = local_device(), []
-    for i, sweep in enumerate(sweeps):
-        reporter = on_sweep(i, sweep) if on_sweep is not None else None
-        outcome = SweepOutcome(sweep, device=device)
-        try:
-            result = run_sweep(SweepSpec(sweep.op, sweep.problem, **{**options, "backend": sweep.backend}), reporter)
-            outcome.entry, outcome.table, outcome.resumed, outcome.wall_s = (result.entry, result.table_path,
-                                                                            result.resumed, result.wall_s)
-        except MoeTuneError as e:
-            outcome.error = str(e)
-        except Exception as e:  # noqa: BLE001 - a kernel or runtime failure ends this sweep, not the campaign
-            outcome.error = f"{type(e).__name__}: {e}"
-        outcomes.append(outcome)
-    return outcomes
+def error_text(error: BaseException) -> str:
+    """How a sweep's error is recorded: a moe-tune error's message, else the exception's type and message (a
+    kernel or runtime failure ends its sweep, not the campaign)."""
+    return str(error) if isinstance(error, MoeTuneError) else f"{type(error).__name__}: {error}"

@@ -1,6 +1,8 @@
 """The plan of a tuning campaign: every sweep (one table key each) across models, token counts, ep values and
 directions, duplicates removed, largest first; its shares (`shard`) for job arrays; and which of its sweeps a
-target table already holds (`split_done`).
+target table already holds (`split_done`). One shape is a campaign of one sweep; a `--model` layer, a list of
+shapes and several models are campaigns of many: all are planned here, and removing duplicates (one sweep per
+table key) happens here only.
 
 A sweep is the unit of work: its candidates are never split across devices (timings from two devices are not
 comparable, and the final round re-times the finalists side by side on one device). The order is
@@ -20,6 +22,9 @@ from moe_tune.kernels import get_op
 from moe_tune.models import KernelCase, get_preset, layer_cases, presets
 from moe_tune.profiles import dirs
 from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.table import is_complete, table_entries
+from moe_tune.tuner.request import SweepRequest
+from moe_tune.tuner.settings import SweepSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +42,12 @@ class PlannedSweep:
     @property
     def size(self) -> tuple[int, int]:
         """(FLOPs, bytes of memory it needs): what `largest first` sorts by (the gathers have no FLOPs)."""
-        spec = get_op(self.op)
-        return spec.flops(self.problem), spec.memory_estimate(self.problem)
+        op = get_op(self.op)
+        return op.flops(self.problem), op.memory_estimate(self.problem)
+
+    def request(self, settings: SweepSettings) -> SweepRequest:
+        """This sweep, run with `settings`."""
+        return SweepRequest(self.op, self.problem, self.backend, settings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +88,8 @@ def _role(case: KernelCase) -> str:
 
 def op_cases(op: str, problems: Iterable[Any]) -> list[Case]:
     """`sweep --op`: one case per problem (one per direction asked for)."""
-    spec = get_op(op)
-    return [Case(op, problem, spec.describe(problem)) for problem in problems]
+    kernel_op = get_op(op)
+    return [Case(op, problem, kernel_op.describe(problem)) for problem in problems]
 
 
 def plan(cases: Iterable[Case], *, platform: str, distribution: str, backend: str | None = None) -> list[PlannedSweep]:
@@ -137,8 +146,6 @@ def split_done(sweeps: Sequence[PlannedSweep], *, profile_dir: Path | None, devi
     device kind) holds a complete (not interrupted) entry for its key, tuned with the backend's current
     revision (a revision bump makes the old entries stale: they are swept again); with `fresh` nothing is
     done."""
-    from moe_tune.tuner.record import is_complete, table_entries  # the tuner's own test of "complete"
-
     if fresh:
         return list(sweeps), []
     directory = dirs.write_dir(profile_dir)

@@ -34,13 +34,14 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from moe_tune import settings
-from moe_tune.campaign.outcome import SweepOutcome, local_device
+from moe_tune.campaign.outcome import SweepOutcome, error_text, local_device
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.errors import MoeTuneError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import write_entries
 from moe_tune.profiles.versions import recorded_revision
+from moe_tune.tuner.settings import SweepSettings
 
 # A task whose process or node dies is run again this many times (an exception it raises is not retried:
 # it would raise again).
@@ -184,7 +185,7 @@ class _RelayReporter:
         self.relay.progress.remote(self.key, name, self.done[name], self.totals.get(name, 0))
 
 
-SweepFn = Callable[..., Any]  # run_sweep's signature: (spec, reporter, *, on_log) -> SweepResult
+SweepFn = Callable[..., Any]  # run_sweep's signature: (request, reporter, *, on_log) -> SweepResult
 
 
 def _enable_compile_cache(driver_setting: str | None) -> None:
@@ -198,23 +199,22 @@ def _enable_compile_cache(driver_setting: str | None) -> None:
     compile_cache.enable()
 
 
-def _sweep_task(sweep: PlannedSweep, options: dict[str, Any], accelerator: Accelerator, relay: Any,
+def _sweep_task(sweep: PlannedSweep, settings: SweepSettings, accelerator: Accelerator, relay: Any,
                 compile_cache_setting: str | None, sweep_fn: SweepFn | None) -> dict[str, Any]:
     """One sweep in a Ray task: check the device, turn the compile cache on, restore the log, run it in a
     scratch profile dir (the driver writes the table), send every log append to the relay. Returns the
     entry's JSON and the device."""
-    from moe_tune.tuner import SweepSpec, log_path_for, run_sweep
+    from moe_tune.tuner import log_path_for, run_sweep
 
     device = check_device(accelerator)
     _enable_compile_cache(compile_cache_setting)
     scratch = Path(tempfile.mkdtemp(prefix="moe-tune-sweep-"))
     try:
         # fresh: the relay deletes the driver's copy of the log once; the scratch dir starts empty anyway
-        spec = SweepSpec(sweep.op, sweep.problem, **{**options, "backend": sweep.backend, "profile_dir": scratch,
-                                                      "fresh": False})
-        log_path = log_path_for(spec)
+        request = sweep.request(dataclasses.replace(settings, profile_dir=scratch, fresh=False))
+        log_path = log_path_for(request)
         log = str(log_path.relative_to(scratch))
-        received = ray.get(relay.start.remote(sweep.key, device, log, bool(options.get("fresh"))))
+        received = ray.get(relay.start.remote(sweep.key, device, log, settings.fresh))
         if received:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log_path.write_bytes(received)
@@ -222,7 +222,7 @@ def _sweep_task(sweep: PlannedSweep, options: dict[str, Any], accelerator: Accel
         def send(data: bytes) -> None:  # waits: a line counts as kept once the driver's side has it
             ray.get(relay.append.remote(log, data))
 
-        result = (sweep_fn or run_sweep)(spec, _RelayReporter(relay, sweep.key), on_log=send)
+        result = (sweep_fn or run_sweep)(request, _RelayReporter(relay, sweep.key), on_log=send)
         return {"entry": result.entry.to_json(), "device": device, "resumed": result.resumed,
                 "wall_s": result.wall_s}
     finally:
@@ -269,20 +269,20 @@ class CampaignReporter(Protocol):
     def finished(self, outcome: SweepOutcome) -> None: ...
 
 
-def run_on_ray(sweeps: Sequence[PlannedSweep], options: dict[str, Any], accelerator: Accelerator, *,
+def run_on_ray(sweeps: Sequence[PlannedSweep], settings: SweepSettings, accelerator: Accelerator, *,
                reporter: CampaignReporter | None = None, sweep_fn: SweepFn | None = None,
                max_retries: int = MAX_RETRIES, poll_s: float = 0.5) -> list[SweepOutcome]:
     """Run every sweep of `sweeps` as a Ray task (Ray starts each as an accelerator frees up, in plan order)
-    and write each entry to the table under `options["profile_dir"]` as it arrives. Returns one outcome per
+    and write each entry to the table under `settings.profile_dir` as it arrives. Returns one outcome per
     sweep, in the order they ended. `sweep_fn` replaces `run_sweep` in the tasks (tests inject faults with
     it). A KeyboardInterrupt cancels the tasks still running; what finished is kept."""
-    directory = dirs.write_dir(options.get("profile_dir"))
+    directory = dirs.write_dir(settings.profile_dir)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     relay = LogRelay.options(scheduling_strategy=here).remote(str(directory))
     task = ray.remote(max_calls=1)(_sweep_task).options(max_retries=max_retries, retry_exceptions=False,
                                                         **accelerator.resources)
     cache_setting = os.environ.get(settings.COMPILE_CACHE_DIR)
-    pending = {task.remote(sweep, options, accelerator, relay, cache_setting, sweep_fn): sweep for sweep in sweeps}
+    pending = {task.remote(sweep, settings, accelerator, relay, cache_setting, sweep_fn): sweep for sweep in sweeps}
     outcomes: list[SweepOutcome] = []
     try:
         while pending:
@@ -316,8 +316,7 @@ def _collect(sweep: PlannedSweep, ref: ray.ObjectRef, directory: Path,
     try:
         done = ray.get(ref)
     except ray.exceptions.RayTaskError as e:  # the sweep raised: recorded, the campaign goes on
-        cause = _cause(e)
-        outcome.error = str(cause) if isinstance(cause, MoeTuneError) else f"{type(cause).__name__}: {cause}"
+        outcome.error = error_text(_cause(e))
         return outcome
     except ray.exceptions.RayError as e:  # its process or node died more often than it was retried
         outcome.error = f"{type(e).__name__}: {_first_line(e)}"

@@ -34,6 +34,7 @@ import filelock
 from moe_tune.errors import TableError
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.locks import lock_path, shared_mode
+from moe_tune.profiles.versions import recorded_revision
 
 SCHEMA_VERSION = 2
 
@@ -219,3 +220,25 @@ def write_entries(path: Path | str, op: str, device_kind: str, entries: Iterable
 
     update_table(path, op, device_kind, add)
     return Path(path)
+
+
+def table_entries(table: Path) -> dict[str, Any]:
+    """The entries (JSON, by key) of `table`; none when it is missing or unreadable."""
+    try:
+        return read_table(table)["entries"] if table.exists() else {}
+    except TableError:
+        return {}
+
+
+def is_complete(entry: dict[str, Any] | None, revision: int | None = None) -> bool:
+    """Whether a table entry (JSON) is complete: present and not written by an interrupted sweep; with
+    `revision`, also tuned with that backend revision (one of an older revision is stale). The tuner keeps a
+    complete entry over an interrupted sweep's; a campaign skips a sweep whose entry is complete."""
+    if entry is None or entry.get("interrupted"):
+        return False
+    return revision is None or recorded_revision(entry) == revision
+
+
+def has_complete_entry(table: Path, key: str) -> bool:
+    """Whether `table` holds a complete entry for `key` (an unreadable table holds none)."""
+    return is_complete(table_entries(table).get(key))

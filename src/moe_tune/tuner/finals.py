@@ -10,20 +10,23 @@ timings of both rounds), which the entry records.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 from moe_tune.profiles.verdict import FASTEST, ONLY_CANDIDATE, WITHIN_NOISE, Verdict, noise_threshold
 from moe_tune.tuner import measure
-from moe_tune.tuner.candidates import OK, Candidate
-from moe_tune.tuner.spec import Reporter, SweepError, SweepSpec
+from moe_tune.tuner.candidate import OK, Candidate
+from moe_tune.tuner.result import Reporter, SweepError
+from moe_tune.tuner.settings import SweepSettings
 from moe_tune.tuner.state import SweepState
+from moe_tune.tuner.step import Step
 from moe_tune.tuner.timing import time_candidates
 
 
-def finalists(spec: SweepSpec, survivors: list[Candidate], default: Candidate) -> list[Candidate]:
-    """The fastest `spec.finalists` survivors, and the default."""
+def finalists(settings: SweepSettings, survivors: list[Candidate], default: Candidate) -> list[Candidate]:
+    """The fastest `settings.finalists` survivors, and the default."""
     ranked = sorted(survivors, key=lambda c: c.timing.median_s)
-    chosen = ranked[: spec.finalists]
+    chosen = ranked[: settings.finalists]
     if default.status == OK and not any(c is default for c in chosen):
         chosen.append(default)
     return chosen
@@ -42,17 +45,17 @@ def decide(best: Candidate, default: Candidate, compared: list[Candidate] = ()) 
     return winner, Verdict(rule, noise, tuple(c.finalist_record() for c in ranked))
 
 
-def final_round(spec: SweepSpec, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
+def final_round(settings: SweepSettings, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
                 reporter: Reporter) -> tuple[Candidate, Verdict, str | None]:
     """Re-time the fastest few and the default together, with twice the samples, and pick the winner there.
     Returns (winner, verdict, timing fallback reason)."""
-    chosen = finalists(spec, survivors, default)
+    chosen = finalists(settings, survivors, default)
     if len(chosen) < 2:
         return chosen[0], Verdict(ONLY_CANDIDATE), None
-    reporter.stage("finalists", 2 * spec.samples)
+    reporter.stage("finalists", 2 * settings.samples)
     final, fallback = time_candidates(
         {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
-        samples=2 * spec.samples, platform=platform, seed=spec.seed + 1,
+        samples=2 * settings.samples, platform=platform, seed=settings.seed + 1,
         on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
     )
     for c in chosen:
@@ -62,25 +65,29 @@ def final_round(spec: SweepSpec, survivors: list[Candidate], default: Candidate,
     return winner, verdict, fallback
 
 
-def run_finals(state: SweepState) -> tuple[Candidate, Verdict]:
+def run_finals(state: SweepState) -> Generator[Step, None, tuple[Candidate, Verdict]]:
     """Compile the finalists restored from the log (they have no executable), run each once, then
-    `final_round`; returns (winner, verdict). Raises SweepError when no candidate survived."""
+    `final_round`; yields the compilations spent again and the timing fallback, returns (winner, verdict).
+    Raises SweepError when no candidate survived."""
     survivors = [c for c in state.done if c.status == OK]
     default = state.default()
     while survivors:
-        chosen = finalists(state.spec, survivors, default)
+        chosen = finalists(state.settings, survivors, default)
         need = [c for c in chosen if c.executable is None]
         if need:
-            measure.recompile(state, need)
-        elif len(measure.warm_up(state, chosen, logged=True)) == len(chosen):
-            break
+            yield measure.recompile(state, need)
+        else:
+            ready, step = measure.warm_up(state, chosen, logged=True)
+            yield step
+            if len(ready) == len(chosen):
+                break
         survivors = [c for c in survivors if c.status == OK]
     if not survivors:
         reasons = "; ".join(f"{c.config.label()}: {c.reason}" for c in state.done[:3])
         raise SweepError(f"no candidate of {state.plan.backend.name} compiled and passed the check ({reasons})")
-    winner, verdict, fallback = final_round(state.spec, survivors, default, state.inputs, state.plan.platform,
+    winner, verdict, fallback = final_round(state.settings, survivors, default, state.inputs, state.plan.platform,
                                             state.reporter)
-    state.fallback = state.fallback or fallback
+    yield Step(fallback=fallback)
     return winner, verdict
 
 

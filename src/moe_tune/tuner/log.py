@@ -8,10 +8,12 @@ budget and max_candidates), so the same sweep always finds the same file and a d
 
 Lines, each one JSON object with a `type`:
 
-- `header`: the sweep's identity, key, versions and start time (the first line);
+- `header`: the sweep's identity, key, versions, settings (under `spec`, the key log version 1 has) and
+  start time (the first line);
 - `run`: one per later run of the same sweep (a resume), with how many candidates it restored;
 - `candidate`: one finished candidate: config, index, status, stage, reason, error, compile time and
-  compiles, and its timing (samples and statistics) when it was timed;
+  compiles, and its timing (samples and statistics) when it was timed (`candidate_line` writes it,
+  `parse_candidate` reads it back; `recompiled: true` marks a finalist's later line);
 - `final`: the winner (or why there is none), whether the sweep was interrupted.
 
 Each append is one `os.write` followed by `os.fsync`. A process killed mid-write leaves at most a torn last
@@ -34,9 +36,15 @@ from typing import Any
 import filelock
 
 from moe_tune.errors import MoeTuneError
+from moe_tune.kernels.base import KernelConfig
 from moe_tune.profiles.locks import lock_path
+from moe_tune.tuner.candidate import FAILED, OK, WRONG, Candidate
+from moe_tune.tuner.timing import Timing
 
 LOG_VERSION = 1
+# The key of the sweep's settings in the header: `spec` since log version 1 (kept: logs written before the
+# settings got their own type must still resume, and `report --sweep` reads it)
+HEADER_SETTINGS = "spec"
 
 
 def now() -> str:
@@ -57,6 +65,35 @@ def log_name(fields: Mapping[str, Any], identity: Mapping[str, Any]) -> str:
     readable = re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(dict.fromkeys(parts)))[:150]
     digest = hashlib.sha1(json.dumps(dict(identity), sort_keys=True).encode()).hexdigest()[:10]
     return f"{readable}_{digest}.jsonl"
+
+
+def candidate_line(c: Candidate, batch: int | None, recompiled: bool = False) -> dict[str, Any]:
+    """The `candidate` line of a finished candidate (`batch`: the timing batch it was timed in, if any)."""
+    line = {"type": "candidate", "index": c.index, "config": c.config.to_dict(), "is_default": c.is_default,
+            "status": c.status, "stage": c.stage, "reason": c.reason, "error": c.error, "compile_s": c.compile_s,
+            "compiles": c.compiles, "batch": batch, "timing": None if c.timing is None else c.timing.to_dict(),
+            "logged": now()}
+    if recompiled:
+        line["recompiled"] = True
+    return line
+
+
+def parse_candidate(line: Mapping[str, Any], index: int, config: KernelConfig, is_default: bool) -> Candidate | None:
+    """The finished candidate a `candidate` line records (as candidate `index` of this run, for `config`), or
+    None when the line is unusable (no known status, a timing that does not parse, an OK one untimed)."""
+    if line.get("status") not in (OK, FAILED, WRONG):
+        return None
+    timing = None
+    if line.get("timing"):
+        try:
+            timing = Timing(**{**line["timing"], "samples_s": tuple(line["timing"]["samples_s"])})
+        except (TypeError, KeyError):
+            return None
+    if line["status"] == OK and timing is None:
+        return None
+    return Candidate(index, config, is_default=is_default, status=line["status"], stage=line.get("stage") or "",
+                     reason=line.get("reason") or "", error=line.get("error"), compile_s=line.get("compile_s"),
+                     compiles=line.get("compiles") or 0, timing=timing)
 
 
 def log_path(profile_dir: Path, device_kind: str, op: str, name: str) -> Path:

@@ -1,14 +1,16 @@
-"""The state one run of a sweep shares between its stages: the inputs and the reference, the finished
-candidates (restored from the log or measured now), and what the run has spent.
+"""What one run of a sweep holds while its stages run: the plan, the log, the inputs and the reference, the
+finished candidates (restored from the log or measured now), and the wall time per stage.
 
-Every stage (search, measure, finals, record) reads and updates one `SweepState`; `finished` is the one way
-a candidate becomes finished: its line is appended to the sweep log first, so nothing finished is lost.
+The stages read it; what they did (batches, fallbacks, recompiles, why the search stopped) they yield as
+`step.Step`s. `finished` is the one way a candidate becomes finished: its line is appended to the sweep log
+first (`log.candidate_line`), so nothing finished is lost.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,10 +19,12 @@ import jax
 import numpy as np
 
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.tuner import record
-from moe_tune.tuner.candidates import OK, Candidate
-from moe_tune.tuner.log import SweepLog
-from moe_tune.tuner.spec import Reporter, SweepPlan, SweepSpec
+from moe_tune.tuner.candidate import OK, Candidate
+from moe_tune.tuner.kernel import Kernel
+from moe_tune.tuner.log import SweepLog, candidate_line
+from moe_tune.tuner.request import SweepPlan
+from moe_tune.tuner.result import Reporter
+from moe_tune.tuner.settings import SweepSettings
 
 
 @dataclasses.dataclass
@@ -34,24 +38,24 @@ class SweepState:
     inputs: Any = None  # the inputs on the device
     done: list[Candidate] = dataclasses.field(default_factory=list)  # finished: restored or measured
     measured: dict[KernelConfig, Candidate] = dataclasses.field(default_factory=dict)  # what strategies see
-    next_index: int = 0
-    resumed: int = 0  # candidates restored from the log
-    recompiled: int = 0  # XLA compilations spent again on candidates (finalists restored from the log)
-    batches: int = 0
-    fallback: str | None = None  # why a batch was timed by the wall clock, if one was
-    stopped: str | None = None  # why the search stopped
+    indices: Iterator[int] = dataclasses.field(default_factory=itertools.count)  # of the candidates, in order
+    batch_numbers: Iterator[int] = dataclasses.field(default_factory=itertools.count)  # of the timing batches
     stage_s: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"compile": 0.0, "check": 0.0, "time": 0.0})  # wall time per stage
 
     @property
-    def spec(self) -> SweepSpec:
-        return self.plan.spec
+    def settings(self) -> SweepSettings:
+        return self.plan.request.settings
+
+    @property
+    def kernel(self) -> Kernel:
+        return self.plan.kernel
 
     def prepare_inputs(self) -> None:
         """Seeded inputs, the reference output, and the inputs on the device."""
-        op, spec = self.plan.op, self.plan.spec
-        self.host_inputs = op.make_inputs(spec.problem, spec.distribution, spec.seed)
-        self.expected = op.reference(spec.problem, self.host_inputs)
+        op, problem, s = self.plan.op, self.plan.request.problem, self.settings
+        self.host_inputs = op.make_inputs(problem, s.distribution, s.seed)
+        self.expected = op.reference(problem, self.host_inputs)
         self.inputs = jax.device_put(self.host_inputs)
 
     @contextlib.contextmanager
@@ -66,20 +70,24 @@ class SweepState:
         return time.perf_counter() - self.started
 
     def out_of_time(self) -> bool:
-        budget = self.spec.time_budget_s
+        budget = self.settings.time_budget_s
         return bool(self.measured) and budget is not None and self.elapsed_s() > budget
 
     def add(self, cand: Candidate) -> None:
+        """Count a finished candidate (one restored from the log: it is there already)."""
         self.done.append(cand)
         self.measured[cand.config] = cand
 
-    def finished(self, cands: list[Candidate], batch: int | None = None) -> None:
-        """Log finished candidates (one write and fsync), then count them as measured."""
+    def finished(self, cands: list[Candidate], batch: int | None = None, *, recompiled: bool = False) -> None:
+        """Log finished candidates (one write and fsync), then count them as measured. `recompiled`: a
+        finalist restored from the log, compiled again, that failed now (its new line supersedes the old;
+        it is counted already)."""
         if not cands:
             return
-        self.log.append([record.candidate_line(c, batch) for c in cands])
-        for c in cands:
-            self.add(c)
+        self.log.append([candidate_line(c, batch, recompiled) for c in cands])
+        if not recompiled:
+            for c in cands:
+                self.add(c)
 
     def default(self) -> Candidate | None:
         return next((c for c in self.done if c.is_default), None)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import Backend, KernelConfig
-from moe_tune.tuner.candidates import OK, Candidate
+from moe_tune.tuner.candidate import OK, Candidate
 
 
 class Strategy:

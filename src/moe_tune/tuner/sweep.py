@@ -2,10 +2,11 @@
 compiled in parallel, checked against the reference, timed from the profiler trace; the winner (and
 everything about how it won) becomes a table entry.
 
-Rules (DESIGN.md): a wrong candidate never wins; the default config is always a candidate, so the speedup
-over it is always measured; a failing candidate is recorded with its reason and the sweep goes on.
+Rules (the README's "How a sweep works"): a wrong candidate never wins; the default config is always a
+candidate, so the speedup over it is always measured; a failing candidate is recorded with its reason and
+the sweep goes on.
 
-The stages, each a module with one job:
+The stages, each a module with one job, each yielding what it did (`step.Step`) for this runner to add up:
 
 - `search`: the strategy's rounds; candidates an earlier run finished are restored from the sweep log;
 - `measure`: compile a chunk, check it against the reference, time the correct ones batch by batch;
@@ -24,45 +25,46 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from moe_tune.profiles.dirs import writable_dir
 from moe_tune.tuner import finals, memory, record, search, strategies
-from moe_tune.tuner.candidates import start_workers
+from moe_tune.tuner.compiling import start_workers
 from moe_tune.tuner.log import SweepLog
-from moe_tune.tuner.spec import Reporter, SweepError, SweepInterrupted, SweepPlan, SweepResult, SweepSpec
+from moe_tune.tuner.request import SweepPlan, SweepRequest
+from moe_tune.tuner.result import Reporter, SweepError, SweepInterrupted, SweepResult
 from moe_tune.tuner.state import SweepState
-
-__all__ = ["Reporter", "SweepError", "SweepInterrupted", "SweepResult", "SweepSpec", "log_path_for", "preflight", "run_sweep"]
-
-
-def log_path_for(spec: SweepSpec) -> Path:
-    """Where the sweep log of `spec` is (whether or not it exists yet)."""
-    return SweepPlan(spec).log_path
+from moe_tune.tuner.step import Tally
 
 
-def preflight(spec: SweepSpec) -> SweepPlan:
-    """`spec` resolved, once what would fail it late or as a traceback is ruled out: UsageError for a backend
-    that cannot run here or a problem that cannot fit in memory (checked before anything is allocated),
-    MoeTuneError for a profile dir that cannot be created or written (checked before the sweep, not after).
-    `run_sweep` calls it; a caller may call it first to fail before it prints anything."""
-    plan = SweepPlan(spec)
+def log_path_for(request: SweepRequest) -> Path:
+    """Where the sweep log of `request` is (whether or not it exists yet)."""
+    return SweepPlan(request).log_path
+
+
+def preflight(request: SweepRequest) -> SweepPlan:
+    """`request` resolved, once what would fail it late or as a traceback is ruled out: UsageError for a
+    backend that cannot run here or a problem that cannot fit in memory (checked before anything is
+    allocated), MoeTuneError for a profile dir that cannot be created or written (checked before the sweep,
+    not after). `run_sweep` calls it; a caller may call it first to fail before it prints anything."""
+    plan = SweepPlan(request)
     plan.check_runs_here()
-    memory.check_fits(plan.op, spec.problem)
-    record.writable_dir(plan.directory)
+    memory.check_fits(plan.op, request.problem)
+    writable_dir(plan.directory)
     return plan
 
 
-def run_sweep(spec: SweepSpec, reporter: Reporter | None = None, *,
+def run_sweep(request: SweepRequest, reporter: Reporter | None = None, *,
               on_log: Callable[[bytes], None] | None = None) -> SweepResult:
     """Tune one (op, backend, problem, distribution) and write the winning entry; returns everything.
 
-    Resumes from the sweep log when there is one (`spec.fresh` deletes it first); `on_log` gets every
-    append to the log (`SweepLog.on_append`). Raises what `preflight`
-    raises, SweepError when no candidate is correct, and SweepInterrupted (a KeyboardInterrupt) when
-    interrupted."""
+    Resumes from the sweep log when there is one (`settings.fresh` deletes it first); `on_log` gets every
+    append to the log (`SweepLog.on_append`). Raises what `preflight` raises, SweepError when no candidate
+    is correct, and SweepInterrupted (a KeyboardInterrupt) when interrupted."""
     started = time.perf_counter()
-    plan = preflight(spec)
-    strategy = strategies.make(spec.strategy, plan.space, backend=plan.backend, problem=spec.problem,
-                               budget=spec.budget, seed=spec.seed)
-    with SweepLog(plan.log_path, record.header(plan), fresh=spec.fresh, on_append=on_log) as log:
+    plan = preflight(request)
+    settings = request.settings
+    strategy = strategies.make(settings.strategy, plan.space, backend=plan.backend, problem=request.problem,
+                               budget=settings.budget, seed=settings.seed)
+    with SweepLog(plan.log_path, record.header(plan), fresh=settings.fresh, on_append=on_log) as log:
         state = SweepState(plan, log, reporter or Reporter(), started)
         return _run(state, strategy)
 
@@ -72,28 +74,30 @@ def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
         state.log.append([record.run_line(state)])
     interrupted = False
     best = verdict = None
+    tally = Tally()  # what the stages did, kept up to an interrupt
     try:
-        start_workers(state.spec.workers)  # they start while the inputs and the reference are computed
+        start_workers(state.settings.workers)  # they start while the inputs and the reference are computed
         state.prepare_inputs()
-        search.search(state, strategy)
-        best, verdict = finals.run_finals(state)
+        tally.run(search.search(state, strategy))
+        best, verdict = tally.run(finals.run_finals(state))
     except KeyboardInterrupt:
         interrupted = True
         best, verdict = finals.interrupted_winner(state)
     except SweepError as e:
-        record.log_final(state, None, None, interrupted=False, table=None, error=str(e))
+        record.log_final(state, tally.total, None, None, interrupted=False, table=None, error=str(e))
         raise
+    done = tally.total
     if best is None:  # interrupted before the default and one other candidate had finished
-        record.log_final(state, None, None, interrupted=True, table=None)
+        record.log_final(state, done, None, None, interrupted=True, table=None)
         raise SweepInterrupted(record.interrupt_message(state, None, None), log_path=state.log.path,
                                kept=len(state.done), result=None)
 
     state.done.sort(key=lambda c: c.index)
-    entry = record.build_entry(state, best, verdict, interrupted)
+    entry = record.build_entry(state, done, best, verdict, interrupted)
     table, kept_complete = record.write(state, entry, interrupted)
-    record.log_final(state, best, verdict, interrupted=interrupted, table=None if kept_complete else table)
-    result = SweepResult(state.spec, state.plan.key, entry, state.done, None if kept_complete else table,
-                         state.elapsed_s(), state.log.path, state.resumed, interrupted)
+    record.log_final(state, done, best, verdict, interrupted=interrupted, table=None if kept_complete else table)
+    result = SweepResult(state.plan.request, state.plan.key, entry, state.done, None if kept_complete else table,
+                         state.elapsed_s(), state.log.path, done.resumed, interrupted)
     if interrupted:
         raise SweepInterrupted(record.interrupt_message(state, table, kept_complete), log_path=state.log.path,
                                kept=len(state.done), result=result)

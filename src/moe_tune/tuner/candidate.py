@@ -1,0 +1,77 @@
+"""One candidate of a sweep: one config of the backend, its index (its jitted function is named
+`moe_tune_cand_<index>` so that its program can be found in the profiler trace), and what happened to it:
+status (`OK`, `WRONG`, `FAILED`), where and why it failed, its relative error, compiles and timings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.tuner.timing import Timing
+
+OK, WRONG, FAILED = "ok", "wrong", "failed"
+
+
+@dataclasses.dataclass
+class Candidate:
+    index: int
+    config: KernelConfig
+    is_default: bool = False
+    status: str = OK
+    stage: str = ""  # where it failed: "compile", "run", "check"
+    reason: str = ""
+    error: float | None = None  # relative error vs the reference
+    executable: Any = dataclasses.field(default=None, repr=False)
+    output: np.ndarray | None = dataclasses.field(default=None, repr=False)  # its run in a worker, to check
+    compile_s: float | None = None
+    compiles: int = 0  # XLA compilations spent on this candidate, wherever they ran
+    timing: Timing | None = None
+    first_timing: Timing | None = None  # a finalist's sweep-round timing, before the final round replaced it
+
+    def fail(self, stage: str, reason: str) -> None:
+        """Record a failure (or a wrong output, stage "check")."""
+        self.status = WRONG if stage == "check" else FAILED
+        self.stage, self.reason = stage, reason
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready summary (what tables keep)."""
+        out: dict[str, Any] = {"config": self.config.to_dict(), "status": self.status}
+        if self.is_default:
+            out["is_default"] = True
+        if self.reason:
+            out["stage"], out["reason"] = self.stage, self.reason
+        if self.error is not None:
+            out["error"] = self.error
+        sweep_round = self.sweep_round_timing  # every candidate's from one kind of round: comparable
+        if sweep_round is not None:
+            out.update(median_s=sweep_round.median_s, spread=sweep_round.spread, min_s=sweep_round.min_s,
+                       max_s=sweep_round.max_s)
+        return out
+
+    @property
+    def sweep_round_timing(self) -> Timing | None:
+        """The timing of the round every candidate ran (a finalist's before the final round replaced it)."""
+        return self.first_timing or self.timing
+
+    def finalist_record(self) -> dict[str, Any]:
+        """A finalist as the entry's verdict records it: its final-round and sweep-round timing."""
+        first, final = self.sweep_round_timing, self.timing
+        return {"config": self.config.to_dict(), "is_default": self.is_default, "median_s": final.median_s,
+                "spread": final.spread, "min_s": final.min_s, "max_s": final.max_s, "samples": final.samples,
+                "first_median_s": first.median_s, "first_spread": first.spread}
+
+
+def short(exc: BaseException) -> str:
+    """One line: the exception type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The recorded reason for an exception, flagged as out of memory when it is one."""
+    if isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc):
+        return f"out of memory: {short(exc)}"
+    return short(exc)

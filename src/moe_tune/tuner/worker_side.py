@@ -1,0 +1,62 @@
+"""What a compile worker (`tuner/workers.py`) runs for one candidate: compile it, then run it once on the
+sweep's inputs, and send back the serialized executable and the output. It runs in the worker process, so a
+candidate that crashes, hangs or runs out of memory there takes down only the worker.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import serialize_executable
+
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.tuner import workers
+from moe_tune.tuner.candidate import FAILED, OK, failure_reason, short
+from moe_tune.tuner.kernel import Kernel
+
+_inputs: dict[str, Any] = {}
+
+
+def _inputs_here(token: str) -> Any:
+    """The sweep's inputs on this worker's device, put there once per sweep (token)."""
+    if token not in _inputs:
+        _inputs.clear()
+        _inputs[token] = jax.device_put(workers.shared(token))
+    return _inputs[token]
+
+
+def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: Any, token: str) -> dict[str, Any]:
+    """Compile candidate `index` for `shapes` (ShapeDtypeStructs of the inputs), then run it once on the
+    inputs shared under `token`.
+
+    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "output"}: status OK with
+    the serialized executable (None when it cannot travel, e.g. a Python host callback; "local_reason" says
+    why) and the output as a NumPy array, or FAILED at stage "compile" or "run" with the reason. Once
+    compiled it reports progress ("compiled"), so that if running it kills or hangs this worker the caller
+    knows the compile went through and the run did not.
+    """
+    start = time.perf_counter()
+    try:
+        compiled, compiles = kernel.compile(config, index, shapes)
+    except Exception as e:  # noqa: BLE001 - any failure is recorded as the candidate's reason
+        return {"status": FAILED, "stage": "compile", "reason": failure_reason(e),
+                "compile_s": time.perf_counter() - start, "compiles": 0}
+    compile_s = time.perf_counter() - start
+    result: dict[str, Any] = {"status": OK, "stage": "", "reason": "", "compile_s": compile_s,
+                              "compiles": compiles, "executable": None, "output": None}
+    try:
+        payload = serialize_executable.serialize(compiled)
+        pickle.dumps(payload)
+        result["executable"] = payload
+    except Exception as e:  # noqa: BLE001
+        result["local_reason"] = short(e)
+    workers.progress({"compiled": True, "compile_s": compile_s, "compiles": compiles})
+    try:
+        result["output"] = np.asarray(jax.block_until_ready(compiled(_inputs_here(token))))
+    except Exception as e:  # noqa: BLE001 - MemoryError included
+        result.update(status=FAILED, stage="run", reason=failure_reason(e), executable=None)
+    return result
