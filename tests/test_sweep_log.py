@@ -255,3 +255,44 @@ def test_the_sweeps_settings_are_one_record_in_header_identity_and_entry(tmp_pat
         assert header["identity"][name] == header["spec"][name], name
     assert header["identity"]["key"] == header["key"] == result.key == result.entry.key
     assert result.entry.search["strategy"] == "random" and result.entry.search["space"] == 2
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "sweep_log_v1")
+
+
+def test_a_log_written_before_the_tuner_was_reshaped_resumes_unchanged(tmp_path):
+    """tests/data/sweep_log_v1: a finished sweep's log and table, written by the code before issue 25 (the
+    typed settings and request, the stages' steps). The same sweep asked now finds the log by the same name
+    (the identity hashes the same), restores every candidate, and runs none of them again; the table reads."""
+    from pathlib import Path
+
+    from moe_tune.kernels import get_op
+    from moe_tune.profiles.entry import Entry
+    from moe_tune.profiles.versions import entry_versions
+
+    [old_log] = Path(DATA).glob("*.jsonl")
+    old_table = read_table(Path(DATA) / "table_ragged_dot.json")
+    [(key, old_entry)] = old_table["entries"].items()
+    assert Entry.from_json(old_entry, key).config == {"tm": 32, "tk": 64, "tn": 64, "tail": 16, "batched": True,
+                                                       "dequantize": False}
+    problem = get_op("ragged_dot").problem(m=64, k=64, n=64, groups=4)
+    request = SweepRequest.make("ragged_dot", problem, backend="tiled", max_candidates=3, samples=1, workers=1,
+                                profile_dir=tmp_path)
+    log = log_path_for(request)
+    assert log.name == old_log.name  # the log's name and identity hash did not change
+    lines = [json.loads(line) for line in old_log.read_text().splitlines()]
+    # another installed JAX (or moe-tune) version sets a log aside by design: the versions are this
+    # machine's, everything the code computes (identity, key, settings) is the old log's own
+    lines[0]["versions"] = entry_versions(BACKENDS.get("tiled"))
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    logged = [x for x in lines if x["type"] == "candidate"]
+
+    result = run_sweep(request)
+    assert result.resumed == len(logged) == 3 and result.entry.search["resumed"] == 3
+    assert result.entry.key == key and result.entry.search["log_restarted"] is None
+    after, _ = read_log(log)
+    assert after[: len(lines)] == lines  # appended to, never rewritten
+    new = after[len(lines):]
+    assert [x["type"] for x in new] == ["run", "final"]  # no candidate measured again
+    assert new[0]["restorable"] == 3 and new[1]["candidates"] == 3 and new[1]["resumed"] == 3
