@@ -20,7 +20,8 @@ from moe_tune.kernels.pallas_util import interpreted, pad_to, sublanes
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.megablox_quant import quantized_gmm, quantized_tgmm
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import is_low_bit, prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.quant_plan import QuantPlan, problem_plan, tgmm_plan
+from moe_tune.kernels.ragged_dot.quantized import prepare_gmm, prepare_tgmm
 
 # The package re-exports a custom_vjp `gmm` under the same name as the module, so import the module itself.
 _gmm_kernel = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -38,70 +39,55 @@ class MegabloxConfig(KernelConfig):
     tn: int = 128
 
 
-def block_dtypes(problem: RaggedDotProblem) -> tuple[str, str, str]:
-    """Dtypes of the blocks the kernel reads (its two operands) and writes: `operand_dtypes()`, but for a
-    quantized operand its 1-byte values, and float32 for an operand a per-channel / per-row scale was folded
-    into (`quantized.py`)."""
-    a, b, out = problem.operand_dtypes()
-    if problem.direction == "fwd":
-        return problem.lhs_qdtype or a, problem.rhs_qdtype or b, out
-    if problem.direction == "dlhs":
-        return ("float32" if problem.rhs_qblock == problem.k else a), problem.rhs_qdtype or b, out
-    return problem.lhs_qdtype or a, ("float32" if problem.lhs_qblock == problem.k else b), out
-
-
-def _scale_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
-    """VMEM of the quantized kernels' double-buffered float32 scale blocks, whole along k / bs and padded
-    to the (8, 128) tile as VMEM holds them: fwd rhs [k/bs, tn] and lhs [tm, k/bs]; dlhs rhs [k/bs, tk]
-    (none when a per-channel scale was folded into dout); drhs lhs^T [k/bs, tm] (none when folded)."""
+def _scale_bytes(config: MegabloxConfig, plan: QuantPlan) -> int:
+    """VMEM of the quantized kernels' double-buffered float32 scale blocks (`QuantPlan.scale_blocks`: whole
+    along k / bs), padded to the (8, 128) tile as VMEM holds them."""
     tile = lambda rows, cols: -(-rows // 8) * 8 * -(-cols // LANES) * LANES
-    k, direction = problem.k, problem.direction
-    rhs_blocks = k // problem.rhs_qblock if problem.rhs_qblock is not None else 0
-    lhs_blocks = k // problem.lhs_qblock if problem.lhs_qblock is not None else 0
-    total = 0
-    if direction == "fwd":
-        total += (tile(rhs_blocks, config.tn) if rhs_blocks else 0) + (tile(config.tm, lhs_blocks) if lhs_blocks else 0)
-    elif direction == "dlhs" and rhs_blocks > 1:
-        total += tile(rhs_blocks, config.tk)
-    elif direction == "drhs" and lhs_blocks > 1:
-        total += tile(lhs_blocks, config.tm)
-    return 2 * 4 * total
+    return 2 * 4 * sum(tile(*shape) for shape in plan.scale_blocks(config.tm, config.tk, config.tn))
 
 
 def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
-    """VMEM the kernel's blocks take: double-buffered input/output blocks plus the f32 accumulator."""
-    if problem.quantized:
-        a, b, out = (jnp.dtype(d).itemsize for d in block_dtypes(problem))
-        tm, tk, tn = config.tm, config.tk, config.tn
+    """VMEM the kernel's blocks take: double-buffered input/output blocks plus the f32 accumulator. The
+    quantized kernels' blocks hold what the plan says they load (`QuantPlan.a` / `b` dtypes: 1-byte values,
+    float32 for an operand a scale was folded into), beside their scale blocks."""
+    plan = problem_plan(problem)
+    tm, tk, tn = config.tm, config.tk, config.tn
+    if plan.quantized:
+        a, b = (jnp.dtype(op.dtype).itemsize for op in plan.operands)
+        out = jnp.dtype(problem.operand_dtypes()[2]).itemsize
         blocks = (tk * tm * a + tm * tn * b + tk * tn * out) if problem.direction == "drhs" else (
             tm * tk * a + tk * tn * b + tm * tn * out)
-        return 2 * blocks + _scale_bytes(config, problem) + (tk if problem.direction == "drhs" else tm) * tn * 4
+        return 2 * blocks + _scale_bytes(config, plan) + (tk if problem.direction == "drhs" else tm) * tn * 4
     a, _, out = problem.operand_dtypes()
     in_bytes, out_bytes = jnp.dtype(a).itemsize, jnp.dtype(out).itemsize
     if problem.direction == "drhs":  # tgmm: lhs^T [tk, tm], dout [tm, tn] -> [tk, tn]
-        tm, tk, tn = config.tm, config.tk, config.tn
         return 2 * (tk * tm + tm * tn) * in_bytes + 2 * tk * tn * out_bytes + tk * tn * 4
-    tm, tk, tn = config.tm, config.tk, config.tn
     return 2 * (tm * tk + tk * tn) * in_bytes + 2 * tm * tn * out_bytes + tm * tn * 4
 
 
 def quant_config_error(config: MegabloxConfig, problem: RaggedDotProblem) -> str | None:
-    """The quantized kernels' own rules: no ragged contraction tile (their k loop has no remainder mask),
-    and a sub-channel scale block that is a multiple or a divisor of the tile it scales (tk along k; for
-    dlhs tn, which tiles the forward k)."""
+    """The quantized kernels' own rules, where the plan runs them (`QuantPlan.quantized`): no ragged
+    contraction tile (their k loop has no remainder mask), and each sub-channel scale block the kernel
+    applies (`QuantPlan.sub_channel_blocks`) a multiple or a divisor of the tile along the forward k (tk;
+    for dlhs tn, which tiles its output, the forward k)."""
+    plan = problem_plan(problem)
+    if not plan.quantized:
+        return None
     _, k, _ = problem.matmul_dims()
     if problem.direction != "drhs" and k % config.tk:
         return f"tk={config.tk} must divide the contraction ({k}) for quantized operands"
     tile, name = (config.tn, "tn") if problem.direction == "dlhs" else (config.tk, "tk")
-    for block in (problem.lhs_qblock, problem.rhs_qblock):
-        if block is not None and block < problem.k and tile % block and block % tile:
+    for block in plan.sub_channel_blocks:
+        if block < problem.k and tile % block and block % tile:
             return f"{name}={tile} must be a multiple of the scale block {block} or divide it"
     return None
 
 
 class MegabloxRaggedDot(RaggedDotBackend):
     name = "megablox"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    # bump on changes that can change the fastest or a valid config (Backend.revision). 2: the quantized
+    # kernels' tile rules apply only where the plan runs them (dlhs with only lhs quantized runs the float gmm)
+    revision = 2
     config_cls = MegabloxConfig
     platforms = ("tpu",)
     description = "Pallas Mosaic TPU gmm (Megablox); interpret mode off TPU"
@@ -117,9 +103,9 @@ class MegabloxRaggedDot(RaggedDotBackend):
         if min(tm, tk, tn) <= 0:
             return "tile sizes must be positive"
         m, k, n = problem.matmul_dims()
-        if problem.quantized and (reason := quant_config_error(config, problem)):
+        if reason := quant_config_error(config, problem):
             return reason
-        sub = sublanes(block_dtypes(problem)[0])
+        sub = sublanes(problem_plan(problem).a.dtype)
         # tgmm reads lhs transposed, [tk, tm] blocks: there rows tile the lanes and k the sublanes.
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         if tm % m_align:
@@ -143,7 +129,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def default_config(self, problem: RaggedDotProblem) -> MegabloxConfig:
         m, k, n = problem.matmul_dims()
-        sub = sublanes(block_dtypes(problem)[0])
+        sub = sublanes(problem_plan(problem).a.dtype)
         m_align, k_align = (LANES, sub) if problem.direction == "drhs" else (sub, LANES)
         tm = self._largest_valid(256, -(-m // m_align) * m_align, m_align)
         tk = self._largest_valid(512, k, k_align)
@@ -155,7 +141,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         _, k, n = problem.matmul_dims()
-        sub = sublanes(block_dtypes(problem)[0])
+        sub = sublanes(problem_plan(problem).a.dtype)
         dims = lambda size: sorted({size, *(v for v in (128, 256, 512, 1024, 2048) if v < size)})
         return {"tm": [sub, 2 * sub, 64, 128, 256, 512, 1024], "tk": dims(k), "tn": dims(n)}
 
@@ -163,7 +149,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
         m = lhs.shape[0]
         offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
         ops = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
-        if ops.quantized:
+        if ops.plan(transpose_rhs).quantized:
             out = quantized_gmm(*ops, group_sizes.astype(jnp.int32), tiling=(config.tm, config.tk, config.tn),
                                 out_dtype=jnp.dtype(out_dtype), group_offset=offset, transpose_rhs=transpose_rhs,
                                 interpret=interpreted("tpu"))
@@ -181,7 +167,7 @@ class MegabloxRaggedDot(RaggedDotBackend):
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32)
         lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
-        if is_low_bit(lhs):
+        if tgmm_plan(lhs, lhs_scale, dout).quantized:
             return quantized_tgmm(lhs, lhs_scale, dout, group_sizes.astype(jnp.int32),
                                   tiling=(config.tm, config.tk, config.tn), out_dtype=jnp.dtype(out_dtype),
                                   num_groups=num_groups, group_offset=offset, interpret=interpreted("tpu"))

@@ -6,13 +6,14 @@ the visits of `metadata.make_group_metadata` (a row tile shared by two groups is
 arrive by scalar prefetch and pick each step's blocks.
 
 gmm grid (n tiles, visits, k tiles), an f32 accumulator in VMEM; a visit's rows are stored at its last k
-step, masked to its group. Scales along the contraction k in blocks multiply the dot of each sub-block of a
-k tile (a tile never straddles a scale block; per channel / per row: once, at the store); with
-transpose_rhs (dlhs) a sub-channel scale lies along the output and the weight sub-block is dequantized.
-tgmm grid (n tiles, k tiles, visits): each group's [tk, tn] result accumulates over its visits and is
-stored at its last one; an lhs sub-channel scale dequantizes each sub-block of the lhs^T tile.
+step, masked to its group. Where each scale applies is the direction's plan (`quant_plan.py`), one
+accumulate function per direction: fwd multiplies the dot of each sub-block of a k tile by its STEP scales
+(a tile never straddles a scale block) and OUTPUT scales once, at the store; dlhs dequantizes each weight
+sub-block along the output (DEQUANTIZE). tgmm grid (n tiles, k tiles, visits): each group's [tk, tn] result
+accumulates over its visits and is stored at its last one; an lhs DEQUANTIZE scale dequantizes each
+sub-block of the lhs^T tile.
 
-Off TPU both run in interpret mode (tests only). See `quantized.py` for the scales folded before the kernel.
+Off TPU both run in interpret mode (tests only). `quantized.py` folds the scales the plan folds before the kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from moe_tune.kernels.pallas_util import pad_to
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
-from moe_tune.kernels.ragged_dot.quantized import block_of, dot_dtypes, k_chunk, with_absent_refs
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, tgmm_plan
+from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk, with_absent_refs
 
 
 _NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
@@ -54,12 +56,41 @@ def _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm: int, shape, axi
     return (rows >= starts[group]) & (rows < ends[group])
 
 
-def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, tm, tk, tn, k_tiles, transpose_rhs,
-                lhs_block, rhs_block, chunk):
-    lhs_ref, rhs_ref, out_ref, acc_ref = refs[0], refs[2], refs[4], refs[5]
-    lhs_scale_ref, rhs_scale_ref = refs[1], refs[3]
-    n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _fwd_accumulate(lhs_ref, lhs_scale_ref, rhs_ref, rhs_scale_ref, acc_ref, k_i, *, plan: QuantPlan, tk, chunk):
+    """fwd: acc += x [tm, tk] @ w [tk, tn], a dot per `chunk` of the k tile (a chunk never straddles a scale
+    block), each chunk's dot times its STEP scales."""
     operand, _ = dot_dtypes(lhs_ref, rhs_ref)
+    for j in range(tk // chunk):
+        cols = pl.ds(j * chunk, chunk)
+        x, w = lhs_ref[:, cols].astype(operand), rhs_ref[cols, :].astype(operand)
+        part = _dot(x, w).astype(jnp.float32)
+        k0 = k_i * tk + j * chunk
+        if plan.b.scale is Apply.STEP:
+            part = part * rhs_scale_ref[pl.ds(_div(k0, plan.b.block), 1), :]
+        if plan.a.scale is Apply.STEP:
+            part = part * lhs_scale_ref[:, pl.ds(_div(k0, plan.a.block), 1)]
+        acc_ref[...] += part
+
+
+def _dlhs_accumulate(lhs_ref, rhs_ref, rhs_scale_ref, acc_ref, n_i, *, plan: QuantPlan, tn):
+    """dlhs: acc += x [tm, tk] @ w^T (w [tn, tk]) in float32 (`QuantPlan.float32_dots`: x is dout, float, or
+    float32 with a per-channel scale folded in); a DEQUANTIZE scale runs along w's rows, the output, in blocks:
+    each sub-block of w rows is dequantized before its dot."""
+    x = lhs_ref[...].astype(jnp.float32)
+    if plan.b.scale is not Apply.DEQUANTIZE:
+        acc_ref[...] += _dot(x, rhs_ref[...].astype(jnp.float32), _NT)
+        return
+    block = plan.b.block
+    sub = min(tn, block)
+    for j in range(tn // sub):
+        row = _div(n_i * tn + j * sub, block)
+        w = rhs_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * rhs_scale_ref[pl.ds(row, 1), :]
+        acc_ref[:, pl.ds(j * sub, sub)] += _dot(x, w, _NT)
+
+
+def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, plan: QuantPlan, tm, tk, tn, k_tiles, chunk):
+    lhs_ref, lhs_scale_ref, rhs_ref, rhs_scale_ref, out_ref, acc_ref = refs
+    n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(k_i == 0)
     def _zero():
@@ -67,36 +98,18 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, tm, tk, tn
 
     @pl.when(visit < num_visits[0])
     def _accumulate():
-        if transpose_rhs:  # x [tm, tk] float; w [tn, tk], its scale (if any) in blocks along the output rows
-            x = lhs_ref[...].astype(jnp.float32 if rhs_scale_ref is not None else operand)
-            if rhs_scale_ref is None:
-                acc_ref[...] += _dot(x, rhs_ref[...].astype(operand), _NT)
-                return
-            sub = min(tn, rhs_block)
-            for j in range(tn // sub):
-                row = _div(n_i * tn + j * sub, rhs_block)
-                w = rhs_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * rhs_scale_ref[pl.ds(row, 1), :]
-                acc_ref[:, pl.ds(j * sub, sub)] += _dot(x, w, _NT)
-            return
-        # x [tm, tk], w [tk, tn]: scales along k in blocks (or one per row / channel, applied at the store)
-        for j in range(tk // chunk):
-            cols = pl.ds(j * chunk, chunk)
-            x, w = lhs_ref[:, cols].astype(operand), rhs_ref[cols, :].astype(operand)
-            part = _dot(x, w).astype(jnp.float32)
-            k0 = k_i * tk + j * chunk
-            if rhs_scale_ref is not None and rhs_block < k_tiles * tk:
-                part = part * rhs_scale_ref[pl.ds(_div(k0, rhs_block), 1), :]
-            if lhs_scale_ref is not None and lhs_block < k_tiles * tk:
-                part = part * lhs_scale_ref[:, pl.ds(_div(k0, lhs_block), 1)]
-            acc_ref[...] += part
+        if plan.direction == "dlhs":
+            _dlhs_accumulate(lhs_ref, rhs_ref, rhs_scale_ref, acc_ref, n_i, plan=plan, tn=tn)
+        else:
+            _fwd_accumulate(lhs_ref, lhs_scale_ref, rhs_ref, rhs_scale_ref, acc_ref, k_i, plan=plan, tk=tk,
+                            chunk=chunk)
 
     @pl.when((k_i == k_tiles - 1) & (visit < num_visits[0]))
     def _store():
         acc = acc_ref[...]
-        k = k_tiles * tk
-        if not transpose_rhs and rhs_scale_ref is not None and rhs_block == k:
+        if plan.b.scale is Apply.OUTPUT:  # one scale per channel / row: once, at the store
             acc = acc * rhs_scale_ref[...]
-        if lhs_scale_ref is not None and lhs_block == k:
+        if plan.a.scale is Apply.OUTPUT:
             acc = acc * lhs_scale_ref[...]
         keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (tm, tn), 0)
         out_ref[...] = jax.lax.select(keep, acc, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
@@ -118,9 +131,8 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
     lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, tm)
     meta = make_group_metadata(group_sizes, m=lhs.shape[0], tm=tm, groups=groups,
                                group_offset=0 if group_offset is None else group_offset)
-    rhs_block = block_of(n if transpose_rhs else k, rhs_scale, 1)
-    lhs_block = block_of(k, lhs_scale, 1)
-    chunk = tk if transpose_rhs else k_chunk(k, tk, lhs_block, rhs_block)
+    plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, transpose_rhs=transpose_rhs).kernel_plan()
+    chunk = k_chunk(k, tk, *plan.step_blocks)
 
     # Scale blocks span the whole k / bs axis (a few KiB; a block of a few rows would break the TPU's 8-row
     # tiling); the kernel picks its rows.
@@ -136,8 +148,7 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
     if rhs_scale is not None:
         specs["rhs_scale"] = pl.BlockSpec((None, rhs_scale.shape[1], scale_cols), scale_index)
     kernel = with_absent_refs(
-        functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, k_tiles=k // tk, transpose_rhs=transpose_rhs,
-                          lhs_block=lhs_block, rhs_block=rhs_block, chunk=chunk),
+        functools.partial(_gmm_kernel, plan=plan, tm=tm, tk=tk, tn=tn, k_tiles=k // tk, chunk=chunk),
         5, [True, lhs_scale is not None, True, rhs_scale is not None])
     inputs = {"lhs": lhs, "lhs_scale": lhs_scale, "rhs": rhs, "rhs_scale": rhs_scale}
     out = pl.pallas_call(
@@ -159,7 +170,7 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
 
 
 def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale_t_ref, dout_ref, out_ref,
-                 acc_ref, *, tm, tk, lhs_block):
+                 acc_ref, *, plan: QuantPlan, tm, tk):
     k_i, visit = pl.program_id(1), pl.program_id(2)
     group = group_ids[visit]
     first = (visit == 0) | (group != group_ids[jnp.maximum(visit - 1, 0)])
@@ -174,13 +185,14 @@ def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale
         d = dout_ref[...].astype(jnp.float32)
         d = jnp.where(_rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, d.shape, 0), d, 0.0)
         keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (1, tm), 1)
-        if scale_t_ref is None:
+        if plan.a.scale is not Apply.DEQUANTIZE:  # float32 products (`QuantPlan.float32_dots`)
             x = jnp.where(keep, lhs_t_ref[...].astype(jnp.float32), 0.0)
             acc_ref[...] += _dot(x, d)
             return
-        sub = min(tk, lhs_block)
+        block = plan.a.block
+        sub = min(tk, block)
         for j in range(tk // sub):
-            row = _div(k_i * tk + j * sub, lhs_block)
+            row = _div(k_i * tk + j * sub, block)
             x = lhs_t_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * scale_t_ref[pl.ds(row, 1), :]
             acc_ref[pl.ds(j * sub, sub), :] += _dot(jnp.where(keep, x, 0.0), d)
 
@@ -207,7 +219,8 @@ def quantized_tgmm(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array,
     if scale_t is not None:
         specs.append(pl.BlockSpec((scale_t.shape[0], tm), lambda n_i, k_i, v, gid, tid, *_: (0, tid[v])))
     specs.append(pl.BlockSpec((tm, tn), lambda n_i, k_i, v, gid, tid, *_: (tid[v], n_i)))
-    kernel = with_absent_refs(functools.partial(_tgmm_kernel, tm=tm, tk=tk, lhs_block=block_of(k, lhs_scale, 1)),
+    plan = tgmm_plan(lhs, lhs_scale, dout).kernel_plan()
+    kernel = with_absent_refs(functools.partial(_tgmm_kernel, plan=plan, tm=tm, tk=tk),
                               5, [True, scale_t is not None, True])
     out = pl.pallas_call(
         kernel,

@@ -130,8 +130,9 @@ class QuantPlan:
         the kernel (FOLD, BEFORE) reached it: `quantized.prepare_gmm` / `prepare_tgmm` apply those first."""
         early = [name for name, op in (("a", self.a), ("b", self.b)) if op.scale in (Apply.FOLD, Apply.BEFORE)]
         if early:
-            raise ValueError(f"{self.direction}: the scale of operand {early[0]} ({getattr(self, early[0]).scale.value}) "
-                             "applies before the kernel; pass the operands of quantized.prepare_gmm / prepare_tgmm")
+            scale = getattr(self, early[0]).scale.value
+            raise ValueError(f"{self.direction}: the scale of operand {early[0]} ({scale}) applies before the "
+                             "kernel; pass the operands of quantized.prepare_gmm / prepare_tgmm")
         return self
 
     def with_dequantize(self, dequantize: bool) -> "QuantPlan":

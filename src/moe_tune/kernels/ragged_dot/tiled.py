@@ -10,12 +10,10 @@ first window or from a loop over groups with a 2-D dot per window (`batched`); i
 bfloat16 operands and outputs are carried through the loops as their uint16 bits (an operand viewed so per
 block, by `loop_dtypes.per_iteration`, never copied whole) and quantized operands (see `quantized.py`) as
 their 1-byte values; both are converted block by block inside the loop by the same `loop_dtypes.load` (why:
-`loop_dtypes`). Quantized scales: a scale per row / channel multiplies each result block once after its k
-loop; sub-channel scales multiply the dot of each k chunk (a chunk never straddles a scale block: `tk` must
-be a multiple of the scale block or divide it), or, with float activations and `dequantize`, each group's
-weights are dequantized once, to the dot's dtype, for full-k dots. dlhs with sub-channel weights
-dequantizes each weight block before its dot. A gmm whose tail tiles hold at most 4 rows (decode) runs its
-bf16 dots in f32 (`F32_DOT_MAX_ROWS`).
+`loop_dtypes`). Scales apply where the direction's plan says (`quant_plan.py`; one product function per
+direction): fwd per row / channel once per result block after its k loop, sub-channel per k chunk (`tk` a
+multiple or a divisor of the block) or, with `dequantize`, on each group's weights before full-k dots; dlhs
+sub-channel on each weight block. A gmm whose tail tiles hold at most 4 rows runs bf16 dots in f32.
 """
 
 from __future__ import annotations
@@ -95,9 +93,8 @@ _NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
 
 @dataclasses.dataclass(frozen=True)
 class _TileDots:
-    """The static side of one tile's products. plan: the kernel's (operand dtypes, where each scale
-    applies); k_blocks, n_blocks: (start, size) of the contraction chunks and the column blocks, one dot each;
-    operand, acc: the dots' operand and accumulator dtypes; out_dtype: the result blocks'."""
+    """The static side of one tile's products: the kernel's plan (operand dtypes, where each scale applies),
+    (start, size) of the contraction chunks and column blocks (a dot each), the dots' dtypes, the output's."""
 
     plan: QuantPlan
     k_blocks: tuple[tuple[int, int], ...]
@@ -156,13 +153,10 @@ def _dlhs_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
     return blocks
 
 
-_PRODUCTS = {"fwd": _fwd_product, "dlhs": _dlhs_product}
-
-
 def _tile_dots(plan: QuantPlan, *, k: int, n: int, tk: int, tn: int, min_rows: int, out_dtype) -> _TileDots:
-    """The static side of a gmm's tile products (`_TileDots`) for contraction k, output columns n: chunks of
-    tk (cut so that none straddles a STEP scale block), blocks of tn, and the dot dtypes: float32 where the
-    plan says so, else `_dot_dtypes` (min_rows: the rows of the kernel's smallest tiles)."""
+    """A gmm's `_TileDots` (contraction k, n output columns): chunks of tk cut so that none straddles a STEP
+    scale block, blocks of tn; dots in float32 where the plan says so, else `_dot_dtypes` (min_rows: the rows
+    of the kernel's smallest tiles)."""
     f32 = jnp.dtype(jnp.float32)
     operand, acc = (f32, f32) if plan.float32_dots else _dot_dtypes(plan.a.dtype, plan.b.dtype, min_rows)
     return _TileDots(plan, tuple(_blocks(k, k_chunk(k, tk, *plan.step_blocks))), tuple(_blocks(n, tn)),
@@ -203,11 +197,11 @@ def tiled_ragged_dot(
     tm, tail, tk, tn = min(tm, m), min(tail, tm, m), min(tk, k), min(tn, n)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups,
                                 group_offset=0 if group_offset is None else group_offset)
-    # the one place that decides whether `dequantize` applies (`QuantPlan.dequantizable`)
+    # `dequantize` applies where the plan says (`QuantPlan.dequantizable`), as the config check asks it
     plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, transpose_rhs=transpose_rhs).kernel_plan()
     plan = plan.with_dequantize(dequantize)
     dots = _tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype)
-    product = functools.partial(_PRODUCTS[plan.direction], dots=dots)
+    product = functools.partial(_dlhs_product if transpose_rhs else _fwd_product, dots=dots)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -290,7 +284,6 @@ def tiled_transposed_ragged_dot(
     plan = tgmm_plan(lhs, lhs_scale, dout).kernel_plan()
     # quantized lhs values: dequantized one window at a time, in f32 (times their sub-channel scale)
     operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if plan.float32_dots else _dot_dtypes(lhs.dtype, dout.dtype)
-    dequantize_lhs = plan.a.scale is Apply.DEQUANTIZE
     x_dtype, d_dtype = lhs.dtype, dout.dtype
 
     def windows(step, first, end):
@@ -307,7 +300,7 @@ def tiled_transposed_ragged_dot(
             keep, dims = keep[0], (((0,), (0,)), ((), ()))
         else:
             take, dims = (lambda a: a[rows]), (((1,), (1,)), ((0,), (0,)))
-        scale = jnp.repeat(take(lhs_scale), plan.a.block, axis=-1) if dequantize_lhs else None
+        scale = jnp.repeat(take(lhs_scale), plan.a.block, axis=-1) if plan.a.scale is Apply.DEQUANTIZE else None
         x = jnp.where(keep[..., None], load(take(x_bits), x_dtype, operand, scale), 0.0)
         product = jax.lax.dot_general(x, load(take(d_bits), d_dtype, operand), dims, preferred_element_type=acc_dtype)
         return product.reshape(len(first), k, n)

@@ -9,9 +9,10 @@ Operands are padded to whole blocks so that every load is in bounds (the same co
 in interpret mode); for the usual MoE shapes (k and n multiples of 128) only `m` ever needs padding.
 
 Quantized operands (QArray, after `quantized.prepare_gmm` / `prepare_tgmm`) are loaded as 1-byte blocks
-with their float32 scales: where one scale covers a whole `block_k` step the raw dot (int8 x int8 in int32)
-is multiplied by it, and a per-row / per-channel scale once after the k loop; otherwise the block is
-dequantized in the kernel from a gathered load of its scales.
+with their float32 scales, applied where the direction's plan says (`quant_plan.py`), one step function per
+direction: where one STEP scale covers a whole `block_k` step the raw dot (int8 x int8 in int32) is
+multiplied by it, and an OUTPUT scale (per row / channel) once after the k loop; otherwise (a shorter STEP
+block, a DEQUANTIZE scale) the block is dequantized in the kernel from a gathered load of its scales.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from moe_tune.kernels.pallas_util import interpreted, pad_to
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quantized import (block_of, dot_dtypes, is_low_bit, prepare_gmm, prepare_tgmm,
-                                                   with_absent_refs)
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, problem_plan, tgmm_plan
+from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, is_low_bit, prepare_gmm, prepare_tgmm, with_absent_refs
 
 BLOCKS = (16, 32, 64, 128, 256)
 # Smallest K of an 8-bit integer MMA on NVIDIA GPUs (16 for 16-bit floats): tl.dot rejects int8 x int8 below it.
@@ -68,9 +69,9 @@ def _scale_index(start, size: int, block: int, limit: int) -> jax.Array:
 
 
 def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, lhs_scale_ref, rhs_ref, rhs_scale_ref,
-                out_ref, *, block_m, block_k, block_n, k_blocks, transpose_rhs, precision, dtype, lhs_block=None,
-                rhs_block=None, k=None):
+                out_ref, *, plan: QuantPlan, block_m, block_k, block_n, k_blocks, precision, dtype):
     visit, col_block = pl.program_id(0), pl.program_id(1)
+    transpose_rhs = plan.direction == "dlhs"
 
     @pl.when(visit < num_visits[0])
     def _():
@@ -85,56 +86,74 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, lhs_scal
                 w = rhs_ref[group, cols, pl.ds(k0, block_k)]
             else:
                 w = rhs_ref[group, pl.ds(k0, block_k), cols]
-            if lhs_scale_ref is None and rhs_scale_ref is None and not is_low_bit(x) and not is_low_bit(w):
+            if not plan.quantized:
                 # tl.dot takes one operand type: both tiles in the promoted dtype (mixed: float32)
                 return acc + plgpu.dot(x.astype(dtype), w.astype(dtype), trans_b=transpose_rhs, precision=precision)
-            return acc + _quantized_step(x, w, lhs_scale_ref, rhs_scale_ref, group, row0, col0, k0,
-                                         block_m=block_m, block_k=block_k, block_n=block_n, k=k,
-                                         transpose_rhs=transpose_rhs, lhs_block=lhs_block, rhs_block=rhs_block)
+            if transpose_rhs:
+                return acc + _dlhs_quantized_step(x, w, rhs_scale_ref, group, col0, k0, plan=plan, block_k=block_k,
+                                                  block_n=block_n)
+            return acc + _fwd_quantized_step(x, w, lhs_scale_ref, rhs_scale_ref, group, row0, col0, k0, plan=plan,
+                                             block_m=block_m, block_k=block_k, block_n=block_n)
 
         acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
-        if rhs_scale_ref is not None and not transpose_rhs and rhs_block == k:  # one scale per channel
+        if plan.b.scale is Apply.OUTPUT:  # one scale per channel
             acc = acc * rhs_scale_ref[group, 0, cols][None, :]
-        if lhs_scale_ref is not None and lhs_block == k:  # one scale per row
+        if plan.a.scale is Apply.OUTPUT:  # one scale per row
             acc = acc * lhs_scale_ref[rows, 0][:, None]
         keep = (row0 + jnp.arange(block_m) >= starts[group]) & (row0 + jnp.arange(block_m) < ends[group])
         plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype),
                     mask=jnp.broadcast_to(keep[:, None], (block_m, block_n)))
 
 
-def _quantized_step(x, w, lhs_scale_ref, rhs_scale_ref, group, row0, col0, k0, *, block_m, block_k, block_n, k,
-                    transpose_rhs, lhs_block, rhs_block):
-    """One block_k step of a gmm with 1-byte operands -> f32 [block_m, block_n]: a raw dot times the step's
-    scales where one scale covers the step, else the operand dequantized from its gathered scales."""
+def _fwd_quantized_step(x, w, lhs_scale_ref, rhs_scale_ref, group, row0, col0, k0, *, plan: QuantPlan, block_m,
+                        block_k, block_n):
+    """One block_k step of a fwd gmm with 1-byte operands -> f32 [block_m, block_n]: a STEP scale whose
+    block holds the whole step (`OperandPlan.scaled_after`) multiplies the raw dot; a shorter one dequantizes
+    its operand from a gathered load of its scales."""
     operand, _ = dot_dtypes(x, w)
     x, w = x.astype(operand), w.astype(operand)
+    a, b = plan.a, plan.b
     after = []  # scales of the whole step: [block_m, 1] / [1, block_n] factors of the raw dot
-    if transpose_rhs and rhs_scale_ref is not None:  # scale along the output rows of w: dequantize w
-        out_rows = _scale_index(col0, block_n, rhs_block, rhs_scale_ref.shape[1])
-        w = w.astype(jnp.float32) * rhs_scale_ref[group, out_rows[:, None], (k0 + jnp.arange(block_k))[None, :]]
-    elif rhs_scale_ref is not None and rhs_block < k:
-        if rhs_block % block_k == 0:
-            after.append(rhs_scale_ref[group, k0 // rhs_block, pl.ds(col0, block_n)][None, :])
+    if b.scale is Apply.STEP:
+        if b.scaled_after(block_k):
+            after.append(rhs_scale_ref[group, k0 // b.block, pl.ds(col0, block_n)][None, :])
         else:
-            k_rows = _scale_index(k0, block_k, rhs_block, rhs_scale_ref.shape[1])
+            k_rows = _scale_index(k0, block_k, b.block, rhs_scale_ref.shape[1])
             cols = (col0 + jnp.arange(block_n))[None, :]
             w = w.astype(jnp.float32) * rhs_scale_ref[group, k_rows[:, None], cols]
-    if lhs_scale_ref is not None and lhs_block < k:
-        if lhs_block % block_k == 0:
-            after.append(lhs_scale_ref[pl.ds(row0, block_m), k0 // lhs_block][:, None])
+    if a.scale is Apply.STEP:
+        if a.scaled_after(block_k):
+            after.append(lhs_scale_ref[pl.ds(row0, block_m), k0 // a.block][:, None])
         else:
-            k_cols = _scale_index(k0, block_k, lhs_block, lhs_scale_ref.shape[1])
+            k_cols = _scale_index(k0, block_k, a.block, lhs_scale_ref.shape[1])
             x = x.astype(jnp.float32) * lhs_scale_ref[(row0 + jnp.arange(block_m))[:, None], k_cols[None, :]]
+    return _step_dot(x, w, after, trans_b=False)
+
+
+def _dlhs_quantized_step(x, w, rhs_scale_ref, group, col0, k0, *, plan: QuantPlan, block_k, block_n):
+    """One block_k step of a dlhs gmm (w [block_n, block_k] of rhs^T) -> f32 [block_m, block_n]: a DEQUANTIZE
+    scale runs along w's rows (the output): w is dequantized from a gathered load of its scales; the dot
+    runs in float32 (`QuantPlan.float32_dots`: dout is float, float32 where a per-channel scale was folded)."""
+    operand, _ = dot_dtypes(x, w)
+    x, w = x.astype(operand), w.astype(operand)
+    if plan.b.scale is Apply.DEQUANTIZE:
+        out_rows = _scale_index(col0, block_n, plan.b.block, rhs_scale_ref.shape[1])
+        w = w.astype(jnp.float32) * rhs_scale_ref[group, out_rows[:, None], (k0 + jnp.arange(block_k))[None, :]]
+    return _step_dot(x, w, [], trans_b=True)
+
+
+def _step_dot(x, w, after, *, trans_b: bool) -> jax.Array:
+    """f32 x @ w (or w^T), times the step's `after` scales; x and w meet in float32 where one was dequantized."""
     if x.dtype != w.dtype:  # one side was dequantized: both in float32
         x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    part = plgpu.dot(x, w, trans_b=transpose_rhs, precision=_precision(x.dtype)).astype(jnp.float32)
+    part = plgpu.dot(x, w, trans_b=trans_b, precision=_precision(x.dtype)).astype(jnp.float32)
     for scale in after:
         part = part * scale
     return part
 
 
-def _tgmm_kernel(starts, ends, lhs_ref, lhs_scale_ref, dout_ref, out_ref, *, block_m, block_k, block_n, precision,
-                 dtype, lhs_block=None):
+def _tgmm_kernel(starts, ends, lhs_ref, lhs_scale_ref, dout_ref, out_ref, *, plan: QuantPlan, block_m, block_k,
+                 block_n, precision, dtype):
     group, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = starts[group], ends[group]
 
@@ -144,10 +163,10 @@ def _tgmm_kernel(starts, ends, lhs_ref, lhs_scale_ref, dout_ref, out_ref, *, blo
         keep = ((rows >= start) & (rows < end))[:, None]
         x = lhs_ref[pl.ds(row0, block_m), pl.ds(k_block * block_k, block_k)]
         d = dout_ref[pl.ds(row0, block_m), pl.ds(n_block * block_n, block_n)]
-        if is_low_bit(x):  # quantized lhs: float32 products (a per-row scale was folded into dout)
+        if plan.float32_dots:  # quantized lhs: float32 products (a per-row scale was folded into dout)
             x, d = x.astype(jnp.float32), d.astype(jnp.float32)
-            if lhs_scale_ref is not None:
-                k_cols = _scale_index(k_block * block_k, block_k, lhs_block, lhs_scale_ref.shape[1])
+            if plan.a.scale is Apply.DEQUANTIZE:
+                k_cols = _scale_index(k_block * block_k, block_k, plan.a.block, lhs_scale_ref.shape[1])
                 x = x * lhs_scale_ref[rows[:, None], k_cols[None, :]]
         else:  # tl.dot takes one operand type: both tiles in the promoted dtype (mixed: float32)
             x, d = x.astype(dtype), d.astype(dtype)
@@ -159,12 +178,12 @@ def _tgmm_kernel(starts, ends, lhs_ref, lhs_scale_ref, dout_ref, out_ref, *, blo
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _int8_dot(problem: RaggedDotProblem, block_k: int) -> bool:
-    """Whether the kernel's k steps run int8 x int8 dots: a forward pass of int8 lhs and rhs where no
-    sub-channel scale block is shorter than a step (such a step is dequantized to float32 instead)."""
-    if problem.direction != "fwd" or problem.lhs_qdtype != "int8" or problem.rhs_qdtype != "int8":
+def _int8_dot(plan: QuantPlan, block_k: int) -> bool:
+    """Whether the kernel's k steps run int8 x int8 dots: both operands int8 (fwd only: a gradient's dout is
+    float) and every STEP scale block a multiple of the step (a shorter one dequantizes the step to float32)."""
+    if plan.a.dtype != "int8" or plan.b.dtype != "int8":
         return False
-    return all(block == problem.k or block % block_k == 0 for block in (problem.lhs_qblock, problem.rhs_qblock))
+    return all(op.scale is not Apply.STEP or op.scaled_after(block_k) for op in plan.operands)
 
 
 class TritonRaggedDot(RaggedDotBackend):
@@ -191,7 +210,7 @@ class TritonRaggedDot(RaggedDotBackend):
         if not 1 <= config.num_stages <= 6:
             return f"num_stages={config.num_stages} must be in 1..6"
         _, gk, gn = problem.matmul_dims()
-        int8_dot = _int8_dot(problem, config.block_k)
+        int8_dot = _int8_dot(problem_plan(problem), config.block_k)
         if int8_dot and config.block_k < MIN_INT8_BLOCK_K:
             return f"block_k={config.block_k}: int8 x int8 dots need block_k >= {MIN_INT8_BLOCK_K}"
         fits = lambda block, size, smallest=16: block <= max(smallest, 1 << (size - 1).bit_length())
@@ -216,7 +235,7 @@ class TritonRaggedDot(RaggedDotBackend):
         if problem.direction == "drhs":
             return TritonConfig(block_m=64, block_k=fit(64, gk), block_n=fit(64, gn), num_warps=4, num_stages=2)
         block_k = fit(32, gk)
-        if _int8_dot(problem, block_k):
+        if _int8_dot(problem_plan(problem), block_k):
             block_k = max(block_k, MIN_INT8_BLOCK_K)
         return TritonConfig(block_m=64, block_k=block_k, block_n=fit(64, gn), num_warps=4, num_stages=2)
 
@@ -226,6 +245,7 @@ class TritonRaggedDot(RaggedDotBackend):
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
         lhs, lhs_scale, rhs, rhs_scale = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
+        plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, transpose_rhs=transpose_rhs).kernel_plan()  # unpadded
         m, k = lhs.shape
         groups = rhs.shape[0]
         n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -240,10 +260,8 @@ class TritonRaggedDot(RaggedDotBackend):
         meta = make_group_metadata(group_sizes, m=mp, tm=bm, groups=groups,
                                    group_offset=0 if group_offset is None else group_offset)
         dtype = _dot_dtype(lhs, rhs)
-        kernel = functools.partial(_gmm_kernel, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
-                                   transpose_rhs=transpose_rhs, precision=_precision(dtype), dtype=dtype,
-                                   lhs_block=block_of(k, lhs_scale, 1), k=k,
-                                   rhs_block=block_of(n if transpose_rhs else k, rhs_scale, 1))
+        kernel = functools.partial(_gmm_kernel, plan=plan, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
+                                   precision=_precision(dtype), dtype=dtype)
         kernel = with_absent_refs(kernel, 5, [True, lhs_scale is not None, True, rhs_scale is not None])
         out = pl.pallas_call(
             kernel,
@@ -260,6 +278,7 @@ class TritonRaggedDot(RaggedDotBackend):
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)
+        plan = tgmm_plan(lhs, lhs_scale, dout).kernel_plan()
         m, k = lhs.shape
         n = dout.shape[1]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
@@ -268,9 +287,8 @@ class TritonRaggedDot(RaggedDotBackend):
         meta = make_group_metadata(group_sizes, m=lhs_p.shape[0], tm=bm, groups=num_groups,
                                    group_offset=0 if group_offset is None else group_offset)
         dtype = _dot_dtype(lhs, dout)
-        kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn,
-                                   precision=_precision(dtype), dtype=dtype,
-                                   lhs_block=block_of(k, lhs_scale, 1))
+        kernel = functools.partial(_tgmm_kernel, plan=plan, block_m=bm, block_k=bk, block_n=bn,
+                                   precision=_precision(dtype), dtype=dtype)
         kernel = with_absent_refs(kernel, 2, [True, lhs_scale is not None, True])
         lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, bm)
         kp, np_ = lhs_p.shape[1], dout_p.shape[1]
