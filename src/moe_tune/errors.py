@@ -33,3 +33,37 @@ def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 
+
+
+def path_error(what: str, path: str | os.PathLike, error: OSError, kind: type[MoeTuneError] = MoeTuneError
+               ) -> MoeTuneError:
+    """One line for an OSError met while writing or reading `path` (the path the user gave): `cannot write
+    the plot r.png: Permission denied`, plus the file the system named when it lies elsewhere (a parent that
+    is a file, an unwritable dir above), never a temporary file written inside or beside `path`."""
+    why = error.strerror or str(error) or type(error).__name__
+    blocker = _file_in_the_way(path) if isinstance(error, (NotADirectoryError, FileExistsError)) else None
+    if blocker is not None:  # says more than `File exists` / `Not a directory`
+        why = blocker
+    elif error.filename is not None and _elsewhere(str(error.filename), path):
+        why += f" ({error.filename})"
+    return kind(f"{what} {path}: {why}")
+
+
+def _elsewhere(named: str, path: str | os.PathLike) -> bool:
+    """Whether `named` is neither `path`, nor inside it, nor beside it."""
+    named, given = os.path.abspath(named), os.path.abspath(path)
+    return not (named == given or named.startswith(given + os.sep)
+                or os.path.dirname(named) == os.path.dirname(given))
+
+
+def _file_in_the_way(path: str | os.PathLike) -> str | None:
+    """What stands where `path` needs a directory: its nearest existing ancestor (or itself) when that is a
+    file or a symlink to nowhere (a loop, a dangling link), described; None when that is a directory."""
+    current = os.path.abspath(path)
+    while current != os.path.dirname(current):
+        if os.path.islink(current) and not os.path.exists(current):
+            return f"{current} is a symlink loop or a dangling symlink"
+        if os.path.lexists(current):
+            return None if os.path.isdir(current) else f"{current} is a file, not a directory"
+        current = os.path.dirname(current)
+    return None

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.errors import UsageError
+from moe_tune.errors import UsageError, path_error
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict, verdict_of
 
@@ -53,6 +53,9 @@ def plot_entries(entries: Sequence[Entry], path: str | Path, *, title: str | Non
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    _check_format(Path(path), FigureCanvasBase.get_supported_filetypes())
 
     first = entries[0]
     results = sorted((r for r in first.results if r.get("median_s")), key=lambda r: r["median_s"])
@@ -65,10 +68,23 @@ def plot_entries(entries: Sequence[Entry], path: str | Path, *, title: str | Non
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")  # the tight box grows to hold every label and the legend
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120, bbox_inches="tight")  # the tight box grows to hold every label and the legend
+    except OSError as e:
+        raise path_error("cannot write the plot", path, e) from None
+    finally:
+        plt.close(fig)
     return path
+
+
+def _check_format(path: Path, formats: dict[str, str]) -> None:
+    """UsageError for a file name whose suffix matplotlib cannot write (checked before anything is drawn);
+    no suffix writes PNG."""
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix and suffix not in formats:
+        raise UsageError(f"cannot write the plot {path}: matplotlib writes no .{suffix} files; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
 
 
 def _candidates(ax, entry: Entry, results: list[dict[str, Any]]) -> None:

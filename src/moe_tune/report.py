@@ -10,9 +10,9 @@ from typing import Any
 import pandas as pd
 
 from moe_tune.breakdown.ops import Breakdown
-from moe_tune.errors import UsageError
+from moe_tune.errors import UsageError, warn_caller
 from moe_tune.profiles import dirs
-from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.table import read_table
 from moe_tune.profiles.verdict import verdict_of
 
@@ -49,9 +49,15 @@ def effective_entries(profile_dir: Path | None = None, op: str | None = None
         table = read_table(path)
         for key, entry in table["entries"].items():
             ident = (table.get("device_kind"), key)
-            if ident not in seen:
-                seen.add(ident)
-                yield origin, table, Entry.from_json(entry, key)
+            if ident in seen:
+                continue
+            seen.add(ident)
+            broken = record_problems(entry)
+            if broken:  # the runtime uses its config; the report cannot compute with its records
+                warn_caller(f"moe-tune: skipping {path}: entry {key!r}: {broken[0]} (`moe-tune validate` lists "
+                            "what is wrong)")
+                continue
+            yield origin, table, Entry.from_json(entry, key)
 
 
 def selected_entries(frame: pd.DataFrame, profile_dir: Path | None = None, op: str | None = None) -> list[Entry]:
@@ -97,9 +103,9 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "quant_error": float("nan") if entry.quantization_error is None else entry.quantization_error,
         "distribution": fields.get("distribution"),
         "config": " ".join(f"{k}={v}" for k, v in entry.config.items()) or "-",
-        "time_ms": (float("nan") if median is None else median) * 1e3,
-        "default_ms": (entry.default_median_s or float("nan")) * 1e3,
-        "speedup": entry.speedup_over_default or float("nan"),
+        "time_ms": _ms(median),
+        "default_ms": _ms(entry.default_median_s),
+        "speedup": entry.speedup or float("nan"),
         "verdict": verdict.label,
         "tried": entry.count("tried"), "failed": entry.count("failed"), "wrong": entry.count("wrong"),
         "timing": entry.timing_method,
@@ -107,6 +113,12 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "tuned_at": entry.tuned_at,
         "key": entry.key,
     }
+
+
+def _ms(value: Any) -> float:
+    """Seconds as milliseconds; NaN for anything that is not a positive number of seconds."""
+    value = seconds(value)
+    return float("nan") if value is None else value * 1e3
 
 
 def entries_frame(profile_dir: Path | None = None, op: str | None = None) -> pd.DataFrame:
@@ -157,31 +169,38 @@ def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, lis
         raise MoeTuneError(f"{path}: not a moe-tune sweep log (no header line)")
     finals = [line for line in lines if line.get("type") == "final"]
     last = finals[-1] if finals else {}
-    final_round = {f.get("index"): f for f in last.get("finalists") or ()}
-    rows = []
-    for line in (line for line in lines if line.get("type") == "candidate"):
-        timing = line.get("timing") or {}
-        final = final_round.get(line.get("index"), {})
-        rows.append({
-            "index": line.get("index"),
-            "status": line.get("status"),
-            "config": " ".join(f"{k}={v}" for k, v in (line.get("config") or {}).items()) or "-",
-            "median_ms": timing["median_s"] * 1e3 if timing.get("median_s") else float("nan"),
-            "spread": timing.get("spread", float("nan")),
-            "final_ms": final["median_s"] * 1e3 if final.get("median_s") else float("nan"),
-            "final_spread": final.get("spread") if final.get("spread") is not None else float("nan"),
-            "winner": line.get("config") == last.get("winner"),
-            "error": line.get("error") if line.get("error") is not None else float("nan"),
-            "stage": line.get("stage") or "",
-            "reason": line.get("reason") or "",
-            "compile_s": line.get("compile_s") if line.get("compile_s") is not None else float("nan"),
-            "default": bool(line.get("is_default")),
-        })
+    final_round = {f.get("index"): f for f in last.get("finalists") or () if isinstance(f, dict)}
+    candidates = [line for line in lines if line.get("type") == "candidate"]
+    usable = [line for line in candidates if isinstance(line.get("config"), dict)]
+    if len(usable) < len(candidates):  # as the sweep's resume does: such a line is no candidate
+        warn_caller(f"moe-tune: {path}: skipping {len(candidates) - len(usable)} candidate line(s) whose config "
+                    "is not an object")
+    rows = [_log_row(line, final_round.get(line.get("index"), {}), last.get("winner")) for line in usable]
     frame = pd.DataFrame(rows, columns=LOG_COLUMNS)
     order = {"ok": 0, "wrong": 1, "failed": 2}
     frame = frame.assign(_rank=frame["status"].map(order).fillna(3)).sort_values(
         ["_rank", "median_ms", "index"], kind="stable").drop(columns="_rank").reset_index(drop=True)
     return lines[0], frame, finals
+
+
+def _log_row(line: dict[str, Any], final: dict[str, Any], winner: Any) -> dict[str, Any]:
+    """One candidate line of a sweep log as a row of LOG_COLUMNS (`final`: its record in the last final round)."""
+    timing = line.get("timing") if isinstance(line.get("timing"), dict) else {}
+    return {
+        "index": line.get("index"),
+        "status": line.get("status"),
+        "config": " ".join(f"{k}={v}" for k, v in line["config"].items()) or "-",
+        "median_ms": _ms(timing.get("median_s")),
+        "spread": timing.get("spread", float("nan")),
+        "final_ms": _ms(final.get("median_s")),
+        "final_spread": final.get("spread") if final.get("spread") is not None else float("nan"),
+        "winner": line["config"] == winner,
+        "error": line.get("error") if line.get("error") is not None else float("nan"),
+        "stage": line.get("stage") or "",
+        "reason": line.get("reason") or "",
+        "compile_s": line.get("compile_s") if line.get("compile_s") is not None else float("nan"),
+        "default": bool(line.get("is_default")),
+    }
 
 
 BREAKDOWN_COLUMNS = ["label", "config", "source", "rank", "op", "group", "ms_per_run", "share", "cumulative",

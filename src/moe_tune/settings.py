@@ -11,6 +11,8 @@ from pathlib import Path
 
 import platformdirs
 
+from moe_tune.errors import UsageError
+
 PROFILE_DIR = "MOE_TUNE_PROFILE_DIR"
 DISTRIBUTION = "MOE_TUNE_DISTRIBUTION"
 STALE_POLICY = "MOE_TUNE_STALE_POLICY"
@@ -18,6 +20,9 @@ RAGGED_GATHER_FALLBACK = "MOE_TUNE_RAGGED_GATHER_FALLBACK"
 RAGGED_GATHER_REDUCE_FALLBACK = "MOE_TUNE_RAGGED_GATHER_REDUCE_FALLBACK"
 COMPILE_CACHE_DIR = "MOE_TUNE_COMPILE_CACHE_DIR"
 WORKER_MEMORY_LIMIT = "MOE_TUNE_WORKER_MEMORY_LIMIT"
+RAY_CONNECT_TIMEOUT = "MOE_TUNE_RAY_CONNECT_TIMEOUT"
+
+DEFAULT_RAY_CONNECT_TIMEOUT_S = 20.0
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -81,8 +86,29 @@ def share_compile_cache_dir(directory: Path) -> None:
     os.environ.setdefault(COMPILE_CACHE_DIR, str(directory))
 
 
+def _positive(name: str, value: str, kind: type[int] | type[float], what: str) -> int | float:
+    """`value` of the variable `name` as a positive `kind`; UsageError naming the variable otherwise."""
+    try:
+        number = kind(value)
+    except ValueError:
+        number = None
+    if number is None or not number > 0 or number == float("inf"):
+        raise UsageError(f"${name}={value!r} is not {what}; set it to one, or unset it")
+    return number
+
+
 def worker_memory_limit() -> int | None:
     """`MOE_TUNE_WORKER_MEMORY_LIMIT`: bytes of address space each compile worker may use (RLIMIT_AS), so
-    that a candidate that runs out of memory fails alone; None when unset (no limit)."""
+    that a candidate that runs out of memory fails alone; None when unset (no limit). UsageError (naming the
+    variable) when it is not a positive integer: a sweep checks it before it starts any worker."""
     value = _get(WORKER_MEMORY_LIMIT)
-    return int(value) if value else None
+    return int(_positive(WORKER_MEMORY_LIMIT, value, int, "a positive number of bytes")) if value else None
+
+
+def ray_connect_timeout() -> float:
+    """`MOE_TUNE_RAY_CONNECT_TIMEOUT`: seconds a campaign waits to reach the Ray cluster at `--ray ADDRESS`
+    before it gives up with one line naming the address (default 20). UsageError when not a positive number."""
+    value = _get(RAY_CONNECT_TIMEOUT)
+    if not value:
+        return DEFAULT_RAY_CONNECT_TIMEOUT_S
+    return float(_positive(RAY_CONNECT_TIMEOUT, value, float, "a positive number of seconds"))

@@ -21,8 +21,9 @@ import jax
 from moe_tune import devices
 from moe_tune.breakdown import xprof_tools
 from moe_tune.breakdown.ops import Breakdown, OpEvent, OpTime, ranked, self_times
-from moe_tune.errors import MoeTuneError, UsageError
+from moe_tune.errors import MoeTuneError, TableError, UsageError
 from moe_tune.kernels import get_op
+from moe_tune.paths import writable_dir
 from moe_tune.profiles.entry import Entry
 from moe_tune.tuner.timing import CANDIDATE_PREFIX, device_planes, plane_events, traceable, xplane_file
 
@@ -42,21 +43,18 @@ def profile_entry(entry: Entry, *, source: str | None = None, runs: int = 5,
         raise UsageError(f"unknown breakdown source {source!r}; sources are {', '.join(SOURCES)}")
     if source == "trace" and platform != "cpu":
         raise UsageError(f"the trace reader reads CPU traces; on {platform} use the xprof one")
+    if keep_trace is not None:  # before anything is compiled
+        writable_dir(keep_trace, "cannot write traces to")
     spec = get_op(entry.op)
-    backend = spec.backends.get(entry.backend)
+    backend, problem, configs = _runnable(entry, spec)
     if not backend.runs_on(platform):
         raise UsageError(f"backend {backend.name!r} of {entry.key} does not run on {platform}")
-    problem = spec.problem_class.from_key_fields(entry.fields)
-    configs = {"winner": entry.config}
-    if entry.default_config is not None and entry.default_config != entry.config:
-        configs["default"] = entry.default_config
     recorded = entry.distribution or {}
     host_inputs = spec.make_inputs(problem, recorded.get("name") or entry.fields["distribution"],
                                    recorded.get("seed", 0))
     inputs = jax.device_put(host_inputs)
     found = []
-    for index, (label, config_json) in enumerate(configs.items()):
-        config = backend.coerce_config(config_json, problem)
+    for index, (label, (config_json, config)) in enumerate(configs.items()):
         call = traceable(lambda x, config=config: spec.run(backend, config, problem, x), index)
         compiled = call.lower(inputs).compile()
         jax.block_until_ready(compiled(inputs))
@@ -69,6 +67,20 @@ def profile_entry(entry: Entry, *, source: str | None = None, runs: int = 5,
                 what = " kernels" if reader == KERNEL_STATS else ""
                 found.append(Breakdown(label + what, config_json, reader, runs, ops, kept))
     return found
+
+
+def _runnable(entry: Entry, spec: Any) -> tuple[Any, Any, dict[str, tuple[Any, Any]]]:
+    """(backend, problem, label -> (config JSON, config)) of the winner and (when it differs) the default.
+    What the table holds is the table's fault, not the command's: a TableError (exit 1) naming the entry."""
+    configs = {"winner": entry.config}
+    if entry.default_config is not None and entry.default_config != entry.config:
+        configs["default"] = entry.default_config
+    try:
+        backend = spec.backends.get(entry.backend)
+        problem = spec.problem_class.from_key_fields(entry.fields)
+        return backend, problem, {label: (raw, backend.coerce_config(raw, problem)) for label, raw in configs.items()}
+    except UsageError as e:
+        raise TableError(f"entry {entry.key!r} cannot be re-run: {e} (`moe-tune validate` checks tables)") from None
 
 
 def program(index: int) -> str:

@@ -13,6 +13,7 @@ use, tolerating an entry that lacks them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,9 +124,15 @@ class Entry:
         return self.fields.get("direction")
 
     @property
-    def median_s(self) -> Any:
-        """The winner's median time in seconds as recorded (None when the entry has no timing)."""
-        return _get(self.timing, "median_s")
+    def median_s(self) -> float | None:
+        """The winner's median time in seconds (None when the entry has no timing, or one that is not a
+        positive number: `record_problems` names it)."""
+        return seconds(_get(self.timing, "median_s"))
+
+    @property
+    def speedup(self) -> float | None:
+        """`speedup_over_default` when it is a positive number, else None."""
+        return seconds(self.speedup_over_default)
 
     @property
     def quantization_error(self) -> float | None:
@@ -138,8 +145,9 @@ class Entry:
         return _get(self.timing, "method")
 
     @property
-    def default_median_s(self) -> Any:
-        return _get(self.default, "median_s")
+    def default_median_s(self) -> float | None:
+        """The default config's median time in seconds (None when not recorded or not a positive number)."""
+        return seconds(_get(self.default, "median_s"))
 
     @property
     def default_config(self) -> Mapping[str, Any] | None:
@@ -157,3 +165,30 @@ class Entry:
 
 def _get(record: Any, name: str) -> Any:
     return record.get(name) if isinstance(record, Mapping) else None
+
+
+def seconds(value: Any) -> float | None:
+    """`value` as a time in seconds: a finite positive number, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None
+
+
+def record_problems(entry: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the records of a (structurally sound) entry's JSON that readers compute with: the
+    kernel revision, the winner's and the default's times, the speedup, the provenance. Empty when nothing.
+    `moe-tune validate` reports these as errors; `moe-tune report` skips such an entry with one warning."""
+    found = []
+    revision = _get(entry.get("versions"), "backend_revision")
+    if revision is not None and (not isinstance(revision, int) or isinstance(revision, bool) or revision < 1):
+        found.append(f"versions.backend_revision {revision!r} is not a positive integer")
+    for where, value in (("timing.median_s", _get(entry.get("timing"), "median_s")),
+                         ("default.median_s", _get(entry.get("default"), "median_s"))):
+        if value is not None and seconds(value) is None:
+            found.append(f"{where} {value!r} is not a positive number of seconds")
+    speedup = entry.get("speedup_over_default")
+    if speedup is not None and seconds(speedup) is None:
+        found.append(f"speedup_over_default {speedup!r} is not a positive number")
+    if any(not isinstance(record, Mapping) for record in entry.get("provenance") or []):
+        found.append("'provenance' holds something other than objects")
+    return found

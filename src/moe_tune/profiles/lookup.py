@@ -25,7 +25,7 @@ from moe_tune import devices, distributions, settings
 from moe_tune.errors import TableError, warn_caller
 from moe_tune.profiles import dirs
 from moe_tune.profiles import versions as _versions
-from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.entry import Entry, record_problems
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.protocols import BackendLike, ProblemLike
 from moe_tune.profiles.table import read_table_cached
@@ -158,7 +158,7 @@ def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], ke
             reason = f"exact entry in {path} has an unusable config ({e})"
             break
         why = "; ".join([*skipped, f"tuned entry in {path}" + (f" (stale: {'; '.join(stale)})" if stale else "")])
-        return LookupResult(config, "exact", key, impl.name, device_kind, path, Entry.from_json(entry, key), why,
+        return LookupResult(config, "exact", key, impl.name, device_kind, path, _read_entry(path, entry, key), why,
                             "; ".join(stale), policy)
     else:
         reason = "; ".join([*skipped, "no entry for this shape"]) if skipped else "no entry for this shape"
@@ -193,6 +193,16 @@ def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], ke
         if stale:
             why += f" (stale: {'; '.join(stale)})"
         return LookupResult(config, "nearest", key, impl.name, device_kind, path,
-                            Entry.from_json(entry, entry.get("key", key)), why, "; ".join(stale), policy)
+                            _read_entry(path, entry, entry.get("key", key)), why, "; ".join(stale), policy)
     return LookupResult(impl.default_config(problem), "default", key, impl.name, device_kind, None, None,
                         f"{reason}; heuristic default", "", policy)
+
+
+def _read_entry(path: Path, entry: dict[str, Any], key: str) -> Entry:
+    """The typed entry a config came from; one warning when its records are broken (a timing that is not a
+    number...): its config is used all the same, only its times are unknown (`Entry.median_s` is None)."""
+    broken = record_problems(entry)
+    if broken:
+        _warn_once(("records", str(path), key), f"moe-tune: {path}: entry {key!r}: {broken[0]}; its config is "
+                                                 "used, its times are not (`moe-tune validate` lists what is wrong)")
+    return Entry.from_json(entry, key)

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from moe_tune.errors import TableError, UsageError
+from moe_tune.errors import TableError, UsageError, path_error
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import read_table, update_table
 from moe_tune.profiles.versions import recorded_revision
@@ -65,10 +65,7 @@ class MergeReport:
 
 
 def _median(entry: Entry) -> float | None:
-    value = entry.median_s
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and value == value:
-        return float(value)
-    return None
+    return entry.median_s  # a positive number of seconds, or None (`Entry.median_s`)
 
 
 _IDENT = ("source", "hostname", "median_s", "tuned_at")
@@ -178,7 +175,10 @@ def merge_tables(out_path: str | os.PathLike, in_paths: Iterable[str | os.PathLi
             decisions.append(MergeDecision(key, status, candidates[win][0], _median(kept), len(candidates), why))
         return decisions
 
-    decisions = update_table(out, expected["op"], expected["device_kind"], merge)
+    try:
+        decisions = update_table(out, expected["op"], expected["device_kind"], merge)
+    except OSError as e:  # an unwritable dir or file, a parent that is a file: nothing was written
+        raise path_error("cannot write the merged table", out, e, TableError) from None
     notes = []
     if out.parent.name != expected["device_kind"] or out.name != f"{expected['op']}.json":
         notes.append(f"note: lookup reads <profile dir>/{expected['device_kind']}/{expected['op']}.json; "

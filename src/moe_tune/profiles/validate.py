@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from moe_tune import distributions
+from moe_tune import distributions, settings
 from moe_tune.errors import TableError
 from moe_tune.profiles import dirs
+from moe_tune.profiles.entry import record_problems
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.protocols import OpLike
 from moe_tune.profiles.table import SCHEMA_VERSION, entry_problems, parse_table
@@ -139,16 +139,7 @@ def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | Non
     for name, expected in (("op", op), ("device_kind", device_kind)):
         if expected is not None and entry.get(name, expected) != expected:
             found.append(f"entry is for {name} {entry[name]!r}, the table for {expected!r}")
-    versions = entry.get("versions") or {}
-    revision = versions.get("backend_revision")
-    if revision is not None and (not isinstance(revision, int) or isinstance(revision, bool) or revision < 1):
-        found.append(f"versions.backend_revision {revision!r} is not a positive integer")
-    median = (entry.get("timing") or {}).get("median_s")
-    if median is not None and (not isinstance(median, (int, float)) or isinstance(median, bool)
-                               or not math.isfinite(median) or median <= 0):
-        found.append(f"timing.median_s {median!r} is not a positive number of seconds")
-    if any(not isinstance(record, dict) for record in entry.get("provenance") or []):
-        found.append("'provenance' holds something other than objects")
+    found += record_problems(entry)
     if spec is None:
         return found
 
@@ -197,6 +188,15 @@ def table_files(directory: Path) -> list[Path]:
     return sorted({*directory.glob("*/*.json"), *directory.glob("*.json")})
 
 
+def _not_a_dir(path: Path) -> str:
+    """Why `path`, which exists (at least as a link), is no directory: a file, a symlink loop, ..."""
+    try:
+        path.stat()
+    except OSError as e:
+        return e.strerror or str(e)
+    return "a file"
+
+
 def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: GetOp) -> ValidationReport:
     """Validate table files and every table under directories; no paths: every profile dir that exists
     (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables).
@@ -205,9 +205,13 @@ def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: 
     files: list[Path] = []
     problems: list[Problem] = []
     if not paths:
-        for _, directory in dirs.search_dirs():
+        for origin, directory in dirs.search_dirs():
             if directory.is_dir():
                 files += table_files(directory)
+            elif os.path.lexists(directory):  # lookup fails on it (exit 1), so validate must too
+                source = f" (${settings.PROFILE_DIR})" if origin == "env" else ""
+                problems.append(Problem(directory, f"the profile dir{source} is not a directory "
+                                                   f"({_not_a_dir(directory)}): no table under it can be read"))
     for given in map(Path, paths):
         if given.is_dir() and not given.name.endswith(".json"):
             found = table_files(given)

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 
 from moe_tune import settings
+from moe_tune.paths import writable_dir
 
 
 def cache_dir() -> Path | None:
@@ -22,11 +23,13 @@ def cache_dir() -> Path | None:
 def enable() -> Path | None:
     """Point JAX's persistent compilation cache at `cache_dir()` and cache every executable, however quick
     its compile (JAX's default skips compiles under a second: most candidates of a CPU sweep). Returns the
-    dir, or None when disabled. Call before the first compile."""
+    dir, or None when disabled. Call before the first compile. A dir that cannot be created or written is a
+    MoeTuneError naming it (JAX would only warn at each cache write)."""
     directory = cache_dir()
     if directory is None:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
+    writable_dir(directory, "cannot create or write the compile cache dir",
+                 f"; set ${settings.COMPILE_CACHE_DIR} to a writable dir, or to `off`")
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

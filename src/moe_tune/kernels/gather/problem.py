@@ -51,6 +51,9 @@ class GatherProblem:
             if self.experts % self.ep:
                 raise UsageError(f"experts ({self.experts}) must be a multiple of the expert-parallel size ep "
                                  f"({self.ep})")
+            if self.top_k > self.experts:  # a token goes to top_k distinct experts
+                raise UsageError(f"top_k ({self.top_k}) must not exceed experts ({self.experts}): each token is "
+                                 "routed to top_k distinct experts")
         if self.direction != "fwd":
             raise UsageError(f"gather ops have one direction, fwd (their gradients are the other op); got "
                              f"{self.direction!r}")
