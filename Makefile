@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,xprof,ray]'
+	# The [tpu-compile] / [gpu-compile] wheels (libtpu, the CUDA plugin; about 1.2 GB) go into
+	# $(VENV)/compile-only, outside site-packages: there every `import jax` would load them (CUDA driver
+	# warnings, a TPU probe). Only moe-tune's compile worker processes put that folder on their path.
+	$(PY) -m moe_tune.targets.wheels install
 	touch $(STAMP)
 
 # A real sweep of ragged_dot tile sizes at a realistic MoE expert shape on this machine, then the report,

@@ -8,20 +8,39 @@ import re
 import jax
 
 
-# Scoped VMEM a Pallas TPU kernel may use by default (the compiler's default scoped limit on v5e; larger
-# chips allow more, so this is the safe budget for pruning block shapes).
-TPU_SCOPED_VMEM_BYTES = 16 * 1024 * 1024
+from moe_tune.targets.chips import GPU_TARGETS, TPU_TARGETS
+
+# The chips' budgets come from the compile-target table (`moe_tune.targets.chips`), which the real compilers
+# check (tests/test_real_compilers.py): one source of truth for the pruning rules and the compilers.
+
+# Scoped VMEM a Pallas TPU kernel may use by default on every TPU generation (the smallest of the chips'
+# defaults, 16 MiB): the safe budget for pruning block shapes where the chip is not known.
+TPU_SCOPED_VMEM_BYTES = min(t.scoped_vmem_bytes for t in TPU_TARGETS)
 
 
-# Shared memory one GPU thread block may use, by device kind (the CUDA opt-in maximum); the default is the
-# conservative budget of older chips, used also when tuning in interpret mode on CPU.
-GPU_SHARED_MEMORY_BYTES = {"h100": 227 * 1024, "h200": 227 * 1024, "h800": 227 * 1024, "a100": 163 * 1024}
+def tpu_scoped_vmem_bytes(kind: str | None = None) -> int:
+    """The default scoped VMEM of the TPU with device kind `kind` (default: this machine's), or the safe
+    `TPU_SCOPED_VMEM_BYTES` for a chip not in the table."""
+    kind = device_kind() if kind is None else kind
+    return next((t.scoped_vmem_bytes for t in TPU_TARGETS if t.device_kind == kind), TPU_SCOPED_VMEM_BYTES)
+
+
+# Shared memory one GPU thread block may use (the CUDA opt-in maximum), by a name in the device kind; the
+# default is the conservative budget of older chips, used also when tuning in interpret mode on CPU.
+GPU_SHARED_MEMORY_BYTES = {name: t.shared_memory_per_block for t in GPU_TARGETS for name in t.kind_names}
 DEFAULT_GPU_SHARED_MEMORY_BYTES = 99 * 1024
 
 
 def gpu_shared_memory_bytes(kind: str | None = None) -> int:
     kind = device_kind() if kind is None else kind
     return next((v for name, v in GPU_SHARED_MEMORY_BYTES.items() if name in kind), DEFAULT_GPU_SHARED_MEMORY_BYTES)
+
+
+def gpu_compute_capability(kind: str | None = None) -> tuple[int, int] | None:
+    """(major, minor) of the NVIDIA GPU with device kind `kind` (default: this machine's), None when unknown
+    (not a GPU, or a chip not in the target table)."""
+    kind = device_kind() if kind is None else kind
+    return next((t.gpu.compute_capability for t in GPU_TARGETS for name in t.kind_names if name in kind), None)
 
 
 def normalize_device_kind(kind: str) -> str:

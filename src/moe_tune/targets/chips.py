@@ -1,0 +1,134 @@
+"""The chips moe-tune can compile for without having them: their names, topologies and device facts.
+
+One table, `TARGETS`, holds every fact a backend prunes a search space with (a TPU's scoped VMEM budget,
+a GPU's shared memory per block and compute capability), and what the compile-only topology is built from
+(a TPU topology name; a GPU's `GpuTargetConfigProto`, rendered by `gpu_config.py` from the facts here).
+`moe_tune.devices` reads its budgets from this table, so the pruning rules and the compilers see the same
+chip. Numbers are the chips' published figures (CUDA device attributes for the GPUs); where a rule and the
+compiler disagreed, the compiler's limit is what is written here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moe_tune.errors import UsageError
+
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuFacts:
+    """What XLA's GPU compiler needs to know about an NVIDIA chip (`GpuTargetConfigProto.gpu_device_info`)."""
+
+    compute_capability: tuple[int, int]
+    sm_count: int
+    shared_memory_per_block: int  # without opting in (48 KiB on every chip here)
+    shared_memory_per_block_optin: int  # the most one thread block may use: what Triton checks a kernel against
+    shared_memory_per_sm: int
+    registers_per_sm: int
+    registers_per_block: int
+    fp32_units_per_sm: int
+    l2_cache_bytes: int
+    clock_ghz: float
+    memory_bytes: int
+    memory_bandwidth: int  # bytes per second
+    threads_per_block: int = 1024
+    threads_per_sm: int = 2048
+    threads_per_warp: int = 32
+
+    @property
+    def sm(self) -> str:
+        """`sm_90` style name of the compute capability."""
+        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One chip to compile for.
+
+    Attributes:
+      name: what `--target` takes (`v5e`, `h100`).
+      platform: `tpu` or `gpu` (what `devices.platform()` reports on the chip).
+      device_kind: the normalized device kind the real chip reports (`devices.device_kind()`): the table
+        directory its tuned entries, and its compile records, live under.
+      description: the device kind as the chip spells it.
+      topology: TPU only: the `get_topology_desc` name of a small slice (`v5e:2x2`); one chip of it is used.
+      scoped_vmem_bytes: TPU only: the scoped VMEM a Pallas kernel gets by default (`vmem_limit_bytes` unset);
+        the budget the megablox / pallas_tpu rules prune against.
+      gpu: GPU only: the facts of its target config.
+      kind_names: GPU only: names that identify the chip (and chips with the same limits) in a device kind.
+    """
+
+    name: str
+    platform: str
+    device_kind: str
+    description: str
+    topology: str | None = None
+    scoped_vmem_bytes: int | None = None
+    gpu: GpuFacts | None = None
+    kind_names: tuple[str, ...] = ()
+
+    @property
+    def shared_memory_per_block(self) -> int | None:
+        """GPU only: the opt-in shared memory of one thread block (the Triton limit)."""
+        return None if self.gpu is None else self.gpu.shared_memory_per_block_optin
+
+    @property
+    def extra(self) -> str:
+        """The package extra that brings this target's compiler."""
+        return f"{self.platform}-compile"
+
+
+def _tpu(name: str, topology: str, device_kind: str, description: str, scoped_mib: int) -> Target:
+    return Target(name=name, platform="tpu", device_kind=device_kind, description=description, topology=topology,
+                  scoped_vmem_bytes=scoped_mib * MIB)
+
+
+# Scoped VMEM defaults are libtpu's (16 MiB on v4 and v5e, 32 MiB on v5p and v6e); libtpu 0.0.42 compiles a
+# kernel over the budget with `CompileTimeScopedVmemOom`.
+TPU_TARGETS = (
+    _tpu("v4", "v4:2x2x1", "tpu_v4", "TPU v4", 16),
+    _tpu("v5e", "v5e:2x2", "tpu_v5_lite", "TPU v5 lite", 16),
+    _tpu("v5p", "v5p:2x2x1", "tpu_v5", "TPU v5", 16),
+    _tpu("v6e", "v6e:2x2", "tpu_v6_lite", "TPU v6 lite", 32),
+)
+
+GPU_TARGETS = (
+    Target(name="h100", platform="gpu", device_kind="nvidia_h100_80gb_hbm3", description="NVIDIA H100 80GB HBM3",
+           kind_names=("h100", "h200", "h800"),  # H200 and H800: the H100's SMs (same shared memory)
+           gpu=GpuFacts(compute_capability=(9, 0), sm_count=132, shared_memory_per_block=48 * 1024,
+                        shared_memory_per_block_optin=227 * 1024, shared_memory_per_sm=228 * 1024,
+                        registers_per_sm=65536, registers_per_block=65536, fp32_units_per_sm=128,
+                        l2_cache_bytes=50 * MIB, clock_ghz=1.98, memory_bytes=80 * 1024 * MIB,
+                        memory_bandwidth=3_352_000_000_000)),
+    Target(name="a100", platform="gpu", device_kind="nvidia_a100_sxm4_80gb", description="NVIDIA A100-SXM4-80GB",
+           kind_names=("a100",),
+           gpu=GpuFacts(compute_capability=(8, 0), sm_count=108, shared_memory_per_block=48 * 1024,
+                        shared_memory_per_block_optin=163 * 1024, shared_memory_per_sm=164 * 1024,
+                        registers_per_sm=65536, registers_per_block=65536, fp32_units_per_sm=64,
+                        l2_cache_bytes=40 * MIB, clock_ghz=1.41, memory_bytes=80 * 1024 * MIB,
+                        memory_bandwidth=2_039_000_000_000)),
+    Target(name="b200", platform="gpu", device_kind="nvidia_b200", description="NVIDIA B200",
+           kind_names=("b200",),
+           gpu=GpuFacts(compute_capability=(10, 0), sm_count=148, shared_memory_per_block=48 * 1024,
+                        shared_memory_per_block_optin=227 * 1024, shared_memory_per_sm=228 * 1024,
+                        registers_per_sm=65536, registers_per_block=65536, fp32_units_per_sm=128,
+                        l2_cache_bytes=126 * MIB, clock_ghz=1.965, memory_bytes=180 * 1024 * MIB,
+                        memory_bandwidth=8_000_000_000_000)),
+)
+
+TARGETS: dict[str, Target] = {t.name: t for t in (*TPU_TARGETS, *GPU_TARGETS)}
+
+
+def get_target(name: str) -> Target:
+    """The target called `name` (case-insensitive); a one-line UsageError naming the known ones otherwise."""
+    found = TARGETS.get(name.lower())
+    if found is None:
+        raise UsageError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
+    return found
+
+
+def for_device_kind(kind: str) -> Target | None:
+    """The target whose chip reports the normalized device kind `kind`, if any."""
+    return next((t for t in TARGETS.values() if t.device_kind == kind), None)
