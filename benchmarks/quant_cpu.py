@@ -82,8 +82,8 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
                                       **{"dtype": "float32", **MODES[mode]})
         started = time.perf_counter()
         sweeps[mode] = run_sweep(SweepRequest.make("ragged_dot", problems[mode], backend="tiled", strategy="coordinate",
-                                           profile_dir=profile_dir, workers=1, samples=args.samples,
-                                           budget=args.budget))
+                                                   profile_dir=profile_dir, workers=1, samples=args.samples,
+                                                   budget=args.budget))
         sweep_s[mode] = time.perf_counter() - started
         inputs[mode] = spec.make_inputs(problems[mode], "balanced", seed=1)  # the same draws for every mode
     f32 = problems["float32"]

@@ -68,12 +68,12 @@ def main() -> int:
         # Start the compile workers and warm this process up first, so that grid (the first sweep) does not
         # pay for it in its wall time.
         run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", max_candidates=1, samples=1,
-                            profile_dir=profile_dir, **extra))
+                                    profile_dir=profile_dir, **extra))
         for strategy, budget, seed in plan:
             started = time.perf_counter()
-            result = run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", strategy=strategy, budget=budget,
-                                         seed=seed, samples=args.samples, profile_dir=profile_dir, fresh=True,
-                                         **extra))
+            result = run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", strategy=strategy,
+                                                 budget=budget, seed=seed, samples=args.samples,
+                                                 profile_dir=profile_dir, fresh=True, **extra))
             wall = time.perf_counter() - started
             runs.append({"strategy": strategy, "budget": budget, "seed": seed, "wall_s": wall,
                          "tried": result.entry.candidates["tried"], "space": result.entry.search["space"],

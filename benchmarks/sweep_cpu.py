@@ -31,7 +31,7 @@ def one_sweep(workers: int, candidates: int, samples: int) -> dict:
     problem = get_op("ragged_dot").problem(**SHAPE)
     started = time.perf_counter()
     result = run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", workers=workers, samples=samples,
-                                 max_candidates=candidates, fresh=True))
+                                         max_candidates=candidates, fresh=True))
     ended = time.perf_counter()
     stages = dict(result.entry.search["stage_s"])
     stages["finalists and table"] = (ended - started) - sum(stages.values())

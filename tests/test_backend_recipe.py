@@ -64,17 +64,17 @@ def toy():
 
 
 def test_a_toy_backend_sweeps_end_to_end_and_is_used(toy, tmp_path):
-    spec = get_op("ragged_dot")
-    problem = spec.problem(m=128, k=64, n=128, groups=4)
+    kernel_op = get_op("ragged_dot")
+    problem = kernel_op.problem(m=128, k=64, n=128, groups=4)
     result = run_sweep(SweepRequest.make("ragged_dot", problem, backend="toy", samples=2, workers=1, max_candidates=2,
-                                 profile_dir=tmp_path))
+                                         profile_dir=tmp_path))
     assert result.entry.count("tried") == 2 and result.entry.count("wrong") == 0
     assert result.entry.backend == "toy" and result.entry.versions["backend_revision"] == 1
 
-    inputs = spec.make_inputs(problem, "balanced", 0)
+    inputs = kernel_op.make_inputs(problem, "balanced", 0)
     with moe_tune.use_profiles(tmp_path):
-        found = spec.lookup(problem, backend="toy")
+        found = kernel_op.lookup(problem, backend="toy")
         assert found.source == "exact" and found.config == ToyConfig(**result.entry.config)
         out = moe_tune.ragged_dot(jnp.asarray(inputs["a"]), jnp.asarray(inputs["b"]),
                                   jnp.asarray(inputs["group_sizes"]), backend="toy")
-    np.testing.assert_allclose(np.asarray(out), spec.reference(problem, inputs), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out), kernel_op.reference(problem, inputs), rtol=1e-4, atol=1e-4)

@@ -32,7 +32,7 @@ def tuned(tmp_path_factory):
     problem = get_op("ragged_dot").problem(**PROBLEM)
     profile_dir = tmp_path_factory.mktemp("profiles")
     result = run_sweep(SweepRequest.make("ragged_dot", problem, samples=1, max_candidates=3, workers=1,
-                                 profile_dir=profile_dir))
+                                         profile_dir=profile_dir))
     return profile_dir, result.entry
 
 
@@ -49,12 +49,12 @@ def test_cpu_readers_agree_on_one_trace(tmp_path):
     """The xplane reader and xprof's trace_viewer read the same per-op events of one trace: same ops, same
     calls, the same dominant op, the same shares."""
     pytest.importorskip("xprof")
-    spec = get_op("ragged_dot")
-    problem = spec.problem(**PROBLEM)
-    backend = spec.backend("tiled")
-    inputs = jax.device_put(spec.make_inputs(problem, "balanced", 0))
+    kernel_op = get_op("ragged_dot")
+    problem = kernel_op.problem(**PROBLEM)
+    backend = kernel_op.backend("tiled")
+    inputs = jax.device_put(kernel_op.make_inputs(problem, "balanced", 0))
     config = backend.default_config(problem)
-    compiled = traceable(lambda x: spec.run(backend, config, problem, x), 7).lower(inputs).compile()
+    compiled = traceable(lambda x: kernel_op.run(backend, config, problem, x), 7).lower(inputs).compile()
     jax.block_until_ready(compiled(inputs))
     with jax.profiler.trace(str(tmp_path)):
         for _ in range(2):

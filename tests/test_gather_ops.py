@@ -322,8 +322,8 @@ def test_version_check_uses_pep440(monkeypatch):
 @pytest.mark.parametrize("op", ["ragged_gather", "ragged_gather_reduce", "dense_gather_reduce"])
 def test_sweep_entry_is_used_at_run_time(op, caplog):
     from moe_tune.kernels import get_op
-    spec = get_op(op)
-    problem = spec.problem(tokens=64, hidden=128, top_k=4, experts=8, ep=2, dtype="float32")
+    kernel_op = get_op(op)
+    problem = kernel_op.problem(tokens=64, hidden=128, top_k=4, experts=8, ep=2, dtype="float32")
     result = run_sweep(SweepRequest.make(op, problem, samples=2, workers=1, max_candidates=3))
     entry = result.entry
     assert entry.count("tried") == 3 and entry.count("wrong") == 0
@@ -331,7 +331,7 @@ def test_sweep_entry_is_used_at_run_time(op, caplog):
     assert record["experts"] == 8 and record["ep"] == 2 and 0.3 < record["valid_fraction"] < 0.7
 
     caplog.set_level(logging.INFO, logger="moe_tune")
-    inputs = spec.make_inputs(problem, "balanced", 0)
+    inputs = kernel_op.make_inputs(problem, "balanced", 0)
     x = jnp.asarray(inputs["x"])
     if op == "ragged_gather":
         out = moe_tune.ragged_gather(x, inputs["indices"], inputs["start"], inputs["end"])
@@ -339,7 +339,7 @@ def test_sweep_entry_is_used_at_run_time(op, caplog):
         out = moe_tune.ragged_gather_reduce(x, inputs["indices"], inputs["weights"], inputs["valid"], 4)
     else:
         out = moe_tune.dense_gather_reduce(x, inputs["indices"], inputs["weights"], 4)
-    assert close(out, spec.reference(problem, inputs))
+    assert close(out, kernel_op.reference(problem, inputs))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(op))
     assert "(exact: tuned entry in" in line and entry.config["rows_per_chunk"] == int(
         line.split("rows_per_chunk=")[1].split()[0])

@@ -48,7 +48,7 @@ def faulty(monkeypatch):
 def _sweep(backend, monkeypatch, tmp_path, modes):
     monkeypatch.setattr(FaultyRaggedDot, "candidate_values", lambda self, p: {"mode": list(modes), "tm": [32]})
     return run_sweep(SweepRequest.make("ragged_dot", TINY, backend=backend.name, samples=1, finalists=1, workers=2,
-                               compile_timeout_s=TIMEOUT_S, profile_dir=tmp_path))
+                                       compile_timeout_s=TIMEOUT_S, profile_dir=tmp_path))
 
 
 REASONS = {

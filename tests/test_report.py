@@ -99,11 +99,11 @@ def test_bench_case_uses_the_tuned_entry(tables):
 def test_bench_case_times_and_looks_up_the_distribution_it_is_given(tables, monkeypatch):
     """`bench --distribution skewed`: the lookup asks for the skewed entry (the table holds a balanced one
     only, so it is not an exact hit) and the kernels run on group sizes drawn from that distribution."""
-    spec = get_op("ragged_dot")
-    drawn, make_inputs = [], spec.make_inputs
-    monkeypatch.setattr(spec, "make_inputs", lambda problem, distribution, seed: (
+    kernel_op = get_op("ragged_dot")
+    drawn, make_inputs = [], kernel_op.make_inputs
+    monkeypatch.setattr(kernel_op, "make_inputs", lambda problem, distribution, seed: (
         drawn.append(distribution), make_inputs(problem, distribution, seed))[1])
-    result = bench.bench_case("ragged_dot", spec.problem(m=256, k=128, n=128, groups=4), samples=1,
+    result = bench.bench_case("ragged_dot", kernel_op.problem(m=256, k=128, n=128, groups=4), samples=1,
                               distribution="skewed")
     assert drawn == ["skewed"] and result.lookup_source != "exact"
 

@@ -128,7 +128,7 @@ SMALL_REAL = RaggedDotProblem(m=256, k=384, n=192, groups=4)  # 16 candidates
 def test_real_coordinate_and_random_sweeps(tmp_path):
     space = TILED.search_space(SMALL_REAL)
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL_REAL, backend="tiled", strategy="coordinate", samples=2,
-                                 workers=2, profile_dir=tmp_path))
+                                         workers=2, profile_dir=tmp_path))
     tried = [c.config for c in result.candidates]
     assert tried[0] == space[0] and result.candidates[0].is_default
     assert all(c in space for c in tried) and len(set(tried)) == len(tried)
@@ -140,11 +140,11 @@ def test_real_coordinate_and_random_sweeps(tmp_path):
     assert result.entry.config in [c.to_dict() for c in tried]
 
     budgeted = run_sweep(SweepRequest.make("ragged_dot", SMALL_REAL, backend="tiled", strategy="coordinate", budget=3,
-                                   samples=2, workers=2, profile_dir=tmp_path))
+                                           samples=2, workers=2, profile_dir=tmp_path))
     assert len(budgeted.candidates) == 3 and budgeted.log_path != result.log_path
 
     picks = [c.config for c in run_sweep(SweepRequest.make("ragged_dot", SMALL_REAL, backend="tiled", strategy="random",
-                                                   budget=4, seed=7, samples=2, workers=2,
-                                                   profile_dir=tmp_path)).candidates]
+                                                           budget=4, seed=7, samples=2, workers=2,
+                                                           profile_dir=tmp_path)).candidates]
     expected = S.make("random", space, budget=4, seed=7).next_round({})
     assert picks == expected and picks[0] == space[0]

@@ -59,7 +59,8 @@ def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
     space = BACKENDS.get("tiled").search_space(SMALL)[:4]
     first = run_sweep(_request(profile_dir=tmp_path))
     log = first.log_path
-    assert log.parent == tmp_path / "cpu" / "sweeps" / "ragged_dot" and log == log_path_for(_request(profile_dir=tmp_path))
+    assert log.parent == tmp_path / "cpu" / "sweeps" / "ragged_dot"
+    assert log == log_path_for(_request(profile_dir=tmp_path))
     lines = _raw_lines(log)
     assert [x["type"] for x in lines] == ["header"] + ["candidate"] * len(space) + ["final"]
     assert lines[0]["key"] == first.key and lines[0]["versions"]["jax"]

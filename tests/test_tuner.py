@@ -36,7 +36,8 @@ def faulty():
 
 
 def test_wrong_and_failing_candidates_are_recorded_and_never_win(faulty, tmp_path):
-    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend=faulty.name, samples=3, workers=2, profile_dir=tmp_path))
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend=faulty.name, samples=3, workers=2,
+                                         profile_dir=tmp_path))
     by_mode = {}
     for cand in result.candidates:
         by_mode.setdefault(cand.config.mode, []).append(cand)
@@ -71,7 +72,7 @@ def test_each_candidate_is_compiled_exactly_once(tmp_path, workers):
     n_candidates = 6
     before = backend_compiles()
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=2, workers=workers,
-                                 profile_dir=tmp_path, max_candidates=n_candidates))
+                                         profile_dir=tmp_path, max_candidates=n_candidates))
     here = backend_compiles() - before
     assert len(result.candidates) == n_candidates
     assert [c.compiles for c in result.candidates] == [1] * n_candidates
@@ -112,7 +113,8 @@ def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, m
                 c.executable = _FailsAfterCalls(c.executable, working=0)
 
     monkeypatch.setattr(measure, "compile_all", flaky_compile_all)
-    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=1, workers=1, profile_dir=tmp_path))
+    result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=1, workers=1,
+                                         profile_dir=tmp_path))
     by_index = {c.index: c for c in result.candidates}
     assert compiled[1] == 2 and by_index[1].status == "ok" and by_index[1].timing is not None
     assert by_index[1].compiles == 2  # counted: the recompile is a second XLA compilation
@@ -135,14 +137,14 @@ def test_worker_outputs_are_checked_as_they_arrive(tmp_path, monkeypatch):
 
     monkeypatch.setattr(measure, "check_all", check_all)
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=1, workers=2, max_candidates=4,
-                                 profile_dir=tmp_path))
+                                         profile_dir=tmp_path))
     assert result.entry.candidates["ok"] == 4
     assert max(held) == 1 and held.count(1) == 4
 
 
 def test_entry_records_what_design_requires(tmp_path):
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
-                                 samples=3, profile_dir=tmp_path, max_candidates=4))
+                                         samples=3, profile_dir=tmp_path, max_candidates=4))
     table = read_table(tmp_path / "cpu" / "ragged_dot.json")
     assert table["schema_version"] == SCHEMA_VERSION == 2 and table["op"] == "ragged_dot" and table["device_kind"] == "cpu"
     entry = table["entries"][result.key]
@@ -171,7 +173,7 @@ def test_trace_timing_parses_one_event_per_run_and_the_method_is_recorded(tmp_pa
                         lambda trace, wall, expected: checked.append((list(trace), list(wall), expected))
                         or real(trace, wall, expected))
     result = run_sweep(SweepRequest.make("ragged_dot", RaggedDotProblem(m=512, k=256, n=256, groups=8), backend="tiled",
-                                 samples=3, profile_dir=tmp_path, max_candidates=4))
+                                         samples=3, profile_dir=tmp_path, max_candidates=4))
     assert checked and all(len(trace) == expected == len(wall) and min(trace) > 0
                            for trace, wall, expected in checked)
     refused = [why for why in (real(*args) for args in checked) if why]
@@ -193,7 +195,7 @@ def test_wall_clock_timing_when_the_trace_cannot_be_parsed(tmp_path, monkeypatch
 
     monkeypatch.setattr(timing_module, "parse_trace", lambda trace_dir, platform: {})
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=2, profile_dir=tmp_path,
-                                 max_candidates=2))
+                                         max_candidates=2))
     entry = read_table(tmp_path / "cpu" / "ragged_dot.json")["entries"][result.key]
     assert entry["timing"]["method"] == "wall"
     assert "found 0 trace events" in entry["timing_fallback"]
@@ -239,7 +241,7 @@ def test_a_sweep_times_raced_out_candidates_once_and_the_finalists_fully(tmp_pat
     """With racing a candidate has one sample (raced out), `samples` or, as a finalist, twice as many (without
     racing every call gets every round: `test_racing_stops_timing_calls_slower_than_the_best_known`)."""
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=3, race=1.5, max_candidates=4,
-                                 workers=1, profile_dir=tmp_path))
+                                         workers=1, profile_dir=tmp_path))
     assert {c.timing.samples for c in result.candidates if c.status == "ok"} <= {1, 3, 6}
     assert result.entry.timing["samples"] == 6
     header = json.loads(next((tmp_path / "cpu" / "sweeps").rglob("*.jsonl")).read_text().splitlines()[0])
@@ -317,8 +319,8 @@ def test_every_direction_sweeps_and_the_vjp_uses_each_entry(tmp_path, caplog):
     problem = RaggedDotProblem(m=256, k=64, n=32, groups=4)
     keys = {}
     for direction in ("fwd", "dlhs", "drhs"):
-        result = run_sweep(SweepRequest.make("ragged_dot", problem.with_direction(direction), samples=2, max_candidates=3,
-                                     profile_dir=tmp_path))
+        result = run_sweep(SweepRequest.make("ragged_dot", problem.with_direction(direction), samples=2,
+                                             max_candidates=3, profile_dir=tmp_path))
         keys[direction] = result
     assert len({r.key for r in keys.values()}) == 3
     lhs = jax.numpy.ones((256, 64)); rhs = jax.numpy.ones((4, 64, 32))
@@ -377,7 +379,7 @@ def test_compile_worker_hang_and_crash_are_recorded_and_the_sweep_goes_on(faulty
     monkeypatch.setattr(FaultyRaggedDot, "candidate_values",
                         lambda self, p: {"mode": ["hang", "crash", "good"], "tm": [32]})
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend=faulty.name, samples=1, workers=2,
-                                 compile_timeout_s=HANG_DEADLINE_S, profile_dir=tmp_path))
+                                         compile_timeout_s=HANG_DEADLINE_S, profile_dir=tmp_path))
     status = {c.config.mode: (c.status, c.reason) for c in result.candidates if c.config.tm == 32}
     assert status["hang"][0] == "failed" and f"hung: timed out after {HANG_DEADLINE_S} s" in status["hang"][1]
     assert status["crash"][0] == "failed" and "died" in status["crash"][1] and "signal" in status["crash"][1]
@@ -403,7 +405,7 @@ for fresh in (True, False, False):
     for direction in ("fwd", "drhs"):
         problem = get_op("ragged_dot").problem(m=512, k=256, n=256, groups=8, dtype="bfloat16", direction=direction)
         r = run_sweep(SweepRequest.make("ragged_dot", problem, backend="tiled", samples=1, workers=2,
-                                strategy="coordinate", profile_dir=sys.argv[1], fresh=fresh))
+                                        strategy="coordinate", profile_dir=sys.argv[1], fresh=fresh))
         out.append([direction, r.entry.search["resumed"], r.entry.candidates["ok"]])
 print(json.dumps(out))
 """

@@ -204,7 +204,9 @@ class SweepCases:
 
     def title(self, sweeps: int, device_kind: str) -> str | None:
         """The summary's title for one model's layer (None otherwise: the counts are the title)."""
-        return None if self.layer is None else f"{self.layer[0]}: {sweeps} kernel sweeps on {device_kind} {self.layer[1]}"
+        if self.layer is None:
+            return None
+        return f"{self.layer[0]}: {sweeps} kernel sweeps on {device_kind} {self.layer[1]}"
 
 
 def sweep_cases(op: str, direction: str, backend: str | None, model: str | None, shape: dict[str, Any], *,

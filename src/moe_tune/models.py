@@ -1,7 +1,7 @@
 """Model presets: the expert-layer shapes of well-known MoE models, and the kernel calls of one of their layers.
 
 The shapes live in `moe_tune/data/models.json` (its `_about` text defines the fields); `kernel_problems`
-turns a preset into the tunable problems of one MoE layer, each built by its op's spec.
+turns a preset into the tunable problems of one MoE layer, each built by its op object (`KernelOp.problem`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ModelPreset:
 @dataclasses.dataclass(frozen=True)
 class KernelCase:
     """One tunable kernel call of a MoE layer: the op's name, its role in the layer (`gate/up`, `down`,
-    `dispatch`, `combine`) and the problem object its spec built (`RaggedDotProblem` or `GatherProblem`)."""
+    `dispatch`, `combine`) and the problem object its op object built (`RaggedDotProblem` or `GatherProblem`)."""
 
     op: str
     role: str
@@ -90,10 +90,10 @@ def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, e
 
 
 def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") -> KernelCase:
-    """A case built by the op's spec from the options it takes (`spec.option_names`)."""
-    spec = get_op(op)
-    taken = {key: value for key, value in options.items() if key in spec.option_names}
-    return KernelCase(op=op, role=role, problem=spec.problem(**taken, direction=direction))
+    """A case built by the op object from the options it takes (`KernelOp.option_names`)."""
+    kernel_op = get_op(op)
+    taken = {key: value for key, value in options.items() if key in kernel_op.option_names}
+    return KernelCase(op=op, role=role, problem=kernel_op.problem(**taken, direction=direction))
 
 
 def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16",

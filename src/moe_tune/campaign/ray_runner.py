@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from moe_tune import settings
+from moe_tune.settings import COMPILE_CACHE_DIR
 from moe_tune.campaign.outcome import SweepOutcome, error_text, local_device
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.errors import MoeTuneError
@@ -195,7 +195,7 @@ def _enable_compile_cache(driver_setting: str | None) -> None:
     from moe_tune.tuner import compile_cache
 
     if driver_setting is not None:
-        os.environ[settings.COMPILE_CACHE_DIR] = driver_setting  # this worker process runs one task only
+        os.environ[COMPILE_CACHE_DIR] = driver_setting  # this worker process runs one task only
     compile_cache.enable()
 
 
@@ -281,7 +281,7 @@ def run_on_ray(sweeps: Sequence[PlannedSweep], settings: SweepSettings, accelera
     relay = LogRelay.options(scheduling_strategy=here).remote(str(directory))
     task = ray.remote(max_calls=1)(_sweep_task).options(max_retries=max_retries, retry_exceptions=False,
                                                         **accelerator.resources)
-    cache_setting = os.environ.get(settings.COMPILE_CACHE_DIR)
+    cache_setting = os.environ.get(COMPILE_CACHE_DIR)
     pending = {task.remote(sweep, settings, accelerator, relay, cache_setting, sweep_fn): sweep for sweep in sweeps}
     outcomes: list[SweepOutcome] = []
     try:
