@@ -26,6 +26,15 @@ def isolated_profiles(tmp_path, monkeypatch):
     yield env_dir
 
 
+@pytest.fixture
+def on_chip(monkeypatch):
+    """`on_chip("tpu")` / `on_chip("gpu")`: kernels traced afterwards take their compiled path for that chip
+    (`moe_tune.devices.platform()`, the one function kernels read to choose compiled vs interpret mode)."""
+    from moe_tune import devices
+
+    return lambda platform: monkeypatch.setattr(devices, "platform", lambda: platform)
+
+
 def pytest_generate_tests(metafunc):
     """A test taking `dtype` runs over the `dtypes` of the backend test class it belongs to."""
     if "dtype" in metafunc.fixturenames and metafunc.cls is not None and hasattr(metafunc.cls, "dtypes"):

@@ -1,4 +1,4 @@
-"""Every Pallas kernel of the package lowers for its chip, here on a CPU-only machine.
+"""Every Pallas gather kernel of the package lowers for its chip, here on a CPU-only machine.
 
 The kernel tests elsewhere in the suite run the Pallas kernels in interpret mode, which executes the kernel
 body as ordinary JAX ops and skips the chip's lowering rules: the Mosaic TPU block-shape rule (the last two
@@ -8,15 +8,16 @@ and still fail to compile on the real chip. This file runs the real Pallas -> Mo
 through `jax.export` with `platforms=["tpu"]` or `["cuda"]`, which needs no TPU or GPU and executes nothing
 (all arguments are `jax.ShapeDtypeStruct`).
 
-Kernels pick compiled vs interpret mode from `moe_tune.devices.platform()` at trace time; the `on_chip`
-fixture patches that one function. Each backend is called through its public method (`gmm`, `tgmm`,
-`gather`, `gather_reduce`) with its default config and the smallest and largest configs of its search
-space. Each exported module must target the chip and hold exactly one call of the compiled kernel
-(`tpu_custom_call` for Mosaic, `__gpu$xla.gpu.triton` for Triton), not the kernel inlined as plain HLO
-(which is what the interpret-mode path lowers to).
+The ragged_dot backends' lowering (float, mixed-dtype, group_offset and quantized problems, every direction)
+is a test each backend inherits from `ragged_dot_backend_base.RaggedDotBackendTests`, with the helpers used
+here.
 
-Mixed operand dtypes are covered too: the Triton ragged_dot kernels once failed to lower for them (`tl.dot`
-takes one operand type), which interpret mode, promoting like `jnp.dot`, never showed.
+Kernels pick compiled vs interpret mode from `moe_tune.devices.platform()` at trace time; the `on_chip`
+fixture (conftest) patches that one function. Each backend is called through its public method (`gather`,
+`gather_reduce`) with its default config and the smallest and largest configs of its search space. Each
+exported module must target the chip and hold exactly one call of the compiled kernel (`tpu_custom_call` for
+Mosaic, `__gpu$xla.gpu.triton` for Triton), not the kernel inlined as plain HLO (which is what the
+interpret-mode path lowers to).
 
 The negative tests (one per chip) pass a block shape that the chip's lowering rejects, by calling the kernel
 below `config_error`: the lowering here rejects it while interpret mode takes it, so these tests prove the
@@ -25,15 +26,10 @@ lowering checks are really exercised.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
 
-from moe_tune import devices
 from moe_tune.kernels.gather.pallas_tpu import (
     PallasTpuGather,
     PallasTpuGatherConfig,
@@ -42,148 +38,12 @@ from moe_tune.kernels.gather.pallas_tpu import (
 )
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.triton import TritonGather, TritonGatherConfig, TritonGatherReduce
-from moe_tune.kernels.ragged_dot.megablox import MegabloxRaggedDot
-from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.triton import TritonRaggedDot
 
-S = jax.ShapeDtypeStruct
-TRITON_CALL = "__gpu$xla.gpu.triton"
-MOSAIC_CALL = "tpu_custom_call"
-# devices.platform() name -> (jax.export platform, the compiled kernel's custom call, checks to disable).
-# The Triton call is not on jax.export's list of custom calls with stable compatibility guarantees.
-CHIPS = {
-    "tpu": ("tpu", MOSAIC_CALL, ()),
-    "gpu": ("cuda", TRITON_CALL, (jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL),)),
-}
+from ragged_dot_backend_base import (MOSAIC_CALL, TRITON_CALL, S, assert_one_kernel_call, assert_triton_params,
+                                     configs_to_lower, export_for)
 
-# ragged_dot shapes: m not a multiple of any tile (row padding), n = 3 * 128 (a ragged last column tile).
-M, K, N, GROUPS = 500, 256, 384, 4
 # gather shapes: rows = 384 (the largest blocks leave a partial last block), hidden = 256.
 TOKENS, TOP_K, HIDDEN = 96, 4, 256
-
-
-@pytest.fixture
-def on_chip(monkeypatch):
-    """`on_chip("tpu")` / `on_chip("gpu")`: kernels traced afterwards take their compiled path."""
-    return lambda platform: monkeypatch.setattr(devices, "platform", lambda: platform)
-
-
-def export_for(platform: str, fn, *args) -> jax.export.Exported:
-    """Lower `fn` for `platform` (a devices.platform() name). `fn` must be a fresh function: jit's trace
-    cache is keyed on it, not on the patched platform."""
-    target, _, disabled = CHIPS[platform]
-    return jax.export.export(jax.jit(fn), platforms=[target], disabled_checks=disabled)(*args)
-
-
-def assert_one_kernel_call(exported: jax.export.Exported, platform: str, what: str) -> str:
-    """The module targets the chip and holds one compiled-kernel call (and no other chip's); returns the
-    text of that call's line."""
-    target, call, _ = CHIPS[platform]
-    assert exported.platforms == (target,), what
-    text = exported.mlir_module()
-    calls = [line for line in text.splitlines() if f"stablehlo.custom_call @{call}(" in line]
-    assert len(calls) == 1, f"{what}: {len(calls)} calls of {call}, want 1 (inlined as plain HLO?)"
-    other = MOSAIC_CALL if call == TRITON_CALL else TRITON_CALL
-    assert other not in text, what
-    return calls[0]
-
-
-def assert_triton_params(call: str, config, name: str, what: str) -> None:
-    """The config's launch parameters reached the Triton call."""
-    assert f'name = "{name}"' in call, what
-    assert f"num_warps = {config.num_warps} : i32" in call, what
-    if hasattr(config, "num_stages"):
-        assert f"num_stages = {config.num_stages} : i32" in call, what
-
-
-def configs_to_lower(backend, problem) -> list:
-    """The default config, then the smallest and the largest of the search space (by product of fields)."""
-    space = backend.search_space(problem)
-    rest = sorted(space[1:], key=lambda c: (math.prod(dataclasses.astuple(c)), dataclasses.astuple(c)))
-    picked = list(dict.fromkeys([space[0], *rest[:1], *rest[-1:]]))
-    for config in picked:
-        assert backend.config_error(config, problem) is None, config
-    return picked
-
-
-# --------------------------------------------------------------------------------------------------------
-# ragged_dot: megablox (Mosaic TPU) and triton
-
-
-RAGGED_DOT = {
-    "megablox": (MegabloxRaggedDot(), "tpu", ("float32", "bfloat16")),
-    "triton": (TritonRaggedDot(), "gpu", ("float32", "bfloat16", "float16")),
-}
-DIRECTIONS = ("fwd", "dlhs", "drhs")  # gmm, gmm(transpose_rhs=True), tgmm
-
-
-def ragged_dot_call(backend, problem: RaggedDotProblem, config, with_offset: bool):
-    """A fresh function running `problem.direction` through the backend's gmm / tgmm, and its arguments."""
-    a_dtype, b_dtype, out_dtype = (jnp.dtype(d) for d in problem.operand_dtypes())
-    m, k, n, g = problem.m, problem.k, problem.n, problem.groups
-    sizes = [S((problem.num_group_sizes,), jnp.int32)] + ([S((), jnp.int32)] if with_offset else [])
-    if problem.direction == "drhs":
-        args = [S((m, k), a_dtype), S((m, n), b_dtype), *sizes]
-
-        def fn(lhs, dout, group_sizes, group_offset=None):
-            return backend.tgmm(lhs, dout, group_sizes, config=config, out_dtype=out_dtype, num_groups=g,
-                                group_offset=group_offset)
-
-        return fn, args
-    transpose = problem.direction == "dlhs"
-    args = [S((m, n) if transpose else (m, k), a_dtype), S((g, k, n), b_dtype), *sizes]
-
-    def fn(lhs, rhs, group_sizes, group_offset=None):
-        return backend.gmm(lhs, rhs, group_sizes, config=config, out_dtype=out_dtype, group_offset=group_offset,
-                           transpose_rhs=transpose)
-
-    return fn, args
-
-
-def lower_ragged_dot(on_chip, name, problem, *, with_offset=False, configs=None):
-    backend, platform, _ = RAGGED_DOT[name]
-    on_chip(platform)
-    out_shape = (problem.groups, problem.k, problem.n) if problem.direction == "drhs" else (
-        (problem.m, problem.k) if problem.direction == "dlhs" else (problem.m, problem.n))
-    for config in configs or configs_to_lower(backend, problem):
-        what = f"{name} {problem.key_fields()} {config.label()}"
-        fn, args = ragged_dot_call(backend, problem, config, with_offset)
-        exported = export_for(platform, fn, *args)
-        call = assert_one_kernel_call(exported, platform, what)
-        assert [(a.shape, a.dtype) for a in exported.out_avals] == [
-            (out_shape, jnp.dtype(problem.operand_dtypes()[2]))], what
-        if platform == "gpu":
-            assert_triton_params(call, config, "moe_tune_tgmm" if problem.direction == "drhs" else "moe_tune_gmm",
-                                 what)
-
-
-@pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("name,dtype", [(n, d) for n, (_, _, dtypes) in RAGGED_DOT.items() for d in dtypes])
-def test_ragged_dot_lowers(on_chip, name, dtype, direction):
-    problem = RaggedDotProblem(M, K, N, GROUPS, dtype, dtype, dtype, direction=direction)
-    lower_ragged_dot(on_chip, name, problem)
-
-
-@pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("name", list(RAGGED_DOT))
-def test_ragged_dot_lowers_with_group_offset(on_chip, name, direction):
-    """An expert-parallel shard: group_sizes covers 2 * GROUPS groups, the call computes GROUPS of them."""
-    for dtype in RAGGED_DOT[name][2][:2]:
-        problem = RaggedDotProblem(M, K, N, GROUPS, dtype, dtype, dtype, direction=direction,
-                                   total_groups=2 * GROUPS)
-        lower_ragged_dot(on_chip, name, problem, with_offset=True,
-                         configs=[RAGGED_DOT[name][0].default_config(problem)])
-
-
-@pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("name", list(RAGGED_DOT))
-def test_ragged_dot_lowers_with_mixed_dtypes(on_chip, name, direction):
-    """Low-precision inputs with a float32 output (the usual training setup) and the reverse: the gradients'
-    matmuls then multiply operands of two dtypes (e.g. dlhs = float32 dout @ bfloat16 rhs)."""
-    for low in RAGGED_DOT[name][2][1:]:
-        for lhs_rhs, out in ((low, "float32"), ("float32", low)):
-            problem = RaggedDotProblem(M, K, N, GROUPS, lhs_rhs, lhs_rhs, out, direction=direction)
-            lower_ragged_dot(on_chip, name, problem, configs=[RAGGED_DOT[name][0].default_config(problem)])
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,17 +1,13 @@
-"""Quantized operands (`moe_tune.QArray`) in every ragged_dot backend's kernels, against a float64 reference
-of the dequantized operands.
+"""Quantized operands (`moe_tune.QArray`) in the ragged_dot kernels: what is not the same for every backend.
 
-Each direction takes its quantized operand as the op will pass it: fwd = gmm(lhs, rhs_q) (weight-only, or
-lhs_q x rhs_q), dlhs = gmm(dout, rhs_q, transpose_rhs=True), drhs = tgmm(lhs_q, dout). The integer (or
-float8) products are exact and accumulation is float32, so the tolerance is float32's. Pallas kernels run in
-interpret mode here, so shapes are tiny; their lowering for TPU / GPU is checked with `jax.export`.
+Every backend's quantized modes (int8 per channel, int8 / fp8 sub-channel blocks, w8a8), in every direction,
+with expert-parallel shards, through the public op and lowered for its chip, are tests it inherits from
+`ragged_dot_backend_base.RaggedDotBackendTests` (tests/test_ragged_dot_kernels.py runs them for each
+backend). Here: the layouts and key fields of quantized problems, vmap, each backend's config rules for
+them, and the tiled kernel's own choices (dot dtypes, dequantized blocks, the fp8 convert).
 """
 
 from __future__ import annotations
-
-import dataclasses
-
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -19,164 +15,39 @@ import numpy as np
 import pytest
 
 from moe_tune.errors import UsageError
+from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.loop_dtypes import e4m3fn_to_float32
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, vmem_bytes
-from moe_tune.kernels.ragged_dot.reference import (
-    ragged_dot_dlhs_reference,
-    ragged_dot_drhs_reference,
-    ragged_dot_reference,
-)
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
-from moe_tune.quant import QArray, dequantize, quantize
+from moe_tune.quant import QArray, quantize
 
-M, K, N = 40, 32, 24
-SIZES = [9, 0, 23, 3]  # an empty group; rows 35..39 are past sum(group_sizes)
-TOLERANCE = 2e-6  # relative to max|reference|: float32 accumulation of exact products
+# the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the quantized kernel tests
+# (tests/test_quant_op.py imports these names from here)
+from ragged_dot_backend_base import QK as K, QM as M, QN as N, QSIZES as SIZES  # noqa: F401
+from ragged_dot_backend_base import QuantMode, assert_quant_close as assert_close, direction_reference as reference
+from ragged_dot_backend_base import make_quant_case
 
-# (direction, lhs block, rhs block): None = float operand, "k" = one scale per row / channel, an int =
-# sub-channel block along k.
-MODES = {
-    "fwd_weight_per_channel": ("fwd", None, "k"),
-    "fwd_weight_sub_channel": ("fwd", None, 8),
-    "fwd_w8a8_rows_x_sub_channel": ("fwd", "k", 8),
-    "fwd_w8a8_sub_channel": ("fwd", 8, 16),
-    "dlhs_weight_per_channel": ("dlhs", None, "k"),
-    "dlhs_weight_sub_channel": ("dlhs", None, 8),
-    "drhs_lhs_per_row": ("drhs", "k", None),
-    "drhs_lhs_sub_channel": ("drhs", 8, None),
-}
+WEIGHT_SUB_CHANNEL = QuantMode("fwd", None, 8)  # float activations, rhs scale blocks of 8 along k
 
 
-def _quantized(x: np.ndarray, block, qdtype: str):
-    if block is None:
-        return jnp.asarray(x)
-    return quantize(jnp.asarray(x), qdtype, axis=1, block_size=None if block == "k" else block)
+def make_case(mode: QuantMode, qdtype: str = "int8"):
+    """(problem, a, b) of `mode` with both quantized operands stored as `qdtype`."""
+    return make_quant_case(QuantMode(mode.direction, mode.lhs_block, mode.rhs_block, qdtype))
 
 
-def _as_f64(x) -> np.ndarray:
-    return np.asarray(dequantize(x) if isinstance(x, QArray) else x, np.float64)
-
-
-def make_case(mode: str, qdtype: str, *, sizes=SIZES, groups=None, seed=0):
-    """(problem, a, b): the direction's two operands, quantized as `mode` says, and its problem."""
-    direction, lhs_block, rhs_block = MODES[mode]
-    groups = len(sizes) if groups is None else groups
-    rng = np.random.default_rng(seed)
-    lhs = _quantized(rng.standard_normal((M, K), np.float32), lhs_block, qdtype)
-    rhs = _quantized(rng.standard_normal((groups, K, N), np.float32) / np.sqrt(K), rhs_block, qdtype)
-    dout = jnp.asarray(rng.standard_normal((M, N), np.float32))
-    sizes = jnp.asarray(sizes, jnp.int32)
-    offset = None if groups == sizes.shape[0] else jnp.int32(0)
-    problem = RaggedDotProblem.from_arrays(lhs, rhs, sizes, group_offset=offset, direction=direction)
-    a, b = {"fwd": (lhs, rhs), "dlhs": (dout, rhs), "drhs": (lhs, dout)}[direction]
-    return problem, a, b
-
-
-def reference(problem: RaggedDotProblem, a, b, sizes, offset: int = 0) -> np.ndarray:
-    a, b, sizes = _as_f64(a), _as_f64(b), np.asarray(sizes)
-    if problem.direction == "dlhs":
-        return ragged_dot_dlhs_reference(a, b, sizes, group_offset=offset)
-    if problem.direction == "drhs":
-        return ragged_dot_drhs_reference(a, b, sizes, groups=problem.groups, group_offset=offset)
-    return ragged_dot_reference(a, b, sizes, group_offset=offset)
-
-
-def assert_close(got, ref, what=""):
-    got = np.asarray(got, np.float64)
-    assert got.shape == ref.shape, what
-    scale = max(np.abs(ref).max(), 1e-30)
-    err = np.abs(got - ref).max() / scale
-    assert err <= TOLERANCE, f"max error {err:.3g} x max|ref| {what}"
-
-
-def run(backend: str, problem, a, b, sizes, offset=None, config=None, jit=True):
-    impl = BACKENDS.get(backend)
-    config = impl.default_config(problem) if config is None else config
+def run_tiled(problem: RaggedDotProblem, config: KernelConfig, a, b, sizes=SIZES) -> jax.Array:
+    """One direction through the tiled backend's kernel, jitted."""
+    impl = BACKENDS.get("tiled")
     assert impl.config_error(config, problem) is None, config
-    f = lambda a, b, s, o: impl.run(problem, config, a, b, s, o)
-    return (jax.jit(f) if jit else f)(a, b, jnp.asarray(sizes, jnp.int32), offset)
-
-
-def kernel_configs(backend: str, problem: RaggedDotProblem) -> list:
-    """Pallas backends: the search space's config with the smallest row tile (several tiles and visits at
-    these tiny shapes); triton also blocks of 16, so that a 16-wide scale block covers a whole k step (the
-    raw-dot path) while an 8-wide one does not (the in-kernel dequantization). Others: the default; tiled drhs
-    also its other schedule (`batched`), whose windows slice the lhs scales instead of gathering them, and
-    tiled fwd every `dequantize` value it searches (a dot per scale block, or dequantized weights)."""
-    impl = BACKENDS.get(backend)
-    if backend == "tiled" and problem.direction == "drhs":
-        default = impl.default_config(problem)
-        return [default, dataclasses.replace(default, batched=not default.batched)]
-    if backend == "tiled":
-        default = impl.default_config(problem)
-        values = impl.candidate_values(problem).get("dequantize", [default.dequantize])
-        return [dataclasses.replace(default, dequantize=v) for v in values]
-    if backend == "xla":
-        return [impl.default_config(problem)]
-    space = impl.search_space(problem)
-    smallest = min(space, key=lambda c: (getattr(c, "tm", 0) or getattr(c, "block_m", 0)))
-    if backend == "triton" and problem.direction == "fwd" and problem.lhs_qblock == 8:
-        return [smallest, TritonConfig(block_m=16, block_k=16, block_n=16)]
-    return [smallest]
-
-
-# float8_e4m3fn for weight-only sub-channel (a float lhs meets fp8 weights) and for per-row x sub-channel
-# (fp8 x fp8, which meets in bfloat16); int8 elsewhere (int8 x int8 accumulates in int32). The conversions
-# are the same code for every mode, so each dtype path runs once per backend.
-QDTYPE = {mode: "float8_e4m3fn" if mode in ("fwd_weight_sub_channel", "fwd_w8a8_rows_x_sub_channel") else "int8"
-          for mode in MODES}
-# xla only dequantizes (the reference path): one mode per direction.
-XLA_MODES = ("fwd_w8a8_sub_channel", "dlhs_weight_per_channel", "drhs_lhs_sub_channel")
-CASES = [(b, mode) for b in ("xla", "tiled", "megablox", "triton") for mode in MODES if b != "xla" or mode in XLA_MODES]
-
-
-@pytest.mark.parametrize("backend, mode", CASES, ids=[f"{b}-{m}" for b, m in CASES])
-def test_quantized_kernels_match_the_dequantized_reference(backend, mode):
-    qdtype = QDTYPE[mode]
-    problem, a, b = make_case(mode, qdtype)
-    ref = reference(problem, a, b, SIZES)
-    for config in kernel_configs(backend, problem):
-        out = run(backend, problem, a, b, SIZES, config=config)
-        what = f"[{backend} {mode} {qdtype} {config}]"
-        assert out.dtype == jnp.float32, what
-        assert_close(out, ref, what)
-        if problem.direction == "drhs":
-            assert not np.any(np.asarray(out[1])), f"the empty group's result is not zero {what}"
-        else:
-            assert not np.any(np.asarray(out[sum(SIZES):])), f"rows past sum(group_sizes) are not zero {what}"
-
-
-@pytest.mark.parametrize("backend", ["tiled", "megablox", "triton"])  # xla: the dequantized reference path
-def test_expert_parallel_shard_with_weights_sliced_by_group(backend):
-    """group_offset: the shard's groups [1, 4) of 5; the QArray weights are the full ones sliced by group.
-    dlhs folds the per-channel scale into dout by each row's (local) group, so the offset must reach it.
-    The Pallas backends (slow in interpret mode) run the two directions with code of their own for shards."""
-    sizes = [6, 9, 0, 14, 8]
-    rng = np.random.default_rng(3)
-    lhs = jnp.asarray(rng.standard_normal((M, K), np.float32))
-    dout = jnp.asarray(rng.standard_normal((M, N), np.float32))
-    full = quantize(jnp.asarray(rng.standard_normal((5, K, N), np.float32)), "int8", axis=1)
-    shard = full[1:4]
-    lhs_q = quantize(lhs, "int8", axis=1, block_size=8)
-    offset = jnp.int32(1)
-    directions = (("fwd", lhs, shard), ("dlhs", dout, shard), ("drhs", lhs_q, dout))
-    for direction, a, b in directions[1:] if backend in ("megablox", "triton") else directions:
-        problem = RaggedDotProblem.from_arrays(lhs_q if direction == "drhs" else lhs, shard,
-                                               jnp.asarray(sizes, jnp.int32), group_offset=offset,
-                                               direction=direction)
-        out = run(backend, problem, a, b, sizes, offset=offset)
-        ref = reference(problem, a, b, sizes, offset=1)
-        assert_close(out, ref, f"[{backend} {direction}]")
-        if direction != "drhs":  # rows of other shards' groups are zero
-            assert not np.any(np.asarray(out[:6])) and not np.any(np.asarray(out[6 + 9 + 14:]))
+    return jax.jit(lambda a, b, s: impl.run(problem, config, a, b, s))(a, b, jnp.asarray(sizes, jnp.int32))
 
 
 def test_vmap_over_batches_with_their_own_quantized_weights():
     """vmap over a batch of independent calls (e.g. microbatches or layers), each with its own lhs, group
     sizes and QArray weights: the QArray pytree is batched like any array."""
-    problem, lhs, rhs = make_case("fwd_weight_sub_channel", "int8")
+    problem, lhs, rhs = make_case(WEIGHT_SUB_CHANNEL)
     impl = BACKENDS.get("tiled")
     config = impl.default_config(problem)
     batch_sizes = jnp.asarray([SIZES, [40, 0, 0, 0], [0, 10, 10, 10]], jnp.int32)
@@ -230,7 +101,7 @@ def test_quantization_enters_the_key_only_for_quantized_operands():
 
 
 def test_config_rules_for_quantized_problems():
-    problem, _, _ = make_case("fwd_weight_sub_channel", "int8")  # rhs scale blocks of 8 along k=32
+    problem, _, _ = make_case(WEIGHT_SUB_CHANNEL)  # rhs scale blocks of 8 along k=32
     tiled, megablox = BACKENDS.get("tiled"), BACKENDS.get("megablox")
     assert "scale block 8" in tiled.config_error(TiledConfig(tm=8, tk=12, tn=N, tail=8), problem)
     assert tiled.config_error(TiledConfig(tm=8, tk=16, tn=N, tail=8), problem) is None
@@ -289,7 +160,7 @@ def test_tiled_bfloat16_activations_dot_in_float32_when_tails_hold_at_most_4_row
     rhs = quantize(jnp.asarray(rng.standard_normal((4, K, N), np.float32)), "int8", axis=1)
     problem = RaggedDotProblem.from_arrays(lhs, rhs, jnp.asarray(SIZES, jnp.int32))
     config = TiledConfig(tm=16, tail=tail, tk=K, tn=N)
-    out = run("tiled", problem, lhs, rhs, SIZES, config=config)
+    out = run_tiled(problem, config, lhs, rhs)
     ref = reference(problem, lhs, rhs, SIZES)
     assert out.dtype == jnp.bfloat16
     assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2 ** -8 * np.abs(ref).max()
@@ -307,13 +178,13 @@ def test_tiled_dequantizes_sub_channel_weights_before_full_k_dots(qdtype):
     ([rows, 8] x [8, N] dots, scaled after). The sweep tries both, the default dequantizes; a problem it
     does not apply to (per-channel weights, quantized activations) rejects it in one line."""
     impl = BACKENDS.get("tiled")
-    problem, lhs, rhs = make_case("fwd_weight_sub_channel", qdtype)
+    problem, lhs, rhs = make_case(WEIGHT_SUB_CHANNEL, qdtype)
     assert impl.candidate_values(problem)["dequantize"] == [True, False] and impl.default_config(problem).dequantize
     ref = reference(problem, lhs, rhs, SIZES)
     hlo = {}
     for dequantize in (True, False):
         config = TiledConfig(tm=16, tail=8, tk=K, tn=N, dequantize=dequantize)
-        assert_close(run("tiled", problem, lhs, rhs, SIZES, config=config), ref, f"dequantize={dequantize}")
+        assert_close(run_tiled(problem, config, lhs, rhs), ref, f"dequantize={dequantize}")
         hlo[dequantize] = jax.jit(lambda a, b, s, c=config: impl.run(problem, c, a, b, s)).lower(
             lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile().as_text()
     assert f"f32[{K},{N}]" in hlo[True] and f"f32[{K},{N}]" not in hlo[False]
@@ -321,10 +192,10 @@ def test_tiled_dequantizes_sub_channel_weights_before_full_k_dots(qdtype):
     # whose chunks (k 0-12, 12-24, 24-32) span scale blocks and take their scales from the middle of one
     chunked = TiledConfig(tm=16, tail=8, tk=12, tn=N, dequantize=True)
     assert impl.config_error(chunked, problem) is None
-    assert_close(run("tiled", problem, lhs, rhs, SIZES, config=chunked), ref, "dequantize, tk=12")
+    assert_close(run_tiled(problem, chunked, lhs, rhs), ref, "dequantize, tk=12")
     assert "multiple of the scale block" in impl.config_error(TiledConfig(tk=12), problem)
-    for mode in ("fwd_weight_per_channel", "fwd_w8a8_rows_x_sub_channel", "dlhs_weight_sub_channel"):
-        other, *_ = make_case(mode, "int8")
+    for mode in (QuantMode("fwd", None, "k"), QuantMode("fwd", "k", 8), QuantMode("dlhs", None, 8)):
+        other, *_ = make_case(mode)
         assert "dequantize" not in impl.candidate_values(other) and not impl.default_config(other).dequantize
         assert "dequantize applies only to fwd" in impl.config_error(TiledConfig(dequantize=True), other)
 
@@ -340,7 +211,7 @@ def test_tiled_dequantizes_to_the_dtype_of_its_dots(tail, dot_dtype):
     rhs = quantize(jnp.asarray(rng.standard_normal((4, K, N), np.float32)), "float8_e4m3fn", axis=1, block_size=8)
     problem = RaggedDotProblem.from_arrays(lhs, rhs, jnp.asarray(SIZES, jnp.int32))
     config = TiledConfig(tm=16, tail=tail, tk=K, tn=N, dequantize=True)
-    out = run("tiled", problem, lhs, rhs, SIZES, config=config)
+    out = run_tiled(problem, config, lhs, rhs)
     ref = reference(problem, lhs, rhs, SIZES)
     assert out.dtype == jnp.bfloat16
     assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2 ** -6 * np.abs(ref).max()
@@ -360,65 +231,3 @@ def test_e4m3fn_to_float32_is_exact_for_every_bit_pattern():
     numbers = ~np.isnan(expected)  # a NaN's sign bit carries nothing
     assert np.array_equal(got, expected, equal_nan=True)
     assert np.array_equal(np.signbit(got[numbers]), np.signbit(expected[numbers]))
-
-
-@pytest.mark.parametrize("direction", ["fwd", "dlhs", "drhs"])
-def test_defaults_are_valid_for_model_sized_quantized_problems(direction):
-    """Every backend's default config is valid for DeepSeek-sized experts (k = 7168) with weights in
-    sub-channel blocks of 128, weight-only and w8a8 (per-row activations)."""
-    base = dict(m=4096, k=7168, n=2048, groups=32, lhs_dtype="bfloat16", out_dtype="bfloat16", rhs_qdtype="int8",
-                rhs_qblock=128, direction=direction)
-    for problem in (RaggedDotProblem(**base), RaggedDotProblem(**{**base, "lhs_qdtype": "float8_e4m3fn"})):
-        for backend in BACKENDS.names():
-            impl = BACKENDS.get(backend)
-            assert impl.config_error(impl.default_config(problem), problem) is None, (backend, problem)
-
-
-# ---- lowering for the chips (on this CPU machine): the 1-byte weights must be operands of the kernel
-
-
-def _export(backend: str, platform: str, problem, a, b, sizes):
-    impl = BACKENDS.get(backend)
-    kwargs = {}
-    if platform == "cuda":
-        kwargs["disabled_checks"] = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with mock.patch("moe_tune.devices.platform", lambda: "tpu" if platform == "tpu" else "gpu"):
-        config = impl.default_config(problem)
-        f = jax.jit(lambda a, b, s: impl.run(problem, config, a, b, s))
-        return jax.export.export(f, platforms=[platform], **kwargs)(a, b, sizes).mlir_module()
-
-
-def _lowering_cases():
-    m, k, n, g = 256, 512, 256, 4
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    d = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-    w = rng.standard_normal((g, k, n)).astype(np.float32)
-    sizes = jnp.asarray([64, 0, 100, 92], jnp.int32)
-    w_sub, w_chan = quantize(w, "int8", axis=1, block_size=128), quantize(w, "float8_e4m3fn", axis=1)
-    x_row, x_sub = quantize(x, "int8", axis=1), quantize(x, "int8", axis=1, block_size=128)
-    x_fp8, w_fp8 = quantize(x, "float8_e4m3fn", axis=1, block_size=128), quantize(w, "float8_e4m3fn", axis=1,
-                                                                                   block_size=256)
-    cases = {"fwd_weight_sub_channel": ("fwd", x, w_sub), "fwd_w8a8": ("fwd", x_row, w_sub),
-             "fwd_w8a8_fp8_sub_channel": ("fwd", x_fp8, w_fp8),
-             "dlhs_weight_per_channel_fp8": ("dlhs", d, w_chan), "dlhs_weight_sub_channel": ("dlhs", d, w_sub),
-             "drhs_lhs_sub_channel": ("drhs", x_sub, d)}
-    for name, (direction, a, b) in cases.items():
-        lhs, rhs = (a, b) if direction == "fwd" else (x, b) if direction == "dlhs" else (a, w)
-        problem = RaggedDotProblem.from_arrays(lhs, rhs, sizes, direction=direction)
-        yield name, problem, a, b, sizes
-
-
-@pytest.mark.parametrize("backend, platform, call", [("megablox", "tpu", "@tpu_custom_call"),
-                                                     ("triton", "cuda", "__gpu$xla.gpu.triton")])
-def test_quantized_kernels_lower_with_1_byte_operands(backend, platform, call):
-    for name, problem, a, b, sizes in _lowering_cases():
-        text = _export(backend, platform, problem, a, b, sizes)
-        calls = [line for line in text.splitlines() if call in line]
-        assert calls, f"{backend} {name}: no kernel call"
-        quantized = a if isinstance(a, QArray) else b
-        byte_type = "xi8>" if quantized.dtype == jnp.int8 else "xf8E4M3FN>"
-        # megablox's tgmm reads lhs transposed, [k, m] (as JAX's Megablox does), still 1-byte
-        shapes = {"x".join(map(str, quantized.shape)), "x".join(map(str, quantized.shape[::-1]))}
-        assert any(f"{shape}{byte_type}" in line.split(" : (")[-1] for line in calls for shape in shapes), \
-            f"{backend} {name}: the {quantized.shape} 1-byte operand is not an operand of the kernel"

@@ -1,515 +1,33 @@
 """Correctness of every ragged_dot backend against the float64 reference.
 
-`RaggedDotBackendTests` holds the tests every backend must pass; each backend subclasses it once and only
-says which dtypes it takes, how big its shapes may be, which configs to try and which configs it rejects.
-Megablox runs in Pallas interpret mode off TPU, so its shapes and example counts are small.
+Each backend's class inherits the shared suite, `ragged_dot_backend_base.RaggedDotBackendTests` (float and
+quantized modes, every direction, group_offset, lowering for its chip), and only says which dtypes it takes,
+how big its shapes may be, which configs to try and which configs it rejects; the backend-specific tests
+follow it. Megablox and Triton run in Pallas interpret mode off their chips, so their shapes and example
+counts are small.
 """
 
 from __future__ import annotations
 
-import logging
-import random
-from typing import Any
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import moe_tune
 from moe_tune import distributions
-from moe_tune.errors import InvalidConfigError, UsageError
-from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem, ragged_dot_reference
+from moe_tune.errors import InvalidConfigError
+from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
-from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
+from moe_tune.kernels.ragged_dot.reference import ragged_dot_drhs_reference
 from moe_tune.kernels.ragged_dot.tiled import (MAX_BLOCKS_PER_VISIT, TiledConfig, drhs_window,
                                                tiled_ragged_dot, tiled_transposed_ragged_dot)
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.kernels.ragged_dot.xla import XlaConfig
 
-# Error allowed relative to max|reference|, by the output dtype (inputs are exact in the reference, and
-# low-precision inputs are promised float32 accumulation, so only the output's rounding is forgiven).
-TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
-# Gradients (dlhs, drhs; returned in the input dtype): with float32 accumulation only the output's rounding
-# is left (2**-9 of a value for bfloat16), ~0.002-0.003 of max|ref| at the fixed cases' sizes, so 5e-3 leaves
-# a margin and still fails a kernel that sums its partial products in bfloat16
-# (`TestTiled.test_bfloat16_gradients_accumulate_in_float32` shows the two errors it separates).
-GRAD_TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 5e-3}
-
-
-# --------------------------------------------------------------------------------------------------------
-# Helpers
-
-
-def make_operands(m: int, k: int, n: int, groups: int, dtype: str, seed: int):
-    rng = np.random.default_rng(seed)
-    lhs = rng.standard_normal((m, k), np.float32)
-    rhs = rng.standard_normal((groups, k, n), np.float32) / np.sqrt(k)  # outputs O(1) whatever k is
-    return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
-
-
-def local_rows(sizes, m: int, groups: int, offset: int) -> np.ndarray:
-    """bool [m]: rows that belong to local groups [offset, offset + groups) (plain Python, ends clipped)."""
-    ends = np.minimum(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), m)
-    starts = np.concatenate([[0], ends[:-1]])
-    mask = np.zeros(m, bool)
-    for g in range(offset, offset + groups):
-        mask[starts[g]:ends[g]] = True
-    return mask
-
-
-def assert_matches_reference(out, lhs, rhs, sizes, *, offset: int | None, out_dtype: str, what: str = ""):
-    m, n = lhs.shape[0], rhs.shape[2]
-    groups = rhs.shape[0]
-    assert out.shape == (m, n), what
-    assert out.dtype == jnp.dtype(out_dtype), what
-    got = np.asarray(out.astype(jnp.float32), np.float64)
-    assert np.all(np.isfinite(got)), f"non-finite output {what}"
-    ref = ragged_dot_reference(
-        np.asarray(lhs.astype(jnp.float32)), np.asarray(rhs.astype(jnp.float32)), np.asarray(sizes),
-        group_offset=offset or 0,
-    )
-    mine = local_rows(sizes, m, groups, offset or 0)
-    # Rows outside the local groups (other shards' rows, rows past sum(group_sizes)) are exactly zero.
-    outside = got[~mine]
-    assert np.all(outside == 0), f"{np.count_nonzero(outside)} non-zero values in rows of no local group {what}"
-    scale = np.abs(ref).max()
-    if scale == 0:
-        assert np.all(got == 0), what
-        return
-    err = np.abs(got - ref).max() / scale
-    assert err <= TOLERANCE[out_dtype], f"max error {err:.3g} x max|ref| > {TOLERANCE[out_dtype]} {what}"
-
-
-def sizes_from_cuts(used: int, cuts: list[int]) -> list[int]:
-    bounds = [0, *sorted(cuts), used]
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-# Fixed cases: (m, group_sizes, shard) where shard is None or (group_offset, local groups).
-CASES = {
-    "uneven": (37, [3, 20, 1, 13], None),
-    "empty_first_and_last": (40, [0, 15, 25, 0], None),
-    "empty_middle": (40, [10, 0, 0, 30], None),
-    "one_group_holds_all_rows": (40, [0, 40, 0], None),
-    "single_group": (29, [29], None),
-    "sum_below_m": (48, [5, 7, 3], None),
-    "all_groups_empty": (24, [0, 0, 0], None),
-    "m_not_tile_multiple": (45, [11, 17, 17], None),
-    "shard_middle": (40, [6, 9, 0, 12, 13], (1, 3)),
-    "shard_first": (40, [6, 9, 0, 12, 13], (0, 2)),
-    "shard_last_sum_below_m": (40, [6, 9, 0, 12, 10], (3, 2)),
-    "shard_of_empty_groups": (40, [20, 0, 0, 20], (1, 2)),
-    # sum(group_sizes) > m: the reference (and the metadata) clip group ends at m
-    "sum_above_m_is_clipped": (40, [30, 30, 5], None),
-}
-
-
-# --------------------------------------------------------------------------------------------------------
-# The shared suite
-
-
-class RaggedDotBackendTests:
-    """Tests every ragged_dot backend passes. Subclasses set `backend` and may override the hooks."""
-
-    backend: str
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # input dtypes of the parametrized tests
-    extra_dtypes: tuple[str, ...] = ()  # further input dtypes, only drawn by the random and mixed tests
-    out_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # preferred_element_type values it supports
-    k, n = 24, 40  # dims of the fixed cases
-    max_m, max_k, max_n, max_groups = 200, 96, 96, 8  # hypothesis shapes
-    max_examples = 20
-    # Draws the random test leaves out (fixed to these values): the slow backends' few examples go to shapes,
-    # group patterns, dtypes and configs, not to the seed or jit.
-    fixed_draws: dict[str, Any] = {}
-    sampled_configs = 2  # non-default configs from the search space per fixed case
-    fixed_case_extras = 2  # how many of `extra_configs` the fixed cases run too (the random test draws all)
-
-    # ---- hooks
-
-    @property
-    def impl(self):
-        return BACKENDS.get(self.backend)
-
-    def problem(self, m, k, n, groups, dtype, out_dtype=None, total_groups=None) -> RaggedDotProblem:
-        return RaggedDotProblem(
-            m=m, k=k, n=n, groups=groups, lhs_dtype=dtype, rhs_dtype=dtype, out_dtype=out_dtype or dtype,
-            total_groups=total_groups if total_groups != groups else None,
-        )
-
-    def extra_configs(self, problem: RaggedDotProblem) -> list[KernelConfig]:
-        """Hand-picked configs outside the search space (still valid) worth running."""
-        return []
-
-    def configs(self, problem: RaggedDotProblem) -> list[KernelConfig]:
-        """The default plus a deterministic sample of other search-space configs, plus `extra_configs`."""
-        space = self.impl.search_space(problem)
-        others = space[1:]
-        rng = random.Random(str(problem.key_fields()))
-        picked = rng.sample(others, min(self.sampled_configs, len(others)))
-        return [space[0], *picked, *self.extra_configs(problem)[: self.fixed_case_extras]]
-
-    def invalid_configs(self, problem: RaggedDotProblem) -> list[dict[str, Any]]:
-        """Configs (as dicts) this backend must reject for `problem` with InvalidConfigError."""
-        return []
-
-    # ---- calling
-
-    def call(self, lhs, rhs, sizes, *, config, shard=None, out_dtype=None, jit=False):
-        offset = None if shard is None else jnp.int32(shard[0])
-        group_sizes = jnp.asarray(sizes, jnp.int32)
-
-        def f(lhs, rhs, group_sizes, offset):
-            return moe_tune.ragged_dot(
-                lhs, rhs, group_sizes, preferred_element_type=out_dtype, group_offset=offset,
-                backend=self.backend, config=config,
-            )
-
-        if jit:
-            f = jax.jit(f)
-        return f(lhs, rhs, group_sizes, offset)
-
-    def run_case(self, m, sizes, shard, dtype, *, out_dtype=None, configs=None, jit=False, seed=0, k=None, n=None):
-        k, n = k or self.k, n or self.n
-        groups = len(sizes) if shard is None else shard[1]
-        offset = None if shard is None else shard[0]
-        lhs, rhs = make_operands(m, k, n, groups, dtype, seed)
-        result_dtype = out_dtype or dtype
-        problem = self.problem(m, k, n, groups, dtype, result_dtype, total_groups=len(sizes))
-        for config in configs if configs is not None else self.configs(problem):
-            out = self.call(lhs, rhs, sizes, config=config, shard=shard, out_dtype=out_dtype, jit=jit)
-            assert_matches_reference(
-                out, lhs, rhs, sizes, offset=offset, out_dtype=result_dtype,
-                what=f"[{self.backend} {config} m={m} sizes={sizes} shard={shard} {dtype}->{result_dtype}]",
-            )
-
-    # ---- fixed cases
-
-    @pytest.mark.parametrize("case", list(CASES), ids=str)
-    def test_fixed_case(self, case, dtype):
-        m, sizes, shard = CASES[case]
-        self.run_case(m, sizes, shard, dtype)
-
-    def test_low_precision_in_float32_out(self):
-        low = [d for d in (*self.dtypes, *self.extra_dtypes) if d != "float32"]
-        assert low, "every backend takes some low-precision input"
-        for dtype in low:
-            self.run_case(37, [3, 20, 1, 13], None, dtype, out_dtype="float32")
-
-    def test_float32_in_bfloat16_out(self):
-        if "bfloat16" not in self.out_dtypes:
-            pytest.skip(f"{self.backend} has no bfloat16 output")
-        self.run_case(37, [3, 20, 1, 13], None, "float32", out_dtype="bfloat16")
-        self.run_case(40, [6, 9, 0, 12, 13], (1, 3), "float32", out_dtype="bfloat16")
-
-    def test_default_output_dtype_is_the_promoted_input_dtype(self, dtype):
-        lhs, rhs = make_operands(16, self.k, self.n, 2, dtype, 0)
-        out = moe_tune.ragged_dot(lhs, rhs, jnp.asarray([9, 7], jnp.int32), backend=self.backend)
-        assert out.dtype == jnp.dtype(dtype)
-
-    def test_default_config_via_lookup(self, dtype):
-        """config=None resolves a config (table or heuristic default) and still computes the right thing."""
-        sizes = [3, 20, 1, 13]
-        lhs, rhs = make_operands(37, self.k, self.n, 4, dtype, 3)
-        out = moe_tune.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32), backend=self.backend)
-        assert_matches_reference(out, lhs, rhs, sizes, offset=None, out_dtype=dtype)
-
-    def test_config_as_dict(self):
-        problem = self.problem(37, self.k, self.n, 4, "float32")
-        config = self.configs(problem)[-1]
-        self.run_case(37, [3, 20, 1, 13], None, "float32", configs=[config.to_dict()])
-
-    def test_search_space_configs(self, dtype):
-        """The search space is valid, default first, no duplicates; a sample of it gives the right answer."""
-        m, sizes = 45, [11, 0, 17, 9]
-        problem = self.problem(m, self.k, self.n, len(sizes), dtype)
-        space = self.impl.search_space(problem)
-        assert space[0] == self.impl.default_config(problem)
-        assert len(set(space)) == len(space)
-        for config in space:
-            assert self.impl.config_error(config, problem) is None, config
-        sample = [space[0], *random.Random(1).sample(space[1:], min(3, len(space) - 1))]
-        self.run_case(m, sizes, None, dtype, configs=sample)
-
-    # ---- jit
-
-    def test_under_jit(self, dtype):
-        m, sizes, shard = CASES["shard_middle"]
-        self.run_case(m, sizes, shard, dtype, jit=True)
-        m, sizes, shard = CASES["empty_first_and_last"]
-        self.run_case(m, sizes, shard, dtype, jit=True)
-
-    def test_jit_traces_once_for_new_sizes_and_offsets(self):
-        """group_sizes and group_offset are traced: new values reuse the compiled function and stay right."""
-        m, k, n, groups = 40, self.k, self.n, 2
-        lhs, rhs = make_operands(m, k, n, groups, "float32", 7)
-        config = self.configs(self.problem(m, k, n, groups, "float32", total_groups=5))[0]
-        traces = []
-
-        @jax.jit
-        def f(lhs, rhs, group_sizes, offset):
-            traces.append(1)
-            return moe_tune.ragged_dot(
-                lhs, rhs, group_sizes, group_offset=offset, backend=self.backend, config=config
-            )
-
-        shards = [([6, 9, 0, 12, 13], 1), ([0, 0, 20, 20, 0], 2), ([40, 0, 0, 0, 0], 3), ([1, 2, 3, 4, 5], 0)]
-        for sizes, offset in shards:
-            out = f(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset))
-            assert_matches_reference(
-                out, lhs, rhs, sizes, offset=offset, out_dtype="float32", what=f"{sizes} @ {offset}"
-            )
-        assert len(traces) == 1
-
-    # ---- gradients (the custom VJP: dlhs and drhs directions)
-
-    GRAD_CASES = ("uneven", "empty_first_and_last", "sum_below_m", "shard_middle", "one_group_holds_all_rows")
-
-    def direction_configs(self, problem: RaggedDotProblem) -> list[dict[str, KernelConfig]]:
-        """Config mappings to differentiate with: all looked up (None), and one sampled per direction."""
-        rng = random.Random(str(problem.key_fields()))
-        sampled = {d: rng.choice(self.impl.search_space(problem.with_direction(d))) for d in ("fwd", "dlhs", "drhs")}
-        return [None, sampled]
-
-    def check_grads(self, m, sizes, shard, dtype, *, seed=0, jit=True, k=None, n=None, configs=None):
-        k, n = k or self.k, n or self.n
-        groups = len(sizes) if shard is None else shard[1]
-        offset = None if shard is None else shard[0]
-        lhs, rhs = make_operands(m, k, n, groups, dtype, seed)
-        cot = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((m, n)) / np.sqrt(n), dtype)
-        problem = self.problem(m, k, n, groups, dtype, total_groups=len(sizes))
-        a32 = lambda x: np.asarray(x.astype(jnp.float32))
-        ref_dlhs = ragged_dot_dlhs_reference(a32(cot), a32(rhs), np.asarray(sizes), group_offset=offset or 0)
-        ref_drhs = ragged_dot_drhs_reference(a32(lhs), a32(cot), np.asarray(sizes), groups=groups,
-                                             group_offset=offset or 0)
-        for config in self.direction_configs(problem) if configs is None else configs:
-            def loss(x, w):
-                out = moe_tune.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), backend=self.backend, config=config,
-                                          group_offset=None if offset is None else jnp.int32(offset))
-                return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
-
-            grad = jax.grad(loss, argnums=(0, 1))
-            dlhs, drhs = (jax.jit(grad) if jit else grad)(lhs, rhs)
-            what = f"[{self.backend} {config} m={m} sizes={sizes} shard={shard} {dtype}]"
-            assert dlhs.shape == lhs.shape and dlhs.dtype == lhs.dtype, what
-            assert drhs.shape == rhs.shape and drhs.dtype == rhs.dtype, what
-            for name, got, ref in (("dlhs", dlhs, ref_dlhs), ("drhs", drhs, ref_drhs)):
-                got = np.asarray(got.astype(jnp.float32), np.float64)
-                scale = max(np.abs(ref).max(), 1e-30)
-                err = np.abs(got - ref).max() / scale if np.abs(ref).max() > 0 else np.abs(got).max()
-                assert err <= GRAD_TOLERANCE[dtype], f"{name} error {err:.3g} > {GRAD_TOLERANCE[dtype]} {what}"
-            # rows outside the local groups get no gradient
-            assert np.all(np.asarray(dlhs)[~local_rows(sizes, m, groups, offset or 0)] == 0), what
-
-    @pytest.mark.parametrize("case", GRAD_CASES, ids=str)
-    def test_grad_matches_reference(self, case, dtype):
-        m, sizes, shard = CASES[case]
-        self.check_grads(m, sizes, shard, dtype)
-
-    def test_per_direction_configs_are_the_ones_that_run(self, caplog):
-        """config={"fwd", "dlhs", "drhs"}: each direction's trace logs its own entry, given by the caller (not
-        the lookup's), and an invalid dlhs or drhs entry is an InvalidConfigError once the backward is traced
-        (the forward alone does not read it). Traced only (make_jaxpr): nothing runs."""
-        m, sizes = 37, [3, 20, 1, 13]
-        lhs, rhs = make_operands(m, self.k, self.n, len(sizes), "float32", 0)
-        group_sizes = jnp.asarray(sizes, jnp.int32)
-        problem = self.problem(m, self.k, self.n, len(sizes), "float32")
-
-        def trace(config, grad=True):
-            loss = lambda x, w: moe_tune.ragged_dot(x, w, group_sizes, backend=self.backend, config=config).sum()
-            jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)) if grad else loss)(lhs, rhs)
-
-        # the last config of each direction's space: not the default, where the space has another one
-        given = {d: self.impl.search_space(problem.with_direction(d))[-1] for d in ("fwd", "dlhs", "drhs")}
-        caplog.set_level(logging.INFO, logger="moe_tune")
-        trace(given)
-        logged = {}
-        for record in caplog.records:
-            message = record.getMessage()
-            if message.startswith("ragged_dot {'direction': "):
-                logged[message.split("'")[3]] = message
-        assert set(logged) == {"fwd", "dlhs", "drhs"}, logged
-        for direction, config in given.items():
-            assert f"backend {self.backend}, config {config.label()} (given by the caller)" in logged[direction], (
-                direction, logged[direction])
-
-        for direction in ("dlhs", "drhs"):
-            bad = self.invalid_configs(problem.with_direction(direction))
-            if self.impl.tunables():
-                assert bad, "a backend with tunables lists invalid configs"
-            for fields in bad[:2]:
-                trace({direction: fields}, grad=False)  # the forward does not use it
-                with pytest.raises(InvalidConfigError):
-                    trace({direction: fields})
-
-    def test_grad_without_jit(self):
-        m, sizes, shard = CASES["uneven"]
-        self.check_grads(m, sizes, shard, "float32", jit=False)
-
-    def test_vmap_forward_and_grad(self):
-        """A batch of independent ragged dots (e.g. per microbatch), each with its own group sizes."""
-        m, k, n, groups = 32, self.k, self.n, 3
-        batch_sizes = [[10, 0, 22], [32, 0, 0], [5, 5, 5]]
-        lhs, rhs = make_operands(m, k, n, groups, "float32", 11)
-        lhs_b = jnp.stack([lhs, 2 * lhs, -lhs])
-        sizes_b = jnp.asarray(batch_sizes, jnp.int32)
-        f = lambda x, s: moe_tune.ragged_dot(x, rhs, s, backend=self.backend)
-        out = jax.jit(jax.vmap(f))(lhs_b, sizes_b)
-        for i, sizes in enumerate(batch_sizes):
-            assert_matches_reference(out[i], lhs_b[i], rhs, sizes, offset=None, out_dtype="float32", what=f"vmap {i}")
-        grads = jax.jit(jax.vmap(jax.grad(lambda x, s: f(x, s).sum())))(lhs_b, sizes_b)
-        for i, sizes in enumerate(batch_sizes):
-            ref = ragged_dot_dlhs_reference(np.ones((m, n)), np.asarray(rhs), np.asarray(sizes))
-            assert np.abs(np.asarray(grads[i]) - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1.0), f"vmap grad {i}"
-
-    # ---- dimension edge cases (what the few hypothesis examples of the slow backends would have to find)
-
-    # (m, k, n, group_sizes, shard, dtype, preferred_element_type)
-    EDGE_CASES = {
-        "all_dims_1": (1, 1, 1, [1], None, "float32", None),
-        "k_is_1": (6, 1, 5, [2, 0, 4], None, "float32", None),
-        "n_is_1": (9, 7, 1, [0, 9], None, "bfloat16", "float32"),
-        "m_is_1_of_a_shard": (1, 3, 2, [0, 1, 0], (1, 2), "float32", "bfloat16"),
-        "odd_dims_shard_with_rows_past_the_sum": (33, 131, 129, [4, 10, 0, 11], (1, 2), "bfloat16", None),
-    }
-
-    @pytest.mark.parametrize("case", list(EDGE_CASES), ids=str)
-    def test_dimension_edge_cases(self, case):
-        m, k, n, sizes, shard, dtype, out_dtype = self.EDGE_CASES[case]
-        groups = len(sizes) if shard is None else shard[1]
-        problem = self.problem(m, k, n, groups, dtype, out_dtype, total_groups=len(sizes))
-        self.run_case(m, sizes, shard, dtype, out_dtype=out_dtype, configs=[self.impl.default_config(problem)],
-                      jit=True, k=k, n=n)
-
-    # ---- random problems
-
-    def test_random_problems(self):
-        @settings(
-            max_examples=self.max_examples, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        )
-        @given(st.data())
-        def check(data):
-            m = data.draw(st.integers(1, self.max_m), label="m")
-            k = data.draw(st.integers(1, self.max_k), label="k")
-            n = data.draw(st.integers(1, self.max_n), label="n")
-            groups = data.draw(st.integers(1, self.max_groups), label="groups")
-            extra = data.draw(st.sampled_from([0, 0, 1, 3]), label="groups of other shards")
-            total = groups + extra
-            pattern = data.draw(st.sampled_from(["cuts", "cuts", "cuts", "one_group", "all_empty"]), label="pattern")
-            if pattern == "all_empty":
-                sizes = [0] * total
-            elif pattern == "one_group":
-                sizes = [0] * total
-                sizes[data.draw(st.integers(0, total - 1))] = data.draw(st.integers(1, m))
-            else:
-                used = data.draw(st.integers(0, m), label="rows used")
-                cuts = data.draw(st.lists(st.integers(0, used), min_size=total - 1, max_size=total - 1), label="cuts")
-                sizes = sizes_from_cuts(used, cuts)
-            sharded = extra > 0 or data.draw(st.booleans(), label="pass group_offset=0")
-            shard = (data.draw(st.integers(0, extra), label="offset"), groups) if sharded else None
-            dtype = data.draw(st.sampled_from((*self.dtypes, *self.extra_dtypes)), label="dtype")
-            out_dtype = data.draw(st.sampled_from([None, *self.out_dtypes]), label="preferred_element_type")
-            problem = self.problem(m, k, n, groups, dtype, out_dtype, total_groups=total)
-            space = self.impl.search_space(problem) + self.extra_configs(problem)
-            config = data.draw(st.sampled_from(space), label="config")
-            jit = self.fixed_draws.get("jit", None)
-            jit = data.draw(st.booleans(), label="jit") if jit is None else jit
-            seed = self.fixed_draws.get("seed", None)
-            seed = data.draw(st.integers(0, 2**31 - 1), label="seed") if seed is None else seed
-            self.run_case(m, sizes, shard, dtype, out_dtype=out_dtype, configs=[config], jit=jit, seed=seed, k=k, n=n)
-
-        check()
-
-    # ---- bad input
-
-    def operands(self, dtype="float32"):
-        return make_operands(16, self.k, self.n, 2, dtype, 0)
-
-    def test_lhs_must_be_2d(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(UsageError, match="lhs"):
-            moe_tune.ragged_dot(lhs[None], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
-        with pytest.raises(UsageError, match="lhs"):
-            moe_tune.ragged_dot(lhs[0], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
-
-    def test_rhs_must_be_3d(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(UsageError, match="rhs"):
-            moe_tune.ragged_dot(lhs, rhs[0], jnp.asarray([8, 8], jnp.int32), backend=self.backend)
-
-    def test_contracting_dims_must_match(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(UsageError, match="contracting"):
-            moe_tune.ragged_dot(lhs[:, :-1], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
-
-    def test_group_sizes_length_must_match_without_offset(self):
-        lhs, rhs = self.operands()
-        for sizes in ([16], [8, 4, 4]):
-            with pytest.raises(UsageError, match="group_sizes"):
-                moe_tune.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32), backend=self.backend)
-
-    def test_group_sizes_must_cover_the_shard(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(UsageError, match="fewer"):
-            moe_tune.ragged_dot(
-                lhs, rhs, jnp.asarray([16], jnp.int32), group_offset=jnp.int32(0), backend=self.backend
-            )
-
-    def test_group_sizes_must_be_1d_integers(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(UsageError, match="group_sizes"):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8.0, 8.0]), backend=self.backend)
-        with pytest.raises(UsageError, match="group_sizes"):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([[8, 8]], jnp.int32), backend=self.backend)
-
-    def test_unsupported_dtypes(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(UsageError):
-            moe_tune.ragged_dot(
-                lhs.astype(jnp.int32), rhs.astype(jnp.int32), jnp.asarray([8, 8], jnp.int32), backend=self.backend
-            )
-        with pytest.raises(UsageError):
-            moe_tune.ragged_dot(
-                lhs, rhs, jnp.asarray([8, 8], jnp.int32), preferred_element_type=jnp.int8, backend=self.backend
-            )
-
-    def test_unknown_backend(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(UsageError, match="unknown backend"):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend + "_nope")
-
-    def test_config_with_unknown_field(self):
-        lhs, rhs = self.operands()
-        with pytest.raises(InvalidConfigError, match="no field"):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config={"bogus": 1})
-
-    def test_config_of_another_backend(self):
-        lhs, rhs = self.operands()
-        configs = (XlaConfig(), TiledConfig(), MegabloxConfig(), TritonConfig())
-        foreign = next(c for c in configs if type(c) is not self.impl.config_cls)
-        with pytest.raises(InvalidConfigError, match=self.impl.config_cls.__name__):
-            moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=foreign)
-
-    def test_invalid_configs_rejected(self, dtype):
-        lhs, rhs = self.operands(dtype)
-        problem = self.problem(16, self.k, self.n, 2, dtype)
-        bad = self.invalid_configs(problem)
-        if not bad:  # only a backend without tunables has no config to get wrong
-            assert self.impl.tunables() == [] and self.impl.config_cls() == self.impl.default_config(problem)
-        for config in bad:
-            assert self.impl.config_error(self.impl.config_cls(**config), problem) is not None, config
-            with pytest.raises(InvalidConfigError):
-                moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=config)
-            with pytest.raises(InvalidConfigError):  # raised at trace time under jit too
-                traced = jax.jit(
-                    lambda a, b, c, config=config: moe_tune.ragged_dot(a, b, c, backend=self.backend, config=config)
-                )
-                traced(lhs, rhs, jnp.asarray([8, 8], jnp.int32))
-
+from ragged_dot_backend_base import MOSAIC_CALL, TRITON_CALL, RaggedDotBackendTests
 
 # --------------------------------------------------------------------------------------------------------
 # One subclass per backend
@@ -542,6 +60,16 @@ class TestTiled(RaggedDotBackendTests):
             TiledConfig(tm=1, tk=k, tn=n, tail=1),
         ]
         return [c for c in wanted if self.impl.config_error(c, problem) is None]
+
+    def quantized_configs(self, problem):
+        """The default; for drhs also its other schedule (`batched`), whose windows slice the lhs scales
+        instead of gathering them, and elsewhere every `dequantize` value it searches (a dot per scale block,
+        or dequantized weights)."""
+        default = self.impl.default_config(problem)
+        if problem.direction == "drhs":
+            return [default, dataclasses.replace(default, batched=not default.batched)]
+        values = self.impl.candidate_values(problem).get("dequantize", [default.dequantize])
+        return [dataclasses.replace(default, dequantize=v) for v in values]
 
     def invalid_configs(self, problem):
         bad = [{"tm": 0}, {"tk": -8}, {"tn": 0}, {"tail": 0}, {"batched": 1}]
@@ -637,6 +165,12 @@ class TestMegablox(RaggedDotBackendTests):
     max_examples = 6
     fixed_draws = {"jit": True, "seed": 0}  # see `test_dimension_edge_cases` for the shapes 6 examples miss
     sampled_configs = 1
+    quant_shard_directions = ("dlhs", "drhs")  # interpret mode is slow; fwd's shard code runs in the float cases
+    kernel_calls = {"tpu": MOSAIC_CALL}
+
+    def quantized_configs(self, problem):
+        """The search space's config with the smallest row tile: several tiles and visits at these tiny shapes."""
+        return [min(self.impl.search_space(problem), key=lambda c: c.tm)]
 
     def invalid_configs(self, problem):
         sub = 8 if problem.lhs_dtype == "float32" else 16
@@ -668,6 +202,17 @@ class TestTriton(RaggedDotBackendTests):
     max_examples = 6
     fixed_draws = {"jit": True, "seed": 0}  # see `test_dimension_edge_cases` for the shapes 6 examples miss
     sampled_configs = 1
+    quant_shard_directions = ("dlhs", "drhs")  # interpret mode is slow; fwd's shard code runs in the float cases
+    kernel_calls = {"gpu": TRITON_CALL}
+
+    def quantized_configs(self, problem):
+        """The search space's config with the smallest row block (several blocks at these tiny shapes); for
+        w8a8 with lhs scale blocks of 8 also blocks of 16, so that a 16-wide rhs scale block covers a whole k
+        step (the raw-dot path) while the 8-wide lhs one does not (the in-kernel dequantization)."""
+        smallest = min(self.impl.search_space(problem), key=lambda c: c.block_m)
+        if problem.direction == "fwd" and problem.lhs_qblock == 8:
+            return [smallest, TritonConfig(block_m=16, block_k=16, block_n=16)]
+        return [smallest]
 
     def extra_configs(self, problem):
         """Small blocks, so that the fixed cases (k=24, n=40) span several blocks in every dimension."""
