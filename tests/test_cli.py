@@ -294,7 +294,7 @@ def test_a_profile_dir_that_cannot_be_written_is_one_line_and_exit_1(run, tmp_pa
         result = run(*args)
         assert result.exit_code == 1, result.output
         assert result.output.strip().splitlines() == [result.output.strip()]
-        assert "cannot be created or written" in result.output and str(blocker) in result.output
+        assert "cannot create or write the profile dir" in result.output and str(blocker) in result.output
         assert "Traceback" not in result.output
 
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import platformdirs
 
-from moe_tune import settings
-from moe_tune.errors import MoeTuneError
+from moe_tune import paths, settings
 
 ENV_PROFILE_DIR = settings.PROFILE_DIR
 _overlays: list[Path] = []
@@ -63,17 +61,9 @@ def use_profiles(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def writable_dir(directory: str | os.PathLike) -> Path:
-    """`directory`, created if needed, once a file can be written in it; MoeTuneError (one line) otherwise.
+    """`directory`, created if needed, once a file can be written in it; MoeTuneError (one line naming it)
+    otherwise (`paths.writable_dir`).
 
     Checked before a sweep or a campaign starts, so that a profile dir that cannot hold the table fails at
     once rather than after the sweep (or as a traceback from deep inside the log or the table write)."""
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        why = e.strerror or type(e).__name__
-        where = f" ({e.filename})" if e.filename and str(e.filename) != str(directory) else ""
-        raise MoeTuneError(f"the profile dir {directory} cannot be created or written: {why}{where}") from None
-    return directory
+    return paths.writable_dir(directory, "cannot create or write the profile dir")
