@@ -42,16 +42,6 @@ class GmmOperands(NamedTuple):
         return gmm_plan(*self, transpose_rhs=transpose_rhs)
 
 
-def is_low_bit(x: jax.Array) -> bool:
-    """Whether `x` holds 1-byte quantized values (int8 or float8) rather than floats."""
-    return jnp.dtype(x.dtype).itemsize == 1
-
-
-def block_of(size: int, scale: jax.Array | None, axis: int) -> int:
-    """Elements per scale along `axis` of an operand whose dim there is `size` (size when unscaled)."""
-    return size if scale is None else size // scale.shape[axis]
-
-
 def row_groups(group_sizes: jax.Array, m: int, groups: int, group_offset: jax.Array | None) -> jax.Array:
     """int32 [m]: the local group of each row, clipped to [0, groups) for rows no local group owns (those
     rows come out zero, so which scale they see does not matter)."""

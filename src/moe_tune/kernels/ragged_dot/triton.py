@@ -32,7 +32,7 @@ from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_gro
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, problem_plan, tgmm_plan
-from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, is_low_bit, prepare_gmm, prepare_tgmm, with_absent_refs
+from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, prepare_gmm, prepare_tgmm, with_absent_refs
 
 BLOCKS = (16, 32, 64, 128, 256)
 # Smallest K of an 8-bit integer MMA on NVIDIA GPUs (16 for 16-bit floats): tl.dot rejects int8 x int8 below it.
@@ -55,10 +55,10 @@ def _precision(dtype) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _dot_dtype(a: jax.Array, b: jax.Array) -> jnp.dtype:
+def _dot_dtype(plan: QuantPlan, a: jax.Array, b: jax.Array) -> jnp.dtype:
     """The one operand type of a float tile product (tl.dot takes one; mixed float inputs meet in float32).
-    1-byte quantized operands take `_quantized_step`'s path instead, so any float type serves them here."""
-    if is_low_bit(a) or is_low_bit(b):
+    Quantized operands take the quantized steps' path instead, so any float type serves them here."""
+    if plan.quantized:
         return jnp.dtype(jnp.float32)
     return jnp.promote_types(a.dtype, b.dtype)
 
@@ -259,7 +259,7 @@ class TritonRaggedDot(RaggedDotBackend):
         np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
         meta = make_group_metadata(group_sizes, m=mp, tm=bm, groups=groups,
                                    group_offset=0 if group_offset is None else group_offset)
-        dtype = _dot_dtype(lhs, rhs)
+        dtype = _dot_dtype(plan, lhs, rhs)
         kernel = functools.partial(_gmm_kernel, plan=plan, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
                                    precision=_precision(dtype), dtype=dtype)
         kernel = with_absent_refs(kernel, 5, [True, lhs_scale is not None, True, rhs_scale is not None])
@@ -286,7 +286,7 @@ class TritonRaggedDot(RaggedDotBackend):
         dout_p = pad_to(pad_to(dout, 0, bm), 1, bn)
         meta = make_group_metadata(group_sizes, m=lhs_p.shape[0], tm=bm, groups=num_groups,
                                    group_offset=0 if group_offset is None else group_offset)
-        dtype = _dot_dtype(lhs, dout)
+        dtype = _dot_dtype(plan, lhs, dout)
         kernel = functools.partial(_tgmm_kernel, plan=plan, block_m=bm, block_k=bk, block_n=bn,
                                    precision=_precision(dtype), dtype=dtype)
         kernel = with_absent_refs(kernel, 2, [True, lhs_scale is not None, True])
