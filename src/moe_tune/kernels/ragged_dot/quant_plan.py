@@ -17,10 +17,14 @@ are `a` and `b` (`RaggedDotBackend.run`):
     direction  a, b                          a's scale                     b's scale
     fwd        lhs [m, k], rhs [g, k, n]     per row: OUTPUT               per channel: OUTPUT
                                              sub-channel: STEP             sub-channel: STEP
-    dlhs       dout [m, n], rhs [g, k, n]^T  (dout is float: BEFORE)       per channel: FOLD (into dout rows)
-                                                                           sub-channel: DEQUANTIZE (along k out)
-    drhs       lhs [m, k]^T, dout [m, n]     per row: FOLD (into dout)     (dout is float: BEFORE)
+    dlhs       dout [m, n], rhs [g, k, n]^T  none (a QArray dout: BEFORE)  per channel: FOLD (into dout rows)
+                                                                           sub-channel: DEQUANTIZE (k is out)
+    drhs       lhs [m, k]^T, dout [m, n]     per row: FOLD (into dout)     none (a QArray dout: BEFORE)
                                              sub-channel: DEQUANTIZE
+
+The plan also says what the kernel loads (`OperandPlan.dtype`), whether `TiledConfig.dequantize` applies
+(`dequantizable`), whether the dots run in float32 (`float32_dots`), and the scale blocks a kernel step holds
+(`scale_blocks`, for memory estimates).
 
 Once the folds are done the kernel's own plan (from its arrays) says NONE where FOLD was, and float32 for
 the operand folded into.
