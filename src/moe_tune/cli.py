@@ -35,11 +35,18 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
     resumes it (finished candidates are not run again). Ctrl-C keeps what finished. Several models or ep
     sizes, several values of a shape flag (`--m 256,1024`: one sweep per shape), --ray, --shard and
     --dry-run run a campaign: its sweeps planned once (duplicates removed, those the table holds skipped
-    unless --fresh, largest first)."""
+    unless --fresh, largest first). --target CHIP compiles every candidate for a chip this machine does not
+    have, with its real compiler, and stores which compile where the chip's tables live."""
     from moe_tune.campaign import engine, runner
     from moe_tune.tuner import compile_cache
 
     asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=campaign.given)
+    if campaign.target is not None:  # compile for a chip this machine does not have (moe_tune/targets)
+        from moe_tune.targets import sweep_cli
+
+        sweep_cli.run(asked.cases, settings, campaign.target, backend=asked.backend, campaign=campaign,
+                      print_line=lambda text: console.print(text, markup=False, highlight=False))
+        return
     planned = engine.prepare(asked.cases, settings, backend=asked.backend, ray_address=campaign.ray_address,
                              share=campaign.share, notes=asked.notes, skip_done=asked.several)
     if not campaign.dry_run:

@@ -22,6 +22,7 @@ from moe_tune.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.options import QUANT, ShapeOption, names
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
+from moe_tune.targets import TARGETS
 from moe_tune.tuner.settings import SweepSettings
 from moe_tune.tuner.strategies import STRATEGIES
 
@@ -240,6 +241,7 @@ class CampaignFlags:
     ray_address: str | None = None
     share: tuple[int, int] | None = None
     dry_run: bool = False
+    target: str | None = None  # --target: compile the candidates for this chip instead of sweeping
 
     @property
     def given(self) -> bool:
@@ -287,19 +289,23 @@ def sweep_options(fn: Callable) -> Callable:
                           "SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT when set); combine the shares' tables with "
                           "`moe-tune merge`."),
         click.option("--dry-run", is_flag=True, help="Print the campaign's plan and exit."),
+        click.option("--target", type=click.Choice(list(TARGETS), case_sensitive=False), default=None,
+                     help="Do not sweep: compile every candidate for this chip with its real compiler, here, without "
+                          "the chip, and store which compile beside its tables; a sweep "
+                          "on the chip then skips the others. Needs the `tpu-compile` / `gpu-compile` extra."),
     ]
     setting_names = [f.name for f in dataclasses.fields(SweepSettings)]
 
     @functools.wraps(fn)
     @handle_errors
-    def wrapper(*args, samples, race, ray_address, shard, dry_run, **kwargs):
+    def wrapper(*args, samples, race, ray_address, shard, dry_run, target, **kwargs):
         given = {name: kwargs.pop(name) for name in setting_names if name in kwargs}
         given["distribution"] = given["distribution"] or distributions.DEFAULT
         if samples is not None:
             given["samples"] = samples
         if race is not None:
             given["race"] = race or None  # 0: no racing
-        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run)
+        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run, target)
         return fn(*args, settings=SweepSettings(**given), campaign=campaign, **kwargs)
 
     for option in reversed(options):

@@ -21,7 +21,9 @@ from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.profiles import dirs
 from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.targets.records import uncompilable
 from moe_tune.tuner import log as sweep_log
+from moe_tune.tuner import sampling
 from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.settings import SweepSettings
 
@@ -29,7 +31,10 @@ from moe_tune.tuner.settings import SweepSettings
 # one of them are different sweeps (another log file; never resumed from each other's log).
 IDENTITY_FIELDS = ("seed", "samples", "race", "strategy", "budget", "max_candidates")
 # The settings an entry's `search` record repeats (with how the search went).
-SEARCH_FIELDS = ("strategy", "budget", "time_budget_s", "max_candidates", "space", "batch_size")
+# (`space`: the candidates the strategy chose from, after --max-candidates; `full_space`: the backend's whole
+# search space; `samples`: of the sweep round. `profiles.evidence` reads them as the entry's budget.)
+SEARCH_FIELDS = ("strategy", "budget", "time_budget_s", "max_candidates", "space", "full_space", "samples",
+                 "batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +77,24 @@ class SweepPlan:
             raise UsageError(f"backend {self.backend.name!r} does not run on {self.platform}")
 
     @functools.cached_property
-    def space(self) -> list[KernelConfig]:
-        """The backend's search space for the problem (valid configs, default first), cut to max_candidates."""
+    def full_space(self) -> list[KernelConfig]:
+        """The backend's search space for the problem (valid configs, default first), less the configs that
+        compile records (`moe-tune sweep --target`, `targets/records.py`) say fail on this chip (the default
+        stays: the sweep measures it whatever happens)."""
         space = self.backend.search_space(self.request.problem)
+        failing = uncompilable(self.directory, self.device_kind, self.request.op, self.backend.name,
+                               self.request.problem)
+        if failing:
+            space = space[:1] + [c for c in space[1:] if c.label() not in failing]
+        return space
+
+    @functools.cached_property
+    def space(self) -> list[KernelConfig]:
+        """`full_space`, or with max_candidates the default and a seeded sample spread across it
+        (`sampling.spread`: the same candidates for the same seed, so a resumed sweep gets them again)."""
         limit = self.request.settings.max_candidates
-        return space if limit is None else space[: max(1, limit)]
+        return self.full_space if limit is None else sampling.spread(self.full_space, limit,
+                                                                     self.request.settings.seed)
 
     @functools.cached_property
     def settings_json(self) -> dict[str, Any]:
@@ -86,7 +104,8 @@ class SweepPlan:
         return as_json({"op": self.request.op, "backend": self.backend.name, "distribution": s.distribution,
                         "seed": s.seed, "samples": s.samples, "race": s.race, "strategy": s.strategy,
                         "budget": s.budget, "time_budget_s": s.time_budget_s, "max_candidates": s.max_candidates,
-                        "finalists": s.finalists, "batch_size": s.batch_size, "space": len(self.space)})
+                        "finalists": s.finalists, "batch_size": s.batch_size, "space": len(self.space),
+                        "full_space": len(self.full_space)})
 
     @functools.cached_property
     def identity(self) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""What `moe-tune sweep ... --target CHIP` does, between the CLI's parsing and `compile_sweep`: plan the sweeps
+for the chip's platform, compile their candidates with a line of progress per sweep, print the summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels import get_op
+from moe_tune.profiles import dirs
+from moe_tune.targets.chips import get_target
+from moe_tune.targets.compile_sweep import TargetSweep, compile_sweeps
+from moe_tune.targets.records import records_path
+
+
+def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | None, campaign: Any,
+        print_line=print) -> list[TargetSweep]:
+    """Compile the candidates of `cases` (`campaign.plan.Case`s) for the target; returns a summary per sweep.
+    UsageError for the campaign flags that do not apply (nothing runs on a device here)."""
+    from moe_tune.campaign.plan import plan, shard
+
+    if campaign.ray_address is not None:
+        raise UsageError("--target compiles on this machine; it does not take --ray")
+    target = get_target(target_name)
+    sweeps = plan(cases, platform=target.platform, distribution=settings.distribution, backend=backend)
+    if campaign.share is not None:
+        sweeps = shard(sweeps, *campaign.share)
+    directory = dirs.write_dir(settings.profile_dir)
+    print_line(f"compiling the candidates of {len(sweeps)} sweep(s) for {target.name} ({target.description}) "
+               f"with {settings.workers} worker(s); records in {records_path(directory, target.device_kind, '<op>')}")
+    if campaign.dry_run:
+        for sweep in sweeps:
+            print_line(f"  {get_op(sweep.op).describe(sweep.problem)} [{sweep.backend}]")
+        return []
+
+    done: set[int] = set()
+
+    def progress(summary: TargetSweep, record, compiled: bool) -> None:
+        if summary.ok + summary.failed == summary.candidates and id(summary) not in done:
+            done.add(id(summary))
+            print_line(line(summary))
+
+    return compile_sweeps(sweeps, target, profile_dir=directory, workers=settings.workers,
+                          max_candidates=settings.max_candidates, on_record=progress)
+
+
+def line(summary: TargetSweep) -> str:
+    """`ragged_dot fwd m=... [megablox]: 40 of 42 compile (2 fail: rejected: ...), 12.3 s compiling, 5 stored`."""
+    text = (f"{get_op(summary.op).describe(summary.problem)} [{summary.backend}]: {summary.ok} of "
+            f"{summary.candidates} compile")
+    if summary.failed:
+        text += f" ({summary.failed} fail; first: {summary.first_failure[:120]})"
+    text += f", {summary.compile_s:.1f} s compiling"
+    return text + (f", {summary.stored} from earlier runs" if summary.stored else "")
