@@ -23,7 +23,7 @@ class SweepSettings:
     distribution: str = distributions.DEFAULT  # of the rows (tokens) over groups (experts)
     seed: int = 0  # of the inputs, the group sizes and the random strategy
     # first-round samples per candidate: enough to rank them roughly; the finalists are re-timed side by side
-    # with twice as many, which is where the winner is decided
+    # with twice as many (at least profiles.verdict.MIN_FINAL_SAMPLES), which is where the winner is decided
     samples: int = 3
     # racing: after the first round, a candidate slower than this factor times the best known gets no more
     # samples (see timing.time_candidates); None times every candidate `samples` times
@@ -31,7 +31,7 @@ class SweepSettings:
     strategy: str = "grid"  # see tuner.strategies
     budget: int | None = None  # at most this many candidates
     time_budget_s: float | None = None  # start no new chunk of candidates after this many seconds
-    max_candidates: int | None = None  # keep the first N of the search space (default first)
+    max_candidates: int | None = None  # the default and a seeded sample spread across the space (tuner.sampling)
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
     keep_trace_dir: Path | None = None  # keep the profiler traces (xplane) here
