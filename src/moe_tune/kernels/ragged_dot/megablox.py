@@ -78,7 +78,7 @@ def quant_config_error(config: MegabloxConfig, problem: RaggedDotProblem) -> str
         return f"tk={config.tk} must divide the contraction ({k}) for quantized operands"
     tile, name = (config.tn, "tn") if problem.direction == "dlhs" else (config.tk, "tk")
     for block in plan.sub_channel_blocks:
-        if block < problem.k and tile % block and block % tile:
+        if tile % block and block % tile:
             return f"{name}={tile} must be a multiple of the scale block {block} or divide it"
     return None
 
