@@ -15,12 +15,16 @@ from moe_tune.kernels.gather.problem import GatherProblem
 # several blocks, some wholly outside a range).
 SHAPES = ((24, 4, 128), (7, 3, 256))
 MAX_CONFIGS = 2
+# Mosaic refuses the kernels' one-row DMAs of packed 16-bit arrays on every TPU (tests/test_real_compilers.py,
+# benchmarks/compile_check.py): the rules refuse those dtypes.
+DTYPES = ("float32",)
 
 
 class TestPallasTpuGather(GatherBackendTests):
     backend = "pallas_tpu"
     shapes = SHAPES
     max_configs = MAX_CONFIGS
+    dtypes = DTYPES
 
     def invalid_with_reasons(self, problem):
         too_tall = -(-problem.rows // 8) * 8 + 8
@@ -37,6 +41,7 @@ class TestPallasTpuGatherReduce(GatherReduceBackendTests):
     backend = "pallas_tpu"
     shapes = SHAPES
     max_configs = MAX_CONFIGS
+    dtypes = DTYPES
 
     def invalid_with_reasons(self, problem):
         too_tall = -(-problem.tokens // 8) * 8 + 8
@@ -56,6 +61,8 @@ def test_unsupported_shapes_are_rejected_with_a_reason(impl):
     cfg = impl.default_config(GatherProblem(tokens=64, rows=512, hidden=128))
     assert "multiple of 128" in impl.config_error(cfg, GatherProblem(tokens=64, rows=512, hidden=200))
     assert "SMEM" in impl.config_error(cfg, GatherProblem(tokens=65536, rows=524288, hidden=128))
+    for dtype in ("bfloat16", "float16"):
+        assert "packed 16-bit" in impl.config_error(cfg, GatherProblem(tokens=64, rows=512, hidden=128, dtype=dtype))
 
 
 def test_vmem_budget_rejects_huge_blocks():
@@ -64,13 +71,7 @@ def test_vmem_budget_rejects_huge_blocks():
     assert "VMEM" in PallasTpuGatherReduce().config_error(PallasTpuGatherReduceConfig(256, 16), problem)
 
 
-def test_bf16_blocks_align_to_16_rows():
-    problem = GatherProblem(tokens=64, rows=512, hidden=256, dtype="bfloat16")
-    assert "multiple of 16" in PallasTpuGather().config_error(PallasTpuGatherConfig(8, 8), problem)
-    assert PallasTpuGather().config_error(PallasTpuGatherConfig(16, 8), problem) is None
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 128), (5, 2, 128), (4096, 8, 7168), (16384, 8, 16384),
                                                  (256, 64, 2048), (32768, 1, 65536)])
 def test_default_config_is_valid(dtype, tokens, top_k, hidden):

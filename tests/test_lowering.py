@@ -53,6 +53,10 @@ TOKENS, TOP_K, HIDDEN = 96, 4, 256
 GATHER = {"pallas_tpu": (PallasTpuGather(), "tpu"), "triton": (TritonGather(), "gpu")}
 GATHER_REDUCE = {"pallas_tpu": (PallasTpuGatherReduce(), "tpu"), "triton": (TritonGatherReduce(), "gpu")}
 GATHER_DTYPES = ("float32", "bfloat16", "float16")
+# pallas_tpu refuses 16-bit dtypes: the real Mosaic compiler rejects its one-row DMAs of packed arrays
+# (tests/test_real_compilers.py), though the lowering here takes them.
+GATHER_CASES = [(name, dtype) for name in GATHER for dtype in GATHER_DTYPES
+                if name != "pallas_tpu" or dtype == "float32"]
 
 
 def assert_gather_kernel(exported, platform, config, name, out_shape, dtype, what):
@@ -65,8 +69,7 @@ def assert_gather_kernel(exported, platform, config, name, out_shape, dtype, wha
 
 
 @pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
-@pytest.mark.parametrize("dtype", GATHER_DTYPES)
-@pytest.mark.parametrize("name", list(GATHER))
+@pytest.mark.parametrize("name,dtype", GATHER_CASES)
 def test_gather_lowers(on_chip, name, dtype, weighted):
     backend, platform = GATHER[name]
     on_chip(platform)
@@ -85,8 +88,7 @@ def test_gather_lowers(on_chip, name, dtype, weighted):
 
 
 @pytest.mark.parametrize("masked", [True, False], ids=["valid_mask", "all_valid"])
-@pytest.mark.parametrize("dtype", GATHER_DTYPES)
-@pytest.mark.parametrize("name", list(GATHER_REDUCE))
+@pytest.mark.parametrize("name,dtype", GATHER_CASES)
 def test_gather_reduce_lowers(on_chip, name, dtype, masked):
     backend, platform = GATHER_REDUCE[name]
     on_chip(platform)

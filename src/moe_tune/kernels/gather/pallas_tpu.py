@@ -97,6 +97,11 @@ def gather_reduce_vmem_bytes(config: PallasTpuGatherReduceConfig, problem: Gathe
 
 def _shape_error(problem: GatherProblem) -> str | None:
     """Why no config can serve `problem` at all (independent of the tunables)."""
+    if jnp.dtype(problem.dtype).itemsize != 4:
+        # The real compiler (libtpu 0.0.42, every generation; benchmarks/compile_check.py) refuses the one-row
+        # DMAs of a packed 16-bit array: "Slice sizes along tiled dimensions must be aligned to tiles".
+        return (f"dtype {problem.dtype}: Mosaic cannot copy single rows of a packed 16-bit array (its tiles "
+                f"hold row pairs); pallas_tpu serves float32 (use the jax or tiled backend)")
     if problem.hidden % LANES:
         return (f"hidden={problem.hidden} is not a multiple of {LANES} lanes: pallas_tpu copies whole "
                 f"lane-aligned rows and cannot serve it (use the jax or tiled backend)")
@@ -351,7 +356,7 @@ def pallas_tpu_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
 
 class _PallasTpuBackend:
     name = "pallas_tpu"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
     platforms = ("tpu",)
     # Uses PrefetchScalarGridSpec, pl.ANY, make_async_copy, SemaphoreType.DMA and pltpu.InterpretParams
     # (simulated DMAs in interpret mode) as of jax 0.10; Pallas TPU APIs move between minor releases.
