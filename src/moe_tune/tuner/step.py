@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -45,5 +45,3 @@ class Tally:
                 return done.value
             self.total += step
 
-
-Stage = Generator[Step, None, Any]
