@@ -9,6 +9,7 @@ from matplotlib.container import BarContainer, ErrorbarContainer
 
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import verdict_of
+from moe_tune.report import entry_words
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def check_plot(fig, entries) -> None:
     assert bars[winner].get_facecolor()[:3] == pytest.approx(matplotlib.colors.to_rgb("tab:green"))
     verdict = verdict_of(first)
     title = left.get_title(loc="left")
-    assert f"verdict: {verdict.label}" in title and first.key in title.replace("\n", "")
+    assert f"verdict: {verdict.label}" in title and entry_words(first) in title.replace("\n", " ")  # in words
     # the final round: one marker per finalist, at its re-timed median, on its config's row
     marker_x, marker_y = finals.lines[0].get_data()
     assert sorted(marker_x) == pytest.approx(sorted(f["median_s"] * 1e3 for f in verdict.finalists))

@@ -14,7 +14,10 @@ from moe_tune import report
 from moe_tune.kernels import get_op
 from moe_tune.plots import plot_entries
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.verdict import FASTEST, ONLY_CANDIDATE, RULES, WITHIN_NOISE, Verdict, verdict_of
+from moe_tune.profiles.verdict import (
+    BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE, RULES, WITHIN_NOISE,
+    Verdict, verdict_of,
+)
 from moe_tune.tuner import SweepRequest, run_sweep
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
@@ -38,10 +41,14 @@ def test_every_shipped_entry_records_its_verdict_and_still_round_trips():
         assert not verdict.derived and verdict.rule in RULES and verdict.finalists
         assert (verdict.rule == WITHIN_NOISE) == data["within_noise_of_default"]
         assert [f["config"] for f in verdict.finalists][0] == data["config"]  # the winner first
+        # `fastest` (recorded before issue 26) reads as what it meant: the default fastest, or a win
+        is_default = data["config"] == data["default"]["config"]
+        if data["verdict"]["rule"] == FASTEST:
+            assert verdict.rule == (DEFAULT_FASTEST if is_default else BEAT_DEFAULT)
     frame = report.entries_frame(SHIPPED)
-    assert len(frame) == 45 and frame["verdict"].str.len().gt(0).all()
+    assert len(frame) == 45 and frame["verdict_detail"].str.len().gt(0).all()
     kept = sum(e["within_noise_of_default"] for e in entries)
-    assert frame["verdict"].str.startswith("kept default: within noise").sum() == kept
+    assert frame["verdict_detail"].str.startswith("kept default: within noise").sum() == kept
 
 
 def test_the_issue_case_is_a_default_kept_within_noise(drawn, tmp_path):
@@ -92,12 +99,15 @@ def _entry(**changes) -> Entry:
 
 
 def test_derived_rules():
-    assert verdict_of(_entry()).label == "fastest (derived)"
+    assert verdict_of(_entry()).label == "default fastest (derived)"  # the winner is the default
     assert verdict_of(_entry(candidates={"ok": 1})).rule == ONLY_CANDIDATE
     kept = verdict_of(_entry(within_noise_of_default=True))
     assert kept.rule == WITHIN_NOISE and kept.noise == pytest.approx(0.2)
     faster = verdict_of(_entry(config={"tm": 16}))  # a win: the winner's and the default's re-timed medians
     assert [f["config"] for f in faster.finalists] == [{"tm": 16}, {"tm": 8}]
+    assert faster.rule == BEAT_DEFAULT and faster.evidence_problem  # no noise estimate: weak evidence
+    assert verdict_of(_entry(config={"tm": 16}, default={"config": {"tm": 8}, "status": "failed"})).rule == (
+        DEFAULT_FAILED)
     assert verdict_of(_entry(verdict=Verdict(ONLY_CANDIDATE).to_json())) == Verdict(ONLY_CANDIDATE)
 
 
@@ -107,19 +117,22 @@ def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
     entry = Entry.from_json(json.loads(result.table_path.read_text())["entries"][result.entry.key])
     assert entry.to_json() == result.entry.to_json()
     verdict = verdict_of(entry)
-    assert not verdict.derived and verdict.rule in (FASTEST, WITHIN_NOISE)
+    assert not verdict.derived and verdict.rule in (BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE)
     assert (verdict.rule == WITHIN_NOISE) == entry.within_noise_of_default
     # the default is held to the noise threshold unless it was the fastest finalist itself
-    default_fastest = verdict.rule == FASTEST and entry.config == entry.default_config
+    default_fastest = verdict.rule == DEFAULT_FASTEST
+    assert default_fastest == (entry.config == entry.default_config and verdict.rule != WITHIN_NOISE)
     assert (verdict.noise is None) == default_fastest and (default_fastest or verdict.noise >= 0)
     finalists = verdict.finalists
     assert finalists[0]["config"] == entry.config and finalists[0]["median_s"] == entry.median_s
-    assert sum(f["is_default"] for f in finalists) == 1 and all(f["samples"] == 4 for f in finalists)
+    # --samples 2: the final round takes twice as many, but never fewer than the rule's minimum
+    assert sum(f["is_default"] for f in finalists) == 1
+    assert all(f["samples"] == max(4, MIN_FINAL_SAMPLES) for f in finalists)
     assert all(f["min_s"] <= f["median_s"] <= f["max_s"] for f in finalists)
     first_round = {json.dumps(r["config"]): r["median_s"] for r in entry.results}
     assert all(first_round[json.dumps(f["config"])] == f["first_median_s"] for f in finalists)
     row = report.entries_frame().iloc[0]
-    assert row["verdict"] == verdict.text
+    assert row["verdict_detail"] == verdict.text
     # the sweep log: the final round beside the first, the winner marked
     _, frame, finals = report.sweep_log_frame(result.log_path)
     assert finals[-1]["verdict"] == verdict.text

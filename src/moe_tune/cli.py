@@ -81,6 +81,12 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Only the tables under this dir (default: every profile dir, effective entries).")
 @click.option("--key", default=None, help="Only the entry with this key (the `key` column of --format csv/json).")
+@click.option("--source", type=click.Choice(["mine", "user", "dir", "shipped"]), default=None,
+              help="Only entries from: mine (every table but the shipped ones), the user cache dir, a profile dir "
+                   "($MOE_TUNE_PROFILE_DIR or --profile-dir), the shipped tables.")
+@click.option("--mine", is_flag=True, help="Only your own entries (= --source mine).")
+@click.option("--columns", default=None, metavar="A,B,...", help="The table's columns (any of --format csv's).")
+@click.option("--all", "all_columns", is_flag=True, help="Every column in the table, not the compact default.")
 @click.option("--breakdown", is_flag=True,
               help="Re-run the first selected entry's winner and default under the profiler and show the time per "
                    "HLO op (GPU: and per kernel), largest first, with its share of the total.")
@@ -95,8 +101,8 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
 @click.option("--keep-trace", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Breakdown: keep the traces here, to open with `xprof --logdir DIR`.")
 @handle_errors
-def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_log, profile_dir, key, breakdown, via,
-           runs, top, keep_trace):
+def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_log, profile_dir, key, source, mine,
+           columns, all_columns, breakdown, via, runs, top, keep_trace):
     """Show the tuned tables (or one sweep's candidates, with --sweep LOG; or where one entry's time goes, with
     --breakdown)."""
     from moe_tune import report as reports
@@ -105,7 +111,8 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
     if sweep_log is not None:
         return render.sweep_log(sweep_log, *reports.sweep_log_frame(sweep_log), fmt, shown=list(reports.LOG_COLUMNS))
     frame = reports.select(reports.entries_frame(profile_dir, op), sort=sort, descending=desc, op=op,
-                           direction=direction, device=device, backend=backend, dtype=dtype, key=key)
+                           direction=direction, device=device, backend=backend, dtype=dtype, key=key,
+                           source="mine" if mine else source)
     if not breakdown and (via is not None or keep_trace is not None):
         raise UsageError("--via and --keep-trace apply to --breakdown")
     if breakdown:
@@ -118,7 +125,8 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
         console.print(f"plot written to {path}", highlight=False)
     render.frame(frame, fmt, title="Tuned configs",
                  empty="No tuned entries match: run `moe-tune sweep`, or loosen the filters.",
-                 shown=reports.table_columns(frame))
+                 shown=reports.table_columns(frame, columns=columns and columns.split(","), everything=all_columns),
+                 compact=not (columns or all_columns))
 
 
 def _breakdown(entries, fmt: str, *, via, runs: int, top: int, keep_trace) -> None:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -167,15 +168,18 @@ def progress(*, transient: bool) -> Iterator[Progress]:
         yield bars
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = ()) -> None:
-    """A rich table on stdout; `right`: the columns to right-align (numbers). The first column names the row
-    and is kept on one line; the others wrap when the table is too wide."""
-    shown = Table(title=title, title_justify="left")
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = (),
+          compact: bool = False, console: Console | None = None) -> None:
+    """A rich table on stdout (or `console`); `right`: the columns to right-align (numbers). The first column
+    names the row and is kept on one line; the others wrap when the table is too wide. `compact`: no
+    vertical rules and no row wraps (one line per row: the report's default columns are chosen to fit)."""
+    shown = Table(title=title, title_justify="left",
+                  **(dict(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True) if compact else {}))
     for i, column in enumerate(columns):
-        shown.add_column(column, justify="right" if column in right else "left", no_wrap=i == 0)
+        shown.add_column(column, justify="right" if column in right else "left", no_wrap=compact or i == 0)
     for row in rows:
         shown.add_row(*(str(cell) for cell in row))
-    out.print(shown)
+    (console or out).print(shown)
 
 
 def _ms(seconds: float) -> str:
@@ -257,8 +261,10 @@ def sweep_log(path: Path, header: dict[str, Any], data, finals: Sequence[dict[st
           empty="The log has no finished candidate yet.", shown=shown)
 
 
-def frame(data, fmt: str, *, title: str, empty: str, shown: list[str]) -> None:
-    """A DataFrame as csv / json / markdown on stdout, or as a rich table of the `shown` columns."""
+def frame(data, fmt: str, *, title: str, empty: str, shown: list[str], compact: bool = False,
+          console: Console | None = None) -> None:
+    """A DataFrame as csv / json / markdown on stdout, or as a rich table of the `shown` columns (`compact`:
+    see `table`)."""
     if fmt == "csv":
         click.echo(data.to_csv(index=False), nl=False)
     elif fmt == "json":
@@ -268,8 +274,10 @@ def frame(data, fmt: str, *, title: str, empty: str, shown: list[str]) -> None:
     elif data.empty:
         out.print(empty)
     else:
-        table(title, shown, [[_cell(row[c]) for c in shown] for _, row in data.iterrows()],
-              right=[c for c in shown if data[c].dtype.kind in "if"])
+        from moe_tune.report import HEADERS
+
+        table(title, [HEADERS.get(c, c) for c in shown], [[_cell(row[c]) for c in shown] for _, row in data.iterrows()],
+              right=[HEADERS.get(c, c) for c in shown if data[c].dtype.kind in "if"], compact=compact, console=console)
 
 
 def breakdowns(found: Sequence[Breakdown], fmt: str, *, top: int) -> None:

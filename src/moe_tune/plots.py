@@ -4,9 +4,10 @@
 Left, one entry (the first selected): every correct candidate's sweep-round median as a bar, fastest first,
 its spread as a whisker; the finalists' re-timed medians of the final round as diamonds beside them; the
 winner and the default coloured; when the default was kept for being within noise, the band of times a
-candidate had to beat to count as a win; the verdict in the title. Right: each selected entry's speedup over
-its default, coloured by verdict. Long keys and labels are wrapped, and the figure is saved with a tight
-bounding box, so nothing is cut off at any length.
+candidate had to beat to count as a win; the verdict (and its marks: unverified, weak evidence, low budget)
+and the shape in words in the title. Right: each selected entry's speedup over its default, coloured by
+verdict, hatched red when marked. Long labels are wrapped, and the figure is saved with a tight bounding box,
+so nothing is cut off at any length.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_tune.errors import UsageError, path_error
+from moe_tune.profiles import evidence
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict, verdict_of
+from moe_tune.report import entry_words
 
 WINNER, DEFAULT, OTHER, FINAL, BAND = "tab:green", "tab:orange", "tab:blue", "black", "0.85"
 _LABEL_WIDTH = 40  # characters per line of a y label
@@ -29,19 +32,6 @@ _SIZES = ("m", "k", "n", "groups", "tokens", "hidden")
 def config_label(config: Mapping[str, Any]) -> str:
     """`tm=128 tk=2048 tn=1408 tail=16` (wrapped at word boundaries when long)."""
     return "\n".join(textwrap.wrap(" ".join(f"{k}={v}" for k, v in config.items()), _LABEL_WIDTH)) or "-"
-
-
-def wrapped_key(key: str) -> str:
-    """An entry key broken into lines after its `|` separators (removing the newlines gives the key back)."""
-    lines, line = [], ""
-    for part in key.split("|"):
-        piece = part if not line else "|" + part
-        if line and len(line) + len(piece) > _TITLE_WIDTH:
-            lines.append(line + "|")
-            piece = part
-            line = ""
-        line += piece
-    return "\n".join([*lines, line])
 
 
 def plot_entries(entries: Sequence[Entry], path: str | Path, *, title: str | None = None) -> Path:
@@ -122,8 +112,11 @@ def _candidates(ax, entry: Entry, results: list[dict[str, Any]]) -> None:
     ax.set_xlim(left=0)
     ax.set_xlabel("median time (ms)")
     _legend_below(ax, handles, ncol=3)
-    lines = [f"verdict: {verdict.label}", wrapped_key(entry.key),
-             f"{len(results)} correct candidates, {len(entry.failures)} failed or wrong"]
+    marks = evidence.marks(entry)
+    lines = [f"verdict: {verdict.label}" + (f" [{', '.join(marks).upper()}]" if marks else ""),
+             *textwrap.wrap(entry_words(entry), _TITLE_WIDTH),
+             f"{len(results)} correct candidates, {len(entry.failures)} failed or wrong"
+             + (f"; {evidence.low_budget(entry)}" if evidence.low_budget(entry) else "")]
     if verdict.derived:
         lines += textwrap.wrap("derived: the entry predates recorded verdicts, so the noise is from the default's "
                                "samples alone and a finalist's bar may be its re-timed median", _TITLE_WIDTH + 20)
@@ -162,16 +155,25 @@ def _speedups(ax, entries: Sequence[Entry]) -> None:
               for e in entries]
     # grey where the default won: kept within noise, or the fastest itself (a speedup of 1, not a win)
     kept = [e.default_config is not None and dict(e.config) == dict(e.default_config) for e in entries]
-    ax.barh(range(len(entries)), [e.speedup_over_default or 0.0 for e in entries],
-            color=["0.6" if k else "tab:purple" for k in kept])
+    bars = ax.barh(range(len(entries)), [e.speedup_over_default or 0.0 for e in entries],
+                   color=["0.6" if k else "tab:purple" for k in kept])
+    doubtful = [bool(evidence.marks(e)) for e in entries]  # unverified, weak evidence, low budget: hatched
+    for bar, flagged in zip(bars, doubtful):
+        if flagged:
+            bar.set_hatch("//")
+            bar.set_edgecolor("tab:red")
     ax.set_yticks(range(len(entries)), ["\n".join(textwrap.wrap(label, 2 * _LABEL_WIDTH)) for label in labels],
                   fontsize=7)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("speedup over the default config")
     ax.set_title("speedup per shape", fontsize=9)
-    _legend_below(ax, [Patch(color="tab:purple", label="a win over the default"),
-                       Patch(color="0.6", label="the default kept (fastest or within noise)")], ncol=2)
+    handles = [Patch(color="tab:purple", label="a win over the default"),
+               Patch(color="0.6", label="the default kept (fastest, within noise or unverified)")]
+    if any(doubtful):
+        handles.append(Patch(facecolor="white", edgecolor="tab:red", hatch="//",
+                             label="unverified, weak evidence or low budget"))
+    _legend_below(ax, handles, ncol=len(handles))
 
 
 def _key(config: Mapping[str, Any]) -> tuple:

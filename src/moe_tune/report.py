@@ -3,7 +3,7 @@ filters and sorting for `moe-tune report`, and its plots."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,23 +11,34 @@ import pandas as pd
 
 from moe_tune.breakdown.ops import Breakdown
 from moe_tune.errors import UsageError, warn_caller
-from moe_tune.profiles import dirs
+from moe_tune.profiles import dirs, evidence
 from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.table import read_table
-from moe_tune.profiles.verdict import verdict_of
+from moe_tune.profiles.verdict import SHORT, verdict_of
 
+# (the columns issue 26 added come last: scripts that read the csv by position keep working)
 COLUMNS = [
     "device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution", "config",
     "time_ms", "default_ms", "speedup", "verdict", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
+    "kernel", "verdict_detail", "budget", "config_short",
 ]
-# The columns of the rich table; the quantization ones only when an entry is quantized.
-TABLE_COLUMNS = ["device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution",
-                 "config", "time_ms", "default_ms", "speedup", "verdict", "tried", "failed", "wrong", "timing"]
+# The default rich table: what a person reads first, narrow enough for 160 columns (issue 26). `--all` shows
+# ALL_TABLE_COLUMNS, `--columns` any of COLUMNS.
+COMPACT_COLUMNS = ["kernel", "shape", "dtype", "backend", "config_short", "speedup", "verdict", "source"]
+# Column headers that differ from the frame's column names.
+HEADERS = {"config_short": "config"}
+ALL_TABLE_COLUMNS = ["device_kind", "kernel", "backend", "shape", "dtype", "quant", "quant_error", "distribution",
+                     "config", "time_ms", "default_ms", "speedup", "verdict", "verdict_detail", "budget", "tried",
+                     "failed", "wrong", "timing", "source", "tuned_at"]
 _QUANT_COLUMNS = ("quant", "quant_error")
 # `moe-tune report` filters: option name -> column it matches.
 FILTERS = {"op": "op", "direction": "direction", "device": "device_kind", "backend": "backend", "dtype": "dtype",
-           "key": "key"}
+           "key": "key", "source": "source"}
 _NOT_SHAPE = ("direction", "backend", "distribution")
+# Where an entry comes from (`dirs.search_dirs` origins), in the words of the `source` column.
+SOURCES = {"shipped": "shipped", "user": "user cache", "env": "profile dir", "dir": "profile dir",
+           "use_profiles": "use_profiles"}
+MINE = ("user cache", "profile dir", "use_profiles")  # `report --mine`: every source but the shipped tables
 
 
 def table_files(profile_dir: Path | None = None, op: str | None = None) -> list[tuple[str, Path]]:
@@ -81,35 +92,88 @@ def quant_label(fields: dict[str, Any]) -> str:
     return " ".join(sides) or "-"
 
 
-def table_columns(frame: pd.DataFrame) -> list[str]:
-    """`TABLE_COLUMNS`, less the quantization ones when no row is quantized."""
+def dtype_label(fields: dict[str, Any]) -> str:
+    """The operands' dtypes as a person names them: `bfloat16`; `bfloat16 x int8` (int8 weights, float
+    activations: the quantized side shows its stored dtype, not the float32 it counts as in the key);
+    `int8 x int8/128 -> float32`; the output only when it differs from the lhs."""
+    if "lhs_dtype" not in fields:
+        return str(fields.get("dtype", "-"))
+    lhs, rhs = (str(fields.get(f"{side}_qdtype") or fields.get(f"{side}_dtype")) + (
+        f"/{fields[side + '_qblock']}" if fields.get(f"{side}_qdtype") and fields.get(side + "_qblock") not in (
+            None, fields.get("k")) else "") for side in ("lhs", "rhs"))
+    out = str(fields.get("out_dtype", lhs))
+    text = lhs if lhs == rhs else f"{lhs} x {rhs}"
+    return text if out == lhs.split("/")[0] else f"{text} -> {out}"
+
+
+def table_columns(frame: pd.DataFrame, *, columns: Sequence[str] | None = None, everything: bool = False) -> list[str]:
+    """The rich table's columns: `columns` as given (UsageError naming the known ones for another), else
+    ALL_TABLE_COLUMNS with `everything`, else COMPACT_COLUMNS; the quantization ones only when a row is
+    quantized."""
+    if columns:
+        unknown = [c for c in columns if c not in COLUMNS]
+        if unknown:
+            raise UsageError(f"no column {unknown[0]!r}; columns are {', '.join(COLUMNS)}")
+        return list(columns)
     quantized = bool((frame["quant"] != "-").any()) if len(frame) else False
-    return [c for c in TABLE_COLUMNS if quantized or c not in _QUANT_COLUMNS]
+    return [c for c in (ALL_TABLE_COLUMNS if everything else COMPACT_COLUMNS) if quantized or c not in _QUANT_COLUMNS]
+
+
+DIRECTION_WORDS = {"fwd": "forward", "dlhs": "gradient of lhs", "drhs": "gradient of rhs"}
+
+
+def entry_words(entry: Entry) -> str:
+    """The entry's shape in words, for titles: `ragged_dot, gradient of lhs: m=1024 k=2880 n=2880 groups=8,
+    bfloat16 x int8, tiled backend, balanced routing`."""
+    fields, direction = entry.fields, entry.fields.get("direction")
+    op = entry.op or "kernel"
+    what = f"{op}, {DIRECTION_WORDS.get(direction, direction)}" if direction else op
+    return (f"{what}: {shape_label(dict(fields))}, {dtype_label(dict(fields))}, {fields.get('backend')} backend, "
+            f"{fields.get('distribution')} routing")
+
+
+def config_short(config: Mapping[str, Any]) -> str:
+    """`tm=1024 tk=2048 tn=512 tail=16 batched`: a config with its true flags named and its false ones left
+    out (the compact table's `config`; the `config` column spells every value)."""
+    return " ".join(k if v is True else f"{k}={v}" for k, v in config.items() if v is not False) or "-"
+
+
+def _verdict_words(entry: Entry) -> str:
+    """`beat default`, `default fastest, low budget`, `unverified`: the verdict in a few words, with the
+    marks a reader should see (`evidence.marks`)."""
+    verdict, marks = verdict_of(entry), evidence.marks(entry)
+    word = SHORT[verdict.rule]  # `weak evidence` is among the marks: no `?` as well
+    extra = [m for m in marks if m != verdict.rule]
+    return ", ".join([word, *extra])
 
 
 def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
     fields = entry.fields
-    dtypes = {str(v) for k, v in fields.items() if k.endswith("dtype") and not k.endswith("qdtype")}
     median = entry.median_s
     verdict = verdict_of(entry)  # derived for an entry written before verdicts were recorded
+    op, direction = table.get("op"), fields.get("direction")
     return {
         "device_kind": table.get("device_kind"),
-        "op": table.get("op"),
-        "direction": fields.get("direction"),
+        "op": op,
+        "direction": direction,
+        "kernel": f"{op} {direction}" if direction and direction != "fwd" or op == "ragged_dot" else op,
         "backend": fields.get("backend"),
         "shape": shape_label(fields),
-        "dtype": "/".join(sorted(dtypes)),
+        "dtype": dtype_label(fields),
         "quant": quant_label(fields),
         "quant_error": float("nan") if entry.quantization_error is None else entry.quantization_error,
         "distribution": fields.get("distribution"),
         "config": " ".join(f"{k}={v}" for k, v in entry.config.items()) or "-",
+        "config_short": config_short(entry.config),
         "time_ms": _ms(median),
         "default_ms": _ms(entry.default_median_s),
         "speedup": entry.speedup or float("nan"),
-        "verdict": verdict.label,
+        "verdict": _verdict_words(entry),
+        "verdict_detail": verdict.label,
+        "budget": evidence.budget_text(entry.search, entry.count("tried")) if isinstance(entry.search, dict) else "-",
         "tried": entry.count("tried"), "failed": entry.count("failed"), "wrong": entry.count("wrong"),
         "timing": entry.timing_method,
-        "source": origin,
+        "source": SOURCES.get(origin, origin),
         "tuned_at": entry.tuned_at,
         "key": entry.key,
     }
@@ -138,7 +202,12 @@ def select(frame: pd.DataFrame, *, sort: str | None = None, descending: bool = F
         if name not in FILTERS:
             raise UsageError(f"unknown filter {name!r}; filters are {', '.join(FILTERS)}")
         column = frame[FILTERS[name]].astype(str)
-        keep = column.str.split("/").apply(lambda parts: value in parts) if name == "dtype" else column == value
+        if name == "dtype":  # any operand's dtype: `bfloat16 x int8/128 -> float32` matches each of them
+            keep = column.str.findall(r"[A-Za-z]\w*").apply(lambda parts: value in parts)
+        elif name == "source" and value == "mine":  # the user's own entries: every source but the shipped
+            keep = column.isin(MINE)
+        else:
+            keep = column == (SOURCES.get(value, value) if name == "source" else value)
         frame = frame[keep]
     if sort is not None:
         if sort not in COLUMNS:

@@ -1,21 +1,32 @@
-"""How a sweep chose its winner: the verdict an entry records, and the noise rule it applies.
+"""How a sweep chose its winner: the verdict an entry records, the noise rule it applies, and the evidence a
+win needs.
 
 A sweep times every candidate once (its sweep round), then re-times the fastest few and the default side by
-side with twice the samples (the final round, `tuner.finals`). The winner is
+side (the final round, `tuner.finals`), each with at least `MIN_FINAL_SAMPLES` samples whatever `--samples`
+says: fewer cannot estimate the noise. The verdict is one of
 
-- `fastest`: the fastest finalist, which beat the default by more than the noise (or the default failed);
+- `beat_default`: the fastest finalist beat the default by more than the noise, every finalist with at least
+  `MIN_FINAL_SAMPLES` samples (the only rule under which the winner is not the default);
+- `default_fastest`: the default was the fastest finalist;
 - `within_noise`: the default, kept because the fastest finalist beat it by no more than the noise: twice
   the larger relative median absolute deviation (MAD) of the two finalists' samples;
+- `unverified`: the default, kept because the rule could not be applied (`reason`: an interrupt before the
+  final round, too few samples); the fastest finalist is recorded but does not win;
+- `default_failed`: the default failed (compile, run or check), so the fastest correct candidate won with
+  nothing to hold it to;
 - `only_candidate`: the one correct candidate (no final round).
 
-New entries record it as `verdict` = {rule, noise, finalists: [{config, is_default, median_s, spread, min_s,
-max_s, samples, first_median_s, first_spread}]}: the final round's timings (and each finalist's sweep-round
-median and spread).
-Entries written before the verdict was recorded get one derived from what they hold (`derived`): the rule
-from `within_noise_of_default`, the default and the candidate counts; the noise from the kept default's
-re-timed samples alone (the only samples such an entry kept: a lower bound of the threshold the sweep used,
-which also counted the fastest finalist's samples); their finalists are the winner and the default, the two
-whose re-timed medians the entry holds.
+New entries record it as `verdict` = {rule, noise, reason, finalists: [{config, is_default, median_s, spread,
+min_s, max_s, samples, first_median_s, first_spread}]}: the final round's timings (and each finalist's
+sweep-round median and spread), the winner first.
+
+Older entries stay readable. Entries written before issue 26 recorded `fastest` for any winner: it is read as
+`default_fastest` when the winner was the default, `default_failed` when the default was no finalist, and
+`beat_default` otherwise, with the evidence it holds (`evidence_problem` says when its finalists had fewer
+than `MIN_FINAL_SAMPLES` samples or no noise estimate). Entries written before the verdict was recorded get
+one derived from what they hold (`derived`): the rule from `within_noise_of_default`, the default and the
+candidate counts; the noise from the kept default's re-timed samples alone (the only samples such an entry
+kept: a lower bound of the threshold the sweep used); their finalists are the winner and the default.
 """
 
 from __future__ import annotations
@@ -27,10 +38,16 @@ from typing import Any
 
 from moe_tune.profiles.entry import Entry
 
-FASTEST, WITHIN_NOISE, ONLY_CANDIDATE = "fastest", "within_noise", "only_candidate"
-RULES = (FASTEST, WITHIN_NOISE, ONLY_CANDIDATE)
+BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE = "beat_default", "default_fastest", "within_noise"
+UNVERIFIED, DEFAULT_FAILED, ONLY_CANDIDATE = "unverified", "default_failed", "only_candidate"
+FASTEST = "fastest"  # recorded before issue 26 for any winner; read as one of the three rules it stood for
+RULES = (BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE, UNVERIFIED, DEFAULT_FAILED, ONLY_CANDIDATE)
+SHORT = {BEAT_DEFAULT: "beat default", DEFAULT_FASTEST: "default fastest", WITHIN_NOISE: "default (noise)",
+         UNVERIFIED: "unverified", DEFAULT_FAILED: "default failed", ONLY_CANDIDATE: "only candidate"}
 # A win must exceed this many times the larger relative MAD of the two timings compared.
 NOISE_FACTOR = 2
+# Samples every finalist gets in the final round (at least): a MAD of fewer says nothing about the noise.
+MIN_FINAL_SAMPLES = 5
 
 
 def relative_mad(samples: Sequence[float]) -> float:
@@ -46,22 +63,68 @@ def noise_threshold(*samples: Sequence[float]) -> float:
     return NOISE_FACTOR * max(relative_mad(s) for s in samples)
 
 
+def too_few_samples(*samples: Sequence[float]) -> str | None:
+    """Why timings with these samples cannot decide a win (fewer than MIN_FINAL_SAMPLES each), else None."""
+    fewest = min(len(s) for s in samples)
+    return f"{fewest} samples per finalist, fewer than {MIN_FINAL_SAMPLES}" if fewest < MIN_FINAL_SAMPLES else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """rule: one of RULES; noise: the threshold the default was held to (a fraction: 0.1 is 10%), None when
-    it was not compared; finalists: one record per finalist (see the module doc), winner first; derived:
-    reconstructed from an entry that did not record its verdict."""
+    it was not compared; finalists: one record per finalist (see the module doc), winner first; reason: why
+    an `unverified` entry could not be decided; derived: reconstructed from an entry that did not record
+    its verdict."""
 
     rule: str
     noise: float | None = None
     finalists: tuple[Mapping[str, Any], ...] = ()
     derived: bool = False
+    reason: str | None = None
+
+    @property
+    def kept_default(self) -> bool:
+        """Whether the winner is the default because the candidate that beat it did not count."""
+        return self.rule in (WITHIN_NOISE, UNVERIFIED)
+
+    @property
+    def gain(self) -> float | None:
+        """The winner's (or, for a kept default, the fastest finalist's) relative gain over the default in the
+        final round: default median / its median - 1; None when not both were timed."""
+        default = next((f for f in self.finalists if f.get("is_default")), None)
+        others = [f for f in self.finalists if not f.get("is_default") and f.get("median_s")]
+        if default is None or not default.get("median_s") or not others:
+            return None
+        return default["median_s"] / min(f["median_s"] for f in others) - 1
+
+    @property
+    def evidence_problem(self) -> str | None:
+        """For a win (`beat_default`): why its evidence falls short of the rule (finalists with fewer than
+        MIN_FINAL_SAMPLES samples, no noise estimate: entries of older sweeps), else None."""
+        if self.rule != BEAT_DEFAULT:
+            return None
+        counts = [f.get("samples") for f in self.finalists if isinstance(f.get("samples"), int)]
+        if counts and min(counts) < MIN_FINAL_SAMPLES:
+            return f"{min(counts)} samples per finalist, fewer than {MIN_FINAL_SAMPLES}"
+        if self.noise is None:
+            return "no noise estimate"
+        return None
 
     @property
     def text(self) -> str:
-        """`fastest`, `kept default: within noise (+-12%)` or `only candidate`."""
+        """`beat default by 23% (noise +-4%)`, `default fastest`, `kept default: within noise (+-12%)`,
+        `unverified: <reason>; kept default`, `default failed`, `only candidate`."""
+        noise = "" if self.noise is None else f"+-{self.noise:.0%}"
         if self.rule == WITHIN_NOISE:
-            return "kept default: within noise" + ("" if self.noise is None else f" (+-{self.noise:.0%})")
+            return "kept default: within noise" + (f" ({noise})" if noise else "")
+        if self.rule == UNVERIFIED:
+            return f"unverified: {self.reason or 'not decided'}; kept default"
+        if self.rule == BEAT_DEFAULT:
+            gain = self.gain
+            text = "beat default" + (f" by {gain:.0%}" if gain is not None else "") + (f" (noise {noise})" if noise
+                                                                                       else "")
+            problem = self.evidence_problem
+            return text + (f"; weak evidence: {problem}" if problem else "")
         return self.rule.replace("_", " ")
 
     @property
@@ -69,12 +132,32 @@ class Verdict:
         """`text`, marked `(derived)` for a verdict derived from an entry that did not record one."""
         return self.text + (" (derived)" if self.derived else "")
 
+    @property
+    def short(self) -> str:
+        """A few words for narrow tables (`SHORT`); `beat default?` for a win with weak evidence."""
+        return SHORT[self.rule] + ("?" if self.evidence_problem else "")
+
     def to_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "noise": self.noise, "finalists": [dict(f) for f in self.finalists]}
+        out = {"rule": self.rule, "noise": self.noise, "finalists": [dict(f) for f in self.finalists]}
+        return out if self.reason is None else {**out, "reason": self.reason}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Verdict:
-        return cls(data.get("rule", FASTEST), data.get("noise"), tuple(data.get("finalists") or ()))
+        finalists = tuple(data.get("finalists") or ())
+        rule = data.get("rule", FASTEST)
+        if rule == FASTEST:
+            rule = _fastest_meant(finalists)
+        return cls(rule, data.get("noise"), finalists, reason=data.get("reason"))
+
+
+def _fastest_meant(finalists: Sequence[Mapping[str, Any]]) -> str:
+    """What a recorded `fastest` stood for: the winner (first finalist) was the default, the default was no
+    finalist (it failed), or a candidate beat it."""
+    if finalists and finalists[0].get("is_default"):
+        return DEFAULT_FASTEST
+    if finalists and not any(f.get("is_default") for f in finalists):
+        return DEFAULT_FAILED
+    return BEAT_DEFAULT
 
 
 def verdict_of(entry: Entry) -> Verdict:
@@ -84,15 +167,18 @@ def verdict_of(entry: Entry) -> Verdict:
     default = entry.default if isinstance(entry.default, Mapping) else {}
     default_ok = default.get("status") == "ok" and default.get("median_s") is not None
     samples = list((entry.timing or {}).get("samples_s") or ())
-    finalists = [_finalist(entry.config, entry.config == entry.default_config, entry.timing or {})]
-    if default_ok and entry.config != entry.default_config:
+    is_default = entry.config == entry.default_config
+    finalists = [_finalist(entry.config, is_default, entry.timing or {})]
+    if default_ok and not is_default:
         finalists.append({"config": dict(default.get("config") or {}), "is_default": True,
                           "median_s": default["median_s"]})
     if entry.within_noise_of_default:
         return Verdict(WITHIN_NOISE, noise_threshold(samples) if samples else None, tuple(finalists), True)
     if entry.count("ok") == 1:
         return Verdict(ONLY_CANDIDATE, None, tuple(finalists), True)
-    return Verdict(FASTEST, None, tuple(finalists), True)
+    if is_default:
+        return Verdict(DEFAULT_FASTEST, None, tuple(finalists), True)
+    return Verdict(BEAT_DEFAULT if default_ok else DEFAULT_FAILED, None, tuple(finalists), True)
 
 
 def _finalist(config: Mapping[str, Any], is_default: bool, timing: Mapping[str, Any]) -> dict[str, Any]:

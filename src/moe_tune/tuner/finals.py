@@ -1,19 +1,24 @@
-"""The finals stage: the fastest few and the default re-timed together, and the noise rule that decides
+"""The finals stage: the fastest few and the default re-timed together, and the evidence rules that decide
 whether the fastest is a win.
 
 One sweep round's medians of near-equal candidates are mostly noise on a shared machine; the finalists are
-compared like for like, with twice the samples. A winner that beats the default by less than the noise
-(`profiles.verdict.noise_threshold`: twice the larger relative median absolute deviation of the two) is not
-a win: the default is kept. The outcome is a `Verdict` (the rule applied, the threshold, the finalists'
-timings of both rounds), which the entry records.
+compared like for like, side by side, each with twice the sweep round's samples and never fewer than
+`MIN_FINAL_SAMPLES` (a noise estimate needs them, whatever `--samples` says). A winner that beats the default by
+no more than the noise (`profiles.verdict.noise_threshold`: twice the larger relative median absolute
+deviation of the two) is not a win: the default is kept. A sweep that cannot apply the rule (interrupted
+before its final round) keeps the default too, and says `unverified` and why. The outcome is a `Verdict`
+(the rule applied, the threshold, the finalists' timings of both rounds), which the entry records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
-from moe_tune.profiles.verdict import FASTEST, ONLY_CANDIDATE, WITHIN_NOISE, Verdict, noise_threshold
+from moe_tune.profiles.verdict import (
+    BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE, UNVERIFIED, WITHIN_NOISE, Verdict,
+    noise_threshold, too_few_samples,
+)
 from moe_tune.tuner import measure
 from moe_tune.tuner.candidate import OK, Candidate
 from moe_tune.tuner.result import Reporter, SweepError
@@ -32,30 +37,48 @@ def finalists(settings: SweepSettings, survivors: list[Candidate], default: Cand
     return chosen
 
 
-def decide(best: Candidate, default: Candidate, compared: list[Candidate] = ()) -> tuple[Candidate, Verdict]:
-    """(winner, verdict): a win over the default by no more than the noise threshold is not a win.
-    `compared`: the finalists of the final round, recorded in the verdict (none for an interrupted sweep)."""
-    if best is default or default.status != OK:  # nothing to hold the default to
-        winner, rule, noise = best, FASTEST, None
+def final_samples(settings: SweepSettings) -> int:
+    """Samples per finalist in the final round: twice the sweep round's, at least MIN_FINAL_SAMPLES."""
+    return max(2 * settings.samples, MIN_FINAL_SAMPLES)
+
+
+def decide(best: Candidate, default: Candidate, compared: Sequence[Candidate] = (), *,
+           unverified: str | None = None) -> tuple[Candidate, Verdict]:
+    """(winner, verdict). A candidate wins over the default only when it beat it by more than the noise and
+    both had at least MIN_FINAL_SAMPLES samples; otherwise the default is kept (`within_noise`, or
+    `unverified` when the samples were too few or `unverified` gives a reason the rule cannot apply, e.g. an
+    interrupt before the final round). `compared`: the finalists of the final round, recorded in the
+    verdict (for an interrupted sweep, the best and the default by their batch timings)."""
+    noise, reason = None, None
+    if default.status != OK:  # nothing to hold the best to
+        winner, rule = best, DEFAULT_FAILED
+    elif best is default:
+        winner, rule = default, DEFAULT_FASTEST
     else:
         noise = noise_threshold(best.timing.samples_s, default.timing.samples_s)
-        kept = default.timing.median_s / best.timing.median_s - 1 <= noise
-        winner, rule = (default, WITHIN_NOISE) if kept else (best, FASTEST)
+        reason = unverified or too_few_samples(best.timing.samples_s, default.timing.samples_s)
+        if reason is not None:
+            winner, rule = default, UNVERIFIED
+        elif default.timing.median_s / best.timing.median_s - 1 <= noise:
+            winner, rule = default, WITHIN_NOISE
+        else:
+            winner, rule = best, BEAT_DEFAULT
     ranked = sorted(compared, key=lambda c: c is not winner)  # the winner first
-    return winner, Verdict(rule, noise, tuple(c.finalist_record() for c in ranked))
+    return winner, Verdict(rule, noise, tuple(c.finalist_record() for c in ranked), reason=reason)
 
 
 def final_round(settings: SweepSettings, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
                 reporter: Reporter) -> tuple[Candidate, Verdict, str | None]:
-    """Re-time the fastest few and the default together, with twice the samples, and pick the winner there.
+    """Re-time the fastest few and the default together (`final_samples` each), and pick the winner there.
     Returns (winner, verdict, timing fallback reason)."""
     chosen = finalists(settings, survivors, default)
     if len(chosen) < 2:
         return chosen[0], Verdict(ONLY_CANDIDATE), None
-    reporter.stage("finalists", 2 * settings.samples)
+    samples = final_samples(settings)
+    reporter.stage("finalists", samples)
     final, fallback = time_candidates(
         {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
-        samples=2 * settings.samples, platform=platform, seed=settings.seed + 1,
+        samples=samples, platform=platform, seed=settings.seed + 1,
         on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
     )
     for c in chosen:
@@ -93,9 +116,13 @@ def run_finals(state: SweepState) -> Generator[Step, None, tuple[Candidate, Verd
 
 def interrupted_winner(state: SweepState) -> tuple[Candidate | None, Verdict | None]:
     """Among the finished candidates, by their batch timings (no final round): (winner, verdict), or
-    (None, None) when the default and one other candidate have not both finished."""
+    (None, None) when the default and one other candidate have not both finished. Without the final round
+    the rule cannot apply: a candidate faster than the default is recorded, and the default kept
+    (`unverified`)."""
     default = state.default()
     timed = [c for c in state.done if c.status == OK and c.timing is not None]
     if default is None or len(state.done) < 2 or not timed:
         return None, None
-    return decide(min(timed, key=lambda c: c.timing.median_s), default)
+    best = min(timed, key=lambda c: c.timing.median_s)
+    compared = [best] if best is default or default.status != OK else [best, default]
+    return decide(best, default, compared, unverified="interrupted before the final round")
