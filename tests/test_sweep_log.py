@@ -261,39 +261,57 @@ def test_the_sweeps_settings_are_one_record_in_header_identity_and_entry(tmp_pat
 DATA = os.path.join(os.path.dirname(__file__), "data", "sweep_log_v1")
 
 
-def test_a_log_written_before_the_tuner_was_reshaped_resumes_unchanged(tmp_path):
-    """tests/data/sweep_log_v1: a finished sweep's log and table, written by the code before issue 25 (the
-    typed settings and request, the stages' steps). The same sweep asked now finds the log by the same name
-    (the identity hashes the same), restores every candidate, and runs none of them again; the table reads."""
+@pytest.mark.parametrize("shape, settings", [
+    ({"m": 32, "k": 32, "n": 32, "groups": 2}, {}),  # the whole space (4 candidates)
+    ({"m": 64, "k": 64, "n": 64, "groups": 4}, {"max_candidates": 3}),  # its table is in DATA too
+])
+def test_a_log_written_before_the_tuner_was_reshaped_resumes_unchanged(tmp_path, shape, settings):
+    """tests/data/sweep_log_v1: finished sweeps' logs (and one table), written by the code before issue 25 (the
+    typed settings and request, the stages' steps). The same sweep asked now finds its log by the same name
+    (the identity hashes the same), restores every candidate of the log it still has (all of them, unless
+    `max_candidates` now picks others: issue 26.4), and runs none of them again; the table reads."""
     from pathlib import Path
 
     from moe_tune.kernels import get_op
     from moe_tune.profiles.entry import Entry
     from moe_tune.profiles.versions import entry_versions
+    from moe_tune.tuner.log import config_key
+    from moe_tune.tuner.request import SweepPlan
 
-    [old_log] = Path(DATA).glob("*.jsonl")
-    old_table = read_table(Path(DATA) / "table_ragged_dot.json")
-    [(key, old_entry)] = old_table["entries"].items()
+    [(key, old_entry)] = read_table(Path(DATA) / "table_ragged_dot.json")["entries"].items()
     assert Entry.from_json(old_entry, key).config == {"tm": 32, "tk": 64, "tn": 64, "tail": 16, "batched": True,
                                                        "dequantize": False}
-    problem = get_op("ragged_dot").problem(m=64, k=64, n=64, groups=4)
-    request = SweepRequest.make("ragged_dot", problem, backend="tiled", max_candidates=3, samples=1, workers=1,
-                                profile_dir=tmp_path)
+    problem = get_op("ragged_dot").problem(**shape)
+    request = SweepRequest.make("ragged_dot", problem, backend="tiled", samples=1, workers=1, profile_dir=tmp_path,
+                                **settings)
     log = log_path_for(request)
-    assert log.name == old_log.name  # the log's name and identity hash did not change
+    old_log = Path(DATA) / log.name
+    assert old_log.exists()  # the log's name and identity hash did not change
     lines = [json.loads(line) for line in old_log.read_text().splitlines()]
     # another installed JAX (or moe-tune) version sets a log aside by design: the versions are this
     # machine's, everything the code computes (identity, key, settings) is the old log's own
     lines[0]["versions"] = entry_versions(BACKENDS.get("tiled"))
     log.parent.mkdir(parents=True)
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    logged = [x for x in lines if x["type"] == "candidate"]
+    logged = {config_key(x["config"]) for x in lines if x["type"] == "candidate"}
+    kept = logged & {config_key(c.to_dict()) for c in SweepPlan(request).space}
+    if not settings:
+        assert kept == logged and len(kept) == 4
 
     result = run_sweep(request)
-    assert result.resumed == len(logged) == 3 and result.entry.search["resumed"] == 3
-    assert result.entry.key == key and result.entry.search["log_restarted"] is None
+    assert result.resumed == result.entry.search["resumed"] == len(kept) >= 1  # the default at least
+    assert result.entry.key == problem_key(result) and result.entry.search["log_restarted"] is None
     after, _ = read_log(log)
     assert after[: len(lines)] == lines  # appended to, never rewritten
     new = after[len(lines):]
-    assert [x["type"] for x in new] == ["run", "final"]  # no candidate measured again
-    assert new[0]["restorable"] == 3 and new[1]["candidates"] == 3 and new[1]["resumed"] == 3
+    assert new[0]["type"] == "run" and new[0]["restorable"] == len(logged) and new[-1]["type"] == "final"
+    measured = [config_key(x["config"]) for x in new if x["type"] == "candidate" and not x.get("recompiled")]
+    assert not set(measured) & logged  # nothing the log holds ran again
+    if not settings:
+        assert measured == [] and new[-1]["candidates"] == new[-1]["resumed"] == 4
+
+
+def problem_key(result) -> str:
+    """The key the old log's header names (what the sweep is tuned under)."""
+    [header] = [x for x in read_log(result.log_path)[0] if x["type"] == "header"]
+    return header["key"]
