@@ -113,6 +113,7 @@ def assert_matches_reference(out: jax.Array, lhs: jax.Array, rhs: jax.Array, siz
 
 
 def sizes_from_cuts(used: int, cuts: list[int]) -> list[int]:
+    """Group sizes of `used` rows cut at `cuts` (one more group than cuts; empty groups where cuts repeat)."""
     bounds = [0, *sorted(cuts), used]
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
@@ -131,7 +132,8 @@ CASES = {
     "shard_first": (40, [6, 9, 0, 12, 13], (0, 2)),
     "shard_last_sum_below_m": (40, [6, 9, 0, 12, 10], (3, 2)),
     "shard_of_empty_groups": (40, [20, 0, 0, 20], (1, 2)),
-    # sum(group_sizes) > m: the reference (and the metadata) clip group ends at m
+    # sum(group_sizes) > m: a UsageError when the sizes are known; traced (under jit), group ends are clipped at
+    # m, as in the reference
     "sum_above_m_is_clipped": (40, [30, 30, 5], None),
 }
 GRAD_CASES = ("uneven", "empty_first_and_last", "sum_below_m", "shard_middle", "one_group_holds_all_rows")
@@ -313,6 +315,7 @@ def direction_call(backend: RaggedDotBackend, problem: RaggedDotProblem, config:
 
 
 def output_shape(problem: RaggedDotProblem) -> tuple[int, ...]:
+    """The shape of `problem.direction`'s result."""
     m, k, n, g = problem.m, problem.k, problem.n, problem.groups
     return {"fwd": (m, n), "dlhs": (m, k), "drhs": (g, k, n)}[problem.direction]
 
@@ -387,10 +390,12 @@ class RaggedDotBackendTests:
 
     @property
     def impl(self) -> RaggedDotBackend:
+        """The backend under test, from the op's registry."""
         return BACKENDS.get(self.backend)
 
     def problem(self, m: int, k: int, n: int, groups: int, dtype: str, out_dtype: str | None = None,
                 total_groups: int | None = None) -> RaggedDotProblem:
+        """The forward problem of float operands in `dtype` (both), out_dtype defaulting to it."""
         return RaggedDotProblem(
             m=m, k=k, n=n, groups=groups, lhs_dtype=dtype, rhs_dtype=dtype, out_dtype=out_dtype or dtype,
             total_groups=total_groups if total_groups != groups else None,
@@ -428,7 +433,9 @@ class RaggedDotBackendTests:
 
     # ---- calling
 
-    def call(self, lhs, rhs, sizes, *, config, shard=None, out_dtype=None, jit=False) -> jax.Array:
+    def call(self, lhs: jax.Array, rhs: jax.Array, sizes: list[int], *, config: Any,
+             shard: tuple[int, int] | None = None, out_dtype: str | None = None, jit: bool = False) -> jax.Array:
+        """The public op's forward with this backend and `config`; `shard` = (group_offset, local groups)."""
         offset = None if shard is None else jnp.int32(shard[0])
         group_sizes = jnp.asarray(sizes, jnp.int32)
 
@@ -442,8 +449,9 @@ class RaggedDotBackendTests:
             f = jax.jit(f)
         return f(lhs, rhs, group_sizes, offset)
 
-    def run_case(self, m, sizes, shard, dtype, *, out_dtype=None, configs=None, jit=False, seed=0, k=None,
-                 n=None) -> None:
+    def run_case(self, m: int, sizes: list[int], shard: tuple[int, int] | None, dtype: str, *,
+                 out_dtype: str | None = None, configs: list[Any] | None = None, jit: bool = False, seed: int = 0,
+                 k: int | None = None, n: int | None = None) -> None:
         """Forward of one case through the public op with each config, against the reference."""
         k, n = k or self.k, n or self.n
         groups = len(sizes) if shard is None else shard[1]
@@ -469,22 +477,27 @@ class RaggedDotBackendTests:
 
     @pytest.mark.parametrize("case", list(CASES), ids=str)
     def test_fixed_case(self, case, dtype):
+        """Each fixed case (empty groups, rows past the sum, shards) with the sampled configs; sizes summing
+        past m only under jit (traced), as known ones are a UsageError."""
         m, sizes, shard = CASES[case]
-        self.run_case(m, sizes, shard, dtype)
+        self.run_case(m, sizes, shard, dtype, jit=sum(sizes) > m)
 
     def test_low_precision_in_float32_out(self):
+        """Low-precision inputs with preferred_element_type=float32."""
         low = [d for d in (*self.dtypes, *self.extra_dtypes) if d != "float32"]
         assert low, "every backend takes some low-precision input"
         for dtype in low:
             self.run_case(37, [3, 20, 1, 13], None, dtype, out_dtype="float32")
 
     def test_float32_in_bfloat16_out(self):
+        """float32 inputs with a bfloat16 output, whole and as a shard."""
         if "bfloat16" not in self.out_dtypes:
             pytest.skip(f"{self.backend} has no bfloat16 output")
         self.run_case(37, [3, 20, 1, 13], None, "float32", out_dtype="bfloat16")
         self.run_case(40, [6, 9, 0, 12, 13], (1, 3), "float32", out_dtype="bfloat16")
 
     def test_default_output_dtype_is_the_promoted_input_dtype(self, dtype):
+        """Without preferred_element_type the output has the inputs' dtype."""
         lhs, rhs = make_operands(16, self.k, self.n, 2, dtype, 0)
         out = moe_tune.ragged_dot(lhs, rhs, jnp.asarray([9, 7], jnp.int32), backend=self.backend)
         assert out.dtype == jnp.dtype(dtype)
@@ -497,6 +510,7 @@ class RaggedDotBackendTests:
         assert_matches_reference(out, lhs, rhs, sizes, offset=None, out_dtype=dtype)
 
     def test_config_as_dict(self):
+        """A config given as a dict of its fields."""
         problem = self.problem(37, self.k, self.n, 4, "float32")
         config = self.configs(problem)[-1]
         self.run_case(37, [3, 20, 1, 13], None, "float32", configs=[config.to_dict()])
@@ -516,6 +530,7 @@ class RaggedDotBackendTests:
     # ---- jit
 
     def test_under_jit(self, dtype):
+        """A shard and a case with empty first and last groups under jit."""
         m, sizes, shard = CASES["shard_middle"]
         self.run_case(m, sizes, shard, dtype, jit=True)
         m, sizes, shard = CASES["empty_first_and_last"]
@@ -551,7 +566,9 @@ class RaggedDotBackendTests:
         sampled = {d: rng.choice(self.impl.search_space(problem.with_direction(d))) for d in DIRECTIONS}
         return [None, sampled]
 
-    def check_grads(self, m, sizes, shard, dtype, *, seed=0, jit=True, k=None, n=None, configs=None) -> None:
+    def check_grads(self, m: int, sizes: list[int], shard: tuple[int, int] | None, dtype: str, *, seed: int = 0,
+                    jit: bool = True, k: int | None = None, n: int | None = None,
+                    configs: list[Any] | None = None) -> None:
         """Both gradients through the public op (its custom VJP) with each config mapping, against the
         float64 dlhs / drhs references; rows outside the local groups get no gradient."""
         k, n = k or self.k, n or self.n
@@ -585,6 +602,7 @@ class RaggedDotBackendTests:
 
     @pytest.mark.parametrize("case", GRAD_CASES, ids=str)
     def test_grad_matches_reference(self, case, dtype):
+        """dlhs and drhs through the op's custom VJP, looked up and sampled per direction."""
         m, sizes, shard = CASES[case]
         self.check_grads(m, sizes, shard, dtype)
 
@@ -625,6 +643,7 @@ class RaggedDotBackendTests:
                     trace({direction: fields})
 
     def test_grad_without_jit(self):
+        """The gradients outside jit (eager custom VJP)."""
         m, sizes, shard = CASES["uneven"]
         self.check_grads(m, sizes, shard, "float32", jit=False)
 
@@ -648,6 +667,7 @@ class RaggedDotBackendTests:
 
     @pytest.mark.parametrize("case", list(EDGE_CASES), ids=str)
     def test_dimension_edge_cases(self, case):
+        """Dims of 1, odd dims, a one-row shard, with the default config under jit."""
         m, k, n, sizes, shard, dtype, out_dtype = EDGE_CASES[case]
         groups = len(sizes) if shard is None else shard[1]
         problem = self.problem(m, k, n, groups, dtype, out_dtype, total_groups=len(sizes))
@@ -657,6 +677,7 @@ class RaggedDotBackendTests:
     # ---- random problems
 
     def test_random_problems(self):
+        """Hypothesis: shapes, group patterns, shards, dtypes, output dtypes and configs at random."""
         @settings(
             max_examples=self.max_examples, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -788,12 +809,14 @@ class RaggedDotBackendTests:
 
     def export_direction(self, on_chip: Callable[[str], None], problem: RaggedDotProblem, *,
                          with_offset: bool = False, configs: list[KernelConfig] | None = None) -> None:
-        """Export `problem.direction` for each native chip with each config (default: `configs_to_lower`):
-        the module targets the chip, holds the chip's kernel call (`kernel_calls`) and has the right output."""
+        """Export `problem.direction` for each native chip with each config (default: `configs_to_lower` where
+        the chip has a kernel call, whose lowering rules depend on the blocks; else the default config): the
+        module targets the chip, holds the chip's kernel call (`kernel_calls`) and has the right output."""
         for chip in self.lowering_chips():
             on_chip(chip)
             call = self.kernel_calls.get(chip)
-            for config in configs or configs_to_lower(self.impl, problem):
+            default = configs_to_lower(self.impl, problem) if call else [self.impl.default_config(problem)]
+            for config in configs or default:
                 what = f"{self.backend} on {chip} {problem.key_fields()} {config.label()}"
                 fn, args = direction_call(self.impl, problem, config, with_offset)
                 exported = export_for(chip, fn, *args)
@@ -806,7 +829,8 @@ class RaggedDotBackendTests:
 
     @pytest.mark.parametrize("direction", DIRECTIONS)
     def test_lowers_for_its_chip(self, on_chip, direction):
-        """Every input dtype, with the default, smallest and largest configs of the search space."""
+        """Every input dtype; a kernel with a call on the chip with the default, smallest and largest configs of
+        its search space."""
         for dtype in (*self.dtypes, *self.extra_dtypes):
             problem = RaggedDotProblem(LOWER_M, LOWER_K, LOWER_N, LOWER_GROUPS, dtype, dtype, dtype,
                                        direction=direction)
@@ -859,9 +883,11 @@ class RaggedDotBackendTests:
     # ---- bad input
 
     def operands(self, dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
+        """Small operands for the bad-input tests: lhs [16, k], rhs [2, k, n]."""
         return make_operands(16, self.k, self.n, 2, dtype, 0)
 
     def test_lhs_must_be_2d(self):
+        """A lhs that is not [m, k] is a UsageError."""
         lhs, rhs = self.operands()
         with pytest.raises(UsageError, match="lhs"):
             moe_tune.ragged_dot(lhs[None], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
@@ -869,22 +895,26 @@ class RaggedDotBackendTests:
             moe_tune.ragged_dot(lhs[0], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
 
     def test_rhs_must_be_3d(self):
+        """A rhs that is not [groups, k, n] is a UsageError."""
         lhs, rhs = self.operands()
         with pytest.raises(UsageError, match="rhs"):
             moe_tune.ragged_dot(lhs, rhs[0], jnp.asarray([8, 8], jnp.int32), backend=self.backend)
 
     def test_contracting_dims_must_match(self):
+        """lhs and rhs of different k are a UsageError."""
         lhs, rhs = self.operands()
         with pytest.raises(UsageError, match="contracting"):
             moe_tune.ragged_dot(lhs[:, :-1], rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend)
 
     def test_group_sizes_length_must_match_without_offset(self):
+        """Without group_offset, group_sizes has one entry per group."""
         lhs, rhs = self.operands()
         for sizes in ([16], [8, 4, 4]):
             with pytest.raises(UsageError, match="group_sizes"):
                 moe_tune.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32), backend=self.backend)
 
     def test_group_sizes_must_cover_the_shard(self):
+        """With group_offset, group_sizes has at least the local groups."""
         lhs, rhs = self.operands()
         with pytest.raises(UsageError, match="fewer"):
             moe_tune.ragged_dot(
@@ -892,6 +922,7 @@ class RaggedDotBackendTests:
             )
 
     def test_group_sizes_must_be_1d_integers(self):
+        """Float or 2-D group_sizes are a UsageError."""
         lhs, rhs = self.operands()
         with pytest.raises(UsageError, match="group_sizes"):
             moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8.0, 8.0]), backend=self.backend)
@@ -899,6 +930,7 @@ class RaggedDotBackendTests:
             moe_tune.ragged_dot(lhs, rhs, jnp.asarray([[8, 8]], jnp.int32), backend=self.backend)
 
     def test_unsupported_dtypes(self):
+        """Integer operands and an integer output dtype are UsageErrors."""
         lhs, rhs = self.operands()
         with pytest.raises(UsageError):
             moe_tune.ragged_dot(
@@ -910,16 +942,19 @@ class RaggedDotBackendTests:
             )
 
     def test_unknown_backend(self):
+        """An unknown backend name is a UsageError naming the choices."""
         lhs, rhs = self.operands()
         with pytest.raises(UsageError, match="unknown backend"):
             moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend + "_nope")
 
     def test_config_with_unknown_field(self):
+        """A config dict with a field the backend's config lacks is an InvalidConfigError."""
         lhs, rhs = self.operands()
         with pytest.raises(InvalidConfigError, match="no field"):
             moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config={"bogus": 1})
 
     def test_config_of_another_backend(self):
+        """Another backend's config is an InvalidConfigError naming the expected class."""
         lhs, rhs = self.operands()
         problem = self.problem(16, self.k, self.n, 2, "float32")
         others = [BACKENDS.get(name) for name in BACKENDS.names()]
@@ -929,6 +964,7 @@ class RaggedDotBackendTests:
             moe_tune.ragged_dot(lhs, rhs, jnp.asarray([8, 8], jnp.int32), backend=self.backend, config=foreign)
 
     def test_invalid_configs_rejected(self, dtype):
+        """`invalid_configs` are rejected by config_error, by the op and under jit (at trace time)."""
         lhs, rhs = self.operands(dtype)
         problem = self.problem(16, self.k, self.n, 2, dtype)
         bad = self.invalid_configs(problem)
