@@ -1,5 +1,6 @@
 """Adding a backend is a short recipe (kernels/README.md): a toy ragged_dot backend, registered and swept end
-to end, then picked up by the public op from the table the sweep wrote."""
+to end, then picked up by the public op from the table the sweep wrote; its test class inherits every test a
+ragged_dot backend passes (`ragged_dot_backend_base.RaggedDotBackendTests`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.tuner import SweepRequest, run_sweep
 
+from ragged_dot_backend_base import RaggedDotBackendTests
+
 
 # --- the recipe: a frozen config, a backend subclass (gmm, tgmm, a default, a search space) --------------
 @dataclasses.dataclass(frozen=True)
@@ -28,32 +31,49 @@ class ToyRaggedDot(RaggedDotBackend):
     name, revision, config_cls, platforms = "toy", 1, ToyConfig, ("cpu",)
 
     def default_config(self, problem):
-        return ToyConfig(min(64, problem.n))
+        columns = problem.matmul_dims()[2]  # the output's: n (fwd, drhs) or k (dlhs)
+        return ToyConfig(64 if columns % 64 == 0 else columns)
 
     def candidate_values(self, problem):
-        return {"block_n": [b for b in (32, 64, 128) if problem.n % b == 0]}
+        return {"block_n": [32, 64, 128]}  # those that do not divide the output columns are pruned
 
     def config_error(self, config, problem):
         return None if problem.matmul_dims()[2] % config.block_n == 0 else "block_n must divide the output dim"
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
-        onehot = _onehot(group_sizes, lhs.shape[0], rhs.shape[0])
-        rhs = rhs.swapaxes(1, 2) if transpose_rhs else rhs
-        blocks = [jnp.einsum("mg,mk,gkn->mn", onehot, lhs.astype(jnp.float32), rhs[..., j:j + config.block_n]
-                             .astype(jnp.float32)) for j in range(0, rhs.shape[2], config.block_n)]
+        onehot = _onehot(group_sizes, group_offset, lhs.shape[0], rhs.shape[0])
+        rhs = _float32(rhs).swapaxes(1, 2) if transpose_rhs else _float32(rhs)
+        blocks = [jnp.einsum("mg,mk,gkn->mn", onehot, _float32(lhs), rhs[..., j:j + config.block_n])
+                  for j in range(0, rhs.shape[2], config.block_n)]
         return jnp.concatenate(blocks, axis=1).astype(out_dtype)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
-        onehot = _onehot(group_sizes, lhs.shape[0], num_groups)
-        return jnp.einsum("mg,mk,mn->gkn", onehot, lhs.astype(jnp.float32), dout.astype(jnp.float32)).astype(out_dtype)
+        onehot = _onehot(group_sizes, group_offset, lhs.shape[0], num_groups)
+        return jnp.einsum("mg,mk,mn->gkn", onehot, _float32(lhs), _float32(dout)).astype(out_dtype)
 
 
-def _onehot(group_sizes, m: int, groups: int):
-    """float32 [m, groups]: which group each row belongs to (rows past the sum: none)."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))[:groups]
+def _float32(x):
+    """An operand's float32 values: a QArray (int8 / fp8 values and float32 scales) is dequantized."""
+    return moe_tune.dequantize(x) if isinstance(x, moe_tune.QArray) else x.astype(jnp.float32)
+
+
+def _onehot(group_sizes, group_offset, m: int, groups: int):
+    """float32 [m, groups]: which local group (group_offset + i) each row belongs to (other rows: none)."""
+    local = jnp.arange(groups) + (0 if group_offset is None else group_offset)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))[local]
     rows = jnp.arange(m)[:, None]
-    return ((rows < ends) & (rows >= ends - group_sizes[:groups])).astype(jnp.float32)
+    return ((rows < ends) & (rows >= ends - group_sizes[local])).astype(jnp.float32)
 # --- end of the recipe ---------------------------------------------------------------------------------
+
+
+class TestToy(RaggedDotBackendTests):
+    """The toy backend passes every test a backend inherits: float and quantized, all directions, shards."""
+
+    backend, backend_instance = "toy", ToyRaggedDot()
+    max_examples = 6
+
+    def invalid_configs(self, problem):
+        return [{"block_n": 7}]  # divides none of the test shapes' output columns
 
 
 @pytest.fixture
