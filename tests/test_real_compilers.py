@@ -232,3 +232,19 @@ def test_sweep_target_compiles_every_candidate_and_resumes(tmp_path):
     assert len(lines) == 3
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 0 and "3 from earlier runs" in again.output, again.output
+
+
+def test_a_backend_the_chip_cannot_run_goes_to_the_fallback_with_one_warning(monkeypatch):
+    """`Backend.chip_error` (the triton fp8 kernels below sm_89): the op takes its fallback, with its default
+    config even when the caller gave one (a config of the other backend), and warns once."""
+    from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
+    from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+
+    tiled = RAGGED_DOT.backends.get("tiled")
+    monkeypatch.setattr(type(tiled), "chip_error", lambda self, problem: "the test's missing instruction")
+    problem = RaggedDotProblem(64, 128, 128, 2)
+    with pytest.warns(RuntimeWarning, match="cannot run here: the test's missing instruction") as warned:
+        first = RAGGED_DOT.resolve_config("tiled", problem)
+        second = RAGGED_DOT.resolve_config("tiled", problem, tiled.default_config(problem))
+    assert first.backend.name == second.backend.name == RAGGED_DOT.fallback
+    assert len([w for w in warned if "missing instruction" in str(w.message)]) == 1

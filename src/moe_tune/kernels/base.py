@@ -75,6 +75,12 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
         """Why `config` cannot run `problem`, or None when it can. The one place validity rules live."""
         return None
 
+    def chip_error(self, problem: ProblemT) -> str | None:
+        """Why the chip this process compiles for (`moe_tune.devices`) cannot run `problem` on this backend with
+        any config (an instruction the chip lacks, say), or None. The op then runs on its fallback with one
+        warning (`guard.chip_guard`); `config_error` refuses every config of such a problem too."""
+        return None
+
     @abc.abstractmethod
     def default_config(self, problem: ProblemT) -> ConfigT:
         """The heuristic config used when no table has an entry. Must be valid for `problem`."""

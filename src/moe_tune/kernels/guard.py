@@ -1,5 +1,6 @@
 """The version guard: a kernel backend declares the JAX versions it supports (`Backend.jax_versions`);
-outside them the op falls back to its plain-JAX backend, with one warning that names both versions.
+outside them the op falls back to its plain-JAX backend, with one warning that names both versions. The chip
+guard does the same for a problem the chip cannot run on a backend (`Backend.chip_error`).
 
 Pallas kernels break across JAX releases (lowering rules and Pallas APIs move); a model should keep
 running, slower, rather than fail to compile or, worse, compute something else.
@@ -42,4 +43,21 @@ def guard(impl: Backend, fallback: Backend) -> Backend:
         warn_caller(
             f"moe-tune: backend {impl.name!r} of {impl.op} supports jax {impl.jax_versions}, but jax "
             f"{installed_jax()} is installed; using the plain-JAX fallback {fallback.name!r}")
+    return fallback
+
+
+_chip_warned: set[tuple[str, str, str]] = set()
+
+
+def chip_guard(impl: Backend, fallback: Backend, problem) -> Backend:
+    """`impl`, or `fallback` when the chip cannot run `problem` on it at all (`Backend.chip_error`): one
+    warning per backend and reason. The Triton fp8 kernels, for one, abort the process while compiling for
+    a GPU below compute capability 8.9 (an LLVM fatal error, not an exception)."""
+    reason = impl.chip_error(problem)
+    if reason is None:
+        return impl
+    if (impl.op, impl.name, reason) not in _chip_warned:
+        _chip_warned.add((impl.op, impl.name, reason))
+        warn_caller(f"moe-tune: backend {impl.name!r} of {impl.op} cannot run here: {reason}; using the plain-JAX "
+                    f"fallback {fallback.name!r} with its default config")
     return fallback

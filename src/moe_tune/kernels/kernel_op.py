@@ -21,7 +21,7 @@ import numpy as np
 
 from moe_tune import devices, profiles
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
-from moe_tune.kernels.guard import guard
+from moe_tune.kernels.guard import chip_guard, guard
 from moe_tune.kernels.options import ShapeOption
 
 logger = logging.getLogger("moe_tune")
@@ -98,7 +98,9 @@ class KernelOp(abc.ABC):
         per call under jit).
 
         - The version guard first: a backend whose `jax_versions` exclude the installed JAX is replaced by
-          the plain-JAX `fallback` (one warning).
+          the plain-JAX `fallback` (one warning). Then the chip guard: a backend the chip cannot run the
+          problem on at all (`Backend.chip_error`) is replaced by the fallback with its default config, even
+          for a given config (one warning).
         - `given` (a config, or its fields as a dict or `freeze_config` tuple): used as is, validated by
           `coerce_config`; a config the caller passed is never silently replaced (InvalidConfigError).
         - Else the tables (`lookup`: exact, nearest, heuristic default). A looked-up config the backend
@@ -107,6 +109,9 @@ class KernelOp(abc.ABC):
         """
         requested = self.backend(backend)
         impl = guard(requested, self.backends.get(self.fallback))
+        rerouted = chip_guard(impl, self.backends.get(self.fallback), problem)
+        if rerouted is not impl:  # a config given for a backend the chip cannot run does not fit the fallback
+            impl, given = rerouted, None
         if given is not None:
             config, source = _thaw(given), "given by the caller"
         else:
