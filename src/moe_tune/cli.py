@@ -48,6 +48,7 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
                       print_line=lambda text: console.print(text, markup=False, highlight=False))
         return
     planned = engine.prepare(asked.cases, settings, backend=asked.backend, ray_address=campaign.ray_address,
+                             dry_run=campaign.dry_run,
                              share=campaign.share, notes=asked.notes, skip_done=asked.several)
     if not campaign.dry_run:
         engine.preflight(planned)  # every sweep's backend, memory and profile dir, before anything is printed

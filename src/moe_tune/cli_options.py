@@ -10,6 +10,7 @@ import functools
 import itertools
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,9 @@ def handle_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():  # restores the display below when the command returns
+                warnings.showwarning = _show_warning
+                return fn(*args, **kwargs)
         except UsageError as e:  # plain click.echo: one unwrapped line, whatever the terminal width
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
@@ -49,6 +52,12 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the CLI shows it: `warning: <message>`, one line, without the source location and line
+    Python adds (which name click's frame, not the user's mistake)."""
+    click.echo(f"warning: {message}", err=True)
+
+
 class _IntList(click.ParamType):
     """`512` or `512,4096,16384` -> a list of positive ints."""
 
@@ -57,8 +66,11 @@ class _IntList(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, list):
             return value
+        parts = str(value).split(",")
+        if len(parts) > 1 and any(not part.strip() for part in parts):
+            self.fail(f"{value!r} has an empty item (give N or N,N,... without empty items)", param, ctx)
         try:
-            counts = [int(part) for part in str(value).split(",") if part.strip()]
+            counts = [int(part) for part in parts if part.strip()]
         except ValueError:
             self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
         if not counts or any(c < 1 for c in counts):
@@ -249,20 +261,32 @@ class CampaignFlags:
         return self.ray_address is not None or self.share is not None or self.dry_run
 
 
+MAX_SEED = 2**32 - 1  # NumPy's seeds are unsigned 32-bit
+
+
+def _check_race(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """`--race`: 0 (no racing) or a factor > 1, the rule `SweepSettings` applies, said the way the help says it."""
+    if value is not None and value != 0 and not value > 1:
+        raise click.BadParameter(f"{value} is not 0 (no racing) or a factor > 1", ctx, param)
+    return value
+
+
 def sweep_options(fn: Callable) -> Callable:
     """`sweep`'s flags (the settings, --model, the campaign flags) on `fn`, which gets them as two values:
     `settings` (a `SweepSettings`, built once here with --distribution of `shape_options`) and `campaign`
     (`CampaignFlags`). A bad value is one line and exit 2 (`handle_errors`)."""
     options = [
-        click.option("--seed", type=int, default=0, show_default=True, help="Seed of inputs and group sizes."),
+        click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True,
+                     help="Seed of inputs and group sizes."),
         click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
-                     help="Parallel compile workers."),
+                     help="Parallel compile worker processes; 1: candidates compile and run once in this process "
+                          "(no worker: a candidate that crashes takes the sweep down)."),
         click.option("--samples", type=click.IntRange(min=1), default=None,
                      help="Timing samples (profiler-trace rounds) per candidate (default: the tuner's); the "
                           "finalists get twice as many."),
-        click.option("--race", type=click.FloatRange(min=0), default=None, metavar="FACTOR",
+        click.option("--race", type=float, default=None, metavar="FACTOR", callback=_check_race,
                      help="After the first timing round, stop timing candidates more than FACTOR times slower than "
-                          "the best so far (default: the tuner's, 1.5); 0 times every candidate fully."),
+                          "the best so far: 0 (no racing) or a factor > 1 (default: the tuner's, 1.5)."),
         click.option("--max-candidates", type=click.IntRange(min=1), default=None,
                      help="Keep only the first N candidates of the search space (the default config is first)."),
         click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,

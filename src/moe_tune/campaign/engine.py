@@ -39,12 +39,19 @@ class Campaign:
 
 def prepare(cases: Sequence[Case], settings: SweepSettings, *, backend: str | None = None,
             ray_address: str | None = None, share: tuple[int, int] | None = None, notes: Sequence[str] = (),
-            skip_done: bool = True) -> Campaign:
+            skip_done: bool = True, dry_run: bool = False) -> Campaign:
     """Connect to Ray (when `ray_address`) and find its accelerator, then plan `cases` for it and take the
     share. `skip_done`: leave out the sweeps whose complete entry the target table holds (unless
     `settings.fresh`); without it (one shape, one model's layer) every sweep runs, resuming its log."""
     accelerator = None
-    if ray_address is not None:
+    if ray_address is not None and dry_run:  # --dry-run never connects: planned for this machine, and said so
+        notes = [*notes, "--dry-run does not connect to Ray: this plan is for this machine's device kind; on the "
+                         "cluster it is made for the cluster's accelerators"]
+    if ray_address is not None and not dry_run:
+        if ray_address != "local":  # a bounded wait, and a message naming the address as the user gave it
+            from moe_tune.campaign.ray_address import wait_reachable
+
+            wait_reachable(ray_address)
         try:
             from moe_tune.campaign import ray_runner
         except ImportError:

@@ -134,10 +134,16 @@ def shard_from_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int] |
     task, count = environ.get("SLURM_ARRAY_TASK_ID"), environ.get("SLURM_ARRAY_TASK_COUNT")
     if task is None or count is None:
         return None
+    first = environ.get("SLURM_ARRAY_TASK_MIN", "0")
     try:
-        return parse_shard(f"{int(task) - int(environ.get('SLURM_ARRAY_TASK_MIN', '0'))}/{int(count)}")
+        index, total = int(task) - int(first), int(count)
     except ValueError:
-        raise UsageError(f"SLURM_ARRAY_TASK_ID={task!r} / SLURM_ARRAY_TASK_COUNT={count!r} are not integers") from None
+        raise UsageError(f"SLURM_ARRAY_TASK_ID={task!r}, SLURM_ARRAY_TASK_MIN={first!r} and "
+                         f"SLURM_ARRAY_TASK_COUNT={count!r} must be integers") from None
+    if total < 1 or not 0 <= index < total:  # parse_shard would blame a --shard the user never gave
+        raise UsageError(f"SLURM_ARRAY_TASK_ID={task} is outside the job array of SLURM_ARRAY_TASK_COUNT={count} "
+                         f"tasks from SLURM_ARRAY_TASK_MIN={first}; pass --shard I/N to choose the share")
+    return index, total
 
 
 def split_done(sweeps: Sequence[PlannedSweep], *, profile_dir: Path | None, device_kind: str,

@@ -61,9 +61,9 @@ def use_profiles(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def writable_dir(directory: str | os.PathLike) -> Path:
-    """`directory`, created if needed, once a file can be written in it; MoeTuneError (one line naming it)
-    otherwise (`paths.writable_dir`).
+    """`directory`, created if needed, once a file can be written in it; MoeTuneError (one line naming it and
+    what stands in the way: a file, a symlink loop, a permission) otherwise.
 
     Checked before a sweep or a campaign starts, so that a profile dir that cannot hold the table fails at
     once rather than after the sweep (or as a traceback from deep inside the log or the table write)."""
-    return paths.writable_dir(directory, "cannot create or write the profile dir")
+    return paths.writable_dir(directory, "the profile dir {path} cannot be created or written")

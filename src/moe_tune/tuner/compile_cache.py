@@ -20,16 +20,23 @@ def cache_dir() -> Path | None:
     return settings.compile_cache_dir()
 
 
-def enable() -> Path | None:
-    """Point JAX's persistent compilation cache at `cache_dir()` and cache every executable, however quick
-    its compile (JAX's default skips compiles under a second: most candidates of a CPU sweep). Returns the
-    dir, or None when disabled. Call before the first compile. A dir that cannot be created or written is a
-    MoeTuneError naming it (JAX would only warn at each cache write)."""
+def check() -> Path | None:
+    """`cache_dir()`, created, once a file can be written in it (None when disabled); a MoeTuneError naming
+    it and the variable otherwise (JAX would only warn at each cache write). A sweep's preflight calls it."""
     directory = cache_dir()
     if directory is None:
         return None
-    writable_dir(directory, "cannot create or write the compile cache dir",
-                 f"; set ${settings.COMPILE_CACHE_DIR} to a writable dir, or to `off`")
+    return writable_dir(directory, "cannot create or write the compile cache dir",
+                        f"; set ${settings.COMPILE_CACHE_DIR} to a writable dir, or to `off`")
+
+
+def enable() -> Path | None:
+    """Point JAX's persistent compilation cache at `cache_dir()` and cache every executable, however quick
+    its compile (JAX's default skips compiles under a second: most candidates of a CPU sweep). Returns the
+    dir, or None when disabled. Call before the first compile. Raises what `check` raises."""
+    directory = check()
+    if directory is None:
+        return None
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -45,6 +45,8 @@ class SweepSettings:
         for name in ("samples", "workers", "finalists", "batch_size"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:  # NumPy's seeds are unsigned 32-bit
+            raise UsageError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if self.race is not None and not self.race > 1:
             raise UsageError(f"race must be > 1 (or None, no racing), got {self.race}")
         strategies.check(self.strategy, self.budget, self.time_budget_s)

@@ -25,9 +25,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from moe_tune import paths
+from moe_tune import settings as env
+from moe_tune.errors import warn_caller
 from moe_tune.profiles.dirs import writable_dir
-from moe_tune.tuner import finals, memory, record, search, strategies
-from moe_tune.tuner.compiling import start_workers
+from moe_tune.tuner import compile_cache, finals, memory, record, search, strategies
+from moe_tune.tuner.compiling import start_workers, uses_workers
 from moe_tune.tuner.log import SweepLog
 from moe_tune.tuner.request import SweepPlan, SweepRequest
 from moe_tune.tuner.result import Reporter, SweepError, SweepInterrupted, SweepResult
@@ -42,14 +45,28 @@ def log_path_for(request: SweepRequest) -> Path:
 
 def preflight(request: SweepRequest) -> SweepPlan:
     """`request` resolved, once what would fail it late or as a traceback is ruled out: UsageError for a
-    backend that cannot run here or a problem that cannot fit in memory (checked before anything is
-    allocated), MoeTuneError for a profile dir that cannot be created or written (checked before the sweep,
-    not after). `run_sweep` calls it; a caller may call it first to fail before it prints anything."""
+    backend that cannot run here, a problem that cannot fit in memory (checked before anything is
+    allocated) or a bad `$MOE_TUNE_WORKER_MEMORY_LIMIT`; MoeTuneError for a profile dir, its device kind's
+    table dir, the compile cache dir or `--keep-trace` dir that cannot be created or written (checked before
+    the sweep, not after). `run_sweep` calls it; a caller may call it first to fail before it prints anything."""
     plan = SweepPlan(request)
     plan.check_runs_here()
     memory.check_fits(plan.op, request.problem)
+    _check_environment(request.settings.workers)
+    if request.settings.keep_trace_dir is not None:
+        paths.writable_dir(request.settings.keep_trace_dir, "cannot write traces to")
+    compile_cache.check()
     writable_dir(plan.directory)
+    paths.writable_dir(plan.table_path.parent, "the table dir {path} cannot be created or written")
     return plan
+
+
+def _check_environment(workers: int) -> None:
+    """The environment variables a sweep reads later, in its workers: a bad value is a UsageError naming the
+    variable now, not a failure of every candidate later; a memory limit no worker will apply is said."""
+    if env.worker_memory_limit() is not None and not uses_workers(workers):
+        warn_caller(f"moe-tune: ${env.WORKER_MEMORY_LIMIT} applies to compile workers; with --workers {workers} "
+                    "candidates compile in this process, without it (use --workers 2 or more to apply it)")
 
 
 def run_sweep(request: SweepRequest, reporter: Reporter | None = None, *,
@@ -72,6 +89,7 @@ def run_sweep(request: SweepRequest, reporter: Reporter | None = None, *,
 def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
     if state.log.restored or state.log.finals:
         state.log.append([record.run_line(state)])
+        _say_restored_failures(state.log)
     interrupted = False
     best = verdict = None
     tally = Tally()  # what the stages did, kept up to an interrupt
@@ -102,3 +120,13 @@ def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
         raise SweepInterrupted(record.interrupt_message(state, table, kept_complete), log_path=state.log.path,
                                kept=len(state.done), result=result)
     return result
+
+
+def _say_restored_failures(log: SweepLog) -> None:
+    """One warning when the log restores failed candidates: resuming does not retry them, and a failure the
+    environment caused (a memory limit, a full disk) would otherwise stay a failure of the candidate."""
+    failed = [line for line in log.restored.values() if line.get("status") == "failed"]
+    if failed:
+        warn_caller(f"moe-tune: {len(failed)} candidate(s) failed in an earlier run of this sweep and are not run "
+                    f"again (e.g. {failed[0].get('reason') or 'no reason recorded'}); if the cause is fixed, "
+                    "rerun with --fresh")
