@@ -103,3 +103,43 @@ def test_an_entry_tuned_with_less_than_asked_is_weaker():
     assert evidence.weaker_than(_searched(stopped="time budget", space=68), full) is not None
     assert evidence.weaker_than(_searched(strategy="coordinate", stopped="converged"), full) is None
     assert evidence.weaker_than(Entry.from_json({"key": "k", "fields": {}, "config": {}}), full) is None
+
+
+def test_the_breakdown_says_when_it_contradicts_a_claimed_win():
+    """Issue 26: a `ragged_gather` "win" of 2.3x whose breakdown measured the winner at 14.9 ms of op time
+    per run against the default's 6.7 ms, without pointing at the contradiction."""
+    from moe_tune.breakdown import Breakdown, OpTime
+    from moe_tune.report import breakdown_check, breakdown_frame
+
+    def broken(label: str, seconds: float) -> Breakdown:
+        return Breakdown(label, {"rows_per_chunk": 8}, "trace", 5, (OpTime("fusion", seconds, 79.0, 1.0),))
+
+    win = Verdict(BEAT_DEFAULT, 0.05, (
+        {"config": {"rows_per_chunk": 8}, "is_default": False, "median_s": 1.0, "samples": 5},
+        {"config": {"rows_per_chunk": 64}, "is_default": True, "median_s": 2.3, "samples": 5}))
+    entry = Entry.from_json({"key": "k", "fields": {}, "config": {"rows_per_chunk": 8}, "verdict": win.to_json(),
+                             "speedup_over_default": 2.298})
+    found = [broken("winner", 14.9e-3), broken("default", 6.7e-3)]
+    ratio, warning = breakdown_check(entry, found)
+    assert ratio.startswith("winner/default op time: 2.22")
+    assert warning.startswith("warning:") and "2.30x faster" in warning and "2.22x the default" in warning
+    assert breakdown_check(entry, [broken("winner", 6e-3), broken("default", 6.7e-3)])[1:] == []  # agrees
+    assert breakdown_check(entry, found[:1]) == []  # the default won: one config, nothing to compare
+    assert list(breakdown_frame(found)["calls_per_run"]) == [79, 79]  # counts, not 79.000
+
+
+def test_bench_flags_the_default_as_tuned_and_a_faster_fallback_with_the_next_step():
+    """Issue 26: `bench` showed tuned 18.78 vs default 20.12 ms for the identical config, and `fallback/tuned
+    0.39` (the plain path 2.5x faster), with no flag and no advice."""
+    from moe_tune.bench import GatherComparison
+
+    same = {"rows_per_chunk": 64}
+    c = GatherComparison(op="ragged_gather", backend="tiled", tuned_config=same, default_config=same,
+                         times_s={"tuned": 18.78e-3, "default": 20.12e-3, "fallback": 7.3e-3}, spread={},
+                         timing_method="trace", timing_fallback=None, copy_gbps=1.0, roofline_s=1e-3,
+                         ratios={"fallback_vs_tuned": 0.39}, valid_fraction=1.0, least_bytes=1,
+                         lookup_marks=("low budget",))
+    same_note, fallback_note, marks_note = c.notes()
+    assert same_note.startswith("tuned = default")
+    assert fallback_note.startswith("fallback is 2.56x faster") and "ragged_gather_fallback=True" in fallback_note
+    assert marks_note.startswith("entry low budget")

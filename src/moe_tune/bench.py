@@ -26,6 +26,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.registry import FALLBACK
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.profiles import evidence
 from moe_tune.quant import as_float
 from moe_tune.tuner.memory import check_fits
 from moe_tune.tuner.timing import time_candidates, traceable
@@ -68,10 +69,28 @@ class Comparison:
     shape: dict[str, Any] | None = None
     lookup_source: str | None = None
     lookup_reason: str | None = None
+    lookup_marks: tuple[str, ...] = ()  # the entry's marks (`profiles.evidence.marks`): unverified, low budget...
 
     def to_dict(self) -> dict[str, Any]:
         """As the benchmarks' JSON holds it."""
         return dataclasses.asdict(self)
+
+    def notes(self) -> list[str]:
+        """What a reader should know, with the next step: the tuned config is the default (a difference
+        between them is noise), the baseline beats the tuned kernel, the entry is marked."""
+        found = []
+        if self.tuned_config == self.default_config:
+            found.append("tuned = default: the same config, any difference is noise")
+        ratio = self.ratios.get(f"{self.baseline}_vs_tuned")
+        if ratio is not None and ratio < 1:
+            found.append(f"{self.baseline} is {1 / ratio:.2f}x faster than the tuned kernel: {self.baseline_advice()}")
+        if self.lookup_marks:
+            found.append(f"entry {', '.join(self.lookup_marks)}: sweep it again with --fresh and a larger budget")
+        return found
+
+    def baseline_advice(self) -> str:
+        """The next step when the baseline is faster."""
+        raise NotImplementedError
 
     def vs_baseline(self) -> str:
         return f"{self.baseline}/tuned {self.ratios[f'{self.baseline}_vs_tuned']:.2f}"
@@ -91,6 +110,10 @@ class RaggedDotComparison(Comparison):
     min_bytes: int
     roofline_bound: str  # "compute" or "memory"
 
+    def baseline_advice(self) -> str:
+        return ("pass backend='xla' for this shape, or sweep it with a larger budget (`moe-tune sweep --fresh`, "
+                "no --max-candidates)")
+
     def reference(self) -> str:
         return (f"roofline {self.roofline_s * 1e3:.3f} ms, {self.roofline_bound}-bound (tuned/roofline "
                 f"{self.ratios['tuned_vs_roofline']:.2f}); dense {self.times_s['dense'] * 1e3:.3f} ms")
@@ -104,6 +127,11 @@ class GatherComparison(Comparison):
     baseline: ClassVar[str] = "fallback"
     valid_fraction: float
     least_bytes: int
+
+    def baseline_advice(self) -> str:
+        flag = "ragged_gather_fallback" if self.op == "ragged_gather" else "ragged_gather_reduce_fallback"
+        return (f"pass {flag}=True for this shape (or set MOE_TUNE_{flag.upper()}=1 for a whole run), or sweep it "
+                "with a larger budget (`moe-tune sweep --fresh`, no --max-candidates)")
 
     def reference(self) -> str:
         return (f"copy roofline {self.roofline_s * 1e3:.3f} ms ({self.copy_gbps:.1f} GB/s); output write "
@@ -243,4 +271,5 @@ def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: in
         result = compare(problem, found.backend, found.config, samples=samples, distribution=distribution)
     else:
         result = compare_gather(op, problem, found.backend, found.config, samples=samples, distribution=distribution)
-    return dataclasses.replace(result, lookup_source=found.source, lookup_reason=found.reason)
+    marks = tuple(evidence.marks(found.entry)) if found.entry is not None else ()
+    return dataclasses.replace(result, lookup_source=found.source, lookup_reason=found.reason, lookup_marks=marks)

@@ -33,14 +33,17 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
 
     Every finished candidate is appended to a sweep log beside the tables; running the same sweep again
     resumes it (finished candidates are not run again). Ctrl-C keeps what finished. Several models or ep
-    sizes, several values of a shape flag (`--m 256,1024`: one sweep per shape), --ray, --shard and
-    --dry-run run a campaign: its sweeps planned once (duplicates removed, those the table holds skipped
-    unless --fresh, largest first). --target CHIP compiles every candidate for a chip this machine does not
-    have, with its real compiler, and stores which compile where the chip's tables live."""
+    sizes, several values of a shape flag (`--m 256,1024`: one sweep per shape), a model's layer, --ray and
+    --shard run a campaign: its sweeps planned once (duplicates removed, those the table holds with at least
+    the budget asked skipped unless --fresh, largest first). --dry-run prints the plan the same command runs.
+    --target CHIP compiles every candidate for a chip this machine does not have, with its real compiler, and
+    stores which compile where the chip's tables live."""
     from moe_tune.campaign import engine, runner
     from moe_tune.tuner import compile_cache
 
-    asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=campaign.given)
+    # --dry-run shows the plan the same command runs: it changes nothing else (not the skip rule, not the order)
+    elsewhere = campaign.ray_address is not None or campaign.share is not None
+    asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=elsewhere)
     if campaign.target is not None:  # compile for a chip this machine does not have (moe_tune/targets)
         from moe_tune.targets import sweep_cli
 
@@ -49,10 +52,10 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
         return
     planned = engine.prepare(asked.cases, settings, backend=asked.backend, ray_address=campaign.ray_address,
                              dry_run=campaign.dry_run,
-                             share=campaign.share, notes=asked.notes, skip_done=asked.several)
+                             share=campaign.share, notes=asked.notes, skip_done=not asked.one_shape)
     if not campaign.dry_run:
         engine.preflight(planned)  # every sweep's backend, memory and profile dir, before anything is printed
-    if asked.several:
+    if not asked.one_shape or campaign.dry_run:
         render.campaign_plan(planned, listed=campaign.dry_run)
     if campaign.dry_run or not planned.todo:
         return
@@ -135,6 +138,7 @@ def _breakdown(entries, fmt: str, *, via, runs: int, top: int, keep_trace) -> No
     from moe_tune.breakdown import profile_entry
     from moe_tune.errors import UsageError
     from moe_tune.profiles.verdict import verdict_of
+    from moe_tune.report import breakdown_check
 
     if not entries:
         raise UsageError("nothing to break down: no tuned entry matches (run `moe-tune sweep`, or loosen the filters)")
@@ -142,7 +146,10 @@ def _breakdown(entries, fmt: str, *, via, runs: int, top: int, keep_trace) -> No
     more = f" (the first of {len(entries)} selected; pick one with --key)" if len(entries) > 1 else ""
     # plain lines on stderr (unwrapped: the key is long; stdout stays the tables, or pure CSV / JSON)
     click.echo(f"breakdown of {entry.key}{more}\n  verdict: {verdict_of(entry).label}", err=True)
-    render.breakdowns(profile_entry(entry, source=via, runs=runs, keep_trace=keep_trace), fmt, top=top)
+    found = profile_entry(entry, source=via, runs=runs, keep_trace=keep_trace)
+    render.breakdowns(found, fmt, top=top)
+    for line in breakdown_check(entry, found):  # the winner/default ratio, and whether it contradicts the verdict
+        click.echo(line, err=True)
     if keep_trace is not None:
         click.echo(f"traces kept in {keep_trace}: open them with `xprof --logdir {keep_trace}`", err=True)
 

@@ -120,19 +120,40 @@ def outcome_line(outcome: SweepOutcome) -> str:
 
 
 def campaign_plan(campaign: Campaign, *, listed: bool) -> None:
-    """What a campaign will do: its size, its share, what the table already holds; `listed`: every sweep."""
+    """What a campaign will do: its size, its share, what the table already holds and what it sweeps again
+    (tuned with less than asked); `listed` (--dry-run): every sweep in the order it runs, with its shape,
+    candidate count and estimated time (`campaign.estimate`), then those it skips."""
+    from moe_tune.campaign import estimate
+
     c = campaign
     share = f"; share {c.share[0]}/{c.share[1]}: {len(c.todo) + len(c.done)} sweeps" if c.share else ""
+    held = (f"{len(c.done)} already in the table, " if c.skip_done else
+            "every sweep runs (resuming its log), ")
+    again = f" ({len(c.again)} swept again: tuned with less than asked)" if c.again else ""
+    history = estimate.recorded(c.device_kind, {s.op for s in c.planned}, c.settings.profile_dir)
+    costs = {s.key: estimate.estimate(s, c.settings, history) for s in c.todo}
+    known = [cost.seconds for cost in costs.values() if cost.seconds is not None]
+    total = f", about {estimate.duration(sum(known))}" + (" for those with a recorded sweep of their kind" if len(
+        known) < len(costs) else "") if known else ""
     out.print(f"Campaign on {c.device_kind} ({c.platform}): {c.cases} kernel cases, {len(c.planned)} sweeps after "
-              f"removing duplicates{share}; {len(c.done)} already in the table, {len(c.todo)} to run", highlight=False)
+              f"removing duplicates{share}; {held}{len(c.todo)} to run{again}{total}", highlight=False)
     for note in c.notes:
         out.print(f"  note: {note}", highlight=False)
+    for s in c.todo:
+        if s.key in c.again:
+            out.print(f"  again: {s.label}: {c.again[s.key]}", highlight=False)
     if listed:
-        done = {s.key for s in c.done}
-        table("Plan (largest first)", ("#", "sweep", "op", "direction", "backend", "state"),
-              [(i + 1, s.label, s.op, s.problem.key_fields().get("direction", "-"), s.backend,
-                "done" if s.key in done else "to run")
-               for i, s in enumerate(c.todo + c.done)], right=("#",))
+        shapes = {s.key: get_op(s.op).describe(s.problem) for s in c.todo + c.done}
+        named = any(shapes[s.key] != s.label for s in c.todo + c.done)  # a model's cases: name and shape
+
+        def row(number: Any, s: PlannedSweep, cost: str, state: str) -> tuple:
+            return (number, s.label, *([shapes[s.key]] if named else []), s.backend, cost, state)
+
+        rows = [row(i + 1, s, costs[s.key].text, f"again: {c.again[s.key]}" if s.key in c.again else "to run")
+                for i, s in enumerate(c.todo)]
+        rows += [row("-", s, "-", "done (--fresh sweeps it again)") for s in c.done]
+        table("Plan, in the order it runs (largest first)",
+              ("#", "sweep", *(["shape"] if named else []), "backend", "cost", "state"), rows, right=("#",))
 
 
 def sweep_outcomes(outcomes: Sequence[SweepOutcome], *, title: str | None, detailed: bool) -> None:
@@ -231,9 +252,9 @@ def bench_table(title: str, cases: Sequence[tuple[str, Comparison]]) -> None:
     for kernel, c in cases:
         config = " ".join(f"{k}={v}" for k, v in c.tuned_config.items())
         rows.append((kernel, f"{config} ({c.lookup_source})", _ms(c.times_s["tuned"]), _ms(c.times_s["default"]),
-                     _ms(c.times_s[c.baseline]), c.vs_baseline(), c.reference()))
-    table(title, ("kernel", "config (source)", "tuned ms", "default ms", "baseline ms", "vs baseline", "reference"),
-          rows, right=("tuned ms", "default ms", "baseline ms", "vs baseline"))
+                     _ms(c.times_s[c.baseline]), c.vs_baseline(), c.reference(), "\n".join(c.notes()) or "-"))
+    table(title, ("kernel", "config (source)", "tuned ms", "default ms", "baseline ms", "vs baseline", "reference",
+                  "notes"), rows, right=("tuned ms", "default ms", "baseline ms", "vs baseline"))
 
 
 def lookup_result(description: str, result: LookupResult) -> None:

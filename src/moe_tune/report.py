@@ -14,7 +14,7 @@ from moe_tune.errors import UsageError, warn_caller
 from moe_tune.profiles import dirs, evidence
 from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.table import read_table
-from moe_tune.profiles.verdict import SHORT, verdict_of
+from moe_tune.profiles.verdict import BEAT_DEFAULT, SHORT, verdict_of
 
 # (the columns issue 26 added come last: scripts that read the csv by position keep working)
 COLUMNS = [
@@ -289,9 +289,33 @@ def breakdown_frame(breakdowns: Sequence[Breakdown], top: int | None = None) -> 
         for rank, op in enumerate(shown, 1):
             cumulative += op.share
             rows.append({**common, "rank": rank, "op": op.name, "group": op.group, "ms_per_run": op.seconds * 1e3,
-                         "share": op.share, "cumulative": cumulative, "calls_per_run": op.count})
+                         "share": op.share, "cumulative": cumulative, "calls_per_run": _per_run(op.count)})
         if rest:
             rows.append({**common, "rank": "-", "op": f"other ({len(rest)} ops)", "group": "",
                          "ms_per_run": sum(o.seconds for o in rest) * 1e3, "share": sum(o.share for o in rest),
-                         "cumulative": 1.0, "calls_per_run": sum(o.count for o in rest)})
+                         "cumulative": 1.0, "calls_per_run": _per_run(sum(o.count for o in rest))})
     return pd.DataFrame(rows, columns=BREAKDOWN_COLUMNS)
+
+
+def _per_run(count: float) -> int | float:
+    """Calls per run as a count: an integer when it is one (`79`, not `79.000`)."""
+    return round(count) if abs(count - round(count)) < 1e-6 else round(count, 2)
+
+
+def breakdown_check(entry: Entry, breakdowns: Sequence[Breakdown]) -> list[str]:
+    """Lines saying what the breakdown says of the entry's claim: the winner/default ratio of op time, and a
+    warning when it contradicts the verdict (a claimed win whose winner spends more op time than its
+    default). Empty when the winner is the default (one breakdown: nothing to compare)."""
+    totals = {b.label: b.total_s for b in breakdowns}
+    if "winner" not in totals or "default" not in totals or not totals["default"]:
+        return []
+    ratio = totals["winner"] / totals["default"]
+    lines = [f"winner/default op time: {ratio:.2f} ({totals['winner'] * 1e3:.3f} ms vs {totals['default'] * 1e3:.3f} "
+             "ms per run)"]
+    verdict = verdict_of(entry)
+    if verdict.rule == BEAT_DEFAULT and ratio > 1:
+        lines.append(f"warning: the entry's verdict ({verdict.text}) claims the winner is {entry.speedup or 0:.2f}x "
+                     f"faster, but here it spends {ratio:.2f}x the default's op time: the claim does not hold up. "
+                     "Check with `moe-tune bench` and sweep it again with --fresh (the final round re-times the "
+                     "finalists side by side).")
+    return lines

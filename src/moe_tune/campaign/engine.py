@@ -14,6 +14,9 @@ from typing import Any
 from moe_tune.campaign.plan import Case, PlannedSweep, plan, shard, split_done
 from moe_tune.errors import UsageError
 from moe_tune.profiles import dirs
+from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.evidence import weaker_than
+from moe_tune.profiles.table import table_entries
 from moe_tune.tuner.settings import SweepSettings
 
 
@@ -35,14 +38,20 @@ class Campaign:
     settings: SweepSettings
     accelerator: Any = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    # key -> why a sweep whose complete entry the table holds runs again (tuned with less than asked)
+    again: dict[str, str] = dataclasses.field(default_factory=dict)
+    skip_done: bool = True  # whether what the table holds is skipped (else every sweep runs, resuming its log)
 
 
 def prepare(cases: Sequence[Case], settings: SweepSettings, *, backend: str | None = None,
             ray_address: str | None = None, share: tuple[int, int] | None = None, notes: Sequence[str] = (),
             skip_done: bool = True, dry_run: bool = False) -> Campaign:
-    """Connect to Ray (when `ray_address`) and find its accelerator, then plan `cases` for it and take the
+    """The one planning function: `--dry-run` prints what it returns, and the run runs its `todo`, in order.
+
+    Connect to Ray (when `ray_address`) and find its accelerator, then plan `cases` for it and take the
     share. `skip_done`: leave out the sweeps whose complete entry the target table holds (unless
-    `settings.fresh`); without it (one shape, one model's layer) every sweep runs, resuming its log."""
+    `settings.fresh`), except those tuned with less than `settings` ask (`weaker_entries`); without it (one
+    shape) every sweep runs, resuming its log."""
     accelerator = None
     if ray_address is not None and dry_run:  # --dry-run never connects: planned for this machine, and said so
         notes = [*notes, "--dry-run does not connect to Ray: this plan is for this machine's device kind; on the "
@@ -68,8 +77,30 @@ def prepare(cases: Sequence[Case], settings: SweepSettings, *, backend: str | No
     mine = planned if share is None else shard(planned, *share)
     todo, done = split_done(mine, profile_dir=settings.profile_dir, device_kind=device_kind,
                             fresh=settings.fresh or not skip_done)
+    again = weaker_entries(done, settings, device_kind)
+    run = {s.key for s in todo} | again.keys()
+    todo = [s for s in mine if s.key in run]  # plan order: largest first
+    done = [s for s in done if s.key not in again]
     return Campaign(planned, share, todo, done, len(cases), platform, device_kind, settings, accelerator,
-                    list(notes))
+                    list(notes), again, skip_done)
+
+
+def weaker_entries(done: Sequence[PlannedSweep], settings: SweepSettings, device_kind: str) -> dict[str, str]:
+    """key -> why, for each sweep in `done` whose entry was tuned with less than `settings` ask (fewer
+    candidates, fewer samples: `profiles.evidence.weaker_than`): a smoke test's entries do not count as done
+    for a full campaign."""
+    asked = dataclasses.asdict(settings)
+    tables = {op: table_entries(dirs.table_path(dirs.write_dir(settings.profile_dir), device_kind, op))
+              for op in {s.op for s in done}}
+    found = {}
+    for s in done:
+        try:
+            why = weaker_than(Entry.from_json(tables[s.op][s.key], s.key), asked)
+        except ValueError:  # an entry the report and lookup skip: sweep it again
+            why = "its entry cannot be read"
+        if why is not None:
+            found[s.key] = why
+    return found
 
 
 def preflight(campaign: Campaign) -> None:

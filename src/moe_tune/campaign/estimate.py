@@ -1,0 +1,100 @@
+"""What a planned sweep will cost, for the plan a campaign prints before it runs (and `--dry-run` prints
+instead of running): how many candidates its strategy will measure, and an estimate of its time from the
+sweeps the tables have recorded (each entry holds its `sweep_wall_s` and how many candidates it tried: seconds
+per candidate, taken from the recorded sweep of the same op, backend and direction nearest in size)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from moe_tune.campaign.plan import PlannedSweep
+from moe_tune.kernels import get_op
+from moe_tune.profiles import dirs
+from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.table import table_entries
+from moe_tune.tuner.settings import SweepSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """candidates: how many the sweep measures at most (`exact`: exactly, for a grid; else an upper bound);
+    seconds: the estimated wall time, None when no recorded sweep of its kind exists."""
+
+    candidates: int
+    exact: bool
+    seconds: float | None
+
+    @property
+    def text(self) -> str:
+        """`68 candidates, ~2.5 min` / `<= 12 candidates, time unknown`."""
+        count = f"{'' if self.exact else '<= '}{self.candidates} candidates"
+        return f"{count}, time unknown" if self.seconds is None else f"{count}, ~{duration(self.seconds)}"
+
+
+def duration(seconds: float) -> str:
+    """`40 s`, `2.5 min`, `1.3 h`."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def candidates(sweep: PlannedSweep, settings: SweepSettings) -> tuple[int, bool]:
+    """(count, exact) of the candidates `sweep` will measure with `settings`: its backend's space, cut by
+    --max-candidates and --budget; exact for a grid without a time budget, an upper bound otherwise."""
+    space = len(get_op(sweep.op).backends.get(sweep.backend).search_space(sweep.problem))
+    count = min(x for x in (space, settings.max_candidates, settings.budget) if x is not None)
+    return count, settings.strategy == "grid" and settings.time_budget_s is None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    op: str
+    backend: str | None
+    direction: str | None
+    size: float
+    per_candidate_s: float
+
+
+def recorded(device_kind: str, ops: Iterable[str], profile_dir: Path | None = None) -> list[_Record]:
+    """Seconds per candidate of every sweep the tables of `device_kind` recorded (the write dir of
+    `profile_dir` and every search dir), for `ops`."""
+    roots = [dirs.write_dir(profile_dir), *(root for _, root in dirs.search_dirs())]
+    found = []
+    for root in dict.fromkeys(roots):
+        for op in ops:
+            for key, data in table_entries(dirs.table_path(root, device_kind, op)).items():
+                try:
+                    entry = Entry.from_json(data, key)
+                except ValueError:
+                    continue
+                tried = entry.count("tried")
+                if not entry.sweep_wall_s or not tried:
+                    continue
+                found.append(_Record(op, entry.backend, entry.direction, _size_of(entry.flops, entry.fields),
+                                     entry.sweep_wall_s / tried))
+    return found
+
+
+def _size_of(flops: int | None, fields) -> float:
+    """A problem's size for nearness: its FLOPs, else (the gathers) rows x hidden."""
+    if flops:
+        return float(flops)
+    return float((fields.get("rows") or fields.get("tokens") or 1) * (fields.get("hidden") or 1))
+
+
+def estimate(sweep: PlannedSweep, settings: SweepSettings, history: Sequence[_Record]) -> Cost:
+    """The sweep's candidates and estimated time: its candidate count times the seconds per candidate of the
+    recorded sweep of the same op, backend and direction nearest in size (in log space), scaled by the
+    sizes' ratio to the power 1/2 (compile time, most of a small sweep, grows slower than the work)."""
+    count, exact = candidates(sweep, settings)
+    op = get_op(sweep.op)
+    fields = sweep.problem.key_fields()
+    size, direction = _size_of(op.flops(sweep.problem), fields), fields.get("direction")
+    same = [r for r in history if r.op == sweep.op and r.backend == sweep.backend and r.direction == direction]
+    if not same:
+        return Cost(count, exact, None)
+    near = min(same, key=lambda r: abs(math.log(r.size / size)))
+    return Cost(count, exact, count * near.per_candidate_s * math.sqrt(size / near.size))
