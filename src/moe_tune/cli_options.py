@@ -283,12 +283,13 @@ def sweep_options(fn: Callable) -> Callable:
                           "(no worker: a candidate that crashes takes the sweep down)."),
         click.option("--samples", type=click.IntRange(min=1), default=None,
                      help="Timing samples (profiler-trace rounds) per candidate (default: the tuner's); the "
-                          "finalists get twice as many."),
+                          "finalists get twice as many, and at least 5 (a win needs them)."),
         click.option("--race", type=float, default=None, metavar="FACTOR", callback=_check_race,
                      help="After the first timing round, stop timing candidates more than FACTOR times slower than "
                           "the best so far: 0 (no racing) or a factor > 1 (default: the tuner's, 1.5)."),
         click.option("--max-candidates", type=click.IntRange(min=1), default=None,
-                     help="Keep only the first N candidates of the search space (the default config is first)."),
+                     help="Measure N candidates: the default config and a seeded sample spread across the space "
+                          "(every value of each tunable once N allows it)."),
         click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                      help="Where to write the table (default: $MOE_TUNE_PROFILE_DIR, else the user cache dir)."),
         click.option("--keep-trace", "keep_trace_dir", type=click.Path(file_okay=False, path_type=Path),
