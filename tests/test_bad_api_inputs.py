@@ -49,6 +49,7 @@ def _expected(lhs, rhs, sizes, offset: int | None) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow  # the Pallas kernels' gradients in interpret mode
 @pytest.mark.parametrize("offset", [-1, 1, 3, 7])
 def test_a_traced_offset_out_of_range_selects_no_group_on_every_backend(operands, offset):
     """Item 1: a shard of 2 groups out of 4 at offset 3 or 7 (or -1) used to give 32, 16 or 0 rows,

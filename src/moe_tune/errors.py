@@ -37,18 +37,17 @@ def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
 
 def path_error(what: str, path: str | os.PathLike, error: OSError, kind: type[MoeTuneError] = MoeTuneError
                ) -> MoeTuneError:
-    """One line for an OSError met while writing or reading `path` (the path the user gave): `cannot write
-    the plot r.png: Permission denied` (`what`, then the path; or `what` holding `{path}`), plus the file the
-    system named when it lies elsewhere (an unwritable dir above), or what stands where a directory must be
-    (a file, a symlink loop); never a temporary file written inside or beside `path`."""
+    """One line for an OSError met while writing or reading `path` (the path the user gave), `what` then the
+    path: `cannot write the plot r.png: Permission denied`, plus the file the system named when it lies
+    elsewhere (an unwritable dir above), or what stands where a directory must be (a file, a symlink loop);
+    never a temporary file written inside or beside `path`."""
     why = error.strerror or str(error) or type(error).__name__
     blocker = _file_in_the_way(path) if isinstance(error, (NotADirectoryError, FileExistsError)) else None
     if blocker is not None:  # says more than `File exists` / `Not a directory`
         why = blocker
     elif error.filename is not None and _elsewhere(str(error.filename), path):
         why += f" ({error.filename})"
-    head = what.format(path=path) if "{path}" in what else f"{what} {path}"
-    return kind(f"{head}: {why}")
+    return kind(f"{what} {path}: {why}")
 
 
 def _elsewhere(named: str, path: str | os.PathLike) -> bool:

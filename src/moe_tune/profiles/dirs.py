@@ -66,4 +66,4 @@ def writable_dir(directory: str | os.PathLike) -> Path:
 
     Checked before a sweep or a campaign starts, so that a profile dir that cannot hold the table fails at
     once rather than after the sweep (or as a traceback from deep inside the log or the table write)."""
-    return paths.writable_dir(directory, "the profile dir {path} cannot be created or written")
+    return paths.writable_dir(directory, "cannot create or write the profile dir")

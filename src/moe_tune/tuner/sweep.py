@@ -57,7 +57,7 @@ def preflight(request: SweepRequest) -> SweepPlan:
         paths.writable_dir(request.settings.keep_trace_dir, "cannot write traces to")
     compile_cache.check()
     writable_dir(plan.directory)
-    paths.writable_dir(plan.table_path.parent, "the table dir {path} cannot be created or written")
+    paths.writable_dir(plan.table_path.parent, "cannot create or write the table dir")
     return plan
 
 
