@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, vmem_bytes
+from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, block_bytes, compiler_bytes, vmem_bytes
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, gmm_plan, problem_plan, tgmm_plan
 from moe_tune.kernels.ragged_dot.quantized import prepare_gmm, prepare_tgmm
 from moe_tune.kernels.ragged_dot.reference import (ragged_dot_dlhs_reference, ragged_dot_drhs_reference,
@@ -196,7 +196,9 @@ def test_megablox_vmem_holds_what_the_plan_loads(direction, lhs, rhs):
     shapes = [SCALE_BLOCKS[key] for key in ((direction, "lhs", lhs), (direction, "rhs", rhs)) if key in SCALE_BLOCKS]
     assert sorted(plan.scale_blocks(TM, TK, TN)) == sorted(shapes)
     padded = sum(-(-r // 8) * 8 * -(-c // 128) * 128 for r, c in shapes)
-    assert vmem_bytes(MegabloxConfig(TM, TK, TN), problem) == 2 * blocks + 2 * 4 * padded + acc
+    config = MegabloxConfig(TM, TK, TN)
+    assert block_bytes(config, problem) == 2 * blocks + 2 * 4 * padded + acc
+    assert vmem_bytes(config, problem) == block_bytes(config, problem) + compiler_bytes(config, problem)
 
 
 def _reference(direction: str, a, b) -> np.ndarray:

@@ -70,19 +70,14 @@ def ragged_dot_jobs(target_name: str, backend: str, mode: str) -> list[CompileJo
     return jobs
 
 
-# The rules keep a config the compiler rejects here until the kernels' rules are fixed (issue 28; their
-# modules are being restructured): the largest candidates sit at exactly the VMEM / shared memory budget.
-PENDING = pytest.mark.xfail(strict=True, reason="issue 28: a rule keeps a config the compiler rejects")
-
-
 @needs_tpu
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=PENDING) for m in MODES])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_megablox_compiles_for_tpu_v5e(pool, mode):
     compile_all(pool, ragged_dot_jobs("v5e", "megablox", mode))
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=PENDING if m == "fp8/128" else ()) for m in MODES])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_triton_ragged_dot_compiles_for_h100(pool, mode):
     compile_all(pool, ragged_dot_jobs("h100", "triton", mode))
 

@@ -188,7 +188,8 @@ def _int8_dot(plan: QuantPlan, block_k: int) -> bool:
 
 class TritonRaggedDot(RaggedDotBackend):
     name = "triton"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision). 2: fp8
+    # refused below sm_89, the quantized gradients' tiles counted in float32 (the real compiler's figures)
     config_cls = TritonConfig
     platforms = ("gpu",)
     description = "Pallas Triton gmm/tgmm for GPUs; interpret mode elsewhere"
@@ -200,7 +201,19 @@ class TritonRaggedDot(RaggedDotBackend):
     def interpret(self) -> bool:
         return interpreted("gpu")
 
+    def chip_error(self, problem: RaggedDotProblem) -> str | None:
+        """Triton converts float8 with an instruction of compute capability 8.9 and later; compiling an fp8
+        kernel for an older GPU (an A100) aborts the process with an LLVM fatal error, not an exception."""
+        capability = devices.gpu_compute_capability()
+        fp8 = any(jnp.dtype(op.dtype) == jnp.float8_e4m3fn for op in problem_plan(problem).operands)
+        if fp8 and capability is not None and capability < (8, 9):
+            return (f"float8 operands need compute capability >= 8.9 in Triton, this GPU has "
+                    f"{capability[0]}.{capability[1]}")
+        return None
+
     def config_error(self, config: TritonConfig, problem: RaggedDotProblem) -> str | None:
+        if (reason := self.chip_error(problem)) is not None:
+            return reason
         for name in ("block_m", "block_k", "block_n"):
             value = getattr(config, name)
             if value not in BLOCKS:
@@ -223,8 +236,12 @@ class TritonRaggedDot(RaggedDotBackend):
         return None
 
     def shared_memory_bytes(self, config: TritonConfig, problem: RaggedDotProblem) -> int:
-        """Pipelined operand tiles: num_stages copies of the lhs and rhs blocks."""
+        """Pipelined operand tiles: num_stages copies of the lhs and rhs blocks, in the dtype the dot takes
+        them in: float32 for the quantized gradients (`QuantPlan.float32_dots`; Triton reports exactly
+        this for them, e.g. 393216 bytes for 128 x 128 x 256 blocks in 2 stages)."""
         itemsize = max(jnp.dtype(problem.lhs_dtype).itemsize, jnp.dtype(problem.out_dtype).itemsize)
+        if problem_plan(problem).float32_dots:
+            itemsize = 4
         bm, bk, bn = config.block_m, config.block_k, config.block_n
         tiles = (bm * bk + bk * bn) if problem.direction != "drhs" else (bm * bk + bm * bn)
         return config.num_stages * tiles * itemsize
