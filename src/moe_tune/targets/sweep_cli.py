@@ -8,6 +8,7 @@ from typing import Any
 from moe_tune.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
+from moe_tune.targets import wheels
 from moe_tune.targets.chips import get_target
 from moe_tune.targets.compile_sweep import TargetSweep, compile_sweeps
 from moe_tune.targets.records import records_path
@@ -22,6 +23,8 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
     if campaign.ray_address is not None:
         raise UsageError("--target compiles on this machine; it does not take --ray")
     target = get_target(target_name)
+    if not campaign.dry_run:
+        wheels.require(target.platform)  # the one-line error before anything is printed
     sweeps = plan(cases, platform=target.platform, distribution=settings.distribution, backend=backend)
     if campaign.share is not None:
         sweeps = shard(sweeps, *campaign.share)
