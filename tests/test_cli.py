@@ -85,15 +85,16 @@ def test_gather_op_sweep_then_lookup_is_exact(run, op, isolated_profiles):
 def test_models_lists_presets_and_one_layers_kernels(run):
     listing = run("models")
     assert listing.exit_code == 0 and "deepseek-v3" in listing.output and "mixtral-8x7b" in listing.output
-    layer = run("models", "qwen3-30b-a3b", "--tokens", "512", "--ep", "4")
+    layer = run("models", "qwen3-30b-a3b", "--tokens", "512", "--ep", "4", "--dtype", "bfloat16")
     assert layer.exit_code == 0, layer.output
     assert "ragged_dot drhs m=4096 k=2048 n=768 g=32 bfloat16" in layer.output
     assert "ragged_gather_reduce tokens=512 top_k=8 hidden=2048 bfloat16 (ep=4)" in layer.output
     quantized = run("models", "qwen3-30b-a3b", "--tokens", "512", "--ep", "4", "--rhs-quant", "int8",
-                    "--quant-block", "128")
+                    "--quant-block", "128", "--dtype", "bfloat16")
     assert quantized.exit_code == 0, quantized.output
-    assert "ragged_dot drhs m=4096 k=2048 n=768 g=32 bfloat16 rhs int8/128" in quantized.output
-    assert quantized.output.count("int8/128") == 6  # the six matmuls; the gathers are not quantized
+    assert "ragged_dot dlhs m=4096 k=2048 n=768 g=32 bfloat16 rhs int8/128" in quantized.output
+    # fwd and dlhs of both matmuls: int8 weights are constants (no drhs runs); the gathers are not quantized
+    assert quantized.output.count("int8/128") == 4 and "drhs" not in quantized.output
     bad_block = run("models", "qwen3-30b-a3b", "--rhs-quant", "int8", "--quant-block", "100")
     assert bad_block.exit_code == 2 and "divisor of k=2048" in bad_block.output
     typo = run("models", "qwen3-30b")
@@ -211,10 +212,13 @@ def test_sweep_model_runs_every_kernel_of_a_layer(run, isolated_profiles):
     result = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "8,16", "--ep", "16", "--dtype", "float32",
                  "--max-candidates", "1", "--samples", "1", "--workers", "1")
     assert result.exit_code == 0, result.output
-    assert "deepseek-v2-lite: 16 kernel sweeps" in result.output
+    # per count: 6 matmuls, dispatch, combine, and the backward's weighted gather (training, the default; the
+    # dispatch's gradient is the combine's own kernel at ep=16)
+    assert "deepseek-v2-lite: 18 kernel sweeps" in result.output
     entries = {op: json.loads((isolated_profiles / "cpu" / f"{op}.json").read_text())["entries"].values()
                for op in ("ragged_dot", "ragged_gather", "ragged_gather_reduce")}
-    assert sorted(e["fields"]["tokens"] for e in entries["ragged_gather"]) == [8, 16]
+    assert sorted((e["fields"]["tokens"], e["fields"]["weighted"]) for e in entries["ragged_gather"]) == [
+        (8, False), (8, True), (16, False), (16, True)]
     assert sorted(e["fields"]["tokens"] for e in entries["ragged_gather_reduce"]) == [8, 16]
     dot_rows = sorted({e["fields"]["m"] for e in entries["ragged_dot"]})
     assert dot_rows == [8 * 6, 16 * 6] and len(entries["ragged_dot"]) == 12  # 2 counts x 2 matmuls x 3 directions

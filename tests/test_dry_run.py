@@ -13,7 +13,8 @@ from moe_tune.cli import cli
 
 TINY = ["--op", "ragged_dot", "--m", "32,64", "--k", "32", "--n", "32", "--groups", "2", "--direction", "all",
         "--max-candidates", "2", "--samples", "1", "--workers", "1"]
-ROW = re.compile(r"^│\s*(\d+|-)\s*│\s*(ragged_dot \w+ m=\d+ k=\d+ n=\d+ g=\d+ \w+)\s*│.*│\s*(to run|again: .*?|done .*?)\s*│$")
+ROW = re.compile(r"^│\s*(\d+|-)\s*│\s*(ragged_dot \w+ m=\d+ k=\d+ n=\d+ g=\d+ \w+)\s*│.*│"
+                 r"\s*(to run|again: .*?|done .*?)\s*│$")
 
 
 def planned_rows(output: str) -> list[tuple[str, str, str]]:

@@ -75,7 +75,8 @@ def test_an_old_win_on_two_samples_is_marked_weak():
     old = Verdict.from_json({"rule": "fastest", "noise": 0.01, "finalists": [
         {"config": {"tm": 16}, "is_default": False, "median_s": 1.0, "samples": 2},
         {"config": {"tm": 8}, "is_default": True, "median_s": 2.3, "samples": 2}]})
-    assert old.rule == BEAT_DEFAULT and old.evidence_problem == f"2 samples per finalist, fewer than {MIN_FINAL_SAMPLES}"
+    assert old.rule == BEAT_DEFAULT
+    assert old.evidence_problem == f"2 samples per finalist, fewer than {MIN_FINAL_SAMPLES}"
     assert old.short == "beat default?" and "weak evidence" in old.text
     entry = Entry.from_json({"key": "k", "fields": {}, "config": {"tm": 16}, "verdict": old.to_json(),
                              "search": {"strategy": "grid", "max_candidates": 3, "space": 3, "full_space": 68,

@@ -12,7 +12,8 @@ from moe_tune import cli_render as render
 from moe_tune import devices, distributions
 from moe_tune import models as presets
 from moe_tune.cli_options import (
-    DTYPES, handle_errors, one, problems, quant_flags, quant_options, shape_options, sweep_cases, sweep_options,
+    DTYPES, INT_LIST, handle_errors, one, problems, quant_flags, quant_options, shape_options, sweep_cases,
+    sweep_options,
 )
 from moe_tune.cli_options import directions as all_directions
 from moe_tune.cli_render import console
@@ -184,23 +185,31 @@ def ops():
 
 @cli.command()
 @click.argument("name", required=False)
-@click.option("--tokens", type=click.IntRange(min=1), default=presets.LAYER_DEFAULTS["tokens"], show_default=True,
-              help="Tokens per expert-parallel shard (with NAME: the kernel calls of one layer).")
-@click.option("--ep", type=click.IntRange(min=1), default=presets.LAYER_DEFAULTS["ep"], show_default=True,
-              help="Expert-parallel size.")
+@click.option("--tokens", type=INT_LIST, default=str(presets.LAYER_DEFAULTS["tokens"]), show_default=True,
+              help="Tokens per expert-parallel shard, comma-separated as for `sweep --model` (with NAME).")
+@click.option("--ep", type=INT_LIST, default=str(presets.LAYER_DEFAULTS["ep"]), show_default=True,
+              help="Expert-parallel sizes, comma-separated.")
 @click.option("--dtype", type=DTYPES, default=presets.LAYER_DEFAULTS["dtype"], show_default=True)
+@click.option("--direction", type=click.Choice(presets.LAYER_DIRECTIONS), default=presets.LAYER_DEFAULTS["direction"],
+              show_default=True, help="What the layer runs: fwd (serving) or all (training: gradients too).")
 @quant_flags
 @handle_errors
-def models(name, tokens, ep, dtype, **quant):
-    """List the model presets, or the tunable kernel calls of one layer of model NAME."""
+def models(name, tokens, ep, dtype, direction, **quant):
+    """List the model presets, or the kernel calls one layer of model NAME runs (what `sweep --model` tunes)."""
+    from moe_tune.campaign.plan import model_campaign_cases
+
     if name is None:
         fields = ("hidden", "expert_intermediate", "experts", "top_k", "shared_experts")
         return render.table("Model presets (routed-expert shapes)", ("model", *fields),
                             [(p.name, *(getattr(p, f) for f in fields)) for p in presets.presets().values()],
                             right=fields)
-    cases = presets.kernel_problems(presets.get_preset(name), tokens, ep=ep, dtype=dtype, quant=quant_options(quant))
-    render.table(f"{name}: one MoE layer, {tokens} tokens per shard, ep={ep}, {dtype}", ("op", "role", "problem"),
-                 [(case.op, case.role, get_op(case.op).describe(case.problem)) for case in cases])
+    cases, notes = model_campaign_cases([name], tokens, ep, dtype=dtype, quant=quant_options(quant),
+                                        direction=direction)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    what = "training: forward and backward" if direction == "all" else "serving: forward"
+    render.table(f"{name}: one MoE layer per shard ({what}), {dtype}", ("kernel call", "op", "problem"),
+                 [(case.label, case.op, get_op(case.op).describe(case.problem)) for case in cases])
 
 
 @cli.command()

@@ -235,12 +235,15 @@ def sweep_cases(op: str, direction: str, backend: str | None, model: str | None,
         return SweepCases(op_cases(op, problems(op, direction, shape, grid=several_)), backend=backend,
                           several=several_)
     ctx = click.get_current_context()
-    explicit = [name for name in ("op", "direction") if ctx.get_parameter_source(name).name != "DEFAULT"]
+    explicit = [name for name in ("op",) if ctx.get_parameter_source(name).name != "DEFAULT"]
     model_only(shape, explicit=explicit + (["backend"] if backend is not None else []))
     models, eps = model.split(","), shape.get("ep") or [presets.LAYER_DEFAULTS["ep"]]
     tokens, _, dtype = presets.layer_settings(shape.get("tokens"), None, shape.get("dtype"))
+    # --direction fwd: what serving runs; all (the default with --model): what training runs (models.layer_runs)
+    runs = direction if ctx.get_parameter_source("direction").name != "DEFAULT" else presets.LAYER_DEFAULTS[
+        "direction"]
     # only the ragged_dot kernels are quantized
-    cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape))
+    cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape), direction=runs)
     several_ = len(models) > 1 or len(eps) > 1 or models == ["all"] or campaign_flags
     return SweepCases(cases, notes, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"))
 
@@ -302,8 +305,9 @@ def sweep_options(fn: Callable) -> Callable:
                      help="Start no new candidates after this many seconds (finished ones are kept)."),
         click.option("--fresh", is_flag=True, help="Delete this sweep's log and start over instead of resuming."),
         click.option("--model", default=None,
-                     help="Sweep every kernel and direction of one layer of this preset (see `moe-tune models`; "
-                          "several comma-separated, or `all`) at --tokens, --ep and --dtype (defaults: " + ", ".join(
+                     help="Sweep the kernels one layer of this preset runs (see `moe-tune models`; several "
+                          "comma-separated, or `all`): --direction all for training (gradients and the backward's "
+                          "gathers too), fwd for serving; at --tokens, --ep and --dtype (defaults: " + ", ".join(
                               f"{k} {v}" for k, v in presets.LAYER_DEFAULTS.items()) + ")."),
         click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
                      help="Run the sweeps as Ray tasks, one accelerator each, on the Ray cluster at ADDRESS, or on "

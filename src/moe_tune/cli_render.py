@@ -266,6 +266,12 @@ def lookup_result(description: str, result: LookupResult) -> None:
         median, speedup = result.entry.median_s, result.entry.speedup_over_default
         out.print(f"  tuned time: {(median if median is not None else float('nan')) * 1e3:.3f} ms"
                   + (f", {speedup:.2f}x over default" if speedup else ""), highlight=False)
+        from moe_tune.profiles.evidence import marks
+        from moe_tune.profiles.verdict import verdict_of
+
+        flags = marks(result.entry)
+        out.print(f"  verdict: {verdict_of(result.entry).label}" + (f" [{', '.join(flags)}]" if flags else ""),
+                  highlight=False)
     out.print(f"  key: {result.key}", highlight=False)
 
 

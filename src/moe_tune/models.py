@@ -19,7 +19,9 @@ from moe_tune.kernels import get_op
 
 DATA_FILE = "data/models.json"
 # What one layer of a preset is swept, benched and listed at unless told otherwise (the one place these live).
-LAYER_DEFAULTS = {"tokens": 4096, "ep": 1, "dtype": "bfloat16"}
+# (`direction`: `all` tunes what training runs, `fwd` what serving runs: `layer_runs`)
+LAYER_DEFAULTS = {"tokens": 4096, "ep": 1, "dtype": "float32", "direction": "all"}
+LAYER_DIRECTIONS = ("fwd", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +84,39 @@ def layer_settings(tokens: int | list[int] | None = None, ep: int | None = None,
 
 
 def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, ep: int | None = None,
-                dtype: str | None = None, quant: Mapping[str, Any] | None = None) -> list[tuple[int, KernelCase]]:
+                dtype: str | None = None, quant: Mapping[str, Any] | None = None,
+                direction: str | None = None) -> list[tuple[int, KernelCase]]:
     """(tokens, case) for every token count and every kernel call of one layer; every count is checked
-    before anything runs. `quant`: see `kernel_problems`."""
+    before anything runs. `quant`: see `kernel_problems`; `direction`: None, every tunable kernel call
+    (`kernel_problems`), else what serving (`fwd`) or training (`all`) runs (`layer_runs`)."""
     counts, ep, dtype = layer_settings(tokens, ep, dtype)
-    return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype, quant=quant)]
+    if direction is None:
+        return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype, quant=quant)]
+    return [(t, case) for t in counts
+            for case in layer_runs(preset, t, ep=ep, dtype=dtype, quant=quant, direction=direction)]
+
+
+def layer_runs(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = LAYER_DEFAULTS["dtype"],
+               quant: Mapping[str, Any] | None = None, direction: str = "all") -> list[KernelCase]:
+    """The kernel calls one layer of `moe_tune.moe_mlp` runs, to tune: serving (`fwd`) runs the forward
+    ragged_dots, dispatch and combine; training (`all`) also runs the ragged_dot gradients of its float
+    operands (a `QArray` is a constant: quantized weights have no drhs, quantized activations no dlhs) and
+    the backward's gathers: the combine's gradient is a weighted `ragged_gather` of d(out) rows (role
+    `combine bwd`), the dispatch's a `ragged_gather_reduce` (role `dispatch bwd`; with ep > 1 the combine's own
+    key). UsageError for another direction."""
+    if direction not in LAYER_DIRECTIONS:
+        raise UsageError(f"a model's layer is tuned for serving (--direction fwd) or training (--direction all), "
+                         f"not {direction!r}")
+    quant = quant or {}
+    constant = {d for d, side in (("drhs", "rhs_quant"), ("dlhs", "lhs_quant")) if quant.get(side) is not None}
+    wanted = {"fwd"} if direction == "fwd" else set(get_op("ragged_dot").directions) - constant
+    cases = [c for c in kernel_problems(preset, tokens, ep=ep, dtype=dtype, quant=quant)
+             if c.op != "ragged_dot" or c.problem.direction in wanted]
+    if direction == "all":
+        gather = _gather_options(preset, tokens, ep, dtype)
+        cases += [_build("ragged_gather", "combine bwd", {**gather, "weighted": True}),
+                  _build("ragged_gather_reduce", "dispatch bwd", gather)]
+    return cases
 
 
 def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") -> KernelCase:
@@ -96,7 +126,7 @@ def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") 
     return KernelCase(op=op, role=role, problem=kernel_op.problem(**taken, direction=direction))
 
 
-def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16",
+def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = LAYER_DEFAULTS["dtype"],
                     quant: Mapping[str, Any] | None = None) -> list[KernelCase]:
     """Every tunable kernel call of one MoE layer of `preset`, for `tokens` tokens per expert-parallel shard.
 
@@ -131,8 +161,13 @@ def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str
     cases = [_build("ragged_dot", role, {"m": m, "k": k, "n": n, "groups": groups, "dtype": dtype, **(quant or {})},
                     direction)
              for role, k, n in matmuls for direction in get_op("ragged_dot").directions]
-    gather = {"tokens": tokens, "hidden": preset.hidden, "top_k": preset.top_k, "experts": preset.experts,
-              "ep": ep, "dtype": dtype}
+    gather = _gather_options(preset, tokens, ep, dtype)
     cases.append(_build("ragged_gather", "dispatch", gather))
     cases.append(_build("ragged_gather_reduce" if ep > 1 else "dense_gather_reduce", "combine", gather))
     return cases
+
+
+def _gather_options(preset: ModelPreset, tokens: int, ep: int, dtype: str) -> dict[str, Any]:
+    """The gather ops' options of one layer (dispatch, combine and their gradients)."""
+    return {"tokens": tokens, "hidden": preset.hidden, "top_k": preset.top_k, "experts": preset.experts, "ep": ep,
+            "dtype": dtype}

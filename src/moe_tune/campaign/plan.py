@@ -60,11 +60,13 @@ class Case:
 
 
 def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *, dtype: str,
-                         quant: Mapping[str, Any] | None = None) -> tuple[list[Case], list[str]]:
-    """(every kernel case of one layer of each model at each token count and ep, notes). `models`: preset
-    names, or `["all"]` for every preset. A (model, ep) whose ep does not divide the model's experts is left
-    out with a note (a campaign over several models and ep values usually has some); an unknown model or a
-    bad token count is a UsageError."""
+                         quant: Mapping[str, Any] | None = None,
+                         direction: str = "all") -> tuple[list[Case], list[str]]:
+    """(every kernel case one layer of each model runs at each token count and ep, notes): for training
+    (`direction` all) or serving (fwd), `models.layer_runs`. `models`: preset names, or `["all"]` for every
+    preset. A (model, ep) whose ep does not divide the model's experts is left out with a note (a campaign
+    over several models and ep values usually has some); an unknown model or a bad token count is a
+    UsageError."""
     names = list(presets()) if list(models) == ["all"] else list(models)
     cases, notes = [], []
     for name in names:
@@ -73,7 +75,8 @@ def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequ
             if preset.experts % ep:
                 notes.append(f"{name}: ep={ep} left out ({preset.experts} experts are not divisible by {ep})")
                 continue
-            for count, case in layer_cases(preset, list(tokens), ep=ep, dtype=dtype, quant=quant):
+            for count, case in layer_cases(preset, list(tokens), ep=ep, dtype=dtype, quant=quant,
+                                           direction=direction):
                 cases.append(Case(case.op, case.problem, f"{name} {_role(case)} tokens={count} ep={ep}"))
     if not cases:
         raise UsageError("the campaign has no sweep: " + "; ".join(notes))

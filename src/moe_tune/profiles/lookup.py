@@ -194,8 +194,24 @@ def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], ke
             why += f" (stale: {'; '.join(stale)})"
         return LookupResult(config, "nearest", key, impl.name, device_kind, path,
                             _read_entry(path, entry, entry.get("key", key)), why, "; ".join(stale), policy)
+    others = _other_dtypes(fields, tables)
+    if others:  # the commonest miss: the shape is tuned, in another dtype
+        reason += f" in {_dtype_of(fields)}; tuned in {', '.join(others)} (ask for that dtype: --dtype {others[0]})"
     return LookupResult(impl.default_config(problem), "default", key, impl.name, device_kind, None, None,
                         f"{reason}; heuristic default", "", policy)
+
+
+def _dtype_of(fields: dict[str, Any]) -> str:
+    """The dtype a person asks for (`--dtype`): the lhs's for ragged_dot, else the op's `dtype`."""
+    return str(fields.get("lhs_dtype", fields.get("dtype")))
+
+
+def _other_dtypes(fields: dict[str, Any], tables: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """The dtypes of the entries that match `fields` in everything but the dtypes (and the distribution)."""
+    same = {f: v for f, v in fields.items() if not f.endswith("dtype") and f != "distribution"}
+    found = {_dtype_of(entry["fields"]) for _, table in tables for entry in table["entries"].values()
+             if isinstance(entry.get("fields"), dict) and all(entry["fields"].get(f) == v for f, v in same.items())}
+    return sorted(found - {_dtype_of(fields)})
 
 
 def _read_entry(path: Path, entry: dict[str, Any], key: str) -> Entry:

@@ -1,0 +1,79 @@
+"""Tune what the layer runs (issue 26.5): `sweep --model --direction fwd` tunes what serving runs, `all` (the
+default) what training runs: the ragged_dot gradients of float operands only (a QArray is a constant: no
+drhs for quantized weights) and the backward's gathers (the combine's gradient is a weighted ragged_gather).
+A training step of a layer swept this way finds an exact entry for every kernel it traces."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import moe_tune
+from moe_tune.campaign import engine, runner
+from moe_tune.campaign.plan import Case
+from moe_tune.cli import cli
+from moe_tune.errors import UsageError
+from moe_tune.models import ModelPreset, get_preset, layer_runs
+from moe_tune.tuner import SweepSettings
+
+TINY = ModelPreset(name="tiny", hidden=128, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
+FAST = SweepSettings(samples=1, max_candidates=2, workers=1, finalists=1)
+
+
+def _calls(cases) -> list[tuple[str, str, str]]:
+    return [(c.op, c.role, getattr(c.problem, "direction", "fwd")) for c in cases]
+
+
+def test_serving_runs_the_forward_kernels_only():
+    calls = _calls(layer_runs(TINY, 16, direction="fwd"))
+    assert calls == [("ragged_dot", "gate/up", "fwd"), ("ragged_dot", "down", "fwd"),
+                     ("ragged_gather", "dispatch", "fwd"), ("dense_gather_reduce", "combine", "fwd")]
+
+
+def test_training_skips_the_gradient_of_quantized_weights_and_adds_the_backward_gathers():
+    cases = layer_runs(get_preset("qwen3-30b-a3b"), 64, ep=4, quant={"rhs_quant": "int8"})
+    directions = {c.problem.direction for c in cases if c.op == "ragged_dot"}
+    assert directions == {"fwd", "dlhs"}  # int8 weights are constants: their drhs never runs
+    backward = {c.role: c for c in cases if c.role.endswith("bwd")}
+    assert backward["combine bwd"].op == "ragged_gather" and backward["combine bwd"].problem.weighted
+    assert backward["dispatch bwd"].op == "ragged_gather_reduce"
+    assert {c.problem.direction for c in layer_runs(TINY, 16) if c.op == "ragged_dot"} == {"fwd", "dlhs", "drhs"}
+    with pytest.raises(UsageError, match="serving"):
+        layer_runs(TINY, 16, direction="drhs")
+
+
+def test_sweep_and_models_take_the_direction_and_lists():
+    run = CliRunner().invoke
+    serving = run(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "64", "--direction", "fwd", "--dry-run"])
+    assert serving.exit_code == 0 and "4 kernel cases" in serving.output, serving.output
+    training = run(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "64", "--dry-run"])
+    assert "10 kernel cases" in training.output and "combine bwd" in training.output
+    listed = run(cli, ["models", "qwen3-30b-a3b", "--tokens", "64,512", "--ep", "1,4", "--direction", "fwd"])
+    assert listed.exit_code == 0, listed.output
+    assert "tokens=512 ep=4" in listed.output and "dlhs" not in listed.output
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_training_step_finds_every_kernel_tuned(ep, isolated_profiles, caplog):
+    cases = [Case(c.op, c.problem, c.role) for c in layer_runs(TINY, 16, ep=ep, dtype="float32")]
+    outcomes = runner.run(engine.prepare(cases, FAST))
+    assert [o.error for o in outcomes] == [None] * len(outcomes)
+
+    rng = np.random.default_rng(0)
+    local = TINY.experts // ep
+    x = jnp.asarray(rng.standard_normal((16, TINY.hidden)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((16, TINY.experts)), jnp.float32)
+    w_gate = jnp.asarray(rng.standard_normal((local, TINY.hidden, TINY.expert_intermediate)), jnp.float32)
+    w_down = jnp.asarray(rng.standard_normal((local, TINY.expert_intermediate, TINY.hidden)), jnp.float32)
+    offset = 0 if ep > 1 else None
+    caplog.set_level(logging.INFO, logger="moe_tune")
+    jax.grad(lambda x, g, d: moe_tune.moe_mlp(x, logits, g, g, d, TINY.top_k, expert_offset=offset).sum(),
+             argnums=(0, 1, 2))(x, w_gate, w_down)
+    looked_up = [r.getMessage() for r in caplog.records if "backend" in r.getMessage()]
+    assert any("'weighted': True" in line for line in looked_up), looked_up  # the backward's weighted gather
+    assert all("(exact: tuned entry in" in line for line in looked_up), looked_up
