@@ -20,6 +20,7 @@ from moe_tune.profiles import read_table
 from moe_tune.tuner import Reporter, SweepInterrupted, SweepRequest, log_path_for, run_sweep
 from moe_tune.tuner.compile_count import backend_compiles
 from moe_tune.tuner.log import SweepLog, read_log
+from moe_tune.tuner.sampling import spread
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)  # swept with its first 4 candidates
 # the first 16 candidates: two chunks of 8
@@ -56,7 +57,7 @@ class InterruptAt(Reporter):
 
 
 def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
-    space = BACKENDS.get("tiled").search_space(SMALL)[:4]
+    space = spread(BACKENDS.get("tiled").search_space(SMALL), 4, seed=0)  # --max-candidates 4, seed 0
     first = run_sweep(_request(profile_dir=tmp_path))
     log = first.log_path
     assert log.parent == tmp_path / "cpu" / "sweeps" / "ragged_dot"

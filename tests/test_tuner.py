@@ -366,7 +366,8 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
     mads = [float(np.median(np.abs(np.array(s) - np.median(s))) / np.median(s))
             for s in (best_samples, final[0].samples_s)]
     assert verdict.noise == pytest.approx(2 * max(mads))
-    assert verdict.text == (f"kept default: within noise (+-{verdict.noise:.0%})" if kept_default else "fastest")
+    assert verdict.text == (f"kept default: within noise (+-{verdict.noise:.0%})" if kept_default else
+                            f"beat default by {verdict.gain:.0%} (noise +-{verdict.noise:.0%})")
     loser = other if kept_default else default
     assert [f["config"] for f in verdict.finalists] == [winner.config.to_dict(), loser.config.to_dict()]
     assert [f["median_s"] for f in verdict.finalists] == [winner.timing.median_s, loser.timing.median_s]
