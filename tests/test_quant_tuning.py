@@ -92,7 +92,7 @@ def test_quantized_sweep_is_found_by_the_runtime(run, isolated_profiles, caplog)
     report = run("report", "--format", "csv")
     header, row = report.output.strip().splitlines()[:2]
     assert ",quant,quant_error," in header and ",rhs int8/16," in row
-    assert "quant_error" in run("report", "--all").output  # the columns for a quantized entry
+    assert "quant_error" in run("report", "--columns", "kernel,quant,quant_error").output  # for a quantized entry
     assert "float32 x int8/16" in run("report").output  # the compact table: int8 weights, not rhs_dtype=float32
 
 
