@@ -301,3 +301,14 @@ def test_a_resumed_sweep_says_how_to_retry_its_failed_candidates(tmp_path):
     assert result.exit_code == 0, result.output
     assert "warning: moe-tune: 1 candidate(s) failed in an earlier run of this sweep" in result.stderr
     assert "rerun with --fresh" in result.stderr
+
+
+def test_the_ray_wait_applies_to_host_port_addresses_only():
+    """Item 3: `HOST:PORT` and `ray://HOST:PORT` are probed within the bounded wait; addresses Ray resolves
+    itself (`auto`) are left to Ray."""
+    from moe_tune.campaign.ray_address import host_port
+
+    assert host_port("127.0.0.1:1") == ("127.0.0.1", 1)
+    assert host_port("ray://head:10001") == ("head", 10001)
+    assert host_port("[::1]:6379") == ("::1", 6379)
+    assert host_port("auto") is None and host_port("head:") is None
