@@ -86,11 +86,11 @@ def test_an_old_win_on_two_samples_is_marked_weak():
     assert evidence.low_budget(entry) == "low budget: grid, 3 of 68 candidates (--max-candidates 3)"
 
 
-def _searched(**search) -> Entry:
+def _searched(tried: int | None = None, **search) -> Entry:
     base = {"strategy": "grid", "budget": None, "time_budget_s": None, "max_candidates": None, "space": 68,
             "full_space": 68, "samples": 3, "stopped": "exhausted"}
     return Entry.from_json({"key": "k", "fields": {}, "config": {}, "search": {**base, **search},
-                            "candidates": {"tried": search.get("space", 68)}})
+                            "candidates": {"tried": tried or search.get("space", 68)}})
 
 
 def test_an_entry_tuned_with_less_than_asked_is_weaker():
@@ -102,7 +102,9 @@ def test_an_entry_tuned_with_less_than_asked_is_weaker():
     assert evidence.weaker_than(smoke, {**full, "max_candidates": 8}) is not None
     assert evidence.weaker_than(_searched(samples=1), full) == "tuned with --samples 1 (asked 3)"
     assert evidence.weaker_than(_searched(stopped="time budget", space=68), full) is not None
-    assert evidence.weaker_than(_searched(strategy="coordinate", stopped="converged"), full) is None
+    descent = _searched(16, strategy="coordinate", stopped="converged")
+    assert evidence.weaker_than(descent, {**full, "strategy": "coordinate"}) is None  # whole by its own rule
+    assert evidence.weaker_than(descent, full) == "tuned with coordinate, 16 of 68 candidates"  # a grid asks all
     assert evidence.weaker_than(Entry.from_json({"key": "k", "fields": {}, "config": {}}), full) is None
 
 

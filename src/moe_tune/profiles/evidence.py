@@ -54,6 +54,8 @@ def weaker_than(entry: Entry, asked: Mapping[str, Any]) -> str | None:
         return None
     tried = entry.count("tried")
     have, want = coverage(search, tried), asked_coverage(asked)
+    if asked.get("strategy") == "grid" and search.get("strategy") != "grid" and tried is not None:
+        have = min(have, float(tried))  # a converged descent is whole by its own rule, not by a grid's
     if have < want:
         return f"tuned with {budget_text(search, tried)}"
     samples = search.get("samples")
