@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from moe_tune.kernels import get_op
+from moe_tune.profiles.evidence import marks, verdict_words
 from moe_tune.profiles.verdict import verdict_of
 
 if TYPE_CHECKING:
@@ -172,14 +173,14 @@ def sweep_outcomes(outcomes: Sequence[SweepOutcome], *, title: str | None, detai
     for o in outcomes:
         direction = o.sweep.problem.key_fields().get("direction", "-")
         if o.error is not None:
-            rows.append((o.sweep.label, o.sweep.op, direction, f"failed: {o.error}", "-", "-", "-", where(o.device),
-                         "-"))
+            rows.append((o.sweep.label, o.sweep.op, direction, f"failed: {o.error}", "-", "-", "-", "-",
+                         where(o.device), "-"))
             continue
         rows.append((o.sweep.label, o.sweep.op, direction, " ".join(f"{k}={v}" for k, v in o.entry.config.items()),
-                     _ms(o.entry.median_s), f"{o.entry.speedup_over_default or 0:.2f}x", _counts(o.entry),
-                     where(o.device), f"{o.attempts} start(s), {o.resumed} resumed"))
-    table(heading, ("sweep", "op", "direction", "winner", "time_ms", "speedup", "candidates", "where", "runs"), rows,
-          right=("time_ms", "speedup"))
+                     _ms(o.entry.median_s), f"{o.entry.speedup_over_default or 0:.2f}x", verdict_words(o.entry),
+                     _counts(o.entry), where(o.device), f"{o.attempts} start(s), {o.resumed} resumed"))
+    table(heading, ("sweep", "op", "direction", "winner", "time_ms", "speedup", "verdict", "candidates", "where",
+                    "runs"), rows, right=("time_ms", "speedup"))
 
 
 @contextmanager
@@ -221,7 +222,8 @@ def sweep_summary(result: SweepResult) -> None:
         shown.add_row("speedup", f"{entry.speedup_over_default:.2f}x over the default")
     else:
         shown.add_row("default", f"{default.config.label()}  {default.status}: {default.reason}")
-    shown.add_row("verdict", verdict_of(entry).text)
+    flags = marks(entry)
+    shown.add_row("verdict", verdict_of(entry).text + (f" [{', '.join(flags)}]" if flags else ""))
     shown.add_row("candidates", _counts(entry, "ok"))
     for failure in entry.failures[:5]:
         label = " ".join(f"{k}={v}" for k, v in failure["config"].items())
@@ -266,9 +268,6 @@ def lookup_result(description: str, result: LookupResult) -> None:
         median, speedup = result.entry.median_s, result.entry.speedup_over_default
         out.print(f"  tuned time: {(median if median is not None else float('nan')) * 1e3:.3f} ms"
                   + (f", {speedup:.2f}x over default" if speedup else ""), highlight=False)
-        from moe_tune.profiles.evidence import marks
-        from moe_tune.profiles.verdict import verdict_of
-
         flags = marks(result.entry)
         out.print(f"  verdict: {verdict_of(result.entry).label}" + (f" [{', '.join(flags)}]" if flags else ""),
                   highlight=False)

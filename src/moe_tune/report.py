@@ -14,7 +14,7 @@ from moe_tune.errors import UsageError, warn_caller
 from moe_tune.profiles import dirs, evidence
 from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.table import read_table
-from moe_tune.profiles.verdict import BEAT_DEFAULT, SHORT, verdict_of
+from moe_tune.profiles.verdict import BEAT_DEFAULT, verdict_of
 
 # (the columns issue 26 added come last: scripts that read the csv by position keep working)
 COLUMNS = [
@@ -138,15 +138,6 @@ def config_short(config: Mapping[str, Any]) -> str:
     return " ".join(k if v is True else f"{k}={v}" for k, v in config.items() if v is not False) or "-"
 
 
-def _verdict_words(entry: Entry) -> str:
-    """`beat default`, `default fastest, low budget`, `unverified`: the verdict in a few words, with the
-    marks a reader should see (`evidence.marks`)."""
-    verdict, marks = verdict_of(entry), evidence.marks(entry)
-    word = SHORT[verdict.rule]  # `weak evidence` is among the marks: no `?` as well
-    extra = [m for m in marks if m != verdict.rule]
-    return ", ".join([word, *extra])
-
-
 def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
     fields = entry.fields
     median = entry.median_s
@@ -168,7 +159,7 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "time_ms": _ms(median),
         "default_ms": _ms(entry.default_median_s),
         "speedup": entry.speedup or float("nan"),
-        "verdict": _verdict_words(entry),
+        "verdict": evidence.verdict_words(entry),
         "verdict_detail": verdict.label,
         "budget": evidence.budget_text(entry.search, entry.count("tried")) if isinstance(entry.search, dict) else "-",
         "tried": entry.count("tried"), "failed": entry.count("failed"), "wrong": entry.count("wrong"),

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.verdict import UNVERIFIED, verdict_of
+from moe_tune.profiles.verdict import SHORT, UNVERIFIED, verdict_of
 
 # Why a search stopped before it covered what its strategy would cover without a limit.
 _CUT_SHORT = ("budget", "time budget", "interrupted")
@@ -99,3 +99,10 @@ def marks(entry: Entry) -> list[str]:
     if entry.interrupted:
         found.append("interrupted")
     return found
+
+
+def verdict_words(entry: Entry) -> str:
+    """`beat default`, `default fastest, low budget`, `unverified`: the verdict in a few words, with the
+    marks a reader should see (`marks`; `weak evidence` among them, so no `?` as well)."""
+    rule = verdict_of(entry).rule
+    return ", ".join([SHORT[rule], *(m for m in marks(entry) if m != rule)])
