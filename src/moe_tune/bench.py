@@ -83,13 +83,16 @@ class Comparison:
             found.append("tuned = default: the same config, any difference is noise")
         ratio = self.ratios.get(f"{self.baseline}_vs_tuned")
         if ratio is not None and ratio < 1:
-            found.append(f"{self.baseline} is {1 / ratio:.2f}x faster than the tuned kernel: {self.baseline_advice()}")
+            sweep = ("tune this shape (`moe-tune sweep`)" if self.lookup_source == "default" else
+                     "sweep it with a larger budget (`moe-tune sweep --fresh`, no --max-candidates)")
+            found.append(f"{self.baseline} is {1 / ratio:.2f}x faster than the tuned kernel: "
+                         f"{self.baseline_advice()}, or {sweep}")
         if self.lookup_marks:
             found.append(f"entry {', '.join(self.lookup_marks)}: sweep it again with --fresh and a larger budget")
         return found
 
     def baseline_advice(self) -> str:
-        """The next step when the baseline is faster."""
+        """How to run the baseline instead, when it is faster."""
         raise NotImplementedError
 
     def vs_baseline(self) -> str:
@@ -111,8 +114,7 @@ class RaggedDotComparison(Comparison):
     roofline_bound: str  # "compute" or "memory"
 
     def baseline_advice(self) -> str:
-        return ("pass backend='xla' for this shape, or sweep it with a larger budget (`moe-tune sweep --fresh`, "
-                "no --max-candidates)")
+        return "pass backend='xla' for this shape"
 
     def reference(self) -> str:
         return (f"roofline {self.roofline_s * 1e3:.3f} ms, {self.roofline_bound}-bound (tuned/roofline "
@@ -130,8 +132,7 @@ class GatherComparison(Comparison):
 
     def baseline_advice(self) -> str:
         flag = "ragged_gather_fallback" if self.op == "ragged_gather" else "ragged_gather_reduce_fallback"
-        return (f"pass {flag}=True for this shape (or set MOE_TUNE_{flag.upper()}=1 for a whole run), or sweep it "
-                "with a larger budget (`moe-tune sweep --fresh`, no --max-candidates)")
+        return f"pass {flag}=True for this shape (or set MOE_TUNE_{flag.upper()}=1 for a whole run)"
 
     def reference(self) -> str:
         return (f"copy roofline {self.roofline_s * 1e3:.3f} ms ({self.copy_gbps:.1f} GB/s); output write "

@@ -254,9 +254,12 @@ def bench_table(title: str, cases: Sequence[tuple[str, Comparison]]) -> None:
     for kernel, c in cases:
         config = " ".join(f"{k}={v}" for k, v in c.tuned_config.items())
         rows.append((kernel, f"{config} ({c.lookup_source})", _ms(c.times_s["tuned"]), _ms(c.times_s["default"]),
-                     _ms(c.times_s[c.baseline]), c.vs_baseline(), c.reference(), "\n".join(c.notes()) or "-"))
-    table(title, ("kernel", "config (source)", "tuned ms", "default ms", "baseline ms", "vs baseline", "reference",
-                  "notes"), rows, right=("tuned ms", "default ms", "baseline ms", "vs baseline"))
+                     _ms(c.times_s[c.baseline]), c.vs_baseline(), c.reference()))
+    table(title, ("kernel", "config (source)", "tuned ms", "default ms", "baseline ms", "vs baseline", "reference"),
+          rows, right=("tuned ms", "default ms", "baseline ms", "vs baseline"))
+    for kernel, c in cases:  # what to make of it, and the next step (unwrapped: one line each)
+        for note in c.notes():
+            click.echo(f"note: {kernel}: {note}")
 
 
 def lookup_result(description: str, result: LookupResult) -> None:
