@@ -84,12 +84,19 @@ def shape_label(fields: dict[str, Any]) -> str:
                     if k not in _NOT_SHAPE and not k.endswith("dtype") and not k.endswith("qblock"))
 
 
+def _quantized(fields: dict[str, Any], side: str) -> str | None:
+    """`int8/128`: a quantized operand's stored dtype, with its scale block when it is not all of k; None for a
+    float operand."""
+    qdtype, block = fields.get(f"{side}_qdtype"), fields.get(f"{side}_qblock")
+    if qdtype is None:
+        return None
+    return f"{qdtype}/{block}" if block not in (None, fields.get("k")) else str(qdtype)
+
+
 def quant_label(fields: dict[str, Any]) -> str:
     """`rhs int8/128` (per side: quantized dtype, and the scale block when it is not all of k), or `-`."""
-    sides = [f"{side} {fields[side + '_qdtype']}" + (f"/{fields[side + '_qblock']}" if fields.get(side + "_qblock")
-                                                     not in (None, fields.get("k")) else "")
-             for side in ("lhs", "rhs") if fields.get(side + "_qdtype") is not None]
-    return " ".join(sides) or "-"
+    return " ".join(f"{side} {_quantized(fields, side)}" for side in ("lhs", "rhs")
+                    if _quantized(fields, side) is not None) or "-"
 
 
 def dtype_label(fields: dict[str, Any]) -> str:
@@ -98,9 +105,7 @@ def dtype_label(fields: dict[str, Any]) -> str:
     `int8 x int8/128 -> float32`; the output only when it differs from the lhs."""
     if "lhs_dtype" not in fields:
         return str(fields.get("dtype", "-"))
-    lhs, rhs = (str(fields.get(f"{side}_qdtype") or fields.get(f"{side}_dtype")) + (
-        f"/{fields[side + '_qblock']}" if fields.get(f"{side}_qdtype") and fields.get(side + "_qblock") not in (
-            None, fields.get("k")) else "") for side in ("lhs", "rhs"))
+    lhs, rhs = (_quantized(fields, side) or str(fields.get(f"{side}_dtype")) for side in ("lhs", "rhs"))
     out = str(fields.get("out_dtype", lhs))
     text = lhs if lhs == rhs else f"{lhs} x {rhs}"
     return text if out == lhs.split("/")[0] else f"{text} -> {out}"
