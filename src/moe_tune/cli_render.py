@@ -223,7 +223,7 @@ def sweep_summary(result: SweepResult) -> None:
     else:
         shown.add_row("default", f"{default.config.label()}  {default.status}: {default.reason}")
     flags = marks(entry)
-    shown.add_row("verdict", verdict_of(entry).text + (f" [{', '.join(flags)}]" if flags else ""))
+    shown.add_row("verdict", verdict_of(entry).text + (f" ({', '.join(flags)})" if flags else ""))
     shown.add_row("candidates", _counts(entry, "ok"))
     for failure in entry.failures[:5]:
         label = " ".join(f"{k}={v}" for k, v in failure["config"].items())
@@ -272,8 +272,8 @@ def lookup_result(description: str, result: LookupResult) -> None:
         out.print(f"  tuned time: {(median if median is not None else float('nan')) * 1e3:.3f} ms"
                   + (f", {speedup:.2f}x over default" if speedup else ""), highlight=False)
         flags = marks(result.entry)
-        out.print(f"  verdict: {verdict_of(result.entry).label}" + (f" [{', '.join(flags)}]" if flags else ""),
-                  highlight=False)
+        out.print(f"  verdict: {verdict_of(result.entry).label}" + (f" ({', '.join(flags)})" if flags else ""),
+                  highlight=False, markup=False)
     out.print(f"  key: {result.key}", highlight=False)
 
 

@@ -51,11 +51,16 @@ def candidates(sweep: PlannedSweep, settings: SweepSettings) -> tuple[int, bool]
 
 @dataclasses.dataclass(frozen=True)
 class _Record:
+    """One recorded sweep: seconds per candidate (its compile, check and time stages over the candidates it
+    tried) and the rest of its wall time (inputs, reference, the final round), which does not grow with the
+    candidates."""
+
     op: str
     backend: str | None
     direction: str | None
     size: float
     per_candidate_s: float
+    fixed_s: float
 
 
 def recorded(device_kind: str, ops: Iterable[str], profile_dir: Path | None = None) -> list[_Record]:
@@ -73,8 +78,10 @@ def recorded(device_kind: str, ops: Iterable[str], profile_dir: Path | None = No
                 tried = entry.count("tried")
                 if not entry.sweep_wall_s or not tried:
                     continue
+                stages = (entry.search or {}).get("stage_s") or {}
+                staged = sum(v for v in stages.values() if isinstance(v, (int, float))) or entry.sweep_wall_s
                 found.append(_Record(op, entry.backend, entry.direction, _size_of(entry.flops, entry.fields),
-                                     entry.sweep_wall_s / tried))
+                                     staged / tried, max(0.0, entry.sweep_wall_s - staged)))
     return found
 
 
@@ -86,9 +93,10 @@ def _size_of(flops: int | None, fields) -> float:
 
 
 def estimate(sweep: PlannedSweep, settings: SweepSettings, history: Sequence[_Record]) -> Cost:
-    """The sweep's candidates and estimated time: its candidate count times the seconds per candidate of the
-    recorded sweep of the same op, backend and direction nearest in size (in log space), scaled by the
-    sizes' ratio to the power 1/2 (compile time, most of a small sweep, grows slower than the work)."""
+    """The sweep's candidates and estimated time: the recorded sweep of the same op, backend and direction
+    nearest in size (in log space): its fixed time plus the candidate count times its seconds per candidate,
+    scaled by the sizes' ratio to the power 1/2 (compile time, most of a small sweep, grows slower than the
+    work)."""
     count, exact = candidates(sweep, settings)
     op = get_op(sweep.op)
     fields = sweep.problem.key_fields()
@@ -97,4 +105,4 @@ def estimate(sweep: PlannedSweep, settings: SweepSettings, history: Sequence[_Re
     if not same:
         return Cost(count, exact, None)
     near = min(same, key=lambda r: abs(math.log(r.size / size)))
-    return Cost(count, exact, count * near.per_candidate_s * math.sqrt(size / near.size))
+    return Cost(count, exact, (near.fixed_s + count * near.per_candidate_s) * math.sqrt(size / near.size))
