@@ -42,7 +42,8 @@ def test_a_campaign_runs_exactly_the_sweeps_its_dry_run_planned(isolated_profile
     assert len(again) == 1 and re.fullmatch(r"again: tuned with grid, 1 of \d+ candidates \(--max-candidates 1\)",
                                             again[0]), again
     assert "5 to run (1 swept again: tuned with less than asked)" in dry.output
-    planned_lines = [line for line in dry.output.splitlines() if ("to run" in line or "again:" in line) and "│" in line]
+    planned_lines = [line for line in dry.output.splitlines()
+                     if ("to run" in line or "again:" in line) and "│" in line]
     assert len(planned_lines) == 5 and all("2 candidates" in line for line in planned_lines)
     # the fwd sweeps have recorded sweeps of their kind (the two above): a time estimated from them
     assert all(re.search(r"2 candidates, ~\d+ s", line) for line in planned_lines if "ragged_dot fwd" in line)
