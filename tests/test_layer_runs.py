@@ -30,21 +30,22 @@ def _calls(cases) -> list[tuple[str, str, str]]:
 
 
 def test_serving_runs_the_forward_kernels_only():
-    calls = _calls(layer_runs(TINY, 16, direction="fwd"))
+    calls = _calls(layer_runs(TINY, 16, dtype="float32", direction="fwd"))
     assert calls == [("ragged_dot", "gate/up", "fwd"), ("ragged_dot", "down", "fwd"),
                      ("ragged_gather", "dispatch", "fwd"), ("dense_gather_reduce", "combine", "fwd")]
 
 
 def test_training_skips_the_gradient_of_quantized_weights_and_adds_the_backward_gathers():
-    cases = layer_runs(get_preset("qwen3-30b-a3b"), 64, ep=4, quant={"rhs_quant": "int8"})
+    cases = layer_runs(get_preset("qwen3-30b-a3b"), 64, dtype="bfloat16", ep=4, quant={"rhs_quant": "int8"})
     directions = {c.problem.direction for c in cases if c.op == "ragged_dot"}
     assert directions == {"fwd", "dlhs"}  # int8 weights are constants: their drhs never runs
     backward = {c.role: c for c in cases if c.role.endswith("bwd")}
     assert backward["combine bwd"].op == "ragged_gather" and backward["combine bwd"].problem.weighted
     assert backward["dispatch bwd"].op == "ragged_gather_reduce"
-    assert {c.problem.direction for c in layer_runs(TINY, 16) if c.op == "ragged_dot"} == {"fwd", "dlhs", "drhs"}
+    float_layer = layer_runs(TINY, 16, dtype="float32")
+    assert {c.problem.direction for c in float_layer if c.op == "ragged_dot"} == {"fwd", "dlhs", "drhs"}
     with pytest.raises(UsageError, match="serving"):
-        layer_runs(TINY, 16, direction="drhs")
+        layer_runs(TINY, 16, dtype="float32", direction="drhs")
 
 
 def test_sweep_and_models_take_the_direction_and_lists():

@@ -65,7 +65,7 @@ def test_deepseek_v3_expert_parallel():
         for p in mine:
             assert isinstance(p, RaggedDotProblem)
             assert (p.m, p.k, p.n, p.groups) == (gemm_rows(preset, tokens), k, n, preset.experts // ep)
-            assert (p.lhs_dtype, p.rhs_dtype, p.out_dtype) == ("float32",) * 3  # the one dtype default
+            assert (p.lhs_dtype, p.rhs_dtype, p.out_dtype) == ("bfloat16",) * 3
     assert dots[0].problem.groups == 32
     gathers = {c.role: c for c in cases if c.op != "ragged_dot"}
     assert {role: c.op for role, c in gathers.items()} == {"dispatch": "ragged_gather",

@@ -96,8 +96,8 @@ def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, e
             for case in layer_runs(preset, t, ep=ep, dtype=dtype, quant=quant, direction=direction)]
 
 
-def layer_runs(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = LAYER_DEFAULTS["dtype"],
-               quant: Mapping[str, Any] | None = None, direction: str = "all") -> list[KernelCase]:
+def layer_runs(preset: ModelPreset, tokens: int, *, dtype: str, ep: int = 1, quant: Mapping[str, Any] | None = None,
+               direction: str = "all") -> list[KernelCase]:
     """The kernel calls one layer of `moe_tune.moe_mlp` runs, to tune: serving (`fwd`) runs the forward
     ragged_dots, dispatch and combine; training (`all`) also runs the ragged_dot gradients of its float
     operands (a `QArray` is a constant: quantized weights have no drhs, quantized activations no dlhs) and
@@ -126,7 +126,7 @@ def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") 
     return KernelCase(op=op, role=role, problem=kernel_op.problem(**taken, direction=direction))
 
 
-def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = LAYER_DEFAULTS["dtype"],
+def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16",
                     quant: Mapping[str, Any] | None = None) -> list[KernelCase]:
     """Every tunable kernel call of one MoE layer of `preset`, for `tokens` tokens per expert-parallel shard.
 
