@@ -8,21 +8,17 @@ from __future__ import annotations
 import logging
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny_layer import FAST, TINY, layer_inputs
 
 import moe_tune
 from moe_tune.campaign import engine, runner
 from moe_tune.campaign.plan import Case
 from moe_tune.cli import cli
 from moe_tune.errors import UsageError
-from moe_tune.models import ModelPreset, get_preset, layer_runs
-from moe_tune.tuner import SweepSettings
+from moe_tune.models import get_preset, layer_runs
 
-TINY = ModelPreset(name="tiny", hidden=128, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
-FAST = SweepSettings(samples=1, max_candidates=2, workers=1, finalists=1)
 
 
 def _calls(cases) -> list[tuple[str, str, str]]:
@@ -65,12 +61,7 @@ def test_a_training_step_finds_every_kernel_tuned(ep, isolated_profiles, caplog)
     outcomes = runner.run(engine.prepare(cases, FAST))
     assert [o.error for o in outcomes] == [None] * len(outcomes)
 
-    rng = np.random.default_rng(0)
-    local = TINY.experts // ep
-    x = jnp.asarray(rng.standard_normal((16, TINY.hidden)), jnp.float32)
-    logits = jnp.asarray(rng.standard_normal((16, TINY.experts)), jnp.float32)
-    w_gate = jnp.asarray(rng.standard_normal((local, TINY.hidden, TINY.expert_intermediate)), jnp.float32)
-    w_down = jnp.asarray(rng.standard_normal((local, TINY.expert_intermediate, TINY.hidden)), jnp.float32)
+    x, logits, w_gate, w_down = layer_inputs(TINY, 16, ep)
     offset = 0 if ep > 1 else None
     caplog.set_level(logging.INFO, logger="moe_tune")
     jax.grad(lambda x, g, d: moe_tune.moe_mlp(x, logits, g, g, d, TINY.top_k, expert_offset=offset).sum(),

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import logging
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
+from tiny_layer import FAST, TINY, layer_inputs
 
 import moe_tune
 from moe_tune.campaign import engine, runner
 from moe_tune.campaign.plan import Case
 from moe_tune.errors import UsageError
 from moe_tune.models import ModelPreset, layer_cases
-from moe_tune.tuner import SweepSettings
 
-TINY = ModelPreset(name="tiny", hidden=128, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)
-FAST = SweepSettings(samples=1, max_candidates=2, workers=1, finalists=1)
 
 
 def sweep_layer(preset: ModelPreset, tokens: int, ep: int) -> list:
@@ -37,12 +33,7 @@ def test_model_sweep_entries_are_what_moe_mlp_looks_up(ep, caplog):
     assert ops.count("ragged_dot") == 6 and "ragged_gather" in ops
     assert ("ragged_gather_reduce" if ep > 1 else "dense_gather_reduce") in ops
 
-    rng = np.random.default_rng(0)
-    local = TINY.experts // ep
-    x = jnp.asarray(rng.standard_normal((16, TINY.hidden)), jnp.float32)
-    logits = jnp.asarray(rng.standard_normal((16, TINY.experts)), jnp.float32)
-    w_gate = jnp.asarray(rng.standard_normal((local, TINY.hidden, TINY.expert_intermediate)), jnp.float32)
-    w_down = jnp.asarray(rng.standard_normal((local, TINY.expert_intermediate, TINY.hidden)), jnp.float32)
+    x, logits, w_gate, w_down = layer_inputs(TINY, 16, ep)
     caplog.set_level(logging.INFO, logger="moe_tune")
     moe_tune.moe_mlp(x, logits, w_gate, w_gate, w_down, TINY.top_k, expert_offset=0 if ep > 1 else None)
     sources = [r.getMessage() for r in caplog.records if "backend" in r.getMessage()]
