@@ -14,7 +14,7 @@ from moe_tune.profiles.verdict import (
 )
 from moe_tune.tuner import finals
 from moe_tune.tuner.candidate import Candidate
-from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.sweep_settings import SweepSettings
 from moe_tune.tuner.timing import _summarize
 
 CONFIGS = get_op("ragged_dot").backends.get("tiled").search_space(get_op("ragged_dot").problem(

@@ -162,10 +162,10 @@ def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, sam
     `distribution`, vs `skewed` (tuned, on the same operands with skewed group sizes) vs `copy` (an
     elementwise copy of an array of the problem's largest operand's size: read + written bytes over its time
     are the copy bandwidth)."""
-    spec = get_op("ragged_dot")
+    kernel_op = get_op("ragged_dot")
     impl, xla = BACKENDS.get(backend), BACKENDS.get("xla")
     default = impl.default_config(problem)
-    host = spec.make_inputs(problem, distribution, seed=seed)
+    host = kernel_op.make_inputs(problem, distribution, seed=seed)
     host["skewed_sizes"] = distributions.group_sizes("skewed", problem.m, problem.num_group_sizes, seed)
     largest = max(problem.m * problem.k, problem.m * problem.n, problem.groups * problem.k * problem.n)
     inputs = jax.device_put(host)
@@ -225,16 +225,16 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
     larger side ([rows, hidden]: dispatch's output, combine's input), so that it streams from memory as the
     op does rather than from cache. `output_write` fills a fresh array of the output's shape with a
     constant: no kernel can return its output faster, whatever the valid fraction."""
-    spec = get_op(op)
-    impl, plain = spec.backends.get(backend), spec.backends.get(FALLBACK)
+    kernel_op = get_op(op)
+    impl, plain = kernel_op.backends.get(backend), kernel_op.backends.get(FALLBACK)
     default = impl.default_config(problem)
-    host = spec.make_inputs(problem, distribution, seed)
-    valid_fraction = spec.distribution_record(problem, distribution, seed, host)["valid_fraction"]
+    host = kernel_op.make_inputs(problem, distribution, seed)
+    valid_fraction = kernel_op.distribution_record(problem, distribution, seed, host)["valid_fraction"]
     inputs = jax.device_put(host)
     inputs["copy_source"] = jnp.ones((problem.rows, problem.hidden), problem.dtype)
     inputs["fill"] = jnp.zeros((), problem.dtype)  # an input, so that XLA cannot fold the fill to a constant
-    output_shape = (spec.output_rows(problem), problem.hidden)
-    run = lambda b, config: lambda x: spec.run(b, config, problem, x)
+    output_shape = (kernel_op.output_rows(problem), problem.hidden)
+    run = lambda b, config: lambda x: kernel_op.run(b, config, problem, x)
     measured = time_variants({
         "tuned": run(impl, tuned),
         "default": run(impl, default),
@@ -244,7 +244,7 @@ def compare_gather(op: str, problem: GatherProblem, backend: str, tuned: KernelC
     }, inputs, samples=samples)
     times = measured["times_s"]
     bandwidth = 2 * problem.rows * problem.row_bytes() / times["copy"]
-    least_bytes = spec.bytes_moved(problem, valid_fraction)
+    least_bytes = kernel_op.bytes_moved(problem, valid_fraction)
     return GatherComparison(
         op=op, shape=problem.key_fields(), backend=backend, valid_fraction=valid_fraction, tuned_config=tuned.to_dict(),
         default_config=default.to_dict(), **measured, copy_gbps=bandwidth / 1e9, least_bytes=least_bytes,
@@ -264,10 +264,10 @@ def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: in
     routing (the tables' exact or nearest entry, else the default; `lookup_source` says which) against the
     default and the baselines, on inputs routed by it (default: `distributions.DEFAULT`). A problem that
     cannot fit in memory is refused first (UsageError)."""
-    spec = get_op(op)
-    check_fits(spec, problem)
+    kernel_op = get_op(op)
+    check_fits(kernel_op, problem)
     distribution = distribution or distributions.DEFAULT
-    found = spec.lookup(problem, backend=backend, distribution=distribution)
+    found = kernel_op.lookup(problem, backend=backend, distribution=distribution)
     if isinstance(problem, RaggedDotProblem):
         result = compare(problem, found.backend, found.config, samples=samples, distribution=distribution)
     else:

@@ -24,7 +24,7 @@ from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.options import QUANT, ShapeOption, names
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
 from moe_tune.targets import TARGETS
-from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.sweep_settings import SweepSettings
 from moe_tune.tuner.strategies import STRATEGIES
 
 DTYPES = click.Choice(SUPPORTED_DTYPES)

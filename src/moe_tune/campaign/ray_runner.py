@@ -41,7 +41,7 @@ from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import write_entries
 from moe_tune.profiles.versions import recorded_revision
-from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.sweep_settings import SweepSettings
 
 # A task whose process or node dies is run again this many times (an exception it raises is not retried:
 # it would raise again).

@@ -114,22 +114,22 @@ def validate_table(path: str | os.PathLike, *, get_op: GetOp) -> list[Problem]:
     if op is not None and path.name != f"{op}.json":
         problems.append(Problem(path, f"table is for op {op!r} but is named {path.name!r}: lookup reads "
                                       f"<profile dir>/<device_kind>/<op>.json"))
-    spec = None
+    kernel_op = None
     if op is not None:
         try:
-            spec = get_op(op)
+            kernel_op = get_op(op)
         except Exception as e:
             problems.append(Problem(path, str(e)))
     for key, entry in table["entries"].items():
-        wrong = _entry_problems(key, entry, op, device_kind, spec)
+        wrong = _entry_problems(key, entry, op, device_kind, kernel_op)
         problems += [Problem(path, message, key) for message in wrong]
-        if spec is not None and not wrong:
-            backend = spec.backends.get(entry["fields"]["backend"])
+        if kernel_op is not None and not wrong:
+            backend = kernel_op.backends.get(entry["fields"]["backend"])
             problems += [Problem(path, f"stale: tuned with {d}", key, WARNING) for d in staleness(entry, backend)]
     return problems
 
 
-def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None, spec: OpLike | None) -> list[str]:
+def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None, kernel_op: OpLike | None) -> list[str]:
     structural = entry_problems(entry)
     if structural:
         return structural
@@ -140,16 +140,16 @@ def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | Non
         if expected is not None and entry.get(name, expected) != expected:
             found.append(f"entry is for {name} {entry[name]!r}, the table for {expected!r}")
     found += record_problems(entry)
-    if spec is None:
+    if kernel_op is None:
         return found
 
     fields = entry["fields"]
     expected_key = key_from_fields(op, fields)
     if key != expected_key:
         found.append(f"key does not match its fields, which give {expected_key!r}")
-    names = list(spec.key_field_names)
+    names = list(kernel_op.key_field_names)
     missing = [n for n in names if n not in fields]
-    unknown = [n for n in fields if n not in names and n not in spec.optional_key_field_names]
+    unknown = [n for n in fields if n not in names and n not in kernel_op.optional_key_field_names]
     if missing:
         found.append(f"fields lack {', '.join(missing)}")
     if unknown:
@@ -158,7 +158,7 @@ def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | Non
         return found
     backend = None
     try:
-        backend = spec.backends.get(fields["backend"])
+        backend = kernel_op.backends.get(fields["backend"])
     except Exception as e:
         found.append(str(e))
     try:
@@ -166,7 +166,7 @@ def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | Non
     except Exception as e:
         found.append(str(e))
     try:
-        problem = spec.problem_class.from_key_fields(fields)
+        problem = kernel_op.problem_class.from_key_fields(fields)
     except Exception as e:
         found.append(f"fields do not describe a valid {op} problem: {e}")
         return found

@@ -4,7 +4,7 @@
 
 from moe_tune.tuner.request import SweepRequest
 from moe_tune.tuner.result import Reporter, SweepError, SweepInterrupted, SweepResult
-from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.sweep_settings import SweepSettings
 from moe_tune.tuner.strategies import STRATEGIES, Strategy
 from moe_tune.tuner.sweep import log_path_for, preflight, run_sweep
 

@@ -22,7 +22,7 @@ from moe_tune.profiles.verdict import (
 from moe_tune.tuner import measure
 from moe_tune.tuner.candidate import OK, Candidate
 from moe_tune.tuner.result import Reporter, SweepError
-from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.sweep_settings import SweepSettings
 from moe_tune.tuner.state import SweepState
 from moe_tune.tuner.step import Step
 from moe_tune.tuner.timing import time_candidates

@@ -25,7 +25,7 @@ from moe_tune.targets.records import uncompilable
 from moe_tune.tuner import log as sweep_log
 from moe_tune.tuner import sampling
 from moe_tune.tuner.kernel import Kernel
-from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.sweep_settings import SweepSettings
 
 # The settings that decide which candidates a sweep has and how they are measured: two sweeps that differ in
 # one of them are different sweeps (another log file; never resumed from each other's log).

@@ -24,7 +24,7 @@ from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.log import SweepLog, candidate_line
 from moe_tune.tuner.request import SweepPlan
 from moe_tune.tuner.result import Reporter
-from moe_tune.tuner.settings import SweepSettings
+from moe_tune.tuner.sweep_settings import SweepSettings
 
 
 @dataclasses.dataclass
