@@ -183,7 +183,8 @@ def compare(problem: RaggedDotProblem, backend: str, tuned: KernelConfig, *, sam
     bandwidth = 2 * 4 * largest / times["copy"]
     roofline = max(times["dense"], problem.min_bytes / bandwidth)
     return RaggedDotComparison(
-        op="ragged_dot", shape=problem.key_fields(), backend=backend, tuned_config=tuned.to_dict(), default_config=default.to_dict(),
+        op="ragged_dot", shape=problem.key_fields(), backend=backend, tuned_config=tuned.to_dict(),
+        default_config=default.to_dict(),
         **measured,
         tflops={name: problem.flops / t / 1e12 for name, t in times.items() if name != "copy"},
         copy_gbps=bandwidth / 1e9, min_bytes=problem.min_bytes, roofline_s=roofline,

@@ -129,7 +129,8 @@ def validate_table(path: str | os.PathLike, *, get_op: GetOp) -> list[Problem]:
     return problems
 
 
-def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None, kernel_op: OpLike | None) -> list[str]:
+def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None,
+                    kernel_op: OpLike | None) -> list[str]:
     structural = entry_problems(entry)
     if structural:
         return structural
