@@ -1,6 +1,6 @@
 """Adding a backend is a short recipe (kernels/README.md): a toy ragged_dot backend, registered and swept end
 to end, then picked up by the public op from the table the sweep wrote; its test class inherits every test a
-ragged_dot backend passes (`ragged_dot_backend_base.RaggedDotBackendTests`)."""
+ragged_dot backend passes (`ragged_dot_base.RaggedDotBackendTests`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.tuner import SweepRequest, run_sweep
 
-from ragged_dot_backend_base import RaggedDotBackendTests
+from ragged_dot_base import RaggedDotBackendTests
 
 
 # --- the recipe: a frozen config, a backend subclass (gmm, tgmm, a default, a search space) --------------

@@ -9,7 +9,7 @@ through `jax.export` with `platforms=["tpu"]` or `["cuda"]`, which needs no TPU 
 (all arguments are `jax.ShapeDtypeStruct`).
 
 The ragged_dot backends' lowering (float, mixed-dtype, group_offset and quantized problems, every direction)
-is a test each backend inherits from `ragged_dot_backend_base.RaggedDotBackendTests`, with the helpers used
+is a test each backend inherits from `ragged_dot_base.RaggedDotBackendTests`, with the helpers used
 here.
 
 Kernels pick compiled vs interpret mode from `moe_tune.devices.platform()` at trace time; the `on_chip`
@@ -39,8 +39,8 @@ from moe_tune.kernels.gather.pallas_tpu import (
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.triton import TritonGather, TritonGatherConfig, TritonGatherReduce
 
-from ragged_dot_backend_base import (MOSAIC_CALL, TRITON_CALL, S, assert_one_kernel_call, assert_triton_params,
-                                     configs_to_lower, export_for)
+from ragged_dot_base.lowering import (MOSAIC_CALL, TRITON_CALL, S, assert_one_kernel_call, assert_triton_params,
+                                      configs_to_lower, export_for)
 
 # gather shapes: rows = 384 (the largest blocks leave a partial last block), hidden = 256.
 TOKENS, TOP_K, HIDDEN = 96, 4, 256

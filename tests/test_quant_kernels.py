@@ -2,7 +2,7 @@
 
 Every backend's quantized modes (int8 per channel, int8 / fp8 sub-channel blocks, w8a8), in every direction,
 with expert-parallel shards, through the public op and lowered for its chip, are tests it inherits from
-`ragged_dot_backend_base.RaggedDotBackendTests` (tests/test_ragged_dot_kernels.py runs them for each
+`ragged_dot_base.RaggedDotBackendTests` (tests/test_ragged_dot_kernels.py runs them for each
 backend). Here: the layouts and key fields of quantized problems, vmap, each backend's config rules for
 them, and the tiled kernel's own choices (dot dtypes, dequantized blocks, the fp8 convert).
 """
@@ -25,9 +25,9 @@ from moe_tune.quant import QArray, quantize
 
 # the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the quantized kernel tests
 # (tests/test_quant_op.py imports these names from here)
-from ragged_dot_backend_base import QK as K, QM as M, QN as N, QSIZES as SIZES  # noqa: F401
-from ragged_dot_backend_base import QuantMode, assert_quant_close as assert_close, direction_reference as reference
-from ragged_dot_backend_base import make_quant_case
+from ragged_dot_base.quantized import QK as K, QM as M, QN as N, QSIZES as SIZES  # noqa: F401
+from ragged_dot_base.quantized import QuantMode, assert_quant_close as assert_close, direction_reference as reference
+from ragged_dot_base.quantized import make_quant_case
 
 WEIGHT_SUB_CHANNEL = QuantMode("fwd", None, 8)  # float activations, rhs scale blocks of 8 along k
 

@@ -2,7 +2,7 @@
 and that its readers agree with it: the plan built from a problem equals the one built from the arrays a
 backend receives, `prepare_gmm` / `prepare_tgmm` carry out its folds, the config checks and memory estimates
 follow it, and the tiled kernel (the CPU path, fast enough to run every layout here) matches the reference.
-The Pallas kernels' numerics are covered per backend by tests/ragged_dot_backend_base.py.
+The Pallas kernels' numerics are covered per backend by tests/ragged_dot_base/.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Correctness of every ragged_dot backend against the float64 reference.
 
-Each backend's class inherits the shared suite, `ragged_dot_backend_base.RaggedDotBackendTests` (float and
+Each backend's class inherits the shared suite, `ragged_dot_base.RaggedDotBackendTests` (float and
 quantized modes, every direction, group_offset, lowering for its chip), and only says which dtypes it takes,
 how big its shapes may be, which configs to try and which configs it rejects; the backend-specific tests
 follow it. Megablox and Triton run in Pallas interpret mode off their chips, so their shapes and example
@@ -27,7 +27,7 @@ from moe_tune.kernels.ragged_dot.tiled import (MAX_BLOCKS_PER_VISIT, TiledConfig
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.kernels.ragged_dot.xla import XlaConfig
 
-from ragged_dot_backend_base import MOSAIC_CALL, TRITON_CALL, RaggedDotBackendTests
+from ragged_dot_base import MOSAIC_CALL, TRITON_CALL, RaggedDotBackendTests
 
 # --------------------------------------------------------------------------------------------------------
 # One subclass per backend
