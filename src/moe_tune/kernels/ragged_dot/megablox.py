@@ -75,15 +75,19 @@ def compiler_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     """VMEM the compiler keeps beside the blocks, as the real compiler reports it (libtpu 0.0.42 through
     `moe_tune.targets`, benchmarks/compile_check.py): a config whose blocks alone fill the budget exactly
     fails with `CompileTimeScopedVmemOom`. One more copy of the first operand's block (the tile the dot
-    reads, masked or converted); for the quantized dlhs kernel, whose dots run in float32 on a transposed
-    weight block, that block in float32 and a second float32 copy of the first operand's."""
+    reads, masked or converted); a 1-byte block that meets a float one in the dot, converted to that float
+    dtype (int8 weights beside float32 activations: four times the block); for the quantized dlhs kernel,
+    whose dots run in float32 on a transposed weight block, that block in float32 and a second float32 copy
+    of the first operand's."""
     plan = problem_plan(problem)
     tm, tk, tn = config.tm, config.tk, config.tn
     a, b = (tk * tm, tm * tn) if problem.direction == "drhs" else (tm * tk, tk * tn)
-    a_dtype = plan.a.dtype if plan.quantized else problem.operand_dtypes()[0]
-    extra = a * jnp.dtype(a_dtype).itemsize
+    size = lambda dtype: jnp.dtype(dtype).itemsize
+    extra = a * size(plan.a.dtype if plan.quantized else problem.operand_dtypes()[0])
     if plan.quantized and problem.direction == "dlhs":
         extra += 4 * b + 4 * a
+    elif plan.a.low_bit != plan.b.low_bit:  # one 1-byte operand, converted to its partner's dtype
+        extra += a * size(plan.b.dtype) if plan.a.low_bit else b * size(plan.a.dtype)
     return extra
 
 
