@@ -238,11 +238,15 @@ class TritonRaggedDot(RaggedDotBackend):
     def shared_memory_bytes(self, config: TritonConfig, problem: RaggedDotProblem) -> int:
         """Pipelined operand tiles: num_stages copies of the lhs and rhs blocks, in the dtype the dot takes
         them in: float32 for the quantized gradients (`QuantPlan.float32_dots`; Triton reports exactly
-        this for them, e.g. 393216 bytes for 128 x 128 x 256 blocks in 2 stages)."""
+        this for them, e.g. 393216 bytes for 128 x 128 x 256 blocks in 2 stages); the quantized forward's as
+        loaded (its 1-byte tiles compiled for H100 where the float-sized count refused them)."""
+        plan, bm, bk, bn = problem_plan(problem), config.block_m, config.block_k, config.block_n
+        if plan.quantized and not plan.float32_dots:  # fwd: each tile as loaded (1-byte weights stay 1 byte)
+            a, b = (jnp.dtype(op.dtype).itemsize for op in plan.operands)
+            return config.num_stages * (bm * bk * a + bk * bn * b)
         itemsize = max(jnp.dtype(problem.lhs_dtype).itemsize, jnp.dtype(problem.out_dtype).itemsize)
-        if problem_plan(problem).float32_dots:
+        if plan.float32_dots:
             itemsize = 4
-        bm, bk, bn = config.block_m, config.block_k, config.block_n
         tiles = (bm * bk + bk * bn) if problem.direction != "drhs" else (bm * bk + bm * bn)
         return config.num_stages * tiles * itemsize
 
