@@ -50,10 +50,10 @@ TARGETS = ("v5e", "h100", "v4", "a100", "v6e", "v5p", "b200")
 RESULTS = Path(__file__).parent / "results"
 
 
-def problems(platform: str) -> list[tuple[str, str, str, object]]:
+def problems(platform: str, presets=PRESETS, token_counts=TOKENS) -> list[tuple[str, str, str, object]]:
     """(op, backend, mode, problem) for every kernel of the presets at the token counts."""
     out = []
-    for preset, tokens in itertools.product(PRESETS, TOKENS):
+    for preset, tokens in itertools.product(presets, token_counts):
         for mode, quant in QUANT_MODES.items():
             for case in kernel_problems(get_preset(preset), tokens, quant=quant):
                 if case.op == "ragged_dot":
@@ -92,11 +92,12 @@ def cache_key(job: CompileJob) -> str:
     return json.dumps([job.target, job.op, job.backend, job.problem.key_fields(), job.config.to_dict()])
 
 
-def plan(target_name: str, grid: int, seed: int, kept_sample: int, refused_sample: int) -> list[dict]:
+def plan(target_name: str, grid: int, seed: int, kept_sample: int, refused_sample: int, presets=PRESETS,
+         token_counts=TOKENS) -> list[dict]:
     """The configs to judge for one target: per backend, every problem's largest kept config (the boundary),
     then defaults and grid draws (seeded) up to `kept_sample` kept configs, and `refused_sample` refused
     ones; each with its job, what the rules say, and its table row's labels."""
-    rows = _all_rows(get_target(target_name), grid, seed)
+    rows = _all_rows(get_target(target_name), grid, seed, presets, token_counts)
     rng = random.Random(seed)
     chosen = []
     family = lambda r: (r["job"].backend, r["job"].op == "ragged_dot")  # triton serves both op families
@@ -105,23 +106,24 @@ def plan(target_name: str, grid: int, seed: int, kept_sample: int, refused_sampl
         largest = [r for r in mine if r["largest"]]
         rest = [r for r in mine if r["kept"] and not r["largest"]]
         refused = [r for r in mine if not r["kept"]]
-        take = max(0, kept_sample - len(largest))
-        chosen += largest + rng.sample(rest, min(take, len(rest))) + rng.sample(refused, min(refused_sample, len(refused)))
+        # the gathers' kernels are small and their spaces too: a quarter of the sample
+        kept_n, refused_n = (kept_sample, refused_sample) if key[1] else (kept_sample // 4, refused_sample // 4)
+        take = max(0, kept_n - len(largest))
+        chosen += largest + rng.sample(rest, min(take, len(rest))) + rng.sample(refused, min(refused_n, len(refused)))
     return chosen
 
 
-def _all_rows(target, grid: int, seed: int) -> list[dict]:
+def _all_rows(target, grid: int, seed: int, presets, token_counts) -> list[dict]:
     rows = []
-    for op, backend, mode, problem in problems(target.platform):
+    for op, backend, mode, problem in problems(target.platform, presets, token_counts):
         space = search_space(target, op, backend, problem)
-        kept = set(space)
         largest = max(space[1:] or space, key=lambda c: (sum(v for v in c.to_dict().values()), str(c)))
         for config in dict.fromkeys([space[0], largest, *grid_draw(op, backend, problem, grid, seed),
                                       *refused_draw(target, op, backend, problem, seed)]):
-            keeps = config in kept
-            reason = None if keeps else config_error(target, op, backend, config, problem)
-            if not keeps and reason is None:
-                continue  # valid but not in the space (e.g. a duplicate of the default): not judged
+            # what the rules say is `config_error` (a space whose problem no config can serve still lists the
+            # default first; the runtime checks it and goes to the fallback)
+            reason = config_error(target, op, backend, config, problem)
+            keeps = reason is None
             rows.append({"job": CompileJob(target.name, op, backend, problem, config), "kept": keeps,
                          "reason": reason, "mode": mode, "direction": problem.direction,
                          "largest": keeps and config == largest})
@@ -129,7 +131,7 @@ def _all_rows(target, grid: int, seed: int) -> list[dict]:
 
 
 def run(targets: list[str], workers: int, grid: int, seed: int, cache_path: Path, kept_sample: int,
-        refused_sample: int) -> list[dict]:
+        refused_sample: int, presets=PRESETS, token_counts=TOKENS) -> list[dict]:
     cache = {}
     if cache_path.exists():
         for line in cache_path.read_text().splitlines():
@@ -138,7 +140,7 @@ def run(targets: list[str], workers: int, grid: int, seed: int, cache_path: Path
     judged = []
     with CompilePool(workers=workers, timeout=300) as pool, cache_path.open("a") as out:
         for name in targets:
-            rows = plan(name, grid, seed, kept_sample, refused_sample)
+            rows = plan(name, grid, seed, kept_sample, refused_sample, presets, token_counts)
             todo = [r for r in rows if cache_key(r["job"]) not in cache]
             start = time.time()
             print(f"{name}: {len(rows)} configs, {len(todo)} to compile", file=sys.stderr, flush=True)
@@ -158,6 +160,23 @@ def run(targets: list[str], workers: int, grid: int, seed: int, cache_path: Path
                                "status": result["status"], "message": result["message"],
                                "compile_s": result["compile_s"], "memory": result["memory"]})
     return judged
+
+
+def rejudge(judged: list[dict]) -> list[dict]:
+    """The same compiled configs judged by the rules as they are now (a rule change needs no new compile to be
+    checked against the verdicts already recorded; the boundary configs of the new rules may be missing)."""
+    out = []
+    for j in judged:
+        impl = get_op(j["op"]).backends.get(j["backend"])
+        problem = impl_problem(j["op"], j["problem"])
+        reason = config_error(get_target(j["target"]), j["op"], j["backend"], impl.config_cls(**j["config"]), problem)
+        out.append({**j, "kept": reason is None, "rule": reason})
+    return out
+
+
+def impl_problem(op: str, fields: dict):
+    """A problem back from its key fields."""
+    return get_op(op).problem_class(**fields)
 
 
 def table(judged: list[dict]) -> list[dict]:
@@ -204,14 +223,27 @@ def main() -> None:
     parser.add_argument("--refused", type=int, default=40, help="refused configs per backend and target")
     parser.add_argument("--label", default="before")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/moe_tune_compile_check.jsonl"))
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--print", dest="print_path", type=Path)
+    parser.add_argument("--rejudge", type=Path, help="a saved run's configs judged by the rules as they are now "
+                        "(written under --label)")
     args = parser.parse_args()
     if args.print_path:
         print(render(json.loads(args.print_path.read_text())["judged"]))
         return
-    judged = run(args.targets.split(","), args.workers, args.grid, args.seed, args.cache, args.kept, args.refused)
+    presets, tokens = args.presets.split(","), [int(t) for t in args.tokens.split(",")]
+    if args.rejudge:
+        saved = json.loads(args.rejudge.read_text())
+        judged = rejudge(saved["judged"])
+        args.targets, presets, tokens = saved["targets"], saved.get("presets", presets), saved.get("tokens", tokens)
+    else:
+        judged = run(args.targets.split(","), args.workers, args.grid, args.seed, args.cache, args.kept,
+                     args.refused, presets, tokens)
     stem = RESULTS / f"compile_check_cpu_2core_2026-11-25_{args.label}"
-    stem.with_suffix(".json").write_text(json.dumps({"targets": args.targets, "grid": args.grid, "seed": args.seed,
+    stem.with_suffix(".json").write_text(json.dumps({"targets": args.targets, "presets": presets, "tokens": tokens,
+                                                     "kept": args.kept, "refused": args.refused,
+                                                     "grid": args.grid, "seed": args.seed,
                                                      "table": table(judged), "judged": judged}, indent=1))
     text = render(judged)
     stem.with_suffix(".txt").write_text(text + "\n")
