@@ -33,7 +33,8 @@ from moe_tune.targets.pool import CompileJob, CompilePool
 PRESET, TOKENS = "qwen3-30b-a3b", 512  # m = 4096 rows, k = 2048, n = 768, 128 experts
 MODES = {"bf16": None, "int8": {"rhs_quant": "int8"}, "fp8/128": {"rhs_quant": "float8_e4m3fn", "quant_block": 128}}
 
-needs_tpu = pytest.mark.skipif(not wheels.available("tpu"), reason="libtpu missing: pip install 'moe-tune[tpu-compile]'")
+needs_tpu = pytest.mark.skipif(not wheels.available("tpu"),
+                               reason="libtpu is missing: pip install 'moe-tune[tpu-compile]'")
 needs_gpu = pytest.mark.skipif(not wheels.available("gpu"),
                                reason="the CUDA plugin is missing: pip install 'moe-tune[gpu-compile]'")
 
@@ -152,7 +153,8 @@ def test_gpu_target_config_text_holds_the_facts():
 
 
 def test_the_extras_pin_the_wheels_the_workers_use():
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
     assert {p: tuple(extras[f"{p}-compile"]) for p in ("tpu", "gpu")} == wheels.COMPILE_WHEELS
 
 
@@ -186,7 +188,8 @@ def test_compile_records_are_stored_with_the_tables_and_reused(pool, tmp_path):
                                on_record=lambda record, compiled: fresh.append(compiled))
     assert [r.result.status for r in first] == [OK, REJECTED] and fresh == [True, True]
     assert first[0].result.memory and "VMEM" in first[1].result.message.upper()
-    assert records_path(tmp_path, target.device_kind, "ragged_dot") == tmp_path / "tpu_v5_lite" / "ragged_dot.compile-records.jsonl"
+    path = records_path(tmp_path, target.device_kind, "ragged_dot")
+    assert path == tmp_path / "tpu_v5_lite" / "ragged_dot.compile-records.jsonl"
     again = compile_candidates(target, "ragged_dot", "megablox", problem, configs, profile_dir=tmp_path, pool=pool,
                                on_record=lambda record, compiled: fresh.append(compiled))
     assert [r.result for r in again] == [r.result for r in first] and fresh == [True, True, False, False]

@@ -2,10 +2,11 @@
 
 `compile_sweep.compile_candidates` appends one record per config it compiles for a target to
 `<profile dir>/<device kind>/<op>.compile-records.jsonl` (the target's device kind: the directory its tuned
-tables live in); a sweep on the chip drops the configs recorded as failing (`uncompilable`). A record is keyed like a table entry (`profiles.key`, less the
-group-size distribution, which does not change what compiles) plus the config, and remembers the JAX
-version and backend revision it was made with: a record of another one is ignored. JSON lines, appended
-under the table lock, so a run killed midway keeps what it compiled and a rerun compiles only the rest.
+tables live in); a sweep on the chip drops the configs recorded as failing (`uncompilable`). A record is
+keyed like a table entry (`profiles.key`, less the group-size distribution, which does not change what
+compiles) plus the config, and remembers the JAX version and backend revision it was made with: a record
+of another one is ignored. JSON lines, appended under the table lock, so a run killed midway keeps what it
+compiled and a rerun compiles only the rest.
 """
 
 from __future__ import annotations
