@@ -25,6 +25,15 @@ def tpu_scoped_vmem_bytes(kind: str | None = None) -> int:
     return next((t.scoped_vmem_bytes for t in TPU_TARGETS if t.device_kind == kind), TPU_SCOPED_VMEM_BYTES)
 
 
+def tpu_vmem_model(kind: str | None = None) -> tuple[int, bool]:
+    """(VMEM reserve in bytes, whether temporaries take float32) of the TPU with device kind `kind` (default:
+    this machine's) as the real compiler showed them (`targets.chips`); (0, False), v5e's, for a kind not in
+    the table (the CPU, where megablox runs in interpret mode)."""
+    kind = device_kind() if kind is None else kind
+    found = next((t for t in TPU_TARGETS if t.device_kind == kind), None)
+    return (0, False) if found is None else (found.vmem_reserve_bytes, found.float32_temporaries)
+
+
 # Shared memory one GPU thread block may use (the CUDA opt-in maximum), by a name in the device kind; the
 # default is the conservative budget of older chips, used also when tuning in interpret mode on CPU.
 GPU_SHARED_MEMORY_BYTES = {name: t.shared_memory_per_block for t in GPU_TARGETS for name in t.kind_names}

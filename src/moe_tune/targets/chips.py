@@ -56,6 +56,10 @@ class Target:
       topology: TPU only: the `get_topology_desc` name of a small slice (`v5e:2x2`); one chip of it is used.
       scoped_vmem_bytes: TPU only: the scoped VMEM a Pallas kernel gets by default (`vmem_limit_bytes` unset);
         the budget the megablox / pallas_tpu rules prune against.
+      vmem_reserve_bytes: TPU only: VMEM the compiler took beyond the megablox model (`compiler_bytes`) on
+        this chip, kept free by the rules.
+      float32_temporaries: TPU only: the compiler's temporaries take float32 whatever the block's dtype (v4:
+        no bfloat16 vector unit), as measured (benchmarks/compile_check.py).
       gpu: GPU only: the facts of its target config.
       kind_names: GPU only: names that identify the chip (and chips with the same limits) in a device kind.
     """
@@ -66,6 +70,8 @@ class Target:
     description: str
     topology: str | None = None
     scoped_vmem_bytes: int | None = None
+    vmem_reserve_bytes: int = 0
+    float32_temporaries: bool = False
     gpu: GpuFacts | None = None
     kind_names: tuple[str, ...] = ()
 
@@ -80,17 +86,20 @@ class Target:
         return f"{self.platform}-compile"
 
 
-def _tpu(name: str, topology: str, device_kind: str, description: str, scoped_mib: int) -> Target:
+def _tpu(name: str, topology: str, device_kind: str, description: str, scoped_mib: int, reserve_mib: float = 0,
+         float32_temporaries: bool = False) -> Target:
     return Target(name=name, platform="tpu", device_kind=device_kind, description=description, topology=topology,
-                  scoped_vmem_bytes=scoped_mib * MIB)
+                  scoped_vmem_bytes=scoped_mib * MIB, vmem_reserve_bytes=int(reserve_mib * MIB),
+                  float32_temporaries=float32_temporaries)
 
 
-# Scoped VMEM defaults are libtpu's (16 MiB on v4 and v5e, 32 MiB on v5p and v6e); libtpu 0.0.42 compiles a
-# kernel over the budget with `CompileTimeScopedVmemOom`.
+# Scoped VMEM defaults as libtpu 0.0.42 enforces them (measured: an 18 MiB megablox kernel fails on v4, v5e
+# and v5p, compiles on v6e; v4 reports "Used 18.45M of 16.00M vmem"). v4's reserve and float32 temporaries:
+# fitted to its compile verdicts (compile_check.py); v5p is not measured yet, so it gets v4's caution.
 TPU_TARGETS = (
-    _tpu("v4", "v4:2x2x1", "tpu_v4", "TPU v4", 16),
+    _tpu("v4", "v4:2x2x1", "tpu_v4", "TPU v4", 16, reserve_mib=2, float32_temporaries=True),
     _tpu("v5e", "v5e:2x2", "tpu_v5_lite", "TPU v5 lite", 16),
-    _tpu("v5p", "v5p:2x2x1", "tpu_v5", "TPU v5", 16),
+    _tpu("v5p", "v5p:2x2x1", "tpu_v5", "TPU v5", 16, reserve_mib=2, float32_temporaries=True),
     _tpu("v6e", "v6e:2x2", "tpu_v6_lite", "TPU v6 lite", 32),
 )
 
