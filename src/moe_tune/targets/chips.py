@@ -95,12 +95,13 @@ def _tpu(name: str, topology: str, device_kind: str, description: str, scoped_mi
 
 # Scoped VMEM defaults as libtpu 0.0.42 enforces them (measured: an 18 MiB megablox kernel fails on v4, v5e
 # and v5p, compiles on v6e; v4 reports "Used 18.45M of 16.00M vmem"). v4's reserve and float32 temporaries:
-# fitted to its compile verdicts (compile_check.py); v5p is not measured yet, so it gets v4's caution.
+# fitted to its compile verdicts (compile_check.py); v6e's float32 temporaries too (its one false accept of
+# 72 with v5e's model, a 30 MiB estimate); v5p is not measured yet, so it gets v4's caution.
 TPU_TARGETS = (
     _tpu("v4", "v4:2x2x1", "tpu_v4", "TPU v4", 16, reserve_mib=2, float32_temporaries=True),
     _tpu("v5e", "v5e:2x2", "tpu_v5_lite", "TPU v5 lite", 16),
     _tpu("v5p", "v5p:2x2x1", "tpu_v5", "TPU v5", 16, reserve_mib=2, float32_temporaries=True),
-    _tpu("v6e", "v6e:2x2", "tpu_v6_lite", "TPU v6 lite", 32),
+    _tpu("v6e", "v6e:2x2", "tpu_v6_lite", "TPU v6 lite", 32, float32_temporaries=True),
 )
 
 GPU_TARGETS = (
