@@ -77,8 +77,8 @@ def compiler_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     fails with `CompileTimeScopedVmemOom`. One more copy of the first operand's block (the tile the dot
     reads, masked or converted); a 1-byte block that meets a float one in the dot, converted to that float
     dtype (int8 weights beside float32 activations: four times the block); for the quantized dlhs kernel,
-    whose dots run in float32 on a transposed weight block, that block in float32 and a second float32 copy
-    of the first operand's. Per chip (`devices.tpu_vmem_model`): a reserve, and temporaries in float32 where
+    whose dots run in float32 at full precision on a transposed weight block, that block in float32 and two
+    more float32 copies of the first operand's (its float32 value and the dot's split of it). Per chip (`devices.tpu_vmem_model`): a reserve, and temporaries in float32 where
     the chip computes so (v4)."""
     plan = problem_plan(problem)
     tm, tk, tn = config.tm, config.tk, config.tn
@@ -87,7 +87,7 @@ def compiler_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     size = lambda dtype: 4 if float32_temporaries else jnp.dtype(dtype).itemsize
     extra = reserve + a * size(plan.a.dtype if plan.quantized else problem.operand_dtypes()[0])
     if plan.quantized and problem.direction == "dlhs":
-        extra += 4 * b + 4 * a
+        extra += 4 * b + 8 * a
     elif plan.a.low_bit != plan.b.low_bit:  # one 1-byte operand, converted to its partner's dtype
         extra += a * size(plan.b.dtype) if plan.a.low_bit else b * size(plan.a.dtype)
     return extra
