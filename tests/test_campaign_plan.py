@@ -41,6 +41,18 @@ def test_duplicates_across_models_are_swept_once_largest_first():
     assert sizes == sorted(sizes, reverse=True) and sweeps[0].op == "ragged_dot"
 
 
+def test_a_compile_only_plan_takes_the_backend_the_chip_tunes():
+    """`--target h100` checks the chip's own kernels: GPU's default backend (xla) has nothing to tune, so the
+    compile-only plan takes triton; a default with tunables (megablox on TPU) stays; --backend still wins."""
+    cases = cases_of(FOUR, 1)
+    assert {s.backend for s in plan(cases, platform="gpu", distribution="balanced")} >= {"xla"}
+    assert {s.backend for s in plan(cases, platform="gpu", distribution="balanced", tunable=True)} == {"triton"}
+    on_tpu = {(s.op, s.backend) for s in plan(cases, platform="tpu", distribution="balanced", tunable=True)}
+    assert ("ragged_dot", "megablox") in on_tpu and ("ragged_gather", "pallas_tpu") in on_tpu
+    chosen = plan(cases, platform="gpu", distribution="balanced", backend="tiled", tunable=True)
+    assert {s.backend for s in chosen} == {"tiled"}
+
+
 def test_model_campaign_leaves_out_ep_sizes_a_model_cannot_take():
     cases, notes = model_campaign_cases(["mixtral-8x7b", "qwen3-30b-a3b"], [16], [1, 16], dtype="float32")
     assert {c.label.split()[0] for c in cases if "ep=16" in c.label} == {"qwen3-30b-a3b"}

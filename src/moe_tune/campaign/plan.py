@@ -95,12 +95,16 @@ def op_cases(op: str, problems: Iterable[Any]) -> list[Case]:
     return [Case(op, problem, kernel_op.describe(problem)) for problem in problems]
 
 
-def plan(cases: Iterable[Case], *, platform: str, distribution: str, backend: str | None = None) -> list[PlannedSweep]:
+def plan(cases: Iterable[Case], *, platform: str, distribution: str, backend: str | None = None,
+         tunable: bool = False) -> list[PlannedSweep]:
     """The campaign's sweeps on `platform`: one per table key (the first case of a key names it), largest
-    first, ties in the order given. `backend`: None takes each op's default backend on `platform`."""
+    first, ties in the order given. `backend`: None takes each op's default backend on `platform`, or with
+    `tunable` the backend a chip of `platform` tunes (`BackendRegistry.tunable_for`: compile-only checks)."""
     by_key: dict[str, PlannedSweep] = {}
     for case in cases:
-        name = get_op(case.op).backends.resolve(backend, platform).name
+        registry = get_op(case.op).backends
+        chosen = registry.tunable_for(platform) if backend is None and tunable else registry.resolve(backend, platform)
+        name = chosen.name
         key = entry_key(case.op, case.problem, name, distribution)
         by_key.setdefault(key, PlannedSweep(case.op, case.problem, name, key, case.label))
     sweeps = list(by_key.values())

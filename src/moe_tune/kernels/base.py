@@ -120,7 +120,8 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
             return config
         if given is None:
             raise InvalidConfigError(f"{self.name} config {config.label()} is invalid: {reason}")
-        raise InvalidConfigError(f"{self.name} config {given} is invalid: {reason}{_defaults_named(config, given, reason)}")
+        raise InvalidConfigError(
+            f"{self.name} config {given} is invalid: {reason}{_defaults_named(config, given, reason)}")
 
 
 def _defaults_named(config: KernelConfig, given: Mapping[str, Any], reason: str) -> str:
@@ -130,7 +131,8 @@ def _defaults_named(config: KernelConfig, given: Mapping[str, Any], reason: str)
              if name not in given and re.search(rf"\b{re.escape(name)}\b", reason)]
     if not named:
         return ""
-    return f"; {', '.join(named)} {'is the default' if len(named) == 1 else 'are defaults'} (not given): pass a value that fits"
+    which = "is the default" if len(named) == 1 else "are defaults"
+    return f"; {', '.join(named)} {which} (not given): pass a value that fits"
 
 
 class BackendRegistry:
@@ -164,3 +166,13 @@ class BackendRegistry:
 
     def resolve(self, name: str | None, platform: str) -> Backend:
         return self.default_for(platform) if name is None else self.get(name)
+
+    def tunable_for(self, platform: str) -> Backend:
+        """The backend whose configs a chip of `platform` would tune: its default when that has tunables, else
+        the backend with tunables most specific to the platform (GPU's default is `xla`, which has nothing to
+        tune; its own kernel is `triton`, not the `tiled` that compiles everywhere)."""
+        default = self.default_for(platform)
+        if default.tunables():
+            return default
+        native = [b for b in self._backends.values() if platform in b.platforms and b.tunables()]
+        return min(native, key=lambda b: len(b.platforms), default=default)

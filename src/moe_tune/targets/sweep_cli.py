@@ -25,7 +25,9 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
     target = get_target(target_name)
     if not campaign.dry_run:
         wheels.require(target.platform)  # the one-line error before anything is printed
-    sweeps = plan(cases, platform=target.platform, distribution=settings.distribution, backend=backend)
+    # without --backend, what the chip would tune: on GPU triton, not the default xla (nothing to check)
+    sweeps = plan(cases, platform=target.platform, distribution=settings.distribution, backend=backend,
+                  tunable=True)
     if campaign.share is not None:
         sweeps = shard(sweeps, *campaign.share)
     directory = dirs.write_dir(settings.profile_dir)

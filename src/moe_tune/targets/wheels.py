@@ -11,6 +11,7 @@ Wheels installed into site-packages by the extras work too.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -19,11 +20,18 @@ from pathlib import Path
 
 from moe_tune.errors import MoeTuneError
 
-# platform -> the pinned wheels of its extra (pyproject.toml lists the same; a test checks they agree)
-COMPILE_WHEELS: dict[str, tuple[str, ...]] = {
-    "tpu": ("libtpu==0.0.42.*",),
-    "gpu": ("jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"),
-}
+
+def compile_wheels() -> dict[str, tuple[str, ...]]:
+    """platform -> the wheels its compiler needs, pinned for the installed jax: the libtpu that `jax[tpu]`
+    pins (read from jax's own metadata), and the CUDA 12 plugin and PJRT of jax's version. pyproject.toml's
+    extras list the same for the jax this repo develops with (a test checks they agree there); on another jax
+    (0.11 on the GPU machines) these pins follow it."""
+    jax_version = importlib.metadata.version("jax")
+    libtpu = next((r.split(";")[0].strip() for r in importlib.metadata.requires("jax") or ()
+                   if r.startswith("libtpu") and "extra == \"tpu\"" in r), "libtpu")
+    return {"tpu": (libtpu,), "gpu": (f"jax-cuda12-plugin=={jax_version}", f"jax-cuda12-pjrt=={jax_version}")}
+
+
 # platform -> a module the wheels provide (how their presence is detected)
 _PROVIDES = {"tpu": "libtpu", "gpu": "jax_cuda12_plugin"}
 ENV_DIR = "MOE_TUNE_COMPILE_WHEELS"  # overrides where the separately installed wheels are
@@ -72,7 +80,8 @@ def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def pip_arguments(platforms: tuple[str, ...] = ("tpu", "gpu")) -> list[str]:
     """`pip install` arguments that put the wheels into `wheels_dir()`."""
-    return ["--no-deps", "--target", str(wheels_dir()), *(w for p in platforms for w in COMPILE_WHEELS[p])]
+    pins = compile_wheels()
+    return ["--no-deps", "--target", str(wheels_dir()), *(w for p in platforms for w in pins[p])]
 
 
 def install(platforms: tuple[str, ...] = ("tpu", "gpu")) -> None:
