@@ -20,6 +20,7 @@ from moe_tune.kernels.ragged_dot.reference import (
 )
 from moe_tune.quant import AsQArray, QArray, dequantize, dequantize_host, quantize
 
+from ragged_dot_base.quantized import assert_quantized_vjp  # noqa: E402
 # the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the kernel tests
 from test_quant_kernels import SIZES, K, M, N, assert_close  # noqa: E402
 
@@ -55,17 +56,7 @@ def check_mode(mode: str, backend: str, jit: bool = True):
     f = lambda a, b: moe_tune.ragged_dot(a, b, sizes, backend=backend)
     out, vjp = jax.vjp(jax.jit(f) if jit else f, a, b)
     da, db = vjp(dout)
-    what = f"[{backend} {mode}]"
-    assert out.dtype == jnp.float32, what
-    assert_close(out, ragged_dot_reference(f64(a), f64(b), SIZES), what)
-    for x, grad, ref in ((a, da, lambda: ragged_dot_dlhs_reference(f64(dout), f64(b), SIZES)),
-                         (b, db, lambda: ragged_dot_drhs_reference(f64(a), f64(dout), SIZES, groups=len(SIZES)))):
-        if isinstance(x, QArray):  # a constant: a zero cotangent (float0 for int8 values)
-            for leaf in jax.tree.leaves(grad):
-                assert leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf, np.float32)), what
-        else:
-            assert grad.dtype == x.dtype, what
-            assert_close(grad, ref(), what)
+    assert_quantized_vjp(a, b, dout, SIZES, out, (da, db), f"[{backend} {mode}]", close=assert_close)
 
 
 # weight_int8_per_channel and activation_int8_sub_channel through the op and its VJP (jitted) are every

@@ -71,6 +71,26 @@ def as_f64(x: Any) -> np.ndarray:
     return dequantize_host(x) if isinstance(x, QArray) else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
+def assert_quantized_vjp(a: Any, b: Any, dout: Any, sizes: list[int], out: Any, grads: tuple[Any, Any],
+                         what: str, close: Any = None) -> None:
+    """`out` = ragged_dot(a, b) and `grads` = its VJP at `dout`, with a and/or b QArrays, against the float64
+    reference of the dequantized operands: out in float32; a float operand's gradient in its dtype; a QArray
+    is a constant, so its cotangent is zero (float0 for integer values). `close(got, ref, what)`: the
+    tolerance check (default `assert_quant_close`)."""
+    close = close or assert_quant_close
+    assert out.dtype == jnp.float32, what
+    close(out, ragged_dot_reference(as_f64(a), as_f64(b), sizes), what)
+    refs = (lambda: ragged_dot_dlhs_reference(as_f64(dout), as_f64(b), sizes),
+            lambda: ragged_dot_drhs_reference(as_f64(a), as_f64(dout), sizes, groups=len(sizes)))
+    for x, grad, ref in ((a, grads[0], refs[0]), (b, grads[1], refs[1])):
+        if isinstance(x, QArray):
+            for leaf in jax.tree.leaves(grad):
+                assert leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf, np.float32)), what
+        else:
+            assert grad.dtype == x.dtype, what
+            close(grad, ref(), what)
+
+
 def make_quant_case(mode: QuantMode, *, sizes: list[int] = QSIZES, groups: int | None = None, seed: int = 0
                     ) -> tuple[RaggedDotProblem, Any, Any]:
     """(problem, a, b): the direction's two operands, quantized as `mode` says, and its problem."""
@@ -175,17 +195,7 @@ class QuantizedTests(BackendHooks):
             out, vjp = jax.vjp(f, a, b)
             da, db = vjp(dout)
             what = f"[{self.backend} lhs {type(a).__name__}, rhs {type(b).__name__}]"
-            assert out.dtype == jnp.float32, what
-            assert_quant_close(out, ragged_dot_reference(as_f64(a), as_f64(b), QSIZES), what)
-            refs = (lambda: ragged_dot_dlhs_reference(as_f64(dout), as_f64(b), QSIZES),
-                    lambda: ragged_dot_drhs_reference(as_f64(a), as_f64(dout), QSIZES, groups=len(QSIZES)))
-            for x, grad, ref in ((a, da, refs[0]), (b, db, refs[1])):
-                if isinstance(x, QArray):  # a constant: a zero cotangent (float0 for integer values)
-                    for leaf in jax.tree.leaves(grad):
-                        assert leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf, np.float32)), what
-                else:
-                    assert grad.dtype == x.dtype, what
-                    assert_quant_close(grad, ref(), what)
+            assert_quantized_vjp(a, b, dout, QSIZES, out, (da, db), what)
             ran += 1
         if not ran:
             pytest.skip(f"{self.backend} runs no quantized operands")

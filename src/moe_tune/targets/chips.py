@@ -23,16 +23,17 @@ class GpuFacts:
 
     compute_capability: tuple[int, int]
     sm_count: int
-    shared_memory_per_block: int  # without opting in (48 KiB on every chip here)
     shared_memory_per_block_optin: int  # the most one thread block may use: what Triton checks a kernel against
     shared_memory_per_sm: int
-    registers_per_sm: int
-    registers_per_block: int
     fp32_units_per_sm: int
     l2_cache_bytes: int
     clock_ghz: float
     memory_bytes: int
     memory_bandwidth: int  # bytes per second
+    # the same on every chip here (sm_80 to sm_100)
+    shared_memory_per_block: int = 48 * 1024  # without opting in
+    registers_per_sm: int = 65536
+    registers_per_block: int = 65536
     threads_per_block: int = 1024
     threads_per_sm: int = 2048
     threads_per_warp: int = 32
@@ -107,23 +108,20 @@ TPU_TARGETS = (
 GPU_TARGETS = (
     Target(name="h100", platform="gpu", device_kind="nvidia_h100_80gb_hbm3", description="NVIDIA H100 80GB HBM3",
            kind_names=("h100", "h200", "h800"),  # H200 and H800: the H100's SMs (same shared memory)
-           gpu=GpuFacts(compute_capability=(9, 0), sm_count=132, shared_memory_per_block=48 * 1024,
-                        shared_memory_per_block_optin=227 * 1024, shared_memory_per_sm=228 * 1024,
-                        registers_per_sm=65536, registers_per_block=65536, fp32_units_per_sm=128,
+           gpu=GpuFacts(compute_capability=(9, 0), sm_count=132, shared_memory_per_block_optin=227 * 1024,
+                        shared_memory_per_sm=228 * 1024, fp32_units_per_sm=128,
                         l2_cache_bytes=50 * MIB, clock_ghz=1.98, memory_bytes=80 * 1024 * MIB,
                         memory_bandwidth=3_352_000_000_000)),
     Target(name="a100", platform="gpu", device_kind="nvidia_a100_sxm4_80gb", description="NVIDIA A100-SXM4-80GB",
            kind_names=("a100",),
-           gpu=GpuFacts(compute_capability=(8, 0), sm_count=108, shared_memory_per_block=48 * 1024,
-                        shared_memory_per_block_optin=163 * 1024, shared_memory_per_sm=164 * 1024,
-                        registers_per_sm=65536, registers_per_block=65536, fp32_units_per_sm=64,
+           gpu=GpuFacts(compute_capability=(8, 0), sm_count=108, shared_memory_per_block_optin=163 * 1024,
+                        shared_memory_per_sm=164 * 1024, fp32_units_per_sm=64,
                         l2_cache_bytes=40 * MIB, clock_ghz=1.41, memory_bytes=80 * 1024 * MIB,
                         memory_bandwidth=2_039_000_000_000)),
     Target(name="b200", platform="gpu", device_kind="nvidia_b200", description="NVIDIA B200",
            kind_names=("b200",),
-           gpu=GpuFacts(compute_capability=(10, 0), sm_count=148, shared_memory_per_block=48 * 1024,
-                        shared_memory_per_block_optin=227 * 1024, shared_memory_per_sm=228 * 1024,
-                        registers_per_sm=65536, registers_per_block=65536, fp32_units_per_sm=128,
+           gpu=GpuFacts(compute_capability=(10, 0), sm_count=148, shared_memory_per_block_optin=227 * 1024,
+                        shared_memory_per_sm=228 * 1024, fp32_units_per_sm=128,
                         l2_cache_bytes=126 * MIB, clock_ghz=1.965, memory_bytes=180 * 1024 * MIB,
                         memory_bandwidth=8_000_000_000_000)),
 )
