@@ -31,22 +31,23 @@ def supports_installed_jax(impl: Backend) -> bool:
     return _supported(impl.jax_versions, installed_jax())
 
 
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, ...]] = set()
+
+
+def _fall_back(impl: Backend, fallback: Backend, why: str, *, detail: str = "") -> Backend:
+    """`fallback`, warning once per backend and reason (`why`) that `impl` is replaced."""
+    if (impl.op, impl.name, why) not in _warned:
+        _warned.add((impl.op, impl.name, why))
+        warn_caller(f"moe-tune: backend {impl.name!r} of {impl.op} {why}; using the plain-JAX fallback "
+                    f"{fallback.name!r}{detail}")
+    return fallback
 
 
 def guard(impl: Backend, fallback: Backend) -> Backend:
     """`impl` when the installed JAX is in its supported range, else `fallback` (warning once per backend)."""
     if supports_installed_jax(impl):
         return impl
-    if (impl.op, impl.name) not in _warned:
-        _warned.add((impl.op, impl.name))
-        warn_caller(
-            f"moe-tune: backend {impl.name!r} of {impl.op} supports jax {impl.jax_versions}, but jax "
-            f"{installed_jax()} is installed; using the plain-JAX fallback {fallback.name!r}")
-    return fallback
-
-
-_chip_warned: set[tuple[str, str, str]] = set()
+    return _fall_back(impl, fallback, f"supports jax {impl.jax_versions}, but jax {installed_jax()} is installed")
 
 
 def chip_guard(impl: Backend, fallback: Backend, problem) -> Backend:
@@ -56,8 +57,4 @@ def chip_guard(impl: Backend, fallback: Backend, problem) -> Backend:
     reason = impl.chip_error(problem)
     if reason is None:
         return impl
-    if (impl.op, impl.name, reason) not in _chip_warned:
-        _chip_warned.add((impl.op, impl.name, reason))
-        warn_caller(f"moe-tune: backend {impl.name!r} of {impl.op} cannot run here: {reason}; using the plain-JAX "
-                    f"fallback {fallback.name!r} with its default config")
-    return fallback
+    return _fall_back(impl, fallback, f"cannot run here: {reason}", detail=" with its default config")
