@@ -8,7 +8,7 @@ import re
 import jax
 
 
-from moe_tune.targets.chips import GPU_TARGETS, TPU_TARGETS
+from moe_tune.targets.chips import GPU_TARGETS, TPU_TARGETS, for_device_kind
 
 # The chips' budgets come from the compile-target table (`moe_tune.targets.chips`), which the real compilers
 # check (tests/test_real_compilers.py): one source of truth for the pruning rules and the compilers.
@@ -21,17 +21,18 @@ TPU_SCOPED_VMEM_BYTES = min(t.scoped_vmem_bytes for t in TPU_TARGETS)
 def tpu_scoped_vmem_bytes(kind: str | None = None) -> int:
     """The default scoped VMEM of the TPU with device kind `kind` (default: this machine's), or the safe
     `TPU_SCOPED_VMEM_BYTES` for a chip not in the table."""
-    kind = device_kind() if kind is None else kind
-    return next((t.scoped_vmem_bytes for t in TPU_TARGETS if t.device_kind == kind), TPU_SCOPED_VMEM_BYTES)
+    found = for_device_kind(device_kind() if kind is None else kind)
+    return found.scoped_vmem_bytes if found is not None and found.platform == "tpu" else TPU_SCOPED_VMEM_BYTES
 
 
 def tpu_vmem_model(kind: str | None = None) -> tuple[int, bool]:
     """(VMEM reserve in bytes, whether temporaries take float32) of the TPU with device kind `kind` (default:
     this machine's) as the real compiler showed them (`targets.chips`); (0, False), v5e's, for a kind not in
     the table (the CPU, where megablox runs in interpret mode)."""
-    kind = device_kind() if kind is None else kind
-    found = next((t for t in TPU_TARGETS if t.device_kind == kind), None)
-    return (0, False) if found is None else (found.vmem_reserve_bytes, found.float32_temporaries)
+    found = for_device_kind(device_kind() if kind is None else kind)
+    if found is None or found.platform != "tpu":
+        return 0, False
+    return found.vmem_reserve_bytes, found.float32_temporaries
 
 
 # Shared memory one GPU thread block may use (the CUDA opt-in maximum), by a name in the device kind; the

@@ -38,11 +38,6 @@ class GpuFacts:
     threads_per_sm: int = 2048
     threads_per_warp: int = 32
 
-    @property
-    def sm(self) -> str:
-        """`sm_90` style name of the compute capability."""
-        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
-
 
 @dataclasses.dataclass(frozen=True)
 class Target:
