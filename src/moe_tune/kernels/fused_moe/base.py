@@ -1,0 +1,103 @@
+"""The call signatures every fused MoE backend implements: `gather_gmm` (fused dispatch) and `gmm_combine`
+(fused combine). The public ops (`op.py`) normalize group sizes and offsets, check shapes, pick configs per
+direction and own the gradients; backends only implement the forward semantics below, each with a
+`transpose_rhs` form that the gradients run.
+
+Conventions shared with ragged_dot (`ragged_dot/base.py`):
+- `group_sizes` int32 [total_groups] arrives normalized by `metadata.select_shard` (sizes >= 0, summing to
+  at most m; an out-of-range offset already turned into all-zero sizes), `group_offset` an int32 scalar or
+  None (= 0, total_groups == groups). The local groups are `[group_offset, group_offset + groups)` and
+  their rows the range `[start, end)` of `metadata.group_bounds(group_sizes, m=m, groups=groups,
+  group_offset=...)`: start = first row of the first local group, end = one past the last local row. That
+  range is the one source of truth for which rows a shard owns.
+- rhs float [groups, k, n] in the activations' dtype, or a `moe_tune.QArray` scaled along k (scale
+  [groups, k/bs, n]); with `transpose_rhs` the same forward weights, read as [groups, n, k] (rhs[g].T).
+- Low-precision operands are multiplied with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.kernels.base import Backend, KernelConfig
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
+from moe_tune.quant import QArray
+
+
+class FusedMoeBackend(Backend[Any, FusedMoeProblem]):
+    """One implementation of the fused dispatch and combine. Subclasses set `name`, `config_cls` (a frozen
+    `KernelConfig`; one config class serves all four directions, each tuned separately), `platforms`,
+    `revision`, and implement `default_config` and the two kernels (and `config_error` /
+    `candidate_values` when they have tunables)."""
+
+    op = "fused_moe"
+
+    @abc.abstractmethod
+    def gather_gmm(
+        self,
+        x: jax.Array,
+        rows: jax.Array,
+        rhs: jax.Array | QArray,
+        group_sizes: jax.Array,
+        *,
+        config: KernelConfig,
+        out_dtype: jnp.dtype,
+        group_offset: jax.Array | None = None,
+        glu: str | None = None,
+        transpose_rhs: bool = False,
+    ) -> jax.Array:
+        """Fused dispatch: `out[i] = x[rows[i]] @ rhs[group(i)]` for the rows i of the local groups, zero
+        elsewhere; no gathered [m, k] copy of x is written.
+
+        x [tokens, k] (f32 / bf16 / f16); rows int32 [m]: the token each expert-ordered row reads, in [0,
+        tokens) for local rows, anything elsewhere (never read there); rhs [groups, k, n] (transpose_rhs:
+        [groups, n, k] read as rhs[g].T, the combine's backward; x is then [tokens, n]); glu: an
+        `activations.ACTIVATIONS` name (never with transpose_rhs): rhs is gate and up concatenated along n
+        and out = act(h[:, :n/2]) * h[:, n/2:], the activation applied in float32 before the one rounding.
+        -> [m, n] ([m, n/2] with glu; [m, k] with transpose_rhs) in out_dtype."""
+
+    @abc.abstractmethod
+    def gmm_combine(
+        self,
+        h: jax.Array,
+        rhs: jax.Array | QArray,
+        group_sizes: jax.Array,
+        rows: jax.Array,
+        row_weights: jax.Array,
+        *,
+        tokens: int,
+        config: KernelConfig,
+        out_dtype: jnp.dtype,
+        group_offset: jax.Array | None = None,
+        skip_zero_weights: bool = False,
+        transpose_rhs: bool = False,
+    ) -> jax.Array:
+        """Fused combine: `out[t] = sum over local rows i with rows[i] == t of row_weights[i] * (h[i] @
+        rhs[group(i)])`, accumulated in float32, rounded once to out_dtype; no [m, n] product is written,
+        and a token's contributions are not summed as a sequential chain of row additions.
+
+        h [m, k]; rhs [groups, k, n] (transpose_rhs: [groups, n, k] read as rhs[g].T, the dispatch's
+        backward; h is then [m, n]); rows int32 [m] (token of each row, in [0, tokens) for local rows);
+        row_weights float32 [m]; tokens static. -> [tokens, n] ([tokens, k] with transpose_rhs).
+
+        The rules of `ragged_gather_reduce`: rows outside the local groups are invalid and never read (their
+        h rows may be NaN, their rows / weights anything); a valid row multiplies even at weight 0 (0 x NaN =
+        NaN) unless `skip_zero_weights`, which drops rows whose weight is exactly 0 like invalid ones. A
+        token no valid row reaches is 0."""
+
+    def run(self, problem: FusedMoeProblem, config: KernelConfig, inputs: dict[str, Any]) -> jax.Array:
+        """Run `problem.direction` on the inputs `FusedMoeOp.make_inputs` builds: `a` (x, dh, h or dout),
+        `rows`, `rhs`, `group_sizes`, and for the combine kernel `weights`; optional `group_offset`."""
+        out_dtype = jnp.dtype(problem.dtype)
+        common = dict(config=config, out_dtype=out_dtype, group_offset=inputs.get("group_offset"),
+                      transpose_rhs=problem.transpose_rhs)
+        if problem.kernel == "gather_gmm":
+            glu = None if problem.transpose_rhs else problem.glu
+            return self.gather_gmm(inputs["a"], inputs["rows"], inputs["rhs"], inputs["group_sizes"], glu=glu,
+                                   **common)
+        return self.gmm_combine(inputs["a"], inputs["rhs"], inputs["group_sizes"], inputs["rows"],
+                                inputs["weights"], tokens=problem.tokens, **common)

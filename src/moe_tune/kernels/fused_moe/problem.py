@@ -1,0 +1,146 @@
+"""The static description of one fused MoE kernel call (`fused_moe` op): what a config is chosen for and what
+tables are keyed on.
+
+Two kernels, each with its backward, are four directions; shapes are always those of the forward call of the
+kernel (`k` the contraction, `n` the weights' output columns), so a kernel's two directions share every key
+field but `direction`:
+
+- `dispatch`: `gather_gmm(x [tokens, k], rows [m], rhs [g, k, n])` -> [m, n] (with `glu`: [m, n / 2]),
+  row i reading `x[rows[i]]` in place of a gathered [m, k] copy.
+- `dispatch_bwd`: its gradient in x, a fused scatter-add: `gmm_combine(dh [m, n], rhs^T, rows, weights 1)`
+  -> [tokens, k].
+- `combine`: `gmm_combine(h [m, k], rhs [g, k, n], rows, row_weights)` -> [tokens, n], the weighted sum
+  over each token's rows in the down projection's epilogue.
+- `combine_bwd`: its gradient in h, `gather_gmm(dout [tokens, n], rows, rhs^T)` -> [m, k].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
+from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
+from moe_tune.quant import QDTYPES
+
+DIRECTIONS = ("dispatch", "dispatch_bwd", "combine", "combine_bwd")
+# The kernel each direction runs and whether it reads the weights transposed.
+KERNEL = {"dispatch": ("gather_gmm", False), "dispatch_bwd": ("gmm_combine", True),
+          "combine": ("gmm_combine", False), "combine_bwd": ("gather_gmm", True)}
+# The forward direction of each kernel (the shapes a problem describes).
+FORWARD = {"dispatch": "dispatch", "dispatch_bwd": "dispatch", "combine": "combine", "combine_bwd": "combine"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedMoeProblem:
+    """Shapes and dtypes of one fused dispatch or combine (see the module docstring for the directions).
+
+    tokens: rows of the token-ordered side (x of dispatch, the output of combine). m: expert-ordered rows
+    (tokens x top_k). k, n: the forward weights [groups, k, n] (dispatch with `glu`: n = 2 x the expert
+    width, gate and up concatenated). groups: local experts. dtype: of the activations, the output, and the
+    weights when float. glu: the activation name of dispatch's gated epilogue (`activations.ACTIVATIONS`),
+    None for none (combine: always None). rhs_qdtype / rhs_qblock: quantized weights (QArray scaled along k),
+    key fields only when set. `total_groups`, `experts`, `ep` shape the sweep's inputs only (not the key).
+    """
+
+    SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("tokens", "m")  # what `nearest` lookup may vary
+    OPTIONAL_KEY_FIELDS: ClassVar[tuple[str, ...]] = ("rhs_qdtype", "rhs_qblock")
+
+    tokens: int
+    m: int
+    k: int
+    n: int
+    groups: int
+    dtype: str = "float32"
+    direction: str = "dispatch"
+    glu: str | None = None
+    rhs_qdtype: str | None = None
+    rhs_qblock: int | None = None
+    total_groups: int | None = None
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "m", "k", "n", "groups", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if self.direction not in DIRECTIONS:
+            raise UsageError(f"unknown direction {self.direction!r}; choose from {', '.join(DIRECTIONS)}")
+        canonical = dtype_name(self.dtype)
+        if canonical not in SUPPORTED_DTYPES:
+            raise UsageError(f"dtype {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+        object.__setattr__(self, "dtype", canonical)
+        if self.glu is not None:
+            if self.glu not in ACTIVATIONS:
+                raise UsageError(f"unknown glu activation {self.glu!r}; choose from {', '.join(ACTIVATIONS)}")
+            if FORWARD[self.direction] != "dispatch":
+                raise UsageError("glu (the gated activation epilogue) belongs to dispatch, not combine")
+            if self.n % 2:
+                raise UsageError(f"with glu, n (gate and up concatenated) must be even, got {self.n}")
+        if self.total_groups is not None and self.total_groups < self.groups:
+            raise UsageError(f"total_groups ({self.total_groups}) < groups ({self.groups})")
+        if self.rhs_qdtype is None:
+            if self.rhs_qblock is not None:
+                raise UsageError("rhs_qblock given without rhs_qdtype")
+            return
+        qdtype = dtype_name(self.rhs_qdtype)
+        if qdtype not in QDTYPES:
+            raise UsageError(f"rhs_qdtype {qdtype} is not supported; use one of {', '.join(QDTYPES)}")
+        qblock = self.k if self.rhs_qblock is None else self.rhs_qblock
+        if not isinstance(qblock, (int, np.integer)) or qblock <= 0 or self.k % qblock:
+            raise UsageError(f"rhs_qblock {qblock!r} must be a positive divisor of k={self.k}")
+        object.__setattr__(self, "rhs_qdtype", qdtype)
+        object.__setattr__(self, "rhs_qblock", int(qblock))
+
+    @property
+    def kernel(self) -> str:
+        """`gather_gmm` or `gmm_combine`: the backend method this direction calls."""
+        return KERNEL[self.direction][0]
+
+    @property
+    def transpose_rhs(self) -> bool:
+        """Whether this direction reads the weights transposed (the backward directions)."""
+        return KERNEL[self.direction][1]
+
+    @property
+    def top_k(self) -> int:
+        return max(1, self.m // self.tokens)
+
+    @property
+    def out_n(self) -> int:
+        """Columns of the forward dispatch output: n / 2 with glu, else n."""
+        return self.n // 2 if self.glu else self.n
+
+    def with_direction(self, direction: str) -> "FusedMoeProblem":
+        """The same kernel's other direction (glu is kept: the dispatch backward differentiates through it)."""
+        return dataclasses.replace(self, direction=direction)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+    @property
+    def num_group_sizes(self) -> int:
+        return self.total_groups or self.groups
+
+    def itemsize(self) -> int:
+        return np.dtype(jnp.dtype(self.dtype)).itemsize
+
+    def key_fields(self) -> dict[str, Any]:
+        """The fields a table entry is keyed on (in key order); the quantization fields only when quantized."""
+        fields = {"direction": self.direction, "tokens": self.tokens, "m": self.m, "k": self.k, "n": self.n,
+                  "groups": self.groups, "dtype": self.dtype, "glu": self.glu or "none"}
+        if self.rhs_qdtype is not None:
+            fields.update(rhs_qdtype=self.rhs_qdtype, rhs_qblock=self.rhs_qblock)
+        return fields
+
+    @classmethod
+    def from_key_fields(cls, fields: dict[str, Any]) -> "FusedMoeProblem":
+        values = {f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields}
+        if values.get("glu") == "none":
+            values["glu"] = None
+        return cls(**values)
