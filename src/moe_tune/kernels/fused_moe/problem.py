@@ -1,17 +1,17 @@
 """The static description of one fused MoE kernel call (`fused_moe` op): what a config is chosen for and what
 tables are keyed on.
 
-Two kernels, each with its backward, are four directions; shapes are always those of the forward call of the
-kernel (`k` the contraction, `n` the weights' output columns), so a kernel's two directions share every key
-field but `direction`:
+Two stages (`dispatch`, `combine`), each with a forward and a backward direction; shapes are always those of
+the stage's forward call (`k` the contraction, `n` the weights' output columns), so a stage's two directions
+share every key field but `direction`:
 
-- `dispatch`: `gather_gmm(x [tokens, k], rows [m], rhs [g, k, n])` -> [m, n] (with `glu`: [m, n / 2]),
+- dispatch fwd: `gather_gmm(x [tokens, k], rows [m], rhs [g, k, n])` -> [m, n] (with `glu`: [m, n / 2]),
   row i reading `x[rows[i]]` in place of a gathered [m, k] copy.
-- `dispatch_bwd`: its gradient in x, a fused scatter-add: `gmm_combine(dh [m, n], rhs^T, rows, weights 1)`
+- dispatch bwd: its gradient in x, a fused scatter-add: `gmm_combine(dh [m, n], rhs^T, rows, weights 1)`
   -> [tokens, k].
-- `combine`: `gmm_combine(h [m, k], rhs [g, k, n], rows, row_weights)` -> [tokens, n], the weighted sum
+- combine fwd: `gmm_combine(h [m, k], rhs [g, k, n], rows, row_weights)` -> [tokens, n], the weighted sum
   over each token's rows in the down projection's epilogue.
-- `combine_bwd`: its gradient in h, `gather_gmm(dout [tokens, n], rows, rhs^T)` -> [m, k].
+- combine bwd: its gradient in h, `gather_gmm(dout [tokens, n], rows, rhs^T)` -> [m, k].
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
 from moe_tune.quant import QDTYPES
 
-DIRECTIONS = ("dispatch", "dispatch_bwd", "combine", "combine_bwd")
-# The kernel each direction runs and whether it reads the weights transposed.
-KERNEL = {"dispatch": ("gather_gmm", False), "dispatch_bwd": ("gmm_combine", True),
-          "combine": ("gmm_combine", False), "combine_bwd": ("gather_gmm", True)}
-# The forward direction of each kernel (the shapes a problem describes).
-FORWARD = {"dispatch": "dispatch", "dispatch_bwd": "dispatch", "combine": "combine", "combine_bwd": "combine"}
+DIRECTIONS = ("fwd", "bwd")
+STAGES = ("dispatch", "combine")
+# The kernel each (stage, direction) runs and whether it reads the weights transposed.
+KERNEL = {("dispatch", "fwd"): ("gather_gmm", False), ("dispatch", "bwd"): ("gmm_combine", True),
+          ("combine", "fwd"): ("gmm_combine", False), ("combine", "bwd"): ("gather_gmm", True)}
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedMoeProblem:
-    """Shapes and dtypes of one fused dispatch or combine (see the module docstring for the directions).
+    """Shapes and dtypes of one fused dispatch or combine (`stage`) and its direction (see the module
+    docstring).
 
     tokens: rows of the token-ordered side (x of dispatch, the output of combine). m: expert-ordered rows
     (tokens x top_k). k, n: the forward weights [groups, k, n] (dispatch with `glu`: n = 2 x the expert
@@ -56,7 +56,8 @@ class FusedMoeProblem:
     n: int
     groups: int
     dtype: str = "float32"
-    direction: str = "dispatch"
+    stage: str = "dispatch"
+    direction: str = "fwd"
     glu: str | None = None
     rhs_qdtype: str | None = None
     rhs_qblock: int | None = None
@@ -70,6 +71,8 @@ class FusedMoeProblem:
                 raise UsageError(f"{name} must be a positive integer, got {value!r}")
         if self.direction not in DIRECTIONS:
             raise UsageError(f"unknown direction {self.direction!r}; choose from {', '.join(DIRECTIONS)}")
+        if self.stage not in STAGES:
+            raise UsageError(f"unknown stage {self.stage!r}; choose from {', '.join(STAGES)}")
         canonical = dtype_name(self.dtype)
         if canonical not in SUPPORTED_DTYPES:
             raise UsageError(f"dtype {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
@@ -77,7 +80,7 @@ class FusedMoeProblem:
         if self.glu is not None:
             if self.glu not in ACTIVATIONS:
                 raise UsageError(f"unknown glu activation {self.glu!r}; choose from {', '.join(ACTIVATIONS)}")
-            if FORWARD[self.direction] != "dispatch":
+            if self.stage != "dispatch":
                 raise UsageError("glu (the gated activation epilogue) belongs to dispatch, not combine")
             if self.n % 2:
                 raise UsageError(f"with glu, n (gate and up concatenated) must be even, got {self.n}")
@@ -99,12 +102,12 @@ class FusedMoeProblem:
     @property
     def kernel(self) -> str:
         """`gather_gmm` or `gmm_combine`: the backend method this direction calls."""
-        return KERNEL[self.direction][0]
+        return KERNEL[self.stage, self.direction][0]
 
     @property
     def transpose_rhs(self) -> bool:
         """Whether this direction reads the weights transposed (the backward directions)."""
-        return KERNEL[self.direction][1]
+        return KERNEL[self.stage, self.direction][1]
 
     @property
     def top_k(self) -> int:
@@ -116,7 +119,7 @@ class FusedMoeProblem:
         return self.n // 2 if self.glu else self.n
 
     def with_direction(self, direction: str) -> "FusedMoeProblem":
-        """The same kernel's other direction (glu is kept: the dispatch backward differentiates through it)."""
+        """The same stage's other direction (glu is kept: the dispatch backward differentiates through it)."""
         return dataclasses.replace(self, direction=direction)
 
     @property
@@ -132,7 +135,7 @@ class FusedMoeProblem:
 
     def key_fields(self) -> dict[str, Any]:
         """The fields a table entry is keyed on (in key order); the quantization fields only when quantized."""
-        fields = {"direction": self.direction, "tokens": self.tokens, "m": self.m, "k": self.k, "n": self.n,
+        fields = {"direction": self.direction, "stage": self.stage, "tokens": self.tokens, "m": self.m, "k": self.k, "n": self.n,
                   "groups": self.groups, "dtype": self.dtype, "glu": self.glu or "none"}
         if self.rhs_qdtype is not None:
             fields.update(rhs_qdtype=self.rhs_qdtype, rhs_qblock=self.rhs_qblock)

@@ -1,0 +1,194 @@
+"""`tiled` backend: the fused dispatch and combine as pure-JAX loops, the CPU backend.
+
+Both kernels loop over the local groups; each group's rows go through full `tm`-row tiles (unmasked) and then
+`tail`-row tiles for the rest (masked to the group), as the tiled ragged_dot does (`ragged_dot/tiled.py`).
+
+- gather_gmm: a tile's lhs rows are gathered from x by `rows` straight into the dot's operand ([tm, k], in
+  cache), never into an [m, k] buffer; with glu the gate and up columns come out of one dot against the
+  concatenated weights and the activation runs on the f32 result before the one rounding.
+- gmm_combine: a tile's product [tm, n] stays in f32, is weighted by its rows' top-k weights and
+  scatter-added into the f32 [tokens, n] output (rows outside the group selected to 0 first: their h may be
+  NaN); there is no [m, n] product. A token's contributions arrive from the tiles of its top_k experts, each
+  add part of a different tile's epilogue, not a chain of k additions at the end.
+
+The weights are read per group (`rhs[g]`, transposed by the dot's dimension numbers for the backward
+directions, never copied transposed); a QArray's group is dequantized to the dot's dtype once per group.
+bf16 operands are carried through the loops as their bits (`loop_dtypes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.fused_moe.activations import apply
+from moe_tune.kernels.fused_moe.base import FusedMoeBackend
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
+from moe_tune.kernels.pallas_util import round_up
+from moe_tune.kernels.ragged_dot.metadata import group_bounds
+from moe_tune.quant import QArray, dequantize
+
+TM = (16, 32, 64, 128, 256, 512)
+TAILS = (4, 8, 16, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledFusedConfig(KernelConfig):
+    """tm: rows per full tile; tail: rows per tile for what is left of a group after its full tiles (masked).
+    Clamped to m."""
+
+    tm: int = 128
+    tail: int = 16
+
+
+def _dot_dtype(dtype) -> jnp.dtype:
+    """The operand dtype of the kernels' dots: bf16 stays bf16 (XLA CPU runs it natively), f16 runs in f32
+    (as the tiled ragged_dot measured, benchmarks/NOTES.md 13)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def _group_weights(rhs, g, compute) -> jax.Array:
+    """rhs[g] in the dot's dtype: a QArray's group dequantized (float32, then rounded once to `compute`)."""
+    if isinstance(rhs, QArray):
+        return dequantize(QArray(rhs.qvalue[g], rhs.scale[g])).astype(compute)
+    return load(as_bits(per_iteration(rhs, g))[g], rhs.dtype, compute)
+
+
+def _dot(a, w, transpose_rhs: bool) -> jax.Array:
+    """a [r, c] @ w [c, n] (transpose_rhs: w [n, c] contracted on its axis 1), accumulated in float32."""
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
+
+
+def _tiles(starts, ends, g, tm: int, tail: int, m: int, tile_fn, carry):
+    """Run `tile_fn(row0, size, keep [size] bool, t, carry)` over group g's full tiles (keep all true) and
+    then its tail tiles (keep: the rows of the tile in the group; the last tile shifted back to end at m)."""
+    start, end = starts[g], ends[g]
+    full = jnp.maximum(end - start, 0) // tm
+    row_in_tail = jnp.arange(tail, dtype=jnp.int32)
+
+    def full_tile(t, carry):
+        return tile_fn(start + t * tm, tm, None, t, carry)
+
+    def tail_tile(t, carry):
+        first = start + full * tm + t * tail
+        row0 = jnp.minimum(first, m - tail)
+        rows = row0 + row_in_tail
+        return tile_fn(row0, tail, (rows >= first) & (rows < end), t, carry)
+
+    carry = jax.lax.fori_loop(0, full, full_tile, carry)
+    tails = (end - (start + full * tm) + tail - 1) // tail
+    return jax.lax.fori_loop(0, jnp.maximum(tails, 0), tail_tile, carry)
+
+
+def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype, group_offset=None,
+                     glu: str | None = None, transpose_rhs: bool = False) -> jax.Array:
+    """`FusedMoeBackend.gather_gmm` (see there): x [tokens, c], rows int32 [m], rhs [groups, c, n] (transpose:
+    [groups, n, c]) -> [m, n] ([m, n/2] with glu) in out_dtype."""
+    m, groups = rows.shape[0], rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_n = n // 2 if glu else n
+    tm, tail = min(tm, m), min(tail, tm, m)
+    starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
+    compute = _dot_dtype(x.dtype)
+
+    def group(g, out):
+        w = _group_weights(rhs, g, compute)
+
+        def tile(row0, size, keep, t, out):
+            ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
+            if keep is not None:  # a row outside the group may hold any index: read row 0 instead
+                ids = jnp.where(keep, ids, 0)
+            xb = load(jnp.take(as_bits(per_iteration(x, t)), ids, axis=0, mode="clip"), x.dtype, compute)
+            h = _dot(xb, w, transpose_rhs)
+            block = as_bits((apply(glu, h) if glu else h).astype(out_dtype))
+            if keep is not None:
+                current = jax.lax.dynamic_slice_in_dim(out, row0, size)
+                block = jnp.where(keep[:, None], block, current)
+            return jax.lax.dynamic_update_slice_in_dim(out, block, row0, axis=0)
+
+        return _tiles(starts, ends, g, tm, tail, m, tile, out)
+
+    out = jax.lax.fori_loop(0, groups, group, as_bits(jnp.zeros((m, out_n), out_dtype)))
+    return from_bits(out, out_dtype)
+
+
+def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tail: int, out_dtype,
+                      group_offset=None, skip_zero_weights: bool = False, transpose_rhs: bool = False) -> jax.Array:
+    """`FusedMoeBackend.gmm_combine` (see there): h [m, c], rhs [groups, c, n] (transpose: [groups, n, c]),
+    rows int32 [m], row_weights [m] -> [tokens, n] in out_dtype, accumulated in float32."""
+    m, groups = h.shape[0], rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tm, tail = min(tm, m), min(tail, tm, m)
+    starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
+    compute = _dot_dtype(h.dtype)
+    weights = row_weights.astype(jnp.float32)
+
+    def group(g, acc):
+        w = _group_weights(rhs, g, compute)
+
+        def tile(row0, size, keep, t, acc):
+            hb = load(jax.lax.dynamic_slice_in_dim(as_bits(per_iteration(h, t)), row0, size), h.dtype, compute)
+            wt = jax.lax.dynamic_slice_in_dim(weights, row0, size)
+            ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
+            contribution = _dot(hb, w, transpose_rhs) * wt[:, None]
+            drop = None if keep is None else ~keep
+            if skip_zero_weights:
+                drop = (wt == 0) if drop is None else drop | (wt == 0)
+            if drop is not None:  # a select, not a multiply: a dropped row's product may be NaN
+                contribution = jnp.where(drop[:, None], 0.0, contribution)
+                ids = jnp.where(drop, tokens, ids)
+            return acc.at[ids].add(contribution, mode="drop")
+
+        return _tiles(starts, ends, g, tm, tail, m, tile, acc)
+
+    acc = jax.lax.fori_loop(0, groups, group, jnp.zeros((tokens, n), jnp.float32))
+    return acc.astype(out_dtype)
+
+
+def default_tm(problem: FusedMoeProblem) -> int:
+    """About one average group's rows (on this shard), in [16, 256]: a full tile per group where groups are
+    even, tails for the rest."""
+    per_group = -(-problem.m // (problem.groups * problem.ep))
+    return max(16, min(256, round_up(per_group, 16), problem.m))
+
+
+class TiledFusedMoe(FusedMoeBackend):
+    name = "tiled"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    config_cls = TiledFusedConfig
+    platforms = ("cpu", "gpu", "tpu")
+    description = "pure-JAX loops over each group's row tiles, rows gathered / scatter-added per tile (CPU)"
+
+    def config_error(self, config: TiledFusedConfig, problem: FusedMoeProblem) -> str | None:
+        for name in ("tm", "tail"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or value <= 0:
+                return f"{name} must be a positive integer, got {value!r}"
+        if config.tail > config.tm:
+            return f"tail {config.tail} > tm {config.tm}"
+        if config.tm > max(problem.m, TM[0]):
+            return f"tm {config.tm} > m {problem.m}"
+        return None
+
+    def default_config(self, problem: FusedMoeProblem) -> TiledFusedConfig:
+        tm = default_tm(problem)
+        return TiledFusedConfig(tm=tm, tail=min(16, tm))
+
+    def candidate_values(self, problem: FusedMoeProblem):
+        return {"tm": [t for t in TM if t <= max(problem.m, TM[0])], "tail": list(TAILS)}
+
+    def gather_gmm(self, x, rows, rhs, group_sizes, *, config, out_dtype, group_offset=None, glu=None,
+                   transpose_rhs=False):
+        return tiled_gather_gmm(x, rows, rhs, group_sizes, tm=config.tm, tail=config.tail, out_dtype=out_dtype,
+                                group_offset=group_offset, glu=glu, transpose_rhs=transpose_rhs)
+
+    def gmm_combine(self, h, rhs, group_sizes, rows, row_weights, *, tokens, config, out_dtype, group_offset=None,
+                    skip_zero_weights=False, transpose_rhs=False):
+        return tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, tokens=tokens, tm=config.tm,
+                                 tail=config.tail, out_dtype=out_dtype, group_offset=group_offset,
+                                 skip_zero_weights=skip_zero_weights, transpose_rhs=transpose_rhs)
