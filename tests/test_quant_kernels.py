@@ -79,7 +79,7 @@ def test_bad_layouts_are_one_line_usage_errors():
     with pytest.raises(UsageError, match="rhs_qblock"):
         RaggedDotProblem(m=M, k=K, n=N, groups=4, rhs_qdtype="int8", rhs_qblock=5)
     with pytest.raises(UsageError, match="rhs_qdtype"):
-        RaggedDotProblem(m=M, k=K, n=N, groups=4, rhs_qdtype="int4")
+        RaggedDotProblem(m=M, k=K, n=N, groups=4, rhs_qdtype="int16")
 
 
 def test_quantization_enters_the_key_only_for_quantized_operands():

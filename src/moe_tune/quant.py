@@ -1,6 +1,7 @@
-"""Quantized arrays for ragged_dot: `QArray`, symmetric absmax `quantize`, and `dequantize`.
+"""Quantized arrays for ragged_dot: `QArray`, `quantize` (symmetric absmax; OCP MX for mxfp4), `dequantize`.
 
-A `QArray` holds 1-byte values (int8 or float8_e4m3fn) and float32 scales of the same rank. Along one axis
+A `QArray` holds low-precision values (int8, float8_e4m3fn, int4, float4_e2m1fn) and scales of the same
+rank (float32; an mxfp4 array's may be float8_e8m0fnu, the power of two the MX format stores). Along one axis
 (the "scaled axis") each run of `block_size` consecutive values shares one scale; along every other axis
 there is one scale per element. So `scale.shape` is `qvalue.shape` with the scaled axis replaced by
 `qvalue.shape[axis] // block_size`, and `dequantize(q) = qvalue * scale` with the scale repeated
@@ -23,15 +24,23 @@ import numpy as np
 from moe_tune.errors import UsageError
 
 # Largest magnitude each quantized dtype stores; the one place these numbers live.
-QMAX: dict[str, float] = {"int8": 127.0, "float8_e4m3fn": 448.0}
-QDTYPES = tuple(QMAX)
+QMAX: dict[str, float] = {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0, "float4_e2m1fn": 6.0}
+QDTYPES = tuple(QMAX)  # stored dtype names (what keys say)
+FOUR_BIT = ("int4", "float4_e2m1fn")
+# Names users may give for a stored dtype: "mxfp4" (OCP Microscaling FP4) is float4_e2m1fn values with the MX
+# power-of-two scales, the only rule this module quantizes float4_e2m1fn with.
+ALIASES = {"mxfp4": "float4_e2m1fn"}
+QUANT_NAMES = (*QDTYPES, *ALIASES)  # what --rhs-quant accepts
+MX_BLOCK = 32  # OCP MX: elements along the scaled axis per scale
+MX_EMAX = 2  # e2m1's largest exponent: the MX scale is 2**(floor(log2(max|x|)) - MX_EMAX)
+SCALE_DTYPES = {"float32": QDTYPES, "float8_e8m0fnu": ("float4_e2m1fn",)}  # scale dtype -> value dtypes
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QArray:
-    """A quantized array: `qvalue` int8 | float8_e4m3fn, `scale` float32 of the same rank (see the module
-    docstring for the layout). A pytree, so it passes through jit, vmap, grad (as a constant) and sharding."""
+    """A quantized array: `qvalue` int8 | float8_e4m3fn | int4 | float4_e2m1fn, `scale` float32 (mxfp4: or
+    float8_e8m0fnu) of the same rank (see the module docstring for the layout). A pytree, so it passes through jit, vmap, grad (as a constant) and sharding."""
 
     qvalue: jax.Array
     scale: jax.Array
@@ -46,7 +55,7 @@ class QArray:
 
     @property
     def dtype(self) -> jnp.dtype:
-        """The dtype of the stored values (int8 or float8_e4m3fn)."""
+        """The dtype of the stored values (`QDTYPES`)."""
         return jnp.dtype(self.qvalue.dtype)
 
     def __getitem__(self, index) -> "QArray":
@@ -54,46 +63,147 @@ class QArray:
         return QArray(self.qvalue[index], self.scale[index])
 
 
+def qdtype_name(dtype) -> str:
+    """The stored dtype name of a quantized dtype or its alias ("mxfp4" -> "float4_e2m1fn"); UsageError for
+    any other dtype."""
+    if isinstance(dtype, str) and dtype in ALIASES:
+        return ALIASES[dtype]
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in QMAX:
+        raise UsageError(f"cannot quantize to {name}; use one of {', '.join(QUANT_NAMES)}")
+    return name
+
+
 def qmax(dtype) -> float:
     """Largest representable magnitude of a quantized dtype; UsageError for any other dtype."""
-    name = jnp.dtype(dtype).name
-    if name not in QMAX:
-        raise UsageError(f"cannot quantize to {name}; use one of {', '.join(QDTYPES)}")
-    return QMAX[name]
+    return QMAX[qdtype_name(dtype)]
+
+
+def default_block(dtype, size: int | None) -> int | None:
+    """The block a quantized dtype takes when none is given: MX_BLOCK for mxfp4 (its only block), else
+    `size` (None: the whole axis)."""
+    return MX_BLOCK if qdtype_name(dtype) == "float4_e2m1fn" and size is None else size
+
+
+def block_rule(dtype, block: int | None, size: int, axis: int = 1) -> str | None:
+    """Why `block` elements per scale cannot quantize an axis of `size` to `dtype` (None: they can); the
+    rule in one line. mxfp4 takes blocks of MX_BLOCK only."""
+    name = qdtype_name(dtype)
+    if name == "float4_e2m1fn" and block not in (None, MX_BLOCK):
+        return f"mxfp4 (float4_e2m1fn) takes blocks of {MX_BLOCK} along k (OCP MX), got block_size {block!r}"
+    block = default_block(name, block)
+    what = f"{'mxfp4' if name == 'float4_e2m1fn' else name} quantizes blocks of {block} along axis {axis}"
+    if block is None:
+        return None
+    if not isinstance(block, (int, np.integer)) or block <= 0 or size % block:
+        return f"{what}: block_size {block!r} does not divide its length {size}"
+    return None
 
 
 def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None) -> QArray:
-    """Symmetric absmax quantization of `x` along `axis`.
+    """Quantization of `x` along `axis`: each run of `block_size` elements along `axis` (the whole axis when
+    None) shares one scale; `dtype` is a stored dtype name (`QDTYPES`) or "mxfp4".
 
-    Each run of `block_size` elements along `axis` (the whole axis when None) shares the scale
-    `max|x| / qmax(dtype)` (1 for an all-zero run); int8 values are rounded and clipped to [-127, 127].
-    Returns QArray(qvalue [x.shape] in `dtype`, scale float32 [x.shape with axis -> x.shape[axis] // block_size]).
+    - int8, float8_e4m3fn, int4: symmetric absmax, scale `max|x| / qmax(dtype)` (1 for an all-zero run);
+      integer values are rounded and clipped to [-qmax, qmax] (int4: [-7, 7]; AWQ/GPTQ-style int4 usually
+      takes block_size=128).
+    - mxfp4 (= float4_e2m1fn, OCP Microscaling): blocks of 32 (block_size may be omitted), each scaled by the
+      power of two `2**(floor(log2(max|x|)) - 2)` (1 for an all-zero run; the exponent kept within float32's
+      normal range); values rounded to the nearest e2m1 value (ties to even) and clamped to +-6.
+
+    Returns QArray(qvalue [x.shape] in the stored dtype, scale float32 [x.shape with axis ->
+    x.shape[axis] // block_size]). A block that does not divide the axis is a one-line UsageError naming the
+    rule.
     """
-    qmax(dtype)  # a UsageError for other dtypes
+    name = qdtype_name(dtype)  # a UsageError for other dtypes
     ndim = np.ndim(x)
     if not -ndim <= axis < ndim:
         raise UsageError(f"axis {axis} is out of range for an array of rank {ndim}")
     size = np.shape(x)[axis]
-    block = size if block_size is None else block_size
-    if not isinstance(block, (int, np.integer)) or block <= 0 or size % block:
-        raise UsageError(f"block_size {block_size!r} does not divide axis {axis % ndim} of length {size}")
-    return _quantize(x, jnp.dtype(dtype).name, axis % ndim, int(block))
+    if (error := block_rule(name, block_size, size, axis % ndim)) is not None:
+        raise UsageError(error)
+    block = default_block(name, block_size) or size
+    return _quantize(x, name, axis % ndim, int(block))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _quantize(x: jax.Array, dtype: str, axis: int, block: int) -> QArray:
     """`quantize` once its arguments are checked: one compiled function, also when called eagerly."""
+    return quantize_tile(jnp.asarray(x, jnp.float32), dtype, axis, block)
+
+
+def quantize_tile(x: jax.Array, dtype: str, axis: int, block: int) -> QArray:
+    """`quantize`'s arithmetic on a float32 array, unchecked and not jitted: what a kernel runs on a tile it
+    loaded (`DynamicQuant`), the same ops as the whole-array `quantize`, so the two agree bit for bit."""
     limit = QMAX[dtype]
-    x = jnp.asarray(x, jnp.float32)
     size = x.shape[axis]
     runs = x.reshape(*x.shape[:axis], size // block, block, *x.shape[axis + 1:])
     absmax = jnp.max(jnp.abs(runs), axis=axis + 1, keepdims=True)
-    scale = jnp.where(absmax > 0, absmax / limit, 1.0).astype(jnp.float32)
+    if dtype == "float4_e2m1fn":
+        # frexp: absmax = mantissa * 2**e with mantissa in [0.5, 1), so floor(log2(absmax)) = e - 1 exactly
+        exponent = jnp.clip(jnp.frexp(absmax)[1] - 1 - MX_EMAX, -126, 127)
+        scale = jnp.where(absmax > 0, jnp.ldexp(jnp.ones_like(absmax), exponent), 1.0).astype(jnp.float32)
+    else:
+        scale = jnp.where(absmax > 0, absmax / limit, 1.0).astype(jnp.float32)
     values = runs / scale
-    if jnp.dtype(dtype) == jnp.int8:
+    if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
         values = jnp.round(values)
+    # clipped first: the casts' own overflow rules differ by dtype; e2m1 rounds to nearest in the cast
     values = jnp.clip(values, -limit, limit).astype(dtype).reshape(x.shape)
     return QArray(values, jnp.squeeze(scale, axis + 1))
+
+
+def from_checkpoint(values: jax.Array | np.ndarray, scale: jax.Array | np.ndarray, dtype, *,
+                    packed_axis: int | None = None) -> QArray:
+    """A QArray of a checkpoint's own values and scales, nothing requantized (ragged_dot weights: [g, k, n]
+    with scale [g, k/bs, n]; transpose a checkpoint stored [g, n, k] first).
+
+    values: in the stored dtype (`dtype`: int4, "mxfp4" / float4_e2m1fn, int8, float8_e4m3fn), or, for the
+      4-bit ones, uint8 holding two values a byte along `packed_axis` (the low nibble first, as AWQ and
+      gpt-oss's mxfp4 blocks pack them), then unpacked here (that axis doubles).
+    scale: float32, or for mxfp4 float8_e8m0fnu or uint8 holding e8m0 bits (the biased exponent: 2**(b - 127);
+      kept as float8_e8m0fnu).
+    One-line UsageError for anything else.
+    """
+    name = qdtype_name(dtype)
+    values = jnp.asarray(values)
+    if packed_axis is not None:
+        if name not in FOUR_BIT or values.dtype != jnp.uint8:
+            raise UsageError(f"packed_axis needs 4-bit values packed in uint8, got {name} in {values.dtype}")
+        values = _unpack_nibbles(values, name, packed_axis % values.ndim)
+    if jnp.dtype(values.dtype).name != name:
+        raise UsageError(f"checkpoint values are {jnp.dtype(values.dtype).name}, not {name}"
+                         + (" (pass packed_axis for uint8-packed 4-bit values)" if values.dtype == jnp.uint8 else ""))
+    scale = jnp.asarray(scale)
+    if scale.dtype == jnp.uint8 and name == "float4_e2m1fn":
+        scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu)
+    q = QArray(values, scale)
+    _check_scale_dtype(q, "checkpoint")
+    scale_layout(q)  # a UsageError for scales that fit no layout
+    return q
+
+
+def _unpack_nibbles(packed: jax.Array, dtype: str, axis: int) -> jax.Array:
+    """uint8 [..., s, ...] holding two 4-bit values a byte (low nibble first) -> `dtype` [..., 2s, ...]."""
+    low, high = packed & 0xF, packed >> 4
+    pairs = jnp.stack([low, high], axis=axis + 1)  # [..., s, 2, ...]
+    nibbles = pairs.reshape(*packed.shape[:axis], 2 * packed.shape[axis], *packed.shape[axis + 1:])
+    if dtype == "int4":  # two's complement in 4 bits
+        return (nibbles.astype(jnp.int8) - 16 * (nibbles >= 8).astype(jnp.int8)).astype(jnp.int4)
+    # e2m1: sign, 2 exponent bits (bias 1), 1 mantissa bit; its 16 values in code order
+    table = jnp.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], jnp.float32)
+    return table[nibbles.astype(jnp.int32)].astype(jnp.float4_e2m1fn)
+
+
+def _check_scale_dtype(q: "QArray", name: str) -> None:
+    """UsageError unless `q`'s scale dtype goes with its values (`SCALE_DTYPES`)."""
+    values, scale = jnp.dtype(q.qvalue.dtype).name, jnp.dtype(q.scale.dtype).name
+    if values not in QMAX or values not in SCALE_DTYPES.get(scale, ()):
+        raise UsageError(f"{name} QArray must hold {' or '.join(QDTYPES)} values with float32 scales (mxfp4: "
+                         f"or float8_e8m0fnu), got {values} and {scale}")
 
 
 def scale_layout(q: QArray) -> tuple[int | None, int]:
@@ -121,18 +231,17 @@ def dequantize_host(q: QArray) -> np.ndarray:
 
 def _dequantize(q: QArray, xp, dtype):
     axis, block = scale_layout(q)
-    scale = xp.asarray(q.scale, dtype)
+    scale = xp.asarray(q.scale).astype(dtype)  # float32 or float8_e8m0fnu: exact in either
     scale = scale if axis is None else xp.repeat(scale, block, axis=axis)
     return xp.asarray(q.qvalue).astype(dtype) * scale
 
 
 def check_operand(q: QArray, *, name: str, layout: str) -> int:
-    """Validate a ragged_dot operand: `q` must be scaled along axis 1 (the contracting k) with 1-byte values
-    and float32 scales; `layout` names the expected layout for the message (e.g. "[g, k, n] ... scale
-    [g, k/bs, n]"). Returns its block size along k (k for one scale per channel). One-line UsageError."""
-    if q.dtype.name not in QMAX or jnp.dtype(q.scale.dtype) != jnp.float32:
-        raise UsageError(f"{name} QArray must hold {' or '.join(QDTYPES)} values and float32 scales, got "
-                         f"{q.dtype.name} and {jnp.dtype(q.scale.dtype).name}")
+    """Validate a ragged_dot operand: `q` must be scaled along axis 1 (the contracting k) with quantized
+    values (`QDTYPES`) and float32 scales (mxfp4: or float8_e8m0fnu); `layout` names the expected layout for
+    the message (e.g. "[g, k, n] ... scale [g, k/bs, n]"). Returns its block size along k (k for one scale
+    per channel). One-line UsageError."""
+    _check_scale_dtype(q, name)
     try:
         axis, block = scale_layout(q)
     except UsageError:
@@ -144,8 +253,11 @@ def check_operand(q: QArray, *, name: str, layout: str) -> int:
 
 
 def split(x: jax.Array | QArray) -> tuple[jax.Array, jax.Array | None]:
-    """(values, scale or None): the parts a kernel reads of an operand that may be quantized."""
-    return (x.qvalue, x.scale) if isinstance(x, QArray) else (x, None)
+    """(values, float32 scale or None): the parts a kernel reads of an operand that may be quantized (an
+    e8m0 scale converted to float32, exactly: it is 1/32 of the values' elements)."""
+    if not isinstance(x, QArray):
+        return x, None
+    return x.qvalue, x.scale if x.scale.dtype == jnp.float32 else x.scale.astype(jnp.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -180,6 +292,54 @@ class AsQArray:
     def __getitem__(self, index) -> "AsQArray":
         """Slice along leading axes other than the scaled one (e.g. one shard's experts)."""
         return dataclasses.replace(self, value=self.value[index])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DynamicQuant:
+    """Activations quantized inside the kernel (dynamic w8a8): a float lhs `value` [m, k] whose tiles a kernel
+    quantizes to `qdtype` (int8, float8_e4m3fn) where it loads them, symmetric absmax per row and block of
+    `block_size` elements along k (None: the whole row), each scale computed from the tile itself: there is
+    no pass over x before the kernel and no quantized copy of it. The result equals ragged_dot of
+    `quantize()` (what a kernel computes tile by tile) up to float32 accumulation.
+    `moe_tune.ragged_dot(x, w_q, gs, lhs_quant="int8")` builds one; so may a caller (an AsQArray-like marker).
+    Its gradient is the straight-through one (that of `value` as a float operand). A pytree whose only leaf
+    is `value`."""
+
+    value: jax.Array
+    qdtype: str = dataclasses.field(metadata=dict(static=True))
+    block_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        name = qdtype_name(self.qdtype)
+        if name in FOUR_BIT:
+            raise UsageError(f"activations are quantized in the kernel to int8 or float8_e4m3fn, not {name}")
+        object.__setattr__(self, "qdtype", name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.value.shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the values in memory (the float activations)."""
+        return jnp.dtype(self.value.dtype)
+
+    def block(self) -> int:
+        """Elements along k per scale (k for one scale per row); UsageError naming the rule when it does not
+        divide k."""
+        k = self.value.shape[1]
+        if (error := block_rule(self.qdtype, self.block_size, k)) is not None:
+            raise UsageError(f"lhs_quant: {error}")
+        return self.block_size or k
+
+    def quantize(self) -> QArray:
+        """The QArray a kernel computes tile by tile (the reference's operand)."""
+        return quantize(self.value, self.qdtype, axis=1, block_size=self.block())
 
 
 def as_float(x: jax.Array | QArray) -> jax.Array:
