@@ -1,0 +1,210 @@
+"""`pallas_tpu` backend of the fused MoE op: the Pallas Mosaic TPU kernels of `pallas_tpu_kernels.py` (a
+gathered-row dispatch fused into the grouped matmul, and a combine that adds into a VMEM-resident output
+slab), their config, validity rules and search space. Off TPU the kernels run in Pallas TPU interpret mode
+(DMAs simulated on the CPU), slow and only meant for tests at small shapes.
+
+One config serves the four directions (each tuned separately); `tm` tiles the expert-ordered rows, `tk`
+the contraction, `tn` the output columns (of the gated output with glu), `dmas_in_flight` bounds the row
+DMAs outstanding in gather_gmm (unused by gmm_combine, whose h comes in blocks).
+
+Validity (`config_error`): TPU block alignment ((8 or 16) x 128, or the whole dimension), `tk` dividing the
+contraction, `tn` dividing the gated width with glu and the combine's output, the SMEM the scalar-prefetch
+tables take and the VMEM the blocks, scratches and the compiler's own temporaries take against the chip's
+scoped budget (`devices.tpu_scoped_vmem_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune import devices
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.fused_moe.base import FusedMoeBackend
+from moe_tune.kernels.fused_moe.pallas_tpu_kernels import pallas_gather_gmm, pallas_gmm_combine
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
+from moe_tune.kernels.pallas_util import round_up, sublanes
+from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
+from moe_tune.kernels.ragged_dot.metadata import max_visits
+from moe_tune.quant import QArray
+
+LANES = 128
+SUPPORTED = ("float32", "bfloat16")
+# The scalar-prefetch tables (rows, weights, the visit schedule) sit in SMEM, whose scoped budget is 1 MiB
+# up to v6e; half is left to Mosaic's own scalars, as the pallas_tpu gathers do.
+SMEM_PREFETCH_BYTES = 512 * 1024
+MAX_DMAS_IN_FLIGHT = 64
+TILES = (128, 256, 512, 1024, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPallasTpuConfig(KernelConfig):
+    """tm: rows per tile; tk: contraction per k step; tn: output columns per tile; dmas_in_flight: row DMAs
+    outstanding at once while gather_gmm gathers a tile (gmm_combine ignores it)."""
+
+    tm: int = 128
+    tk: int = 512
+    tn: int = 512
+    dmas_in_flight: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The matmul a direction runs: `kc` contraction, `n_w` weight columns, `n_out` output columns (n_w / 2
+    with glu), `glu`, whether it gathers (gather_gmm) or scatters (gmm_combine)."""
+
+    kc: int
+    n_w: int
+    n_out: int
+    glu: str | None
+    gathers: bool
+
+
+def dims(problem: FusedMoeProblem) -> Dims:
+    glu = None if problem.transpose_rhs else problem.glu
+    kc, n_w = (problem.n, problem.k) if problem.transpose_rhs else (problem.k, problem.n)
+    return Dims(kc, n_w, n_w // 2 if glu else n_w, glu, problem.kernel == "gather_gmm")
+
+
+def smem_bytes(config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> int:
+    """The int32/float32 scalar-prefetch tables: rows (and the combine's weights) [m padded to tm], group and
+    tile ids per visit, group starts and ends, and three scalars."""
+    m_p = round_up(problem.m, config.tm)
+    per_row = 1 if dims(problem).gathers else 2
+    return 4 * (per_row * m_p + 2 * max_visits(m_p, config.tm, problem.groups) + 2 * problem.groups + 3)
+
+
+def vmem_bytes(config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> int:
+    """VMEM the kernel needs: double-buffered weight (and h) blocks, the output block or slab, the float32
+    accumulators and the gathered-row scratch, what the compiler keeps beside them (the dot's converted
+    operand tile, the epilogue's float32 temporaries) and the chip's reserve (`devices.tpu_vmem_model`)."""
+    d, tm, tk, tn = dims(problem), config.tm, config.tk, config.tn
+    item = jnp.dtype(problem.dtype).itemsize
+    weights = 2 if d.glu else 1
+    reserve, _ = devices.tpu_vmem_model()
+    need = reserve + 2 * weights * tk * tn * item + weights * tm * tn * 4 + tm * tk * 4
+    if d.gathers:  # row scratch (float32: 16-bit x is staged), output block, glu's epilogue temporaries
+        need += tm * d.kc * 4 + 2 * tm * tn * item + (2 * tm * tn * 4 if d.glu else 0)
+    else:  # h blocks, the float32 slab
+        need += 2 * tm * tk * item + problem.tokens * tn * 4
+    return need
+
+
+def _tile_error(name: str, tile, size: int, align: int, *, divides: bool) -> str | None:
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile <= 0:
+        return f"{name} must be a positive integer, got {tile!r}"
+    if tile % align and tile != size:
+        return f"{name}={tile} must be a multiple of {align} or equal {size}"
+    if tile > size:
+        return f"{name}={tile} exceeds {size}"
+    if divides and size % tile:
+        return f"{name}={tile} must divide {size}"
+    return None
+
+
+def shape_error(problem: FusedMoeProblem) -> str | None:
+    """Why no config can serve `problem` (independent of the tunables), or None."""
+    if problem.dtype not in SUPPORTED:
+        return f"pallas_tpu supports {'/'.join(SUPPORTED)}, not dtype={problem.dtype}"
+    if problem.rhs_qdtype is not None:
+        return "pallas_tpu serves float weights only; quantized weights (QArray) run the jax backend"
+    d = dims(problem)
+    if d.gathers and d.kc % LANES:
+        return (f"the gathered rows ({d.kc} wide) are not a multiple of {LANES} lanes: Mosaic copies whole "
+                f"lane-aligned rows")
+    if d.glu and d.n_out % LANES:
+        return f"with glu the gated width ({d.n_out}) must be a multiple of {LANES} (gate and up blocks)"
+    return None
+
+
+class PallasTpuFusedMoe(FusedMoeBackend):
+    name = "pallas_tpu"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    config_cls = FusedPallasTpuConfig
+    platforms = ("tpu",)
+    # PrefetchScalarGridSpec, pl.ANY, make_async_copy, DMA semaphores and InterpretParams as of jax 0.10.
+    jax_versions = ">=0.10,<0.12"
+    description = ("Pallas Mosaic TPU: x rows DMAed by index into the grouped matmul; combine adds into a "
+                   "VMEM-resident output slab; interpret mode off TPU")
+
+    def runs_on(self, platform: str) -> bool:
+        return True  # natively on TPU, in interpret mode everywhere else
+
+    def config_error(self, config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> str | None:
+        if reason := shape_error(problem):
+            return reason
+        d, sub = dims(problem), sublanes(problem.dtype)
+        n_tiled = d.n_out
+        reason = (_tile_error("tm", config.tm, round_up(problem.m, sub), sub, divides=False)
+                  or _tile_error("tk", config.tk, d.kc, LANES, divides=True)
+                  # glu: gate and up blocks are whole column blocks of [.., 2f]; combine: whole slab blocks
+                  or _tile_error("tn", config.tn, n_tiled, LANES, divides=bool(d.glu) or not d.gathers))
+        if reason:
+            return reason
+        if d.glu and config.tn % LANES:
+            return f"tn={config.tn} must be a multiple of {LANES} with glu (a block of the concatenated weights)"
+        dmas = config.dmas_in_flight
+        if not isinstance(dmas, int) or isinstance(dmas, bool) or not 0 < dmas <= MAX_DMAS_IN_FLIGHT:
+            return f"dmas_in_flight must be an integer in 1..{MAX_DMAS_IN_FLIGHT}, got {dmas!r}"
+        if dmas > config.tm:
+            return f"dmas_in_flight={dmas} exceeds the {config.tm} row DMAs of a tile"
+        if (smem := smem_bytes(config, problem)) > SMEM_PREFETCH_BYTES:
+            return (f"the scalar-prefetch tables take {smem / 1024:.0f} KiB of SMEM, over "
+                    f"{SMEM_PREFETCH_BYTES // 1024} KiB")
+        need, budget = vmem_bytes(config, problem), devices.tpu_scoped_vmem_bytes()
+        if need > budget:
+            return f"needs {need / 2**20:.1f} MiB of VMEM, over the chip's {budget / 2**20:.0f} MiB of scoped VMEM"
+        return None
+
+    def default_config(self, problem: FusedMoeProblem) -> FusedPallasTpuConfig:
+        """tm 128 (or the rows rounded up), the largest tk <= 512 and tn <= 512 that divide their
+        dimensions, halved (tn first, then tk, then tm) until the VMEM and SMEM rules hold."""
+        d, sub = dims(problem), sublanes(problem.dtype)
+
+        def fit(want: int, size: int) -> int:
+            for tile in range(min(want, size) // LANES * LANES, 0, -LANES):
+                if size % tile == 0:
+                    return tile
+            return size
+
+        config = FusedPallasTpuConfig(tm=min(128, round_up(problem.m, sub)), tk=fit(512, d.kc),
+                                      tn=fit(512, d.n_out), dmas_in_flight=16)
+        config = dataclasses.replace(config, dmas_in_flight=min(16, config.tm))
+        for field, floor in (("tn", LANES), ("tk", LANES), ("tm", sub)):
+            while self.config_error(config, problem) and getattr(config, field) // 2 >= floor:
+                smaller = getattr(config, field) // 2
+                size = d.n_out if field == "tn" else d.kc
+                if field != "tm" and (smaller % LANES or size % smaller):
+                    break
+                config = dataclasses.replace(config, **{field: smaller},
+                                             dmas_in_flight=min(config.dmas_in_flight, smaller if field == "tm"
+                                                                else config.tm))
+        return config
+
+    def candidate_values(self, problem: FusedMoeProblem) -> dict[str, list[int]]:
+        d, sub = dims(problem), sublanes(problem.dtype)
+        tiles = lambda size: sorted({size, *(t for t in TILES if t < size)})
+        dmas = [8, 16, 32] if d.gathers else [16]
+        return {"tm": [2 * sub, 64, 128, 256, 512], "tk": tiles(d.kc), "tn": tiles(d.n_out), "dmas_in_flight": dmas}
+
+    def gather_gmm(self, x, rows, rhs, group_sizes, *, config, out_dtype, group_offset=None, glu=None,
+                   transpose_rhs=False):
+        if isinstance(rhs, QArray):
+            raise ValueError("pallas_tpu fused kernels take float weights (config_error refuses QArray problems)")
+        out = pallas_gather_gmm(x, rows, rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn,
+                                dmas_in_flight=config.dmas_in_flight, out_dtype=jnp.dtype(out_dtype),
+                                group_offset=group_offset, glu=glu, transpose_rhs=transpose_rhs)
+        # Rows no local group owns are never written.
+        keep = rows_in_local_groups(group_sizes, rows.shape[0], rhs.shape[0], group_offset)
+        return jnp.where(keep, out, jnp.zeros((), out.dtype))
+
+    def gmm_combine(self, h, rhs, group_sizes, rows, row_weights, *, tokens, config, out_dtype, group_offset=None,
+                    skip_zero_weights=False, transpose_rhs=False) -> jax.Array:
+        if isinstance(rhs, QArray):
+            raise ValueError("pallas_tpu fused kernels take float weights (config_error refuses QArray problems)")
+        return pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, tokens=tokens, tm=config.tm,
+                                  tk=config.tk, tn=config.tn, out_dtype=jnp.dtype(out_dtype),
+                                  group_offset=group_offset, skip_zero_weights=skip_zero_weights,
+                                  transpose_rhs=transpose_rhs)

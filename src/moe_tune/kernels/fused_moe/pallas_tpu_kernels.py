@@ -1,0 +1,253 @@
+"""The fused MoE kernels in Pallas Mosaic TPU: `gather_gmm` (dispatch fused into the grouped matmul) and
+`gmm_combine` (combine fused into it). The backend, its config and its validity rules are `pallas_tpu.py`.
+
+Both walk the Megablox visit schedule (`ragged_dot/metadata.py`) with the grid (n tiles, visits, k tiles):
+a visit multiplies one `tm`-row tile by its group's weights, `tk` of the contraction at a time, into a
+float32 accumulator, and only that group's rows are kept. The n tiles are outermost (as in Megablox), so a
+row tile shared by two groups is visited twice in a row for the same output block.
+
+- gather_gmm: x stays in HBM. On the first visit of a row tile (per n tile) the kernel DMAs the x rows of
+  the tile's local rows, `x[rows[i]]`, one DMA per row (`gather/pallas_tpu._RowDmaRing`, `rows` in SMEM by
+  scalar prefetch), into a [tm, k] VMEM scratch that the k steps and the tile's second visit reuse: no
+  [m, k] gathered copy exists, and the lhs traffic is that of Megablox, which re-reads lhs per n tile too.
+  Rows outside the shard's range are never read. With `glu`, the gate and up blocks of the same columns
+  are two views of the concatenated weights and the activation runs in float32 before the one rounding.
+  The row DMAs are waited for before the tile's first k step (not overlapped with the previous tile).
+- gmm_combine: h blocks come through BlockSpecs as in Megablox. The output column slab [tokens, tn]
+  stays resident in a float32 VMEM scratch for a whole n tile; after a visit's last k step each local row
+  of the group is weighted (a scalar from SMEM) and added into `slab[rows[i]]`. Within one visit the rows
+  belong to one expert, so (top-k experts being distinct) every add of a visit goes to a different token:
+  a token's k contributions arrive in k different visits, never as a dependency chain inside one step.
+  Invalid rows (outside the shard, or of weight 0 with skip_zero_weights) are skipped, never read, so
+  their NaN cannot leak. The finished slab is DMAed to the float32 [tokens, n] output once per n tile.
+
+Packed 16-bit x cannot be copied one row at a time by Mosaic (its tiles hold row pairs; see
+`gather/pallas_tpu.py`), so gather_gmm stages a bfloat16 x as float32 ([tokens, k], not [m, k]) and casts
+the tile back to bfloat16 for the MXU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
+from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
+from moe_tune.kernels.pallas_util import interpreted, round_up
+from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+
+
+def _interpret():
+    """False on TPU; elsewhere the TPU interpreter (simulated DMAs; fresh VMEM filled with NaN)."""
+    return pltpu.InterpretParams() if interpreted("tpu") else False
+
+
+def _schedule(group_sizes, group_offset, *, m_padded: int, tm: int, groups: int):
+    """Scalar-prefetch tables: group_ids, tile_ids [visits], starts, ends [groups], and info int32 [3] =
+    (number of real visits, first local row, one past the last local row)."""
+    meta = make_group_metadata(group_sizes, m=m_padded, tm=tm, groups=groups,
+                               group_offset=0 if group_offset is None else group_offset)
+    info = jnp.stack([meta.num_visits, meta.group_starts[0], meta.group_ends[groups - 1]]).astype(jnp.int32)
+    return meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, info
+
+
+def _dot(a, w, transpose_rhs: bool):
+    """f32 a [tm, tk] @ w ([tk, tn], or [tn, tk] read transposed)."""
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
+
+
+def _rhs_specs(tk: int, tn: int, transpose_rhs: bool, glu_offset: int | None):
+    """BlockSpecs of the weights' block(s) for grid (j, v, kk): [g, k, n] -> (tk, tn) at (g, kk, j); transposed
+    [g, n, k] -> (tn, tk) at (g, j, kk); with glu a second (up) spec `glu_offset` column blocks further."""
+    if transpose_rhs:
+        return [pl.BlockSpec((None, tn, tk), lambda j, v, kk, gid, *_: (gid[v], j, kk))]
+    specs = [pl.BlockSpec((None, tk, tn), lambda j, v, kk, gid, *_: (gid[v], kk, j))]
+    if glu_offset is not None:
+        specs.append(pl.BlockSpec((None, tk, tn), lambda j, v, kk, gid, *_: (gid[v], kk, j + glu_offset)))
+    return specs
+
+
+def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm, tk, k_steps, dmas, glu,
+                       transpose_rhs, dot_dtype):
+    """gid / tid int32 [visits], starts / ends int32 [groups], info int32 [3], rows_ref int32 [m_p] (SMEM);
+    x_hbm [tokens, kc] in HBM; w refs (1, or 2 with glu); o_ref [tm, tn]; xbuf [tm, kc]; acc f32 (1 or 2);
+    sems DMA [dmas]."""
+    n_w = 2 if glu else 1
+    w_refs, (o_ref, xbuf), rest = refs[:n_w], refs[n_w:n_w + 2], refs[n_w + 2:]
+    accs, sems = rest[:n_w], rest[n_w]
+    v, kk = pl.program_id(1), pl.program_id(2)
+    real = v < info[0]
+    tile = tid[v]
+    row0 = tile * tm
+    first_of_tile = (v == 0) | (tile != tid[jnp.maximum(v - 1, 0)])
+
+    @pl.when(real & (kk == 0) & first_of_tile)
+    def _():
+        lo, hi = jnp.maximum(info[1], row0), jnp.minimum(info[2], row0 + tm)
+        ring = _RowDmaRing(x_hbm, xbuf.at[pl.ds(0, 1)], sems, dmas)
+
+        def issue(i, slot):
+            ring.start(rows_ref[i], xbuf.at[pl.ds(i - row0, 1)], i - lo, slot)
+            return ring.next_slot(slot)
+
+        jax.lax.fori_loop(lo, hi, issue, jnp.int32(0))
+        ring.drain(jnp.maximum(hi - lo, 0))
+
+    @pl.when(real)
+    def _():
+        @pl.when(kk == 0)
+        def _():
+            for acc in accs:
+                acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+        a = xbuf[:, pl.ds(pl.multiple_of(kk * tk, tk), tk)].astype(dot_dtype)
+        for acc, w_ref in zip(accs, w_refs):
+            acc[...] += _dot(a, w_ref[...].astype(dot_dtype), transpose_rhs)
+
+        @pl.when(kk == k_steps - 1)
+        def _():
+            out = accs[0][...]
+            if glu:
+                out = ACTIVATIONS[glu][0](out) * accs[1][...]
+            group = gid[v]
+            row = row0 + jax.lax.broadcasted_iota(jnp.int32, out.shape, 0)
+            keep = (row >= starts[group]) & (row < ends[group])
+            # A select: the tile's other rows hold another group's result (written by its own visit) or
+            # rows never gathered (stale VMEM, maybe NaN).
+            o_ref[...] = jnp.where(keep, out.astype(o_ref.dtype), o_ref[...])
+
+
+def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, dmas_in_flight: int, out_dtype,
+                      group_offset=None, glu: str | None = None, transpose_rhs: bool = False) -> jax.Array:
+    """x [tokens, kc] (f32 / bf16; kc a multiple of 128), rows int32 [m], rhs float [g, kc, n_w] ([g, n_w, kc]
+    with transpose_rhs), group_sizes int32 [total] normalized -> [m, n_out] in out_dtype (n_out = n_w / 2
+    with glu). Rows outside the local groups are left unwritten here; the caller zeroes them."""
+    m, kc = rows.shape[0], x.shape[1]
+    groups = rhs.shape[0]
+    n_w = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    n_out = n_w // 2 if glu else n_w
+    m_p = round_up(m, tm)
+    tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
+    visits = tables[0].shape[0]
+    # Mosaic copies 32-bit rows only: stage a 16-bit x as float32 (a [tokens, kc] copy, not [m, kc]).
+    staged = x if x.dtype.itemsize == 4 else x.astype(jnp.float32)
+    dot_dtype = jnp.promote_types(x.dtype, rhs.dtype)
+    n_acc = 2 if glu else 1
+    kernel = functools.partial(_gather_gmm_kernel, tm=tm, tk=tk, k_steps=kc // tk, dmas=dmas_in_flight,
+                               glu=glu, transpose_rhs=transpose_rhs, dot_dtype=dot_dtype)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),  # a ragged last row tile is clipped on write
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(pl.cdiv(n_out, tn), visits, kc // tk),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY),
+                      *_rhs_specs(tk, tn, transpose_rhs, n_out // tn if glu else None)],
+            out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, gid, tid, *_: (tid[v], j)),
+            scratch_shapes=[pltpu.VMEM((tm, kc), staged.dtype),
+                            *[pltpu.VMEM((tm, tn), jnp.float32)] * n_acc,
+                            pltpu.SemaphoreType.DMA((dmas_in_flight,))],
+        ),
+        # The xbuf scratch carries a tile's rows from one grid step to the next: every axis is sequential.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary", "arbitrary")),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m * kc * n_w, transcendentals=m * n_out if glu else 0,
+            bytes_accessed=m * kc * staged.dtype.itemsize + rhs.size * rhs.dtype.itemsize
+            + m * n_out * jnp.dtype(out_dtype).itemsize),
+        interpret=_interpret(),
+        name="moe_tune_gather_gmm",
+    )
+    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *[rhs] * n_acc)
+
+
+def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, w_ref, out_hbm, acc, slab, sem, *,
+                        tm, tn, k_steps, skip_zero, transpose_rhs, dot_dtype):
+    """gid / tid / starts / ends / info as in `_gather_gmm_kernel`; rows_ref int32 [m_p] and w_smem f32 [m_p]
+    (SMEM); h_ref [tm, tk]; w_ref the weights' block; out_hbm f32 [tokens, n] in HBM; acc f32 [tm, tn]; slab
+    f32 [tokens, tn]; sem one DMA semaphore."""
+    j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    last_v, last_k = pl.num_programs(1) - 1, k_steps - 1
+
+    @pl.when((v == 0) & (kk == 0))
+    def _():
+        slab[...] = jnp.zeros(slab.shape, jnp.float32)
+
+    @pl.when(v < info[0])
+    def _():
+        @pl.when(kk == 0)
+        def _():
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+        acc[...] += _dot(h_ref[...].astype(dot_dtype), w_ref[...].astype(dot_dtype), transpose_rhs)
+
+        @pl.when(kk == last_k)
+        def _():
+            group, row0 = gid[v], tid[v] * tm
+
+            def add(i, carry):
+                weight = w_smem[i]
+
+                def accumulate():
+                    t = rows_ref[i]
+                    slab[pl.ds(t, 1), :] += weight * acc[pl.ds(i - row0, 1), :]
+
+                if skip_zero:
+                    pl.when(weight != 0)(accumulate)
+                else:
+                    accumulate()
+                return carry
+
+            # Only the group's rows: the tile's other rows may be NaN (outside the shard) or another
+            # group's (added by that group's visit).
+            jax.lax.fori_loop(jnp.maximum(starts[group], row0), jnp.minimum(ends[group], row0 + tm), add, 0)
+
+    @pl.when((v == last_v) & (kk == last_k))
+    def _():
+        copy = pltpu.make_async_copy(slab, out_hbm.at[:, pl.ds(pl.multiple_of(j * tn, tn), tn)], sem)
+        copy.start()
+        copy.wait()
+
+
+def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tk: int, tn: int,
+                       out_dtype, group_offset=None, skip_zero_weights: bool = False,
+                       transpose_rhs: bool = False) -> jax.Array:
+    """h [m, kc] (f32 / bf16), rhs float [g, kc, n] ([g, n, kc] with transpose_rhs), group_sizes int32 [total]
+    normalized, rows int32 [m], row_weights [m] -> [tokens, n] in out_dtype, accumulated in float32 (tn must
+    divide n: the slab is copied out in whole column blocks)."""
+    m, kc = h.shape
+    groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    m_p = round_up(m, tm)
+    tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
+    visits = tables[0].shape[0]
+    pad = (0, m_p - m)
+    kernel = functools.partial(_gmm_combine_kernel, tm=tm, tn=tn, k_steps=kc // tk, skip_zero=skip_zero_weights,
+                               transpose_rhs=transpose_rhs, dot_dtype=jnp.promote_types(h.dtype, rhs.dtype))
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((tokens, n), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=7,
+            grid=(n // tn, visits, kc // tk),
+            in_specs=[pl.BlockSpec((tm, tk), lambda j, v, kk, gid, tid, *_: (tid[v], kk)),
+                      *_rhs_specs(tk, tn, transpose_rhs, None)],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tokens, tn), jnp.float32),
+                            pltpu.SemaphoreType.DMA(())],
+        ),
+        # Each n tile owns its slab and its output columns: n tiles may run on different cores.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m * kc * n, transcendentals=0,
+            bytes_accessed=(n // tn) * m * kc * h.dtype.itemsize + rhs.size * rhs.dtype.itemsize + tokens * n * 4),
+        interpret=_interpret(),
+        name="moe_tune_gmm_combine",
+    )
+    out = call(*tables, jnp.pad(rows.astype(jnp.int32), pad), jnp.pad(row_weights.astype(jnp.float32), pad),
+               h, rhs)  # h is not padded: a ragged last tile's rows are past m, never added
+    return out.astype(out_dtype)
