@@ -72,6 +72,18 @@ def _fwd_accumulate(lhs_ref, lhs_scale_ref, rhs_ref, rhs_scale_ref, acc_ref, k_i
         acc_ref[...] += part
 
 
+def _dequantized_row_blocks(values_ref, scale_ref, tile_index, tile: int, block: int):
+    """The DEQUANTIZE loop of both gradient kernels: the `tile` rows of `values_ref` (tile `tile_index` of an
+    axis scaled in blocks of `block` rows, the forward k: dlhs's weight rows, tgmm's lhs^T rows) in sub-blocks
+    of min(tile, block) rows, each within one scale block. Yields (rows: a pl.ds into the tile, float32
+    values of those rows times their scale row of `scale_ref` [axis / block, cols], whole along the axis)."""
+    sub = min(tile, block)
+    for j in range(tile // sub):
+        rows = pl.ds(j * sub, sub)
+        scale_row = _div(tile_index * tile + j * sub, block)
+        yield rows, values_ref[rows, :].astype(jnp.float32) * scale_ref[pl.ds(scale_row, 1), :]
+
+
 def _dlhs_accumulate(lhs_ref, rhs_ref, rhs_scale_ref, acc_ref, n_i, *, plan: QuantPlan, tn):
     """dlhs: acc += x [tm, tk] @ w^T (w [tn, tk]) in float32 (`QuantPlan.float32_dots`: x is dout, float, or
     float32 with a per-channel scale folded in); a DEQUANTIZE scale runs along w's rows, the output, in blocks:
@@ -80,12 +92,8 @@ def _dlhs_accumulate(lhs_ref, rhs_ref, rhs_scale_ref, acc_ref, n_i, *, plan: Qua
     if plan.b.scale is not Apply.DEQUANTIZE:
         acc_ref[...] += _dot(x, rhs_ref[...].astype(jnp.float32), _NT)
         return
-    block = plan.b.block
-    sub = min(tn, block)
-    for j in range(tn // sub):
-        row = _div(n_i * tn + j * sub, block)
-        w = rhs_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * rhs_scale_ref[pl.ds(row, 1), :]
-        acc_ref[:, pl.ds(j * sub, sub)] += _dot(x, w, _NT)
+    for rows, w in _dequantized_row_blocks(rhs_ref, rhs_scale_ref, n_i, tn, plan.b.block):
+        acc_ref[:, rows] += _dot(x, w, _NT)
 
 
 def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, plan: QuantPlan, tm, tk, tn, k_tiles, chunk):
@@ -189,12 +197,8 @@ def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale
             x = jnp.where(keep, lhs_t_ref[...].astype(jnp.float32), 0.0)
             acc_ref[...] += _dot(x, d)
             return
-        block = plan.a.block
-        sub = min(tk, block)
-        for j in range(tk // sub):
-            row = _div(k_i * tk + j * sub, block)
-            x = lhs_t_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * scale_t_ref[pl.ds(row, 1), :]
-            acc_ref[pl.ds(j * sub, sub), :] += _dot(jnp.where(keep, x, 0.0), d)
+        for rows, x in _dequantized_row_blocks(lhs_t_ref, scale_t_ref, k_i, tk, plan.a.block):
+            acc_ref[rows, :] += _dot(jnp.where(keep, x, 0.0), d)
 
     @pl.when(last & (visit < num_visits[0]))
     def _store():
