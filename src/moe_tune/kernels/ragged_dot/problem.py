@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.errors import UsageError
-from moe_tune.quant import QDTYPES, QArray, check_operand
+from moe_tune.quant import FOUR_BIT, QDTYPES, DynamicQuant, QArray, block_rule, check_operand
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")
 # The two operands each direction's kernel reads, `a` and `b` (`RaggedDotBackend.run`), by forward name.
@@ -43,15 +43,19 @@ class RaggedDotProblem:
     the local count. `total_groups` is kept for input generation and is not part of the key.
 
     Quantized operands (`moe_tune.QArray`): `lhs_qdtype` / `rhs_qdtype` name the stored dtype (int8,
-    float8_e4m3fn; None for a float operand) and `lhs_qblock` / `rhs_qblock` how many elements along k share
-    one scale (k: one scale per row / channel). A quantized operand's `lhs_dtype` / `rhs_dtype` is float32,
-    the dtype of its dequantized values. The quantization fields enter `key_fields` only for a quantized
-    operand, so the keys of float problems are those they always were.
+    float8_e4m3fn, int4, float4_e2m1fn = mxfp4; None for a float operand) and `lhs_qblock` / `rhs_qblock` how
+    many elements along k share one scale (k: one scale per row / channel; mxfp4: 32). A quantized operand's
+    `lhs_dtype` / `rhs_dtype` is float32, the dtype of its dequantized values. `lhs_qdynamic`: the lhs is
+    float (`lhs_dtype` its dtype) and the kernel quantizes each tile it loads to `lhs_qdtype` in blocks of
+    `lhs_qblock` (`moe_tune.DynamicQuant`, dynamic w8a8; only with quantized weights). The quantization fields
+    enter `key_fields` only for a quantized operand (`lhs_qdynamic` only when true), so the keys of float
+    problems are those they always were.
     """
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("m",)  # what `nearest` lookup may vary
     # key fields only a quantized problem has (after the others, in this order)
-    OPTIONAL_KEY_FIELDS: ClassVar[tuple[str, ...]] = ("lhs_qdtype", "lhs_qblock", "rhs_qdtype", "rhs_qblock")
+    OPTIONAL_KEY_FIELDS: ClassVar[tuple[str, ...]] = ("lhs_qdtype", "lhs_qblock", "rhs_qdtype", "rhs_qblock",
+                                                      "lhs_qdynamic")
 
     m: int
     k: int
@@ -66,6 +70,7 @@ class RaggedDotProblem:
     rhs_qdtype: str | None = None
     lhs_qblock: int | None = None
     rhs_qblock: int | None = None
+    lhs_qdynamic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("m", "k", "n", "groups"):
@@ -83,6 +88,12 @@ class RaggedDotProblem:
             object.__setattr__(self, name, canonical)
         for side in ("lhs", "rhs"):
             self._check_quantization(side)
+        if self.lhs_qdynamic:
+            if self.lhs_qdtype is None or self.lhs_qdtype in FOUR_BIT:
+                raise UsageError("lhs_qdynamic quantizes the activations in the kernel to lhs_qdtype int8 or "
+                                 f"float8_e4m3fn, got {self.lhs_qdtype}")
+            if self.rhs_qdtype is None:
+                raise UsageError("activations quantized in the kernel (lhs_quant) need quantized weights (rhs)")
 
     def _check_quantization(self, side: str) -> None:
         qdtype, qblock = getattr(self, f"{side}_qdtype"), getattr(self, f"{side}_qblock")
@@ -90,12 +101,12 @@ class RaggedDotProblem:
             if qblock is not None:
                 raise UsageError(f"{side}_qblock given without {side}_qdtype")
             return
-        qdtype = dtype_name(qdtype)
+        qdtype = "float4_e2m1fn" if qdtype == "mxfp4" else dtype_name(qdtype)
         if qdtype not in QDTYPES:
             raise UsageError(f"{side}_qdtype {qdtype} is not supported; use one of {', '.join(QDTYPES)}")
-        qblock = self.k if qblock is None else qblock
-        if not isinstance(qblock, (int, np.integer)) or qblock <= 0 or self.k % qblock:
-            raise UsageError(f"{side}_qblock {qblock!r} must be a positive divisor of k={self.k}")
+        if (rule := block_rule(qdtype, qblock, self.k)) is not None:  # mxfp4: 32 (None too)
+            raise UsageError(f"{side}_qblock: {rule.replace('axis 1', 'k')}")
+        qblock = self.k if qblock is None and qdtype != "float4_e2m1fn" else qblock or 32
         object.__setattr__(self, f"{side}_qdtype", qdtype)
         object.__setattr__(self, f"{side}_qblock", int(qblock))
 
@@ -137,9 +148,16 @@ class RaggedDotProblem:
         (the rows [m, k] and [m, n], and the groups' [groups, k, n] matrices)."""
         size = lambda dtype: np.dtype(jnp.dtype(dtype)).itemsize
         lhs, rhs = self.m * self.k, self.groups * self.k * self.n
-        # a quantized operand: its 1-byte values and its float32 scales (one per qblock elements along k)
-        lhs = lhs * size(self.lhs_dtype) if self.lhs_qdtype is None else lhs + 4 * lhs // self.lhs_qblock
-        rhs = rhs * size(self.rhs_dtype) if self.rhs_qdtype is None else rhs + 4 * rhs // self.rhs_qblock
+
+        def stored(elements: int, dtype: str, qdtype: str | None, qblock: int | None) -> int:
+            # a quantized operand: its values (4-bit: two a byte) and float32 scales (one per qblock along k)
+            if qdtype is None:
+                return elements * size(dtype)
+            return elements // (2 if qdtype in FOUR_BIT else 1) + 4 * elements // qblock
+
+        # activations quantized in the kernel are read as the floats they are
+        lhs = stored(lhs, self.lhs_dtype, None if self.lhs_qdynamic else self.lhs_qdtype, self.lhs_qblock)
+        rhs = stored(rhs, self.rhs_dtype, self.rhs_qdtype, self.rhs_qblock)
         return lhs + rhs + self.m * self.n * size(self.out_dtype)
 
     def key_fields(self) -> dict[str, Any]:
@@ -155,6 +173,7 @@ class RaggedDotProblem:
             "out_dtype": self.out_dtype,
             **{f"{side}_{field}": getattr(self, f"{side}_{field}") for side in ("lhs", "rhs")
                if getattr(self, f"{side}_qdtype") is not None for field in ("qdtype", "qblock")},
+            **({"lhs_qdynamic": True} if self.lhs_qdynamic else {}),
         }
 
     @classmethod
@@ -176,7 +195,8 @@ class RaggedDotProblem:
         direction: str = "fwd",
     ) -> "RaggedDotProblem":
         """Validate the operands of a forward ragged_dot and describe them (works on tracers). Either operand
-        may be a `QArray` (lhs [m, k] scaled [m, k/bs], rhs [g, k, n] scaled [g, k/bs, n])."""
+        may be a `QArray` (lhs [m, k] scaled [m, k/bs], rhs [g, k, n] scaled [g, k/bs, n]); lhs may be a
+        `DynamicQuant` (float activations quantized in the kernel)."""
         if getattr(lhs, "ndim", None) != 2:
             raise UsageError(f"lhs must be [m, k], got shape {getattr(lhs, 'shape', None)}")
         if getattr(rhs, "ndim", None) != 3:
@@ -197,6 +217,8 @@ class RaggedDotProblem:
             if isinstance(x, QArray):
                 quant[f"{side}_qblock"] = check_operand(x, name=side, layout=layout)
                 quant[f"{side}_qdtype"] = x.dtype.name
+        if isinstance(lhs, DynamicQuant):
+            quant.update(lhs_qdtype=lhs.qdtype, lhs_qblock=lhs.block(), lhs_qdynamic=True)
         # a quantized operand counts as float32 (what it dequantizes to); the output follows the float ones
         lhs_dtype, rhs_dtype = (DEQUANTIZED_DTYPE if isinstance(x, QArray) else x.dtype for x in (lhs, rhs))
         floats = [x.dtype for x in (lhs, rhs) if not isinstance(x, QArray)] or [jnp.float32]

@@ -28,6 +28,14 @@ The plan also says what the kernel loads (`OperandPlan.dtype`), whether `TiledCo
 
 Once the folds are done the kernel's own plan (from its arrays) says NONE where FOLD was, and float32 for
 the operand folded into.
+
+4-bit weights (int4, float4_e2m1fn = mxfp4) follow the same placements as the 1-byte ones: the kernel loads
+the 4-bit blocks (`OperandPlan.four_bit`) and converts them where it loads them. Activations quantized in the
+kernel (dynamic w8a8, `moe_tune.DynamicQuant`; fwd only): operand a is float in memory (`dtype`), and the
+kernel quantizes each tile it loads to `quantize_to` (int8, float8_e4m3fn) per row and block of `block`
+along k, its scale from the tile itself; that scale then applies as a stored one would (OUTPUT for one per
+row, STEP for sub-channel blocks). In dlhs the activations are not an operand (their gradient is the
+straight-through one: dout times the dequantized weights); in drhs they are read as the floats they are.
 """
 
 from __future__ import annotations
@@ -59,27 +67,42 @@ class Apply(enum.Enum):
 
 
 class Layout(NamedTuple):
-    """What a kernel operand holds: its stored dtype name, and how many elements along the forward k share
-    one scale (k: one scale per row / channel; None: no scale)."""
+    """What a kernel operand holds: its stored dtype name, how many elements along the forward k share one
+    scale (k: one scale per row / channel; None: no scale), and `quantize_to`: the dtype a float operand's
+    tiles are quantized to in the kernel (dynamic w8a8; `block` is then the block of those scales)."""
 
     dtype: str
     block: int | None = None
+    quantize_to: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class OperandPlan:
-    """One kernel operand: `dtype` the dtype of the blocks the kernel loads (1-byte values, a float dtype,
-    float32 after a fold), `scale` where its scale applies, `block` its scale block along the forward k
-    (None: no scale in the kernel)."""
+    """One kernel operand: `dtype` the dtype of the blocks the kernel loads (1-byte or 4-bit values, a float
+    dtype, float32 after a fold), `scale` where its scale applies, `block` its scale block along the forward
+    k (None: no scale in the kernel), `quantize_to` the dtype the kernel quantizes its float tiles to
+    (dynamic w8a8: the scales are computed in the kernel, per row and `block`), else None."""
 
     dtype: str
     scale: Apply = Apply.NONE
     block: int | None = None
+    quantize_to: str | None = None
 
     @property
     def low_bit(self) -> bool:
-        """Whether the kernel loads 1-byte values (int8, float8) of this operand."""
-        return jnp.dtype(self.dtype).itemsize == 1
+        """Whether the kernel loads quantized values (int8, float8, int4, float4) of this operand."""
+        return jnp.dtype(self.dtype).itemsize == 1  # ml_dtypes' 4-bit dtypes take a byte as NumPy elements
+
+    @property
+    def four_bit(self) -> bool:
+        """Whether the kernel loads 4-bit values (int4, float4_e2m1fn) of this operand."""
+        return jnp.dtype(self.dtype).name in ("int4", "float4_e2m1fn")
+
+    @property
+    def dot_dtype(self) -> str:
+        """The dtype of this operand's values where they meet the dot: `quantize_to` when the kernel
+        quantizes the tile, else `dtype`."""
+        return self.quantize_to or self.dtype
 
     def scaled_after(self, step: int) -> bool:
         """Whether a k step of `step` elements lies inside one of this operand's STEP scale blocks, so that
@@ -108,8 +131,9 @@ class QuantPlan:
 
     @property
     def quantized(self) -> bool:
-        """Whether the kernel reads 1-byte values (then the backends run their quantized kernels)."""
-        return self.a.low_bit or self.b.low_bit
+        """Whether the kernel reads quantized values or quantizes a tile (then the backends run their
+        quantized kernels)."""
+        return self.a.low_bit or self.b.low_bit or self.a.quantize_to is not None
 
     @property
     def float32_dots(self) -> bool:
@@ -176,6 +200,8 @@ def _placement(direction: str, operand: str, block: int | None, k: int) -> Apply
 def make_plan(direction: str, k: int, a: Layout, b: Layout) -> QuantPlan:
     """The plan of `direction` (fwd, dlhs, drhs) for kernel operands laid out as `a` and `b` (see the module
     docstring for which operands those are), their scales along the forward `k` in blocks of `block`."""
+    if direction != "fwd":  # activations quantized in the kernel: only the forward kernel quantizes them
+        a, b = (Layout(x.dtype) if x.quantize_to else x for x in (a, b))
     placements = {name: _placement(direction, name, layout.block, k) for name, layout in (("a", a), ("b", b))}
     # what the kernel loads: the other operand becomes float32 where a scale is folded into it
     folded_into = {"a": placements["b"] is Apply.FOLD, "b": placements["a"] is Apply.FOLD}
@@ -184,21 +210,25 @@ def make_plan(direction: str, k: int, a: Layout, b: Layout) -> QuantPlan:
         as_float = folded_into[name] or placements[name] is Apply.BEFORE
         scale = placements[name]
         in_hand = scale not in (Apply.NONE, Apply.BEFORE)  # BEFORE: no scale is left once dequantized
-        plans[name] = OperandPlan(FLOAT32 if as_float else layout.dtype, scale, layout.block if in_hand else None)
+        plans[name] = OperandPlan(FLOAT32 if as_float else layout.dtype, scale, layout.block if in_hand else None,
+                                  layout.quantize_to)
     dequantizable = direction == "fwd" and a.block is None and placements["b"] is Apply.STEP
     return QuantPlan(direction, k, plans["a"], plans["b"], dequantizable)
 
 
 def problem_plan(problem: RaggedDotProblem) -> QuantPlan:
     """The plan of the problem's direction: a quantized operand is its stored dtype (`lhs_qdtype`) with its
-    scale block (`lhs_qblock`), a float one its dtype; dout is float (`out_dtype`)."""
+    scale block (`lhs_qblock`), a float one its dtype, activations quantized in the kernel (`lhs_qdynamic`)
+    their float dtype quantized to `lhs_qdtype`; dout is float (`out_dtype`)."""
     float_dtypes = dict(zip(OPERANDS[problem.direction], problem.operand_dtypes()[:2]))
 
     def layout(operand: str) -> Layout:
         if operand == "dout":
             return Layout(float_dtypes[operand])
-        qdtype = getattr(problem, f"{operand}_qdtype")
-        return Layout(qdtype or float_dtypes[operand], getattr(problem, f"{operand}_qblock"))
+        qdtype, block = getattr(problem, f"{operand}_qdtype"), getattr(problem, f"{operand}_qblock")
+        if operand == "lhs" and problem.lhs_qdynamic:
+            return Layout(float_dtypes[operand], block, qdtype)
+        return Layout(qdtype or float_dtypes[operand], block)
 
     a, b = (layout(operand) for operand in OPERANDS[problem.direction])
     return make_plan(problem.direction, problem.k, a, b)
@@ -209,15 +239,27 @@ def _layout(values: jax.Array, scale: jax.Array | None, k: int) -> Layout:
     return Layout(jnp.dtype(values.dtype).name, None if scale is None else k // scale.shape[1])
 
 
-def gmm_plan(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, rhs_scale: jax.Array | None, *,
-             transpose_rhs: bool) -> QuantPlan:
+def gmm_plan(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, rhs_scale: jax.Array | None,
+             lhs_quant: "LhsQuant | None" = None, *, transpose_rhs: bool) -> QuantPlan:
     """The plan of a gmm from its arrays (shapes and dtypes only; tracers welcome): fwd lhs [m, k] with
     lhs_scale None or [m, k/bs], rhs [g, k, n] with rhs_scale None or [g, k/bs, n]; with transpose_rhs (dlhs)
-    lhs is dout [m, n] and rhs the forward rhs [g, k, n], its scale still [g, k/bs, n]."""
+    lhs is dout [m, n] and rhs the forward rhs [g, k, n], its scale still [g, k/bs, n]. `lhs_quant`: a float
+    lhs the kernel quantizes tile by tile (`quantized.GmmOperands.lhs_quant`)."""
     k = rhs.shape[1]
     direction = "dlhs" if transpose_rhs else "fwd"
     lhs_k = lhs.shape[1]  # fwd: k; dlhs: n, along which a quantized dout is scaled
-    return make_plan(direction, k, _layout(lhs, lhs_scale, lhs_k), _layout(rhs, rhs_scale, k))
+    a = _layout(lhs, lhs_scale, lhs_k)
+    if lhs_quant is not None:
+        a = Layout(a.dtype, lhs_quant.block, lhs_quant.qdtype)
+    return make_plan(direction, k, a, _layout(rhs, rhs_scale, k))
+
+
+class LhsQuant(NamedTuple):
+    """Activations the kernel quantizes where it loads them (`moe_tune.DynamicQuant`): to `qdtype` (int8,
+    float8_e4m3fn), one scale per row and `block` elements along k (k: one per row)."""
+
+    qdtype: str
+    block: int
 
 
 def tgmm_plan(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array,

@@ -11,6 +11,9 @@ reads 1-byte values as they are:
   sub-channel one [m, k/bs] is left to the kernel.
 
 Folded operands are float32 (the product of a low-precision value and a float32 scale, kept exact).
+
+Activations quantized in the kernel (`moe_tune.DynamicQuant`, fwd only) reach the kernel as their float
+values with `GmmOperands.lhs_quant` saying what to quantize each loaded tile to (`quant.quantize_tile`).
 """
 
 from __future__ import annotations
@@ -23,19 +26,22 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
-from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, tgmm_plan
-from moe_tune.quant import QArray, dequantize, split
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, LhsQuant, QuantPlan, gmm_plan, tgmm_plan
+from moe_tune.quant import DynamicQuant, QArray, dequantize, split
 
 
 class GmmOperands(NamedTuple):
     """What a gmm kernel reads. Without transpose_rhs: lhs [m, k] (float, int8 or fp8) with lhs_scale None
-    or f32 [m, k/bs_l], rhs [g, k, n] with rhs_scale None or f32 [g, k/bs_r, n]. With transpose_rhs: lhs is
-    float (lhs_scale None), rhs [g, n_out, k] with rhs_scale None or f32 [g, n_out/bs, k] (sub-channel)."""
+    or f32 [m, k/bs_l], rhs [g, k, n] (float, int8, fp8, int4, float4_e2m1fn) with rhs_scale None or f32
+    [g, k/bs_r, n]. With transpose_rhs: lhs is float (lhs_scale None), rhs [g, n_out, k] with rhs_scale None
+    or f32 [g, n_out/bs, k] (sub-channel). lhs_quant: a float lhs whose tiles the kernel quantizes (fwd,
+    `quant_plan.LhsQuant`), else None."""
 
     lhs: jax.Array
     lhs_scale: jax.Array | None
     rhs: jax.Array
     rhs_scale: jax.Array | None
+    lhs_quant: LhsQuant | None = None
 
     def plan(self, transpose_rhs: bool) -> QuantPlan:
         """The kernel's plan for these operands (`quant_plan.gmm_plan`)."""
@@ -55,11 +61,13 @@ def fold_rows(x: jax.Array, row_scale: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * row_scale
 
 
-def prepare_gmm(lhs: jax.Array | QArray, rhs: jax.Array | QArray, group_sizes: jax.Array,
+def prepare_gmm(lhs: jax.Array | QArray | DynamicQuant, rhs: jax.Array | QArray, group_sizes: jax.Array,
                 group_offset: jax.Array | None, transpose_rhs: bool) -> GmmOperands:
     """Split the operands of gmm into values and scales, and carry out the plan's steps before the kernel
     (`quant_plan.gmm_plan`): a quantized dout (dlhs) dequantized, a per-channel rhs scale (dlhs) folded into
-    dout by each row's group."""
+    dout by each row's group. A `DynamicQuant` lhs stays float, described by `lhs_quant`."""
+    lhs_quant = LhsQuant(lhs.qdtype, lhs.block()) if isinstance(lhs, DynamicQuant) else None
+    lhs = lhs.value if isinstance(lhs, DynamicQuant) else lhs
     (lhs_values, lhs_scale), (rhs_values, rhs_scale) = split(lhs), split(rhs)
     plan = gmm_plan(lhs_values, lhs_scale, rhs_values, rhs_scale, transpose_rhs=transpose_rhs)
     if plan.a.scale is Apply.BEFORE:
@@ -68,7 +76,7 @@ def prepare_gmm(lhs: jax.Array | QArray, rhs: jax.Array | QArray, group_sizes: j
         groups = rhs_values.shape[0]
         gid = row_groups(group_sizes, lhs_values.shape[0], groups, group_offset)
         lhs_values, rhs_scale = fold_rows(lhs_values, rhs_scale[gid, 0, :]), None
-    return GmmOperands(lhs_values, lhs_scale, rhs_values, rhs_scale)
+    return GmmOperands(lhs_values, lhs_scale, rhs_values, rhs_scale, lhs_quant)
 
 
 def prepare_tgmm(lhs: jax.Array | QArray, dout: jax.Array | QArray) -> tuple[jax.Array, jax.Array | None, jax.Array]:
@@ -85,12 +93,13 @@ def prepare_tgmm(lhs: jax.Array | QArray, dout: jax.Array | QArray) -> tuple[jax
 
 
 def dot_dtypes(a: jax.Array, b: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
-    """(operand dtype, accumulator dtype) for a dot of a and b, either of which may hold 1-byte values:
-    int8 x int8 runs on integers (exact, int32); a 1-byte operand next to a float one is converted to that
-    float dtype (exact: int8 and float8_e4m3fn values fit bfloat16); two 1-byte float operands meet in
+    """(operand dtype, accumulator dtype) for a dot of a and b, either of which may hold quantized values:
+    two integer operands (int8, int4) run on integers (int4 converted to int8; exact, int32); a quantized
+    operand next to a float one is converted to that float dtype (exact: int8, float8_e4m3fn, int4 and
+    float4_e2m1fn values fit bfloat16); two quantized float operands (or float and integer ones) meet in
     bfloat16. Accumulation is float32 or wider."""
     da, db = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
-    if da == db == jnp.int8:
+    if jnp.issubdtype(da, jnp.integer) and jnp.issubdtype(db, jnp.integer):
         return jnp.dtype(jnp.int8), jnp.dtype(jnp.int32)
     floats = [d for d in (da, db) if d.itemsize > 1]
     common = jnp.promote_types(*floats) if len(floats) == 2 else (floats[0] if floats else jnp.dtype(jnp.bfloat16))

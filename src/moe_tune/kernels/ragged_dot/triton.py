@@ -265,7 +265,7 @@ class TritonRaggedDot(RaggedDotBackend):
                 "num_warps": [4, 8], "num_stages": [2, 3, 4]}
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
-        lhs, lhs_scale, rhs, rhs_scale = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
+        lhs, lhs_scale, rhs, rhs_scale, _ = prepare_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs)
         plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, transpose_rhs=transpose_rhs).kernel_plan()  # unpadded
         m, k = lhs.shape
         groups = rhs.shape[0]
