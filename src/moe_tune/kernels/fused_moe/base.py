@@ -13,12 +13,16 @@ Conventions shared with ragged_dot (`ragged_dot/base.py`):
 - rhs float [groups, k, n] in the activations' dtype, or a `moe_tune.QArray` scaled along k (scale
   [groups, k/bs, n]); with `transpose_rhs` the same forward weights, read as [groups, n, k] (rhs[g].T).
 - Low-precision operands are multiplied with float32 accumulation.
+- Gate and up as two arrays: a backend that sets `split_weights = True` may be given `rhs` as a tuple of
+  parts (gate, up), each [groups, k, f] (or QArray), that stand for their concatenation along n (for the
+  transposed forms: along the contraction); `weight_parts` / `weights_shape` read either form. For any other
+  backend the op concatenates them first (one copy of the weights per call).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +32,21 @@ from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.quant import QArray
 
 
+Weights = Union[jax.Array, QArray, tuple]  # one array / QArray, or a tuple of parts (`split_weights`)
+
+
+def weight_parts(rhs: Weights) -> list:
+    """The parts of `rhs`: a tuple's items, else [rhs]."""
+    return list(rhs) if isinstance(rhs, tuple) else [rhs]
+
+
+def weights_shape(rhs: Weights) -> tuple[int, int, int]:
+    """(groups, k, n) of the weights the parts stand for, concatenated along their last axis."""
+    parts = weight_parts(rhs)
+    groups, k, _ = parts[0].shape
+    return groups, k, sum(p.shape[2] for p in parts)
+
+
 class FusedMoeBackend(Backend[Any, FusedMoeProblem]):
     """One implementation of the fused dispatch and combine. Subclasses set `name`, `config_cls` (a frozen
     `KernelConfig`; one config class serves all four directions, each tuned separately), `platforms`,
@@ -35,6 +54,7 @@ class FusedMoeBackend(Backend[Any, FusedMoeProblem]):
     `candidate_values` when they have tunables)."""
 
     op = "fused_moe"
+    split_weights: bool = False  # whether `rhs` may come as a tuple of parts (module docstring)
 
     @abc.abstractmethod
     def gather_gmm(

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.fused_moe.activations import apply
-from moe_tune.kernels.fused_moe.base import FusedMoeBackend
+from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
+from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
 from moe_tune.kernels.pallas_util import round_up
@@ -51,17 +51,34 @@ def _dot_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
-def _group_weights(rhs, g, compute) -> jax.Array:
-    """rhs[g] in the dot's dtype: a QArray's group dequantized (float32, then rounded once to `compute`)."""
-    if isinstance(rhs, QArray):
-        return dequantize(QArray(rhs.qvalue[g], rhs.scale[g])).astype(compute)
-    return load(as_bits(per_iteration(rhs, g))[g], rhs.dtype, compute)
+def _group_weights(rhs, g, compute) -> list[jax.Array]:
+    """The parts of rhs[g] (`base.weight_parts`) in the dot's dtype: a QArray's group dequantized (float32,
+    then rounded once to `compute`)."""
+    def one(part):
+        if isinstance(part, QArray):
+            return dequantize(QArray(part.qvalue[g], part.scale[g])).astype(compute)
+        return load(as_bits(per_iteration(part, g))[g], part.dtype, compute)
+    return [one(part) for part in weight_parts(rhs)]
 
 
 def _dot(a, w, transpose_rhs: bool) -> jax.Array:
     """a [r, c] @ w [c, n] (transpose_rhs: w [n, c] contracted on its axis 1), accumulated in float32."""
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
+
+
+def _products(a, parts: list[jax.Array], transpose_rhs: bool) -> list[jax.Array]:
+    """a times the weight parts, float32: one [r, n_p] result per part (their columns side by side make the
+    product with the concatenated weights), or with transpose_rhs one [r, k] result, the parts splitting the
+    contraction (a's columns) instead."""
+    if not transpose_rhs:
+        return [_dot(a, w, False) for w in parts]
+    total, col = None, 0
+    for w in parts:
+        width = w.shape[1]
+        part = _dot(a[:, col:col + width], w, True)
+        total, col = part if total is None else total + part, col + width
+    return [total]
 
 
 def _tiles(starts, ends, g, tm: int, tail: int, m: int, tile_fn, carry):
@@ -89,8 +106,8 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
                      glu: str | None = None, transpose_rhs: bool = False) -> jax.Array:
     """`FusedMoeBackend.gather_gmm` (see there): x [tokens, c], rows int32 [m], rhs [groups, c, n] (transpose:
     [groups, n, c]) -> [m, n] ([m, n/2] with glu) in out_dtype."""
-    m, groups = rows.shape[0], rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    m, (groups, c_dim, n) = rows.shape[0], weights_shape(rhs)
+    n = c_dim if transpose_rhs else n
     out_n = n // 2 if glu else n
     tm, tail = min(tm, m), min(tail, tm, m)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
@@ -104,8 +121,12 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
             if keep is not None:  # a row outside the group may hold any index: read row 0 instead
                 ids = jnp.where(keep, ids, 0)
             xb = load(jnp.take(as_bits(per_iteration(x, t)), ids, axis=0, mode="clip"), x.dtype, compute)
-            h = _dot(xb, w, transpose_rhs)
-            block = as_bits((apply(glu, h) if glu else h).astype(out_dtype))
+            h = _products(xb, w, transpose_rhs)
+            if glu:
+                h = ACTIVATIONS[glu][0](h[0]) * h[1] if len(h) == 2 else apply(glu, h[0])
+            else:
+                h = h[0] if len(h) == 1 else jnp.concatenate(h, axis=1)
+            block = as_bits(h.astype(out_dtype))
             if keep is not None:
                 current = jax.lax.dynamic_slice_in_dim(out, row0, size)
                 block = jnp.where(keep[:, None], block, current)
@@ -121,8 +142,8 @@ def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm
                       group_offset=None, skip_zero_weights: bool = False, transpose_rhs: bool = False) -> jax.Array:
     """`FusedMoeBackend.gmm_combine` (see there): h [m, c], rhs [groups, c, n] (transpose: [groups, n, c]),
     rows int32 [m], row_weights [m] -> [tokens, n] in out_dtype, accumulated in float32."""
-    m, groups = h.shape[0], rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    m, (groups, c_dim, n) = h.shape[0], weights_shape(rhs)
+    n = c_dim if transpose_rhs else n
     tm, tail = min(tm, m), min(tail, tm, m)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
     compute = _dot_dtype(h.dtype)
@@ -135,7 +156,9 @@ def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm
             hb = load(jax.lax.dynamic_slice_in_dim(as_bits(per_iteration(h, t)), row0, size), h.dtype, compute)
             wt = jax.lax.dynamic_slice_in_dim(weights, row0, size)
             ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
-            contribution = _dot(hb, w, transpose_rhs) * wt[:, None]
+            product = _products(hb, w, transpose_rhs)
+            product = product[0] if len(product) == 1 else jnp.concatenate(product, axis=1)
+            contribution = product * wt[:, None]
             drop = None if keep is None else ~keep
             if skip_zero_weights:
                 drop = (wt == 0) if drop is None else drop | (wt == 0)
@@ -159,6 +182,7 @@ def default_tm(problem: FusedMoeProblem) -> int:
 
 class TiledFusedMoe(FusedMoeBackend):
     name = "tiled"
+    split_weights = True  # reads (gate, up) as two parts: no concatenated copy of the weights per call
     revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = TiledFusedConfig
     platforms = ("cpu", "gpu", "tpu")

@@ -1,0 +1,119 @@
+"""Tuner-facing description of the fused MoE kernels (`fused_moe`): problems from options, seeded routed
+inputs, the float64 references."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_tune import distributions
+from moe_tune.kernels import options as opt
+from moe_tune.kernels.base import Backend, KernelConfig
+from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
+from moe_tune.kernels.fused_moe.problem import DIRECTIONS, STAGES, FusedMoeProblem
+from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range
+from moe_tune.kernels.fused_moe.registry import BACKENDS, FALLBACK
+from moe_tune.kernels.kernel_op import KernelOp
+from moe_tune.kernels.options import ShapeOption
+from moe_tune.quant import QArray, dequantize_host, quantize
+
+STAGE = ShapeOption("stage", STAGES, "fused_moe: the fused dispatch (gather + gate/up matmul) or combine (down "
+                    "matmul + weighted sum).")
+GLU = ShapeOption("glu", tuple(ACTIVATIONS), "fused_moe: the gated activation of the dispatch's epilogue "
+                  "(default: none; n is then gate and up concatenated).")
+
+# The default sweep: the gate/up dispatch of one Qwen3-30B-A3B MoE layer (hidden 2048, expert width 768, 128
+# experts, top-8) for 512 tokens: 4096 rows, [2048, 1536] concatenated weights, SiLU.
+DEFAULT_OPTIONS = {"tokens": 512, "top_k": 8, "k": 2048, "n": 1536, "groups": 128, "stage": "dispatch",
+                   "glu": "silu", "dtype": "float32"}
+
+
+class FusedMoeOp(KernelOp):
+    name = "fused_moe"
+    backends = BACKENDS
+    fallback = FALLBACK
+    description = "fused dispatch x[rows] @ w (gate/up, activation) and combine (down, weighted sum into tokens)"
+    directions = DIRECTIONS
+    problem_class = FusedMoeProblem
+    options = (opt.TOKENS, opt.TOP_K, opt.K, opt.N, opt.GROUPS, opt.EP, STAGE, GLU, opt.RHS_QUANT, opt.QUANT_BLOCK,
+               opt.DTYPE)
+
+    def problem(self, *, tokens: int, top_k: int, k: int, n: int, groups: int, stage: str = "dispatch",
+                glu: str | None = None, dtype: str = "float32", ep: int = 1, rhs_quant: str | None = None,
+                quant_block: int | None = None, direction: str = "fwd", **_: Any) -> FusedMoeProblem:
+        """`groups`: experts on this shard; with `ep` > 1 the router has groups x ep experts and the shard's
+        rows are about 1/ep of the tokens x top_k."""
+        return FusedMoeProblem(tokens=tokens, m=tokens * top_k, k=k, n=n, groups=groups, dtype=dtype, stage=stage,
+                               direction=direction, glu=glu if stage == "dispatch" else None,
+                               rhs_qdtype=rhs_quant, rhs_qblock=quant_block if rhs_quant else None,
+                               total_groups=groups * ep if ep > 1 else None, ep=ep)
+
+    def default_problem_options(self) -> dict[str, Any]:
+        return dict(DEFAULT_OPTIONS)
+
+    def make_inputs(self, problem: FusedMoeProblem, distribution: str, seed: int) -> dict[str, Any]:
+        """Routed rows over `total_groups` experts (the shard: the first `groups`), the direction's operand `a`
+        (dispatch: x [tokens, k] / dh [m, n]; combine: h [m, k] with NaN rows outside the shard / dout
+        [tokens, n]), weights [groups, k, n] (a QArray when quantized), row weights; rows outside the shard
+        index past the tokens (they must never be read)."""
+        rng = np.random.default_rng(seed)
+        p, dtype = problem, jnp.dtype(problem.dtype)
+        sizes = distributions.group_sizes(distribution, p.m, p.num_group_sizes, seed)
+        rows = (rng.permutation(p.m) // p.top_k).astype(np.int32) % p.tokens
+        _, start, end = local_row_range(sizes, p.m, p.groups)
+        rows[end:] = p.tokens + 7
+        normal = lambda *shape: rng.standard_normal(shape, np.float32)
+        rhs = normal(p.groups, p.k, p.n) / np.sqrt(p.k)
+        rhs = jax.tree.map(np.asarray, quantize(rhs, p.rhs_qdtype, axis=1, block_size=p.rhs_qblock)) \
+            if p.rhs_qdtype else rhs.astype(dtype)
+        if p.stage == "dispatch":
+            a = normal(p.tokens, p.k) if p.direction == "fwd" else normal(p.m, p.n)
+            weights = np.ones(p.m, np.float32)
+        else:
+            a = normal(p.m, p.k) if p.direction == "fwd" else normal(p.tokens, p.n)
+            weights = rng.random(p.m, np.float32)
+            if p.direction == "fwd":
+                a[end:] = np.nan
+        inputs = {"a": a.astype(dtype), "rows": rows, "rhs": rhs, "group_sizes": sizes, "weights": weights}
+        if p.total_groups:
+            inputs["group_offset"] = np.int32(0)
+        return inputs
+
+    def reference(self, problem: FusedMoeProblem, inputs: Mapping[str, Any]) -> np.ndarray:
+        rhs = inputs["rhs"]
+        rhs = dequantize_host(rhs) if isinstance(rhs, QArray) else rhs
+        common = dict(transpose_rhs=problem.transpose_rhs)
+        if problem.kernel == "gather_gmm":
+            return gather_gmm_reference(inputs["a"], inputs["rows"], rhs, inputs["group_sizes"],
+                                        glu=None if problem.transpose_rhs else problem.glu, **common)
+        return gmm_combine_reference(inputs["a"], rhs, inputs["group_sizes"], inputs["rows"], inputs["weights"],
+                                     tokens=problem.tokens, **common)
+
+    def run(self, backend: Backend, config: KernelConfig, problem: FusedMoeProblem,
+            inputs: Mapping[str, jax.Array]) -> jax.Array:
+        return backend.run(problem, config, dict(inputs))
+
+    def memory_estimate(self, problem: FusedMoeProblem) -> int:
+        """Host and device copies of the inputs, the float64 reference and one output (pure arithmetic)."""
+        p, size = problem, problem.itemsize()
+        a = (p.tokens if (p.stage == "dispatch") == (p.direction == "fwd") else p.m) * \
+            (p.k if p.direction == "fwd" else p.n) * size
+        rhs = p.groups * p.k * p.n * (1 if p.rhs_qdtype else size)
+        out_rows = p.m if p.kernel == "gather_gmm" else p.tokens
+        out_cols = p.k if p.direction == "bwd" else (p.out_n if p.stage == "dispatch" else p.n)
+        return 2 * (a + rhs + 12 * p.m) + out_rows * out_cols * (8 + size)
+
+    def describe(self, problem: FusedMoeProblem) -> str:
+        p = problem
+        glu = f" glu={p.glu}" if p.glu else ""
+        quant = f" rhs {p.rhs_qdtype}" if p.rhs_qdtype else ""
+        ep = f" ep={p.ep}" if p.ep > 1 else ""
+        return (f"fused_moe {p.stage} {p.direction} tokens={p.tokens} m={p.m} k={p.k} n={p.n} g={p.groups}{glu} "
+                f"{p.dtype}{quant}{ep}")
+
+
+FUSED_MOE = FusedMoeOp()

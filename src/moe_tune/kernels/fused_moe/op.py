@@ -1,0 +1,312 @@
+"""The public fused MoE ops: `gather_gmm` (fused dispatch) and `gmm_combine` (fused combine).
+
+Each picks a backend (the platform's, or the caller's) and, per direction, a config (the caller's, else the
+tables', at trace time), and has a custom VJP:
+
+- gather_gmm: dx is a fused scatter-add, the combine kernel with the weights transposed (`gmm_combine`, row
+  weights 1): no [m, k] gradient rows are written. d(weights) is the ragged_dot drhs (tgmm) of the gathered
+  rows, which the backward does write ([m, k]): the existing, tuned ragged_dot kernel. With `glu` the forward
+  under differentiation keeps the pre-activation product [m, n] (what the unfused layer keeps as gate and up)
+  and the backward differentiates the activation on it.
+- gmm_combine: dh is the dispatch kernel with the weights transposed (`gather_gmm` of d(out) rows) times each
+  row's weight; d(row_weights) the row dot of h with it; d(weights) the ragged_dot drhs of the weighted h and
+  the gathered d(out) rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.errors import UsageError
+from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
+from moe_tune.kernels.fused_moe.base import weight_parts, weights_shape
+from moe_tune.kernels.fused_moe.definition import FUSED_MOE
+from moe_tune.kernels.fused_moe.plain_jax import local_rows
+from moe_tune.kernels.fused_moe.problem import DIRECTIONS, FusedMoeProblem
+from moe_tune.kernels.kernel_op import freeze_config
+from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
+from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, select_shard
+from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, RaggedDotProblem, dtype_name
+from moe_tune.quant import QArray, check_operand
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """Static part of one call: backend name, the forward problem, the configs the caller fixed per direction."""
+
+    backend: str
+    problem: FusedMoeProblem
+    given: tuple[tuple[str, Any], ...] = ()
+
+    def _resolve(self, problem: FusedMoeProblem):
+        return FUSED_MOE.resolve_config(self.backend, problem, dict(self.given).get(problem.direction))
+
+    def gather_gmm(self, direction: str, a, rows, rhs, group_sizes, group_offset, *, glu: str | None):
+        """dispatch fwd (its problem keyed on the `glu` it runs) or combine bwd (the weights transposed)."""
+        problem = self.problem.with_direction(direction)
+        if direction == "fwd":
+            problem = dataclasses.replace(problem, glu=glu)
+        resolved = self._resolve(problem)
+        return resolved.backend.gather_gmm(a, rows, _weights_for(resolved.backend, rhs), group_sizes,
+                                           config=resolved.config, out_dtype=jnp.dtype(problem.dtype),
+                                           group_offset=group_offset, glu=glu, transpose_rhs=problem.transpose_rhs)
+
+    def gmm_combine(self, direction: str, a, rhs, group_sizes, rows, weights, group_offset, *,
+                    skip_zero_weights: bool = False):
+        """combine fwd or dispatch bwd (the weights transposed, into the dispatch's tokens)."""
+        problem = self.problem.with_direction(direction)
+        resolved = self._resolve(problem)
+        return resolved.backend.gmm_combine(a, _weights_for(resolved.backend, rhs), group_sizes, rows, weights,
+                                            tokens=problem.tokens, config=resolved.config,
+                                            out_dtype=jnp.dtype(problem.dtype), group_offset=group_offset,
+                                            skip_zero_weights=skip_zero_weights, transpose_rhs=problem.transpose_rhs)
+
+
+def _concat(parts: list) -> jax.Array | QArray:
+    """Weight parts concatenated along n (a QArray's values and scales alike)."""
+    if isinstance(parts[0], QArray):
+        return QArray(jnp.concatenate([p.qvalue for p in parts], axis=2),
+                      jnp.concatenate([p.scale for p in parts], axis=2))
+    return jnp.concatenate(parts, axis=2)
+
+
+def _weights_for(backend, rhs):
+    """rhs as `backend` takes it: a tuple of parts only for a backend with `split_weights`."""
+    parts = weight_parts(rhs)
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(parts) if getattr(backend, "split_weights", False) else _concat(parts)
+
+
+def _tgmm(lhs, dout, group_sizes, group_offset, *, groups: int, out_dtype) -> jax.Array:
+    """[groups, k, n] = per local group lhs[rows]^T @ dout[rows]: the tuned ragged_dot drhs kernel."""
+    problem = RaggedDotProblem(m=lhs.shape[0], k=lhs.shape[1], n=dout.shape[1], groups=groups,
+                               lhs_dtype=dtype_name(lhs.dtype), rhs_dtype=dtype_name(out_dtype),
+                               out_dtype=dtype_name(dout.dtype), direction="drhs",
+                               total_groups=group_sizes.shape[0] if group_sizes.shape[0] != groups else None)
+    resolved = RAGGED_DOT.resolve_config(None, problem)
+    return resolved.backend.run(problem, resolved.config, lhs, dout, group_sizes, group_offset)
+
+
+def _split_grad(rhs, grad):
+    """The gradient of the weights in rhs's form: None for a QArray (a constant), a tuple for parts."""
+    parts = weight_parts(rhs)
+    if isinstance(parts[0], QArray):
+        return tuple(None for _ in parts) if isinstance(rhs, tuple) else None
+    if not isinstance(rhs, tuple):
+        return grad.astype(rhs.dtype)
+    bounds, out = 0, []
+    for p in parts:
+        out.append(grad[:, :, bounds:bounds + p.shape[2]].astype(p.dtype))
+        bounds += p.shape[2]
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------------------
+# gather_gmm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gather_gmm(x, rows, rhs, group_sizes, group_offset, call: _Call):
+    return call.gather_gmm("fwd", x, rows, rhs, group_sizes, group_offset, glu=call.problem.glu)
+
+
+def _gather_gmm_fwd(x, rows, rhs, group_sizes, group_offset, call: _Call):
+    glu = call.problem.glu
+    # with glu, keep the pre-activation product (the unfused layer keeps gate and up): the backward
+    # differentiates the activation on it
+    h = call.gather_gmm("fwd", x, rows, rhs, group_sizes, group_offset, glu=None)
+    out = h if glu is None else apply(glu, h.astype(jnp.float32)).astype(h.dtype)
+    return out, (x, rows, rhs, group_sizes, group_offset, h)
+
+
+def _gather_gmm_bwd(call: _Call, residuals, dout):
+    x, rows, rhs, group_sizes, group_offset, h = residuals
+    glu, m = call.problem.glu, rows.shape[0]
+    if glu is None:
+        dh = dout
+    else:
+        _, pullback = jax.vjp(lambda v: apply(glu, v), h.astype(jnp.float32))
+        dh = pullback(dout.astype(jnp.float32))[0].astype(h.dtype)
+    # dx: the combine kernel with the weights transposed, every local row weighted 1 (a fused scatter-add)
+    dx = call.gmm_combine("bwd", dh, rhs, group_sizes, rows, jnp.ones((m,), jnp.float32), group_offset)
+    drhs = None
+    if not isinstance(weight_parts(rhs)[0], QArray):
+        valid = local_rows(group_sizes, m, call.problem.groups, group_offset)
+        gathered = jnp.take(x, jnp.where(valid, rows, 0), axis=0, mode="clip")
+        drhs = _tgmm(gathered, dh, group_sizes, group_offset, groups=call.problem.groups, out_dtype=dh.dtype)
+    return dx.astype(x.dtype), None, _split_grad(rhs, drhs), None, None
+
+
+_gather_gmm.defvjp(_gather_gmm_fwd, _gather_gmm_bwd)
+
+
+# --------------------------------------------------------------------------------------------------------
+# gmm_combine
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _gmm_combine(h, rhs, group_sizes, rows, weights, group_offset, skip_zero_weights: bool, call: _Call):
+    return call.gmm_combine("fwd", h, rhs, group_sizes, rows, weights, group_offset,
+                            skip_zero_weights=skip_zero_weights)
+
+
+def _gmm_combine_fwd(h, rhs, group_sizes, rows, weights, group_offset, skip_zero_weights, call):
+    out = _gmm_combine(h, rhs, group_sizes, rows, weights, group_offset, skip_zero_weights, call)
+    return out, (h, rhs, group_sizes, rows, weights, group_offset)
+
+
+def _gmm_combine_bwd(skip_zero_weights, call: _Call, residuals, dout):
+    h, rhs, group_sizes, rows, weights, group_offset = residuals
+    m = h.shape[0]
+    valid = local_rows(group_sizes, m, call.problem.groups, group_offset)
+    if skip_zero_weights:  # a dropped row gets no gradient, its weight neither
+        valid = valid & (weights != 0)
+    w32 = weights.astype(jnp.float32)
+    # d(out[t]) / d(h[i]) = w_i * dout[t] @ rhs^T: the dispatch kernel, weights transposed (0 outside the shard)
+    g = call.gather_gmm("bwd", dout, rows, rhs, group_sizes, group_offset, glu=None).astype(jnp.float32)
+    dh = jnp.where(valid[:, None], g * w32[:, None], 0.0).astype(h.dtype)
+    safe_h = jnp.where(valid[:, None], h.astype(jnp.float32), 0.0)  # rows outside may hold NaN
+    dweights = jnp.where(valid, jnp.einsum("rf,rf->r", safe_h, g), 0.0).astype(weights.dtype)
+    drhs = None
+    if not isinstance(weight_parts(rhs)[0], QArray):
+        dout_rows = jnp.take(dout, jnp.where(valid, rows, 0), axis=0, mode="clip")
+        drhs = _tgmm((safe_h * w32[:, None]).astype(h.dtype), dout_rows, group_sizes, group_offset,
+                     groups=call.problem.groups, out_dtype=dout.dtype)
+    return dh, _split_grad(rhs, drhs), None, None, dweights, None
+
+
+_gmm_combine.defvjp(_gmm_combine_fwd, _gmm_combine_bwd)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _given(config: Any) -> tuple[tuple[str, Any], ...]:
+    """One config (or field dict) for fwd, or a mapping {"fwd": ..., "bwd": ...}."""
+    if config is None:
+        return ()
+    if isinstance(config, Mapping) and config and set(config) <= set(DIRECTIONS):
+        return tuple((d, freeze_config(c)) for d, c in config.items() if c is not None)
+    return (("fwd", freeze_config(config)),)
+
+
+def _problem(a, rows, rhs, group_sizes, group_offset, *, stage: str, tokens: int, glu: str | None) -> FusedMoeProblem:
+    """Validate the operands (shapes, dtypes; UsageError) and describe them."""
+    name = f"fused {stage}"
+    parts = weight_parts(rhs)
+    if any(getattr(p, "ndim", None) != 3 for p in parts):
+        raise UsageError(f"{name}: weights must be [groups, k, n], got {[getattr(p, 'shape', None) for p in parts]}")
+    if len({(p.shape[0], p.shape[1]) for p in parts}) != 1 or len({isinstance(p, QArray) for p in parts}) != 1:
+        raise UsageError(f"{name}: weight parts disagree: {[p.shape for p in parts]}")
+    groups, k, n = weights_shape(rhs)
+    if getattr(a, "ndim", None) != 2 or a.shape[1] != k or not jnp.issubdtype(a.dtype, jnp.floating):
+        raise UsageError(f"{name}: the activations must be a float [rows, {k}], got {getattr(a, 'shape', None)}")
+    if getattr(rows, "ndim", None) != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise UsageError(f"{name}: rows must be a 1-D integer array, got {getattr(rows, 'shape', None)}")
+    if getattr(group_sizes, "ndim", None) != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise UsageError(f"{name}: group_sizes must be a 1-D integer array")
+    total = group_sizes.shape[0]
+    if total < groups or (group_offset is None and total != groups):
+        raise UsageError(f"{name}: group_sizes has {total} groups but the weights {groups} (pass group_offset to "
+                         "shard)")
+    quant: dict[str, Any] = {}
+    if isinstance(parts[0], QArray):
+        blocks = {check_operand(p, name="rhs", layout=RHS_LAYOUT) for p in parts}
+        if len(blocks) != 1 or len({p.dtype for p in parts}) != 1:
+            raise UsageError(f"{name}: quantized weight parts must share dtype and block size")
+        quant = {"rhs_qdtype": parts[0].dtype.name, "rhs_qblock": blocks.pop()}
+    if glu is not None and glu not in ACTIVATIONS:
+        raise UsageError(f"{name}: unknown glu activation {glu!r}; choose from {', '.join(ACTIVATIONS)}")
+    return FusedMoeProblem(tokens=tokens, m=rows.shape[0], k=k, n=n, groups=groups, dtype=dtype_name(a.dtype),
+                           stage=stage, glu=glu, total_groups=total if total != groups else None, **quant)
+
+
+def _shard(group_sizes, group_offset, *, m: int, groups: int):
+    """Group sizes and offset as every backend reads them (`metadata.select_shard`)."""
+    if group_offset is None:
+        return clip_group_sizes(jnp.asarray(group_sizes), m), None
+    offset = jnp.asarray(group_offset, jnp.int32)
+    if offset.shape != ():
+        raise UsageError(f"group_offset must be a scalar, got shape {offset.shape}")
+    return select_shard(jnp.asarray(group_sizes), offset, m=m, groups=groups)
+
+
+def gather_gmm(
+    x: jax.Array,
+    rows: jax.Array,
+    rhs: jax.Array | QArray | tuple,
+    group_sizes: jax.Array,
+    *,
+    group_offset: jax.Array | int | None = None,
+    glu: str | None = None,
+    backend: str | None = None,
+    config: Any = None,
+) -> jax.Array:
+    """Fused dispatch: `out[i] = x[rows[i]] @ rhs[group(i)]` for the rows of the local groups (0 elsewhere),
+    without writing the gathered rows; with `glu`, `act(h[:, :f]) * h[:, f:]` of that product.
+
+    Args:
+      x: [tokens, k] float32 / bfloat16 / float16.
+      rows: int [m]: the token each expert-ordered row reads (any value outside the shard's rows: never read).
+      rhs: [groups, k, n] float or `QArray` (scaled along k), or a tuple of such parts standing for their
+        concatenation along n (gate and up: no concatenated copy for backends that read parts).
+      group_sizes: int [total_groups], rows per group in row order; group_offset: as `ragged_dot` (an
+        expert-parallel shard computes the local groups only; the shard's rows follow from the sizes).
+      glu: `silu`, `gelu` or `relu`: rhs is gate and up concatenated (n = 2f), the output [m, f].
+      backend: `tiled`, `jax`, ...; None picks by platform. config: the backend's config for fwd, or
+        {"fwd": ..., "bwd": ...}; None looks them up in the tables at trace time.
+
+    Returns:
+      [m, n] ([m, n / 2] with glu) in x.dtype. Differentiable in x and float weights (a QArray is a constant).
+    """
+    problem = _problem(x, rows, rhs, group_sizes, group_offset, stage="dispatch", tokens=x.shape[0], glu=glu)
+    sizes, offset = _shard(group_sizes, group_offset, m=problem.m, groups=problem.groups)
+    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config))
+    return _gather_gmm(x, rows.astype(jnp.int32), rhs, sizes, offset, call)
+
+
+def gmm_combine(
+    h: jax.Array,
+    rhs: jax.Array | QArray,
+    group_sizes: jax.Array,
+    rows: jax.Array,
+    row_weights: jax.Array,
+    tokens: int,
+    *,
+    group_offset: jax.Array | int | None = None,
+    skip_zero_weights: bool = False,
+    backend: str | None = None,
+    config: Any = None,
+) -> jax.Array:
+    """Fused combine: `out[t] = sum over local rows i with rows[i] == t of row_weights[i] * (h[i] @
+    rhs[group(i)])`, accumulated in float32, with no [m, n] product written.
+
+    The rules of `ragged_gather_reduce`: rows outside the local groups are never read (their h may be NaN);
+    a valid row multiplies even at weight 0 (0 x NaN = NaN) unless `skip_zero_weights`, which drops it (and
+    its weight gets no gradient).
+
+    Args:
+      h: [m, k] expert activations in expert order; rhs: [groups, k, n] float or QArray; group_sizes,
+      group_offset: as `gather_gmm`; rows: int [m], the token of each row; row_weights: float [m], each row's
+      top-k weight; tokens: the output's rows (static).
+
+    Returns:
+      [tokens, n] in h.dtype. Differentiable in h, the float weights and row_weights.
+    """
+    if not isinstance(tokens, int) or tokens <= 0:
+        raise UsageError(f"fused combine: tokens must be a positive int, got {tokens!r}")
+    problem = _problem(h, rows, rhs, group_sizes, group_offset, stage="combine", tokens=tokens, glu=None)
+    if getattr(row_weights, "shape", None) != (problem.m,):
+        raise UsageError(f"fused combine: row_weights must have shape ({problem.m},), got "
+                         f"{getattr(row_weights, 'shape', None)}")
+    sizes, offset = _shard(group_sizes, group_offset, m=problem.m, groups=problem.groups)
+    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config))
+    return _gmm_combine(h, rhs, sizes, rows.astype(jnp.int32), row_weights, offset, bool(skip_zero_weights), call)
