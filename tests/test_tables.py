@@ -198,22 +198,22 @@ def test_v1_table_is_migrated_on_read_and_rewritten_at_the_current_schema(isolat
     raw = json.loads(text)
     migrated = migrate(raw)
     assert raw == json.loads(text)  # pure
-    assert migrated["schema_version"] == SCHEMA_VERSION == 2
+    assert migrated["schema_version"] == SCHEMA_VERSION == 3
     assert migrated["entries"][key]["versions"]["jax"] == jax.__version__
     no_versions = {"schema_version": 1, "entries": {"k": {"fields": {}, "config": {}}}}
     assert migrate_v1_to_v2(no_versions)["entries"]["k"] == {"fields": {}, "config": {}, "key": "k", "versions": {}}
 
-    assert read_table(path)["schema_version"] == 2
+    assert read_table(path)["schema_version"] == 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         found = get_op("ragged_dot").lookup(PROBLEM)
     assert found.source == "exact" and found.config == TiledConfig(**GOOD) and found.stale == ""
     assert [str(p) for p in validate_table(path, get_op=get_op)] == [
-        f"{path}: warning: schema_version 1 (migrated to 2 on read; rewritten at 2 on the next write or merge)"]
+        f"{path}: warning: schema_version 1 (migrated to 3 on read; rewritten at 3 on the next write or merge)"]
 
     _write(isolated_profiles, _entry(PROBLEM.with_m(64)))
     on_disk = json.loads(path.read_text())
-    assert on_disk["schema_version"] == 2 and set(on_disk["entries"]) == {key, _entry(PROBLEM.with_m(64))["key"]}
+    assert on_disk["schema_version"] == 3 and set(on_disk["entries"]) == {key, _entry(PROBLEM.with_m(64))["key"]}
 
 
 def test_newer_schema_is_refused_naming_the_file(isolated_profiles, tmp_path):
@@ -236,12 +236,13 @@ def test_newer_schema_is_refused_naming_the_file(isolated_profiles, tmp_path):
 
 
 def _truncated():
-    return json.dumps({"schema_version": 2, "op": "ragged_dot", "device_kind": "cpu",
+    return json.dumps({"schema_version": SCHEMA_VERSION, "op": "ragged_dot", "device_kind": "cpu",
                        "entries": {_entry()["key"]: _entry()}}, indent=1)[:300]
 
 
 def _table_with(entry):
-    return json.dumps({"schema_version": 2, "op": "ragged_dot", "device_kind": "cpu", "entries": {"k": entry}})
+    return json.dumps({"schema_version": SCHEMA_VERSION, "op": "ragged_dot", "device_kind": "cpu",
+                       "entries": {"k": entry}})
 
 
 BROKEN = {
@@ -398,7 +399,7 @@ def test_validate_names_file_entry_and_what_is_wrong(isolated_profiles, monkeypa
                bad_timing, stale]
     path = _table(isolated_profiles)
     path.parent.mkdir(parents=True)
-    table = {"schema_version": 2, "op": "ragged_dot", "device_kind": "cpu",
+    table = {"schema_version": SCHEMA_VERSION, "op": "ragged_dot", "device_kind": "cpu",
              "entries": {e["key"] if e is not wrong_key else "ragged_dot|m=64": e for e in entries}}
     table["entries"]["ragged_dot|m=64"] = wrong_key
     path.write_text(json.dumps(table))
@@ -432,14 +433,15 @@ def test_validate_names_file_entry_and_what_is_wrong(isolated_profiles, monkeypa
 def test_validate_whole_file_problems(tmp_path):
     unknown_op = tmp_path / "p" / "cpu" / "nope.json"
     unknown_op.parent.mkdir(parents=True)
-    unknown_op.write_text(json.dumps({"schema_version": 2, "op": "nope", "device_kind": "cpu", "entries": {}}))
+    unknown_op.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "op": "nope", "device_kind": "cpu",
+                                      "entries": {}}))
     misplaced = tmp_path / "p" / "tpu_v5_lite" / "ragged_dot.json"
     misplaced.parent.mkdir(parents=True)
-    misplaced.write_text(json.dumps({"schema_version": 2, "op": "ragged_dot", "device_kind": "cpu",
+    misplaced.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "op": "ragged_dot", "device_kind": "cpu",
                                      "entries": {}}))
     no_device = tmp_path / "p" / "gpu" / "ragged_dot.json"
     no_device.parent.mkdir(parents=True)
-    no_device.write_text(json.dumps({"schema_version": 2, "op": "ragged_dot", "entries": {}}))
+    no_device.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "op": "ragged_dot", "entries": {}}))
     invalid = tmp_path / "p" / "cpu" / "ragged_gather.json"
     invalid.write_text('{"schema_version": 2, "entries": {"a": ')
     report = validate_paths([tmp_path / "p", tmp_path / "missing.json", tmp_path / "p" / "cpu" / "nope.json"],

@@ -146,7 +146,7 @@ def test_entry_records_what_design_requires(tmp_path):
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", distribution="skewed", seed=3,
                                          samples=3, profile_dir=tmp_path, max_candidates=4))
     table = read_table(tmp_path / "cpu" / "ragged_dot.json")
-    assert table["schema_version"] == SCHEMA_VERSION == 2 and table["op"] == "ragged_dot" and table["device_kind"] == "cpu"
+    assert table["schema_version"] == SCHEMA_VERSION == 3 and table["op"] == "ragged_dot" and table["device_kind"] == "cpu"
     entry = table["entries"][result.key]
     assert entry["fields"]["distribution"] == "skewed" and entry["fields"]["backend"] == "tiled"
     assert entry["distribution"]["seed"] == 3

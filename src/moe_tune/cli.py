@@ -44,7 +44,7 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
 
     # --dry-run shows the plan the same command runs: it changes nothing else (not the skip rule, not the order)
     elsewhere = campaign.ray_address is not None or campaign.share is not None
-    asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=elsewhere)
+    asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=elsewhere, ladder=campaign.ladder)
     if campaign.target is not None:  # compile for a chip this machine does not have (moe_tune/targets)
         from moe_tune.targets import sweep_cli
 
@@ -58,13 +58,19 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
         engine.preflight(planned)  # every sweep's backend, memory and profile dir, before anything is printed
     if not asked.one_shape or campaign.dry_run:
         render.campaign_plan(planned, listed=campaign.dry_run)
-    if campaign.dry_run or not planned.todo:
+    if campaign.dry_run or not (planned.todo or asked.ladder):
         return
     compile_cache.enable()
-    with render.sweep_progress(planned, detailed=asked.one_shape) as hooks:
-        outcomes = runner.run(planned, **hooks)
-    render.sweep_outcomes(outcomes, title=asked.title(len(planned.todo), planned.device_kind),
-                          detailed=asked.one_shape)
+    outcomes = []
+    if planned.todo:
+        with render.sweep_progress(planned, detailed=asked.one_shape) as hooks:
+            outcomes = runner.run(planned, **hooks)
+        render.sweep_outcomes(outcomes, title=asked.title(len(planned.todo), planned.device_kind),
+                              detailed=asked.one_shape)
+    if asked.ladder:  # the boundaries between the ladder's counts, measured here from the entries just written
+        from moe_tune.campaign import ladder
+
+        ladder.measure_campaign(planned, print_line=lambda text: console.print(text, markup=False, highlight=False))
     if any(o.error for o in outcomes):
         sys.exit(1)
 

@@ -58,14 +58,21 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     click.echo(f"warning: {message}", err=True)
 
 
-class _IntList(click.ParamType):
-    """`512` or `512,4096,16384` -> a list of positive ints."""
+class LadderCounts(list):
+    """The counts of a ladder range (`--m 1:16384`: `campaign.ladder.ladder_counts`): a list of ints that also
+    asks for the ladder's boundaries to be measured."""
 
-    name = "N[,N...]"
+
+class _IntList(click.ParamType):
+    """`512` or `512,4096,16384` -> a list of positive ints; `A:B` -> a ladder (`LadderCounts`)."""
+
+    name = "N[,N...]|A:B"
 
     def convert(self, value, param, ctx):
         if isinstance(value, list):
             return value
+        if ":" in str(value):
+            return self._ladder(str(value), param, ctx)
         parts = str(value).split(",")
         if len(parts) > 1 and any(not part.strip() for part in parts):
             self.fail(f"{value!r} has an empty item (give N or N,N,... without empty items)", param, ctx)
@@ -76,6 +83,19 @@ class _IntList(click.ParamType):
         if not counts or any(c < 1 for c in counts):
             self.fail(f"{value!r}: the values must be positive integers", param, ctx)
         return counts
+
+
+    def _ladder(self, value: str, param, ctx) -> LadderCounts:
+        from moe_tune.campaign.ladder import ladder_counts
+
+        try:
+            lo, hi = (int(part) for part in value.split(":"))
+        except ValueError:
+            self.fail(f"{value!r} is not a ladder A:B of two integers (e.g. 1:16384)", param, ctx)
+        try:
+            return LadderCounts(ladder_counts(lo, hi))
+        except UsageError as e:
+            self.fail(str(e), param, ctx)
 
 
 INT_LIST = _IntList()
@@ -210,6 +230,7 @@ class SweepCases:
     backend: str | None = None
     several: bool = False
     layer: tuple[str, str] | None = None
+    ladder: bool = False  # measure the boundaries between the token counts (`campaign.ladder`)
 
     @property
     def one_shape(self) -> bool:
@@ -223,17 +244,18 @@ class SweepCases:
 
 
 def sweep_cases(op: str, direction: str, backend: str | None, model: str | None, shape: dict[str, Any], *,
-                campaign_flags: bool) -> SweepCases:
+                campaign_flags: bool, ladder: bool = False) -> SweepCases:
     """The cases of `sweep`: one per direction (and per combination of listed shape values) of `op`, or every
     kernel case of the layers of `model` (comma-separated presets, or `all`) at each --tokens and --ep.
     Several values, several models or a campaign flag make it a campaign. UsageError for a flag that does not
     apply."""
     from moe_tune.campaign.plan import model_campaign_cases, op_cases
 
+    ladder = ladder or any(isinstance(v, LadderCounts) for v in shape.values())
     if model is None:
         several_ = campaign_flags or several(shape)
         return SweepCases(op_cases(op, problems(op, direction, shape, grid=several_)), backend=backend,
-                          several=several_)
+                          several=several_, ladder=ladder)
     ctx = click.get_current_context()
     explicit = [name for name in ("op",) if ctx.get_parameter_source(name).name != "DEFAULT"]
     model_only(shape, explicit=explicit + (["backend"] if backend is not None else []))
@@ -245,7 +267,8 @@ def sweep_cases(op: str, direction: str, backend: str | None, model: str | None,
     # only the ragged_dot kernels are quantized
     cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape), direction=runs)
     several_ = len(models) > 1 or len(eps) > 1 or models == ["all"] or campaign_flags
-    return SweepCases(cases, notes, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"))
+    return SweepCases(cases, notes, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"),
+                      ladder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +280,7 @@ class CampaignFlags:
     share: tuple[int, int] | None = None
     dry_run: bool = False
     target: str | None = None  # --target: compile the candidates for this chip instead of sweeping
+    ladder: bool = False  # --ladder: the token counts given are a ladder (measure the boundaries between them)
 
     @property
     def given(self) -> bool:
@@ -304,6 +328,9 @@ def sweep_options(fn: Callable) -> Callable:
         click.option("--time-budget", "time_budget_s", type=float, default=None, metavar="SECONDS",
                      help="Start no new candidates after this many seconds (finished ones are kept)."),
         click.option("--fresh", is_flag=True, help="Delete this sweep's log and start over instead of resuming."),
+        click.option("--cold", is_flag=True,
+                     help="No warm start: do not measure the winners of the nearest tuned shapes (same op and "
+                          "backend) first, nor descend from the best of them."),
         click.option("--model", default=None,
                      help="Sweep the kernels one layer of this preset runs (see `moe-tune models`; several "
                           "comma-separated, or `all`): --direction all for training (gradients and the backward's "
@@ -318,6 +345,10 @@ def sweep_options(fn: Callable) -> Callable:
                           "SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT when set); combine the shares' tables with "
                           "`moe-tune merge`."),
         click.option("--dry-run", is_flag=True, help="Print the campaign's plan and exit."),
+        click.option("--ladder", is_flag=True,
+                     help="The token counts given (--m / --tokens N,N,...) are a ladder: after their sweeps, time "
+                          "neighbouring winners between their counts and store intervals with measured boundaries "
+                          "(implied by a range, --m 1:16384: powers of two)."),
         click.option("--target", type=click.Choice(list(TARGETS), case_sensitive=False), default=None,
                      help="Do not sweep: compile every candidate for this chip with its real compiler, here, without "
                           "the chip, and store which compile beside its tables; a sweep "
@@ -327,14 +358,14 @@ def sweep_options(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     @handle_errors
-    def wrapper(*args, samples, race, ray_address, shard, dry_run, target, **kwargs):
+    def wrapper(*args, samples, race, ray_address, shard, dry_run, target, ladder, **kwargs):
         given = {name: kwargs.pop(name) for name in setting_names if name in kwargs}
         given["distribution"] = given["distribution"] or distributions.DEFAULT
         if samples is not None:
             given["samples"] = samples
         if race is not None:
             given["race"] = race or None  # 0: no racing
-        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run, target)
+        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run, target, ladder)
         return fn(*args, settings=SweepSettings(**given), campaign=campaign, **kwargs)
 
     for option in reversed(options):

@@ -233,6 +233,8 @@ def sweep_summary(result: SweepResult) -> None:
                                    f"time budget {search['time_budget_s']:g} s" if search["time_budget_s"] else "") if x)
     shown.add_row("search", f"{search['strategy']}{f' ({limits})' if limits else ''}: {entry.count('tried')} of "
                             f"{search['space']} candidates, stopped: {search['stopped']}")
+    if search.get("start"):  # entries before issue 32 do not say
+        shown.add_row("start", search["start"])
     recompiled = f", {search['recompiled_finalists']} finalist compiles" if search["recompiled_finalists"] else ""
     shown.add_row("resumed", f"{search['resumed']} candidates from the sweep log{recompiled}")
     shown.add_row("timed by", entry.timing_method + (f" ({entry.timing_fallback})" if entry.timing_fallback else ""))
@@ -267,6 +269,10 @@ def lookup_result(description: str, result: LookupResult) -> None:
     out.print(f"{description} on {result.device_kind}, backend {result.backend}", highlight=False)
     out.print(f"  source: [bold]{result.source}[/bold] ({result.reason})", highlight=False)
     out.print(f"  config: {result.config.label()}", highlight=False)
+    if result.interval is not None:
+        field, lo, hi = result.interval
+        out.print(f"  interval: {field} in [{lo}, {hi}) (the times below are of the tuned count it was won at)",
+                  highlight=False)
     if result.entry is not None:
         median, speedup = result.entry.median_s, result.entry.speedup_over_default
         out.print(f"  tuned time: {(median if median is not None else float('nan')) * 1e3:.3f} ms"

@@ -13,6 +13,7 @@ from moe_tune.breakdown.ops import Breakdown
 from moe_tune.errors import UsageError, warn_caller
 from moe_tune.profiles import dirs, evidence
 from moe_tune.profiles.entry import Entry, record_problems, seconds
+from moe_tune.profiles.intervals import describe_interval, interval_of_entry
 from moe_tune.profiles.table import read_table
 from moe_tune.profiles.verdict import BEAT_DEFAULT, verdict_of
 
@@ -20,14 +21,15 @@ from moe_tune.profiles.verdict import BEAT_DEFAULT, verdict_of
 COLUMNS = [
     "device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution", "config",
     "time_ms", "default_ms", "speedup", "verdict", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
-    "kernel", "verdict_detail", "budget", "config_short",
+    "kernel", "verdict_detail", "budget", "config_short", "interval",
 ]
 # The default rich table: what a person reads first, narrow enough for 160 columns (issue 26). `--all` shows
 # ALL_TABLE_COLUMNS, `--columns` any of COLUMNS.
-COMPACT_COLUMNS = ["kernel", "shape", "dtype", "backend", "config_short", "speedup", "verdict", "source"]
+COMPACT_COLUMNS = ["kernel", "shape", "interval", "dtype", "backend", "config_short", "speedup", "verdict",
+                   "source"]
 # Column headers that differ from the frame's column names.
 HEADERS = {"config_short": "config"}
-ALL_TABLE_COLUMNS = ["device_kind", "kernel", "backend", "shape", "dtype", "quant", "quant_error", "distribution",
+ALL_TABLE_COLUMNS = ["device_kind", "kernel", "backend", "shape", "interval", "dtype", "quant", "quant_error", "distribution",
                      "config", "time_ms", "default_ms", "speedup", "verdict", "verdict_detail", "budget", "tried",
                      "failed", "wrong", "timing", "source", "tuned_at"]
 _QUANT_COLUMNS = ("quant", "quant_error")
@@ -121,7 +123,10 @@ def table_columns(frame: pd.DataFrame, *, columns: Sequence[str] | None = None, 
             raise UsageError(f"no column {unknown[0]!r}; columns are {', '.join(COLUMNS)}")
         return list(columns)
     quantized = bool((frame["quant"] != "-").any()) if len(frame) else False
-    return [c for c in (ALL_TABLE_COLUMNS if everything else COMPACT_COLUMNS) if quantized or c not in _QUANT_COLUMNS]
+    # the token-count interval a ladder sweep measured around an entry, when one has one
+    laddered = bool((frame["interval"] != "-").any()) if len(frame) else False
+    return [c for c in (ALL_TABLE_COLUMNS if everything else COMPACT_COLUMNS)
+            if (quantized or c not in _QUANT_COLUMNS) and (laddered or c != "interval")]
 
 
 DIRECTION_WORDS = {"fwd": "forward", "dlhs": "gradient of lhs", "drhs": "gradient of rhs"}
@@ -172,7 +177,14 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "source": SOURCES.get(origin, origin),
         "tuned_at": entry.tuned_at,
         "key": entry.key,
+        "interval": _interval_text(table, entry.key),
     }
+
+
+def _interval_text(table: dict[str, Any], key: str) -> str:
+    """`m in [64, 181)`: the interval of token counts whose config this entry won (a ladder sweep's), or `-`."""
+    record = interval_of_entry(table, key)
+    return describe_interval(record) if record is not None else "-"
 
 
 def _ms(value: Any) -> float:

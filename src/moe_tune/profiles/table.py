@@ -1,16 +1,19 @@
 """The JSON table format: one file per device kind and op, `<dir>/<device_kind>/<op>.json`.
 
-    {"schema_version": 2, "op": "ragged_dot", "device_kind": "cpu", "entries": {KEY: ENTRY, ...}}
+    {"schema_version": 3, "op": "ragged_dot", "device_kind": "cpu", "entries": {KEY: ENTRY, ...},
+     "intervals": {KEY: INTERVAL, ...}, "robust": {KEY: ROBUST, ...}}
 
 Entries are keyed by `key.entry_key`; each holds `key`, `fields` (the key's parts), `config`, `timing`, `default`,
 `speedup_over_default`, `candidates`, `distribution`, `versions` (jax, jaxlib, moe-tune, tune-jax and the
 kernel's `backend_revision`, see `versions.entry_versions`) and `tuned_at` (see `tuner.sweep`); an entry kept
-by `moe-tune merge` also holds `provenance` (see `merge`).
+by `moe-tune merge` also holds `provenance` (see `merge`). `intervals` (token-count intervals a ladder sweep
+measured) and `robust` (a shape's config robust across routing distributions) are described in `intervals.py`.
 
 Schema history (`MIGRATIONS` turns each into the next on read; writes always write `SCHEMA_VERSION`):
 
 - 1: as above, without `backend_revision` or `provenance`.
 - 2: `versions.backend_revision`, `provenance`; every entry holds its `key` and a `versions` object.
+- 3: the `intervals` and `robust` objects (empty in a table migrated from 2: it has neither).
 
 Writes hold a file lock (`.locks/<op>.json.lock` beside the table, see `locks.py`), re-read the file, merge,
 and replace it atomically, so concurrent writers never lose each other's entries and a crash never leaves a
@@ -33,14 +36,16 @@ import filelock
 
 from moe_tune.errors import TableError
 from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.intervals import INTERVALS, ROBUST
 from moe_tune.profiles.locks import lock_path, shared_mode
 from moe_tune.profiles.versions import recorded_revision
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def empty_table(op: str, device_kind: str) -> dict[str, Any]:
-    return {"schema_version": SCHEMA_VERSION, "op": op, "device_kind": device_kind, "entries": {}}
+    return {"schema_version": SCHEMA_VERSION, "op": op, "device_kind": device_kind, "entries": {},
+            INTERVALS: {}, ROBUST: {}}
 
 
 def migrate_v1_to_v2(table: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +61,18 @@ def migrate_v1_to_v2(table: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def migrate_v2_to_v3(table: dict[str, Any]) -> dict[str, Any]:
+    """Schema 2 -> 3 (pure: returns a new table). The table gains empty `intervals` and `robust` objects: a
+    schema-2 table holds points only, so lookup answers it as before (exact, nearest, default)."""
+    out = copy.deepcopy(table)
+    out["schema_version"] = 3
+    out.setdefault(INTERVALS, {})
+    out.setdefault(ROBUST, {})
+    return out
+
+
 # schema version -> function turning a table of that version into one of the next version.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3}
 
 
 def migrate(table: dict[str, Any]) -> dict[str, Any]:
@@ -99,6 +114,9 @@ def parse_table(text: bytes | str, path: Path | str) -> dict[str, Any]:
     for name in ("op", "device_kind"):
         if name in data and not isinstance(data[name], str):
             raise TableError(f"{path}: '{name}' is {data[name]!r}, not a string")
+    for name in (INTERVALS, ROBUST):
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            raise TableError(f"{path}: '{name}' is {type(data[name]).__name__}, not an object")
     return migrate(data)
 
 
