@@ -1,5 +1,12 @@
-"""Which config the runtime uses for a call, and why: an exact entry, the nearest entry (same everything
-but the token counts, e.g. ragged_dot's m, nearest in log space), or the backend's heuristic default.
+"""Which config the runtime uses for a call, and why, in this order (DESIGN.md "Token counts"):
+
+1. `exact`: the entry of this key;
+2. `interval`: a token-count interval a ladder sweep measured that holds this count (`intervals.py`);
+3. `robust`: when this shape is tuned, but not for the routing distribution asked for, the config measured as
+   robust across the tuned distributions (`sweep --distribution all` records it);
+4. `nearest`: the entry of the same everything but the token counts (e.g. ragged_dot's m), nearest in log
+   space, preferring the distribution asked for (the reason says when none has it);
+5. `default`: the backend's heuristic default.
 
 A broken table never breaks a model: an unreadable, corrupted or truncated table (or one whose entries lack
 what lookup needs) is skipped with one warning and lookup goes on to the next profile dir, then the default;
@@ -24,6 +31,7 @@ from typing import Any
 from moe_tune import devices, distributions, settings
 from moe_tune.errors import TableError, warn_caller
 from moe_tune.profiles import dirs
+from moe_tune.profiles import intervals as _intervals
 from moe_tune.profiles import versions as _versions
 from moe_tune.profiles.entry import Entry, record_problems
 from moe_tune.profiles.key import key_fields, key_from_fields
@@ -35,7 +43,7 @@ from moe_tune.profiles.versions import StaleEntryError
 @dataclasses.dataclass(frozen=True)
 class LookupResult:
     config: Any
-    source: str  # "exact" | "nearest" | "default"
+    source: str  # "exact" | "interval" | "robust" | "nearest" | "default"
     key: str
     backend: str
     device_kind: str
@@ -44,6 +52,8 @@ class LookupResult:
     reason: str = ""
     stale: str = ""  # what differs, when the config came from a stale entry (policy `use`); "" when fresh
     stale_policy: str = _versions.DEFAULT_STALE_POLICY
+    # source `interval`: (token-count field, lo, hi) of the interval [lo, hi) the config came from
+    interval: tuple[str, int, int] | None = None
 
 
 def runtime_distribution() -> str:
@@ -163,6 +173,11 @@ def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], ke
     else:
         reason = "; ".join([*skipped, "no entry for this shape"]) if skipped else "no entry for this shape"
 
+    found = (_from_interval(problem, impl, fields, key, device_kind, tables, policy, jax_version, reason)
+             or _from_robust(problem, impl, fields, key, device_kind, tables, policy, jax_version, reason))
+    if found is not None:
+        return found
+
     # Nearest: every key field equal but the problem's size fields (token counts), which may differ, and the
     # distribution, which should not; closest in log space.
     sizes = problem.SIZE_FIELDS
@@ -189,6 +204,8 @@ def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], ke
         _, path, entry, config = best
         stale = _stale_check(path, entry.get("key", key), entry, impl, policy, jax_version)
         tuned = " ".join(f"{f}={entry['fields'][f]}" for f in sizes)
+        if entry["fields"].get("distribution") != distribution:
+            reason += f"; no entry for distribution {distribution} near it"
         why = f"{reason}; nearest tuned {tuned} ({entry['fields'].get('distribution')}) in {path}"
         if stale:
             why += f" (stale: {'; '.join(stale)})"
@@ -199,6 +216,79 @@ def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], ke
         reason += f" in {_dtype_of(fields)}; tuned in {', '.join(others)} (ask for that dtype: --dtype {others[0]})"
     return LookupResult(impl.default_config(problem), "default", key, impl.name, device_kind, None, None,
                         f"{reason}; heuristic default", "", policy)
+
+
+def _from_interval(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], key: str, device_kind: str,
+                   tables: list[tuple[Path, dict[str, Any]]], policy: str, jax_version: str,
+                   reason: str) -> LookupResult | None:
+    """The config of the token-count interval that holds the problem (the first table, by priority, that has
+    one), or None."""
+    sizes = problem.SIZE_FIELDS
+    for path, table in tables:
+        record = _intervals.matching_interval(table, fields, sizes)
+        if record is None:
+            continue
+        if policy == "skip" and _versions.staleness(record, impl, jax_version):
+            _stale_check(path, record["key"], record, impl, policy, jax_version)
+            continue
+        try:
+            config = impl.coerce_config(record["config"], problem)
+        except Exception:  # an unusable config: the next table, then nearest
+            continue
+        stale = _stale_check(path, record["key"], record, impl, policy, jax_version)
+        won = [k for k in record.get("entries") or [] if k in table["entries"]]
+        entry = _read_entry(path, table["entries"][won[0]], won[0]) if won else None
+        why = (f"{reason}; interval {_intervals.describe_interval(record)} in {path} (its config won at "
+               f"{_won_at(record, table, sizes[0])}; its ends measured between tuned counts)")
+        if stale:
+            why += f" (stale: {'; '.join(stale)})"
+        return LookupResult(config, "interval", key, impl.name, device_kind, path, entry, why, "; ".join(stale),
+                            policy, (record["field"], record["lo"], record["hi"]))
+    return None
+
+
+def _won_at(record: dict[str, Any], table: dict[str, Any], field: str) -> str:
+    counts = [table["entries"][k]["fields"].get(field) for k in record.get("entries") or [] if k in table["entries"]]
+    return f"{field}={','.join(str(c) for c in counts)}" if counts else "tuned counts no longer in the table"
+
+
+def _from_robust(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], key: str, device_kind: str,
+                 tables: list[tuple[Path, dict[str, Any]]], policy: str, jax_version: str,
+                 reason: str) -> LookupResult | None:
+    """When the shape is tuned for other routing distributions only: the config a `--distribution all` sweep
+    measured as robust across them (lowest worst-case slowdown against each distribution's winner), or None
+    (no such record: nearest then says the distribution asked for has no entry)."""
+    asked = fields["distribution"]
+    same = {f: v for f, v in fields.items() if f != "distribution"}
+    tuned = sorted({str(e["fields"].get("distribution")) for _, t in tables for e in t["entries"].values()
+                    if all(e["fields"].get(f) == v for f, v in same.items())} - {asked})
+    if not tuned:
+        return None
+    rkey = _intervals.robust_key(key.split("|", 1)[0], fields)
+    for path, table in tables:
+        record = (table.get(_intervals.ROBUST) or {}).get(rkey)
+        if record is None or _intervals.robust_problems(record):
+            continue
+        if policy == "skip" and _versions.staleness(record, impl, jax_version):
+            _stale_check(path, rkey, record, impl, policy, jax_version)
+            continue
+        try:
+            config = impl.coerce_config(record["config"], problem)
+        except Exception:
+            continue
+        stale = _stale_check(path, rkey, record, impl, policy, jax_version)
+        entry_key = record.get("entry")
+        entry = table["entries"].get(entry_key) if isinstance(entry_key, str) else None
+        worst = record.get("worst_slowdown")
+        at_worst = f", at worst {worst:.2f}x each distribution's winner" if isinstance(worst, (int, float)) else ""
+        why = (f"{reason} for distribution {asked} (tuned for {', '.join(tuned)}); the config robust across them "
+               f"in {path}: the {record['distribution']} winner{at_worst}")
+        if stale:
+            why += f" (stale: {'; '.join(stale)})"
+        return LookupResult(config, "robust", key, impl.name, device_kind, path,
+                            _read_entry(path, entry, entry_key) if entry is not None else None, why,
+                            "; ".join(stale), policy)
+    return None
 
 
 def _dtype_of(fields: dict[str, Any]) -> str:
