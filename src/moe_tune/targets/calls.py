@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.quant import QArray
@@ -51,12 +52,30 @@ def _gather_inputs(op: str, problem: GatherProblem, place: Callable) -> dict[str
     return inputs
 
 
+def _fused_moe_inputs(problem: FusedMoeProblem, place: Callable) -> dict[str, Any]:
+    """The inputs `FusedMoeOp.make_inputs` builds (`a`, rows, rhs, group sizes, weights), as shapes."""
+    p = problem
+    token_side = (p.stage == "dispatch") == (p.direction == "fwd")  # x of dispatch, dout of combine's bwd
+    a_cols = p.k if p.direction == "fwd" else p.n
+    rhs = place((p.groups, p.k, p.n), p.dtype)
+    if p.rhs_qdtype is not None:  # scaled along k: scale [g, k / qblock, n] in float32
+        rhs = QArray(place((p.groups, p.k, p.n), p.rhs_qdtype),
+                     place((p.groups, p.k // p.rhs_qblock, p.n), jnp.float32))
+    inputs = {"a": place((p.tokens if token_side else p.m, a_cols), p.dtype), "rows": place((p.m,), jnp.int32),
+              "rhs": rhs, "group_sizes": place((p.num_group_sizes,), jnp.int32), "weights": place((p.m,), jnp.float32)}
+    if p.total_groups:
+        inputs["group_offset"] = place((), jnp.int32)
+    return inputs
+
+
 def abstract_inputs(op: str, problem: Any, device: Any = None) -> dict[str, Any]:
     """The inputs `get_op(op).run` takes, as `jax.ShapeDtypeStruct`s committed to `device` (None: uncommitted)."""
     sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
     place = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
     if op == "ragged_dot":
         return _ragged_dot_inputs(problem, place)
+    if op == "fused_moe":
+        return _fused_moe_inputs(problem, place)
     return _gather_inputs(op, problem, place)
 
 

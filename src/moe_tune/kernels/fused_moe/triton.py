@@ -1,0 +1,252 @@
+"""`triton` backend of the fused MoE op: Pallas kernels for GPU (the Triton lowering); interpret mode elsewhere.
+
+Both kernels walk the Megablox visit schedule (`ragged_dot/metadata.py`) with the grid (visits, column
+blocks): a program multiplies one `block_m`-row tile by its group's weights, `block_k` at a time, keeping
+only that group's rows (a tile shared by two groups is visited twice, each visit owning disjoint rows).
+
+- gather_gmm: the lhs tile is an indexed load, `x[rows[i], k block]` for the group's rows (masked: other
+  rows, including every row outside the shard, are never read and their `rows` entries may be anything), so
+  no gathered [m, k] copy exists. With `glu` a program holds the gate and the up accumulators of the same
+  columns and applies the activation in float32 before its one store.
+- gmm_combine: after the k loop the float32 tile is multiplied by the rows' weights and added into
+  `out[rows[i], columns]` with float32 atomic adds: the products of a token's k rows, which live in k
+  different programs, are summed by the memory system in whatever order they arrive, never written as an
+  [m, n] buffer. Invalid rows (outside the shard; weight 0 with skip_zero_weights) are masked out of the h,
+  weight and row loads and their adds go to a trash row past the tokens (dropped), so their NaN never
+  reaches a token. Interpret mode emulates the atomics with a scatter that keeps one of several adds to the
+  same address within one program: exact for routing, where a token meets an expert once.
+
+Loads use index vectors clipped to the array (never a block hanging past it), so x, h and the weights are
+never padded; `block_k` / `block_n` must divide the contraction / the output columns (`config_error`).
+Only the gather output is padded to whole row tiles (a copy only when m is not a multiple of block_m).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_tune import devices
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
+from moe_tune.kernels.fused_moe.base import FusedMoeBackend
+from moe_tune.kernels.fused_moe.pallas_tpu import dims
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
+from moe_tune.kernels.pallas_util import interpreted, round_up
+from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
+from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+from moe_tune.quant import QArray
+
+BLOCKS = (16, 32, 64, 128, 256)
+SUPPORTED = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedTritonConfig(KernelConfig):
+    """Blocks of the matmul a direction runs (block_k tiles its contraction, block_n its output columns:
+    of the gated output with glu), warps and software-pipeline stages per program."""
+
+    block_m: int = 64
+    block_k: int = 32
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _precision(dtype) -> jax.lax.Precision | None:
+    # float32 inputs: full precision (no TF32), so results match a float32 reference.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _tile_rows(gid, tid, starts, ends, v, bm: int, m: int):
+    """(group, clipped row indices int32 [bm], keep bool [bm]: the rows of the group in visit v's tile)."""
+    group = gid[v]
+    rows = tid[v] * bm + jnp.arange(bm, dtype=jnp.int32)
+    keep = (rows >= starts[group]) & (rows < ends[group])
+    return group, jnp.minimum(rows, m - 1), keep
+
+
+def _product(a_ref, a_rows, keep, w_refs, group, col0, *, bk, bn, k_steps, transpose_rhs, dtype):
+    """f32 [bm, bn] accumulators (one per weight ref) of a[a_rows] @ w[group][:, col0:col0 + bn]: a's rows
+    masked by keep (never read where False), k in steps of bk."""
+    bm = keep.shape[0]
+    mask = jnp.broadcast_to(keep[:, None], (bm, bk))
+
+    def body(kk, accs):
+        ks = kk * bk + jnp.arange(bk, dtype=jnp.int32)
+        a = plgpu.load(a_ref.at[a_rows[:, None], ks[None, :]], mask=mask, other=0).astype(dtype)
+        out = []
+        for acc, (w_ref, offset) in zip(accs, w_refs):
+            if transpose_rhs:  # [g, n, k]: the block [bn, bk], read transposed
+                w = w_ref[group, pl.ds(col0 + offset, bn), pl.ds(kk * bk, bk)]
+            else:
+                w = w_ref[group, pl.ds(kk * bk, bk), pl.ds(col0 + offset, bn)]
+            out.append(acc + plgpu.dot(a, w.astype(dtype), trans_b=transpose_rhs, precision=_precision(dtype)))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs)
+    return jax.lax.fori_loop(0, k_steps, body, zeros)
+
+
+def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, rhs_ref, out_ref, *, m, bm, bk, bn,
+                       k_steps, glu, transpose_rhs, dtype):
+    """Schedule tables (gid, tid [visits], starts, ends [groups], info [1] = real visits); rows int32 [m];
+    x [tokens, kc]; rhs [g, kc, n_w] (transposed: [g, n_w, kc]) -> out [m_p, n_out]."""
+    v, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(v < info[0])
+    def _():
+        group, rows, keep = _tile_rows(gid, tid, starts, ends, v, bm, m)
+        tokens = plgpu.load(rows_ref.at[rows], mask=keep, other=0)  # outside the group: row 0, masked below
+        col0 = j * bn
+        w_refs = [(rhs_ref, 0)] + ([(rhs_ref, out_ref.shape[1])] if glu else [])
+        accs = _product(x_ref, tokens, keep, w_refs, group, col0, bk=bk, bn=bn, k_steps=k_steps,
+                        transpose_rhs=transpose_rhs, dtype=dtype)
+        out = ACTIVATIONS[glu][0](accs[0]) * accs[1] if glu else accs[0]
+        plgpu.store(out_ref.at[pl.ds(tid[v] * bm, bm), pl.ds(col0, bn)], out.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(keep[:, None], (bm, bn)))
+
+
+def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_ref, rhs_ref, _, out_ref, *, m, bm,
+                        bk, bn, k_steps, skip_zero, transpose_rhs, dtype, trash, masked_atomics):
+    """Schedule tables as in `_gather_gmm_kernel`; rows int32 [m]; weights float32 [m]; h [m, kc]; rhs as
+    there; out float32 [tokens + 1, n] (aliased with the zero-filled input `_`; row `trash` = tokens takes
+    the invalid rows' adds)."""
+    v, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(v < info[0])
+    def _():
+        group, rows, keep = _tile_rows(gid, tid, starts, ends, v, bm, m)
+        weights = plgpu.load(weights_ref.at[rows], mask=keep, other=0)
+        valid = keep & (weights != 0) if skip_zero else keep
+        tokens = jnp.where(valid, plgpu.load(rows_ref.at[rows], mask=valid, other=trash), trash)
+        col0 = j * bn
+        (acc,) = _product(h_ref, rows, valid, [(rhs_ref, 0)], group, col0, bk=bk, bn=bn, k_steps=k_steps,
+                          transpose_rhs=transpose_rhs, dtype=dtype)
+        # A select: an invalid row's product may be NaN (h rows are masked to 0, but weights are anything).
+        y = jnp.where(valid[:, None], acc * weights[:, None], 0.0)
+        cols = col0 + jnp.arange(bn, dtype=jnp.int32)
+        mask = jnp.broadcast_to(valid[:, None], (bm, bn)) if masked_atomics else None
+        plgpu.atomic_add(out_ref, (tokens[:, None], cols[None, :]), y, mask=mask)
+
+
+def _schedule(group_sizes, group_offset, m: int, bm: int, groups: int):
+    meta = make_group_metadata(group_sizes, m=m, tm=bm, groups=groups,
+                               group_offset=0 if group_offset is None else group_offset)
+    return meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None]
+
+
+class TritonFusedMoe(FusedMoeBackend):
+    name = "triton"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    config_cls = FusedTritonConfig
+    platforms = ("gpu",)
+    # pl.program_id / pl.when, triton load / store / atomic_add / dot / CompilerParams as of jax 0.10.2; JAX
+    # 0.11 deprecates the Pallas Triton backend (still shipped).
+    jax_versions = ">=0.10,<0.12"
+    description = ("Pallas Triton: indexed row loads into the grouped matmul; combine by float32 atomic adds "
+                   "into the token rows; interpret mode elsewhere")
+
+    def runs_on(self, platform: str) -> bool:
+        return True  # compiled on GPU, in interpret mode elsewhere
+
+    def config_error(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> str | None:
+        if problem.dtype not in SUPPORTED:
+            return f"triton supports {'/'.join(SUPPORTED)}, not dtype={problem.dtype}"
+        if problem.rhs_qdtype is not None:
+            return "the fused triton kernels serve float weights only; quantized weights (QArray) run the jax backend"
+        for name in ("block_m", "block_k", "block_n"):
+            value = getattr(config, name)
+            if value not in BLOCKS:
+                return f"{name}={value!r} must be one of {BLOCKS} (a power of two >= 16 for tl.dot)"
+        if config.num_warps not in (1, 2, 4, 8, 16) or isinstance(config.num_warps, bool):
+            return f"num_warps={config.num_warps!r} must be a power of two <= 16"
+        if not isinstance(config.num_stages, int) or not 1 <= config.num_stages <= 6:
+            return f"num_stages={config.num_stages!r} must be in 1..6"
+        d = dims(problem)
+        # Neither x / h nor the weights are padded (a copy of each per call): blocks divide what they tile.
+        if d.kc % config.block_k:
+            return f"block_k={config.block_k} must divide the contraction ({d.kc})"
+        if d.n_out % config.block_n:
+            return f"block_n={config.block_n} must divide the output columns ({d.n_out})"
+        if config.block_m > max(16, 1 << (problem.m - 1).bit_length()):
+            return f"block_m={config.block_m} is larger than the {problem.m} rows it tiles"
+        need, budget = self.shared_memory_bytes(config, problem), devices.gpu_shared_memory_bytes()
+        if need > budget:
+            return f"needs {need // 1024} KiB of shared memory per block, over the {budget // 1024} KiB budget"
+        return None
+
+    def shared_memory_bytes(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> int:
+        """Pipelined dot operands: num_stages copies of the lhs tile and of each weight tile (two with glu),
+        in the dot's dtype."""
+        weights = 2 if dims(problem).glu else 1
+        bm, bk, bn = config.block_m, config.block_k, config.block_n
+        return config.num_stages * (bm * bk + weights * bk * bn) * jnp.dtype(problem.dtype).itemsize
+
+    def default_config(self, problem: FusedMoeProblem) -> FusedTritonConfig:
+        d = dims(problem)
+        pick = lambda want, size: max([b for b in BLOCKS if b <= want and size % b == 0], default=16)
+        return FusedTritonConfig(block_m=64, block_k=pick(32, d.kc), block_n=pick(64, d.n_out), num_warps=4,
+                                 num_stages=2)
+
+    def candidate_values(self, problem: FusedMoeProblem) -> dict[str, list[int]]:
+        return {"block_m": [32, 64, 128], "block_k": [32, 64, 128], "block_n": [64, 128, 256],
+                "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+
+    def gather_gmm(self, x, rows, rhs, group_sizes, *, config, out_dtype, group_offset=None, glu=None,
+                   transpose_rhs=False):
+        if isinstance(rhs, QArray):
+            raise ValueError("the fused triton kernels take float weights (config_error refuses QArray problems)")
+        m, kc = rows.shape[0], x.shape[1]
+        groups = rhs.shape[0]
+        n_w = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+        n_out = n_w // 2 if glu else n_w
+        bm, bk, bn = config.block_m, config.block_k, config.block_n
+        m_p = round_up(m, bm)
+        dtype = jnp.promote_types(x.dtype, rhs.dtype)
+        kernel = functools.partial(_gather_gmm_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, glu=glu,
+                                   transpose_rhs=transpose_rhs, dtype=dtype)
+        tables = _schedule(group_sizes, group_offset, m, bm, groups)
+        out = pl.pallas_call(
+            kernel,
+            grid=(tables[0].shape[0], n_out // bn),
+            out_shape=jax.ShapeDtypeStruct((m_p, n_out), out_dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+            interpret=interpreted("gpu"),
+            name="moe_tune_gather_gmm",
+        )(*tables, rows.astype(jnp.int32), x, rhs)
+        # Rows no local group owns were never stored.
+        keep = rows_in_local_groups(group_sizes, m, groups, group_offset)
+        return jnp.where(keep, out[:m], jnp.zeros((), out.dtype))
+
+    def gmm_combine(self, h, rhs, group_sizes, rows, row_weights, *, tokens, config, out_dtype, group_offset=None,
+                    skip_zero_weights=False, transpose_rhs=False) -> jax.Array:
+        if isinstance(rhs, QArray):
+            raise ValueError("the fused triton kernels take float weights (config_error refuses QArray problems)")
+        m, kc = h.shape
+        groups = rhs.shape[0]
+        n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+        bm, bk, bn = config.block_m, config.block_k, config.block_n
+        interpret = interpreted("gpu")
+        kernel = functools.partial(
+            _gmm_combine_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, skip_zero=skip_zero_weights,
+            transpose_rhs=transpose_rhs, dtype=jnp.promote_types(h.dtype, rhs.dtype), trash=tokens,
+            # Interpret mode's atomics take no mask; there the invalid rows' adds all land on the trash row.
+            masked_atomics=not interpret)
+        tables = _schedule(group_sizes, group_offset, m, bm, groups)
+        out = pl.pallas_call(
+            kernel,
+            grid=(tables[0].shape[0], n // bn),
+            out_shape=jax.ShapeDtypeStruct((tokens + 1, n), jnp.float32),
+            input_output_aliases={9: 0},  # the zero-filled accumulator
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+            interpret=interpret,
+            name="moe_tune_gmm_combine",
+        )(*tables, rows.astype(jnp.int32), row_weights.astype(jnp.float32), h, rhs,
+          jnp.zeros((tokens + 1, n), jnp.float32))
+        return out[:tokens].astype(out_dtype)
