@@ -93,7 +93,8 @@ class KernelOp(abc.ABC):
         `options`: those of `moe_tune.profiles.lookup` (distribution, device_kind, strict, stale_policy)."""
         return profiles.lookup(self.name, problem, backend=self.backend(backend), **options)
 
-    def resolve_config(self, backend: str | Backend, problem: Any, given: Any = None) -> Resolved:
+    def resolve_config(self, backend: str | Backend, problem: Any, given: Any = None, *,
+                       distribution: str | None = None) -> Resolved:
         """The backend and config one call of the op runs with (called at trace time, so it costs nothing
         per call under jit).
 
@@ -103,9 +104,10 @@ class KernelOp(abc.ABC):
           for a given config (one warning).
         - `given` (a config, or its fields as a dict or `freeze_config` tuple): used as is, validated by
           `coerce_config`; a config the caller passed is never silently replaced (InvalidConfigError).
-        - Else the tables (`lookup`: exact, nearest, heuristic default). A looked-up config the backend
-          cannot run for this problem (`config_error`, e.g. pallas_tpu with a hidden size that is not a
-          multiple of 128) runs on the plain-JAX fallback with its default config instead.
+        - Else the tables (`lookup`: exact, nearest, heuristic default) for the routing `distribution` (None:
+          the `moe_tune.routing` block around the call, else the environment's). A looked-up config the
+          backend cannot run for this problem (`config_error`, e.g. pallas_tpu with a hidden size that is not
+          a multiple of 128) runs on the plain-JAX fallback with its default config instead.
         """
         requested = self.backend(backend)
         impl = guard(requested, self.backends.get(self.fallback))
@@ -115,7 +117,7 @@ class KernelOp(abc.ABC):
         if given is not None:
             config, source = _thaw(given), "given by the caller"
         else:
-            found = self.lookup(problem, backend=impl)
+            found = self.lookup(problem, backend=impl, distribution=distribution)
             config, source = found.config, f"{found.source}: {found.reason}"
             unsupported = impl.config_error(config, problem)
             if unsupported is not None:

@@ -37,6 +37,12 @@ def run_line(state: SweepState) -> dict[str, Any]:
             "workers": state.settings.workers, "time_budget_s": state.settings.time_budget_s}
 
 
+def start_line(state: SweepState) -> dict[str, Any]:
+    """Where this run's search starts (`warm_start`): the seeds and the tuned entries they came from."""
+    return {"type": "start", "started": sweep_log.now(), "warm_start": state.start.describe(),
+            **state.start.to_json()}
+
+
 def log_final(state: SweepState, done: Step, best: Candidate | None, verdict: Verdict | None, *,
               interrupted: bool, table: Path | None, error: str | None = None) -> None:
     """The last line of a run: the winner (or why there is none), the verdict, and the finalists' timings of
@@ -95,7 +101,8 @@ def build_entry(state: SweepState, done: Step, best: Candidate, verdict: Verdict
         interrupted=interrupted,
         search={**plan.search_settings(), "stopped": _stopped(done, interrupted), "batches": done.batches,
                 "resumed": done.resumed, "recompiled_finalists": done.recompiled,
-                "stage_s": {k: round(v, 3) for k, v in state.stage_s.items()}, "log_restarted": state.log.restarted},
+                "stage_s": {k: round(v, 3) for k, v in state.stage_s.items()}, "log_restarted": state.log.restarted,
+                "start": state.start.describe(), "seeds": [c.to_dict() for c in state.start.seeds]},
         sweep_wall_s=round(state.elapsed_s(), 3),
     )
 

@@ -25,6 +25,7 @@ from moe_tune.tuner.log import SweepLog, candidate_line
 from moe_tune.tuner.request import SweepPlan
 from moe_tune.tuner.result import Reporter
 from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.warm_start import WarmStart
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class SweepState:
     batch_numbers: Iterator[int] = dataclasses.field(default_factory=itertools.count)  # of the timing batches
     stage_s: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"compile": 0.0, "check": 0.0, "time": 0.0})  # wall time per stage
+    start: WarmStart = dataclasses.field(default_factory=WarmStart)  # where the search started
 
     @property
     def settings(self) -> SweepSettings:

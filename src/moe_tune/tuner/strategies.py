@@ -1,14 +1,16 @@
 """Search strategies: which configs of a backend's search space a sweep measures, round by round.
 
-A strategy proposes rounds of configs (the default config always first, in the first round); the sweep
+A strategy proposes rounds of configs (the default config always first, in the first round, then the warm
+start's seeds, `tuner/warm_start.py`: the winners of the nearest tuned shapes, mapped onto this space); the sweep
 measures each round (compile, check, time) and passes everything measured so far to `next_round`. A
 strategy never proposes a config twice, never one outside the space (valid configs only), and never more
 than `budget` configs in all. Proposals depend only on the space, the budget, the seed and the measured
 results, so a resumed sweep, whose results come from its log, replays the same proposals.
 
-- `grid`: the whole space in order (today's exhaustive sweep); `budget` keeps its first N.
-- `random`: the default plus a seeded random sample of the rest, `budget` configs in all.
-- `coordinate`: coordinate descent from the heuristic default. Each round measures the unmeasured
+- `grid`: the whole space in order (the default and the seeds first); `budget` keeps its first N.
+- `random`: the default, the seeds, then a seeded random sample of the rest, `budget` configs in all.
+- `coordinate`: coordinate descent from the heuristic default, or with seeds from the best of the default
+  and the seeds (measured side by side in the first round). Each round measures the unmeasured
   neighbours of the best config so far: along each tunable, the nearest smaller and larger value among the
   configs of the space that differ from it in that tunable only. It moves to the best measured config and
   stops when a round finds nothing faster (or the budget is spent).
@@ -35,16 +37,22 @@ class Strategy:
     needs_budget: ClassVar[bool] = False  # without a budget (count or time) the strategy is just a grid
 
     def __init__(self, space: Sequence[KernelConfig], *, backend: Backend | None = None, problem: Any = None,
-                 budget: int | None = None, seed: int = 0):
+                 budget: int | None = None, seed: int = 0, seeds: Sequence[KernelConfig] = ()):
         if not space:
             raise UsageError("the search space is empty")
         self.space, self.backend, self.problem = list(space), backend, problem
+        # the warm start's configs (of the space, not the default), measured right after the default
+        self.seeds = [c for c in dict.fromkeys(seeds) if c in set(self.space) and c != self.space[0]]
         self.budget, self.seed = budget, seed
         self.stopped: str | None = None  # why the strategy has no more rounds (once next_round returns [])
 
     @property
     def default(self) -> KernelConfig:
         return self.space[0]
+
+    def _first(self, rest: Sequence[KernelConfig]) -> list[KernelConfig]:
+        """The default, the seeds, then `rest` (without repeats)."""
+        return list(dict.fromkeys([self.default, *self.seeds, *rest]))
 
     def planned(self) -> int:
         """An upper bound on the number of configs it will propose (for progress bars)."""
@@ -76,7 +84,7 @@ class Grid(Strategy):
     summary = "every candidate"
 
     def next_round(self, measured):
-        return self._cap(self.space, measured, "exhausted" if self.budget is None or self.budget >= len(
+        return self._cap(self._first(self.space), measured, "exhausted" if self.budget is None or self.budget >= len(
             self.space) else "budget")
 
 
@@ -89,7 +97,7 @@ class RandomSearch(Strategy):
         super().__init__(space, **kwargs)
         rest = self.space[1:]
         random.Random(self.seed).shuffle(rest)
-        self.order = [self.default, *rest]  # with no count budget, a seeded shuffle of the whole space
+        self.order = self._first(rest)  # with no count budget, a seeded shuffle of the whole space
 
     def next_round(self, measured):
         return self._cap(self.order, measured, "exhausted" if self.budget is None or self.budget >= len(
@@ -133,6 +141,8 @@ class CoordinateDescent(Strategy):
 
     def next_round(self, measured):
         if not measured:  # the first round: the default and its neighbours, timed side by side
+            if self.seeds:  # warm: the default and the seeds; the descent starts from the best of them
+                return self._cap(self._first(()), measured, "converged")
             self.current = self.default
             return self._cap([self.default, *self.neighbours(self.default)], measured, "converged")
         ok = [c for c in measured.values() if c.status == OK and c.timing is not None]
@@ -164,5 +174,5 @@ def check(name: str, budget: int | None, time_budget_s: float | None) -> None:
 
 
 def make(name: str, space: Sequence[KernelConfig], *, backend: Backend | None = None, problem: Any = None,
-         budget: int | None = None, seed: int = 0) -> Strategy:
-    return STRATEGIES[name](space, backend=backend, problem=problem, budget=budget, seed=seed)
+         budget: int | None = None, seed: int = 0, seeds: Sequence[KernelConfig] = ()) -> Strategy:
+    return STRATEGIES[name](space, backend=backend, problem=problem, budget=budget, seed=seed, seeds=seeds)

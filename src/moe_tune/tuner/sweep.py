@@ -29,7 +29,7 @@ from moe_tune import paths
 from moe_tune import settings as env
 from moe_tune.errors import warn_caller
 from moe_tune.profiles.dirs import writable_dir
-from moe_tune.tuner import compile_cache, finals, memory, record, search, strategies
+from moe_tune.tuner import compile_cache, finals, memory, record, search, strategies, warm_start
 from moe_tune.tuner.compiling import start_workers, uses_workers
 from moe_tune.tuner.log import SweepLog
 from moe_tune.tuner.request import SweepPlan, SweepRequest
@@ -79,17 +79,27 @@ def run_sweep(request: SweepRequest, reporter: Reporter | None = None, *,
     started = time.perf_counter()
     plan = preflight(request)
     settings = request.settings
+    start = start_of(plan)
     strategy = strategies.make(settings.strategy, plan.space, backend=plan.backend, problem=request.problem,
-                               budget=settings.budget, seed=settings.seed)
+                               budget=settings.budget, seed=settings.seed, seeds=start.seeds)
     with SweepLog(plan.log_path, record.header(plan), fresh=settings.fresh, on_append=on_log) as log:
-        state = SweepState(plan, log, reporter or Reporter(), started)
+        state = SweepState(plan, log, reporter or Reporter(), started, start=start)
         return _run(state, strategy)
+
+
+def start_of(plan: SweepPlan) -> warm_start.WarmStart:
+    """Where the search of `plan` starts: the nearest tuned shapes' winners (`warm_start`), unless `cold`."""
+    if plan.request.settings.cold:
+        return warm_start.WarmStart(cold=True)
+    return warm_start.find(plan.request.op, plan.device_kind, plan.fields, plan.key, plan.space,
+                           own_dir=plan.directory)
 
 
 def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
     if state.log.restored or state.log.finals:
         state.log.append([record.run_line(state)])
         _say_restored_failures(state.log)
+    state.log.append([record.start_line(state)])
     interrupted = False
     best = verdict = None
     tally = Tally()  # what the stages did, kept up to an interrupt

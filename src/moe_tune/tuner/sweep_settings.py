@@ -39,6 +39,7 @@ class SweepSettings:
     finalists: int = 4  # the fastest N (and the default) are re-timed together before the winner is chosen
     batch_size: int = 8  # candidates timed together (interleaved); a kill loses at most one batch
     compile_timeout_s: float = 600.0  # per candidate, compile + first run in a worker (not its start-up)
+    cold: bool = False  # no warm start: do not seed the search with the nearest tuned shapes' winners
 
     def __post_init__(self) -> None:
         distributions.check_name(self.distribution)

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_tune import settings
+from moe_tune import routing, settings
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.plain_jax import row_range_mask
@@ -41,18 +41,19 @@ class _Kernel:
     op: str
     backend: str
     given: Any = None  # a config, or its `freeze_config` tuple; None asks the tables
+    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.routing`)
 
     def gather(self, x, indices, start, end, weights):
         problem = GatherProblem(tokens=x.shape[0], rows=indices.shape[0], hidden=x.shape[1],
                                 dtype=dtype_name(x.dtype), weighted=weights is not None)
-        resolved = OPS[self.op].resolve_config(self.backend, problem, self.given)
+        resolved = OPS[self.op].resolve_config(self.backend, problem, self.given, distribution=self.distribution)
         return resolved.backend.gather(x, indices, start, end, weights, config=resolved.config)
 
     def gather_reduce(self, x, indices, weights, valid, reduce_group_size: int):
         rows = indices.shape[0]
         problem = GatherProblem(tokens=rows // reduce_group_size, rows=rows, hidden=x.shape[1],
                                 dtype=dtype_name(x.dtype))
-        resolved = OPS[self.op].resolve_config(self.backend, problem, self.given)
+        resolved = OPS[self.op].resolve_config(self.backend, problem, self.given, distribution=self.distribution)
         return resolved.backend.gather_reduce(x, indices, weights, valid, reduce_group_size, config=resolved.config)
 
 
@@ -65,12 +66,14 @@ class _Kernels:
 
 
 def _kernels(forward_op: str, backward_op: str, backend: str | None, config: Any, gather_fallback: bool | None,
-             reduce_fallback: bool | None) -> _Kernels:
-    """The fallback flags (None: the environment, `settings`) pick the plain-JAX backend per kernel kind."""
+             reduce_fallback: bool | None, distribution: str | None = None) -> _Kernels:
+    """The fallback flags (None: the environment, `settings`) pick the plain-JAX backend per kernel kind;
+    `distribution` (None: the `moe_tune.use_distribution` block, else the environment) is what both look up."""
     gather_fb = settings.ragged_gather_fallback() if gather_fallback is None else bool(gather_fallback)
     reduce_fb = settings.ragged_gather_reduce_fallback() if reduce_fallback is None else bool(reduce_fallback)
+    distribution = routing.for_call(distribution)
     kernel = lambda op, given=None: _Kernel(op, OPS[op].backend(
-        backend, force_fallback=gather_fb if op == "ragged_gather" else reduce_fb).name, given)
+        backend, force_fallback=gather_fb if op == "ragged_gather" else reduce_fb).name, given, distribution)
     return _Kernels(kernel(forward_op, freeze_config(config)), kernel(backward_op))
 
 
@@ -229,6 +232,7 @@ def ragged_gather(
     config: KernelConfig | Mapping[str, Any] | None = None,
     ragged_gather_fallback: bool | None = None,
     ragged_gather_reduce_fallback: bool | None = None,
+    distribution: str | None = None,
 ) -> jax.Array:
     """Dispatch: `out[i] = x[indices[i]] * weights[i]` for `start <= i < end`; other rows are zero.
 
@@ -247,6 +251,8 @@ def ragged_gather(
       config: the gather backend's config (or a dict of its fields); None looks it up in the tables.
       ragged_gather_fallback / ragged_gather_reduce_fallback: force the plain-JAX path for the gather /
         gather-reduce kernel; None reads $MOE_TUNE_RAGGED_GATHER_FALLBACK / ..._REDUCE_FALLBACK.
+      distribution: the routing (`balanced`, `skewed`, ...) the table lookups of both kernels assume; None:
+        the `moe_tune.use_distribution` block around the call, else $MOE_TUNE_DISTRIBUTION, else `balanced`.
 
     Returns:
       [rows, hidden] in x.dtype.
@@ -257,12 +263,12 @@ def ragged_gather(
         _check_vector(weights, indices.shape[0], "weights", name)
     start, end = _scalar(start, "start", name), _scalar(end, "end", name)
     kernels = _kernels("ragged_gather", "ragged_gather_reduce", backend, config, ragged_gather_fallback,
-                    ragged_gather_reduce_fallback)
+                       ragged_gather_reduce_fallback, distribution)
     return _ragged_gather(x, indices.astype(jnp.int32), start, end, weights, kernels)
 
 
 def _combine(name: str, x, indices, topk_weights, valid, reduce_group_size, backend, config, skip_zero_weights,
-             gather_fallback, reduce_fallback) -> jax.Array:
+             gather_fallback, reduce_fallback, distribution) -> jax.Array:
     _check_common(x, indices, name)
     rows = indices.shape[0]
     _check_vector(topk_weights, rows, "topk_weights", name)
@@ -276,7 +282,7 @@ def _combine(name: str, x, indices, topk_weights, valid, reduce_group_size, back
         nonzero = topk_weights != 0
         valid = nonzero if valid is None else valid & nonzero
         name = "ragged_gather_reduce"  # a mask now exists: the masked kernel and tables serve it
-    kernels = _kernels(name, "ragged_gather", backend, config, gather_fallback, reduce_fallback)
+    kernels = _kernels(name, "ragged_gather", backend, config, gather_fallback, reduce_fallback, distribution)
     return _gather_reduce(x, indices.astype(jnp.int32), topk_weights, valid, reduce_group_size, kernels)
 
 
@@ -292,6 +298,7 @@ def ragged_gather_reduce(
     skip_zero_weights: bool = False,
     ragged_gather_fallback: bool | None = None,
     ragged_gather_reduce_fallback: bool | None = None,
+    distribution: str | None = None,
 ) -> jax.Array:
     """Combine: `out[t] = sum_j valid[i] * topk_weights[i] * x[indices[i]]`, `i = t * reduce_group_size + j`.
 
@@ -310,13 +317,13 @@ def ragged_gather_reduce(
       skip_zero_weights: when True, an entry whose weight is exactly 0 is dropped like an invalid one, so a
         NaN / inf in its row of x gives 0, not NaN (and its weight gets no gradient). When False (the
         default) it multiplies: 0 * NaN = NaN propagates, as in a plain weighted sum.
-      ragged_gather_fallback / ragged_gather_reduce_fallback: as for `ragged_gather`.
+      ragged_gather_fallback / ragged_gather_reduce_fallback, distribution: as for `ragged_gather`.
 
     Returns:
       [rows // reduce_group_size, hidden] in x.dtype.
     """
     return _combine("ragged_gather_reduce", x, indices, topk_weights, valid_rows_mask, reduce_group_size, backend,
-                    config, skip_zero_weights, ragged_gather_fallback, ragged_gather_reduce_fallback)
+                    config, skip_zero_weights, ragged_gather_fallback, ragged_gather_reduce_fallback, distribution)
 
 
 def dense_gather_reduce(
@@ -330,10 +337,11 @@ def dense_gather_reduce(
     skip_zero_weights: bool = False,
     ragged_gather_fallback: bool | None = None,
     ragged_gather_reduce_fallback: bool | None = None,
+    distribution: str | None = None,
 ) -> jax.Array:
     """`ragged_gather_reduce` with every entry valid (pure tensor parallelism: no shard owns a subrange).
 
     With `skip_zero_weights=True` the zero-weight entries become a mask, so the call runs (and is tuned) as
     a `ragged_gather_reduce`."""
     return _combine("dense_gather_reduce", x, indices, topk_weights, None, reduce_group_size, backend, config,
-                    skip_zero_weights, ragged_gather_fallback, ragged_gather_reduce_fallback)
+                    skip_zero_weights, ragged_gather_fallback, ragged_gather_reduce_fallback, distribution)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_tune import routing
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
@@ -24,18 +25,20 @@ from moe_tune.quant import AsQArray, QArray
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """Static (hashable) part of one call: backend, forward problem, configs the caller fixed per direction,
-    and, per operand (lhs, rhs), the `AsQArray` template of a quantization-aware-training operand (its value
-    a ShapeDtypeStruct), else None."""
+    per operand (lhs, rhs) the `AsQArray` template of a quantization-aware-training operand (its value a
+    ShapeDtypeStruct), else None, and the routing distribution its lookups assume."""
 
     backend: str
     problem: RaggedDotProblem
     given: tuple[tuple[str, Any], ...]  # (direction, config or `freeze_config` tuple)
     ste: tuple[AsQArray | None, AsQArray | None] = (None, None)
+    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.routing`)
 
     def run(self, direction: str, a, b, group_sizes, group_offset):
         """One direction's kernel, its config resolved now (at trace time) by `RAGGED_DOT.resolve_config`."""
         problem = self.problem.with_direction(direction)
-        resolved = RAGGED_DOT.resolve_config(self.backend, problem, dict(self.given).get(direction))
+        resolved = RAGGED_DOT.resolve_config(self.backend, problem, dict(self.given).get(direction),
+                                             distribution=self.distribution)
         return resolved.backend.run(problem, resolved.config, a, b, group_sizes, group_offset)
 
 
@@ -152,6 +155,7 @@ def ragged_dot(
     group_offset: jax.Array | None = None,
     backend: str | None = None,
     config: KernelConfig | Mapping[str, Any] | None = None,
+    distribution: str | None = None,
 ) -> jax.Array:
     """Grouped matmul: `out[rows of group i] = lhs[rows] @ rhs[i]`; differentiable in lhs and rhs.
 
@@ -179,6 +183,9 @@ def ragged_dot(
       config: the backend's config (or a dict of its fields) for the forward pass, or a mapping
         `{"fwd": ..., "dlhs": ..., "drhs": ...}`; directions left out are looked up in the tables (exact,
         nearest m, else the backend's heuristic default) when they are traced.
+      distribution: the routing (group-size distribution: `balanced`, `skewed`, ...) the table lookups assume,
+        for every direction; None: the `moe_tune.use_distribution` block around the call, else
+        $MOE_TUNE_DISTRIBUTION, else `balanced` (`moe_tune.routing`).
 
     Returns:
       [m, n] in `preferred_element_type`.
@@ -190,5 +197,6 @@ def ragged_dot(
     )
     impl = RAGGED_DOT.backend(backend)
     group_sizes, group_offset = _shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
-    call = _Call(impl.name, problem, _given_configs(config), (_ste_template(lhs), _ste_template(rhs)))
+    call = _Call(impl.name, problem, _given_configs(config), (_ste_template(lhs), _ste_template(rhs)),
+                 routing.for_call(distribution))
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)

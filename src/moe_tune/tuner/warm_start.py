@@ -1,0 +1,137 @@
+"""Warm start: a sweep of a new shape first measures the winners of the nearest shapes already tuned.
+
+Neighbouring shapes (another token count, another hidden size, another dtype or direction of the same op and
+backend) are often won by the same or a nearby config. `find(plan)` reads the tables (every profile dir, in
+lookup order, and the sweep's own), keeps the entries of the same op, backend and device kind with the same
+key fields except sizes, dtypes, direction and distribution (and not this sweep's own key), ranks them by
+`distance`, and maps the winners of the nearest `limit` onto this sweep's space (`project`: the config of the
+space nearest to each winner, so a seed is always a valid candidate here). The strategies measure those seeds
+right after the default (`strategies.Strategy`'s `seeds`); coordinate descent descends from the best of them.
+
+The seeds depend on the tables when the sweep starts; a resumed sweep restores every candidate its log holds
+whatever order they are proposed in. `--cold` (`SweepSettings.cold`) turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from moe_tune.errors import TableError
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.profiles import read_table, search_dirs, table_path
+
+LIMIT = 4  # winners of this many nearest entries are seeds
+# What a difference of one non-size key field weighs, in units of |log(size ratio)| (a factor e in one size):
+# a config tuned for the other direction of the same shape is a weaker guess than one tuned for 2x the tokens.
+FIELD_WEIGHT = {"direction": 3.0, "distribution": 0.5}
+OTHER_FIELD_WEIGHT = 1.0  # dtypes, quantization fields, weighted, ...
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """The seeds (configs of the space, nearest source first, the default left out) and where they came from."""
+
+    seeds: tuple[KernelConfig, ...] = ()
+    sources: tuple[dict[str, Any], ...] = ()  # {"key", "distance", "config" (the winner), "seed" (its label)}
+    cold: bool = False  # turned off (`--cold`)
+
+    def describe(self) -> str:
+        """One line for the sweep's output and log."""
+        if self.cold:
+            return "cold start (--cold)"
+        if not self.seeds:
+            return "cold start (no tuned entry of this op and backend nearby)"
+        return (f"warm start from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
+                + "; ".join(f"{s['key'].split('|', 1)[1]} -> {s['seed']}" for s in self.sources))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cold": self.cold, "seeds": [s.to_dict() for s in self.seeds], "sources": list(self.sources)}
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def distance(fields: Mapping[str, Any], other: Mapping[str, Any]) -> float | None:
+    """How far a tuned entry's key fields are from this sweep's: the sum of |log ratio| of the positive integer
+    fields (sizes, token counts), and a weight per other field that differs (`FIELD_WEIGHT`); None when the
+    backend differs (another backend's configs mean nothing here)."""
+    if other.get("backend") != fields.get("backend"):
+        return None
+    total, dtypes_differ = 0.0, False
+    for name in dict.fromkeys([*fields, *other]):
+        mine, theirs = fields.get(name), other.get(name)
+        if mine == theirs:
+            continue
+        if _is_size(mine) and _is_size(theirs):
+            total += abs(math.log(mine / theirs))
+        elif name.endswith("dtype"):  # lhs, rhs and out dtype are one choice (`--dtype`): counted once
+            dtypes_differ = True
+        else:
+            total += FIELD_WEIGHT.get(name, OTHER_FIELD_WEIGHT)
+    return total + (OTHER_FIELD_WEIGHT if dtypes_differ else 0.0)
+
+
+def _config_distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """How far config `b` is from `a`: |log2 ratio| per positive numeric tunable, 1 per other differing one."""
+    total = 0.0
+    for name in dict.fromkeys([*a, *b]):
+        x, y = a.get(name), b.get(name)
+        if x == y:
+            continue
+        both = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
+        total += abs(math.log2(x / y)) if both else 1.0
+    return total
+
+
+def project(winner: Mapping[str, Any], space: Sequence[KernelConfig]) -> KernelConfig:
+    """The config of `space` nearest to `winner` (a config's fields, possibly of another shape's space): itself
+    when it is in the space; ties go to the earlier config."""
+    return min(space, key=lambda c: _config_distance(winner, c.to_dict()))
+
+
+def _tables(directories: Sequence[Path], device_kind: str, op: str) -> list[dict[str, Any]]:
+    found, seen = [], set()
+    for directory in directories:
+        path = table_path(directory, device_kind, op)
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        try:
+            found.append(read_table(path))
+        except TableError:  # a broken table is lookup's and validate's to report; it just seeds nothing
+            continue
+    return found
+
+
+def find(op: str, device_kind: str, fields: Mapping[str, Any], key: str, space: Sequence[KernelConfig], *,
+         own_dir: Path | None = None, limit: int = LIMIT) -> WarmStart:
+    """The seeds for a sweep of `key` (its key `fields`) over `space` (default first): the winners of the
+    `limit` nearest tuned entries of the same op, backend and device kind (any profile dir, and `own_dir`,
+    where the sweep writes), mapped onto the space. The entry of `key` itself is not used."""
+    directories = ([own_dir] if own_dir is not None else []) + [d for _, d in search_dirs()]
+    ranked: list[tuple[float, str, dict[str, Any]]] = []
+    for table in _tables(directories, device_kind, op):
+        for other_key, entry in table["entries"].items():
+            if other_key == key or entry.get("interrupted") or not isinstance(entry.get("config"), dict):
+                continue
+            d = distance(fields, entry["fields"])
+            if d is not None:
+                ranked.append((d, other_key, entry))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    seeds: list[KernelConfig] = []
+    sources: list[dict[str, Any]] = []
+    for d, other_key, entry in ranked:
+        if len(sources) >= limit:
+            break
+        if any(s["key"] == other_key for s in sources):  # the same key in two profile dirs: the first wins
+            continue
+        seed = project(entry["config"], space)
+        sources.append({"key": other_key, "distance": round(d, 3), "config": entry["config"], "seed": seed.label()})
+        if seed != space[0] and seed not in seeds:
+            seeds.append(seed)
+    return WarmStart(tuple(seeds), tuple(sources))

@@ -1,0 +1,108 @@
+"""Warm start: the nearest tuned shapes' winners (same op and backend) are measured right after the default,
+coordinate descent descends from the best of them, `--cold` turns it off, and the log and entry say where
+the search started. Proposals with synthetic measurements, then one tiny real pair of sweeps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.profiles import key_fields, write_entries
+from moe_tune.profiles.key import key_from_fields
+from moe_tune.tuner import SweepRequest, run_sweep, warm_start
+from moe_tune.tuner import strategies as S
+from test_strategies import BIG, SPACE, TILED, _run, bowl
+
+OPTIMUM = {"tm": 256, "tk": 2048, "tn": 512, "tail": 32}
+
+
+def _entry(problem, config, backend="tiled", distribution="balanced"):
+    fields = key_fields(problem, backend, distribution)
+    return {"key": key_from_fields("ragged_dot", fields), "fields": fields, "config": config,
+            "timing": {"median_s": 1e-3}}
+
+
+def test_distance_ranks_token_counts_before_other_directions_and_ignores_other_backends():
+    here = key_fields(BIG, "tiled", "balanced")
+    twice_m = key_fields(RaggedDotProblem(m=4096, k=2048, n=768, groups=16), "tiled", "balanced")
+    dlhs = key_fields(BIG.with_direction("dlhs"), "tiled", "balanced")
+    bf16 = key_fields(RaggedDotProblem(m=2048, k=2048, n=768, groups=16, lhs_dtype="bfloat16",
+                                            rhs_dtype="bfloat16", out_dtype="bfloat16"), "tiled", "balanced")
+    assert warm_start.distance(here, here) == 0
+    assert 0 < warm_start.distance(here, twice_m) < warm_start.distance(here, bf16) < warm_start.distance(here, dlhs)
+    assert warm_start.distance(here, key_fields(BIG, "xla", "balanced")) is None
+
+
+def test_project_maps_a_winner_onto_this_space():
+    inside = SPACE[5]
+    assert warm_start.project(inside.to_dict(), SPACE) == inside
+    # another shape's winner with a tile this space lacks: the nearest config of the space
+    got = warm_start.project({**OPTIMUM, "tm": 3000}, SPACE)
+    assert got in SPACE and got.tk == 2048 and got.tn == 512 and got.tm == max(c.tm for c in SPACE)
+
+
+def test_strategies_measure_the_seeds_right_after_the_default():
+    seeds = [TILED.config_cls(**OPTIMUM), SPACE[0], SPACE[3]]  # the default is not a seed
+    grid = S.make("grid", SPACE, seeds=seeds).next_round({})
+    assert grid[:3] == [SPACE[0], seeds[0], SPACE[3]] and sorted(map(str, grid)) == sorted(map(str, SPACE))
+    rnd = S.make("random", SPACE, budget=5, seed=3, seeds=seeds).next_round({})
+    assert rnd[:3] == [SPACE[0], seeds[0], SPACE[3]] and len(rnd) == 5
+    assert S.make("grid", SPACE, budget=2, seeds=seeds).next_round({}) == [SPACE[0], seeds[0]]
+
+
+def test_coordinate_descends_from_the_best_seed_and_needs_fewer_candidates():
+    near = TILED.config_cls(**{**OPTIMUM, "tm": 128})  # one step from the optimum
+    cold_rounds, cold = _run(S.make("coordinate", SPACE, backend=TILED, problem=BIG), bowl(OPTIMUM))
+    warm_strategy = S.make("coordinate", SPACE, backend=TILED, problem=BIG, seeds=[SPACE[7], near])
+    warm_rounds, warm = _run(warm_strategy, bowl(OPTIMUM))
+    assert warm_rounds[0] == [SPACE[0], SPACE[7], near]  # the default and the seeds, side by side
+    assert warm_strategy.path[0] == near  # the descent starts from the best of them
+    best = lambda measured: min(measured.values(), key=lambda c: c.timing.median_s).config
+    assert best(warm) == best(cold) == TILED.config_cls(**OPTIMUM)
+    assert len(warm) < len(cold) and warm_strategy.stopped == "converged"
+
+
+def test_find_takes_the_nearest_entries_of_the_same_backend(isolated_profiles):
+    m = lambda m: RaggedDotProblem(m=m, k=2048, n=768, groups=16)
+    here = key_fields(BIG, "tiled", "balanced")
+    write_entries(isolated_profiles / "cpu" / "ragged_dot.json", "ragged_dot", "cpu", [
+        _entry(m(4096), OPTIMUM),  # the nearest
+        _entry(m(256), {**OPTIMUM, "tm": 32}),
+        _entry(m(1024), {**OPTIMUM, "tn": 768}, backend="xla"),  # another backend: never a seed
+        _entry(BIG, {**OPTIMUM, "tm": 64}),  # this sweep's own key: not a seed
+    ])
+    found = warm_start.find("ragged_dot", "cpu", here, key_from_fields("ragged_dot", here), SPACE, limit=1)
+    assert found.seeds == (TILED.config_cls(**OPTIMUM),) and "m=4096" in found.sources[0]["key"]
+    found = warm_start.find("ragged_dot", "cpu", here, key_from_fields("ragged_dot", here), SPACE)
+    assert [s["key"].split("|")[2] for s in found.sources] == ["m=4096", "m=256"]
+    assert "warm start from 2 tuned entries" in found.describe()
+    assert warm_start.find("ragged_dot", "tpu_v5_lite", here, "k", SPACE).describe().startswith("cold start")
+
+
+SMALL = RaggedDotProblem(m=256, k=384, n=192, groups=4)
+
+
+@pytest.mark.slow
+def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
+    quick = dict(backend="tiled", samples=1, workers=1, race=None, profile_dir=isolated_profiles)
+    tuned = run_sweep(SweepRequest.make("ragged_dot", SMALL, strategy="grid", budget=3, **quick))
+    first_winner = TILED.config_cls(**tuned.entry.config)
+    assert tuned.entry.search["start"].startswith("cold start (no tuned entry")
+
+    other = RaggedDotProblem(m=512, k=384, n=192, groups=4)
+    warm = run_sweep(SweepRequest.make("ragged_dot", other, strategy="coordinate", budget=2, **quick))
+    space = TILED.search_space(other)
+    expected = warm_start.project(tuned.entry.config, space)
+    if expected != space[0]:  # the winner (mapped onto this space) right after the default
+        assert [c.config for c in warm.candidates] == [space[0], expected]
+    assert "m=256" in warm.entry.search["start"] and warm.entry.search["seeds"] == (
+        [] if expected == space[0] else [expected.to_dict()])
+    lines = [json.loads(line) for line in warm.log_path.read_text().splitlines()]
+    (start,) = [line for line in lines if line["type"] == "start"]
+    assert start["sources"][0]["config"] == first_winner.to_dict() and not start["cold"]
+
+    cold = run_sweep(SweepRequest.make("ragged_dot", other, strategy="coordinate", budget=2, cold=True, fresh=True,
+                                       **quick))
+    assert cold.entry.search["start"] == "cold start (--cold)" and cold.entry.search["seeds"] == []
