@@ -53,7 +53,9 @@ class ToyRaggedDot(RaggedDotBackend):
 
 
 def _float32(x):
-    """An operand's float32 values: a QArray (int8 / fp8 values and float32 scales) is dequantized."""
+    """An operand's float32 values: a QArray (quantized values and scales) is dequantized; activations to be
+    quantized in the kernel (`DynamicQuant`) are quantized whole, then dequantized."""
+    x = x.quantize() if isinstance(x, moe_tune.DynamicQuant) else x
     return moe_tune.dequantize(x) if isinstance(x, moe_tune.QArray) else x.astype(jnp.float32)
 
 

@@ -11,8 +11,8 @@ from moe_tune.kernels.gather import dense_gather_reduce, ragged_gather, ragged_g
 from moe_tune.kernels.ragged_dot import ragged_dot  # noqa: E402
 from moe_tune.moe import moe_mlp  # noqa: E402
 from moe_tune.profiles import use_profiles  # noqa: E402
-from moe_tune.quant import AsQArray, QArray, dequantize, quantize  # noqa: E402
+from moe_tune.quant import AsQArray, DynamicQuant, QArray, dequantize, from_checkpoint, quantize  # noqa: E402
 from moe_tune.routing import use_distribution  # noqa: E402
 
-__all__ = ["AsQArray", "QArray", "__version__", "dense_gather_reduce", "dequantize", "moe_mlp", "profiles", "quantize",
-           "ragged_dot", "ragged_gather", "ragged_gather_reduce", "use_distribution", "use_profiles"]
+__all__ = ["AsQArray", "DynamicQuant", "QArray", "__version__", "dense_gather_reduce", "dequantize", "from_checkpoint",
+           "moe_mlp", "profiles", "quantize", "ragged_dot", "ragged_gather", "ragged_gather_reduce", "use_distribution", "use_profiles"]

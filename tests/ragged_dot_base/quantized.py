@@ -18,9 +18,9 @@ import pytest
 import moe_tune
 from moe_tune.kernels.ragged_dot import RaggedDotProblem, ragged_dot_reference
 from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
-from moe_tune.quant import QArray, dequantize_host, quantize
+from moe_tune.quant import DynamicQuant, QArray, dequantize_host, quantize
 
-from .helpers import DIRECTIONS, local_rows
+from .helpers import DIRECTIONS, GRAD_TOLERANCE, local_rows
 from .hooks import BackendHooks
 
 # Each direction takes its quantized operand as the op passes it: fwd = gmm(lhs, rhs_q) (weight-only, or
@@ -36,12 +36,17 @@ Q_SHARD_SIZES, Q_SHARD = [6, 9, 0, 14, 8], (1, 3)  # groups [1, 4) of 5 (group_o
 @dataclasses.dataclass(frozen=True)
 class QuantMode:
     """A direction and how its operands are quantized: a block is None (float operand), "k" (one scale per
-    row / channel) or the sub-channel block along k; `qdtype` is the stored dtype of both."""
+    row / channel) or the sub-channel block along k; `qdtype` is the stored dtype of both (of rhs only when
+    `lhs_qdtype` is given). `dynamic`: the lhs is float and the kernel quantizes it (`DynamicQuant`, to
+    `lhs_qdtype`, in `lhs_block`s). `k`: the contracting size (mxfp4's blocks are 32 long)."""
 
     direction: str
     lhs_block: int | str | None
     rhs_block: int | str | None
     qdtype: str = "int8"
+    lhs_qdtype: str | None = None
+    dynamic: bool = False
+    k: int = QK
 
 
 # float8_e4m3fn for weight-only sub-channel (a float lhs meets fp8 weights) and for per-row x sub-channel
@@ -56,18 +61,32 @@ QUANT_MODES = {
     "dlhs_weight_sub_channel": QuantMode("dlhs", None, 8),
     "drhs_lhs_per_row": QuantMode("drhs", "k", None),
     "drhs_lhs_sub_channel": QuantMode("drhs", 8, None),
+    # 4-bit weights (weight-only, fwd and dlhs: the weights are constants): mxfp4 in its blocks of 32 (two
+    # along k, so the scale steps inside k); int4 in blocks runs through the op (the 4-bit test below)
+    "fwd_weight_mxfp4": QuantMode("fwd", None, 32, "float4_e2m1fn", k=64),
+    "dlhs_weight_mxfp4": QuantMode("dlhs", None, 32, "float4_e2m1fn", k=64),
+    # activations quantized in the kernel (dynamic w8a8): per row with per-channel int8 weights (int8 x int8),
+    # and in blocks of 16 with int4 weights in blocks of 16
+    "fwd_dynamic_w8a8_per_row": QuantMode("fwd", "k", "k", "int8", "int8", dynamic=True),
+    "fwd_dynamic_a8_int4_sub_channel": QuantMode("fwd", 16, 16, "int4", "int8", dynamic=True),
 }
 
 
-def quantized(x: Any, block: int | str | None, qdtype: str) -> jax.Array | QArray:
-    """`x` as a float array (block None) or quantized along k (axis 1) in `block`s ("k": the whole axis)."""
+def quantized(x: Any, block: int | str | None, qdtype: str, dynamic: bool = False) -> jax.Array | QArray | DynamicQuant:
+    """`x` as a float array (block None) or quantized along k (axis 1) in `block`s ("k": the whole axis);
+    `dynamic`: a float `x` the kernel quantizes so (`DynamicQuant`)."""
     if block is None:
         return jnp.asarray(x)
-    return quantize(jnp.asarray(x), qdtype, axis=1, block_size=None if block == "k" else block)
+    block_size = None if block == "k" else block
+    if dynamic:
+        return DynamicQuant(jnp.asarray(x), qdtype, block_size)
+    return quantize(jnp.asarray(x), qdtype, axis=1, block_size=block_size)
 
 
 def as_f64(x: Any) -> np.ndarray:
-    """float64 values of an array or (exactly dequantized) QArray."""
+    """float64 values of an array or (exactly dequantized) QArray; of a `DynamicQuant`, the dequantized values
+    of the QArray the kernel quantizes it to (the reference's operand)."""
+    x = x.quantize() if isinstance(x, DynamicQuant) else x
     return dequantize_host(x) if isinstance(x, QArray) else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
@@ -96,8 +115,10 @@ def make_quant_case(mode: QuantMode, *, sizes: list[int] = QSIZES, groups: int |
     """(problem, a, b): the direction's two operands, quantized as `mode` says, and its problem."""
     groups = len(sizes) if groups is None else groups
     rng = np.random.default_rng(seed)
-    lhs = quantized(rng.standard_normal((QM, QK), np.float32), mode.lhs_block, mode.qdtype)
-    rhs = quantized(rng.standard_normal((groups, QK, QN), np.float32) / np.sqrt(QK), mode.rhs_block, mode.qdtype)
+    lhs = quantized(rng.standard_normal((QM, mode.k), np.float32), mode.lhs_block, mode.lhs_qdtype or mode.qdtype,
+                    mode.dynamic)
+    rhs = quantized(rng.standard_normal((groups, mode.k, QN), np.float32) / np.sqrt(mode.k), mode.rhs_block,
+                    mode.qdtype)
     dout = jnp.asarray(rng.standard_normal((QM, QN), np.float32))
     group_sizes = jnp.asarray(sizes, jnp.int32)
     offset = None if groups == len(sizes) else jnp.int32(0)
@@ -199,6 +220,42 @@ class QuantizedTests(BackendHooks):
             ran += 1
         if not ran:
             pytest.skip(f"{self.backend} runs no quantized operands")
+
+    def test_4bit_weights_and_activations_quantized_in_the_kernel_through_the_op_and_its_vjp(self):
+        """The public op with int4 weights in blocks of 16: weight-only with float32 activations, and with
+        bfloat16 ones quantized in the kernel (`lhs_quant="int8"`, dynamic w8a8, in the weights' blocks),
+        jitted with its VJP: out against the float64 reference of the quantized-then-dequantized operands,
+        lhs's gradient the straight-through one (dout times the dequantized weights) in lhs's dtype, the
+        weights a constant. A backend that refuses them is skipped."""
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((QM, QK), np.float32)
+        rhs = quantize(jnp.asarray(rng.standard_normal((len(QSIZES), QK, QN), np.float32) / np.sqrt(QK)), "int4",
+                       axis=1, block_size=16)
+        dout = jnp.asarray(rng.standard_normal((QM, QN), np.float32))
+        sizes = jnp.asarray(QSIZES, jnp.int32)
+        ran = 0
+        for lhs_quant, dtype in ((None, "float32"), ("int8", "bfloat16")):
+            lhs = jnp.asarray(x, dtype)
+            a = lhs if lhs_quant is None else DynamicQuant(lhs, lhs_quant, 16)
+            problem = RaggedDotProblem.from_arrays(a, rhs, sizes, preferred_element_type=jnp.float32)
+            if self.unsupported(problem) is not None:
+                continue
+            config = {d: self.impl.default_config(problem.with_direction(d)) for d in ("fwd", "dlhs")}
+            f = jax.jit(lambda x, w: moe_tune.ragged_dot(x, w, sizes, backend=self.backend, config=config,
+                                                         preferred_element_type=jnp.float32, lhs_quant=lhs_quant))
+            out, vjp = jax.vjp(f, lhs, rhs)
+            dx, dw = vjp(dout)
+            what = f"[{self.backend} int4/16 lhs_quant={lhs_quant}]"
+            assert_quant_close(out, ragged_dot_reference(as_f64(a), as_f64(rhs), QSIZES), what)
+            assert dx.dtype == lhs.dtype, what
+            ref = ragged_dot_dlhs_reference(as_f64(dout), as_f64(rhs), QSIZES)
+            err = np.abs(np.asarray(dx, np.float64) - ref).max() / np.abs(ref).max()
+            assert err <= GRAD_TOLERANCE[dtype], f"dlhs error {err:.3g} {what}"
+            assert all(leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf, np.float32))
+                       for leaf in jax.tree.leaves(dw)), what
+            ran += 1
+        if not ran:
+            pytest.skip(f"{self.backend} runs no 4-bit weights")
 
     @pytest.mark.parametrize("direction", DIRECTIONS)
     def test_default_config_is_valid_for_model_sized_quantized_problems(self, direction):

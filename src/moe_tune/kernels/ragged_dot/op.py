@@ -19,7 +19,7 @@ from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, select_shard
 from moe_tune.kernels.kernel_op import freeze_config
-from moe_tune.quant import AsQArray, QArray
+from moe_tune.quant import AsQArray, DynamicQuant, QArray, scale_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,12 @@ class _Call:
     given: tuple[tuple[str, Any], ...]  # (direction, config or `freeze_config` tuple)
     ste: tuple[AsQArray | None, AsQArray | None] = (None, None)
     distribution: str | None = None  # the routing the tables are asked for (`moe_tune.routing`)
+    lhs_quant: tuple[str, int] | None = None  # (qdtype, block) of activations the fwd kernel quantizes
+
+    def fwd_lhs(self, lhs):
+        """The forward kernel's lhs: wrapped in `DynamicQuant` when the kernel quantizes it (the op's primal
+        and residual stay the float x, whose gradient is then the straight-through one)."""
+        return lhs if self.lhs_quant is None else DynamicQuant(lhs, *self.lhs_quant)
 
     def run(self, direction: str, a, b, group_sizes, group_offset):
         """One direction's kernel, its config resolved now (at trace time) by `RAGGED_DOT.resolve_config`."""
@@ -60,12 +66,12 @@ def _cotangent(primal_kind: AsQArray | None, x, grad: jax.Array | None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged_dot(lhs, rhs, group_sizes, group_offset, call: _Call):
-    return call.run("fwd", _kernel_operand(lhs), _kernel_operand(rhs), group_sizes, group_offset)
+    return call.run("fwd", call.fwd_lhs(_kernel_operand(lhs)), _kernel_operand(rhs), group_sizes, group_offset)
 
 
 def _ragged_dot_fwd(lhs, rhs, group_sizes, group_offset, call: _Call):
     a, b = _kernel_operand(lhs), _kernel_operand(rhs)
-    return call.run("fwd", a, b, group_sizes, group_offset), (a, b, group_sizes, group_offset)
+    return call.run("fwd", call.fwd_lhs(a), b, group_sizes, group_offset), (a, b, group_sizes, group_offset)
 
 
 def _ragged_dot_bwd(call: _Call, residuals, dout):
@@ -146,6 +152,22 @@ def _shard_groups(group_sizes: jax.Array, group_offset: Any, *, m: int, groups: 
     return select_shard(jnp.asarray(group_sizes), offset, m=m, groups=groups)
 
 
+def _dynamic_lhs(lhs: Any, rhs: Any, lhs_quant: str | None, block: int | None) -> tuple[str, int] | None:
+    """(qdtype, block) of activations quantized in the kernel (`lhs_quant`), else None; the block defaults to
+    the weights' own scale block along k (so the two scales' steps agree), k for per-channel weights."""
+    if lhs_quant is None:
+        if block is not None:
+            raise UsageError("lhs_quant_block needs lhs_quant")
+        return None
+    if isinstance(lhs, (QArray, AsQArray, DynamicQuant)):
+        raise UsageError(f"lhs_quant quantizes float activations in the kernel; lhs is a {type(lhs).__name__}")
+    if block is None and isinstance(rhs, QArray) and rhs.ndim == 3:
+        axis, rhs_block = scale_layout(rhs)
+        block = rhs_block if axis == 1 else None
+    marker = DynamicQuant(lhs, lhs_quant, block)
+    return marker.qdtype, marker.block()
+
+
 def ragged_dot(
     lhs: jax.Array | QArray | AsQArray,
     rhs: jax.Array | QArray | AsQArray,
@@ -156,6 +178,8 @@ def ragged_dot(
     backend: str | None = None,
     config: KernelConfig | Mapping[str, Any] | None = None,
     distribution: str | None = None,
+    lhs_quant: str | None = None,
+    lhs_quant_block: int | None = None,
 ) -> jax.Array:
     """Grouped matmul: `out[rows of group i] = lhs[rows] @ rhs[i]`; differentiable in lhs and rhs.
 
@@ -186,17 +210,24 @@ def ragged_dot(
       distribution: the routing (group-size distribution: `balanced`, `skewed`, ...) the table lookups assume,
         for every direction; None: the `moe_tune.use_distribution` block around the call, else
         $MOE_TUNE_DISTRIBUTION, else `balanced` (`moe_tune.routing`).
+      lhs_quant: "int8" (or "float8_e4m3fn"): dynamic w8a8, with quantized weights. The forward kernel
+        quantizes each lhs tile where it loads it, symmetric absmax per row and `lhs_quant_block` elements
+        along k (default: rhs's scale block; k for per-channel weights), the scale from the tile itself (no
+        quantized copy of lhs). The result is that of the quantized-then-dequantized operands; lhs's
+        gradient is the straight-through one (dout times the dequantized weights).
 
     Returns:
       [m, n] in `preferred_element_type`.
     """
     # an AsQArray is described by the QArray it becomes (its shapes only: nothing is quantized here)
     lhs_q, rhs_q = (jax.eval_shape(AsQArray.quantize, x) if isinstance(x, AsQArray) else x for x in (lhs, rhs))
+    dynamic = _dynamic_lhs(lhs, rhs_q, lhs_quant, lhs_quant_block)
+    lhs_q = lhs_q if dynamic is None else DynamicQuant(lhs, *dynamic)
     problem = RaggedDotProblem.from_arrays(
         lhs_q, rhs_q, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset
     )
     impl = RAGGED_DOT.backend(backend)
     group_sizes, group_offset = _shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
     call = _Call(impl.name, problem, _given_configs(config), (_ste_template(lhs), _ste_template(rhs)),
-                 routing.for_call(distribution))
+                 routing.for_call(distribution), lhs_quant=dynamic)
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)

@@ -31,8 +31,9 @@ from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, problem_plan, tgmm_plan
-from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk, prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, LhsQuant, gmm_plan, problem_plan, tgmm_plan
+from moe_tune.kernels.ragged_dot.quantized import prepare_gmm, prepare_tgmm
+from moe_tune.kernels.ragged_dot.tiled_dots import cpu_dot_dtypes as _dot_dtypes, dlhs_product, fwd_product, tile_dots
 
 # Cap on column blocks x contraction chunks per visit: each one is an unrolled dot in the loop body, and
 # compile time grows with them.
@@ -57,112 +58,6 @@ class TiledConfig(KernelConfig):
     dequantize: bool = False
 
 
-def _blocks(size: int, block: int) -> list[tuple[int, int]]:
-    return [(start, min(block, size - start)) for start in range(0, size, block)]
-
-
-# A kernel whose smallest tiles hold at most this many rows runs its bf16 dots in float32: XLA CPU's bf16 dot
-# costs more per call than the f32 one, which a dot of a few rows does not amortize (64 dots of 4 rows: bf16
-# 16.5 ms, f32 12.5; of 8 rows: 17.7 against 18.9; NOTES 14.3, 14.4).
-F32_DOT_MAX_ROWS = 4
-
-
-def _dot_dtypes(a_dtype, b_dtype, min_rows: int | None = None) -> tuple[jnp.dtype, jnp.dtype]:
-    """(operand, accumulator) dtypes of a dot: `quantized.dot_dtypes` (every backend's rule: bf16 stays bf16,
-    which the CPU dot runs natively), except float16, which runs in float32 here as XLA CPU's own dot does
-    (an f16 dot measured slower, benchmarks/NOTES.md 13), and bf16 in a kernel whose smallest tiles hold
-    `min_rows` <= F32_DOT_MAX_ROWS rows (every dot of the kernel then runs in f32: a group's weights are
-    converted once, for one dtype, before its tiles)."""
-    operand, acc = dot_dtypes(jax.ShapeDtypeStruct((), a_dtype), jax.ShapeDtypeStruct((), b_dtype))
-    small = min_rows is not None and min_rows <= F32_DOT_MAX_ROWS
-    if operand == jnp.float16 or (operand == jnp.bfloat16 and small):
-        return jnp.dtype(jnp.float32), acc
-    return operand, acc
-
-
-def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Array:
-    """Rows [start, start + size) of `scale` repeated `block` times along axis 0 (static bounds): the
-    per-element scale of those rows of an operand scaled in blocks of `block` rows."""
-    first = start // block
-    rows = jnp.repeat(scale[first:-(-(start + size) // block)], block, axis=0)
-    return rows[start - first * block:start - first * block + size]
-
-
-_NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
-
-
-@dataclasses.dataclass(frozen=True)
-class _TileDots:
-    """The static side of one tile's products: the kernel's plan (operand dtypes, where each scale applies),
-    (start, size) of the contraction chunks and column blocks (a dot each), the dots' dtypes, the output's."""
-
-    plan: QuantPlan
-    k_blocks: tuple[tuple[int, int], ...]
-    n_blocks: tuple[tuple[int, int], ...]
-    operand: jnp.dtype
-    acc: jnp.dtype
-    out_dtype: jnp.dtype
-
-
-def _fwd_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
-    """fwd: x [rows, k] @ w [k, n] -> list of (n0, [rows, nb] block in out_dtype), one dot per (column block,
-    contraction chunk). x and w are carried as `loop_dtypes.as_bits` and loaded block by block in the dot's
-    dtype. Scales (`dots.plan`): xs None or [rows, k/bl], ws None or [k/br, n]; a STEP scale multiplies the
-    dot of each chunk (which lies inside one of its blocks), an OUTPUT one each result block once after its k
-    loop. DEQUANTIZE weights (`QuantPlan.with_dequantize`): each weight block times its scales in f32 before
-    its dot, so that a chunk may span many scale blocks (one dot instead of one per block), then rounded to
-    the dot's dtype (bf16 for bf16 dots: an error at bf16's level, where the per-block dots are exact)."""
-    a, b = dots.plan.a, dots.plan.b
-    x_chunks = [load(x[:, k0:k0 + kb], a.dtype, dots.operand) for k0, kb in dots.k_blocks]  # reused by every column
-    blocks = []
-    for n0, nb in dots.n_blocks:
-        acc = None
-        for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
-            scale = _scale_rows(ws, b.block, k0, kb)[:, n0:n0 + nb] if b.scale is Apply.DEQUANTIZE else None
-            wb = load(w[k0:k0 + kb, n0:n0 + nb], b.dtype, dots.operand, scale).astype(dots.operand)
-            part = jax.lax.dot_general(xb, wb, _NN, preferred_element_type=dots.acc)
-            if b.scale is Apply.STEP:
-                part = part.astype(jnp.float32) * ws[k0 // b.block, n0:n0 + nb]
-            if a.scale is Apply.STEP:
-                part = part.astype(jnp.float32) * xs[:, k0 // a.block, None]
-            acc = part if acc is None else acc + part
-        if b.scale is Apply.OUTPUT:
-            acc = acc.astype(jnp.float32) * ws[0, n0:n0 + nb]
-        if a.scale is Apply.OUTPUT:
-            acc = acc.astype(jnp.float32) * xs[:, :1]
-        blocks.append((n0, acc.astype(dots.out_dtype)))
-    return blocks
-
-
-def _dlhs_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
-    """dlhs: x [rows, n] @ w^T (w [k, n]) -> list of (k0, [rows, kb] block in out_dtype), one dot per (column
-    block, contraction chunk); here the columns are the forward k and the contraction n. x is float (xs is
-    always None); a DEQUANTIZE weight scale ws [k/br, n] runs along the output columns: each weight block is
-    dequantized in f32 before its dot (`QuantPlan.float32_dots`)."""
-    b = dots.plan.b
-    x_chunks = [load(x[:, k0:k0 + kb], dots.plan.a.dtype, dots.operand) for k0, kb in dots.k_blocks]
-    blocks = []
-    for n0, nb in dots.n_blocks:
-        acc = None
-        for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
-            scale = _scale_rows(ws, b.block, n0, nb)[:, k0:k0 + kb] if b.scale is Apply.DEQUANTIZE else None
-            part = jax.lax.dot_general(xb, load(w[n0:n0 + nb, k0:k0 + kb], b.dtype, dots.operand, scale), _NT,
-                                       preferred_element_type=dots.acc)
-            acc = part if acc is None else acc + part
-        blocks.append((n0, acc.astype(dots.out_dtype)))
-    return blocks
-
-
-def _tile_dots(plan: QuantPlan, *, k: int, n: int, tk: int, tn: int, min_rows: int, out_dtype) -> _TileDots:
-    """A gmm's `_TileDots` (contraction k, n output columns): chunks of tk cut so that none straddles a STEP
-    scale block, blocks of tn; dots in float32 where the plan says so, else `_dot_dtypes` (min_rows: the rows
-    of the kernel's smallest tiles)."""
-    f32 = jnp.dtype(jnp.float32)
-    operand, acc = (f32, f32) if plan.float32_dots else _dot_dtypes(plan.a.dtype, plan.b.dtype, min_rows)
-    return _TileDots(plan, tuple(_blocks(k, k_chunk(k, tk, *plan.step_blocks))), tuple(_blocks(n, tn)),
-                     operand, acc, out_dtype)
-
-
 def tiled_ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -178,9 +73,11 @@ def tiled_ragged_dot(
     lhs_scale: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
     dequantize: bool = False,
+    lhs_quant: LhsQuant | None = None,
 ) -> jax.Array:
     """gmm. lhs [m, k], rhs [groups, k, n] ([groups, n, k] if transpose_rhs), group_sizes int [total_groups]
-    -> [m, n] in out_dtype. 1-byte lhs / rhs values come with the scales of `quantized.GmmOperands`.
+    -> [m, n] in out_dtype. Quantized lhs / rhs values (1-byte, 4-bit) come with the scales of
+    `quantized.GmmOperands`; lhs_quant: a float lhs each row tile quantizes (dynamic w8a8).
     dequantize: with a float lhs and sub-channel rhs scales (fwd), dequantize each group's weights to the
     dot's dtype (once per group: the blocks depend on the group only, and XLA hoists them out of the tile
     loops) and run full tk chunks, rather than a dot per scale block with its scales applied to the result.
@@ -198,10 +95,10 @@ def tiled_ragged_dot(
     starts, ends = group_bounds(group_sizes, m=m, groups=groups,
                                 group_offset=0 if group_offset is None else group_offset)
     # `dequantize` applies where the plan says (`QuantPlan.dequantizable`), as the config check asks it
-    plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, transpose_rhs=transpose_rhs).kernel_plan()
+    plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, lhs_quant, transpose_rhs=transpose_rhs).kernel_plan()
     plan = plan.with_dequantize(dequantize)
-    dots = _tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype)
-    product = functools.partial(_dlhs_product if transpose_rhs else _fwd_product, dots=dots)
+    dots = tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype)
+    product = functools.partial(dlhs_product if transpose_rhs else fwd_product, dots=dots)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
     row_in_tail = jax.lax.broadcasted_iota(jnp.int32, (tail, 1), 0)
@@ -439,7 +336,7 @@ class TiledRaggedDot(RaggedDotBackend):
         return tiled_ragged_dot(ops.lhs, ops.rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn,
                                 tail=config.tail, out_dtype=out_dtype, group_offset=group_offset,
                                 transpose_rhs=transpose_rhs, lhs_scale=ops.lhs_scale, rhs_scale=ops.rhs_scale,
-                                dequantize=config.dequantize)
+                                dequantize=config.dequantize, lhs_quant=ops.lhs_quant)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         lhs, lhs_scale, dout = prepare_tgmm(lhs, dout)

@@ -1,6 +1,7 @@
 """`xla` backend: `jax.lax.ragged_dot_general`, no tunables; the baseline every other backend is measured against.
 
-Quantized operands (QArray) are dequantized first: the reference path, not a fast one."""
+Quantized operands (QArray, 4-bit included) are dequantized first, and activations to be quantized in the
+kernel (`DynamicQuant`) are quantized whole and dequantized: the reference path, not a fast one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jax import lax
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.quant import QArray, dequantize
+from moe_tune.quant import DynamicQuant, QArray, dequantize
 
 # lhs [m, k] x rhs [g, k, n] (or [g, n, k]): ragged rows of lhs select a group of rhs.
 _GMM = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
@@ -60,6 +61,7 @@ def _ragged_dot_general(lhs, rhs, sizes, dims: lax.RaggedDotDimensionNumbers, ou
 
 def _floats(*operands: jax.Array | QArray) -> list[jax.Array]:
     """The operands as floats of one dtype: QArrays dequantized (float32), the others promoted to match."""
+    operands = [x.quantize() if isinstance(x, DynamicQuant) else x for x in operands]
     if not any(isinstance(x, QArray) for x in operands):
         return list(operands)
     values = [dequantize(x) if isinstance(x, QArray) else x for x in operands]

@@ -1,0 +1,135 @@
+"""The products of one row tile of the `tiled` backend's gmm (fwd, dlhs): one dot per (column block,
+contraction chunk), the scales applied where the direction's plan says (`quant_plan.py`), and the dtypes
+those dots run in on XLA CPU.
+
+Quantized values are converted where a block is loaded (`loop_dtypes.load`): 1-byte and 4-bit weights alike
+(int4 and float4_e2m1fn convert exactly to the dot's dtype). Activations quantized in the kernel (dynamic
+w8a8, `OperandPlan.quantize_to`) are quantized here, per row tile, from the tile itself
+(`quant.quantize_tile`: the same ops as `quantize`, so the result is that of the quantized operand bit for
+bit), and their scales then apply as stored ones would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.kernels.loop_dtypes import load
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan
+from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk
+from moe_tune.quant import quantize_tile
+
+
+def _blocks(size: int, block: int) -> list[tuple[int, int]]:
+    return [(start, min(block, size - start)) for start in range(0, size, block)]
+
+
+# A kernel whose smallest tiles hold at most this many rows runs its bf16 dots in float32: XLA CPU's bf16 dot
+# costs more per call than the f32 one, which a dot of a few rows does not amortize (64 dots of 4 rows: bf16
+# 16.5 ms, f32 12.5; of 8 rows: 17.7 against 18.9; NOTES 14.3, 14.4).
+F32_DOT_MAX_ROWS = 4
+
+
+def cpu_dot_dtypes(a_dtype, b_dtype, min_rows: int | None = None) -> tuple[jnp.dtype, jnp.dtype]:
+    """(operand, accumulator) dtypes of a dot: `quantized.dot_dtypes` (every backend's rule: bf16 stays bf16,
+    which the CPU dot runs natively), except float16, which runs in float32 here as XLA CPU's own dot does
+    (an f16 dot measured slower, benchmarks/NOTES.md 13), and bf16 in a kernel whose smallest tiles hold
+    `min_rows` <= F32_DOT_MAX_ROWS rows (every dot of the kernel then runs in f32: a group's weights are
+    converted once, for one dtype, before its tiles)."""
+    operand, acc = dot_dtypes(jax.ShapeDtypeStruct((), a_dtype), jax.ShapeDtypeStruct((), b_dtype))
+    small = min_rows is not None and min_rows <= F32_DOT_MAX_ROWS
+    if operand == jnp.float16 or (operand == jnp.bfloat16 and small):
+        return jnp.dtype(jnp.float32), acc
+    return operand, acc
+
+
+def _scale_rows(scale: jax.Array, block: int, start: int, size: int) -> jax.Array:
+    """Rows [start, start + size) of `scale` repeated `block` times along axis 0 (static bounds): the
+    per-element scale of those rows of an operand scaled in blocks of `block` rows."""
+    first = start // block
+    rows = jnp.repeat(scale[first:-(-(start + size) // block)], block, axis=0)
+    return rows[start - first * block:start - first * block + size]
+
+
+_NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileDots:
+    """The static side of one tile's products: the kernel's plan (operand dtypes, where each scale applies),
+    (start, size) of the contraction chunks and column blocks (a dot each), the dots' dtypes, the output's."""
+
+    plan: QuantPlan
+    k_blocks: tuple[tuple[int, int], ...]
+    n_blocks: tuple[tuple[int, int], ...]
+    operand: jnp.dtype
+    acc: jnp.dtype
+    out_dtype: jnp.dtype
+
+
+def fwd_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
+    """fwd: x [rows, k] @ w [k, n] -> list of (n0, [rows, nb] block in out_dtype), one dot per (column block,
+    contraction chunk). x and w are carried as `loop_dtypes.as_bits` and loaded block by block in the dot's
+    dtype. Scales (`dots.plan`): xs None or [rows, k/bl], ws None or [k/br, n]; a STEP scale multiplies the
+    dot of each chunk (which lies inside one of its blocks), an OUTPUT one each result block once after its k
+    loop. DEQUANTIZE weights (`QuantPlan.with_dequantize`): each weight block times its scales in f32 before
+    its dot, so that a chunk may span many scale blocks (one dot instead of one per block), then rounded to
+    the dot's dtype (bf16 for bf16 dots: an error at bf16's level, where the per-block dots are exact).
+    A float x the plan quantizes (`quantize_to`) is quantized here, whole rows of the tile per scale block."""
+    a, b = dots.plan.a, dots.plan.b
+    x_dtype = a.dtype
+    if a.quantize_to is not None:  # dynamic: the tile's own scales [rows, k/bl], no copy of x outside it
+        tile = quantize_tile(load(x, a.dtype, jnp.float32), a.quantize_to, 1, a.block)
+        x, xs, x_dtype = tile.qvalue, tile.scale, a.quantize_to
+    x_chunks = [load(x[:, k0:k0 + kb], x_dtype, dots.operand) for k0, kb in dots.k_blocks]  # reused by every column
+    blocks = []
+    for n0, nb in dots.n_blocks:
+        acc = None
+        for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
+            scale = _scale_rows(ws, b.block, k0, kb)[:, n0:n0 + nb] if b.scale is Apply.DEQUANTIZE else None
+            wb = load(w[k0:k0 + kb, n0:n0 + nb], b.dtype, dots.operand, scale).astype(dots.operand)
+            part = jax.lax.dot_general(xb, wb, _NN, preferred_element_type=dots.acc)
+            if b.scale is Apply.STEP:
+                part = part.astype(jnp.float32) * ws[k0 // b.block, n0:n0 + nb]
+            if a.scale is Apply.STEP:
+                part = part.astype(jnp.float32) * xs[:, k0 // a.block, None]
+            acc = part if acc is None else acc + part
+        if b.scale is Apply.OUTPUT:
+            acc = acc.astype(jnp.float32) * ws[0, n0:n0 + nb]
+        if a.scale is Apply.OUTPUT:
+            acc = acc.astype(jnp.float32) * xs[:, :1]
+        blocks.append((n0, acc.astype(dots.out_dtype)))
+    return blocks
+
+
+def dlhs_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
+    """dlhs: x [rows, n] @ w^T (w [k, n]) -> list of (k0, [rows, kb] block in out_dtype), one dot per (column
+    block, contraction chunk); here the columns are the forward k and the contraction n. x is float (xs is
+    always None); a DEQUANTIZE weight scale ws [k/br, n] runs along the output columns: each weight block is
+    dequantized in f32 before its dot (`QuantPlan.float32_dots`)."""
+    b = dots.plan.b
+    x_chunks = [load(x[:, k0:k0 + kb], dots.plan.a.dtype, dots.operand) for k0, kb in dots.k_blocks]
+    blocks = []
+    for n0, nb in dots.n_blocks:
+        acc = None
+        for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
+            scale = _scale_rows(ws, b.block, n0, nb)[:, k0:k0 + kb] if b.scale is Apply.DEQUANTIZE else None
+            part = jax.lax.dot_general(xb, load(w[n0:n0 + nb, k0:k0 + kb], b.dtype, dots.operand, scale), _NT,
+                                       preferred_element_type=dots.acc)
+            acc = part if acc is None else acc + part
+        blocks.append((n0, acc.astype(dots.out_dtype)))
+    return blocks
+
+
+def tile_dots(plan: QuantPlan, *, k: int, n: int, tk: int, tn: int, min_rows: int, out_dtype) -> _TileDots:
+    """A gmm's `_TileDots` (contraction k, n output columns): chunks of tk cut so that none straddles a STEP
+    scale block, blocks of tn; dots in float32 where the plan says so, else `cpu_dot_dtypes` (min_rows: the rows
+    of the kernel's smallest tiles)."""
+    f32 = jnp.dtype(jnp.float32)
+    operand, acc = (f32, f32) if plan.float32_dots else cpu_dot_dtypes(plan.a.dot_dtype, plan.b.dot_dtype, min_rows)
+    return _TileDots(plan, tuple(_blocks(k, k_chunk(k, tk, *plan.step_blocks))), tuple(_blocks(n, tn)),
+                     operand, acc, out_dtype)
+
+
