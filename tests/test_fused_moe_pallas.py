@@ -1,0 +1,191 @@
+"""The fused MoE Pallas kernels (`fused_moe` backends `pallas_tpu` and `triton`) in interpret mode against the
+float64 references, at small shapes: float32 and bfloat16, every kernel form (gather_gmm with and without the
+glu epilogue, transposed for combine's backward; gmm_combine, transposed for dispatch's backward), an
+expert-parallel shard (group_offset) with an empty local group and rows no group owns, NaN rows outside the
+shard, skip_zero_weights; their lowering for the chip (one kernel call); their validity rules.
+
+Routing is a real top-k routing (distinct experts per token): Triton's interpret mode emulates atomics with a
+scatter that keeps one of several adds to one address inside a program (see kernels/fused_moe/triton.py).
+The compilers' verdicts on the rules are tests/test_fused_moe_compile.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_tune.kernels.fused_moe.pallas_tpu import FusedPallasTpuConfig, PallasTpuFusedMoe
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
+from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference
+from moe_tune.kernels.fused_moe.triton import FusedTritonConfig, TritonFusedMoe
+from moe_tune.kernels.ragged_dot.metadata import select_shard
+from ragged_dot_base.lowering import assert_one_kernel_call, export_for
+
+T, TOP_K, TOTAL = 16, 2, 4  # tokens, experts per token, experts
+M = T * TOP_K
+K, F = 256, 128  # hidden, expert width (glu weights: [g, K, 2F])
+# (backend, small config, its native chip)
+BACKENDS = {
+    "pallas_tpu": (PallasTpuFusedMoe(), FusedPallasTpuConfig(tm=16, tk=128, tn=128, dmas_in_flight=4), "tpu"),
+    "triton": (TritonFusedMoe(), FusedTritonConfig(block_m=16, block_k=32, block_n=32), "gpu"),
+}
+TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+
+
+def routing(seed: int, *, experts=range(TOTAL), dropped: int = 0):
+    """rows int32 [M] (token of each expert-ordered row) and group sizes [TOTAL] of a top-k routing over
+    `experts` (the others stay empty); the last `dropped` rows belong to no group."""
+    rng = np.random.default_rng(seed)
+    experts = np.asarray(list(experts))
+    chosen = np.stack([rng.permutation(experts)[:TOP_K] for _ in range(T)]).reshape(-1)
+    order = np.argsort(chosen, kind="stable")
+    sizes = np.bincount(chosen, minlength=TOTAL).astype(np.int32)
+    sizes[np.flatnonzero(sizes)[-1]] -= dropped
+    return (order // TOP_K).astype(np.int32), sizes
+
+
+def shard(sizes, offset, groups):
+    """(normalized group sizes, offset) as the op hands them to a backend, and the local row range."""
+    norm, off = select_shard(jnp.asarray(sizes), offset, m=M, groups=groups)
+    ends = np.cumsum(np.asarray(norm))
+    start = int(ends[offset - 1]) if offset else 0
+    return norm, (None if offset == 0 and groups == TOTAL else off), start, int(ends[offset + groups - 1])
+
+
+def close(out, ref, dtype):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    scale = max(1.0, float(np.nanmax(np.abs(ref))))
+    np.testing.assert_allclose(out, ref, atol=TOL[dtype] * scale, rtol=TOL[dtype])
+
+
+def rounded(x, dtype):
+    """x in `dtype` (what the kernel gets) and its float64 value (what the reference gets)."""
+    x = jnp.asarray(x, dtype)
+    return x, np.asarray(x.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gather_gmm_shard_glu_float32(name):
+    """Local groups 1..2 of 4, group 1 empty; rows outside the shard index past the tokens (never read)."""
+    backend, config, _ = BACKENDS[name]
+    rows, sizes = routing(0, experts=(0, 2, 3))
+    norm, offset, start, end = shard(sizes, 1, 2)
+    rows[:start], rows[end:] = T + 7, -3
+    rng = np.random.default_rng(1)
+    x, x64 = rounded(rng.standard_normal((T, K)), "float32")
+    w, w64 = rounded(rng.standard_normal((2, K, 2 * F)) / 16, "float32")
+    out = backend.gather_gmm(x, jnp.asarray(rows), w, norm, config=config, out_dtype=jnp.float32,
+                             group_offset=offset, glu="silu")
+    assert out.shape == (M, F) and out.dtype == jnp.float32
+    ref = gather_gmm_reference(x64, np.clip(rows, 0, T - 1), w64, sizes, group_offset=1, glu="silu")
+    close(out, ref, "float32")
+    assert np.all(np.asarray(out)[:start] == 0) and np.all(np.asarray(out)[end:] == 0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gather_gmm_transposed_bfloat16(name):
+    """Combine's backward: dout [tokens, n] read through rows, weights [g, k, n] read transposed; the last
+    rows belong to no group."""
+    backend, config, _ = BACKENDS[name]
+    rows, sizes = routing(2, dropped=3)
+    norm, offset, _, end = shard(sizes, 0, TOTAL)
+    rng = np.random.default_rng(3)
+    x, x64 = rounded(rng.standard_normal((T, 2 * F)), "bfloat16")
+    w, w64 = rounded(rng.standard_normal((TOTAL, K, 2 * F)) / 16, "bfloat16")
+    out = backend.gather_gmm(x, jnp.asarray(rows), w, norm, config=config, out_dtype=jnp.bfloat16,
+                             group_offset=offset, transpose_rhs=True)
+    assert out.shape == (M, K) and out.dtype == jnp.bfloat16
+    close(out, gather_gmm_reference(x64, rows, w64, sizes, transpose_rhs=True), "bfloat16")
+    assert end == M - 3 and np.all(np.asarray(out[end:], np.float32) == 0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gmm_combine_shard_nan_and_zero_weights_float32(name):
+    """h rows outside the shard are NaN and never read; a local row of weight 0 whose h is NaN makes its
+    token NaN (0 x NaN) unless skip_zero_weights drops it."""
+    backend, config, _ = BACKENDS[name]
+    rows, sizes = routing(4, experts=(0, 1, 3))
+    norm, offset, start, end = shard(sizes, 1, 2)
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((M, F))
+    h[:start] = h[end:] = np.nan
+    h[start + 1] = np.nan
+    weights = rng.random(M).astype(np.float32)
+    weights[start + 1] = 0.0
+    h, h64 = rounded(h, "float32")
+    w, w64 = rounded(rng.standard_normal((2, F, K)) / 16, "float32")
+    for skip in (True, False):
+        out = backend.gmm_combine(h, w, norm, jnp.asarray(rows), jnp.asarray(weights), tokens=T, config=config,
+                                  out_dtype=jnp.float32, group_offset=offset, skip_zero_weights=skip)
+        ref = gmm_combine_reference(h64, w64, sizes, rows, weights, tokens=T, group_offset=1, skip_zero_weights=skip)
+        assert out.shape == (T, K)
+        nan_rows = np.isnan(ref).any(axis=1)
+        assert nan_rows.sum() == (0 if skip else 1)
+        np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(axis=1), nan_rows)
+        close(np.asarray(out)[~nan_rows], ref[~nan_rows], "float32")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gmm_combine_transposed_bfloat16(name):
+    """Dispatch's backward: dh [m, n] @ weights^T scatter-added into the tokens (weights 1), every group."""
+    backend, config, _ = BACKENDS[name]
+    rows, sizes = routing(6)
+    norm, offset, _, _ = shard(sizes, 0, TOTAL)
+    rng = np.random.default_rng(7)
+    h, h64 = rounded(rng.standard_normal((M, 2 * F)), "bfloat16")
+    w, w64 = rounded(rng.standard_normal((TOTAL, K, 2 * F)) / 16, "bfloat16")
+    ones = np.ones(M, np.float32)
+    out = backend.gmm_combine(h, w, norm, jnp.asarray(rows), jnp.asarray(ones), tokens=T, config=config,
+                              out_dtype=jnp.bfloat16, group_offset=offset, transpose_rhs=True)
+    assert out.shape == (T, K) and out.dtype == jnp.bfloat16
+    close(out, gmm_combine_reference(h64, w64, sizes, rows, ones, tokens=T, transpose_rhs=True), "bfloat16")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("kernel", ["gather_gmm", "gmm_combine"])
+def test_lowers_to_one_kernel_call_for_its_chip(name, kernel, on_chip):
+    backend, config, chip = BACKENDS[name]
+    on_chip(chip)
+    S = jax.ShapeDtypeStruct
+    rows, sizes, offset = S((M,), jnp.int32), S((TOTAL,), jnp.int32), S((), jnp.int32)
+    w = S((2, K, 2 * F), jnp.bfloat16)
+    if kernel == "gather_gmm":
+        fn = lambda x, r, w, g, o: backend.gather_gmm(x, r, w, g, config=config, out_dtype=jnp.bfloat16,
+                                                      group_offset=o, glu="gelu")
+        args = (S((T, K), jnp.bfloat16), rows, w, sizes, offset)
+    else:
+        fn = lambda h, r, w, g, o, wt: backend.gmm_combine(h, w, g, r, wt, tokens=T, config=config,
+                                                           out_dtype=jnp.bfloat16, group_offset=o)
+        args = (S((M, K), jnp.bfloat16), rows, w, sizes, offset, S((M,), jnp.float32))
+    assert_one_kernel_call(export_for(chip, fn, *args), chip, f"{name} {kernel}")
+
+
+def _problem(stage: str, direction: str, **kw) -> FusedMoeProblem:
+    shape = dict(tokens=512, m=4096, k=2048, n=1536, groups=128, glu="silu") if stage == "dispatch" else \
+        dict(tokens=512, m=4096, k=768, n=2048, groups=128)
+    return FusedMoeProblem(**{**shape, "dtype": "bfloat16", "stage": stage, "direction": direction, **kw})
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_rules(name):
+    """Defaults are valid and lead their search spaces; quantized weights and bad tiles are refused."""
+    backend = BACKENDS[name][0]
+    for stage in ("dispatch", "combine"):
+        for direction in ("fwd", "bwd"):
+            problem = _problem(stage, direction)
+            space = backend.search_space(problem)
+            assert space[0] == backend.default_config(problem) and len(space) > 10
+            assert backend.config_error(space[0], problem) is None
+            quantized = _problem(stage, direction, rhs_qdtype="int8")
+            assert "float weights" in backend.config_error(space[0], quantized)
+    dispatch = _problem("dispatch", "fwd")
+    if name == "pallas_tpu":
+        bad = {"tm": FusedPallasTpuConfig(tm=12), "tk": FusedPallasTpuConfig(tk=640),
+               "tn": FusedPallasTpuConfig(tn=640), "VMEM": FusedPallasTpuConfig(tm=1024, tk=2048, tn=768)}
+    else:
+        bad = {"block_m": FusedTritonConfig(block_m=48), "block_n": FusedTritonConfig(block_n=256 + 256),
+               "shared memory": FusedTritonConfig(block_m=128, block_k=128, block_n=128, num_stages=4)}
+    for word, config in bad.items():
+        assert word in (backend.config_error(config, dispatch) or ""), (word, config)
