@@ -1,0 +1,60 @@
+"""The fused MoE Pallas kernels compiled by the real compilers on this CPU-only machine (`moe_tune.targets`):
+pallas_tpu for a TPU v5e (Mosaic TPU), triton for an H100 (Triton, ptxas), at one Qwen3-30B-A3B layer's
+shapes (512 tokens, top-8, 128 experts; bfloat16). Every direction's default compiles; a config the backend's
+rules refuse for the chip's budget (VMEM, shared memory) is refused by the compiler as well, with the chip's
+own message (a rule that let it through would be a false accept; tests/test_real_compilers.py has the
+ragged_dot and gather kernels). benchmarks/results/fused_moe_compile_* hold the wider probes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_tune.kernels.fused_moe.pallas_tpu import FusedPallasTpuConfig
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
+from moe_tune.kernels.fused_moe.triton import FusedTritonConfig
+from moe_tune.targets import get_target, wheels
+from moe_tune.targets.compile import REJECTED
+from moe_tune.targets.jobs import config_error, search_space
+from moe_tune.targets.pool import CompileJob, CompilePool
+
+needs_tpu = pytest.mark.skipif(not wheels.available("tpu"),
+                               reason="libtpu is missing: pip install 'moe-tune[tpu-compile]'")
+needs_gpu = pytest.mark.skipif(not wheels.available("gpu"),
+                               reason="the CUDA plugin is missing: pip install 'moe-tune[gpu-compile]'")
+
+
+def problem(stage: str, direction: str) -> FusedMoeProblem:
+    """Qwen3-30B-A3B: hidden 2048, expert width 768 (gate and up concatenated: 1536), 128 experts, top-8."""
+    shape = dict(k=2048, n=1536, glu="silu") if stage == "dispatch" else dict(k=768, n=2048)
+    return FusedMoeProblem(tokens=512, m=4096, groups=128, dtype="bfloat16", stage=stage, direction=direction,
+                           **shape)
+
+
+PROBLEMS = [problem(stage, direction) for stage in ("dispatch", "combine") for direction in ("fwd", "bwd")]
+# (backend, target, a config over the chip's budget for the combine fwd problem, the compiler's words)
+CASES = {
+    "pallas_tpu": ("v5e", FusedPallasTpuConfig(tm=512, tk=768, tn=2048), "CompileTimeScopedVmemOom"),
+    "triton": ("h100", FusedTritonConfig(block_m=128, block_k=128, block_n=128, num_stages=5),
+               "Shared memory size limit exceeded"),
+}
+
+
+@pytest.mark.parametrize("backend", [pytest.param("pallas_tpu", marks=needs_tpu),
+                                     pytest.param("triton", marks=needs_gpu)])
+def test_defaults_compile_and_an_over_budget_config_is_refused_by_both(backend):
+    target_name, over, words = CASES[backend]
+    target = get_target(target_name)
+    jobs = [CompileJob(target_name, "fused_moe", backend, p, search_space(target, "fused_moe", backend, p)[0])
+            for p in PROBLEMS]
+    combine = PROBLEMS[2]
+    assert combine.stage == "combine" and combine.direction == "fwd"
+    reason = config_error(target, "fused_moe", backend, over, combine)
+    assert reason and ("VMEM" in reason or "shared memory" in reason), reason
+    jobs.append(CompileJob(target_name, "fused_moe", backend, combine, over))
+    with CompilePool(workers=1, timeout=300) as pool:
+        results = pool.compile(jobs)
+    failed = [f"{j.problem.stage} {j.problem.direction} {j.config.label()}: {r.status} {r.message}"
+              for j, r in zip(jobs[:-1], results[:-1]) if not r.ok]
+    assert not failed, "\n".join(failed)
+    assert results[-1].status == REJECTED and words in results[-1].message, results[-1]
