@@ -17,6 +17,7 @@ from moe_tune.cli_options import (
 )
 from moe_tune.cli_options import directions as all_directions
 from moe_tune.cli_render import console
+from moe_tune.coverage_cli import coverage
 from moe_tune.kernels import get_op, op_names
 
 
@@ -267,6 +268,9 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
         case_op, problem, backend=backend, samples=samples, distribution=distribution)) for case_op, problem in cases]
     render.bench_table(f"bench on {devices.device_kind()}, {distribution} routing (median of {samples} trace samples)",
                        compared)
+
+
+cli.add_command(coverage)  # `moe-tune coverage`: its options in coverage_cli.py, its logic in campaign/coverage.py
 
 
 def main() -> None:

@@ -1,0 +1,124 @@
+"""How well the tables cover a model: for every kernel call one layer runs (`models.layer_runs`, through
+`plan.model_campaign_cases`) at the token counts and ep sizes asked, what lookup answers (its own source and
+reason: exact, interval, robust, nearest or default), the entry's age and staleness, and what tuning the calls
+that are not tuned for their own shape would cost (`estimate`, from the sweep times the tables recorded).
+
+A call counts as covered when lookup answers `exact` or `interval` (a ladder sweep measured its count's
+interval) from a fresh entry; `nearest`, `robust`, `default` and stale entries are to tune.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from moe_tune import devices
+from moe_tune.campaign import estimate as costs
+from moe_tune.campaign.plan import PlannedSweep, model_campaign_cases
+from moe_tune.kernels import get_op
+from moe_tune.profiles.key import entry_key
+from moe_tune.tuner.sweep_settings import SweepSettings
+
+COVERED = ("exact", "interval")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCoverage:
+    """One kernel call of the layer and what lookup answers for it."""
+
+    call: str  # `qwen3-30b-a3b gate/up fwd tokens=512 ep=8`
+    op: str
+    backend: str
+    key: str
+    source: str  # lookup's: exact | interval | robust | nearest | default
+    reason: str  # lookup's why
+    config: str
+    tuned_at: str | None
+    age_days: float | None
+    stale: str  # what differs ("" when fresh or no entry)
+    to_tune: bool
+    estimate: str | None  # candidates and time to tune it (`estimate.Cost.text`); None when covered
+    estimate_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    calls: tuple[CallCoverage, ...]
+    notes: tuple[str, ...]
+    device_kind: str
+    distribution: str
+
+    @property
+    def to_tune(self) -> list[CallCoverage]:
+        """The calls to tune, one per table key (two calls of one shape are one sweep)."""
+        return list({c.key: c for c in self.calls if c.to_tune}.values())
+
+    def total(self) -> str:
+        """`3 of 10 kernel calls to tune (3 sweeps): ~2.5 min` (`time unknown` without recorded sweeps)."""
+        todo = self.to_tune
+        known = [c.estimate_s for c in todo if c.estimate_s is not None]
+        when = ("nothing to tune" if not todo else f"~{costs.duration(sum(known))}" if len(known) == len(todo)
+                else f"~{costs.duration(sum(known))} for {len(known)} of them, the others' time unknown")
+        calls = sum(c.to_tune for c in self.calls)
+        return f"{calls} of {len(self.calls)} kernel calls to tune ({len(todo)} sweeps): {when}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device_kind": self.device_kind, "distribution": self.distribution, "calls": [c.to_json() for c in
+                self.calls], "notes": list(self.notes), "to_tune": len(self.to_tune), "summary": self.total()}
+
+
+def _age_days(tuned_at: str | None, now: datetime.datetime) -> float | None:
+    try:
+        when = datetime.datetime.fromisoformat(str(tuned_at))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return (now - when).total_seconds() / 86400
+
+
+def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *, dtype: str,
+             quant: Mapping[str, Any] | None = None, direction: str = "all", distribution: str | None = None,
+             backend: str | None = None, device_kind: str | None = None, profile_dir: Path | None = None,
+             settings: SweepSettings | None = None) -> Coverage:
+    """What lookup answers for each kernel call of one layer of each of `models` at each of `tokens` and
+    `eps` (`direction`: `all` training, `fwd` serving), for `distribution` (None: as the runtime assumes),
+    on `device_kind` (None: this machine's), with `backend` (None: each op's default on this platform); and
+    the estimated cost of tuning the calls not covered with `settings` (default: a grid sweep)."""
+    settings = settings or SweepSettings()
+    device_kind = device_kind or devices.device_kind()
+    cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant, direction=direction)
+    history = costs.recorded(device_kind, sorted({c.op for c in cases}), profile_dir)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    rows, asked = [], distribution
+    for case in cases:
+        kernel_op = get_op(case.op)
+        found = kernel_op.lookup(case.problem, backend=backend, distribution=distribution, device_kind=device_kind)
+        asked = found.key.rsplit("distribution=", 1)[-1]
+        entry = found.entry if found.source != "default" else None
+        to_tune = found.source not in COVERED or bool(found.stale)
+        cost = None
+        if to_tune:
+            key = entry_key(case.op, case.problem, found.backend, asked)
+            cost = costs.estimate(PlannedSweep(case.op, case.problem, found.backend, key, case.label), settings,
+                                  history)
+        tuned_at = entry.tuned_at if entry is not None else None
+        rows.append(CallCoverage(
+            call=case.label, op=case.op, backend=found.backend, key=found.key, source=found.source,
+            reason=found.reason, config=found.config.label(), tuned_at=tuned_at,
+            age_days=None if tuned_at is None else _age_days(tuned_at, now), stale=found.stale, to_tune=to_tune,
+            estimate=None if cost is None else cost.text, estimate_s=None if cost is None else cost.seconds))
+    return Coverage(tuple(rows), tuple(notes), device_kind, str(asked))
+
+
+def age_text(days: float | None) -> str:
+    """`3 h`, `12 d`, `-` (no entry, or no date recorded)."""
+    if days is None:
+        return "-"
+    return f"{days * 24:.0f} h" if days < 2 else f"{days:.0f} d"
