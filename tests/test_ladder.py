@@ -198,3 +198,23 @@ def test_crossover_times_two_real_configs_and_rejects_an_unusable_one():
                                distribution="balanced", samples=2)
     assert set(result.median_s) == {"a", "b"} and all(t > 0 for t in result.median_s.values())
     assert "bad" in result.unusable and result.fastest() in ("a", "b") and result.samples == 2
+
+
+def test_validate_names_a_broken_interval_and_merge_keeps_intervals(isolated_profiles, tmp_path):
+    from moe_tune.profiles import merge_tables, validate_table
+    from moe_tune.profiles.table import update_table
+
+    counts = [8, 16]
+    path = _table_path(isolated_profiles)
+    write_entries(path, "ragged_dot", "cpu", [_entry(dataclasses.replace(SMALL, m=c), cfg)
+                                              for c, cfg in zip(counts, (A, B))])
+    _, (ladder,) = _ladder(counts)
+    intervals = ladders.measure(ladder, SweepSettings(), "cpu", timer=_fake_timer(12, [])).intervals
+    out = tmp_path / "merged" / "cpu" / "ragged_dot.json"
+    merge_tables(out, [path])
+    assert set(read_table(out)["intervals"]) == {r["key"] for r in intervals}
+    assert validate_table(path, get_op=get_op) == []
+    update_table(path, "ragged_dot", "cpu", lambda t: t["intervals"].__setitem__("bad", {"lo": 9, "hi": 3}))
+    problems = [str(p) for p in validate_table(path, get_op=get_op)]
+    assert any("intervals: lo=9, hi=3 is not an interval" in p for p in problems)
+    assert get_op("ragged_dot").lookup(dataclasses.replace(SMALL, m=13), backend="tiled").source == "interval"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -40,9 +41,6 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
     the budget asked skipped unless --fresh, largest first). --dry-run prints the plan the same command runs.
     --target CHIP compiles every candidate for a chip this machine does not have, with its real compiler, and
     stores which compile where the chip's tables live."""
-    from moe_tune.campaign import engine, runner
-    from moe_tune.tuner import compile_cache
-
     # --dry-run shows the plan the same command runs: it changes nothing else (not the skip rule, not the order)
     elsewhere = campaign.ray_address is not None or campaign.share is not None
     asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=elsewhere, ladder=campaign.ladder)
@@ -50,8 +48,27 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
         from moe_tune.targets import sweep_cli
 
         sweep_cli.run(asked.cases, settings, campaign.target, backend=asked.backend, campaign=campaign,
-                      print_line=lambda text: console.print(text, markup=False, highlight=False))
+                      print_line=_say)
         return
+    runs = {d: _run(asked, dataclasses.replace(settings, distribution=d), campaign)
+            for d in campaign.distributions or (settings.distribution,)}
+    if campaign.distributions and not campaign.dry_run:  # --distribution all: the config robust across them
+        from moe_tune.campaign import robust
+
+        robust.measure_campaigns({d: planned for d, (planned, _) in runs.items()}, print_line=_say)
+    if any(failed for _, failed in runs.values()):
+        sys.exit(1)
+
+
+def _say(text: str) -> None:
+    console.print(text, markup=False, highlight=False)
+
+
+def _run(asked, settings, campaign):
+    """Plan, check and run one distribution's campaign (and its ladders); (the campaign, whether a sweep failed)."""
+    from moe_tune.campaign import engine, ladder, runner
+    from moe_tune.tuner import compile_cache
+
     planned = engine.prepare(asked.cases, settings, backend=asked.backend, ray_address=campaign.ray_address,
                              dry_run=campaign.dry_run,
                              share=campaign.share, notes=asked.notes, skip_done=not asked.one_shape)
@@ -60,7 +77,7 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
     if not asked.one_shape or campaign.dry_run:
         render.campaign_plan(planned, listed=campaign.dry_run)
     if campaign.dry_run or not (planned.todo or asked.ladder):
-        return
+        return planned, False
     compile_cache.enable()
     outcomes = []
     if planned.todo:
@@ -69,11 +86,8 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
         render.sweep_outcomes(outcomes, title=asked.title(len(planned.todo), planned.device_kind),
                               detailed=asked.one_shape)
     if asked.ladder:  # the boundaries between the ladder's counts, measured here from the entries just written
-        from moe_tune.campaign import ladder
-
-        ladder.measure_campaign(planned, print_line=lambda text: console.print(text, markup=False, highlight=False))
-    if any(o.error for o in outcomes):
-        sys.exit(1)
+        ladder.measure_campaign(planned, print_line=_say)
+    return planned, any(o.error for o in outcomes)
 
 
 @cli.command()

@@ -144,10 +144,11 @@ def shape_options(fn: Callable) -> Callable:
         click.option("--backend", default=None, help=f"Backend (default: the platform's): {', '.join(backends())}; "
                                                      "which op has which: `moe-tune ops`."),
         *(_click_option(option) for option in _all_shape_options()),
-        click.option("--distribution", type=click.Choice(list(distributions.DISTRIBUTIONS)), default=None,
+        click.option("--distribution", type=click.Choice([*distributions.DISTRIBUTIONS, "all"]), default=None,
                      help=f"Distribution of rows (tokens) over groups (experts). Default: {distributions.DEFAULT} "
                           "for sweep; for lookup and bench the one the runtime assumes ($MOE_TUNE_DISTRIBUTION, "
-                          f"else {distributions.DEFAULT})."),
+                          f"else {distributions.DEFAULT}). sweep --distribution all: sweep each, then time each "
+                          "winner under every distribution and record the config robust across them."),
         click.option("--direction", type=click.Choice([*directions(), "all"]), default="fwd", show_default=True,
                      help="The forward pass, a gradient, or all of the op's directions."),
     ]
@@ -281,6 +282,7 @@ class CampaignFlags:
     dry_run: bool = False
     target: str | None = None  # --target: compile the candidates for this chip instead of sweeping
     ladder: bool = False  # --ladder: the token counts given are a ladder (measure the boundaries between them)
+    distributions: tuple[str, ...] = ()  # --distribution all: every distribution, then the robust choice
 
     @property
     def given(self) -> bool:
@@ -331,9 +333,6 @@ def sweep_options(fn: Callable) -> Callable:
         click.option("--cold", is_flag=True,
                      help="No warm start: do not measure the winners of the nearest tuned shapes (same op and "
                           "backend) first, nor descend from the best of them."),
-        click.option("--cold", is_flag=True,
-                     help="No warm start: do not measure the winners of the nearest tuned shapes (same op and "
-                          "backend) first, nor descend from the best of them."),
         click.option("--model", default=None,
                      help="Sweep the kernels one layer of this preset runs (see `moe-tune models`; several "
                           "comma-separated, or `all`): --direction all for training (gradients and the backward's "
@@ -363,12 +362,14 @@ def sweep_options(fn: Callable) -> Callable:
     @handle_errors
     def wrapper(*args, samples, race, ray_address, shard, dry_run, target, ladder, **kwargs):
         given = {name: kwargs.pop(name) for name in setting_names if name in kwargs}
-        given["distribution"] = given["distribution"] or distributions.DEFAULT
+        every = given["distribution"] == "all"
+        given["distribution"] = distributions.DEFAULT if every else given["distribution"] or distributions.DEFAULT
         if samples is not None:
             given["samples"] = samples
         if race is not None:
             given["race"] = race or None  # 0: no racing
-        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run, target, ladder)
+        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run, target, ladder,
+                                 tuple(distributions.DISTRIBUTIONS) if every else ())
         return fn(*args, settings=SweepSettings(**given), campaign=campaign, **kwargs)
 
     for option in reversed(options):

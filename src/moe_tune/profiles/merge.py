@@ -11,7 +11,8 @@ wins ties) and every input's, in the order given. The kept entry is, in order of
 The kept entry records `provenance`: one record per candidate seen, in this and earlier merges (earlier
 merges' records are carried over, duplicates dropped) -
 `{"source": absolute input path, "hostname": the entry's, "median_s", "tuned_at", "backend_revision", "won"}`,
-exactly one with `won: true`. Entries only OUT had are left untouched.
+exactly one with `won: true`. Entries only OUT had are left untouched. Token-count intervals and robust
+records (`intervals.py`) are merged by key, the most recently measured kept.
 
 OUT is rewritten atomically under the same file lock sweeps take, so a sweep writing OUT at the same time
 loses nothing, and neither does the merge.
@@ -27,6 +28,7 @@ from typing import Any
 
 from moe_tune.errors import TableError, UsageError, path_error
 from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.intervals import INTERVALS, ROBUST
 from moe_tune.profiles.table import read_table, update_table
 from moe_tune.profiles.versions import recorded_revision
 
@@ -173,6 +175,13 @@ def merge_tables(out_path: str | os.PathLike, in_paths: Iterable[str | os.PathLi
             status = "added" if current is None else ("kept" if win == 0 else "replaced")
             table["entries"][key] = kept.to_json()
             decisions.append(MergeDecision(key, status, candidates[win][0], _median(kept), len(candidates), why))
+        for _, other in inputs:  # intervals and robust records: per key, the most recently measured
+            for section in (INTERVALS, ROBUST):
+                held = table.setdefault(section, {})
+                for key, record in (other.get(section) or {}).items():
+                    mine = held.get(key)
+                    if not isinstance(mine, dict) or str(record.get("tuned_at")) > str(mine.get("tuned_at")):
+                        held[key] = record
         return decisions
 
     try:

@@ -29,6 +29,7 @@ from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import record_problems
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.protocols import OpLike
+from moe_tune.profiles.intervals import INTERVALS, ROBUST, interval_problems, robust_problems
 from moe_tune.profiles.table import SCHEMA_VERSION, entry_problems, parse_table
 from moe_tune.profiles.versions import staleness
 
@@ -126,6 +127,9 @@ def validate_table(path: str | os.PathLike, *, get_op: GetOp) -> list[Problem]:
         if kernel_op is not None and not wrong:
             backend = kernel_op.backends.get(entry["fields"]["backend"])
             problems += [Problem(path, f"stale: tuned with {d}", key, WARNING) for d in staleness(entry, backend)]
+    for section, check in ((INTERVALS, interval_problems), (ROBUST, robust_problems)):
+        for key, record in (table.get(section) or {}).items():  # lookup skips a broken one; say it here
+            problems += [Problem(path, f"{section}: {message}", key) for message in check(record)]
     return problems
 
 
