@@ -2,7 +2,8 @@
 float64 references, at small shapes: float32 and bfloat16, every kernel form (gather_gmm with and without the
 glu epilogue, transposed for combine's backward; gmm_combine, transposed for dispatch's backward), an
 expert-parallel shard (group_offset) with an empty local group and rows no group owns, NaN rows outside the
-shard, skip_zero_weights; their lowering for the chip (one kernel call); their validity rules.
+shard, skip_zero_weights, int8 and float8 weights; their lowering for the chip (one kernel call); their
+validity rules.
 
 Routing is a real top-k routing (distinct experts per token): Triton's interpret mode emulates atomics with a
 scatter that keeps one of several adds to one address inside a program (see kernels/fused_moe/triton.py).
@@ -21,6 +22,7 @@ from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference
 from moe_tune.kernels.fused_moe.triton import FusedTritonConfig, TritonFusedMoe
 from moe_tune.kernels.ragged_dot.metadata import select_shard
+from moe_tune.quant import dequantize_host, quantize
 from ragged_dot_base.lowering import assert_one_kernel_call, export_for
 
 T, TOP_K, TOTAL = 16, 2, 4  # tokens, experts per token, experts
@@ -144,6 +146,29 @@ def test_gmm_combine_transposed_bfloat16(name):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+def test_quantized_weights(name):
+    """int8 per channel into the gated dispatch (float32), float8_e4m3fn in 128-row blocks into the transposed
+    combine (bfloat16, blocks along the output): the dequantized weights' result."""
+    backend, config, _ = BACKENDS[name]
+    rows, sizes = routing(8)
+    norm, offset, _, _ = shard(sizes, 0, TOTAL)
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((TOTAL, K, 2 * F)) / 16
+    q = quantize(jnp.asarray(w, jnp.float32), "int8", axis=1)
+    x, x64 = rounded(rng.standard_normal((T, K)), "float32")
+    out = backend.gather_gmm(x, jnp.asarray(rows), q, norm, config=config, out_dtype=jnp.float32,
+                             group_offset=offset, glu="silu")
+    close(out, gather_gmm_reference(x64, rows, dequantize_host(q), sizes, glu="silu"), "float32")
+    q = quantize(jnp.asarray(w, jnp.float32), "float8_e4m3fn", axis=1, block_size=128)
+    h, h64 = rounded(rng.standard_normal((M, 2 * F)), "bfloat16")
+    weights = rng.random(M).astype(np.float32)
+    out = backend.gmm_combine(h, q, norm, jnp.asarray(rows), jnp.asarray(weights), tokens=T, config=config,
+                              out_dtype=jnp.bfloat16, group_offset=offset, transpose_rhs=True)
+    ref = gmm_combine_reference(h64, dequantize_host(q), sizes, rows, weights, tokens=T, transpose_rhs=True)
+    close(out, ref, "bfloat16")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("kernel", ["gather_gmm", "gmm_combine"])
 def test_lowers_to_one_kernel_call_for_its_chip(name, kernel, on_chip):
     backend, config, chip = BACKENDS[name]
@@ -170,7 +195,8 @@ def _problem(stage: str, direction: str, **kw) -> FusedMoeProblem:
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_rules(name):
-    """Defaults are valid and lead their search spaces; quantized weights and bad tiles are refused."""
+    """Defaults are valid and lead their search spaces, int8 / fp8 weights included; 4-bit weights and bad
+    tiles are refused."""
     backend = BACKENDS[name][0]
     for stage in ("dispatch", "combine"):
         for direction in ("fwd", "bwd"):
@@ -178,8 +204,11 @@ def test_rules(name):
             space = backend.search_space(problem)
             assert space[0] == backend.default_config(problem) and len(space) > 10
             assert backend.config_error(space[0], problem) is None
-            quantized = _problem(stage, direction, rhs_qdtype="int8")
-            assert "float weights" in backend.config_error(space[0], quantized)
+            for qdtype, qblock in (("int8", None), ("float8_e4m3fn", 128)):
+                quantized = _problem(stage, direction, rhs_qdtype=qdtype, rhs_qblock=qblock)
+                assert backend.config_error(backend.default_config(quantized), quantized) is None
+            four_bit = _problem(stage, direction, rhs_qdtype="int4", rhs_qblock=128)
+            assert "jax backend" in backend.config_error(backend.default_config(four_bit), four_bit)
     dispatch = _problem("dispatch", "fwd")
     if name == "pallas_tpu":
         bad = {"tm": FusedPallasTpuConfig(tm=12), "tk": FusedPallasTpuConfig(tk=640),

@@ -28,10 +28,12 @@ from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.pallas_util import round_up, sublanes
 from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import max_visits
-from moe_tune.quant import QArray
 
 LANES = 128
 SUPPORTED = ("float32", "bfloat16")
+QUANTIZED = ("int8", "float8_e4m3fn")  # weight dtypes the kernels dequantize (4-bit ones run the jax backend)
+# Rows of a 1-byte block's native tile ((32, 128)): a dequantized sub-block starts and ends on one.
+BYTE_SUBLANES = 32
 # The scalar-prefetch tables (rows, weights, the visit schedule) sit in SMEM, whose scoped budget is 1 MiB
 # up to v6e; half is left to Mosaic's own scalars, as the pallas_tpu gathers do.
 SMEM_PREFETCH_BYTES = 512 * 1024
@@ -84,7 +86,11 @@ def vmem_bytes(config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> int:
     item = jnp.dtype(problem.dtype).itemsize
     weights = 2 if d.glu else 1
     reserve, _ = devices.tpu_vmem_model()
-    need = reserve + 2 * weights * tk * tn * item + weights * tm * tn * 4 + tm * tk * 4
+    w_item = 1 if problem.rhs_qdtype else item
+    need = reserve + 2 * weights * tk * tn * w_item + weights * tm * tn * 4 + tm * tk * 4
+    if problem.rhs_qdtype:  # the scale blocks, whole along k, and the dequantized float32 block
+        cols = tk if problem.transpose_rhs else tn
+        need += weights * (2 * round_up(problem.k // problem.rhs_qblock, 8) * cols * 4 + tk * tn * 4)
     if d.gathers:  # row scratch (float32: 16-bit x is staged), output block, glu's epilogue temporaries
         need += tm * d.kc * 4 + 2 * tm * tn * item + (2 * tm * tn * 4 if d.glu else 0)
     else:  # h blocks, the float32 slab
@@ -108,8 +114,9 @@ def shape_error(problem: FusedMoeProblem) -> str | None:
     """Why no config can serve `problem` (independent of the tunables), or None."""
     if problem.dtype not in SUPPORTED:
         return f"pallas_tpu supports {'/'.join(SUPPORTED)}, not dtype={problem.dtype}"
-    if problem.rhs_qdtype is not None:
-        return "pallas_tpu serves float weights only; quantized weights (QArray) run the jax backend"
+    if problem.rhs_qdtype is not None and problem.rhs_qdtype not in QUANTIZED:
+        return (f"pallas_tpu dequantizes {'/'.join(QUANTIZED)} weights, not {problem.rhs_qdtype} (it runs the "
+                f"jax backend)")
     d = dims(problem)
     if d.gathers and d.kc % LANES:
         return (f"the gathered rows ({d.kc} wide) are not a multiple of {LANES} lanes: Mosaic copies whole "
@@ -145,6 +152,16 @@ class PallasTpuFusedMoe(FusedMoeBackend):
             return reason
         if d.glu and config.tn % LANES:
             return f"tn={config.tn} must be a multiple of {LANES} with glu (a block of the concatenated weights)"
+        if problem.rhs_qdtype:
+            # The weight block's rows run along the forward k (tk; transposed, tn): dequantized in sub-blocks
+            # that each lie in one scale block and start on a whole 1-byte tile.
+            name, tile = ("tn", config.tn) if problem.transpose_rhs else ("tk", config.tk)
+            block = problem.rhs_qblock
+            if tile % block and block % tile:
+                return f"{name}={tile} must be a multiple of the scale block {block} or divide it"
+            if min(tile, block) % BYTE_SUBLANES:
+                return (f"{name}={tile} and the scale block {block}: sub-blocks must be multiples of "
+                        f"{BYTE_SUBLANES} rows")
         dmas = config.dmas_in_flight
         if not isinstance(dmas, int) or isinstance(dmas, bool) or not 0 < dmas <= MAX_DMAS_IN_FLIGHT:
             return f"dmas_in_flight must be an integer in 1..{MAX_DMAS_IN_FLIGHT}, got {dmas!r}"
@@ -191,8 +208,6 @@ class PallasTpuFusedMoe(FusedMoeBackend):
 
     def gather_gmm(self, x, rows, rhs, group_sizes, *, config, out_dtype, group_offset=None, glu=None,
                    transpose_rhs=False):
-        if isinstance(rhs, QArray):
-            raise ValueError("pallas_tpu fused kernels take float weights (config_error refuses QArray problems)")
         out = pallas_gather_gmm(x, rows, rhs, group_sizes, tm=config.tm, tk=config.tk, tn=config.tn,
                                 dmas_in_flight=config.dmas_in_flight, out_dtype=jnp.dtype(out_dtype),
                                 group_offset=group_offset, glu=glu, transpose_rhs=transpose_rhs)
@@ -202,8 +217,6 @@ class PallasTpuFusedMoe(FusedMoeBackend):
 
     def gmm_combine(self, h, rhs, group_sizes, rows, row_weights, *, tokens, config, out_dtype, group_offset=None,
                     skip_zero_weights=False, transpose_rhs=False) -> jax.Array:
-        if isinstance(rhs, QArray):
-            raise ValueError("pallas_tpu fused kernels take float weights (config_error refuses QArray problems)")
         return pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, tokens=tokens, tm=config.tm,
                                   tk=config.tk, tn=config.tn, out_dtype=jnp.dtype(out_dtype),
                                   group_offset=group_offset, skip_zero_weights=skip_zero_weights,

@@ -39,6 +39,7 @@ from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
 from moe_tune.kernels.pallas_util import interpreted, round_up
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+from moe_tune.quant import split
 
 
 def _interpret():
@@ -61,26 +62,58 @@ def _dot(a, w, transpose_rhs: bool):
     return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
 
 
-def _rhs_specs(tk: int, tn: int, transpose_rhs: bool, glu_offset: int | None):
-    """BlockSpecs of the weights' block(s) for grid (j, v, kk): [g, k, n] -> (tk, tn) at (g, kk, j); transposed
-    [g, n, k] -> (tn, tk) at (g, j, kk); with glu a second (up) spec `glu_offset` column blocks further."""
-    if transpose_rhs:
-        return [pl.BlockSpec((None, tn, tk), lambda j, v, kk, gid, *_: (gid[v], j, kk))]
-    specs = [pl.BlockSpec((None, tk, tn), lambda j, v, kk, gid, *_: (gid[v], kk, j))]
-    if glu_offset is not None:
-        specs.append(pl.BlockSpec((None, tk, tn), lambda j, v, kk, gid, *_: (gid[v], kk, j + glu_offset)))
+def _rhs_specs(tk: int, tn: int, transpose_rhs: bool, glu_offset: int | None, scale_rows: int | None):
+    """BlockSpecs of the weights' block(s) for grid (j, v, kk), one per view (two with glu: gate, then up
+    `glu_offset` column blocks further), each followed by its scale block when quantized: [g, k, n] -> (tk, tn)
+    at (g, kk, j); transposed (rhs[g].T) -> (tn, tk) at (g, j, kk). Either way the block's rows run along the
+    forward k, so a scale [g, k / bs, n] comes whole along k (`scale_rows` = k / bs), tiled as the columns."""
+    offsets = [0] if glu_offset is None else [0, glu_offset]
+    specs = []
+    for off in offsets:
+        if transpose_rhs:
+            specs.append(pl.BlockSpec((None, tn, tk), lambda j, v, kk, gid, *_: (gid[v], j, kk)))
+            scale = pl.BlockSpec((None, scale_rows, tk), lambda j, v, kk, gid, *_: (gid[v], 0, kk))
+        else:
+            specs.append(pl.BlockSpec((None, tk, tn), lambda j, v, kk, gid, *_, off=off: (gid[v], kk, j + off)))
+            scale = pl.BlockSpec((None, scale_rows, tn), lambda j, v, kk, gid, *_, off=off: (gid[v], 0, j + off))
+        if scale_rows is not None:
+            specs.append(scale)
     return specs
 
 
-def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm, tk, k_steps, dmas, glu,
-                       transpose_rhs, dot_dtype):
+def _weight_block(w_ref, s_ref, tile_index, *, tile: int, block: int | None, dtype) -> jax.Array:
+    """The weight block in the dot's dtype. Quantized (s_ref float32 [k / block, cols], whole along the forward
+    k, which the block's rows tile with `tile` at `tile_index`): dequantized in float32 in sub-blocks of
+    min(tile, block) rows, each within one scale block, then cast (a bfloat16 dot rounds the dequantized
+    values once, as a bfloat16 layer does)."""
+    if s_ref is None:
+        return w_ref[...].astype(dtype)
+    sub = min(tile, block)
+    parts = []
+    for j in range(tile // sub):
+        row = jax.lax.div(tile_index * tile + j * sub, jnp.int32(block))  # truncating: Mosaic's `//` needs `sign`
+        parts.append(w_ref[pl.ds(j * sub, sub), :].astype(jnp.float32) * s_ref[pl.ds(row, 1), :])
+    return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)).astype(dtype)
+
+
+def _split_weights(refs, n_views: int, quantized: bool):
+    """[(w_ref, s_ref or None)] per view, and the refs after them."""
+    step = 2 if quantized else 1
+    views = [(refs[i * step], refs[i * step + 1] if quantized else None) for i in range(n_views)]
+    return views, refs[n_views * step:]
+
+
+def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm, tk, tn, k_steps, dmas, glu,
+                       transpose_rhs, dot_dtype, quant_block):
     """gid / tid int32 [visits], starts / ends int32 [groups], info int32 [3], rows_ref int32 [m_p] (SMEM);
-    x_hbm [tokens, kc] in HBM; w refs (1, or 2 with glu); o_ref [tm, tn]; xbuf [tm, kc]; acc f32 (1 or 2);
-    sems DMA [dmas]."""
+    x_hbm [tokens, kc] in HBM; weight views (1, or 2 with glu), each with its scale block when quantized
+    (`_rhs_specs`); o_ref [tm, tn]; xbuf [tm, kc]; acc f32 (1 or 2); sems DMA [dmas]."""
     n_w = 2 if glu else 1
-    w_refs, (o_ref, xbuf), rest = refs[:n_w], refs[n_w:n_w + 2], refs[n_w + 2:]
+    views, (o_ref, xbuf, *rest) = _split_weights(refs, n_w, quant_block is not None)
     accs, sems = rest[:n_w], rest[n_w]
-    v, kk = pl.program_id(1), pl.program_id(2)
+    j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # The block's rows run along the forward k: the contraction (tk at kk), or transposed the output (tn at j).
+    row_tile, row_index = (tn, j) if transpose_rhs else (tk, kk)
     real = v < info[0]
     tile = tid[v]
     row0 = tile * tm
@@ -106,8 +139,9 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
                 acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
         a = xbuf[:, pl.ds(pl.multiple_of(kk * tk, tk), tk)].astype(dot_dtype)
-        for acc, w_ref in zip(accs, w_refs):
-            acc[...] += _dot(a, w_ref[...].astype(dot_dtype), transpose_rhs)
+        for acc, (w_ref, s_ref) in zip(accs, views):
+            w = _weight_block(w_ref, s_ref, row_index, tile=row_tile, block=quant_block, dtype=dot_dtype)
+            acc[...] += _dot(a, w, transpose_rhs)
 
         @pl.when(kk == k_steps - 1)
         def _():
@@ -124,10 +158,12 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
 
 def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, dmas_in_flight: int, out_dtype,
                       group_offset=None, glu: str | None = None, transpose_rhs: bool = False) -> jax.Array:
-    """x [tokens, kc] (f32 / bf16; kc a multiple of 128), rows int32 [m], rhs float [g, kc, n_w] ([g, n_w, kc]
-    with transpose_rhs), group_sizes int32 [total] normalized -> [m, n_out] in out_dtype (n_out = n_w / 2
-    with glu). Rows outside the local groups are left unwritten here; the caller zeroes them."""
+    """x [tokens, kc] (f32 / bf16; kc a multiple of 128), rows int32 [m], rhs [g, k, n] float or QArray (int8 /
+    float8_e4m3fn scaled along k; read as rhs[g].T with transpose_rhs, kc = n), group_sizes int32 [total]
+    normalized -> [m, n_out] in out_dtype (n_out = n / 2 with glu; k transposed). Rows outside the local
+    groups are left unwritten here; the caller zeroes them."""
     m, kc = rows.shape[0], x.shape[1]
+    rhs, scale = split(rhs)
     groups = rhs.shape[0]
     n_w = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     n_out = n_w // 2 if glu else n_w
@@ -136,10 +172,11 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
     visits = tables[0].shape[0]
     # Mosaic copies 32-bit rows only: stage a 16-bit x as float32 (a [tokens, kc] copy, not [m, kc]).
     staged = x if x.dtype.itemsize == 4 else x.astype(jnp.float32)
-    dot_dtype = jnp.promote_types(x.dtype, rhs.dtype)
+    dot_dtype = x.dtype if scale is not None else jnp.promote_types(x.dtype, rhs.dtype)
     n_acc = 2 if glu else 1
-    kernel = functools.partial(_gather_gmm_kernel, tm=tm, tk=tk, k_steps=kc // tk, dmas=dmas_in_flight,
-                               glu=glu, transpose_rhs=transpose_rhs, dot_dtype=dot_dtype)
+    scale_rows, block = _scale_layout(rhs, scale)
+    kernel = functools.partial(_gather_gmm_kernel, tm=tm, tk=tk, tn=tn, k_steps=kc // tk, dmas=dmas_in_flight,
+                               glu=glu, transpose_rhs=transpose_rhs, dot_dtype=dot_dtype, quant_block=block)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),  # a ragged last row tile is clipped on write
@@ -147,7 +184,7 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
             num_scalar_prefetch=6,
             grid=(pl.cdiv(n_out, tn), visits, kc // tk),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY),
-                      *_rhs_specs(tk, tn, transpose_rhs, n_out // tn if glu else None)],
+                      *_rhs_specs(tk, tn, transpose_rhs, n_out // tn if glu else None, scale_rows)],
             out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, gid, tid, *_: (tid[v], j)),
             scratch_shapes=[pltpu.VMEM((tm, kc), staged.dtype),
                             *[pltpu.VMEM((tm, tn), jnp.float32)] * n_acc,
@@ -162,15 +199,26 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
         interpret=_interpret(),
         name="moe_tune_gather_gmm",
     )
-    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *[rhs] * n_acc)
+    weights = [rhs] if scale is None else [rhs, scale]
+    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *weights * n_acc)
 
 
-def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, w_ref, out_hbm, acc, slab, sem, *,
-                        tm, tn, k_steps, skip_zero, transpose_rhs, dot_dtype):
+def _scale_layout(rhs, scale) -> tuple[int | None, int | None]:
+    """(scale rows = k / block, block) of a quantized rhs [g, k, n] with scale [g, k / block, n]; (None, None)
+    for float weights."""
+    if scale is None:
+        return None, None
+    return scale.shape[1], rhs.shape[1] // scale.shape[1]
+
+
+def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, *refs, tm, tk, tn, k_steps, skip_zero,
+                        transpose_rhs, dot_dtype, quant_block):
     """gid / tid / starts / ends / info as in `_gather_gmm_kernel`; rows_ref int32 [m_p] and w_smem f32 [m_p]
-    (SMEM); h_ref [tm, tk]; w_ref the weights' block; out_hbm f32 [tokens, n] in HBM; acc f32 [tm, tn]; slab
-    f32 [tokens, tn]; sem one DMA semaphore."""
+    (SMEM); h_ref [tm, tk]; the weights' block (and its scale block when quantized); out_hbm f32 [tokens, n]
+    in HBM; acc f32 [tm, tn]; slab f32 [tokens, tn]; sem one DMA semaphore."""
+    ((w_ref, s_ref),), (out_hbm, acc, slab, sem) = _split_weights(refs, 1, quant_block is not None)
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row_tile, row_index = (tn, j) if transpose_rhs else (tk, kk)
     last_v, last_k = pl.num_programs(1) - 1, k_steps - 1
 
     @pl.when((v == 0) & (kk == 0))
@@ -183,7 +231,8 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, w
         def _():
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-        acc[...] += _dot(h_ref[...].astype(dot_dtype), w_ref[...].astype(dot_dtype), transpose_rhs)
+        w = _weight_block(w_ref, s_ref, row_index, tile=row_tile, block=quant_block, dtype=dot_dtype)
+        acc[...] += _dot(h_ref[...].astype(dot_dtype), w, transpose_rhs)
 
         @pl.when(kk == last_k)
         def _():
@@ -216,18 +265,23 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, w
 def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tk: int, tn: int,
                        out_dtype, group_offset=None, skip_zero_weights: bool = False,
                        transpose_rhs: bool = False) -> jax.Array:
-    """h [m, kc] (f32 / bf16), rhs float [g, kc, n] ([g, n, kc] with transpose_rhs), group_sizes int32 [total]
-    normalized, rows int32 [m], row_weights [m] -> [tokens, n] in out_dtype, accumulated in float32 (tn must
-    divide n: the slab is copied out in whole column blocks)."""
+    """h [m, kc] (f32 / bf16), rhs [g, k, n] float or QArray as in `pallas_gather_gmm` (kc = k; transposed
+    kc = n), group_sizes int32 [total] normalized, rows int32 [m], row_weights [m] -> [tokens, n] ([tokens, k]
+    transposed) in out_dtype, accumulated in float32 (tn must divide the output columns: the slab is copied
+    out in whole column blocks)."""
     m, kc = h.shape
+    rhs, scale = split(rhs)
+    scale_rows, block = _scale_layout(rhs, scale)
     groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     m_p = round_up(m, tm)
     tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
     visits = tables[0].shape[0]
     pad = (0, m_p - m)
-    kernel = functools.partial(_gmm_combine_kernel, tm=tm, tn=tn, k_steps=kc // tk, skip_zero=skip_zero_weights,
-                               transpose_rhs=transpose_rhs, dot_dtype=jnp.promote_types(h.dtype, rhs.dtype))
+    dot_dtype = h.dtype if scale is not None else jnp.promote_types(h.dtype, rhs.dtype)
+    kernel = functools.partial(_gmm_combine_kernel, tm=tm, tk=tk, tn=tn, k_steps=kc // tk,
+                               skip_zero=skip_zero_weights, transpose_rhs=transpose_rhs, dot_dtype=dot_dtype,
+                               quant_block=block)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((tokens, n), jnp.float32),
@@ -235,7 +289,7 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
             num_scalar_prefetch=7,
             grid=(n // tn, visits, kc // tk),
             in_specs=[pl.BlockSpec((tm, tk), lambda j, v, kk, gid, tid, *_: (tid[v], kk)),
-                      *_rhs_specs(tk, tn, transpose_rhs, None)],
+                      *_rhs_specs(tk, tn, transpose_rhs, None, scale_rows)],
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tokens, tn), jnp.float32),
                             pltpu.SemaphoreType.DMA(())],
@@ -248,6 +302,7 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
         interpret=_interpret(),
         name="moe_tune_gmm_combine",
     )
+    # h is not padded: a ragged last tile's rows are past m, never added.
     out = call(*tables, jnp.pad(rows.astype(jnp.int32), pad), jnp.pad(row_weights.astype(jnp.float32), pad),
-               h, rhs)  # h is not padded: a ragged last tile's rows are past m, never added
+               h, *([rhs] if scale is None else [rhs, scale]))
     return out.astype(out_dtype)

@@ -40,10 +40,11 @@ from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.pallas_util import interpreted, round_up
 from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
-from moe_tune.quant import QArray
+from moe_tune.quant import split
 
 BLOCKS = (16, 32, 64, 128, 256)
 SUPPORTED = ("float32", "bfloat16", "float16")
+QUANTIZED = ("int8", "float8_e4m3fn")  # weight dtypes the kernels dequantize (4-bit ones run the jax backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +72,20 @@ def _tile_rows(gid, tid, starts, ends, v, bm: int, m: int):
     return group, jnp.minimum(rows, m - 1), keep
 
 
-def _product(a_ref, a_rows, keep, w_refs, group, col0, *, bk, bn, k_steps, transpose_rhs, dtype):
-    """f32 [bm, bn] accumulators (one per weight ref) of a[a_rows] @ w[group][:, col0:col0 + bn]: a's rows
-    masked by keep (never read where False), k in steps of bk."""
+def _weight_block(w_ref, s_ref, group, row0, rows: int, col0, cols: int, block, dtype) -> jax.Array:
+    """w[group][row0:row0 + rows, col0:col0 + cols] (rows along the forward k) in the dot's dtype; quantized
+    (s_ref float32 [g, k / block, n]): dequantized in float32 from a gathered load of its scales."""
+    w = w_ref[group, pl.ds(row0, rows), pl.ds(col0, cols)]
+    if s_ref is None:
+        return w.astype(dtype)
+    scale_rows = (row0 + jnp.arange(rows, dtype=jnp.int32)) // block
+    scale = s_ref[group, scale_rows[:, None], (col0 + jnp.arange(cols, dtype=jnp.int32))[None, :]]
+    return (w.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _product(a_ref, a_rows, keep, w_refs, group, col0, *, bk, bn, k_steps, transpose_rhs, dtype, block):
+    """f32 [bm, bn] accumulators (one per (weight ref, scale ref or None, column offset)) of a[a_rows] @
+    w[group][:, col0:col0 + bn]: a's rows masked by keep (never read where False), k in steps of bk."""
     bm = keep.shape[0]
     mask = jnp.broadcast_to(keep[:, None], (bm, bk))
 
@@ -81,22 +93,24 @@ def _product(a_ref, a_rows, keep, w_refs, group, col0, *, bk, bn, k_steps, trans
         ks = kk * bk + jnp.arange(bk, dtype=jnp.int32)
         a = plgpu.load(a_ref.at[a_rows[:, None], ks[None, :]], mask=mask, other=0).astype(dtype)
         out = []
-        for acc, (w_ref, offset) in zip(accs, w_refs):
-            if transpose_rhs:  # [g, n, k]: the block [bn, bk], read transposed
-                w = w_ref[group, pl.ds(col0 + offset, bn), pl.ds(kk * bk, bk)]
+        for acc, (w_ref, s_ref, offset) in zip(accs, w_refs):
+            if transpose_rhs:  # rhs[g].T: the block [bn, bk] of [g, k, n], read transposed
+                w = _weight_block(w_ref, s_ref, group, col0 + offset, bn, kk * bk, bk, block, dtype)
             else:
-                w = w_ref[group, pl.ds(kk * bk, bk), pl.ds(col0 + offset, bn)]
-            out.append(acc + plgpu.dot(a, w.astype(dtype), trans_b=transpose_rhs, precision=_precision(dtype)))
+                w = _weight_block(w_ref, s_ref, group, kk * bk, bk, col0 + offset, bn, block, dtype)
+            out.append(acc + plgpu.dot(a, w, trans_b=transpose_rhs, precision=_precision(dtype)))
         return tuple(out)
 
     zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs)
     return jax.lax.fori_loop(0, k_steps, body, zeros)
 
 
-def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, rhs_ref, out_ref, *, m, bm, bk, bn,
-                       k_steps, glu, transpose_rhs, dtype):
+def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, rhs_ref, *refs, m, bm, bk, bn,
+                       k_steps, glu, transpose_rhs, dtype, block):
     """Schedule tables (gid, tid [visits], starts, ends [groups], info [1] = real visits); rows int32 [m];
-    x [tokens, kc]; rhs [g, kc, n_w] (transposed: [g, n_w, kc]) -> out [m_p, n_out]."""
+    x [tokens, kc]; rhs [g, k, n] (read as rhs[g].T when transposed, kc = n), its scale [g, k / block, n]
+    when quantized -> out [m_p, n_out]."""
+    s_ref, out_ref = refs if block else (None, *refs)
     v, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(v < info[0])
@@ -104,19 +118,20 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, rhs_ref, o
         group, rows, keep = _tile_rows(gid, tid, starts, ends, v, bm, m)
         tokens = plgpu.load(rows_ref.at[rows], mask=keep, other=0)  # outside the group: row 0, masked below
         col0 = j * bn
-        w_refs = [(rhs_ref, 0)] + ([(rhs_ref, out_ref.shape[1])] if glu else [])
+        w_refs = [(rhs_ref, s_ref, 0)] + ([(rhs_ref, s_ref, out_ref.shape[1])] if glu else [])
         accs = _product(x_ref, tokens, keep, w_refs, group, col0, bk=bk, bn=bn, k_steps=k_steps,
-                        transpose_rhs=transpose_rhs, dtype=dtype)
+                        transpose_rhs=transpose_rhs, dtype=dtype, block=block)
         out = ACTIVATIONS[glu][0](accs[0]) * accs[1] if glu else accs[0]
         plgpu.store(out_ref.at[pl.ds(tid[v] * bm, bm), pl.ds(col0, bn)], out.astype(out_ref.dtype),
                     mask=jnp.broadcast_to(keep[:, None], (bm, bn)))
 
 
-def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_ref, rhs_ref, _, out_ref, *, m, bm,
-                        bk, bn, k_steps, skip_zero, transpose_rhs, dtype, trash, masked_atomics):
-    """Schedule tables as in `_gather_gmm_kernel`; rows int32 [m]; weights float32 [m]; h [m, kc]; rhs as
-    there; out float32 [tokens + 1, n] (aliased with the zero-filled input `_`; row `trash` = tokens takes
-    the invalid rows' adds)."""
+def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_ref, rhs_ref, *refs, m, bm, bk, bn,
+                        k_steps, skip_zero, transpose_rhs, dtype, trash, masked_atomics, block):
+    """Schedule tables as in `_gather_gmm_kernel`; rows int32 [m]; weights float32 [m]; h [m, kc]; rhs (and
+    its scale) as there; out float32 [tokens + 1, n] (aliased with the zero-filled input before it; row
+    `trash` = tokens takes the invalid rows' adds)."""
+    s_ref, _, out_ref = refs if block else (None, *refs)
     v, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(v < info[0])
@@ -126,13 +141,18 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_r
         valid = keep & (weights != 0) if skip_zero else keep
         tokens = jnp.where(valid, plgpu.load(rows_ref.at[rows], mask=valid, other=trash), trash)
         col0 = j * bn
-        (acc,) = _product(h_ref, rows, valid, [(rhs_ref, 0)], group, col0, bk=bk, bn=bn, k_steps=k_steps,
-                          transpose_rhs=transpose_rhs, dtype=dtype)
+        (acc,) = _product(h_ref, rows, valid, [(rhs_ref, s_ref, 0)], group, col0, bk=bk, bn=bn, k_steps=k_steps,
+                          transpose_rhs=transpose_rhs, dtype=dtype, block=block)
         # A select: an invalid row's product may be NaN (h rows are masked to 0, but weights are anything).
         y = jnp.where(valid[:, None], acc * weights[:, None], 0.0)
         cols = col0 + jnp.arange(bn, dtype=jnp.int32)
         mask = jnp.broadcast_to(valid[:, None], (bm, bn)) if masked_atomics else None
         plgpu.atomic_add(out_ref, (tokens[:, None], cols[None, :]), y, mask=mask)
+
+
+def _dot_dtype(a, values, scale) -> jnp.dtype:
+    """tl.dot takes one operand type: the activations' when the weights are dequantized, else the promoted."""
+    return a.dtype if scale is not None else jnp.promote_types(a.dtype, values.dtype)
 
 
 def _schedule(group_sizes, group_offset, m: int, bm: int, groups: int):
@@ -158,8 +178,11 @@ class TritonFusedMoe(FusedMoeBackend):
     def config_error(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> str | None:
         if problem.dtype not in SUPPORTED:
             return f"triton supports {'/'.join(SUPPORTED)}, not dtype={problem.dtype}"
-        if problem.rhs_qdtype is not None:
-            return "the fused triton kernels serve float weights only; quantized weights (QArray) run the jax backend"
+        if problem.rhs_qdtype is not None and problem.rhs_qdtype not in QUANTIZED:
+            return (f"the fused triton kernels dequantize {'/'.join(QUANTIZED)} weights, not {problem.rhs_qdtype} "
+                    f"(it runs the jax backend)")
+        if (reason := self.chip_error(problem)) is not None:
+            return reason
         for name in ("block_m", "block_k", "block_n"):
             value = getattr(config, name)
             if value not in BLOCKS:
@@ -181,12 +204,23 @@ class TritonFusedMoe(FusedMoeBackend):
             return f"needs {need // 1024} KiB of shared memory per block, over the {budget // 1024} KiB budget"
         return None
 
+    def chip_error(self, problem: FusedMoeProblem) -> str | None:
+        """Triton converts float8 with an instruction of compute capability 8.9 and later (an older GPU aborts
+        the compiling process: `ragged_dot/triton.py`)."""
+        capability = devices.gpu_compute_capability()
+        if problem.rhs_qdtype == "float8_e4m3fn" and capability is not None and capability < (8, 9):
+            return (f"float8 weights need compute capability >= 8.9 in Triton, this GPU has "
+                    f"{capability[0]}.{capability[1]}")
+        return None
+
     def shared_memory_bytes(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> int:
-        """Pipelined dot operands: num_stages copies of the lhs tile and of each weight tile (two with glu),
-        in the dot's dtype."""
+        """Pipelined loads: num_stages copies of the lhs tile and of each weight tile (two with glu), as
+        loaded (1-byte quantized weights stay 1 byte)."""
         weights = 2 if dims(problem).glu else 1
         bm, bk, bn = config.block_m, config.block_k, config.block_n
-        return config.num_stages * (bm * bk + weights * bk * bn) * jnp.dtype(problem.dtype).itemsize
+        item = jnp.dtype(problem.dtype).itemsize
+        w_item = 1 if problem.rhs_qdtype else item
+        return config.num_stages * (bm * bk * item + weights * bk * bn * w_item)
 
     def default_config(self, problem: FusedMoeProblem) -> FusedTritonConfig:
         d = dims(problem)
@@ -200,17 +234,16 @@ class TritonFusedMoe(FusedMoeBackend):
 
     def gather_gmm(self, x, rows, rhs, group_sizes, *, config, out_dtype, group_offset=None, glu=None,
                    transpose_rhs=False):
-        if isinstance(rhs, QArray):
-            raise ValueError("the fused triton kernels take float weights (config_error refuses QArray problems)")
         m, kc = rows.shape[0], x.shape[1]
+        rhs, scale = split(rhs)
+        block = None if scale is None else rhs.shape[1] // scale.shape[1]
         groups = rhs.shape[0]
         n_w = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         n_out = n_w // 2 if glu else n_w
         bm, bk, bn = config.block_m, config.block_k, config.block_n
         m_p = round_up(m, bm)
-        dtype = jnp.promote_types(x.dtype, rhs.dtype)
         kernel = functools.partial(_gather_gmm_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, glu=glu,
-                                   transpose_rhs=transpose_rhs, dtype=dtype)
+                                   transpose_rhs=transpose_rhs, dtype=_dot_dtype(x, rhs, scale), block=block)
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
         out = pl.pallas_call(
             kernel,
@@ -219,34 +252,34 @@ class TritonFusedMoe(FusedMoeBackend):
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=interpreted("gpu"),
             name="moe_tune_gather_gmm",
-        )(*tables, rows.astype(jnp.int32), x, rhs)
+        )(*tables, rows.astype(jnp.int32), x, rhs, *([] if scale is None else [scale]))
         # Rows no local group owns were never stored.
         keep = rows_in_local_groups(group_sizes, m, groups, group_offset)
         return jnp.where(keep, out[:m], jnp.zeros((), out.dtype))
 
     def gmm_combine(self, h, rhs, group_sizes, rows, row_weights, *, tokens, config, out_dtype, group_offset=None,
                     skip_zero_weights=False, transpose_rhs=False) -> jax.Array:
-        if isinstance(rhs, QArray):
-            raise ValueError("the fused triton kernels take float weights (config_error refuses QArray problems)")
         m, kc = h.shape
+        rhs, scale = split(rhs)
+        block = None if scale is None else rhs.shape[1] // scale.shape[1]
         groups = rhs.shape[0]
         n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
         interpret = interpreted("gpu")
         kernel = functools.partial(
             _gmm_combine_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, skip_zero=skip_zero_weights,
-            transpose_rhs=transpose_rhs, dtype=jnp.promote_types(h.dtype, rhs.dtype), trash=tokens,
+            transpose_rhs=transpose_rhs, dtype=_dot_dtype(h, rhs, scale), trash=tokens,
             # Interpret mode's atomics take no mask; there the invalid rows' adds all land on the trash row.
-            masked_atomics=not interpret)
+            masked_atomics=not interpret, block=block)
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
         out = pl.pallas_call(
             kernel,
             grid=(tables[0].shape[0], n // bn),
             out_shape=jax.ShapeDtypeStruct((tokens + 1, n), jnp.float32),
-            input_output_aliases={9: 0},  # the zero-filled accumulator
+            input_output_aliases={9 if scale is None else 10: 0},  # the zero-filled accumulator
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=interpret,
             name="moe_tune_gmm_combine",
         )(*tables, rows.astype(jnp.int32), row_weights.astype(jnp.float32), h, rhs,
-          jnp.zeros((tokens + 1, n), jnp.float32))
+          *([] if scale is None else [scale]), jnp.zeros((tokens + 1, n), jnp.float32))
         return out[:tokens].astype(out_dtype)
