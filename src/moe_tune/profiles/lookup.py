@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moe_tune import devices, distributions, settings
+from moe_tune import devices, distributions, routing, settings
 from moe_tune.errors import TableError, warn_caller
 from moe_tune.profiles import dirs
 from moe_tune.profiles import intervals as _intervals
@@ -57,8 +57,9 @@ class LookupResult:
 
 
 def runtime_distribution() -> str:
-    """The group-size distribution the runtime assumes when it looks entries up (default `balanced`)."""
-    return distributions.check_name(settings.distribution() or distributions.DEFAULT)
+    """The group-size distribution the runtime assumes when it looks entries up and no call says one: the
+    innermost `moe_tune.use_distribution` block's, else $MOE_TUNE_DISTRIBUTION's, else `balanced`."""
+    return distributions.check_name(routing.current() or settings.distribution() or distributions.DEFAULT)
 
 
 _warned: set[Any] = set()
