@@ -73,3 +73,14 @@ def test_sweep_distribution_all_plans_every_distribution_and_lookup_refuses_all(
     assert result.output.count("1 sweeps after removing duplicates") == len(distributions.DISTRIBUTIONS)
     looked = runner.invoke(cli.cli, ["lookup", "--distribution", "all"])
     assert looked.exit_code == 2 and "unknown distribution 'all'" in looked.output
+
+
+def test_a_count_between_tuned_ones_gets_the_nearest_shapes_robust_choice(isolated_profiles):
+    entries = {"balanced": _entry(A, "balanced"), "skewed": _entry(B, "skewed"), "uniform": _entry(C, "uniform")}
+    record = robust.robust_record("ragged_dot", "tiled", PROBLEM, entries, seed=0, timer=_timer([]))
+    path = isolated_profiles / "cpu" / "ragged_dot.json"
+    write_entries(path, "ragged_dot", "cpu", entries.values())
+    update_table(path, "ragged_dot", "cpu", lambda t: t["robust"].__setitem__(record["key"], record))
+    found = get_op("ragged_dot").lookup(dataclasses.replace(PROBLEM, m=80), backend="tiled", distribution="single")
+    assert found.source == "robust" and "nearest tuned m=64: no entry there" in found.reason
+    assert found.config.to_dict() | B == found.config.to_dict()

@@ -5,7 +5,8 @@
 3. `robust`: when this shape is tuned, but not for the routing distribution asked for, the config measured as
    robust across the tuned distributions (`sweep --distribution all` records it);
 4. `nearest`: the entry of the same everything but the token counts (e.g. ragged_dot's m), nearest in log
-   space, preferring the distribution asked for (the reason says when none has it);
+   space, preferring the distribution asked for; when the nearest shape is tuned for other distributions only,
+   its robust choice (source `robust`) if it has one, else the reason says none has the distribution;
 5. `default`: the backend's heuristic default.
 
 A broken table never breaks a model: an unreadable, corrupted or truncated table (or one whose entries lack
@@ -206,6 +207,12 @@ def _resolve(problem: ProblemLike, impl: BackendLike, fields: dict[str, Any], ke
         stale = _stale_check(path, entry.get("key", key), entry, impl, policy, jax_version)
         tuned = " ".join(f"{f}={entry['fields'][f]}" for f in sizes)
         if entry["fields"].get("distribution") != distribution:
+            # the nearest shape is tuned for other distributions only: its robust choice, when it has one
+            there = {**fields, **{f: entry["fields"][f] for f in sizes}}
+            robust = _from_robust(problem, impl, there, key, device_kind, tables, policy, jax_version,
+                                  f"{reason}; nearest tuned {tuned}: no entry there")
+            if robust is not None:
+                return robust
             reason += f"; no entry for distribution {distribution} near it"
         why = f"{reason}; nearest tuned {tuned} ({entry['fields'].get('distribution')}) in {path}"
         if stale:
