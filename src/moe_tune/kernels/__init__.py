@@ -9,10 +9,11 @@ from moe_tune.kernels.gather.definition import DENSE_GATHER_REDUCE, RAGGED_GATHE
 from moe_tune.kernels.kernel_op import KernelOp, Resolved
 from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
-from moe_tune.kernels.fused_moe.definition import FUSED_MOE  # noqa: I001 (after the ops it builds on)
+from moe_tune.kernels.fused_moe.choice import MOE_FUSION  # noqa: I001 (after the ops they build on)
+from moe_tune.kernels.fused_moe.definition import FUSED_MOE
 
 _OPS: dict[str, KernelOp] = {op.name: op for op in (RAGGED_DOT, RAGGED_GATHER, RAGGED_GATHER_REDUCE, DENSE_GATHER_REDUCE,
-                                                    FUSED_MOE)}
+                                                    FUSED_MOE, MOE_FUSION)}
 
 
 def op_names() -> list[str]:

@@ -43,9 +43,11 @@ class _Call:
     backend: str
     problem: FusedMoeProblem
     given: tuple[tuple[str, Any], ...] = ()
+    distribution: str | None = None  # the routing the tables are asked for (None: the runtime's)
 
     def _resolve(self, problem: FusedMoeProblem):
-        return FUSED_MOE.resolve_config(self.backend, problem, dict(self.given).get(problem.direction))
+        options = {} if self.distribution is None else {"distribution": self.distribution}
+        return FUSED_MOE.resolve_config(self.backend, problem, dict(self.given).get(problem.direction), **options)
 
     def gather_gmm(self, direction: str, a, rows, rhs, group_sizes, group_offset, *, glu: str | None):
         """dispatch fwd (its problem keyed on the `glu` it runs) or combine bwd (the weights transposed)."""
@@ -84,13 +86,14 @@ def _weights_for(backend, rhs):
     return tuple(parts) if getattr(backend, "split_weights", False) else _concat(parts)
 
 
-def _tgmm(lhs, dout, group_sizes, group_offset, *, groups: int, out_dtype) -> jax.Array:
+def _tgmm(lhs, dout, group_sizes, group_offset, *, groups: int, out_dtype, distribution: str | None) -> jax.Array:
     """[groups, k, n] = per local group lhs[rows]^T @ dout[rows]: the tuned ragged_dot drhs kernel."""
     problem = RaggedDotProblem(m=lhs.shape[0], k=lhs.shape[1], n=dout.shape[1], groups=groups,
                                lhs_dtype=dtype_name(lhs.dtype), rhs_dtype=dtype_name(out_dtype),
                                out_dtype=dtype_name(dout.dtype), direction="drhs",
                                total_groups=group_sizes.shape[0] if group_sizes.shape[0] != groups else None)
-    resolved = RAGGED_DOT.resolve_config(None, problem)
+    options = {} if distribution is None else {"distribution": distribution}
+    resolved = RAGGED_DOT.resolve_config(None, problem, **options)
     return resolved.backend.run(problem, resolved.config, lhs, dout, group_sizes, group_offset)
 
 
@@ -140,7 +143,8 @@ def _gather_gmm_bwd(call: _Call, residuals, dout):
     if not isinstance(weight_parts(rhs)[0], QArray):
         valid = local_rows(group_sizes, m, call.problem.groups, group_offset)
         gathered = jnp.take(x, jnp.where(valid, rows, 0), axis=0, mode="clip")
-        drhs = _tgmm(gathered, dh, group_sizes, group_offset, groups=call.problem.groups, out_dtype=dh.dtype)
+        drhs = _tgmm(gathered, dh, group_sizes, group_offset, groups=call.problem.groups, out_dtype=dh.dtype,
+                     distribution=call.distribution)
     return dx.astype(x.dtype), None, _split_grad(rhs, drhs), None, None
 
 
@@ -178,7 +182,7 @@ def _gmm_combine_bwd(skip_zero_weights, call: _Call, residuals, dout):
     if not isinstance(weight_parts(rhs)[0], QArray):
         dout_rows = jnp.take(dout, jnp.where(valid, rows, 0), axis=0, mode="clip")
         drhs = _tgmm((safe_h * w32[:, None]).astype(h.dtype), dout_rows, group_sizes, group_offset,
-                     groups=call.problem.groups, out_dtype=dout.dtype)
+                     groups=call.problem.groups, out_dtype=dout.dtype, distribution=call.distribution)
     return dh, _split_grad(rhs, drhs), None, None, dweights, None
 
 
@@ -249,6 +253,7 @@ def gather_gmm(
     glu: str | None = None,
     backend: str | None = None,
     config: Any = None,
+    distribution: str | None = None,
 ) -> jax.Array:
     """Fused dispatch: `out[i] = x[rows[i]] @ rhs[group(i)]` for the rows of the local groups (0 elsewhere),
     without writing the gathered rows; with `glu`, `act(h[:, :f]) * h[:, f:]` of that product.
@@ -262,14 +267,15 @@ def gather_gmm(
         expert-parallel shard computes the local groups only; the shard's rows follow from the sizes).
       glu: `silu`, `gelu` or `relu`: rhs is gate and up concatenated (n = 2f), the output [m, f].
       backend: `tiled`, `jax`, ...; None picks by platform. config: the backend's config for fwd, or
-        {"fwd": ..., "bwd": ...}; None looks them up in the tables at trace time.
+        {"fwd": ..., "bwd": ...}; None looks them up in the tables at trace time, for the routing
+        `distribution` (None: the runtime's, as `ragged_dot`).
 
     Returns:
       [m, n] ([m, n / 2] with glu) in x.dtype. Differentiable in x and float weights (a QArray is a constant).
     """
     problem = _problem(x, rows, rhs, group_sizes, group_offset, stage="dispatch", tokens=x.shape[0], glu=glu)
     sizes, offset = _shard(group_sizes, group_offset, m=problem.m, groups=problem.groups)
-    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config))
+    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config), distribution)
     return _gather_gmm(x, rows.astype(jnp.int32), rhs, sizes, offset, call)
 
 
@@ -285,6 +291,7 @@ def gmm_combine(
     skip_zero_weights: bool = False,
     backend: str | None = None,
     config: Any = None,
+    distribution: str | None = None,
 ) -> jax.Array:
     """Fused combine: `out[t] = sum over local rows i with rows[i] == t of row_weights[i] * (h[i] @
     rhs[group(i)])`, accumulated in float32, with no [m, n] product written.
@@ -296,7 +303,7 @@ def gmm_combine(
     Args:
       h: [m, k] expert activations in expert order; rhs: [groups, k, n] float or QArray; group_sizes,
       group_offset: as `gather_gmm`; rows: int [m], the token of each row; row_weights: float [m], each row's
-      top-k weight; tokens: the output's rows (static).
+      top-k weight; tokens: the output's rows (static). backend, config, distribution: as `gather_gmm`.
 
     Returns:
       [tokens, n] in h.dtype. Differentiable in h, the float weights and row_weights.
@@ -308,5 +315,5 @@ def gmm_combine(
         raise UsageError(f"fused combine: row_weights must have shape ({problem.m},), got "
                          f"{getattr(row_weights, 'shape', None)}")
     sizes, offset = _shard(group_sizes, group_offset, m=problem.m, groups=problem.groups)
-    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config))
+    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config), distribution)
     return _gmm_combine(h, rhs, sizes, rows.astype(jnp.int32), row_weights, offset, bool(skip_zero_weights), call)

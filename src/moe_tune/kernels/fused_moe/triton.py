@@ -74,12 +74,18 @@ def _tile_rows(gid, tid, starts, ends, v, bm: int, m: int):
 
 def _weight_block(w_ref, s_ref, group, row0, rows: int, col0, cols: int, block, dtype) -> jax.Array:
     """w[group][row0:row0 + rows, col0:col0 + cols] (rows along the forward k) in the dot's dtype; quantized
-    (s_ref float32 [g, k / block, n]): dequantized in float32 from a gathered load of its scales."""
+    (s_ref float32 [g, k / block, n]): dequantized in float32, by one row of scales when the block's rows lie
+    in one scale block (per channel, or a tile no taller than the scale block), else by a gathered [rows,
+    cols] load of them."""
     w = w_ref[group, pl.ds(row0, rows), pl.ds(col0, cols)]
     if s_ref is None:
         return w.astype(dtype)
-    scale_rows = (row0 + jnp.arange(rows, dtype=jnp.int32)) // block
-    scale = s_ref[group, scale_rows[:, None], (col0 + jnp.arange(cols, dtype=jnp.int32))[None, :]]
+    columns = pl.ds(col0, cols)
+    if s_ref.shape[1] == 1 or block % rows == 0:  # row0 is a multiple of rows: one scale block
+        scale = s_ref[group, jax.lax.div(row0, jnp.int32(block)), columns][None, :]
+    else:
+        scale_rows = (row0 + jnp.arange(rows, dtype=jnp.int32)) // block
+        scale = s_ref[group, scale_rows[:, None], (col0 + jnp.arange(cols, dtype=jnp.int32))[None, :]]
     return (w.astype(jnp.float32) * scale).astype(dtype)
 
 

@@ -1,0 +1,205 @@
+"""`moe_fusion`: whether `moe_mlp` runs its experts fused (`fused_moe` kernels) or unfused (gather, three
+ragged_dots, gather-reduce), as a measured choice stored and looked up like any op's config.
+
+The problem is one MoE layer's shape; its one backend (`layer`) has one tunable, `fused`, whose two values a
+sweep times by running the whole layer each way (each way's kernels with their own tuned configs) against a
+float64 reference of the layer. `moe_mlp(..., fused=None)` looks the winner up per shape at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_tune import distributions
+from moe_tune.errors import UsageError
+from moe_tune.kernels import options as opt
+from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
+from moe_tune.kernels.fused_moe.layer import can_fuse
+from moe_tune.kernels.kernel_op import KernelOp
+from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
+
+INTERMEDIATE = ShapeOption("intermediate", int, "moe_fusion: one expert's FFN width.", listable=True)
+DEFAULT_OPTIONS = {"tokens": 256, "hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "ep": 1,
+                   "dtype": "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionProblem:
+    """One `moe_mlp` layer: tokens on this shard, hidden size, expert width, routed experts, top_k,
+    expert-parallel size (the shard holds experts / ep experts), dtype of activations and weights."""
+
+    SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("tokens",)
+
+    tokens: int
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    ep: int = 1
+    dtype: str = "float32"
+    direction: str = "fwd"
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "hidden", "intermediate", "experts", "top_k", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if self.experts % self.ep or self.top_k > self.experts:
+            raise UsageError(f"ep ({self.ep}) must divide experts ({self.experts}) and top_k ({self.top_k}) not "
+                             "exceed it")
+        if self.direction != "fwd":
+            raise UsageError(f"moe_fusion has one direction, fwd; got {self.direction!r}")
+        canonical = dtype_name(self.dtype)
+        if canonical not in SUPPORTED_DTYPES:
+            raise UsageError(f"dtype {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+        object.__setattr__(self, "dtype", canonical)
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep
+
+    def key_fields(self) -> dict[str, Any]:
+        return {"direction": self.direction, "tokens": self.tokens, "hidden": self.hidden,
+                "intermediate": self.intermediate, "experts": self.experts, "top_k": self.top_k, "ep": self.ep,
+                "dtype": self.dtype}
+
+    @classmethod
+    def from_key_fields(cls, fields: dict[str, Any]) -> "FusionProblem":
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionConfig(KernelConfig):
+    """fused: the experts on the fused kernels (True) or the unfused ones (False)."""
+
+    fused: bool = True
+
+
+class LayerChoice(Backend[FusionConfig, FusionProblem]):
+    op = "moe_fusion"
+    name = "layer"
+    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    config_cls = FusionConfig
+    platforms = ("cpu", "gpu", "tpu")
+    description = "the whole moe_mlp layer, fused or unfused (each with its kernels' tuned configs)"
+
+    def default_config(self, problem: FusionProblem) -> FusionConfig:
+        # measured on CPU (benchmarks/results/fused_cpu_*): fused was never slower beyond noise
+        return FusionConfig(fused=True)
+
+    def candidate_values(self, problem: FusionProblem):
+        return {"fused": [True, False]}
+
+    def config_error(self, config: FusionConfig, problem: FusionProblem) -> str | None:
+        return None if isinstance(config.fused, bool) else f"fused must be a bool, got {config.fused!r}"
+
+
+BACKENDS = BackendRegistry("moe_fusion", platform_defaults={"cpu": "layer"})
+BACKENDS.register(LayerChoice())
+
+
+def layer_inputs(problem: FusionProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
+    """x, router logits and the shard's expert weights. The logits are random plus a per-expert bias of the
+    log of the named distribution's group sizes, so that the routing follows it roughly."""
+    rng = np.random.default_rng(seed)
+    p, dtype = problem, jnp.dtype(problem.dtype)
+    sizes = distributions.group_sizes(distribution, p.tokens * p.top_k, p.experts, seed)
+    logits = rng.standard_normal((p.tokens, p.experts), np.float32) + np.log1p(sizes).astype(np.float32)
+    normal = lambda *shape, fan_in: (rng.standard_normal(shape, np.float32) / np.sqrt(fan_in)).astype(dtype)
+    local = p.local_experts
+    return {"x": normal(p.tokens, p.hidden, fan_in=1), "router_logits": logits,
+            "w_gate": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
+            "w_up": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
+            "w_down": normal(local, p.intermediate, p.hidden, fan_in=p.intermediate)}
+
+
+def layer_reference(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Float64 `moe_mlp` (softmax, top_k renormalized, SiLU-gated experts) of the shard's experts [0, experts/ep)."""
+    f64 = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
+    logits = f64["router_logits"]
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :problem.top_k]
+    weights = np.take_along_axis(probs, chosen, axis=1)
+    weights /= weights.sum(axis=1, keepdims=True)
+    out = np.zeros((problem.tokens, problem.hidden))
+    for e in range(problem.local_experts):
+        t, j = np.nonzero(chosen == e)
+        if t.size:
+            x = f64["x"][t]
+            gate, up = x @ f64["w_gate"][e], x @ f64["w_up"][e]
+            out[t] += weights[t, j][:, None] * ((gate / (1 + np.exp(-gate)) * up) @ f64["w_down"][e])
+    return out
+
+
+class MoeFusionOp(KernelOp):
+    name = "moe_fusion"
+    backends = BACKENDS
+    fallback = "layer"
+    description = "moe_mlp's experts fused or unfused: a measured choice per layer shape"
+    problem_class = FusionProblem
+    options = (opt.TOKENS, opt.HIDDEN, INTERMEDIATE, opt.EXPERTS, opt.TOP_K, opt.EP, opt.DTYPE)
+
+    def problem(self, *, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, ep: int = 1,
+                dtype: str = "float32", direction: str = "fwd", **_: Any) -> FusionProblem:
+        return FusionProblem(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                             ep=ep, dtype=dtype, direction=direction)
+
+    def default_problem_options(self) -> dict[str, Any]:
+        return dict(DEFAULT_OPTIONS)
+
+    def make_inputs(self, problem: FusionProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
+        return layer_inputs(problem, distribution, seed)
+
+    def distribution_record(self, problem, distribution, seed, inputs) -> dict[str, Any]:
+        return {"experts": problem.experts, "ep": problem.ep}
+
+    def reference(self, problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        return layer_reference(problem, inputs)
+
+    def run(self, backend: Backend, config: KernelConfig, problem: FusionProblem,
+            inputs: Mapping[str, jax.Array]) -> jax.Array:
+        from moe_tune.moe import moe_mlp  # the layer is built on the kernels: imported when it runs
+
+        return moe_mlp(inputs["x"], inputs["router_logits"], inputs["w_gate"], inputs["w_up"], inputs["w_down"],
+                       problem.top_k, expert_offset=0 if problem.ep > 1 else None, fused=config.fused)
+
+    def memory_estimate(self, problem: FusionProblem) -> int:
+        """The weights and activations on the host and the device, their float64 copies for the reference,
+        and the layer's expert-ordered buffers."""
+        p, size = problem, jnp.dtype(problem.dtype).itemsize
+        weights = 3 * p.local_experts * p.hidden * p.intermediate
+        acts = p.tokens * (p.hidden + p.experts)
+        rows = p.tokens * p.top_k * (2 * p.hidden + 3 * p.intermediate)
+        return (2 * size + 8) * (weights + acts) + 4 * rows
+
+    def describe(self, problem: FusionProblem) -> str:
+        p = problem
+        ep = f" ep={p.ep}" if p.ep > 1 else ""
+        return (f"moe_fusion tokens={p.tokens} hidden={p.hidden} intermediate={p.intermediate} experts={p.experts} "
+                f"top_k={p.top_k} {p.dtype}{ep}")
+
+
+MOE_FUSION = MoeFusionOp()
+
+
+def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int, experts: int, local: int,
+              top_k: int, dtype: Any, weights: tuple, distribution: str | None = None) -> bool:
+    """Whether `moe_mlp` runs its experts fused: `fused` when given, else the tables' measured choice for the
+    layer's shape (else `LayerChoice.default_config`), False where the fused path cannot run the weights
+    (`layer.can_fuse`). `local`: the experts the weights hold (ep = experts / local)."""
+    if fused is not None:
+        return bool(fused)
+    if can_fuse(*weights) is not None:
+        return False
+    problem = FusionProblem(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                            ep=experts // local if experts % local == 0 else 1, dtype=dtype_name(dtype))
+    options = {} if distribution is None else {"distribution": distribution}
+    return bool(MOE_FUSION.resolve_config(None, problem, **options).config.fused)
