@@ -9,7 +9,7 @@ float64 reference of the layer. `moe_mlp(..., fused=None)` looks the winner up p
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -102,6 +102,15 @@ class LayerChoice(Backend[FusionConfig, FusionProblem]):
 
 
 BACKENDS = BackendRegistry("moe_fusion", platform_defaults={"cpu": "layer"})
+
+# The layer the choice times, `moe_tune.moe.moe_mlp`: it registers itself here when imported (`register_layer`),
+# since kernels never import the layer built on them (no import circle: tests/test_structure.py).
+_LAYER: list[Callable[..., jax.Array]] = []
+
+
+def register_layer(layer: Callable[..., jax.Array]) -> None:
+    """Make `layer` (moe_mlp's signature) what `moe_fusion` sweeps time."""
+    _LAYER[:] = [layer]
 BACKENDS.register(LayerChoice())
 
 
@@ -166,9 +175,9 @@ class MoeFusionOp(KernelOp):
 
     def run(self, backend: Backend, config: KernelConfig, problem: FusionProblem,
             inputs: Mapping[str, jax.Array]) -> jax.Array:
-        from moe_tune.moe import moe_mlp  # the layer is built on the kernels: imported when it runs
-
-        return moe_mlp(inputs["x"], inputs["router_logits"], inputs["w_gate"], inputs["w_up"], inputs["w_down"],
+        if not _LAYER:
+            raise RuntimeError("moe_fusion runs moe_tune.moe.moe_mlp: import moe_tune first")
+        return _LAYER[0](inputs["x"], inputs["router_logits"], inputs["w_gate"], inputs["w_up"], inputs["w_down"],
                        problem.top_k, expert_offset=0 if problem.ep > 1 else None, fused=config.fused)
 
     def memory_estimate(self, problem: FusionProblem) -> int:
