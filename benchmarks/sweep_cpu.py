@@ -19,14 +19,77 @@ import time
 SHAPE = dict(m=2048, k=2048, n=768, groups=16, dtype="float32")  # the demo shape: 66 tiled candidates
 
 
-def one_sweep(workers: int, candidates: int, samples: int) -> dict:
+class _Clock:
+    """Wall time spent inside wrapped functions, by name (the phases `one_sweep` reports)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self.values: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent[phase] = self.spent.get(phase, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def add(self, name: str, value: float) -> None:
+        self.values[name] = self.values.get(name, 0.0) + value
+
+
+def _instrument(clock: _Clock) -> None:
+    """Wrap the functions each phase runs in (nothing about the sweep changes: the same calls, timed)."""
+    import contextlib
+
+    import jax
+
+    from moe_tune.tuner import compiling, finals, measure, record, state, timing
+
+    clock.wrap(state.SweepState, "prepare_inputs", "inputs and reference")
+    clock.wrap(measure, "check_all", "check (main process)")
+    clock.wrap(compiling.serialize_executable, "deserialize_and_load", "load executables (main process)")
+    clock.wrap(timing, "parse_trace", "trace parse")
+    clock.wrap(measure, "warm_up", "finalists: one untimed run each")
+    clock.wrap(finals, "final_round", "finalists: final round")
+    clock.wrap(record, "write", "entry and table write")
+    take = compiling._take_result
+
+    def take_result(cand, value):  # what the worker measured of itself
+        clock.add("worker compile (sum over workers)", value.get("compile_s") or 0.0)
+        clock.add("worker first run (sum over workers)", value.get("run_s") or 0.0)
+        return take(cand, value)
+
+    compiling._take_result = take_result
+    trace = jax.profiler.trace
+
+    @contextlib.contextmanager
+    def timed_trace(*args, **kwargs):
+        start = time.perf_counter()
+        with trace(*args, **kwargs):
+            clock.add("profiler start", time.perf_counter() - start)
+            yield
+            stop = time.perf_counter()
+        clock.add("profiler stop (writes the xplane)", time.perf_counter() - stop)
+
+    timing.jax.profiler.trace = timed_trace
+
+
+def one_sweep(workers: int, candidates: int, samples: int, spawned: float) -> dict:
     """In this (fresh) process: the sweep and its wall time per stage (with workers, "compile" includes each
-    candidate's first run in its worker, which gives the check its output)."""
+    candidate's first run in its worker, which gives the check its output), and per phase inside them."""
+    imported = time.time()
     from moe_tune.kernels import get_op
     from moe_tune.tuner import SweepRequest, compile_cache, run_sweep
     from moe_tune.tuner.compile_count import backend_compiles
 
     compile_cache.enable()  # the dir is fresh and empty: a cold cache, as a first sweep on a machine has
+    clock = _Clock()
+    _instrument(clock)
 
     problem = get_op("ragged_dot").problem(**SHAPE)
     started = time.perf_counter()
@@ -36,9 +99,41 @@ def one_sweep(workers: int, candidates: int, samples: int) -> dict:
     stages = dict(result.entry.search["stage_s"])
     stages["finalists and table"] = (ended - started) - sum(stages.values())
     counts = result.entry.candidates
-    return {"workers": workers, "wall_s": ended - started, "stages_s": dict(stages), "candidates": counts,
-            "compiles_per_candidate": counts["compiles"] / counts["tried"],
+    phases = {"process start and imports (before the sweep)": imported - spawned, **clock.spent, **clock.values}
+    return {"workers": workers, "wall_s": ended - started, "stages_s": dict(stages), "phases_s": phases,
+            "candidates": counts, "compiles_per_candidate": counts["compiles"] / counts["tried"],
             "main_process_compiles": backend_compiles(), "winner": result.entry.config}
+
+
+def _load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def _print_phases(run: dict) -> None:
+    """Where the wall time went: the stages, and the phases measured inside them (the worker phases are
+    summed over the workers, which run in parallel: divided by the workers they are wall time)."""
+    p, st, w = run["phases_s"], run["stages_s"], run["workers"]
+    profiler = sum(p.get(k, 0.0) for k in ("profiler start", "profiler stop (writes the xplane)", "trace parse"))
+    final = p.get("finalists: final round", 0.0)
+    rows = [
+        ("process start and imports", p.get("process start and imports (before the sweep)", 0.0)),
+        ("inputs and reference (workers start meanwhile)", p.get("inputs and reference", 0.0)),
+        (f"compile stage: worker compiles (sum / {w} workers)", p.get("worker compile (sum over workers)", 0) / w),
+        (f"compile stage: worker first runs, for the check (sum / {w})", p.get("worker first run (sum over workers)",
+                                                                              0) / w),
+        ("compile stage: load executables here", p.get("load executables (main process)", 0.0)),
+        ("compile stage: check here", p.get("check (main process)", 0.0)),
+        ("time stage + final round: profiler start", p.get("profiler start", 0.0)),
+        ("time stage + final round: profiler stop (xplane write)", p.get("profiler stop (writes the xplane)", 0.0)),
+        ("time stage + final round: trace parse", p.get("trace parse", 0.0)),
+        ("time stage + final round: the timed calls and the rest", st.get("time", 0.0) + final - profiler),
+        ("finalists: one untimed run each", p.get("finalists: one untimed run each", 0.0)),
+        ("entry and table write", p.get("entry and table write", 0.0)),
+    ]
+    total = run["wall_s"]
+    for name, seconds in rows:
+        print(f"    {name:<62} {seconds:6.2f} s  {100 * seconds / total:5.1f}%")
+    print(f"    {'(sweep wall time)':<62} {total:6.2f} s", flush=True)
 
 
 def main() -> int:
@@ -50,10 +145,12 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=SweepSettings.samples)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(one_sweep(args.child, args.candidates, args.samples)))
+        print(json.dumps(one_sweep(args.child, args.candidates, args.samples, args.spawned)))
         return 0
+    print(f"load before: {_load()}", flush=True)
 
     runs = []
     for workers in (int(w) for w in args.workers.split(",")):
@@ -61,7 +158,7 @@ def main() -> int:
             env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": os.path.join(tmp, "cache"),
                    "MOE_TUNE_PROFILE_DIR": os.path.join(tmp, "profiles")}
             proc = subprocess.run([sys.executable, __file__, "--child", str(workers), "--candidates",
-                                   str(args.candidates), "--samples", str(args.samples)],
+                                   str(args.candidates), "--samples", str(args.samples), "--spawned", str(time.time())],
                                   env=env, capture_output=True, text=True, check=True)
         run = json.loads(proc.stdout.strip().splitlines()[-1])
         runs.append(run)
@@ -69,6 +166,8 @@ def main() -> int:
         print(f"workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
               f"{run['compiles_per_candidate']:.2f} XLA compiles per candidate, "
               f"{run['main_process_compiles']} in the main process", flush=True)
+        _print_phases(run)
+        run["load"] = _load()
     if len(runs) > 1:
         base = runs[0]["stages_s"].get("compile", 0.0)
         for run in runs[1:]:

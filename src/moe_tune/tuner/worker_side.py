@@ -33,7 +33,7 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
     """Compile candidate `index` for `shapes` (ShapeDtypeStructs of the inputs), then run it once on the
     inputs shared under `token`.
 
-    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "output"}: status OK with
+    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "output", "run_s"}: status OK with
     the serialized executable (None when it cannot travel, e.g. a Python host callback; "local_reason" says
     why) and the output as a NumPy array, or FAILED at stage "compile" or "run" with the reason. Once
     compiled it reports progress ("compiled"), so that if running it kills or hangs this worker the caller
@@ -55,8 +55,10 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
     except Exception as e:  # noqa: BLE001
         result["local_reason"] = short(e)
     workers.progress({"compiled": True, "compile_s": compile_s, "compiles": compiles})
+    start = time.perf_counter()
     try:
         result["output"] = np.asarray(jax.block_until_ready(compiled(_inputs_here(token))))
     except Exception as e:  # noqa: BLE001 - MemoryError included
         result.update(status=FAILED, stage="run", reason=failure_reason(e), executable=None)
+    result["run_s"] = time.perf_counter() - start  # the first run, for the check (benchmarks/sweep_cpu.py)
     return result
