@@ -97,18 +97,29 @@ def _tgmm(lhs, dout, group_sizes, group_offset, *, groups: int, out_dtype, distr
     return resolved.backend.run(problem, resolved.config, lhs, dout, group_sizes, group_offset)
 
 
-def _split_grad(rhs, grad):
-    """The gradient of the weights in rhs's form: None for a QArray (a constant), a tuple for parts."""
+def _constant(rhs) -> bool:
+    """Whether the weights are QArrays: autodiff constants (no gradient, its kernel not run)."""
+    return isinstance(weight_parts(rhs)[0], QArray)
+
+
+def _no_grad(rhs):
+    """The cotangent of constant weights: None, or a None per part."""
+    return tuple(None for _ in rhs) if isinstance(rhs, tuple) else None
+
+
+def _weights_grad(rhs, lhs, dout, group_sizes, group_offset, *, groups: int, distribution: str | None):
+    """The gradient of float weights, in rhs's form: per part (its columns of dout) the ragged_dot drhs
+    lhs[rows]^T @ dout[rows, part's columns], in the part's dtype; a tuple for parts (each computed on its
+    own: no [groups, k, n] gradient is cut in two afterwards)."""
     parts = weight_parts(rhs)
-    if isinstance(parts[0], QArray):
-        return tuple(None for _ in parts) if isinstance(rhs, tuple) else None
-    if not isinstance(rhs, tuple):
-        return grad.astype(rhs.dtype)
-    bounds, out = 0, []
-    for p in parts:
-        out.append(grad[:, :, bounds:bounds + p.shape[2]].astype(p.dtype))
-        bounds += p.shape[2]
-    return tuple(out)
+    grads, col = [], 0
+    for part in parts:
+        width = part.shape[2]
+        columns = dout if len(parts) == 1 else dout[:, col:col + width]
+        grads.append(_tgmm(lhs, columns, group_sizes, group_offset, groups=groups, out_dtype=part.dtype,
+                           distribution=distribution).astype(part.dtype))
+        col += width
+    return tuple(grads) if isinstance(rhs, tuple) else grads[0]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -139,13 +150,13 @@ def _gather_gmm_bwd(call: _Call, residuals, dout):
         dh = pullback(dout.astype(jnp.float32))[0].astype(h.dtype)
     # dx: the combine kernel with the weights transposed, every local row weighted 1 (a fused scatter-add)
     dx = call.gmm_combine("bwd", dh, rhs, group_sizes, rows, jnp.ones((m,), jnp.float32), group_offset)
-    drhs = None
-    if not isinstance(weight_parts(rhs)[0], QArray):
+    drhs = _no_grad(rhs)
+    if not _constant(rhs):  # the rows gathered for it: the drhs kernel reads [m, k]
         valid = local_rows(group_sizes, m, call.problem.groups, group_offset)
         gathered = jnp.take(x, jnp.where(valid, rows, 0), axis=0, mode="clip")
-        drhs = _tgmm(gathered, dh, group_sizes, group_offset, groups=call.problem.groups, out_dtype=dh.dtype,
-                     distribution=call.distribution)
-    return dx.astype(x.dtype), None, _split_grad(rhs, drhs), None, None
+        drhs = _weights_grad(rhs, gathered, dh, group_sizes, group_offset, groups=call.problem.groups,
+                             distribution=call.distribution)
+    return dx.astype(x.dtype), None, drhs, None, None
 
 
 _gather_gmm.defvjp(_gather_gmm_fwd, _gather_gmm_bwd)
@@ -178,12 +189,12 @@ def _gmm_combine_bwd(skip_zero_weights, call: _Call, residuals, dout):
     dh = jnp.where(valid[:, None], g * w32[:, None], 0.0).astype(h.dtype)
     safe_h = jnp.where(valid[:, None], h.astype(jnp.float32), 0.0)  # rows outside may hold NaN
     dweights = jnp.where(valid, jnp.einsum("rf,rf->r", safe_h, g), 0.0).astype(weights.dtype)
-    drhs = None
-    if not isinstance(weight_parts(rhs)[0], QArray):
+    drhs = _no_grad(rhs)
+    if not _constant(rhs):  # the d(out) rows gathered for it: the drhs kernel reads them
         dout_rows = jnp.take(dout, jnp.where(valid, rows, 0), axis=0, mode="clip")
-        drhs = _tgmm((safe_h * w32[:, None]).astype(h.dtype), dout_rows, group_sizes, group_offset,
-                     groups=call.problem.groups, out_dtype=dout.dtype, distribution=call.distribution)
-    return dh, _split_grad(rhs, drhs), None, None, dweights, None
+        drhs = _weights_grad(rhs, (safe_h * w32[:, None]).astype(h.dtype), dout_rows, group_sizes, group_offset,
+                             groups=call.problem.groups, distribution=call.distribution)
+    return dh, drhs, None, None, dweights, None
 
 
 _gmm_combine.defvjp(_gmm_combine_fwd, _gmm_combine_bwd)
