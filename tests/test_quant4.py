@@ -101,3 +101,32 @@ def test_dynamic_quant_marker_quantizes_as_the_whole_array_rule():
         DynamicQuant(x, "int8", block_size=24).block()
     with pytest.raises(UsageError, match="not int4"):
         DynamicQuant(x, "int4")
+
+
+def test_packed_nibbles_unpack_to_every_4bit_value():
+    """`loop_dtypes.packed_bytes` / `load_nibbles`: all 16 codes of int4 and float4_e2m1fn, even and odd."""
+    from moe_tune.kernels.loop_dtypes import load_nibbles, packed_bytes
+    for dtype, values in (("int4", np.arange(-8, 8)), ("float4_e2m1fn", np.concatenate([E2M1, -E2M1]))):
+        x = jnp.asarray(values.reshape(2, 8), jnp.dtype(dtype))
+        packed = packed_bytes(x)
+        assert packed.dtype == jnp.uint8 and packed.shape == (2, 4)
+        for odd in (False, True):
+            got = np.asarray(load_nibbles(packed, odd, dtype, jnp.float32), np.float64)
+            np.testing.assert_array_equal(got, np.asarray(x.astype(jnp.float32), np.float64)[:, int(odd)::2])
+
+
+def test_tiled_4bit_weights_with_an_odd_width_take_the_unpacked_path():
+    """Weights whose last axis cannot be cut into bytes (n = 5) are converted element by element: the same
+    result as the packed path's, fwd and dlhs."""
+    import moe_tune
+    from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_reference
+    rng = np.random.default_rng(4)
+    x, dout = rng.standard_normal((12, 32)).astype(np.float32), rng.standard_normal((12, 5)).astype(np.float32)
+    w = quantize(rng.standard_normal((2, 32, 5)).astype(np.float32), "int4", axis=1, block_size=16)
+    sizes = [7, 5]
+    f = lambda x: moe_tune.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), backend="tiled")
+    out, vjp = jax.vjp(f, jnp.asarray(x))
+    ref = ragged_dot_reference(x, dequantize_host(w), sizes)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    ref = ragged_dot_dlhs_reference(dout, dequantize_host(w), sizes)
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(dout))[0]), ref, rtol=0, atol=2e-6 * np.abs(ref).max())

@@ -64,6 +64,43 @@ def load(block: jax.Array, dtype, compute, scale: jax.Array | float | None = Non
     return block if scale is None else block.astype(jnp.float32) * scale
 
 
+# 4-bit values (int4, float4_e2m1fn). XLA CPU stores them packed, two a byte along the last axis (the even
+# element in the low nibble), but reads them element by element: a dynamic slice and convert of an int4
+# block inside a loop ran 3x slower than the int8 one (benchmarks/NOTES.md 19). A bitcast of the whole array
+# to its bytes outside the loop is free, so the kernels carry those bytes (`packed_bytes`), slice them, and
+# unpack each loaded block with integer ops (`load_nibbles`): the even and the odd elements as two arrays,
+# which the kernels multiply separately (no interleave of the weights).
+
+
+def packed_bytes(x: jax.Array) -> jax.Array:
+    """4-bit x [..., c] (c even) -> uint8 [..., c/2], the bytes that hold it (element 2j in the low nibble of
+    byte j). A bitcast: free outside a loop."""
+    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint8)
+
+
+def e2m1_to_float32(code: jax.Array) -> jax.Array:
+    """float4_e2m1fn codes (0..15 in any integer dtype) -> float32, exact, from the bits: 1 sign bit, 2
+    exponent bits (bias 1), 1 mantissa bit; exponent 0 is 0 or the subnormal 0.5."""
+    code = code.astype(jnp.uint32)
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    normal = ((exponent + 126) << 23) | (mantissa << 22)  # float32's exponent bias is 127, e2m1's 1
+    bits = jnp.where(exponent == 0, mantissa * (126 << 23), normal) | ((code & 8) << 28)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def load_nibbles(block: jax.Array, odd: bool, dtype, compute, scale: jax.Array | float | None = None) -> jax.Array:
+    """The even (`odd` False) or odd elements of a `packed_bytes` block (uint8 [..., c/2]) of 4-bit `dtype`
+    values, in the `compute` dtype, times `scale` (float32). The bytes are widened to 32 bits first: XLA
+    CPU's shifts and masks on 8-bit lanes ran about 2x slower (NOTES 19)."""
+    word = block.astype(jnp.int32)
+    if jnp.dtype(dtype) == jnp.int4:  # the nibble moved to the top, then sign-extended by an arithmetic shift
+        values = jax.lax.shift_right_arithmetic(jax.lax.shift_left(word, 24 if odd else 28), 28)
+    else:
+        values = e2m1_to_float32((word >> 4) if odd else (word & 0xF))
+    values = values.astype(compute)
+    return values if scale is None else values.astype(jnp.float32) * scale
+
+
 def per_iteration(x: jax.Array, step: jax.Array) -> jax.Array:
     """x, for a loop body that reads blocks of it at iteration `step` (any traced loop variable).
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, packed_bytes, per_iteration
 from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
@@ -97,7 +97,8 @@ def tiled_ragged_dot(
     # `dequantize` applies where the plan says (`QuantPlan.dequantizable`), as the config check asks it
     plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, lhs_quant, transpose_rhs=transpose_rhs).kernel_plan()
     plan = plan.with_dequantize(dequantize)
-    dots = tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype)
+    dots = tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
+    rhs = packed_bytes(rhs) if dots.packed else rhs  # outside the loops: a free bitcast (loop_dtypes)
     product = functools.partial(dlhs_product if transpose_rhs else fwd_product, dots=dots)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))

@@ -2,8 +2,10 @@
 contraction chunk), the scales applied where the direction's plan says (`quant_plan.py`), and the dtypes
 those dots run in on XLA CPU.
 
-Quantized values are converted where a block is loaded (`loop_dtypes.load`): 1-byte and 4-bit weights alike
-(int4 and float4_e2m1fn convert exactly to the dot's dtype). Activations quantized in the kernel (dynamic
+Quantized values are converted where a block is loaded (`loop_dtypes.load`). 4-bit weights are carried as
+their bytes (`loop_dtypes.packed_bytes`, two values a byte along the weights' last axis) and unpacked per
+block (`loop_dtypes.load_nibbles`): the even and the odd columns of the block as two operands, each with its
+own dot (fwd: their outputs interleaved; dlhs: the contraction split, the halves summed). Activations quantized in the kernel (dynamic
 w8a8, `OperandPlan.quantize_to`) are quantized here, per row tile, from the tile itself
 (`quant.quantize_tile`: the same ops as `quantize`, so the result is that of the quantized operand bit for
 bit), and their scales then apply as stored ones would.
@@ -16,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_tune.kernels.loop_dtypes import load
+from moe_tune.kernels.loop_dtypes import load, load_nibbles
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan
 from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk
 from moe_tune.quant import quantize_tile
@@ -59,7 +61,8 @@ _NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
 @dataclasses.dataclass(frozen=True)
 class _TileDots:
     """The static side of one tile's products: the kernel's plan (operand dtypes, where each scale applies),
-    (start, size) of the contraction chunks and column blocks (a dot each), the dots' dtypes, the output's."""
+    (start, size) of the contraction chunks and column blocks (a dot each), the dots' dtypes, the output's;
+    `packed`: the weights are 4-bit values carried as `packed_bytes` along their last axis."""
 
     plan: QuantPlan
     k_blocks: tuple[tuple[int, int], ...]
@@ -67,6 +70,27 @@ class _TileDots:
     operand: jnp.dtype
     acc: jnp.dtype
     out_dtype: jnp.dtype
+    packed: bool = False
+
+    @property
+    def halves(self) -> tuple[int | None, ...]:
+        """The parts of each weight block a dot takes: (None,) the whole block; packed: (0, 1) the even and
+        the odd elements along the weights' last axis."""
+        return (0, 1) if self.packed else (None,)
+
+
+def _weights(w, rows: tuple[int, int], cols: tuple[int, int], half: int | None, dtype, compute, scale):
+    """Block [rows, cols] ((start, size) each) of the weights w in the `compute` dtype, times `scale` (f32)
+    where given; packed (`half` 0 or 1): its even or odd columns, unpacked from the bytes that hold them."""
+    (r0, rb), (c0, cb) = rows, cols
+    if half is None:
+        return load(w[r0:r0 + rb, c0:c0 + cb], dtype, compute, scale)
+    return load_nibbles(w[r0:r0 + rb, c0 // 2:(c0 + cb) // 2], half == 1, dtype, compute, scale)
+
+
+def _part(x: jax.Array, half: int | None) -> jax.Array:
+    """x's columns that meet one part of a weight block (`_TileDots.halves`): all, or every other one."""
+    return x if half is None else x[:, half::2]
 
 
 def fwd_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
@@ -86,20 +110,26 @@ def fwd_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
     x_chunks = [load(x[:, k0:k0 + kb], x_dtype, dots.operand) for k0, kb in dots.k_blocks]  # reused by every column
     blocks = []
     for n0, nb in dots.n_blocks:
-        acc = None
-        for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
-            scale = _scale_rows(ws, b.block, k0, kb)[:, n0:n0 + nb] if b.scale is Apply.DEQUANTIZE else None
-            wb = load(w[k0:k0 + kb, n0:n0 + nb], b.dtype, dots.operand, scale).astype(dots.operand)
-            part = jax.lax.dot_general(xb, wb, _NN, preferred_element_type=dots.acc)
-            if b.scale is Apply.STEP:
-                part = part.astype(jnp.float32) * ws[k0 // b.block, n0:n0 + nb]
-            if a.scale is Apply.STEP:
-                part = part.astype(jnp.float32) * xs[:, k0 // a.block, None]
-            acc = part if acc is None else acc + part
-        if b.scale is Apply.OUTPUT:
-            acc = acc.astype(jnp.float32) * ws[0, n0:n0 + nb]
-        if a.scale is Apply.OUTPUT:
-            acc = acc.astype(jnp.float32) * xs[:, :1]
+        parts = []
+        for half in dots.halves:  # packed 4-bit weights: the even, then the odd columns
+            acc = None
+            for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
+                scale = _scale_rows(ws, b.block, k0, kb)[:, n0:n0 + nb] if b.scale is Apply.DEQUANTIZE else None
+                scale = None if scale is None else _part(scale, half)
+                wb = _weights(w, (k0, kb), (n0, nb), half, b.dtype, dots.operand, scale).astype(dots.operand)
+                part = jax.lax.dot_general(xb, wb, _NN, preferred_element_type=dots.acc)
+                if b.scale is Apply.STEP:
+                    part = part.astype(jnp.float32) * _part(ws[k0 // b.block, None, n0:n0 + nb], half)
+                if a.scale is Apply.STEP:
+                    part = part.astype(jnp.float32) * xs[:, k0 // a.block, None]
+                acc = part if acc is None else acc + part
+            if b.scale is Apply.OUTPUT:
+                acc = acc.astype(jnp.float32) * _part(ws[:1, n0:n0 + nb], half)
+            if a.scale is Apply.OUTPUT:
+                acc = acc.astype(jnp.float32) * xs[:, :1]
+            parts.append(acc)
+        # the even and odd columns interleaved back: a small [rows, nb] output block
+        acc = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(parts[0].shape[0], nb)
         blocks.append((n0, acc.astype(dots.out_dtype)))
     return blocks
 
@@ -115,21 +145,26 @@ def dlhs_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
     for n0, nb in dots.n_blocks:
         acc = None
         for (k0, kb), xb in zip(dots.k_blocks, x_chunks):
-            scale = _scale_rows(ws, b.block, n0, nb)[:, k0:k0 + kb] if b.scale is Apply.DEQUANTIZE else None
-            part = jax.lax.dot_general(xb, load(w[n0:n0 + nb, k0:k0 + kb], b.dtype, dots.operand, scale), _NT,
-                                       preferred_element_type=dots.acc)
-            acc = part if acc is None else acc + part
+            for half in dots.halves:  # packed 4-bit weights: the contraction's even, then odd elements
+                scale = _scale_rows(ws, b.block, n0, nb)[:, k0:k0 + kb] if b.scale is Apply.DEQUANTIZE else None
+                scale = None if scale is None else _part(scale, half)
+                wb = _weights(w, (n0, nb), (k0, kb), half, b.dtype, dots.operand, scale)
+                part = jax.lax.dot_general(_part(xb, half), wb, _NT, preferred_element_type=dots.acc)
+                acc = part if acc is None else acc + part
         blocks.append((n0, acc.astype(dots.out_dtype)))
     return blocks
 
 
-def tile_dots(plan: QuantPlan, *, k: int, n: int, tk: int, tn: int, min_rows: int, out_dtype) -> _TileDots:
+def tile_dots(plan: QuantPlan, *, k: int, n: int, tk: int, tn: int, min_rows: int, out_dtype,
+              transpose_rhs: bool = False) -> _TileDots:
     """A gmm's `_TileDots` (contraction k, n output columns): chunks of tk cut so that none straddles a STEP
     scale block, blocks of tn; dots in float32 where the plan says so, else `cpu_dot_dtypes` (min_rows: the rows
-    of the kernel's smallest tiles)."""
+    of the kernel's smallest tiles). 4-bit weights are `packed` where every block along the weights' last
+    axis (fwd: the columns; dlhs, `transpose_rhs`: the contraction) starts and ends on a byte."""
     f32 = jnp.dtype(jnp.float32)
     operand, acc = (f32, f32) if plan.float32_dots else cpu_dot_dtypes(plan.a.dot_dtype, plan.b.dot_dtype, min_rows)
-    return _TileDots(plan, tuple(_blocks(k, k_chunk(k, tk, *plan.step_blocks))), tuple(_blocks(n, tn)),
-                     operand, acc, out_dtype)
+    k_blocks, n_blocks = tuple(_blocks(k, k_chunk(k, tk, *plan.step_blocks))), tuple(_blocks(n, tn))
+    packed = plan.b.four_bit and all(v % 2 == 0 for block in (k_blocks if transpose_rhs else n_blocks) for v in block)
+    return _TileDots(plan, k_blocks, n_blocks, operand, acc, out_dtype, packed)
 
 
