@@ -220,13 +220,25 @@ class TritonFusedMoe(FusedMoeBackend):
         return None
 
     def shared_memory_bytes(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> int:
-        """Pipelined loads: num_stages copies of the lhs tile and of each weight tile (two with glu), as
-        loaded (1-byte quantized weights stay 1 byte)."""
-        weights = 2 if dims(problem).glu else 1
-        bm, bk, bn = config.block_m, config.block_k, config.block_n
+        """Pipelined loads: num_stages copies of the lhs tile and of each weight tile (two with glu), as loaded
+        (1-byte quantized weights stay 1 byte). Quantized weights add, as the H100 compiler requested them
+        (benchmarks/results/fused_moe_compile_*): per stage and weight tile a row of float32 scales, or
+        where the tile spans several scale blocks its gathered [rows, cols] float32 scales in num_stages - 1
+        buffers; and but for the plain dispatch a conversion buffer of up to bm x max(bk, bn) 16-bit values."""
+        views = 2 if dims(problem).glu else 1
+        bm, bk, bn, stages = config.block_m, config.block_k, config.block_n, config.num_stages
         item = jnp.dtype(problem.dtype).itemsize
-        w_item = 1 if problem.rhs_qdtype else item
-        return config.num_stages * (bm * bk * item + weights * bk * bn * w_item)
+        if not problem.rhs_qdtype:
+            return stages * (bm * bk + views * bk * bn) * item
+        need = stages * (bm * bk * item + views * bk * bn)
+        rows, cols = (bn, bk) if problem.transpose_rhs else (bk, bn)
+        if problem.rhs_qblock == problem.k or problem.rhs_qblock % rows == 0:  # one scale row per tile
+            need += stages * views * cols * 4
+        else:
+            need += (stages - 1) * views * bk * bn * 4
+        if problem.kernel == "gmm_combine" or problem.transpose_rhs:
+            need += bm * max(bk, bn) * 2
+        return need
 
     def default_config(self, problem: FusedMoeProblem) -> FusedTritonConfig:
         d = dims(problem)
