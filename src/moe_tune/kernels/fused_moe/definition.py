@@ -32,6 +32,17 @@ DEFAULT_OPTIONS = {"tokens": 512, "top_k": 8, "k": 2048, "n": 1536, "groups": 12
                    "glu": "silu", "dtype": "float32"}
 
 
+def routed_tokens(group_sizes: np.ndarray, m: int, tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """int32 [m]: the token of each expert-ordered row as a router lays them out: each group's rows hold
+    distinct tokens (a token picks distinct experts) in increasing order; rows past the groups read token 0."""
+    rows = np.zeros(m, np.int32)
+    start = 0
+    for size in np.asarray(group_sizes, np.int64):
+        rows[start:start + size] = np.sort(rng.choice(tokens, size, replace=bool(size > tokens)))
+        start += size
+    return rows
+
+
 class FusedMoeOp(KernelOp):
     name = "fused_moe"
     backends = BACKENDS
@@ -63,7 +74,7 @@ class FusedMoeOp(KernelOp):
         rng = np.random.default_rng(seed)
         p, dtype = problem, jnp.dtype(problem.dtype)
         sizes = distributions.group_sizes(distribution, p.m, p.num_group_sizes, seed)
-        rows = (rng.permutation(p.m) // p.top_k).astype(np.int32) % p.tokens
+        rows = routed_tokens(sizes, p.m, p.tokens, rng)
         _, start, end = local_row_range(sizes, p.m, p.groups)
         rows[end:] = p.tokens + 7
         normal = lambda *shape: rng.standard_normal(shape, np.float32)
