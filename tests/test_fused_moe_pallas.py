@@ -130,25 +130,9 @@ def test_gmm_combine_shard_nan_and_zero_weights_float32(name):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_gmm_combine_transposed_bfloat16(name):
-    """Dispatch's backward: dh [m, n] @ weights^T scatter-added into the tokens (weights 1), every group."""
-    backend, config, _ = BACKENDS[name]
-    rows, sizes = routing(6)
-    norm, offset, _, _ = shard(sizes, 0, TOTAL)
-    rng = np.random.default_rng(7)
-    h, h64 = rounded(rng.standard_normal((M, 2 * F)), "bfloat16")
-    w, w64 = rounded(rng.standard_normal((TOTAL, K, 2 * F)) / 16, "bfloat16")
-    ones = np.ones(M, np.float32)
-    out = backend.gmm_combine(h, w, norm, jnp.asarray(rows), jnp.asarray(ones), tokens=T, config=config,
-                              out_dtype=jnp.bfloat16, group_offset=offset, transpose_rhs=True)
-    assert out.shape == (T, K) and out.dtype == jnp.bfloat16
-    close(out, gmm_combine_reference(h64, w64, sizes, rows, ones, tokens=T, transpose_rhs=True), "bfloat16")
-
-
-@pytest.mark.parametrize("name", BACKENDS)
 def test_quantized_weights(name):
     """int8 per channel into the gated dispatch (float32), float8_e4m3fn in 128-row blocks into the transposed
-    combine (bfloat16, blocks along the output): the dequantized weights' result."""
+    combine (dispatch's backward, bfloat16, scale blocks along its output): the dequantized weights' result."""
     backend, config, _ = BACKENDS[name]
     rows, sizes = routing(8)
     norm, offset, _, _ = shard(sizes, 0, TOTAL)
