@@ -14,7 +14,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.quant import QArray
+from moe_tune.quant import DynamicQuant, QArray
 
 # direction -> (the two operands of its matmul), as the ragged_dot op passes them (`a`, `b`)
 _OPERANDS = {"fwd": ("lhs", "rhs"), "dlhs": ("dout", "rhs"), "drhs": ("lhs", "dout")}
@@ -30,6 +30,9 @@ def _ragged_dot_inputs(problem: RaggedDotProblem, place: Callable) -> dict[str, 
         qdtype = getattr(problem, f"{operand}_qdtype", None)
         if qdtype is None:
             inputs[name] = place(shape, dtype)
+        elif getattr(problem, f"{operand}_qdynamic", False):  # float activations the kernel quantizes (fwd)
+            value = place(shape, dtype)
+            inputs[name] = DynamicQuant(value, qdtype, problem.lhs_qblock) if problem.direction == "fwd" else value
         else:  # scaled along k (axis 1): scale [.., k / qblock, ..] in float32
             block = getattr(problem, f"{operand}_qblock")
             scale = tuple(d // block if i == 1 else d for i, d in enumerate(shape))

@@ -3,7 +3,9 @@
 The TPU backend. Elsewhere it runs in Pallas interpret mode, which is slow and only meant for tests at
 small shapes. Tiling is (tm, tk, tn); block shapes follow the TPU rule that the last two dims of a block
 are multiples of (8 x packing, 128) or span the whole array, and double-buffered blocks must fit in VMEM.
-Quantized operands (QArray) run this package's own kernels, `megablox_quant.py`, with the same tiling.
+Quantized operands (QArray: int8, float8_e4m3fn, and int4 / mxfp4 weights, whose 4-bit blocks are read into
+the kernel) and activations quantized in the kernel (dynamic w8a8) run this package's own kernels,
+`megablox_quant.py`, with the same tiling.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from moe_tune.kernels.pallas_util import interpreted, pad_to, sublanes
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.megablox_quant import quantized_gmm, quantized_tgmm
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.quant_plan import QuantPlan, problem_plan, tgmm_plan
+from moe_tune.kernels.ragged_dot.quant_plan import OperandPlan, QuantPlan, problem_plan, tgmm_plan
 from moe_tune.kernels.ragged_dot.quantized import prepare_gmm, prepare_tgmm
 
 # The package re-exports a custom_vjp `gmm` under the same name as the module, so import the module itself.
@@ -46,6 +48,11 @@ def _scale_bytes(config: MegabloxConfig, plan: QuantPlan) -> int:
     return 2 * 4 * sum(tile(*shape) for shape in plan.scale_blocks(config.tm, config.tk, config.tn))
 
 
+def _stored_bytes(op: OperandPlan) -> float:
+    """Bytes an element of the operand's blocks takes in VMEM: 4-bit values two a byte."""
+    return 0.5 if op.four_bit else jnp.dtype(op.dtype).itemsize
+
+
 def vmem_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     """VMEM the kernel needs: its blocks (`block_bytes`) and what the compiler keeps beside them
     (`compiler_bytes`)."""
@@ -59,11 +66,11 @@ def block_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     plan = problem_plan(problem)
     tm, tk, tn = config.tm, config.tk, config.tn
     if plan.quantized:
-        a, b = (jnp.dtype(op.dtype).itemsize for op in plan.operands)
+        a, b = (_stored_bytes(op) for op in plan.operands)
         out = jnp.dtype(problem.operand_dtypes()[2]).itemsize
         blocks = (tk * tm * a + tm * tn * b + tk * tn * out) if problem.direction == "drhs" else (
             tm * tk * a + tk * tn * b + tm * tn * out)
-        return 2 * blocks + _scale_bytes(config, plan) + (tk if problem.direction == "drhs" else tm) * tn * 4
+        return int(2 * blocks) + _scale_bytes(config, plan) + (tk if problem.direction == "drhs" else tm) * tn * 4
     a, _, out = problem.operand_dtypes()
     in_bytes, out_bytes = jnp.dtype(a).itemsize, jnp.dtype(out).itemsize
     if problem.direction == "drhs":  # tgmm: lhs^T [tk, tm], dout [tm, tn] -> [tk, tn]
@@ -78,7 +85,8 @@ def compiler_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
     reads, masked or converted); a 1-byte block that meets a float one in the dot, converted to that float
     dtype (int8 weights beside float32 activations: four times the block); for the quantized dlhs kernel,
     whose dots run in float32 at full precision on a transposed weight block, that block in float32 and two
-    more float32 copies of the first operand's (its float32 value and the dot's split of it). Per chip (`devices.tpu_vmem_model`): a reserve, and temporaries in float32 where
+    more float32 copies of the first operand's (its float32 value and the dot's split of it). Per chip
+    (`devices.tpu_vmem_model`): a reserve, and temporaries in float32 where
     the chip computes so (v4)."""
     plan = problem_plan(problem)
     tm, tk, tn = config.tm, config.tk, config.tn
@@ -95,9 +103,10 @@ def compiler_bytes(config: MegabloxConfig, problem: RaggedDotProblem) -> int:
 
 def quant_config_error(config: MegabloxConfig, problem: RaggedDotProblem) -> str | None:
     """The quantized kernels' own rules, where the plan runs them (`QuantPlan.quantized`): no ragged
-    contraction tile (their k loop has no remainder mask), and each sub-channel scale block the kernel
+    contraction tile (their k loop has no remainder mask), each sub-channel scale block the kernel
     applies (`QuantPlan.sub_channel_blocks`) a multiple or a divisor of the tile along the forward k (tk;
-    for dlhs tn, which tiles its output, the forward k)."""
+    for dlhs tn, which tiles its output, the forward k), and activations quantized in the kernel whole
+    scale blocks of theirs in tk (their scales come from the tile; one per row: tk = k)."""
     plan = problem_plan(problem)
     if not plan.quantized:
         return None
@@ -108,6 +117,9 @@ def quant_config_error(config: MegabloxConfig, problem: RaggedDotProblem) -> str
     for block in plan.sub_channel_blocks:
         if tile % block and block % tile:
             return f"{name}={tile} must be a multiple of the scale block {block} or divide it"
+    if plan.a.quantize_to and config.tk % plan.a.block:  # its scales come from the tile: whole blocks in it
+        what = f"tk={k}: one scale per row" if plan.a.block == k else f"a multiple of {plan.a.block}"
+        return f"tk={config.tk}: activations quantized in the kernel need the tile to hold their scale blocks ({what})"
     return None
 
 
@@ -115,8 +127,9 @@ class MegabloxRaggedDot(RaggedDotBackend):
     name = "megablox"
     # bump on changes that can change the fastest or a valid config (Backend.revision). 2: the quantized
     # kernels' tile rules apply only where the plan runs them (dlhs with only lhs quantized runs the float gmm).
-    # 3: the VMEM rule counts what the compiler keeps beside the blocks, against the chip's own budget
-    revision = 3
+    # 3: the VMEM rule counts what the compiler keeps beside the blocks, against the chip's own budget.
+    # 4: 4-bit weights (int4, mxfp4) and activations quantized in the kernel (dynamic w8a8), their rules
+    revision = 4
     config_cls = MegabloxConfig
     platforms = ("tpu",)
     description = "Pallas Mosaic TPU gmm (Megablox); interpret mode off TPU"
@@ -132,6 +145,8 @@ class MegabloxRaggedDot(RaggedDotBackend):
         if min(tm, tk, tn) <= 0:
             return "tile sizes must be positive"
         m, k, n = problem.matmul_dims()
+        if problem_plan(problem).a.four_bit:
+            return "4-bit values are weights (rhs) only in megablox"
         if reason := quant_config_error(config, problem):
             return reason
         sub = sublanes(problem_plan(problem).a.dtype)

@@ -1,7 +1,10 @@
 """Quantized Pallas TPU gmm / tgmm for the `megablox` backend (JAX's Megablox kernels refuse int8 / fp8).
 
-The 1-byte values travel into the kernel as they are (int8 or float8_e4m3fn blocks, half or a quarter of
-the bytes of a float block), with their float32 scales as blocks of their own. The schedule is Megablox's:
+The quantized values travel into the kernel as they are (int8 or float8_e4m3fn blocks, half or a quarter of
+the bytes of a float block; int4 and mxfp4 weights 4 bits an element, mxfp4 decoded from its bits in the
+kernel, `tile_quant`), with their float32 scales as blocks of their own. Activations quantized in the kernel
+(dynamic w8a8) arrive as floats; the fwd kernel quantizes each row's scale block of the lhs tile it loads.
+The schedule is Megablox's:
 the visits of `metadata.make_group_metadata` (a row tile shared by two groups is visited once per group)
 arrive by scalar prefetch and pick each step's blocks.
 
@@ -27,8 +30,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from moe_tune.kernels.pallas_util import pad_to
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
-from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan, gmm_plan, tgmm_plan
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, LhsQuant, QuantPlan, gmm_plan, tgmm_plan
 from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk, with_absent_refs
+from moe_tune.kernels.ragged_dot.tile_quant import block_scale, decode_e2m1, quantize_with
 
 
 _NN, _NT = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ()))  # x @ w, x @ w^T
@@ -56,23 +60,47 @@ def _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm: int, shape, axi
     return (rows >= starts[group]) & (rows < ends[group])
 
 
+def _values(ref, rows, cols, dtype: str) -> jax.Array:
+    """ref[rows, cols] ready for `.astype`: e2m1 (mxfp4) codes read as int4 bits and decoded to float32
+    (`tile_quant`: Mosaic before TPU v7 computes on no float4 vector); any other dtype as stored (int4
+    included). The bitcast is of the loaded value: a ref bitcast fails Mosaic's verifier on a block with a
+    squeezed dim ("tpu.memref_bitcast: ranks do not match")."""
+    if dtype == "float4_e2m1fn":
+        return decode_e2m1(pltpu.bitcast(ref[rows, cols], jnp.int4))
+    return ref[rows, cols]
+
+
 def _fwd_accumulate(lhs_ref, lhs_scale_ref, rhs_ref, rhs_scale_ref, acc_ref, k_i, *, plan: QuantPlan, tk, chunk):
     """fwd: acc += x [tm, tk] @ w [tk, tn], a dot per `chunk` of the k tile (a chunk never straddles a scale
-    block), each chunk's dot times its STEP scales."""
-    operand, _ = dot_dtypes(lhs_ref, rhs_ref)
+    block), each chunk's dot times its STEP scales. Activations quantized here (`OperandPlan.quantize_to`,
+    dynamic w8a8): each chunk of x is quantized with its rows' scales over its whole scale block (the tile
+    holds whole blocks, `megablox.quant_config_error`), computed once per block, and the chunk's dot is
+    multiplied by them (for one scale per row the tile is the whole row, a single k step)."""
+    a, b = plan.operands
+    operand, _ = dot_dtypes(*(jax.ShapeDtypeStruct((), op.dot_dtype) for op in plan.operands))
+    row_scales = {}  # dynamic lhs: first column of a scale block in the tile -> its rows' scales [tm, 1]
     for j in range(tk // chunk):
         cols = pl.ds(j * chunk, chunk)
-        x, w = lhs_ref[:, cols].astype(operand), rhs_ref[cols, :].astype(operand)
-        part = _dot(x, w).astype(jnp.float32)
+        x = lhs_ref[:, cols]
+        if a.quantize_to:
+            first = j * chunk // a.block * a.block
+            if first not in row_scales:
+                row_scales[first] = block_scale(lhs_ref[:, pl.ds(first, a.block)].astype(jnp.float32),
+                                                a.quantize_to)
+            x = quantize_with(x.astype(jnp.float32), row_scales[first], a.quantize_to)
+        w = _values(rhs_ref, cols, slice(None), b.dtype)
+        part = _dot(x.astype(operand), w.astype(operand)).astype(jnp.float32)
         k0 = k_i * tk + j * chunk
-        if plan.b.scale is Apply.STEP:
-            part = part * rhs_scale_ref[pl.ds(_div(k0, plan.b.block), 1), :]
-        if plan.a.scale is Apply.STEP:
-            part = part * lhs_scale_ref[:, pl.ds(_div(k0, plan.a.block), 1)]
+        if b.scale is Apply.STEP:
+            part = part * rhs_scale_ref[pl.ds(_div(k0, b.block), 1), :]
+        if a.quantize_to:
+            part = part * row_scales[first]
+        elif a.scale is Apply.STEP:
+            part = part * lhs_scale_ref[:, pl.ds(_div(k0, a.block), 1)]
         acc_ref[...] += part
 
 
-def _dequantized_row_blocks(values_ref, scale_ref, tile_index, tile: int, block: int):
+def _dequantized_row_blocks(values_ref, scale_ref, tile_index, tile: int, block: int, dtype: str):
     """The DEQUANTIZE loop of both gradient kernels: the `tile` rows of `values_ref` (tile `tile_index` of an
     axis scaled in blocks of `block` rows, the forward k: dlhs's weight rows, tgmm's lhs^T rows) in sub-blocks
     of min(tile, block) rows, each within one scale block. Yields (rows: a pl.ds into the tile, float32
@@ -81,7 +109,8 @@ def _dequantized_row_blocks(values_ref, scale_ref, tile_index, tile: int, block:
     for j in range(tile // sub):
         rows = pl.ds(j * sub, sub)
         scale_row = _div(tile_index * tile + j * sub, block)
-        yield rows, values_ref[rows, :].astype(jnp.float32) * scale_ref[pl.ds(scale_row, 1), :]
+        values = _values(values_ref, rows, slice(None), dtype).astype(jnp.float32)
+        yield rows, values * scale_ref[pl.ds(scale_row, 1), :]
 
 
 def _dlhs_accumulate(lhs_ref, rhs_ref, rhs_scale_ref, acc_ref, n_i, *, plan: QuantPlan, tn):
@@ -90,9 +119,9 @@ def _dlhs_accumulate(lhs_ref, rhs_ref, rhs_scale_ref, acc_ref, n_i, *, plan: Qua
     each sub-block of w rows is dequantized before its dot."""
     x = lhs_ref[...].astype(jnp.float32)
     if plan.b.scale is not Apply.DEQUANTIZE:
-        acc_ref[...] += _dot(x, rhs_ref[...].astype(jnp.float32), _NT)
+        acc_ref[...] += _dot(x, _values(rhs_ref, slice(None), slice(None), plan.b.dtype).astype(jnp.float32), _NT)
         return
-    for rows, w in _dequantized_row_blocks(rhs_ref, rhs_scale_ref, n_i, tn, plan.b.block):
+    for rows, w in _dequantized_row_blocks(rhs_ref, rhs_scale_ref, n_i, tn, plan.b.block, plan.b.dtype):
         acc_ref[:, rows] += _dot(x, w, _NT)
 
 
@@ -117,20 +146,22 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, *refs, plan: Quan
         acc = acc_ref[...]
         if plan.b.scale is Apply.OUTPUT:  # one scale per channel / row: once, at the store
             acc = acc * rhs_scale_ref[...]
-        if plan.a.scale is Apply.OUTPUT:
+        if plan.a.scale is Apply.OUTPUT and not plan.a.quantize_to:  # a dynamic lhs's scale: in the k step
             acc = acc * lhs_scale_ref[...]
         keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (tm, tn), 0)
         out_ref[...] = jax.lax.select(keep, acc, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
 
 
 def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, rhs_scale: jax.Array | None,
-                  group_sizes: jax.Array, *, tiling: tuple[int, int, int], out_dtype: jnp.dtype,
-                  group_offset: jax.Array | None, transpose_rhs: bool, interpret: bool) -> jax.Array:
+                  lhs_quant: LhsQuant | None, group_sizes: jax.Array, *, tiling: tuple[int, int, int],
+                  out_dtype: jnp.dtype, group_offset: jax.Array | None, transpose_rhs: bool,
+                  interpret: bool) -> jax.Array:
     """gmm of `quantized.GmmOperands`: lhs [m, k] (float / int8 / fp8) with lhs_scale None or f32 [m, k/bs],
-    rhs [g, k, n] with rhs_scale None or f32 [g, k/bs, n] (transpose_rhs: lhs float, rhs [g, n, k] with
-    rhs_scale None or f32 [g, n/bs, k]). -> [m, n] in out_dtype; rows of no local group are left unwritten
-    (the caller masks them). Needs tk | k; sub-channel blocks a multiple or a divisor of the tile they
-    scale (tk; tn with transpose_rhs), see `megablox.quant_config_error`."""
+    rhs [g, k, n] (int8 / fp8 / int4 / float4_e2m1fn) with rhs_scale None or f32 [g, k/bs, n] (transpose_rhs:
+    lhs float, rhs [g, n, k] with rhs_scale None or f32 [g, n/bs, k]); lhs_quant: a float lhs the kernel
+    quantizes (fwd). -> [m, n] in out_dtype; rows of no local group are left unwritten (the caller masks
+    them). Needs tk | k; sub-channel blocks a multiple or a divisor of the tile they scale (tk; tn with
+    transpose_rhs); a dynamic lhs's blocks whole in tk; see `megablox.quant_config_error`."""
     tm, tk, tn = tiling
     m, k = lhs.shape
     groups = rhs.shape[0]
@@ -139,7 +170,7 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
     lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, tm)
     meta = make_group_metadata(group_sizes, m=lhs.shape[0], tm=tm, groups=groups,
                                group_offset=0 if group_offset is None else group_offset)
-    plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, transpose_rhs=transpose_rhs).kernel_plan()
+    plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, lhs_quant, transpose_rhs=transpose_rhs).kernel_plan()
     chunk = k_chunk(k, tk, *plan.step_blocks)
 
     # Scale blocks span the whole k / bs axis (a few KiB; a block of a few rows would break the TPU's 8-row
@@ -194,10 +225,10 @@ def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_t_ref, scale
         d = jnp.where(_rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, d.shape, 0), d, 0.0)
         keep = _rows_of_group(group_ids, tile_ids, starts, ends, visit, tm, (1, tm), 1)
         if plan.a.scale is not Apply.DEQUANTIZE:  # float32 products (`QuantPlan.float32_dots`)
-            x = jnp.where(keep, lhs_t_ref[...].astype(jnp.float32), 0.0)
+            x = jnp.where(keep, _values(lhs_t_ref, slice(None), slice(None), plan.a.dtype).astype(jnp.float32), 0.0)
             acc_ref[...] += _dot(x, d)
             return
-        for rows, x in _dequantized_row_blocks(lhs_t_ref, scale_t_ref, k_i, tk, plan.a.block):
+        for rows, x in _dequantized_row_blocks(lhs_t_ref, scale_t_ref, k_i, tk, plan.a.block, plan.a.dtype):
             acc_ref[rows, :] += _dot(jnp.where(keep, x, 0.0), d)
 
     @pl.when(last & (visit < num_visits[0]))

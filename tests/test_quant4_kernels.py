@@ -1,0 +1,128 @@
+"""The Pallas ragged_dot kernels (megablox: Mosaic TPU, triton) with 4-bit weights (int4 in blocks, mxfp4) and
+activations quantized in the kernel (dynamic w8a8), in interpret mode against the float64 reference of the
+quantized-then-dequantized operands; the in-kernel quantization arithmetic (`tile_quant`) against
+`moe_tune.quantize` bit for bit; and the refusals, each a one-line reason.
+
+The shapes are tiny (interpret mode), chosen so that the kernels take several k steps, several scale blocks
+per step or several steps per block, and a ragged row tile. The test base (tests/ragged_dot_base/) runs its own
+4-bit and dynamic cases on every backend; these add configs and directions aimed at the kernels' block loops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
+from moe_tune.kernels.ragged_dot.tile_quant import block_scale, decode_e2m1, quantize_with
+from moe_tune.kernels.ragged_dot.triton import TritonConfig
+from moe_tune.quant import DynamicQuant, QArray, dequantize_host, quantize
+
+SIZES = [21, 0, 30, 9]  # an empty group; rows 60..63 past sum(group_sizes)
+M, K, N = 64, 256, 64
+
+
+def _operands(direction: str, rhs_qdtype: str, rhs_block: int | None, lhs_dtype: str, dynamic: tuple | None):
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal((M, K), np.float32), lhs_dtype)
+    rhs = quantize(jnp.asarray(rng.standard_normal((len(SIZES), K, N), np.float32)), rhs_qdtype, axis=1,
+                   block_size=rhs_block)
+    if dynamic is not None:
+        lhs = DynamicQuant(lhs, *dynamic)
+    dout = jnp.asarray(rng.standard_normal((M, N), np.float32), lhs_dtype)
+    return lhs, rhs, dout
+
+
+def _f64(x: Any) -> np.ndarray:
+    if isinstance(x, DynamicQuant):
+        x = x.quantize()
+    return dequantize_host(x) if isinstance(x, QArray) else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _reference(direction: str, lhs: Any, rhs: Any, dout: Any) -> np.ndarray:
+    w = _f64(rhs)
+    rows = np.repeat(np.arange(len(SIZES)), SIZES)
+    out = np.zeros((M, K if direction == "dlhs" else N))
+    for i, g in enumerate(rows):
+        out[i] = _f64(dout)[i] @ w[g].T if direction == "dlhs" else _f64(lhs)[i] @ w[g]
+    return out
+
+
+# (direction, rhs qdtype, rhs block, lhs dtype, dynamic lhs (qdtype, block) or None). The test base runs mxfp4
+# fwd / dlhs, dynamic per row and in blocks of 16 at one k step; these take several.
+CASES = {
+    "fwd_int4_block64_f32": ("fwd", "int4", 64, "float32", None),
+    "dlhs_int4_block64": ("dlhs", "int4", 64, "float32", None),  # dlhs returns the lhs dtype: float32
+    "fwd_dynamic_int8_x_int4_block64": ("fwd", "int4", 64, "bfloat16", ("int8", 64)),
+    "fwd_dynamic_int8_rows_x_int8_channel": ("fwd", "int8", None, "float32", ("int8", None)),
+    "fwd_dynamic_fp8_x_mxfp4": ("fwd", "mxfp4", None, "float32", ("float8_e4m3fn", 128)),
+}
+
+
+def _config(backend: str, direction: str, dynamic: tuple | None):
+    """Several k steps (tk / block_k below K; dlhs: output tiles over the forward k) and row tiles over the
+    groups; activations quantized in the kernel need whole scale blocks in a k step (one per row: the row)."""
+    if backend == "megablox":
+        if direction == "dlhs":  # [m, n] x [n, k]: tk tiles n, tn the forward k
+            return MegabloxConfig(16, N, 128)
+        return MegabloxConfig(16, K if dynamic and dynamic[1] is None else 128, N)
+    return TritonConfig(32, K if dynamic and dynamic[1] is None else (dynamic[1] if dynamic else 64), 64)
+
+
+
+@pytest.mark.parametrize("backend", ["megablox", "triton"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_the_dequantized_reference(backend, case):
+    direction, qdtype, block, dtype, dynamic = CASES[case]
+    lhs, rhs, dout = _operands(direction, qdtype, block, dtype, dynamic)
+    a, b = (dout, rhs) if direction == "dlhs" else (lhs, rhs)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    # float32 out: the products are exact, accumulation float32 (a bfloat16 out would round them)
+    problem = RaggedDotProblem.from_arrays(lhs, rhs, sizes, preferred_element_type="float32", direction=direction)
+    impl = BACKENDS.get(backend)
+    config = _config(backend, direction, dynamic)
+    assert impl.config_error(config, problem) is None
+    out = jax.jit(lambda a, b, s: impl.run(problem, config, a, b, s))(a, b, sizes)
+    ref = _reference(direction, lhs, rhs, dout)
+    got = np.asarray(out, np.float64)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= 2e-6, f"{backend} {case}: max error {err:.3g} x max|ref|"
+    assert not np.any(got[sum(SIZES):]), "rows past sum(group_sizes) are not zero"
+
+
+def test_decode_e2m1_is_the_float4_values():
+    codes = jnp.arange(-8, 8, dtype=jnp.int8).astype(jnp.int4)
+    want = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(decode_e2m1(codes)), want)
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "float8_e4m3fn"])
+def test_tile_quantization_is_quantize_bit_for_bit(qdtype):
+    """A [rows, block] tile quantized as the kernels do equals `quantize` of the whole array's block (values
+    and scales), ties and an all-zero row included."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 64)).astype(np.float32) * 3
+    x[3] = 0.0
+    x[5, :8] = np.arange(8) + 0.5  # exact ties of the rounding, once scaled by 127 / max
+    x[5, 8] = 127.0
+    q = quantize(jnp.asarray(x), qdtype, axis=1, block_size=32)
+    tile_quant = jax.jit(lambda tile: (lambda s: (quantize_with(tile, s, qdtype), s))(block_scale(tile, qdtype)))
+    for j in range(2):
+        values, scale = tile_quant(jnp.asarray(x[:, 32 * j:32 * (j + 1)]))
+        np.testing.assert_array_equal(np.asarray(scale[:, 0]), np.asarray(q.scale[:, j]))
+        np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)),
+                                      np.asarray(q.qvalue[:, 32 * j:32 * (j + 1)].astype(jnp.float32)))
+
+
+def test_refusals_name_the_rule():
+    base = dict(m=256, k=256, n=128, groups=4, lhs_dtype="bfloat16", out_dtype="bfloat16")
+    per_row = RaggedDotProblem(**base, rhs_qdtype="int8", lhs_qdtype="int8", lhs_qdynamic=True)
+    reason = BACKENDS.get("megablox").config_error(MegabloxConfig(16, 128, 128), per_row)
+    assert reason and "one scale per row" in reason
+    reason = BACKENDS.get("triton").config_error(TritonConfig(32, 64, 64), per_row)
+    assert reason and "scale blocks" in reason
