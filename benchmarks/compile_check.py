@@ -5,6 +5,8 @@ they refuse, and the verdicts compared.
     PYTHONPATH=src .venv/bin/python benchmarks/compile_check.py [--targets v5e,h100,...] [--workers 2]
         [--label before] [--cache /tmp/compile_check.jsonl]
     PYTHONPATH=src .venv/bin/python benchmarks/compile_check.py --print OUT.json
+    PYTHONPATH=src .venv/bin/python benchmarks/compile_check.py --targets h100,b200 --ragged-backend mosaic_gpu \
+        --label mosaic_gpu   # JAX's Mosaic GPU ragged kernels: bf16 ragged_dot only (the rest is refused)
 
 Per problem (preset x tokens x kernel x direction x mode) it considers: the default config, the largest config
 the rules keep (the one nearest the chip's limits), `--grid` configs drawn (seeded) from the backend's
@@ -42,7 +44,10 @@ from moe_tune.targets.pool import CompileJob, CompilePool
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "qwen3-235b-a22b")  # k, n: multiples of 128
 TOKENS = (512, 4096)
 QUANT_MODES = {"bf16": None, "int8": {"rhs_quant": "int8"},
-               "fp8/128": {"rhs_quant": "float8_e4m3fn", "quant_block": 128}}
+               "fp8/128": {"rhs_quant": "float8_e4m3fn", "quant_block": 128},
+               # issue 31: 4-bit weights, activations quantized in the kernel (`--modes` picks some)
+               "int4/128": {"rhs_quant": "int4", "quant_block": 128}, "mxfp4": {"rhs_quant": "mxfp4"},
+               "w8a8 dynamic": {"rhs_quant": "int8", "quant_block": 128, "lhs_quant": "int8", "lhs_dynamic": True}}
 GATHER_DTYPES = ("float32", "bfloat16")
 BACKENDS = {"tpu": {"ragged_dot": "megablox", "gather": "pallas_tpu"},
             "gpu": {"ragged_dot": "triton", "gather": "triton"}}
@@ -50,15 +55,24 @@ TARGETS = ("v5e", "h100", "v4", "a100", "v6e", "v5p", "b200")
 RESULTS = Path(__file__).parent / "results"
 
 
+# Backends that serve only the float ragged_dot (their config_error refuses quantized problems, and they have no
+# gather kernels): bf16 ragged_dot problems only.
+RAGGED_ONLY = ("mosaic_gpu",)
+SELECTED_MODES: tuple[str, ...] = ()  # --modes: only these ragged_dot modes (and no gathers); empty: all
+
+
 def problems(platform: str, presets=PRESETS, token_counts=TOKENS) -> list[tuple[str, str, str, object]]:
     """(op, backend, mode, problem) for every kernel of the presets at the token counts."""
     out = []
+    ragged_only = BACKENDS[platform]["ragged_dot"] in RAGGED_ONLY
     for preset, tokens in itertools.product(presets, token_counts):
         for mode, quant in QUANT_MODES.items():
+            if (ragged_only and quant is not None) or (SELECTED_MODES and mode not in SELECTED_MODES):
+                continue
             for case in kernel_problems(get_preset(preset), tokens, quant=quant):
                 if case.op == "ragged_dot":
                     out.append((case.op, BACKENDS[platform]["ragged_dot"], mode, case.problem))
-        for dtype in GATHER_DTYPES:
+        for dtype in () if ragged_only or SELECTED_MODES else GATHER_DTYPES:
             cases = kernel_problems(get_preset(preset), tokens, ep=2, dtype=dtype)
             cases += [c for c in kernel_problems(get_preset(preset), tokens, dtype=dtype) if c.role == "combine"]
             out += [(c.op, BACKENDS[platform]["gather"], dtype, c.problem) for c in cases if c.op != "ragged_dot"]
@@ -138,8 +152,10 @@ def run(targets: list[str], workers: int, grid: int, seed: int, cache_path: Path
             entry = json.loads(line)
             cache[entry["key"]] = entry["result"]
     judged = []
-    with CompilePool(workers=workers, timeout=300) as pool, cache_path.open("a") as out:
+    with cache_path.open("a") as out:
         for name in targets:
+            # one pool per target: a process that compiled Mosaic GPU for sm_90 fails ptxas for sm_100
+            pool = CompilePool(workers=workers, timeout=300)
             rows = plan(name, grid, seed, kept_sample, refused_sample, presets, token_counts)
             todo = [r for r in rows if cache_key(r["job"]) not in cache]
             start = time.time()
@@ -150,7 +166,10 @@ def run(targets: list[str], workers: int, grid: int, seed: int, cache_path: Path
                 out.write(json.dumps({"key": cache_key(job), "result": result.to_dict()}) + "\n")
                 out.flush()
 
-            pool.compile([r["job"] for r in todo], on_result=done)
+            try:
+                pool.compile([r["job"] for r in todo], on_result=done)
+            finally:
+                pool.close()
             print(f"{name}: compiled in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
             for r in rows:
                 job, result = r["job"], cache[cache_key(r["job"])]
@@ -226,6 +245,10 @@ def main() -> None:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--print", dest="print_path", type=Path)
+    parser.add_argument("--ragged-backend", default="triton", choices=["triton", "mosaic_gpu"],
+                        help="the GPU ragged_dot backend to check (mosaic_gpu: bf16 ragged_dot only)")
+    parser.add_argument("--modes", default="", help=f"comma-separated ragged_dot modes of {list(QUANT_MODES)} "
+                        "to check, without the gathers (default: all, and the gathers)")
     parser.add_argument("--rejudge", type=Path, help="a saved run's configs judged by the rules as they are now "
                         "(written under --label)")
     args = parser.parse_args()
@@ -233,6 +256,11 @@ def main() -> None:
         print(render(json.loads(args.print_path.read_text())["judged"]))
         return
     presets, tokens = args.presets.split(","), [int(t) for t in args.tokens.split(",")]
+    BACKENDS["gpu"]["ragged_dot"] = args.ragged_backend
+    global SELECTED_MODES
+    SELECTED_MODES = tuple(m for m in args.modes.split(",") if m)
+    if unknown := [m for m in SELECTED_MODES if m not in QUANT_MODES]:
+        parser.error(f"unknown modes {unknown}; choose from {list(QUANT_MODES)}")
     if args.rejudge:
         saved = json.loads(args.rejudge.read_text())
         judged = rejudge(saved["judged"])

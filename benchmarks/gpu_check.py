@@ -1,5 +1,6 @@
-"""The whole GPU check in one call: the `triton` kernels compiled for real, checked at real MoE sizes,
-swept, and timed: ragged_dot against XLA's ragged dot and a dense bf16 matmul of the same FLOPs; dispatch
+"""The whole GPU check in one call: the `triton` kernels (and, for ragged_dot, `mosaic_gpu`: JAX's Mosaic GPU
+kernels) compiled for real, checked at real MoE sizes, swept, and timed: ragged_dot against XLA's ragged dot
+and a dense bf16 matmul of the same FLOPs, each backend in turn (`--backends`); dispatch
 and combine against the plain-JAX fallback and the device's copy bandwidth measured in the same rounds.
 
     python benchmarks/gpu_check.py                 # on the GPU machine; JSON to $OUT (or --out)
@@ -20,6 +21,10 @@ default re-run under the profiler, time per HLO op from xprof's `hlo_stats` and 
 `kernel_stats` on GPU (the per-op trace events on CPU), largest first; a breakdown that fails is recorded as
 `breakdown_error` and fails the run.
 Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished.
+`winners` (in the JSON, printed at the end): per shape and direction, every ragged_dot backend's tuned time and
+XLA's, and which is fastest: the evidence for the GPU default (`registry.py`; xla until then). A backend that
+cannot run a problem at all (`chip_error`: mosaic_gpu's float32, quantized, and drhs on sm_100) is recorded as
+`skipped` with its reason.
 """
 
 from __future__ import annotations
@@ -59,29 +64,49 @@ QUANT_BLOCK = {"full": 128, "small": 32}
 QUANT_DIRECTIONS = ("fwd", "dlhs")  # drhs reads no weights (it is the float kernel)
 
 
-def _ragged_dot_case(name: str, problem, args, profile_dir: str) -> dict:
-    """Sweep `triton` for one ragged_dot problem and time it against the default, XLA and a dense matmul."""
+def _ragged_dot_case(name: str, problem, args, profile_dir: str, backend: str = "triton") -> dict:
+    """Sweep `backend` for one ragged_dot problem and time it against the default, XLA and a dense matmul."""
     spec = get_op("ragged_dot")
-    case = {"model": name, "shape": problem.key_fields()}
+    case = {"model": name, "backend": backend, "shape": problem.key_fields()}
+    if (reason := spec.backends.get(backend).chip_error(problem)) is not None:
+        case["skipped"] = reason
+        print(f"\n{name} {problem.direction} [{backend}]: skipped: {reason}", flush=True)
+        return case
     started = time.perf_counter()
     try:
-        sweep = run_sweep(SweepRequest.make("ragged_dot", problem, backend="triton", max_candidates=args.max_candidates,
+        sweep = run_sweep(SweepRequest.make("ragged_dot", problem, backend=backend, max_candidates=args.max_candidates,
                                             profile_dir=profile_dir))
         case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
         case["sweep"]["wall_s"] = time.perf_counter() - started
         case["default_error"] = sweep.default.error  # relative error vs the (dequantized) reference
         if problem.quantized:
             case["quantization_error"] = sweep.entry.quantization_error  # vs the unquantized weights
-        compared = bench.compare(problem, "triton", sweep.best.config, samples=args.samples)
+        compared = bench.compare(problem, backend, sweep.best.config, samples=args.samples)
         case.update(compared.to_dict())
-        print(f"\n{name}: {spec.describe(problem)}")
+        print(f"\n{name} [{backend}]: {spec.describe(problem)}")
         print("\n".join(bench.format_comparison(compared)), flush=True)
         case.update(_breakdown(sweep.entry, args))
     except Exception as e:  # noqa: BLE001 - record it and go on to the next case
         case["error"] = f"{type(e).__name__}: {e}"
         case["traceback"] = traceback.format_exc()[-4000:]
-        print(f"\n{name} {problem.direction}: FAILED {case['error'][:300]}", flush=True)
+        print(f"\n{name} {problem.direction} [{backend}]: FAILED {case['error'][:300]}", flush=True)
     return case
+
+
+def _winners(cases: list[dict]) -> list[dict]:
+    """Per (model, direction, quant) of the ragged_dot cases: each backend's tuned time and XLA's (from that
+    backend's run), and the fastest of them."""
+    rows: dict[tuple, dict] = {}
+    for c in cases:
+        if "backend" not in c or "times_s" not in c:
+            continue
+        key = (c["model"], c["shape"]["direction"], c.get("quant", "float"))
+        row = rows.setdefault(key, {"model": key[0], "direction": key[1], "mode": key[2], "times_s": {}})
+        row["times_s"][c["backend"]] = c["times_s"]["tuned"]
+        row["times_s"].setdefault("xla", c["times_s"]["xla"])
+    for row in rows.values():
+        row["fastest"] = min(row["times_s"], key=row["times_s"].get)
+    return list(rows.values())
 
 
 def _breakdown(entry, args) -> dict:
@@ -97,7 +122,8 @@ def _breakdown(entry, args) -> dict:
     return {"breakdown": as_json(found, entry)}
 
 
-def _quant_cases(name: str, shape: dict, directions: list[str], bf16: dict, args, profile_dir: str):
+def _quant_cases(name: str, shape: dict, directions: list[str], bf16: dict, args, profile_dir: str,
+                 backend: str = "triton"):
     """The quantized-weight cases of one shape; each with `vs_bf16`, its tuned time over the bf16 kernel's
     (`bf16`: direction -> that case) measured in the same run."""
     block = QUANT_BLOCK["small" if args.small else "full"]
@@ -105,7 +131,7 @@ def _quant_cases(name: str, shape: dict, directions: list[str], bf16: dict, args
         options = {k: block if k == "quant_block" else v for k, v in QUANT_MODES[mode].items()}
         for direction in (d for d in directions if d in QUANT_DIRECTIONS):
             problem = get_op("ragged_dot").problem(**shape, **options, dtype=args.dtype, direction=direction)
-            case = {"quant": mode, **_ragged_dot_case(name, problem, args, profile_dir)}
+            case = {"quant": mode, **_ragged_dot_case(name, problem, args, profile_dir, backend)}
             float_case = bf16.get(direction, {})
             if "times_s" in case and "times_s" in float_case:
                 case["vs_bf16"] = case["times_s"]["tuned"] / float_case["times_s"]["tuned"]
@@ -150,6 +176,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--breakdown-runs", type=int, default=3, help="profiled runs per config of each breakdown")
     parser.add_argument("--ops", default="ragged_dot," + ",".join(GATHER_OPS))
+    parser.add_argument("--backends", default="triton,mosaic_gpu", help="the ragged_dot backends to sweep and time")
     parser.add_argument("--quant", default=",".join(QUANT_MODES),
                         help=f"quantized weight modes of ragged_dot ({', '.join(QUANT_MODES)}; '' for none)")
     args = parser.parse_args()
@@ -165,13 +192,16 @@ def main() -> int:
     print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as profile_dir:
         for name, shape in (SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
-            directions, bf16 = args.directions.split(","), {}
-            for direction in directions:
-                problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
-                bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir)
-                _record(report, bf16[direction], out_path)
-            for case in _quant_cases(name, shape, directions, bf16, args, profile_dir):
-                _record(report, case, out_path)
+            directions = args.directions.split(",")
+            for backend in args.backends.split(","):
+                bf16 = {}
+                for direction in directions:
+                    problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
+                    bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir, backend)
+                    _record(report, bf16[direction], out_path)
+                for case in _quant_cases(name, shape, directions, bf16, args, profile_dir, backend):
+                    _record(report, case, out_path)
+            report["winners"] = _winners(report["cases"])
         for op in (op for op in GATHER_OPS if op in ops):
             for name, shape in (GATHER_SMALL if args.small else GATHER_SHAPES).items():
                 if (op == "dense_gather_reduce") != (shape["ep"] == 1):
@@ -183,6 +213,10 @@ def main() -> int:
                             "traceback": traceback.format_exc()[-4000:]}
                     print(f"\n{name} {op}: FAILED {case['error'][:300]}", flush=True)
                 _record(report, case, out_path)
+    for row in report.get("winners", []):
+        times = ", ".join(f"{b} {t * 1e3:.3f} ms" for b, t in row["times_s"].items())
+        print(f"{row['model']} {row['direction']} {row['mode']}: {times}; fastest {row['fastest']}")
+    out_path.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {out_path}")
     return 0 if all("error" not in c and "breakdown_error" not in c for c in report["cases"]) else 1
 

@@ -4,7 +4,11 @@ backend: `kernels/README.md`."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from moe_tune.errors import UsageError
+from moe_tune.kernels import backend_choice
 from moe_tune.kernels.gather.definition import DENSE_GATHER_REDUCE, RAGGED_GATHER, RAGGED_GATHER_REDUCE
 from moe_tune.kernels.kernel_op import KernelOp, Resolved
 from moe_tune.kernels.options import ShapeOption
@@ -28,4 +32,14 @@ def get_op(name: str) -> KernelOp:
     return _OPS[name]
 
 
-__all__ = ["KernelOp", "Resolved", "ShapeOption", "get_op", "op_names"]
+@contextlib.contextmanager
+def use_backend(op: str, name: str) -> Iterator[str]:
+    """Calls of `op` traced inside the block that pass no backend run on backend `name` (`moe_mlp`'s kernels,
+    say). Blocks nest; a UsageError (one line) for an unknown op or backend. Read at trace time, as the tables
+    are: a function jitted outside the block keeps the backend it was traced with."""
+    get_op(op).backends.get(name)
+    with backend_choice.choose(op, name):
+        yield name
+
+
+__all__ = ["KernelOp", "Resolved", "ShapeOption", "get_op", "op_names", "use_backend"]

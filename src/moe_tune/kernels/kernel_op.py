@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from moe_tune import devices, profiles
+from moe_tune.kernels import backend_choice
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.guard import chip_guard, guard
 from moe_tune.kernels.options import ShapeOption
@@ -80,12 +81,15 @@ class KernelOp(abc.ABC):
     # -- the runtime side -------------------------------------------------------------------------------------
 
     def backend(self, name: str | Backend | None = None, *, force_fallback: bool = False) -> Backend:
-        """The backend called `name` (an instance is returned as is); None: the platform's default
-        (`devices.platform()`). `force_fallback`: the plain-JAX fallback whatever `name` says."""
+        """The backend called `name` (an instance is returned as is); None: the one a `use_backend` block
+        names for this op, else the platform's default (`devices.platform()`). `force_fallback`: the plain-JAX
+        fallback whatever `name` says."""
         if force_fallback:
             return self.backends.get(self.fallback)
         if isinstance(name, Backend):
             return name
+        if name is None:  # a `use_backend` block's choice, else the platform's default
+            name = backend_choice.current(self.name)
         return self.backends.resolve(name, devices.platform())
 
     def lookup(self, problem: Any, *, backend: str | Backend | None = None, **options: Any) -> profiles.LookupResult:

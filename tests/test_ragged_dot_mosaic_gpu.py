@@ -1,0 +1,152 @@
+"""The `mosaic_gpu` ragged_dot backend: its kernels run in Mosaic GPU's interpreter on this CPU against the
+float64 references (fwd and dlhs; the interpreter cannot run the tgmm kernel, so drhs falls back there:
+`mosaic_gpu.chip_error`), its rules per chip, and `moe_mlp` on it. The real compilers for H100 and B200 are in
+tests/test_real_compilers_mosaic_gpu.py.
+
+The shared backend tests (`TestMosaicGpu`, ~100 tests) run only with MOE_TUNE_MOSAIC_GPU_SUITE=1: the
+interpreter simulates the Hopper kernel's 132 SMs, 1-3 s a call on an idle 2-core machine (and XLA:CPU compiles
+each new shape), far past this file's share of `make test`; the cases below are the ones that matter most."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ragged_dot_base import RaggedDotBackendTests
+from ragged_dot_base.helpers import assert_matches_reference, make_operands
+from test_moe import TOP_K, dense_moe_float64, relative
+
+import moe_tune
+from moe_tune import devices
+from moe_tune.errors import UsageError
+from moe_tune.kernels.ragged_dot import RaggedDotProblem
+from moe_tune.kernels.ragged_dot.mosaic_gpu import MosaicGpuConfig, MosaicGpuRaggedDot
+from moe_tune.targets import get_target
+from moe_tune.targets.compile import acting_as
+
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"  # the custom call a compiled Mosaic GPU kernel lowers to
+
+
+@pytest.mark.skipif(os.environ.get("MOE_TUNE_MOSAIC_GPU_SUITE") != "1",
+                    reason="the interpreted suite takes many minutes: MOE_TUNE_MOSAIC_GPU_SUITE=1 runs it")
+class TestMosaicGpu(RaggedDotBackendTests):
+    backend = "mosaic_gpu"
+    # float32 operands and mixed dtypes go to the fallback (tensor cores take float32 as tf32; the kernels write
+    # their operands' dtype): the parametrized tests run the two 16-bit dtypes the kernels take
+    dtypes = ("bfloat16", "float16")
+    kernel_calls = {"gpu": MOSAIC_GPU_CALL}
+    # The interpreter simulates the Hopper gmm's 132 SMs (1-3 s a call at these shapes): few configs and draws.
+    sampled_configs = 0
+    fixed_case_extras = 0
+    max_examples = 3
+
+    @pytest.fixture
+    def on_chip(self, monkeypatch):
+        """As conftest's, and on `gpu` an H100's device kind: the backend picks its kernel by the GPU's compute
+        capability (an unknown GPU has none)."""
+        def patch(platform: str) -> None:
+            monkeypatch.setattr(devices, "platform", lambda: platform)
+            if platform == "gpu":
+                monkeypatch.setattr(devices, "device_kind", lambda: get_target("h100").device_kind)
+        return patch
+
+    def invalid_configs(self, problem):
+        return [{"block_m": 96}, {"block_n": 32}, {"max_concurrent_steps": 1}, {"collective": True},
+                {"block_n": 256, "block_k": 256, "max_concurrent_steps": 8}]
+
+    def test_lowers_for_its_chip_with_mixed_dtypes(self, on_chip, direction):
+        pytest.skip("mixed dtypes run on the fallback: the Mosaic GPU kernels take one 16-bit dtype")
+
+
+PROBLEM = RaggedDotProblem(2048, 2048, 768, 16, "bfloat16", "bfloat16", "bfloat16")
+
+
+@pytest.mark.parametrize("chip", ["h100", "b200"])
+def test_every_candidate_fits_the_chips_shared_memory(chip):
+    """The space's configs, counted as Mosaic GPU counts shared memory, fit the chip's 227 KiB; the Blackwell
+    space is all 2-CTA (`collective`), the Hopper one has none."""
+    impl = MosaicGpuRaggedDot()
+    with acting_as(get_target(chip)):
+        for direction in ("fwd", "dlhs"):
+            problem = PROBLEM.with_direction(direction)
+            space = impl.search_space(problem)
+            assert len(space) > 20
+            assert all(impl.shared_memory_bytes(c, problem) <= 227 * 1024 for c in space)
+            assert {c.collective for c in space} == ({True} if chip == "b200" else {False})
+
+
+def test_float32_mixed_and_quantized_problems_are_refused_with_the_reason():
+    impl = MosaicGpuRaggedDot()
+    f32 = RaggedDotProblem(64, 64, 64, 2, "float32", "float32", "float32")
+    mixed = RaggedDotProblem(64, 64, 64, 2, "bfloat16", "bfloat16", "float32")
+    quant = RaggedDotProblem(64, 128, 64, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="float8_e4m3fn",
+                             rhs_qblock=128)
+    assert "tf32" in impl.chip_error(f32)
+    assert "write their operands' dtype" in impl.chip_error(mixed)
+    assert "quantized operands are not supported" in impl.chip_error(quant)
+
+
+def test_the_chips_kernel_and_their_refusals():
+    impl = MosaicGpuRaggedDot()
+    drhs = PROBLEM.with_direction("drhs")
+    with acting_as(get_target("b200")):
+        assert "JAX has no tcgen05 transposed ragged dot" in impl.chip_error(drhs)
+        assert "2-CTA" in impl.config_error(MosaicGpuConfig(), PROBLEM)
+    with acting_as(get_target("h100")):
+        assert impl.chip_error(drhs) is None
+        assert "Blackwell's" in impl.config_error(MosaicGpuConfig(collective=True), PROBLEM)
+    with acting_as(get_target("a100")):
+        assert "sm_90" in impl.chip_error(PROBLEM)
+
+
+@pytest.mark.parametrize("m,sizes,shard", [(37, [3, 20, 1, 13], None), (40, [6, 9, 0, 12, 10], (3, 2)),
+                                            (29, [29], None)], ids=["uneven", "shard_with_rows_past_the_sum",
+                                                                    "one_group"])
+def test_forward_in_the_interpreter(m, sizes, shard):
+    """The Hopper gmm in Mosaic GPU's interpreter through the public op: uneven groups with an empty one, an
+    expert-parallel shard (rows rolled to row 0 and back) whose rows past the local groups must be zero, and
+    a single group."""
+    groups = len(sizes) if shard is None else shard[1]
+    lhs, rhs = make_operands(m, 24, 40, groups, "bfloat16", 0)
+    offset = None if shard is None else jnp.int32(shard[0])
+    out = moe_tune.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32), group_offset=offset, backend="mosaic_gpu",
+                              config=MosaicGpuConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2))
+    assert_matches_reference(out, lhs, rhs, sizes, offset=None if shard is None else shard[0], out_dtype="bfloat16")
+
+
+def test_dlhs_in_the_interpreter():
+    """dlhs = dout @ rhs^T per group (rhs transposed by XLA in the interpreter), against float64."""
+    sizes = [10, 0, 17, 9]
+    dout, rhs = make_operands(40, 40, 24, 4, "bfloat16", 1)  # dout [m, n]; rhs^T [g, n, k] read as [g, k, n]
+    impl = MosaicGpuRaggedDot()
+    problem = RaggedDotProblem(40, 24, 40, 4, "bfloat16", "bfloat16", "bfloat16", direction="dlhs")
+    weights = jnp.swapaxes(rhs, 1, 2)  # the forward's rhs [g, k=24, n=40]
+    out = impl.run(problem, impl.default_config(problem), dout, weights, jnp.asarray(sizes, jnp.int32))
+    assert_matches_reference(out, dout, rhs, sizes, offset=None, out_dtype="bfloat16")
+
+
+@pytest.fixture
+def layer():
+    rng = np.random.default_rng(0)
+    tokens, hidden, inner, experts = 8, 16, 16, 2
+    f32 = lambda *shape, scale=1.0: jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+    return (f32(tokens, hidden), f32(tokens, experts), f32(experts, hidden, inner, scale=hidden ** -0.5),
+            f32(experts, hidden, inner, scale=hidden ** -0.5), f32(experts, inner, hidden, scale=inner ** -0.5))
+
+
+def test_moe_mlp_runs_its_ragged_dots_on_the_backend_a_use_backend_block_names(layer, caplog):
+    """`moe_mlp` passes no backend to its three ragged dots: inside `use_backend` they run on mosaic_gpu (here
+    in Mosaic GPU's interpreter), and the layer still equals the float64 dense one. Unfused: the fused layer
+    runs the `fused_moe` op's kernels, which have no mosaic_gpu backend."""
+    caplog.set_level(logging.INFO, logger="moe_tune")
+    with moe_tune.use_backend("ragged_dot", "mosaic_gpu"):
+        out = jax.jit(lambda *a: moe_tune.moe_mlp(*a, TOP_K, fused=False))(*layer)
+    calls = [m for m in caplog.messages if m.startswith("ragged_dot ")]
+    assert len(calls) == 3 and all("backend mosaic_gpu," in m for m in calls), calls
+    assert relative(out, dense_moe_float64(*layer)) < 3e-2
+    with pytest.raises(UsageError, match="unknown backend"), moe_tune.use_backend("ragged_dot", "nope"):
+        pass
