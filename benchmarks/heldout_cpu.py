@@ -1,0 +1,257 @@
+"""Held-out token counts: does the config lookup picks between tuned counts come close to the best there?
+
+    .venv/bin/python benchmarks/heldout_cpu.py [--profile-dir DIR] [--max-candidates 12] [--phase all]
+        [--json OUT] [--text OUT]
+
+Kernels (the issue's "two presets' kernels, fwd, f32 and bf16"; chosen as the presets' smallest fwd ragged_dot
+kernels so that a 2-core CPU can afford it): the `down` projection of qwen3-30b-a3b (k=768, n=2048, 16 groups)
+and of deepseek-v2-lite (k=1408, n=2048, 8 groups) at ep=8, each in float32 and bfloat16, on the CPU backend
+(`tiled`), balanced routing. The token count is the kernel's m (rows: tokens x top_k of the layer).
+
+1. `ladder`: `campaign.ladder` tunes m = 16, 32, ..., 8192 (powers of two) for each kernel, each sweep a grid
+   over `--max-candidates` configs (the default and a seeded spread sample of the backend's space), then times
+   neighbouring winners between their counts and writes the intervals.
+2. `heldout`: 12 counts not on the ladder, drawn log-uniformly in [16, 8192] with a fixed seed; at each, for each
+   kernel, a full sweep (the same budget) finds the best config.
+3. `compare`: at each held-out case, the sweep's best, the config lookup picks (interval), the config nearest in
+   log space picks (what lookup did before intervals) and the default are compiled once and timed interleaved
+   in the same trace rounds (`moe_tune.bench.time_variants`); printed: each one's time over the best's.
+
+Every phase resumes: sweeps write their logs and entries under the profile dir, and a finished sweep (or a
+finished ladder boundary) is not run again, so the script can be rerun after an interruption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe_tune import models
+from moe_tune.kernels import get_op
+
+PRESETS = ("qwen3-30b-a3b", "deepseek-v2-lite")
+DTYPES = ("float32", "bfloat16")
+EP = 8
+LADDER = [2**i for i in range(4, 14)]  # 16 .. 8192
+HELDOUT_SEED = 32
+
+
+SMALL_LADDER = [8, 16]  # --small (tests/test_heldout_benchmark.py): a toy kernel, one held-out count
+
+
+def kernels(small: bool = False) -> list[tuple[str, Any]]:
+    """(label, problem at m=1) of each kernel: the `down` fwd ragged_dot of each preset, per dtype."""
+    if small:
+        from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+
+        return [("toy fwd float32", RaggedDotProblem(m=1, k=64, n=128, groups=2))]
+    found = []
+    for name in PRESETS:
+        for dtype in DTYPES:
+            cases = models.layer_runs(models.get_preset(name), 1, dtype=dtype, ep=EP, direction="fwd")
+            down = next(c for c in cases if c.op == "ragged_dot" and c.role == "down")
+            found.append((f"{name} down fwd {dtype}", down.problem))
+    return found
+
+
+def heldout_counts(n: int = 12, seed: int = HELDOUT_SEED, ladder: list[int] = LADDER) -> list[int]:
+    """`n` distinct counts between the ladder's ends, none on it, drawn log-uniformly with `seed`."""
+    lo, hi = ladder[0], ladder[-1]
+    rng = np.random.default_rng(seed)
+    counts: list[int] = []
+    while len(counts) < n:
+        m = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+        if lo <= m <= hi and m not in ladder and m not in counts:
+            counts.append(m)
+    return sorted(counts)
+
+
+def at(problem: Any, m: int) -> Any:
+    return dataclasses.replace(problem, m=m)
+
+
+def sweep_all(problems: list[Any], settings: Any, share: tuple[int, int] | None = None) -> None:
+    """Sweep every problem not yet complete in the table (a finished sweep is skipped, a started one resumes);
+    `share`: only the I-th of N disjoint shares of them (`--shard`: several processes at once)."""
+    from moe_tune.campaign import engine, runner
+    from moe_tune.campaign.plan import op_cases
+    from moe_tune.tuner import compile_cache
+
+    compile_cache.enable()
+    planned = engine.prepare(op_cases("ragged_dot", problems), settings, share=share)
+    print(f"  {len(planned.todo)} sweeps to run, {len(planned.done)} done", flush=True)
+    for i, outcome in enumerate(runner.run_here(planned.todo, settings)):
+        state = outcome.error or f"{outcome.wall_s:.0f} s"
+        print(f"  swept {get_op('ragged_dot').describe(outcome.sweep.problem)}: {state}", flush=True)
+
+
+def ladder_view(profile_dir: Path, problems: list[Any]) -> Path:
+    """A profile dir holding only the ladder's entries (copied from the sweeps' table) and the intervals measured
+    from them: what lookup answers from, so that the held-out counts' own entries cannot answer themselves."""
+    from moe_tune import devices
+    from moe_tune.profiles import dirs
+    from moe_tune.profiles.key import entry_key
+    from moe_tune.profiles.table import read_table, update_table
+
+    view = profile_dir / "ladder_view"
+    source = read_table(dirs.table_path(profile_dir, devices.device_kind(), "ragged_dot"))["entries"]
+    keys = {entry_key("ragged_dot", p, "tiled", "balanced") for p in problems}
+    update_table(dirs.table_path(view, devices.device_kind(), "ragged_dot"), "ragged_dot", devices.device_kind(),
+                 lambda t: t["entries"].update({k: source[k] for k in keys if k in source}))
+    return view
+
+
+def measure_ladders(view: Path, problems: list[Any], settings: Any) -> list[dict[str, Any]]:
+    """Every kernel's ladder boundaries, measured (or reused) into `view`; returns the intervals."""
+    from moe_tune import devices
+    from moe_tune.campaign import ladder
+    from moe_tune.campaign.plan import plan, op_cases
+
+    planned = plan(op_cases("ragged_dot", problems), platform=devices.platform(), distribution="balanced")
+    found = []
+    for one in ladder.ladders(planned, "balanced"):
+        print(f"ladder {one.label()}", flush=True)
+        outcome = ladder.measure(one, dataclasses.replace(settings, profile_dir=view), devices.device_kind(),
+                                 on_boundary=lambda text: print(f"  {text}", flush=True))
+        print(f"  {outcome.measured} boundaries measured, {outcome.reused} reused", flush=True)
+        found += outcome.intervals
+    return found
+
+
+def pick(view: Path, problem: Any) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(the config lookup picks from the ladder view, the config nearest in log space picks, lookup's source)."""
+    from moe_tune import devices
+    from moe_tune.profiles import dirs, use_profiles
+    from moe_tune.profiles.table import read_table
+
+    with use_profiles(view):
+        found = get_op("ragged_dot").lookup(problem, backend="tiled", distribution="balanced")
+    entries = read_table(dirs.table_path(view, devices.device_kind(), "ragged_dot"))["entries"].values()
+    family = {k: v for k, v in problem.key_fields().items() if k != "m"}
+    same = [e for e in entries if {k: v for k, v in e["fields"].items() if k not in ("m", "backend", "distribution")}
+            == family]
+    nearest = min(same, key=lambda e: abs(math.log(e["fields"]["m"] / problem.m)))
+    return found.config.to_dict(), dict(nearest["config"]), f"{found.source} ({found.path})"
+
+
+def compare(profile_dir: Path, view: Path, label: str, problem: Any, samples: int) -> dict[str, Any]:
+    """One held-out case: the full sweep's best, lookup's pick, nearest's pick and the default, timed
+    interleaved (each distinct config once)."""
+    from moe_tune import devices
+    from moe_tune.profiles import dirs
+    from moe_tune.profiles.key import entry_key
+    from moe_tune.profiles.table import read_table
+    from moe_tune.tuner.crossover import time_side_by_side
+
+    entry = read_table(dirs.table_path(profile_dir, devices.device_kind(), "ragged_dot"))["entries"][
+        entry_key("ragged_dot", problem, "tiled", "balanced")]
+    interval, nearest, source = pick(view, problem)
+    default = get_op("ragged_dot").backends.get("tiled").default_config(problem).to_dict()
+    chosen = {"best": dict(entry["config"]), "lookup": interval, "nearest": nearest, "default": default}
+    distinct: dict[str, dict[str, Any]] = {}
+    for name, config in chosen.items():
+        distinct.setdefault(json.dumps(config, sort_keys=True), config)
+    labels = {key: f"c{i}" for i, key in enumerate(distinct)}
+    timed = time_side_by_side("ragged_dot", "tiled", problem, {labels[k]: c for k, c in distinct.items()},
+                              distribution="balanced", samples=samples)
+    times = {name: timed.median_s.get(labels[json.dumps(c, sort_keys=True)]) for name, c in chosen.items()}
+    best = times["best"]
+    return {"kernel": label, "m": problem.m, "configs": chosen, "lookup_source": source, "times_s": times,
+            "ratio": {name: (t / best if t and best else None) for name, t in times.items()},
+            "spread": timed.spread, "unusable": timed.unusable, "method": timed.method, "samples": samples}
+
+
+def summary(results: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for name in ("lookup", "nearest", "default"):
+        ratios = [r["ratio"][name] for r in results if r["ratio"].get(name) is not None]
+        if ratios:
+            lines.append(f"{name:>8} / best over {len(ratios)} cases: median {statistics.median(ratios):.3f}x, "
+                         f"worst {max(ratios):.3f}x, within 1.05x: {sum(r <= 1.05 for r in ratios)}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile-dir", type=Path,
+                        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-tune-heldout")
+    parser.add_argument("--max-candidates", type=int, default=12)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=7, help="samples of the side-by-side comparison")
+    parser.add_argument("--phase", choices=["sweeps", "ladder", "compare", "all"], default="all",
+                        help="compare: only the side-by-side timings, from the intervals measured before")
+    parser.add_argument("--small", action="store_true", help="a toy run: one tiny kernel, ladder 8, 16, one count")
+    parser.add_argument("--counts", default=None, help="compare only these held-out counts (comma-separated)")
+    parser.add_argument("--json", type=Path, default=None, help="the results (also read back to resume)")
+    parser.add_argument("--text", type=Path, default=None, help="also write the printed summary here")
+    parser.add_argument("--shard", default=None, metavar="I/N", help="sweeps phase: the I-th of N shares")
+    args = parser.parse_args()
+
+    from moe_tune.tuner import SweepSettings
+
+    settings = SweepSettings(profile_dir=args.profile_dir, max_candidates=args.max_candidates, workers=args.workers)
+    ladder = SMALL_LADDER if args.small else LADDER
+    held = heldout_counts(1, ladder=ladder) if args.small else heldout_counts()
+    print(f"held-out counts: {held}", flush=True)
+    if args.phase in ("sweeps", "all"):
+        from moe_tune.campaign.plan import parse_shard
+
+        share = parse_shard(args.shard) if args.shard else None
+        sweep_all([at(p, m) for _, p in kernels(args.small) for m in ladder + held], settings, share)
+    if args.phase == "sweeps":
+        return 0
+    rungs = [at(p, m) for _, p in kernels(args.small) for m in ladder]
+    view = ladder_view(args.profile_dir, rungs)
+    intervals = measure_ladders(view, rungs, settings) if args.phase != "compare" else []
+    if args.phase == "ladder":
+        return 0
+    done = json.loads(args.json.read_text())["results"] if args.json is not None and args.json.exists() else []
+    seen = {(r["kernel"], r["m"]) for r in done}
+    results = list(done)
+    wanted = [int(c) for c in args.counts.split(",")] if args.counts else held
+    # smallest counts first, every kernel at each: an interrupted run has covered all kernels evenly
+    for m in sorted(wanted):
+        for label, problem in kernels(args.small):
+            if (label, m) in seen:
+                continue
+            result = compare(args.profile_dir, view, label, at(problem, m), args.samples)
+            r = {k: "n/a" if v is None else f"{v:.3f}x" for k, v in result["ratio"].items()}
+            print(f"{label} m={m}: lookup {r['lookup']}, nearest {r['nearest']}, default {r['default']} the best "
+                  f"({result['lookup_source'].split(' (')[0]}){' unusable: ' if result['unusable'] else ''}"
+                  f"{result['unusable'] or ''}", flush=True)
+            results.append(result)
+            if args.json is not None:
+                _write(args.json, results, intervals, held, args)
+    lines = summary(results)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    lines.append(f"load: {load}")
+    print("\n".join(lines))
+    if args.json is not None:
+        _write(args.json, results, intervals, held, args)
+    if args.text is not None:
+        args.text.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def _write(path: Path, results: list[dict[str, Any]], intervals: list[dict[str, Any]], held: list[int],
+           args: argparse.Namespace) -> None:
+    payload = {"heldout_counts": held, "ladder": SMALL_LADDER if args.small else LADDER, "max_candidates": args.max_candidates,
+               "samples": args.samples, "intervals": [{k: r[k] for k in ("key", "lo", "hi", "config")}
+                                                      for r in intervals],
+               "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
