@@ -1,15 +1,13 @@
 """The fused MoE Pallas kernels (`fused_moe` backends `pallas_tpu` and `triton`) in interpret mode against the
-float64 references, at small shapes: float32 and bfloat16, every kernel form (gather_gmm with and without the
-glu epilogue, transposed for combine's backward; gmm_combine, transposed for dispatch's backward), an
-expert-parallel shard (group_offset) with an empty local group and rows no group owns, NaN rows outside the
-shard, skip_zero_weights, int8 and float8 weights; their lowering for the chip (one kernel call); their
-validity rules.
+float64 references, at small shapes. Each inherits the backend base (tests/fused_moe_base.py: both kernels in
+both directions, the glu epilogue, expert-parallel shards with NaN rows outside, bfloat16, int8 weights, the
+zero-weight rules); beside it: a shard at group_offset 1 with an empty local group, float8 weights in blocks
+along the transposed output, the lowering for the chip (one kernel call), the validity rules.
 
 Routing is a real top-k routing (distinct experts per token): Triton's interpret mode emulates atomics with a
 scatter that keeps one of several adds to one address inside a program (see kernels/fused_moe/triton.py).
 The compilers' verdicts on the rules are tests/test_fused_moe_compile.py.
 """
-
 from __future__ import annotations
 
 import jax
@@ -23,6 +21,7 @@ from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combi
 from moe_tune.kernels.fused_moe.triton import FusedTritonConfig, TritonFusedMoe
 from moe_tune.kernels.ragged_dot.metadata import select_shard
 from moe_tune.quant import dequantize_host, quantize
+from fused_moe_base import FusedMoeBackendTests
 from ragged_dot_base.lowering import assert_one_kernel_call, export_for
 
 T, TOP_K, TOTAL = 16, 2, 4  # tokens, experts per token, experts
@@ -34,6 +33,26 @@ BACKENDS = {
     "triton": (TritonFusedMoe(), FusedTritonConfig(block_m=16, block_k=32, block_n=32), "gpu"),
 }
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+
+
+class TestPallasTpuFused(FusedMoeBackendTests):
+    """The base's cases (both kernels, both directions, glu, shards, bfloat16, int8 weights) in interpret mode."""
+
+    backend = "pallas_tpu"
+    max_configs = 1  # interpret mode compiles slowly; the search space's rules are test_rules' and the compilers'
+
+    def invalid_configs(self, problem):
+        return [FusedPallasTpuConfig(tm=12), FusedPallasTpuConfig(tm=32, tk=96), FusedPallasTpuConfig(tm=32, tn=256),
+                FusedPallasTpuConfig(tm=32, tk=128, tn=128, dmas_in_flight=0)]
+
+
+class TestTritonFused(FusedMoeBackendTests):
+    backend = "triton"
+    max_configs = 1
+
+    def invalid_configs(self, problem):
+        return [FusedTritonConfig(block_m=48), FusedTritonConfig(block_m=16, block_k=256),
+                FusedTritonConfig(block_m=16, num_warps=3), FusedTritonConfig(block_m=16, num_stages=0)]
 
 
 def routing(seed: int, *, experts=range(TOTAL), dropped: int = 0):
@@ -87,26 +106,9 @@ def test_gather_gmm_shard_glu_float32(name):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_gather_gmm_transposed_bfloat16(name):
-    """Combine's backward: dout [tokens, n] read through rows, weights [g, k, n] read transposed; the last
-    rows belong to no group."""
-    backend, config, _ = BACKENDS[name]
-    rows, sizes = routing(2, dropped=3)
-    norm, offset, _, end = shard(sizes, 0, TOTAL)
-    rng = np.random.default_rng(3)
-    x, x64 = rounded(rng.standard_normal((T, 2 * F)), "bfloat16")
-    w, w64 = rounded(rng.standard_normal((TOTAL, K, 2 * F)) / 16, "bfloat16")
-    out = backend.gather_gmm(x, jnp.asarray(rows), w, norm, config=config, out_dtype=jnp.bfloat16,
-                             group_offset=offset, transpose_rhs=True)
-    assert out.shape == (M, K) and out.dtype == jnp.bfloat16
-    close(out, gather_gmm_reference(x64, rows, w64, sizes, transpose_rhs=True), "bfloat16")
-    assert end == M - 3 and np.all(np.asarray(out[end:], np.float32) == 0)
-
-
-@pytest.mark.parametrize("name", BACKENDS)
 def test_gmm_combine_shard_nan_and_zero_weights_float32(name):
-    """h rows outside the shard are NaN and never read; a local row of weight 0 whose h is NaN makes its
-    token NaN (0 x NaN) unless skip_zero_weights drops it."""
+    """Local groups 1..2 of 4, group 2 empty: h rows outside the shard are NaN and never read; a local row of
+    weight 0 whose h is NaN is dropped by skip_zero_weights (the base checks the 0 x NaN = NaN side)."""
     backend, config, _ = BACKENDS[name]
     rows, sizes = routing(4, experts=(0, 1, 3))
     norm, offset, start, end = shard(sizes, 1, 2)
@@ -118,31 +120,22 @@ def test_gmm_combine_shard_nan_and_zero_weights_float32(name):
     weights[start + 1] = 0.0
     h, h64 = rounded(h, "float32")
     w, w64 = rounded(rng.standard_normal((2, F, K)) / 16, "float32")
-    for skip in (True, False):
-        out = backend.gmm_combine(h, w, norm, jnp.asarray(rows), jnp.asarray(weights), tokens=T, config=config,
-                                  out_dtype=jnp.float32, group_offset=offset, skip_zero_weights=skip)
-        ref = gmm_combine_reference(h64, w64, sizes, rows, weights, tokens=T, group_offset=1, skip_zero_weights=skip)
-        assert out.shape == (T, K)
-        nan_rows = np.isnan(ref).any(axis=1)
-        assert nan_rows.sum() == (0 if skip else 1)
-        np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(axis=1), nan_rows)
-        close(np.asarray(out)[~nan_rows], ref[~nan_rows], "float32")
+    out = backend.gmm_combine(h, w, norm, jnp.asarray(rows), jnp.asarray(weights), tokens=T, config=config,
+                              out_dtype=jnp.float32, group_offset=offset, skip_zero_weights=True)
+    ref = gmm_combine_reference(h64, w64, sizes, rows, weights, tokens=T, group_offset=1, skip_zero_weights=True)
+    assert out.shape == (T, K) and np.isfinite(ref).all()
+    close(out, ref, "float32")
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_quantized_weights(name):
-    """int8 per channel into the gated dispatch (float32), float8_e4m3fn in 128-row blocks into the transposed
-    combine (dispatch's backward, bfloat16, scale blocks along its output): the dequantized weights' result."""
+def test_float8_block_weights_transposed_bfloat16(name):
+    """float8_e4m3fn weights in 128-row blocks into the transposed combine (dispatch's backward, bfloat16,
+    scale blocks along its output): the dequantized weights' result (the base runs int8 per channel)."""
     backend, config, _ = BACKENDS[name]
     rows, sizes = routing(8)
     norm, offset, _, _ = shard(sizes, 0, TOTAL)
     rng = np.random.default_rng(9)
     w = rng.standard_normal((TOTAL, K, 2 * F)) / 16
-    q = quantize(jnp.asarray(w, jnp.float32), "int8", axis=1)
-    x, x64 = rounded(rng.standard_normal((T, K)), "float32")
-    out = backend.gather_gmm(x, jnp.asarray(rows), q, norm, config=config, out_dtype=jnp.float32,
-                             group_offset=offset, glu="silu")
-    close(out, gather_gmm_reference(x64, rows, dequantize_host(q), sizes, glu="silu"), "float32")
     q = quantize(jnp.asarray(w, jnp.float32), "float8_e4m3fn", axis=1, block_size=128)
     h, h64 = rounded(rng.standard_normal((M, 2 * F)), "bfloat16")
     weights = rng.random(M).astype(np.float32)

@@ -243,7 +243,8 @@ class TritonFusedMoe(FusedMoeBackend):
     def default_config(self, problem: FusedMoeProblem) -> FusedTritonConfig:
         d = dims(problem)
         pick = lambda want, size: max([b for b in BLOCKS if b <= want and size % b == 0], default=16)
-        return FusedTritonConfig(block_m=64, block_k=pick(32, d.kc), block_n=pick(64, d.n_out), num_warps=4,
+        block_m = min(64, max(16, 1 << (problem.m - 1).bit_length()))  # no taller than the rows
+        return FusedTritonConfig(block_m=block_m, block_k=pick(32, d.kc), block_n=pick(64, d.n_out), num_warps=4,
                                  num_stages=2)
 
     def candidate_values(self, problem: FusedMoeProblem) -> dict[str, list[int]]:
