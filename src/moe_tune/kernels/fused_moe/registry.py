@@ -9,7 +9,8 @@ from moe_tune.kernels.fused_moe.triton import TritonFusedMoe
 # The plain-JAX backend every fallback (version guard, can't-run) goes to.
 FALLBACK = "jax"
 
-# GPU and TPU stay on the plain path until their kernels are registered (and, for GPU, measured on a real GPU).
-BACKENDS = BackendRegistry("fused_moe", platform_defaults={"cpu": "tiled", "gpu": "jax", "tpu": "jax"})
+# TPU runs the Pallas Mosaic kernels (interpret-mode correct, compiled for v5e; not yet run on a TPU), like the
+# gathers and ragged_dot; GPU stays on the plain path until the triton kernels are measured on a real GPU.
+BACKENDS = BackendRegistry("fused_moe", platform_defaults={"cpu": "tiled", "gpu": "jax", "tpu": "pallas_tpu"})
 for _backend in (PlainFusedMoe(), TiledFusedMoe(), PallasTpuFusedMoe(), TritonFusedMoe()):
     BACKENDS.register(_backend)
