@@ -130,3 +130,41 @@ def test_tiled_4bit_weights_with_an_odd_width_take_the_unpacked_path():
     np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
     ref = ragged_dot_dlhs_reference(dout, dequantize_host(w), sizes)
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(dout))[0]), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_a_4bit_dynamic_w8a8_sweep_through_the_cli_is_found_by_the_runtime(isolated_profiles):
+    """`sweep --rhs-quant int4 --quant-block 16 --lhs-quant int8 --lhs-dynamic`: the key gains the fields
+    (lhs_qdynamic only here), the entry records the quantization error, the report names the mode, and the op
+    called with `lhs_quant="int8"` on int4/16 weights finds the entry; mxfp4 on a k that is not a multiple of
+    32 is a one-line error naming the rule."""
+    import json
+
+    from click.testing import CliRunner
+
+    import moe_tune
+    from moe_tune.cli import cli
+    from moe_tune.kernels import get_op
+    from moe_tune.kernels.ragged_dot import RaggedDotProblem
+    from moe_tune.profiles.entry import Entry
+
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    shape = ["--m", "32", "--k", "64", "--n", "16", "--groups", "4"]
+    quant = ["--rhs-quant", "int4", "--quant-block", "16", "--lhs-quant", "int8", "--lhs-dynamic"]
+    result = run("sweep", *shape, *quant, "--direction", "fwd", "--backend", "tiled", "--max-candidates", "2", "--samples", "1",
+                 "--workers", "1")
+    assert result.exit_code == 0, result.output
+    (key, data), = json.loads((isolated_profiles / "cpu" / "ragged_dot.json").read_text())["entries"].items()
+    entry = Entry.from_json(data)
+    assert {k: entry.fields[k] for k in ("lhs_qdtype", "lhs_qblock", "lhs_qdynamic", "rhs_qdtype", "rhs_qblock")} == {
+        "lhs_qdtype": "int8", "lhs_qblock": 16, "lhs_qdynamic": True, "rhs_qdtype": "int4", "rhs_qblock": 16}
+    assert entry.fields["lhs_dtype"] == "float32" and 0 < entry.quantization_error < 0.2
+    assert "lhs int8/16 dynamic rhs int4/16" in run("report", "--format", "csv").output
+    rng = np.random.default_rng(0)
+    x, sizes = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32), jnp.asarray([8] * 4, jnp.int32)
+    w = quantize(jnp.asarray(rng.standard_normal((4, 64, 16)), jnp.float32), "int4", axis=1, block_size=16)
+    problem = RaggedDotProblem.from_arrays(DynamicQuant(x, "int8", 16), w, sizes)
+    assert get_op("ragged_dot").lookup(problem, backend="tiled").source == "exact"
+    assert moe_tune.ragged_dot(x, w, sizes, lhs_quant="int8").shape == (32, 16)
+    bad = run("sweep", "--m", "32", "--k", "48", "--n", "16", "--groups", "4", "--rhs-quant", "mxfp4")
+    assert bad.exit_code != 0 and "mxfp4 quantizes blocks of 32 along k" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1, bad.output

@@ -109,6 +109,7 @@ def layer_runs(preset: ModelPreset, tokens: int, *, dtype: str, ep: int = 1, qua
                          f"not {direction!r}")
     quant = quant or {}
     constant = {d for d, side in (("drhs", "rhs_quant"), ("dlhs", "lhs_quant")) if quant.get(side) is not None}
+    constant -= {"dlhs"} if quant.get("lhs_dynamic") else set()  # activations quantized in the kernel: float x
     wanted = {"fwd"} if direction == "fwd" else set(get_op("ragged_dot").directions) - constant
     cases = [c for c in kernel_problems(preset, tokens, ep=ep, dtype=dtype, quant=quant)
              if c.op != "ragged_dot" or c.problem.direction in wanted]

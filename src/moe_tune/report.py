@@ -83,16 +83,20 @@ def shape_label(fields: dict[str, Any]) -> str:
     """`m=4096 k=1024 n=1024 groups=8`: the key fields that are sizes (not direction, dtypes, backend,
     quantization...)."""
     return " ".join(f"{k}={v}" for k, v in fields.items()
-                    if k not in _NOT_SHAPE and not k.endswith("dtype") and not k.endswith("qblock"))
+                    if k not in _NOT_SHAPE and not k.endswith(("dtype", "qblock", "qdynamic")))
 
 
 def _quantized(fields: dict[str, Any], side: str) -> str | None:
-    """`int8/128`: a quantized operand's stored dtype, with its scale block when it is not all of k; None for a
+    """`int8/128`: a quantized operand's stored dtype, with its scale block when it is not all of k (`mxfp4`
+    for float4_e2m1fn in its blocks of 32); ` dynamic` after activations the kernel quantizes; None for a
     float operand."""
     qdtype, block = fields.get(f"{side}_qdtype"), fields.get(f"{side}_qblock")
     if qdtype is None:
         return None
-    return f"{qdtype}/{block}" if block not in (None, fields.get("k")) else str(qdtype)
+    dynamic = " dynamic" if fields.get(f"{side}_qdynamic") else ""
+    if qdtype == "float4_e2m1fn" and block == 32:
+        return "mxfp4" + dynamic
+    return (f"{qdtype}/{block}" if block not in (None, fields.get("k")) else str(qdtype)) + dynamic
 
 
 def quant_label(fields: dict[str, Any]) -> str:

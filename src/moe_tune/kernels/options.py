@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
-from moe_tune.quant import QDTYPES
+from moe_tune.quant import FOUR_BIT, QDTYPES, QUANT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +56,19 @@ M = ShapeOption("m", int, "ragged_dot: rows of lhs (tokens x top_k on this shard
 K = ShapeOption("k", int, "ragged_dot: contracting dim (hidden size for gate/up).", listable=True)
 N = ShapeOption("n", int, "ragged_dot: output dim (expert width for gate/up).", listable=True)
 GROUPS = ShapeOption("groups", int, "ragged_dot: experts on this shard.", aliases=("--g",), listable=True)
-RHS_QUANT = ShapeOption("rhs_quant", QDTYPES, "ragged_dot: quantize the weights (rhs) to this dtype, one scale per "
-                        "channel (or per --quant-block along k); its key gains the quantization fields.")
-LHS_QUANT = ShapeOption("lhs_quant", QDTYPES, "ragged_dot: quantize the activations (lhs) too (w8a8), one scale per "
-                        "row (or per --quant-block along k).")
+RHS_QUANT = ShapeOption("rhs_quant", QUANT_NAMES, "ragged_dot: quantize the weights (rhs) to this dtype, one scale "
+                        "per channel (or per --quant-block along k; int4 usually 128; mxfp4: blocks of 32, OCP MX); "
+                        "its key gains the quantization fields.")
+LHS_QUANT = ShapeOption("lhs_quant", tuple(q for q in QDTYPES if q not in FOUR_BIT),
+                        "ragged_dot: quantize the activations (lhs) too (w8a8), one scale per row (or per "
+                        "--quant-block along k).")
+LHS_DYNAMIC = ShapeOption("lhs_dynamic", bool, "ragged_dot: with --lhs-quant, the kernel quantizes the float "
+                          "activations where it loads each tile (dynamic w8a8: scales from the tile, per row and "
+                          "block: --quant-block, else the weights' block) instead of reading quantized ones.",
+                          negative_flag="--lhs-stored")
 QUANT_BLOCK = ShapeOption("quant_block", int, "ragged_dot: elements along k sharing one scale (sub-channel; "
                           "default: all of k) for the quantized operands.")
-QUANT = (RHS_QUANT, LHS_QUANT, QUANT_BLOCK)
+QUANT = (RHS_QUANT, LHS_QUANT, QUANT_BLOCK, LHS_DYNAMIC)
 
 # the gather ops
 TOKENS = ShapeOption("tokens", int, "gather ops: tokens in the batch; with --model, comma-separated counts per "

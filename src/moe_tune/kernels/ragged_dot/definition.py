@@ -22,7 +22,7 @@ from moe_tune.kernels.ragged_dot.reference import (
 )
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
 from moe_tune.kernels.kernel_op import KernelOp, relative_error
-from moe_tune.quant import QArray, dequantize_host, quantize
+from moe_tune.quant import DynamicQuant, QArray, dequantize_host, qdtype_name, quantize
 
 # Above this many FLOPs an accelerator's reference runs on the device (float32, highest precision) instead
 # of in float64 NumPy on the host, which would take minutes at real model sizes.
@@ -48,21 +48,30 @@ class RaggedDotOp(KernelOp):
     def problem(
         self, *, m: int, k: int, n: int, groups: int, dtype: str = "float32", out_dtype: str | None = None,
         direction: str = "fwd", rhs_quant: str | None = None, lhs_quant: str | None = None,
-        quant_block: int | None = None, **_: Any,
+        quant_block: int | None = None, lhs_dynamic: bool | None = None, **_: Any,
     ) -> RaggedDotProblem:
         """`dtype`: of the float operands (a quantized one counts as float32, what it dequantizes to, as
         `RaggedDotProblem.from_arrays` says) and of the output unless `out_dtype`. `rhs_quant` / `lhs_quant`:
-        quantize that operand (int8, float8_e4m3fn) with `quant_block` elements along k per scale (None:
-        one scale per channel / row)."""
+        quantize that operand (int8, float8_e4m3fn; rhs also int4, mxfp4) with `quant_block` elements along k
+        per scale (None: one scale per channel / row; mxfp4: 32). `lhs_dynamic`: the kernel quantizes the
+        float activations tile by tile (`moe_tune.ragged_dot(..., lhs_quant=...)`), in `quant_block`s, else
+        the weights' own blocks, as the op does."""
         if quant_block is not None and rhs_quant is None and lhs_quant is None:
             raise UsageError("quant_block (--quant-block) needs rhs_quant or lhs_quant (--rhs-quant / --lhs-quant)")
+        if lhs_dynamic and lhs_quant is None:
+            raise UsageError("lhs_dynamic (--lhs-dynamic) needs lhs_quant (--lhs-quant int8)")
+        rhs_quant = None if rhs_quant is None else qdtype_name(rhs_quant)
         side = lambda quant: dict(dtype=DEQUANTIZED_DTYPE if quant else dtype, qdtype=quant,
                                   qblock=quant_block if quant else None)
         lhs, rhs = side(lhs_quant), side(rhs_quant)
+        if rhs_quant == "float4_e2m1fn" and quant_block is None:
+            rhs["qblock"] = 32  # mxfp4's only block (OCP MX)
+        if lhs_dynamic:  # float activations in memory, in the weights' blocks unless --quant-block says
+            lhs.update(dtype=dtype, qblock=quant_block if quant_block is not None else rhs["qblock"])
         return RaggedDotProblem(
             m=m, k=k, n=n, groups=groups, lhs_dtype=lhs["dtype"], rhs_dtype=rhs["dtype"],
             out_dtype=out_dtype or dtype, direction=direction, lhs_qdtype=lhs["qdtype"], lhs_qblock=lhs["qblock"],
-            rhs_qdtype=rhs["qdtype"], rhs_qblock=rhs["qblock"],
+            rhs_qdtype=rhs["qdtype"], rhs_qblock=rhs["qblock"], lhs_qdynamic=bool(lhs_dynamic),
         )
 
     def default_problem_options(self) -> dict[str, Any]:
@@ -85,11 +94,15 @@ class RaggedDotOp(KernelOp):
 
     def make_inputs(self, problem: RaggedDotProblem, distribution: str, seed: int) -> dict[str, Any]:
         """`float_inputs`, with the direction's quantized operands (lhs, rhs) quantized along k: QArrays of
-        NumPy arrays (1-byte values, float32 scales)."""
+        NumPy arrays (quantized values, float32 scales); activations the fwd kernel quantizes (`lhs_qdynamic`)
+        a `DynamicQuant` of the float ones."""
         inputs = self.float_inputs(problem, distribution, seed)
         for name, operand in zip(("a", "b"), OPERANDS[problem.direction]):
             qdtype = getattr(problem, f"{operand}_qdtype", None)
-            if qdtype is not None:
+            if operand == "lhs" and problem.lhs_qdynamic:
+                if problem.direction == "fwd":  # elsewhere the float activations are read as they are
+                    inputs[name] = DynamicQuant(inputs[name], qdtype, problem.lhs_qblock)
+            elif qdtype is not None:
                 q = quantize(inputs[name], qdtype, axis=1, block_size=getattr(problem, f"{operand}_qblock"))
                 inputs[name] = jax.tree.map(np.asarray, q)
         return inputs
@@ -100,8 +113,9 @@ class RaggedDotOp(KernelOp):
         precision. Never on CPU: there XLA's ragged dot is the slower of the two and holds several times its
         output in temporaries (m=4096 k=2048 n=1408 g=128 drhs: 16 s and 12 GB, where the NumPy reference
         took 1.9 s and 2.9 GB, its result)."""
-        inputs = {**inputs, **{name: dequantize_host(inputs[name]) for name in ("a", "b")
-                               if isinstance(inputs[name], QArray)}}
+        inputs = {**inputs, **{name: dequantize_host(inputs[name].quantize() if isinstance(inputs[name], DynamicQuant)
+                                                     else inputs[name])
+                               for name in ("a", "b") if isinstance(inputs[name], (QArray, DynamicQuant))}}
         if problem.flops > HOST_REFERENCE_MAX_FLOPS and devices.platform() != "cpu":
             return self._device_reference(problem, inputs)
         a, b, sizes = inputs["a"], inputs["b"], inputs["group_sizes"]
@@ -153,6 +167,7 @@ class RaggedDotOp(KernelOp):
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"
         quant = "".join(f" {side} {getattr(problem, side + '_qdtype')}" + (
             f"/{getattr(problem, side + '_qblock')}" if getattr(problem, side + "_qblock") < problem.k else "")
+            + (" dynamic" if side == "lhs" and problem.lhs_qdynamic else "")
             for side in ("lhs", "rhs") if getattr(problem, side + "_qdtype") is not None)
         return f"ragged_dot {problem.direction} m={problem.m} k={problem.k} n={problem.n} g={problem.groups} {dt}{quant}"
 

@@ -105,7 +105,10 @@ class RaggedDotProblem:
         if qdtype not in QDTYPES:
             raise UsageError(f"{side}_qdtype {qdtype} is not supported; use one of {', '.join(QDTYPES)}")
         if (rule := block_rule(qdtype, qblock, self.k)) is not None:  # mxfp4: 32 (None too)
-            raise UsageError(f"{side}_qblock: {rule.replace('axis 1', 'k')}")
+            rule = rule.replace("axis 1", "k")
+            if qdtype == "float4_e2m1fn" and qblock not in (None, 32):
+                raise UsageError(f"{side}_qblock: {rule}")
+            raise UsageError(f"{side}_qblock {qblock or 32!r} must be a positive divisor of k={self.k}: {rule}")
         qblock = self.k if qblock is None and qdtype != "float4_e2m1fn" else qblock or 32
         object.__setattr__(self, f"{side}_qdtype", qdtype)
         object.__setattr__(self, f"{side}_qblock", int(qblock))
