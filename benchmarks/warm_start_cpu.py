@@ -1,22 +1,22 @@
-"""Warm start against cold on this CPU: what a sweep of a new shape costs to reach a config within 1.05x of the
-grid's best, when the nearest shapes are already tuned (a ladder of token counts of the `strategies_cpu.py`
-shape), and what it ends with.
+"""Warm start against cold on this CPU: what a coordinate sweep of a new shape costs to reach a config within
+1.05x of the best known, when the nearest shapes are already tuned (a ladder of token counts of the
+`strategies_cpu.py` shape), and what it ends with.
 
-    .venv/bin/python benchmarks/warm_start_cpu.py [--ms 512,1024,2048,4096] [--k 2048 --n 768 --groups 16]
-        [--samples 3] [--json OUT]
+    .venv/bin/python benchmarks/warm_start_cpu.py [--ms 256,512,1024,2048] [--k 2048 --n 768 --groups 16]
+        [--samples 3] [--grids DIR] [--json OUT]
 
-1. Every count of the ladder is swept with `grid` (cold, each in its own empty profile dir): the reference.
-   Its candidates' medians say which configs are "good" (within 1.05x of the fastest), and its entries are
-   the tuned neighbours of the others.
+1. Every count of the ladder is swept with `grid` (cold, each in its own profile dir `DIR/grid_<m>`; with
+   `--grids DIR`, the entries an earlier run left there are used instead): the tuned neighbours of the others.
 2. For each count, `coordinate` runs cold (`--cold`, an empty dir) and warm (a dir holding the grid entries of
    the other counts of the ladder, never its own), alternating which goes first.
-3. Per run: the candidates and wall time until the first good config was measured (each candidate's finish
+3. Then every config either run measured, and the grid's winner, are compiled once and timed side by side,
+   interleaved in the same trace rounds (`bench.time_variants`): the reference that load drifting between
+   runs cannot bias. "Good" = within 1.05x of the fastest of them (the grid winner included).
+4. Per run: the candidates and wall time until its first good config was measured (each candidate's finish
    is when its line reached the sweep log), the whole run's candidates and wall time, and its winner's
-   reference median over the grid best (1.00 = as good as the grid). For `grid` itself the candidates until
-   the first good config follow from the order alone: cold = the space's order, warm = the default, the
-   seeds, then the rest (the seeds are those `warm_start.find` picks from the same tables).
+   side-by-side time over the grid winner's (1.00 = as good as the full grid).
 
-Printed: per count and in all, warm / cold ratios of those costs. Nothing is asserted (the machine is shared).
+Printed: per count and the median over counts, warm / cold ratios. Nothing is asserted (a shared machine).
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+
 from moe_tune import bench, devices
 from moe_tune.kernels import get_op
-from moe_tune.profiles import write_entries
-from moe_tune.tuner import SweepRequest, run_sweep, strategies, warm_start
+from moe_tune.profiles import Entry, read_table, write_entries
+from moe_tune.tuner import SweepRequest, run_sweep, warm_start
 from moe_tune.tuner.request import SweepPlan
 
 GOOD = 1.05
@@ -79,6 +81,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--grids", default=None, help="reuse the grid entries of an earlier run's dir")
+    parser.add_argument("--compare-samples", type=int, default=5, help="samples of the side-by-side timing")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -90,59 +94,67 @@ def main() -> int:
     print(f"ladder m={ms}, k={args.k} n={args.n} groups={args.groups} {args.dtype}, tiled, {args.samples} samples; "
           f"on {devices.device_kind()}; load: {load()}", flush=True)
 
-    root = Path(tempfile.mkdtemp(prefix="warm_start_"))
+    root = Path(args.grids or tempfile.mkdtemp(prefix="warm_start_"))
+    print(f"profile dirs under {root}", flush=True)
     # Warm the process and the compile workers up, so that the first measured sweep does not pay for it.
     run_sweep(SweepRequest.make("ragged_dot", problems[ms[0]], backend="tiled", max_candidates=1, samples=1,
-                                profile_dir=root / "warmup", cold=True, **extra))
+                                profile_dir=root / "warmup", cold=True, fresh=True, **extra))
+    kind = devices.device_kind()
     grids = {}
     for m, problem in problems.items():
+        table = root / f"grid_{m}" / kind / "ragged_dot.json"
         started = time.perf_counter()
-        result, finished = _sweep(problem, root / f"grid_{m}", strategy="grid", samples=args.samples, cold=True,
-                                  **extra)
-        medians = {_label(r["config"]): r["median_s"] for r in result.entry.results}
-        best = min(medians.values())
-        grids[m] = {"entry": result.entry, "medians": medians, "best_s": best, "order": [c for c, _ in finished],
-                    "good": {c for c, t in medians.items() if t <= GOOD * best}, "wall_s": time.perf_counter() - started,
-                    "tried": len(finished)}
-        print(f"  grid m={m}: {len(finished)} candidates, {grids[m]['wall_s']:.1f} s, best "
-              f"{best * 1e3:.3f} ms, {len(grids[m]['good'])} configs within {GOOD}x", flush=True)
+        if args.grids is None or not table.is_file():
+            result, finished = _sweep(problem, root / f"grid_{m}", strategy="grid", samples=args.samples,
+                                      cold=True, **extra)
+            grids[m] = {"entry": result.entry, "tried": len(finished), "wall_s": time.perf_counter() - started}
+        else:
+            (entry,) = [Entry.from_json(e, k) for k, e in read_table(table)["entries"].items()]
+            grids[m] = {"entry": entry, "tried": entry.count("tried"), "wall_s": entry.sweep_wall_s}
+        print(f"  grid m={m}: {grids[m]['tried']} candidates, {grids[m]['wall_s']:.1f} s, winner "
+              f"{_label(grids[m]['entry'].config)}", flush=True)
 
     rows = []
+    impl = op.backends.get("tiled")
     for index, (m, problem) in enumerate(problems.items()):
-        ref = grids[m]
+        grid_winner = _label(grids[m]["entry"].config)
         tables = root / f"tables_{m}"  # the other counts' grid entries: the tuned neighbours
-        write_entries(tables / devices.device_kind() / "ragged_dot.json", "ragged_dot", devices.device_kind(),
-                      [grids[o]["entry"] for o in ms if o != m])
+        write_entries(tables / kind / "ragged_dot.json", "ragged_dot", kind, [grids[o]["entry"] for o in ms if o != m])
         plan = SweepPlan(SweepRequest.make("ragged_dot", problem, backend="tiled", profile_dir=tables))
         start = warm_start.find("ragged_dot", plan.device_kind, plan.fields, plan.key, plan.space, own_dir=tables)
-        # grid's candidates until a good config, by order alone (cold: the space's; warm: seeds first)
-        warm_order = strategies.make("grid", plan.space, seeds=start.seeds).next_round({})
-        grid_cold_n, _ = _reach([(c, 0.0) for c in ref["order"]], ref["good"])
-        grid_warm_n, _ = _reach([(c.to_dict(), 0.0) for c in warm_order], ref["good"])
-        runs = {}
-        for kind in (("cold", "warm") if index % 2 == 0 else ("warm", "cold")):
-            directory = root / f"{kind}_{m}" if kind == "cold" else tables
+        runs, finishes = {}, {}
+        for how in (("cold", "warm") if index % 2 == 0 else ("warm", "cold")):
+            directory = root / f"{how}_{m}" if how == "cold" else tables
             started = time.perf_counter()
-            result, finished = _sweep(problem, directory, strategy="coordinate", samples=args.samples,
-                                      cold=kind == "cold", **extra)
-            wall = time.perf_counter() - started
-            n, at = _reach(finished, ref["good"])
-            winner = _label(result.entry.config)
-            runs[kind] = {"tried": len(finished), "wall_s": wall, "reach_candidates": n, "reach_s": at,
-                          "winner": winner, "winner_vs_grid_best": ref["medians"].get(winner, float("nan")) /
-                          ref["best_s"], "start": result.entry.search["start"]}
-        row = {"m": m, "grid_tried": ref["tried"], "grid_wall_s": ref["wall_s"], "grid_best_s": ref["best_s"],
-               "good_configs": len(ref["good"]), "seeds": [c.label() for c in start.seeds],
-               "seed_sources": list(start.sources), "grid_reach_cold": grid_cold_n, "grid_reach_warm": grid_warm_n,
-               "coordinate": runs, "load": load()}
+            result, finishes[how] = _sweep(problem, directory, strategy="coordinate", samples=args.samples,
+                                           cold=how == "cold", **extra)
+            runs[how] = {"tried": len(finishes[how]), "wall_s": time.perf_counter() - started,
+                         "winner": _label(result.entry.config), "start": result.entry.search["start"]}
+        # the side-by-side reference: every config either run measured, and the grid's winner
+        configs = {_label(c): c for how in finishes for c, _ in finishes[how]}
+        configs[grid_winner] = grids[m]["entry"].config
+        inputs = jax.device_put(op.make_inputs(problem, "balanced", seed=1))
+        variants = {label: (lambda x, c=impl.config_cls(**cfg): op.run(impl, c, problem, x))
+                    for label, cfg in configs.items()}
+        side = bench.time_variants(variants, inputs, samples=args.compare_samples)["times_s"]
+        best = min(side.values())
+        good = {label for label, t in side.items() if t <= GOOD * best}
+        for how, run in runs.items():
+            n, at = _reach(finishes[how], good)
+            run.update(reach_candidates=n, reach_s=at, winner_vs_grid_winner=side[run["winner"]] / side[grid_winner])
+        row = {"m": m, "grid_tried": grids[m]["tried"], "grid_wall_s": grids[m]["wall_s"], "grid_winner": grid_winner,
+               "grid_winner_vs_best_side_by_side": side[grid_winner] / best, "compared": len(side),
+               "good_configs": len(good), "seeds": [c.label() for c in start.seeds],
+               "seed_sources": list(start.sources), "coordinate": runs, "load": load()}
         rows.append(row)
         c, w = runs["cold"], runs["warm"]
-        print(f"  m={m}: seeds {row['seeds']}\n"
-              f"    grid order: good config at candidate {grid_cold_n} cold, {grid_warm_n} warm\n"
-              f"    coordinate cold: good at {c['reach_candidates']} ({_s(c['reach_s'])}), all {c['tried']} in "
-              f"{c['wall_s']:.1f} s, winner {c['winner_vs_grid_best']:.3f}x grid best\n"
-              f"    coordinate warm: good at {w['reach_candidates']} ({_s(w['reach_s'])}), all {w['tried']} in "
-              f"{w['wall_s']:.1f} s, winner {w['winner_vs_grid_best']:.3f}x grid best", flush=True)
+        print(f"  m={m}: seeds {row['seeds'] or 'none (the neighbours won with the default)'}; {len(side)} configs "
+              f"side by side, {len(good)} within {GOOD}x of the fastest; grid winner {side[grid_winner] / best:.3f}x\n"
+              f"    coordinate cold: good at candidate {c['reach_candidates']} ({_s(c['reach_s'])}), all "
+              f"{c['tried']} in {c['wall_s']:.1f} s, winner {c['winner_vs_grid_winner']:.3f}x the grid winner\n"
+              f"    coordinate warm: good at candidate {w['reach_candidates']} ({_s(w['reach_s'])}), all "
+              f"{w['tried']} in {w['wall_s']:.1f} s, winner {w['winner_vs_grid_winner']:.3f}x the grid winner",
+              flush=True)
 
     def ratio(get) -> list[float]:
         return [get(r, "warm") / get(r, "cold") for r in rows if get(r, "warm") and get(r, "cold")]
@@ -152,10 +164,8 @@ def main() -> int:
         "reach_s_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["reach_s"]),
         "total_candidates_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["tried"]),
         "total_s_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["wall_s"]),
-        "grid_reach_warm_over_cold": [r["grid_reach_warm"] / r["grid_reach_cold"] for r in rows
-                                      if r["grid_reach_warm"] and r["grid_reach_cold"]],
-        "winner_vs_grid_best_cold": [r["coordinate"]["cold"]["winner_vs_grid_best"] for r in rows],
-        "winner_vs_grid_best_warm": [r["coordinate"]["warm"]["winner_vs_grid_best"] for r in rows],
+        "winner_vs_grid_winner_cold": [r["coordinate"]["cold"]["winner_vs_grid_winner"] for r in rows],
+        "winner_vs_grid_winner_warm": [r["coordinate"]["warm"]["winner_vs_grid_winner"] for r in rows],
     }
     print("\nwarm / cold (per count; median):")
     for name, values in summary.items():
