@@ -1,9 +1,10 @@
 """The fused MoE Pallas kernels compiled by the real compilers on this CPU-only machine (`moe_tune.targets`):
 pallas_tpu for a TPU v5e (Mosaic TPU), triton for an H100 (Triton, ptxas), at one Qwen3-30B-A3B layer's
-shapes (512 tokens, top-8, 128 experts; bfloat16). Every direction's default compiles; a config the backend's
-rules refuse for the chip's budget (VMEM, shared memory) is refused by the compiler as well, with the chip's
-own message (a rule that let it through would be a false accept; tests/test_real_compilers.py has the
-ragged_dot and gather kernels). benchmarks/results/fused_moe_compile_* hold the wider probes.
+shapes (512 tokens, top-8, 128 experts; bfloat16). Every direction's default compiles (and one with float8
+weights); a config the backend's rules refuse for the chip's budget (VMEM, shared memory) is refused by the
+compiler as well, with the chip's own message (a rule that let it through would be a false accept;
+tests/test_real_compilers.py has the ragged_dot and gather kernels). benchmarks/results/fused_moe_compile_*
+hold the wider probes.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ needs_gpu = pytest.mark.skipif(not wheels.available("gpu"),
                                reason="the CUDA plugin is missing: pip install 'moe-tune[gpu-compile]'")
 
 
-def problem(stage: str, direction: str) -> FusedMoeProblem:
+def problem(stage: str, direction: str, **quant) -> FusedMoeProblem:
     """Qwen3-30B-A3B: hidden 2048, expert width 768 (gate and up concatenated: 1536), 128 experts, top-8."""
     shape = dict(k=2048, n=1536, glu="silu") if stage == "dispatch" else dict(k=768, n=2048)
     return FusedMoeProblem(tokens=512, m=4096, groups=128, dtype="bfloat16", stage=stage, direction=direction,
-                           **shape)
+                           **shape, **quant)
 
 
-PROBLEMS = [problem(stage, direction) for stage in ("dispatch", "combine") for direction in ("fwd", "bwd")]
+# Every direction with float weights, and float8 weights in 128-row blocks where they are dequantized along
+# the output (dispatch's backward: the combine kernel on the transposed weights).
+PROBLEMS = [problem(stage, direction) for stage in ("dispatch", "combine") for direction in ("fwd", "bwd")] + [
+    problem("dispatch", "bwd", rhs_qdtype="float8_e4m3fn", rhs_qblock=128)]
 # (backend, target, a config over the chip's budget for the combine fwd problem, the compiler's words)
 CASES = {
     "pallas_tpu": ("v5e", FusedPallasTpuConfig(tm=512, tk=768, tn=2048), "CompileTimeScopedVmemOom"),
