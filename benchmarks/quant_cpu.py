@@ -18,8 +18,9 @@ sum of an array of the float32 weights' size (this machine's copy and read bandw
 each mode is its least bytes moved at the read bandwidth). Errors: max-abs relative error (`relative_error`)
 of each mode's output against the float64 reference of the unquantized operands and against that of its own
 dequantized operands.
-Target (CPU): int8 weight-only per channel (with float32 activations, and with bfloat16 ones) >= 1.5x faster
-than the tuned float32 kernel at m=256. Each case also says which floor bounds the float32 kernel on this machine
+Targets (CPU, at m=256): int8 weight-only per channel (with float32 activations, and with bfloat16 ones) >= 1.5x
+faster than the tuned float32 kernel; 4-bit weights (issue 31) at least as fast as the 1-byte mode they replace,
+each tuned, with the same activations: int4/128 vs int8 per channel, mxfp4 vs fp8/128 (`PAIR_TARGETS`). Each case also says which floor bounds the float32 kernel on this machine
 (its weight bytes at the read rate or its FLOPs at the dense rate): 1-byte weights cut only the first.
 Nothing is asserted; the machine is shared and noisy, only the ratios of one run count.
 """
@@ -41,7 +42,7 @@ from moe_tune import bench, devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
 from moe_tune.kernels.kernel_op import relative_error
-from moe_tune.quant import as_float
+from moe_tune.quant import FOUR_BIT, as_float
 from moe_tune.tuner import SweepRequest, run_sweep
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -61,14 +62,25 @@ MODES = {
     # weight-only with bfloat16 activations (a bf16 checkpoint's weights quantized): a bf16 dot
     "int8 a16": dict(dtype="bfloat16", rhs_quant="int8"),
     "fp8 a16": dict(dtype="bfloat16", rhs_quant="float8_e4m3fn", quant_block=128),
+    # 4-bit weights (AWQ/GPTQ-style int4 in blocks of 128; OCP mxfp4, blocks of 32) and activations quantized
+    # inside the kernel (dynamic w8a8: per row, the scale from each tile), issue 31
+    "int4/128": dict(rhs_quant="int4", quant_block=128),
+    "mxfp4": dict(rhs_quant="mxfp4"),
+    "w8a8 dynamic": dict(rhs_quant="int8", lhs_quant="int8", lhs_dynamic=True),
+    "int4 a16": dict(dtype="bfloat16", rhs_quant="int4", quant_block=128),
+    "mxfp4 a16": dict(dtype="bfloat16", rhs_quant="mxfp4"),
 }
 TARGETS = ("int8", "int8 a16")  # modes judged: tuned f32 time / mode time at least TARGET at m = TARGET_M
 TARGET, TARGET_M = 1.5, 256
+# (mode, the mode it must be at least as fast as): time(base) / time(mode) >= 1 at m = TARGET_M, fwd
+PAIR_TARGETS = (("int4/128", "int8"), ("int4 a16", "int8 a16"), ("mxfp4", "fp8/128"), ("mxfp4 a16", "fp8 a16"))
 
 
 def weight_bytes(b) -> int:
-    """Bytes of the weight operand as stored: values + scales of a QArray."""
-    return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(b))
+    """Bytes of the weight operand as stored: values + scales of a QArray (4-bit values two a byte, as XLA
+    packs them, where NumPy holds one a byte)."""
+    packed = lambda x: 2 if np.dtype(x.dtype).name in FOUR_BIT else 1
+    return sum(int(np.asarray(x).nbytes) // packed(np.asarray(x)) for x in jax.tree.leaves(b))
 
 
 def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
@@ -77,7 +89,7 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
     problems, inputs, sweeps, sweep_s = {}, {}, {}, {}
     for mode in args.modes:
         if direction == "dlhs" and "lhs_quant" in MODES[mode]:
-            continue  # w8a8's dlhs takes a float dout: it is the weight-only dlhs
+            continue  # w8a8's dlhs takes a float dout: it is the weight-only dlhs (dynamic too)
         problems[mode] = spec.problem(m=m, k=k, n=n, groups=groups, direction=direction,
                                       **{"dtype": "float32", **MODES[mode]})
         started = time.perf_counter()
@@ -153,14 +165,14 @@ def print_case(name, case) -> None:
     floors = case["f32_floors_s"]
     print(f"  float32 floors here: weights at the read rate {floors['memory'] * 1e3:.3f} ms, FLOPs at the dense rate "
           f"{floors['compute'] * 1e3:.3f} ms: {case['bound']}-bound on this machine")
-    print(f"  {'mode':<11} {'ms':>8} {'f32/mode':>8} {'same tiles':>10} {'deq+f32 ms':>10} {'weight MiB':>10} "
+    print(f"  {'mode':<12} {'ms':>8} {'f32/mode':>8} {'same tiles':>10} {'deq+f32 ms':>10} {'weight MiB':>10} "
           f"{'mem floor':>9} {'err/unq':>8} {'err/deq':>8}  tuned config (differs: its tiles differ from f32's)")
     for mode, r in case["modes"].items():
         deq = f"{r['deq_f32_time_s'] * 1e3:10.3f}" if r["deq_f32_time_s"] else f"{'-':>10}"
         same = r.get("f32_at_mode_tiles_vs_mode")
         same = f"{same:10.2f}" if same else f"{'-':>10}"
         c = r["tuned_config"]
-        print(f"  {mode:<11} {r['time_s'] * 1e3:8.3f} {r['f32_vs_mode']:8.2f} {same} {deq} {r['weight_bytes'] / 2**20:10.1f} "
+        print(f"  {mode:<12} {r['time_s'] * 1e3:8.3f} {r['f32_vs_mode']:8.2f} {same} {deq} {r['weight_bytes'] / 2**20:10.1f} "
               f"{r['memory_floor_s'] * 1e3:9.3f} {r['error_vs_unquantized']:8.1e} {r['error_vs_dequantized']:8.1e}  "
               f"tm={c['tm']} tail={c['tail']} tk={c['tk']} tn={c['tn']}{' dequantize' if c.get('dequantize') else ''}"
               f"{' (differs)' if r['differs_from_f32'] else ''}"
@@ -209,6 +221,12 @@ def main() -> int:
                             summary.append({"target": f"{mode} weight-only vs tuned f32, {name} m={m} g={groups}",
                                             "value": ratio, "wanted": f">= {TARGET}", "met": ratio >= TARGET,
                                             "bound": case["bound"]})
+                        for mode, base in PAIR_TARGETS:
+                            if mode in case["modes"] and base in case["modes"] and m == TARGET_M and direction == "fwd":
+                                ratio = case["times_s"][base] / case["times_s"][mode]
+                                summary.append({"target": f"{mode} vs tuned {base}, {name} m={m} g={groups}",
+                                                "value": ratio, "wanted": ">= 1", "met": ratio >= 1,
+                                                "bound": case["bound"]})
                         if args.json:
                             bench.write_results(args.json, [{"summary": summary}, {"cases": cases}])
     print_summary(summary, cases, f"{devices.device_kind()}, {time.perf_counter() - started:.0f} s")

@@ -95,14 +95,19 @@ def test_quant_benchmark_times_every_mode(tmp_path):
     summary, results = json.loads((tmp_path / "q.json").read_text())["results"]
     [case] = results["cases"]
     modes = case["modes"]
-    assert list(modes) == ["float32", "bfloat16", "int8", "int8/128", "fp8/128", "w8a8", "int8 a16", "fp8 a16"]
+    assert list(modes) == ["float32", "bfloat16", "int8", "int8/128", "fp8/128", "w8a8", "int8 a16", "fp8 a16",
+                           "int4/128", "mxfp4", "w8a8 dynamic", "int4 a16", "mxfp4 a16"]
     assert {"dense", "copy", "deq+f32:int8", "deq+f32:w8a8"} <= set(case["times_s"])
     assert modes["int8"]["weight_bytes"] < modes["bfloat16"]["weight_bytes"] < modes["float32"]["weight_bytes"]
     for mode, r in modes.items():
         assert r["time_s"] > 0 and r["error_vs_dequantized"] < 1e-2 and r["tuned_config"]
         assert (r["deq_f32_time_s"] is None) == (mode in ("float32", "bfloat16"))
     assert 0 < modes["int8"]["error_vs_unquantized"] < 0.1 and not modes["float32"]["differs_from_f32"]
-    assert [s["target"] for s in summary["summary"]] == [f"{mode} weight-only vs tuned f32, toy m=256 g=4" for mode in ("int8", "int8 a16")]
+    assert [s["target"] for s in summary["summary"]] == [
+        *(f"{mode} weight-only vs tuned f32, toy m=256 g=4" for mode in ("int8", "int8 a16")),
+        *(f"{mode} vs tuned {base}, toy m=256 g=4" for mode, base in (("int4/128", "int8"), ("int4 a16", "int8 a16"),
+                                                                      ("mxfp4", "fp8/128"), ("mxfp4 a16", "fp8 a16")))]
+    assert modes["int4/128"]["weight_bytes"] < modes["int8"]["weight_bytes"]  # two values a byte
     assert case["bound"] in ("memory", "compute") and all(t > 0 for t in case["f32_floors_s"].values())
     assert all(s["bound"] == case["bound"] for s in summary["summary"]) and f"{case['bound']}-bound on this machine" in out
     assert "tuned tiles differ from float32's" in out

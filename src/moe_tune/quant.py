@@ -342,6 +342,7 @@ class DynamicQuant:
         return quantize(self.value, self.qdtype, axis=1, block_size=self.block())
 
 
-def as_float(x: jax.Array | QArray) -> jax.Array:
-    """`x` itself, or a QArray dequantized (float32)."""
+def as_float(x: jax.Array | QArray | DynamicQuant) -> jax.Array:
+    """`x` itself, a QArray dequantized (float32), or a `DynamicQuant`'s quantized values dequantized."""
+    x = x.quantize() if isinstance(x, DynamicQuant) else x
     return dequantize(x) if isinstance(x, QArray) else x
