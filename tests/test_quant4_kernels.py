@@ -126,3 +126,19 @@ def test_refusals_name_the_rule():
     assert reason and "one scale per row" in reason
     reason = BACKENDS.get("triton").config_error(TritonConfig(32, 64, 64), per_row)
     assert reason and "scale blocks" in reason
+
+
+@pytest.mark.parametrize("direction", ["fwd", "dlhs"])
+@pytest.mark.parametrize("k,n", [(2880, 2880), (768, 2048)])  # gpt-oss (no multiple of 128), qwen3-30b's down
+def test_megablox_default_config_divides_k_for_quantized_problems(direction, k, n):
+    """The quantized gmm needs tk | k: the default takes the largest aligned divisor up to 512, else k itself
+    (compiled for v5e at gpt-oss's k = 2880 with mxfp4 weights, fwd and dlhs). Nothing runs."""
+    impl = BACKENDS.get("megablox")
+    for quant in (dict(rhs_qdtype="float4_e2m1fn", rhs_qblock=32),
+                  dict(rhs_qdtype="int8", rhs_qblock=32, lhs_qdtype="int8", lhs_qblock=32, lhs_qdynamic=True)):
+        if direction == "dlhs" and "lhs_qdynamic" in quant:
+            continue
+        problem = RaggedDotProblem(m=2048, k=k, n=n, groups=32, lhs_dtype="bfloat16", out_dtype="bfloat16",
+                                   direction=direction, **quant)
+        config = impl.default_config(problem)
+        assert impl.config_error(config, problem) is None, (problem, config)

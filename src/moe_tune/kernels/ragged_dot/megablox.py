@@ -178,10 +178,30 @@ class MegabloxRaggedDot(RaggedDotBackend):
         tm = self._largest_valid(256, -(-m // m_align) * m_align, m_align)
         tk = self._largest_valid(512, k, k_align)
         tn = self._largest_valid(512, n, LANES)
+        divides = problem_plan(problem).quantized and problem.direction != "drhs"  # the quantized gmm: tk | k
+        if divides and k % tk:  # k = 768: 384; gpt-oss's 2880, no multiple of 128: k itself
+            tk = self._dividing(tk, k, k_align) or k
         config = MegabloxConfig(tm, tk, tn)
-        while self.config_error(config, problem) and config.tk > k_align:  # shrink to fit VMEM
-            config = MegabloxConfig(tm, max(config.tk // 2 // k_align * k_align, k_align), tn)
+        while self.config_error(config, problem):  # shrink to fit VMEM: tk, else (quantized gmm) tn, then tm
+            if not divides:
+                if config.tk <= k_align:
+                    break
+                config = dataclasses.replace(config, tk=max(config.tk // 2 // k_align * k_align, k_align))
+                continue
+            smaller = dataclasses.replace(config, tk=self._dividing(config.tk // 2, k, k_align) or 0)
+            if not smaller.tk:
+                half_n = config.tn // 2 // LANES * LANES
+                smaller = dataclasses.replace(config, tn=half_n) if half_n >= LANES else dataclasses.replace(
+                    config, tm=config.tm // 2 // m_align * m_align)
+            if not min(smaller.tm, smaller.tn):
+                break
+            config = smaller
         return config
+
+    @staticmethod
+    def _dividing(most: int, k: int, align: int) -> int | None:
+        """The largest multiple of `align` <= most that divides k, else None."""
+        return next((t for t in range(most // align * align, 0, -align) if k % t == 0), None)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list[int]]:
         _, k, n = problem.matmul_dims()
