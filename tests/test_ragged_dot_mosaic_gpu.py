@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ragged_dot_base import RaggedDotBackendTests
-from ragged_dot_base.helpers import assert_matches_reference, make_operands
+from ragged_dot_base.helpers import DIRECTIONS, assert_matches_reference, make_operands
 from test_moe import TOP_K, dense_moe_float64, relative
 
 import moe_tune
@@ -58,8 +58,21 @@ class TestMosaicGpu(RaggedDotBackendTests):
         return [{"block_m": 96}, {"block_n": 32}, {"max_concurrent_steps": 1}, {"collective": True},
                 {"block_n": 256, "block_k": 256, "max_concurrent_steps": 8}]
 
+    def operands(self, dtype: str = "bfloat16"):
+        """The bad-input tests' operands, bfloat16 (float32 ones go to the fallback, which ignores the config)."""
+        return super().operands(dtype)
+
+    @pytest.mark.parametrize("direction", DIRECTIONS)
     def test_lowers_for_its_chip_with_mixed_dtypes(self, on_chip, direction):
         pytest.skip("mixed dtypes run on the fallback: the Mosaic GPU kernels take one 16-bit dtype")
+
+    @pytest.mark.parametrize("direction", DIRECTIONS)
+    def test_default_config_is_valid_for_model_sized_quantized_problems(self, direction):
+        pytest.skip("quantized problems run on the fallback (chip_error: the kernels apply no scales)")
+
+    def test_per_direction_configs_are_the_ones_that_run(self, caplog):
+        pytest.skip("the base traces float32 operands, which go to the fallback (tf32 tensor cores); and drhs "
+                    "falls back off a GPU")
 
 
 PROBLEM = RaggedDotProblem(2048, 2048, 768, 16, "bfloat16", "bfloat16", "bfloat16")

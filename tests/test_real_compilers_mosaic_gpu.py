@@ -31,30 +31,27 @@ def gate_up(direction: str):
                 if c.role == "gate/up" and c.problem.direction == direction)
 
 
-def compile_all(chip: str, jobs: list[CompileJob]):
-    with CompilePool(workers=1, timeout=300) as pool:
-        results = pool.compile(jobs)
-    failed = [f"{j.problem.direction} {j.config.label()}: {r.status} {r.message}" for j, r in zip(jobs, results)
-              if not r.ok]
-    assert not failed, f"{chip}:\n" + "\n".join(failed)
-    return results
-
-
 @pytest.mark.parametrize("chip,directions", [("h100", ("fwd", "dlhs", "drhs")), ("b200", ("fwd", "dlhs"))])
 def test_compiles_for_the_chip(chip, directions):
+    """Each direction the chip serves with its default config, and on H100 the largest config of the forward's
+    space and one just over the shared-memory limit, which the compiler refuses for that reason (B200's are in
+    benchmarks/compile_check.py's results: every candidate of the sweep's space compiles there too)."""
     target = get_target(chip)
     jobs = []
     for direction in directions:
         problem = gate_up(direction)
         space = search_space(target, "ragged_dot", "mosaic_gpu", problem)
-        configs = representative(space, extra=1) if direction == "fwd" else space[:1]
+        configs = representative(space, extra=1) if direction == "fwd" and chip == "h100" else space[:1]
         jobs += jobs_for(target, "ragged_dot", "mosaic_gpu", problem, configs)
-    jobs.append(CompileJob(chip, "ragged_dot", "mosaic_gpu", gate_up("fwd"),
-                           MosaicGpuConfig(block_m=128, block_n=128 if chip == "b200" else 256, block_k=128,
-                                           max_concurrent_steps=6, collective=chip == "b200")))
-    results = compile_all(chip, jobs[:-1])
-    assert all(r.compile_s > 0 and r.memory for r in results)
-    # a config the rules refuse for its shared memory is refused by the compiler for the same reason
+    if chip == "h100":
+        jobs.append(CompileJob(chip, "ragged_dot", "mosaic_gpu", gate_up("fwd"),
+                               MosaicGpuConfig(block_m=128, block_n=256, block_k=128, max_concurrent_steps=6)))
     with CompilePool(workers=1, timeout=300) as pool:
-        (over,) = pool.compile(jobs[-1:])
-    assert over.status == REJECTED and "exceeds available shared memory" in over.message, over
+        results = pool.compile(jobs)
+    over = results.pop() if chip == "h100" else None
+    failed = [f"{j.problem.direction} {j.config.label()}: {r.status} {r.message}" for j, r in zip(jobs, results)
+              if not r.ok]
+    assert not failed, f"{chip}:\n" + "\n".join(failed)
+    assert all(r.compile_s > 0 and r.memory for r in results)
+    if over is not None:  # refused by the rules for its shared memory, and by the compiler for the same reason
+        assert over.status == REJECTED and "exceeds available shared memory" in over.message, over
