@@ -142,3 +142,32 @@ def test_megablox_default_config_divides_k_for_quantized_problems(direction, k, 
                                    direction=direction, **quant)
         config = impl.default_config(problem)
         assert impl.config_error(config, problem) is None, (problem, config)
+
+
+@pytest.mark.parametrize("backend,chip", [("megablox", "tpu"), ("triton", "gpu")])
+def test_lowering_reads_the_4bit_values_and_the_float_activations(backend, chip, on_chip):
+    """jax.export for the chip (nothing runs): one kernel call, whose operands are the 4-bit weights (mxfp4 as
+    float4 into Mosaic, as its int4 bits into Triton) and, for activations quantized in the kernel, the float
+    activations themselves (no quantized copy of x before the kernel)."""
+    from ragged_dot_base.lowering import KERNEL_CALLS, export_for, kernel_call_lines
+
+    on_chip(chip)
+    impl = BACKENDS.get(backend)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
+    w = rng.standard_normal((4, 512, 256)).astype(np.float32)
+    sizes = jnp.asarray([64, 0, 100, 92], jnp.int32)
+    mx_bits = "xf4E2M1FN>" if chip == "tpu" else "xi4>"
+    cases = [("fwd", DynamicQuant(x, "int8", 128), quantize(w, "int4", axis=1, block_size=128), "xi4>"),
+             ("dlhs", jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16), quantize(w, "mxfp4", axis=1),
+              mx_bits)]
+    for direction, a, b, bits in cases:
+        lhs = x if direction == "dlhs" else a
+        problem = RaggedDotProblem.from_arrays(lhs, b, sizes, direction=direction)
+        config = impl.default_config(problem)
+        exported = export_for(chip, lambda a, b, s: impl.run(problem, config, a, b, s), a, b, sizes)
+        call = kernel_call_lines(exported, chip, KERNEL_CALLS[0 if chip == "tpu" else 1], direction)[0]
+        operands = call.split(" : (")[-1]
+        assert f"4x512x256{bits}" in operands, (direction, operands[:300])
+        if direction == "fwd":
+            assert "256x512xbf16>" in operands, operands[:300]
