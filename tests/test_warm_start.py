@@ -100,8 +100,9 @@ def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
     assert "m=256" in warm.entry.search["start"] and warm.entry.search["seeds"] == (
         [] if expected == space[0] else [expected.to_dict()])
     lines = [json.loads(line) for line in warm.log_path.read_text().splitlines()]
-    (start,) = [line for line in lines if line["type"] == "start"]
-    assert start["sources"][0]["config"] == first_winner.to_dict() and not start["cold"]
+    (final,) = [line for line in lines if line["type"] == "final"]  # the run's last line says where it started
+    assert final["sources"][0]["config"] == first_winner.to_dict() and not final["cold"]
+    assert final["start"] == warm.entry.search["start"]
 
     cold = run_sweep(SweepRequest.make("ragged_dot", other, strategy="coordinate", budget=2, cold=True, fresh=True,
                                        **quick))

@@ -37,12 +37,6 @@ def run_line(state: SweepState) -> dict[str, Any]:
             "workers": state.settings.workers, "time_budget_s": state.settings.time_budget_s}
 
 
-def start_line(state: SweepState) -> dict[str, Any]:
-    """Where this run's search starts (`warm_start`): the seeds and the tuned entries they came from."""
-    return {"type": "start", "started": sweep_log.now(), "warm_start": state.start.describe(),
-            **state.start.to_json()}
-
-
 def log_final(state: SweepState, done: Step, best: Candidate | None, verdict: Verdict | None, *,
               interrupted: bool, table: Path | None, error: str | None = None) -> None:
     """The last line of a run: the winner (or why there is none), the verdict, and the finalists' timings of
@@ -59,6 +53,8 @@ def log_final(state: SweepState, done: Step, best: Candidate | None, verdict: Ve
         "stopped": _stopped(done, interrupted), "candidates": len(state.done),
         "resumed": done.resumed, "recompiled_finalists": done.recompiled, "finalists": finalists,
         "table": None if table is None else str(table),
+        # where this run's search started (`warm_start`): the seeds and the tuned entries they came from
+        "start": state.start.describe(), **state.start.to_json(),
     }])
 
 

@@ -99,7 +99,6 @@ def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
     if state.log.restored or state.log.finals:
         state.log.append([record.run_line(state)])
         _say_restored_failures(state.log)
-    state.log.append([record.start_line(state)])
     interrupted = False
     best = verdict = None
     tally = Tally()  # what the stages did, kept up to an interrupt
