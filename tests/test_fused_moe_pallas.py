@@ -49,6 +49,7 @@ class TestPallasTpuFused(FusedMoeBackendTests):
 class TestTritonFused(FusedMoeBackendTests):
     backend = "triton"
     max_configs = 1
+    dtypes = ()  # bfloat16 runs in test_float8_block_weights_transposed_bfloat16 (time budget)
 
     def invalid_configs(self, problem):
         return [FusedTritonConfig(block_m=48), FusedTritonConfig(block_m=16, block_k=256),
