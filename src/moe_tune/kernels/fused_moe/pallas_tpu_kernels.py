@@ -24,6 +24,14 @@ row tile shared by two groups is visited twice in a row for the same output bloc
 Packed 16-bit x cannot be copied one row at a time by Mosaic (its tiles hold row pairs; see
 `gather/pallas_tpu.py`), so gather_gmm stages a bfloat16 x as float32 ([tokens, k], not [m, k]) and casts
 the tile back to bfloat16 for the MXU.
+
+Quantized weights (QArray int8 / float8_e4m3fn, scale [g, k / bs, n]) stay 1-byte in HBM and VMEM; each
+weight block is dequantized in float32 in sub-blocks of min(tile, bs) rows along the forward k (which the
+block's rows run along in every direction), each times its row of the group's scales (a block whole along
+k), then cast to the activations' dtype for the dot.
+
+The scalar-prefetch tables (rows, and the combine's weights) live in SMEM: the rules cap them (about 128K
+rows for gather_gmm, 64K for gmm_combine), past which the op runs its jax backend.
 """
 
 from __future__ import annotations
