@@ -79,6 +79,9 @@ def test_find_takes_the_nearest_entries_of_the_same_backend(isolated_profiles):
     assert [s["key"].split("|")[2] for s in found.sources] == ["m=4096", "m=256"]
     assert "warm start from 2 tuned entries" in found.describe()
     assert warm_start.find("ragged_dot", "tpu_v5_lite", here, "k", SPACE).describe().startswith("cold start")
+    only_default = warm_start.find("ragged_dot", "cpu", key_fields(m(256), "tiled", "balanced"), "k",
+                                   [TILED.config_cls(**{**OPTIMUM, "tm": 32})], limit=1)  # a one-config space
+    assert not only_default.seeds and only_default.describe().endswith("(each the default here: no seed to add)")
 
 
 SMALL = RaggedDotProblem(m=256, k=384, n=192, groups=4)

@@ -43,10 +43,11 @@ class WarmStart:
         """One line for the sweep's output and log."""
         if self.cold:
             return "cold start (--cold)"
-        if not self.seeds:
+        if not self.sources:
             return "cold start (no tuned entry of this op and backend nearby)"
-        return (f"warm start from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
+        said = (f"warm start from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
                 + "; ".join(f"{s['key'].split('|', 1)[1]} -> {s['seed']}" for s in self.sources))
+        return said if self.seeds else said + " (each the default here: no seed to add)"
 
     def to_json(self) -> dict[str, Any]:
         return {"cold": self.cold, "seeds": [s.to_dict() for s in self.seeds], "sources": list(self.sources)}
