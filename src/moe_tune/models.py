@@ -117,6 +117,35 @@ def layer_runs(preset: ModelPreset, tokens: int, *, dtype: str, ep: int = 1, qua
         gather = _gather_options(preset, tokens, ep, dtype)
         cases += [_build("ragged_gather", "combine bwd", {**gather, "weighted": True}),
                   _build("ragged_gather_reduce", "dispatch bwd", gather)]
+    return cases + fused_runs(preset, tokens, ep=ep, dtype=dtype, quant=quant, direction=direction)
+
+
+def fused_runs(preset: ModelPreset, tokens: int, *, ep: int, dtype: str, quant: Mapping[str, Any],
+               direction: str) -> list[KernelCase]:
+    """The fused path's kernel calls (`kernels/fused_moe/`, SiLU-gated experts), then the choice between the
+    two paths (`moe_fusion`, timed with both paths' kernels tuned, so last). Serving runs the gated dispatch
+    (`fused gate/up`) and the combine (`fused down`) forward; training runs the dispatch forward without the
+    activation (its backward needs the pre-activation product), both stages' backward, and the combine.
+    Quantized weights (rhs) are fused too; quantized activations are not (then no fused cases), and the
+    choice is not keyed on quantization (a quantized layer gets moe_fusion's default)."""
+    if quant.get("lhs_quant") is not None or quant.get("lhs_dynamic"):
+        return []
+    weights = {k: quant[k] for k in ("rhs_quant", "quant_block") if quant.get(k) is not None}
+    layer = {"tokens": tokens, "top_k": preset.top_k, "groups": preset.experts // ep, "ep": ep, "dtype": dtype,
+             **weights}
+    gate_up = {**layer, "stage": "dispatch", "k": preset.hidden, "n": 2 * preset.expert_intermediate}
+    down = {**layer, "stage": "combine", "k": preset.expert_intermediate, "n": preset.hidden}
+    if direction == "fwd":
+        cases = [_build("fused_moe", "fused gate/up", {**gate_up, "glu": "silu"}),
+                 _build("fused_moe", "fused down", down)]
+    else:
+        cases = [_build("fused_moe", "fused gate/up", gate_up),
+                 _build("fused_moe", "fused gate/up", {**gate_up, "glu": "silu"}, "bwd"),
+                 _build("fused_moe", "fused down", down), _build("fused_moe", "fused down", down, "bwd")]
+    if not weights:
+        cases.append(_build("moe_fusion", "fused or not", {
+            "tokens": tokens, "hidden": preset.hidden, "intermediate": preset.expert_intermediate,
+            "experts": preset.experts, "top_k": preset.top_k, "ep": ep, "dtype": dtype}))
     return cases
 
 

@@ -14,7 +14,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from moe_tune import routing
 from moe_tune.errors import UsageError
+from moe_tune.kernels.fused_moe.choice import register_layer, use_fused
+from moe_tune.kernels.fused_moe.layer import fused_experts
 from moe_tune.kernels.gather.op import dense_gather_reduce, ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
 from moe_tune.quant import AsQArray, QArray
@@ -44,6 +47,8 @@ def moe_mlp(
     skip_zero_weights: bool = False,
     ragged_gather_fallback: bool | None = None,
     ragged_gather_reduce_fallback: bool | None = None,
+    distribution: str | None = None,
+    fused: bool | None = None,
 ) -> jax.Array:
     """A gated-MLP MoE block: `out[t] = sum_k w[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t]))`, e = expert k
     of token t. Differentiable in x, router_logits and the three weights.
@@ -59,6 +64,11 @@ def moe_mlp(
         None means every expert is local.
       renormalize, activation: see `route`; the activation of the gate projection (SiLU).
       skip_zero_weights, ragged_gather_fallback, ragged_gather_reduce_fallback: passed to the gather ops.
+      distribution: the routing (`balanced`, `skewed`, ...) every kernel's table lookup assumes; None: the
+        `moe_tune.use_distribution` block around the call, else $MOE_TUNE_DISTRIBUTION, else `balanced`.
+      fused: run the experts on the fused kernels (`kernels/fused_moe/layer.py`: the dispatch gather inside
+        the gate/up grouped matmul, the combine inside the down projection's epilogue; no [tokens x top_k,
+        hidden] buffers) or unfused; None: the tables' measured choice for this layer's shape (`moe_fusion`).
 
     Returns:
       [tokens, hidden] in x.dtype: this shard's experts' contribution (all of it without expert_offset).
@@ -75,8 +85,9 @@ def moe_mlp(
         raise UsageError(f"top_k must be in [1, {experts}], got {top_k}")
     if expert_offset is None and local != experts:
         raise UsageError(f"the weights hold {local} experts but the router {experts}: pass expert_offset")
+    distribution = routing.for_call(distribution)  # checked now, and the same for every kernel
     flags = {"ragged_gather_fallback": ragged_gather_fallback,
-             "ragged_gather_reduce_fallback": ragged_gather_reduce_fallback}
+             "ragged_gather_reduce_fallback": ragged_gather_reduce_fallback, "distribution": distribution}
 
     weights, chosen = route(router_logits, top_k, renormalize=renormalize)
     entries = tokens * top_k
@@ -90,12 +101,22 @@ def moe_mlp(
     start = jnp.int32(0) if offset is None else ends[offset] - group_sizes[offset]
     end = ends[-1] if offset is None else ends[offset + local - 1]
 
+    if use_fused(fused, tokens=tokens, hidden=hidden, intermediate=w_gate.shape[2], experts=experts, local=local,
+                 top_k=top_k, dtype=x.dtype, weights=(w_gate, w_up, w_down), distribution=distribution):
+        return fused_experts(x, entry_of_row // top_k, weights.reshape(entries)[entry_of_row], group_sizes, offset,
+                             w_gate, w_up, w_down, activation=activation, skip_zero_weights=skip_zero_weights,
+                             distribution=distribution)
+
     rows = ragged_gather(x, entry_of_row // top_k, start, end, **flags)  # [entries, hidden], expert order
-    gate = ragged_dot(rows, w_gate, group_sizes, group_offset=offset)
-    up = ragged_dot(rows, w_up, group_sizes, group_offset=offset)
-    expert_out = ragged_dot(activation(gate) * up, w_down, group_sizes, group_offset=offset)
+    gate = ragged_dot(rows, w_gate, group_sizes, group_offset=offset, distribution=distribution)
+    up = ragged_dot(rows, w_up, group_sizes, group_offset=offset, distribution=distribution)
+    expert_out = ragged_dot(activation(gate) * up, w_down, group_sizes, group_offset=offset,
+                            distribution=distribution)
     combine = dict(skip_zero_weights=skip_zero_weights, **flags)
     if offset is None:  # every expert is local: every entry is valid (the tensor-parallel combine)
         return dense_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), top_k, **combine)
     valid = (row_of_entry >= start) & (row_of_entry < end)
     return ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k, **combine)
+
+
+register_layer(moe_mlp)  # what `moe_fusion` sweeps time, fused and unfused

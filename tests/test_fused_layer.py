@@ -1,0 +1,107 @@
+"""`moe_mlp(..., fused=...)`: the fused experts (kernels/fused_moe/) against today's unfused layer, the compiled
+program's temp memory, the measured choice (`moe_fusion`) behind fused=None, and the fused ops' bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_tune import AsQArray, moe_mlp, quantize
+from moe_tune.errors import UsageError
+from moe_tune.kernels.fused_moe.choice import LayerChoice, FusionConfig
+from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine
+
+TOKENS, HIDDEN, WIDTH, EXPERTS, TOP_K = 16, 32, 12, 8, 2
+
+
+def _layer(seed: int = 0, dtype=jnp.float32, tokens: int = TOKENS, hidden: int = HIDDEN, width: int = WIDTH):
+    rng = np.random.default_rng(seed)
+    normal = lambda shape, scale: jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+    return (normal((tokens, hidden), 1.0), normal((tokens, EXPERTS), 1.0).astype(jnp.float32),
+            normal((EXPERTS, hidden, width), hidden ** -0.5), normal((EXPERTS, hidden, width), hidden ** -0.5),
+            normal((EXPERTS, width, hidden), width ** -0.5))
+
+
+def _loss(fused, offset=None, **kw):
+    def loss(x, logits, gate, up, down):
+        out = moe_mlp(x, logits, gate, up, down, TOP_K, expert_offset=offset, fused=fused, **kw)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+
+@pytest.mark.parametrize("shard", [2])
+def test_fused_equals_unfused_forward_and_gradients(shard):
+    """Up to float32 accumulation order, on an expert-parallel shard (experts 2..5; the kernels' tests cover
+    whole layers)."""
+    x, logits, gate, up, down = _layer()
+    sl = slice(None) if shard is None else slice(shard, shard + 4)
+    args = (x, logits, gate[sl], up[sl], down[sl])
+    (_, fused_out), fused_grads = _loss(True, shard)(*args)
+    (_, plain_out), plain_grads = _loss(False, shard)(*args)
+    np.testing.assert_allclose(fused_out, plain_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(fused_grads, plain_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(want))))
+
+
+def test_bfloat16_and_quantized_weights():
+    x, logits, gate, up, down = _layer(1, jnp.bfloat16)
+    run = lambda fused, *w: jax.jit(lambda *a: moe_mlp(*a, TOP_K, fused=fused))(x, logits, *w)
+    np.testing.assert_allclose(run(True, gate, up, down).astype(np.float32),
+                               run(False, gate, up, down).astype(np.float32), rtol=0.05, atol=0.05)
+    q = [quantize(w.astype(jnp.float32), "int8", axis=1) for w in (gate, up, down)]
+    x = x.astype(jnp.float32)
+    fused = jax.jit(lambda *a: moe_mlp(*a, TOP_K, fused=True))(x, logits, *q)
+    np.testing.assert_allclose(fused, jax.jit(lambda *a: moe_mlp(*a, TOP_K, fused=False))(x, logits, *q),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_fused_temp_memory_is_smaller_by_the_removed_buffers():
+    """The compiled forward's temp memory (XLA's buffer assignment) drops by at least the two [tokens x top_k,
+    hidden] buffers the fused kernels do not write: the gathered rows and the expert outputs."""
+    tokens, hidden, top_k = 128, 256, 4
+    args = _layer(2, tokens=tokens, hidden=hidden, width=64)
+    temp = {fused: jax.jit(lambda *a, fused=fused: moe_mlp(*a, top_k, fused=fused)).lower(*args).compile()
+            .memory_analysis().temp_size_in_bytes for fused in (False, True)}
+    removed = 2 * tokens * top_k * hidden * 4
+    assert temp[False] - temp[True] >= removed, temp
+
+
+def test_fused_none_runs_the_choice_and_aqt_weights_stay_unfused(monkeypatch, caplog):
+    """fused=None asks moe_fusion (here its default, patched to unfused); quantization-aware weights cannot be
+    fused: None runs them unfused, True is a UsageError."""
+    x, logits, gate, up, down = _layer(3)
+    caplog.set_level(logging.INFO, logger="moe_tune")
+    monkeypatch.setattr(LayerChoice, "default_config", lambda self, problem: FusionConfig(fused=False))
+    jax.jit(lambda *a: moe_mlp(*a, TOP_K))(x, logits, gate, up, down)
+    ops = {r.getMessage().split(" ")[0] for r in caplog.records}
+    assert "moe_fusion" in ops and "ragged_gather" in ops and "fused_moe" not in ops, ops
+    monkeypatch.undo()
+    caplog.clear()
+    jax.jit(lambda *a: moe_mlp(*a, TOP_K))(x[:8], logits[:8], gate, up, down)  # another key (lookups are cached)
+    assert "fused_moe" in {r.getMessage().split(" ")[0] for r in caplog.records}  # the default: fused
+    aqt = AsQArray(gate, "int8")
+    out = moe_mlp(x, logits, aqt, up, down, TOP_K)  # None: unfused
+    assert out.shape == x.shape
+    with pytest.raises(UsageError, match="AsQArray"):
+        moe_mlp(x, logits, aqt, up, down, TOP_K, fused=True)
+
+
+def test_fused_ops_reject_bad_input():
+    x, _, gate, up, down = _layer(4)
+    rows = jnp.zeros((TOKENS * TOP_K,), jnp.int32)
+    sizes = jnp.full((EXPERTS,), 4, jnp.int32)
+    with pytest.raises(UsageError, match="activations"):
+        gather_gmm(x[:, :5], rows, gate, sizes)
+    with pytest.raises(UsageError, match="glu"):
+        gather_gmm(x, rows, (gate, up), sizes, glu="swish")
+    with pytest.raises(UsageError, match="group_offset"):
+        gather_gmm(x, rows, gate[:4], sizes)
+    h = jnp.zeros((TOKENS * TOP_K, WIDTH), jnp.float32)
+    with pytest.raises(UsageError, match="row_weights"):
+        gmm_combine(h, down, sizes, rows, jnp.ones((3,)), TOKENS)
+    with pytest.raises(UsageError, match="tokens"):
+        gmm_combine(h, down, sizes, rows, jnp.ones((TOKENS * TOP_K,)), 0)
