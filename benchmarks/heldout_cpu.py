@@ -129,6 +129,15 @@ def measure_ladders(view: Path, problems: list[Any], settings: Any) -> list[dict
     return found
 
 
+def held_intervals(view: Path) -> list[dict[str, Any]]:
+    """The intervals the ladder view holds (measured by an earlier `ladder` phase)."""
+    from moe_tune import devices
+    from moe_tune.profiles import dirs
+    from moe_tune.profiles.table import read_table
+
+    return list(read_table(dirs.table_path(view, devices.device_kind(), "ragged_dot"))["intervals"].values())
+
+
 def pick(view: Path, problem: Any) -> tuple[dict[str, Any], dict[str, Any], str]:
     """(the config lookup picks from the ladder view, the config nearest in log space picks, lookup's source)."""
     from moe_tune import devices
@@ -172,6 +181,24 @@ def compare(profile_dir: Path, view: Path, label: str, problem: Any, samples: in
             "spread": timed.spread, "unusable": timed.unusable, "method": timed.method, "samples": samples}
 
 
+def swept(profile_dir: Path, problem: Any) -> bool:
+    """Whether the held-out full sweep of `problem` has a complete entry."""
+    from moe_tune import devices
+    from moe_tune.profiles import dirs
+    from moe_tune.profiles.key import entry_key
+    from moe_tune.profiles.table import has_complete_entry
+
+    return has_complete_entry(dirs.table_path(profile_dir, devices.device_kind(), "ragged_dot"),
+                              entry_key("ragged_dot", problem, "tiled", "balanced"))
+
+
+def case_line(result: dict[str, Any]) -> str:
+    r = {k: "n/a" if v is None else f"{v:.3f}x" for k, v in result["ratio"].items()}
+    return (f"{result['kernel']} m={result['m']}: lookup {r['lookup']}, nearest {r['nearest']}, default "
+            f"{r['default']} the best ({result['lookup_source'].split(' (')[0]})"
+            + (f" unusable: {result['unusable']}" if result["unusable"] else ""))
+
+
 def summary(results: list[dict[str, Any]]) -> list[str]:
     lines = []
     for name in ("lookup", "nearest", "default"):
@@ -179,6 +206,14 @@ def summary(results: list[dict[str, Any]]) -> list[str]:
         if ratios:
             lines.append(f"{name:>8} / best over {len(ratios)} cases: median {statistics.median(ratios):.3f}x, "
                          f"worst {max(ratios):.3f}x, within 1.05x: {sum(r <= 1.05 for r in ratios)}")
+    differ = [r for r in results if r["configs"]["lookup"] != r["configs"]["nearest"]
+              and None not in (r["ratio"].get("lookup"), r["ratio"].get("nearest"))]
+    if differ:
+        lines.append(f"lookup and nearest pick different configs in {len(differ)} cases: lookup / best median "
+                     f"{statistics.median(r['ratio']['lookup'] for r in differ):.3f}x (worst "
+                     f"{max(r['ratio']['lookup'] for r in differ):.3f}x), nearest / best median "
+                     f"{statistics.median(r['ratio']['nearest'] for r in differ):.3f}x (worst "
+                     f"{max(r['ratio']['nearest'] for r in differ):.3f}x)")
     return lines
 
 
@@ -208,32 +243,34 @@ def main() -> int:
         from moe_tune.campaign.plan import parse_shard
 
         share = parse_shard(args.shard) if args.shard else None
-        sweep_all([at(p, m) for _, p in kernels(args.small) for m in ladder + held], settings, share)
+        sweep_all([at(p, m) for _, p in kernels(args.small) for m in ladder], settings, share)  # the ladder first
+        sweep_all([at(p, m) for _, p in kernels(args.small) for m in held], settings, share)
     if args.phase == "sweeps":
         return 0
     rungs = [at(p, m) for _, p in kernels(args.small) for m in ladder]
     view = ladder_view(args.profile_dir, rungs)
-    intervals = measure_ladders(view, rungs, settings) if args.phase != "compare" else []
+    intervals = measure_ladders(view, rungs, settings) if args.phase != "compare" else held_intervals(view)
     if args.phase == "ladder":
         return 0
     done = json.loads(args.json.read_text())["results"] if args.json is not None and args.json.exists() else []
-    seen = {(r["kernel"], r["m"]) for r in done}
-    results = list(done)
+    # a case compared before its ladder was complete (lookup had no interval for it then) is compared again
+    results = [r for r in done if r["lookup_source"].startswith("interval")]
+    seen = {(r["kernel"], r["m"]) for r in results}
     wanted = [int(c) for c in args.counts.split(",")] if args.counts else held
     # smallest counts first, every kernel at each: an interrupted run has covered all kernels evenly
     for m in sorted(wanted):
         for label, problem in kernels(args.small):
             if (label, m) in seen:
                 continue
+            if not swept(args.profile_dir, at(problem, m)):
+                print(f"{label} m={m}: not swept yet (rerun to compare it)", flush=True)
+                continue
             result = compare(args.profile_dir, view, label, at(problem, m), args.samples)
-            r = {k: "n/a" if v is None else f"{v:.3f}x" for k, v in result["ratio"].items()}
-            print(f"{label} m={m}: lookup {r['lookup']}, nearest {r['nearest']}, default {r['default']} the best "
-                  f"({result['lookup_source'].split(' (')[0]}){' unusable: ' if result['unusable'] else ''}"
-                  f"{result['unusable'] or ''}", flush=True)
+            print(case_line(result), flush=True)
             results.append(result)
             if args.json is not None:
                 _write(args.json, results, intervals, held, args)
-    lines = summary(results)
+    lines = [case_line(r) for r in sorted(results, key=lambda r: (r["m"], r["kernel"]))] + summary(results)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     lines.append(f"load: {load}")
     print("\n".join(lines))
