@@ -9,10 +9,10 @@ for a target chip picks that chip's kernel):
   XLA first: the kernel has no `transpose_rhs`), as 2-CTA pairs only (`collective`: JAX 0.10.2's kernel fails
   without them); drhs is refused: JAX has no tcgen05 transposed ragged dot,
   and its Hopper one uses wgmma, which sm_100 does not have (the op runs drhs on its plain-JAX fallback);
-- off a GPU the Hopper gmm runs in Mosaic GPU's interpreter (the Blackwell kernel cannot: "Unsupported memory
-  space: tmem") (what the tests check against the float64
-  references; dlhs with rhs transposed by XLA there, as the interpreter's wgmma cannot read a transposed
-  ref); the interpreter cannot run the tgmm kernel (see `chip_error`), so drhs off a GPU falls back.
+- off a GPU the Hopper gmm runs in Mosaic GPU's interpreter, which the tests check against the float64
+  references (dlhs with rhs transposed by XLA there: the interpreter's wgmma cannot read a transposed ref);
+  the interpreter cannot run the tgmm kernel (see `chip_error`), so drhs off a GPU falls back, nor the
+  Blackwell kernel ("Unsupported memory space: tmem").
 `mosaic_gpu_kernels.py` wraps the calls (padding, shards, zero rows); `mosaic_gpu_smem.py` counts shared
 memory the way Mosaic GPU does.
 
