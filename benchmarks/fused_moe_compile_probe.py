@@ -2,7 +2,7 @@
 (scoped VMEM), triton for an H100 (shared memory).
 
     PYTHONPATH=src .venv/bin/python benchmarks/fused_moe_compile_probe.py [--per 2] [--label session12]
-        [--quant int8 | --quant fp8]
+        [--quant int8 | --quant fp8] [--backends pallas_tpu,triton] [--dtypes bfloat16,float32]
 
 For one Qwen3-30B-A3B layer (hidden 2048, expert width 768, 128 experts, top-8) at 512 and 4096 tokens, in
 bfloat16 and float32 (with `--quant`: bfloat16 activations at 512 tokens, int8 weights per channel or
@@ -75,13 +75,17 @@ def main() -> None:
     parser.add_argument("--per", type=int, default=2)
     parser.add_argument("--label", default="session12")
     parser.add_argument("--quant", choices=["int8", "fp8"], default=None)
+    parser.add_argument("--backends", default="pallas_tpu,triton", help="comma-separated subset")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated subset (float runs)")
     args = parser.parse_args()
     op = get_op("fused_moe")
     jobs, meta = [], []
     for name, target_name in (("pallas_tpu", "v5e"), ("triton", "h100")):
+        if name not in args.backends.split(","):
+            continue
         target, backend = get_target(target_name), op.backends.get(name)
         with acting_as(target):
-            cases = [(512, "bfloat16")] if args.quant else itertools.product((512, 4096), ("bfloat16", "float32"))
+            cases = [(512, "bfloat16")] if args.quant else itertools.product((512, 4096), args.dtypes.split(","))
             for tokens, dtype in cases:
                 for problem in problems(tokens, dtype, args.quant):
                     for config in pick(backend, problem, args.per):

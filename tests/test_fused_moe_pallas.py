@@ -89,21 +89,23 @@ def rounded(x, dtype):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_gather_gmm_shard_glu_float32(name):
-    """Local groups 1..2 of 4, group 1 empty; rows outside the shard index past the tokens (never read)."""
+def test_gather_gmm_shard_glu_bfloat16(name):
+    """Local groups 1..2 of 4, group 1 empty; rows outside the shard index past the tokens (never read);
+    bfloat16 x with k = 2 x 128, which pallas_tpu gathers as uint32 pairs of its halves, over two k steps."""
     backend, config, _ = BACKENDS[name]
     rows, sizes = routing(0, experts=(0, 2, 3))
     norm, offset, start, end = shard(sizes, 1, 2)
     rows[:start], rows[end:] = T + 7, -3
     rng = np.random.default_rng(1)
-    x, x64 = rounded(rng.standard_normal((T, K)), "float32")
-    w, w64 = rounded(rng.standard_normal((2, K, 2 * F)) / 16, "float32")
-    out = backend.gather_gmm(x, jnp.asarray(rows), w, norm, config=config, out_dtype=jnp.float32,
+    x, x64 = rounded(rng.standard_normal((T, K)), "bfloat16")
+    w, w64 = rounded(rng.standard_normal((2, K, 2 * F)) / 16, "bfloat16")
+    out = backend.gather_gmm(x, jnp.asarray(rows), w, norm, config=config, out_dtype=jnp.bfloat16,
                              group_offset=offset, glu="silu")
-    assert out.shape == (M, F) and out.dtype == jnp.float32
+    assert out.shape == (M, F) and out.dtype == jnp.bfloat16
     ref = gather_gmm_reference(x64, np.clip(rows, 0, T - 1), w64, sizes, group_offset=1, glu="silu")
-    close(out, ref, "float32")
-    assert np.all(np.asarray(out)[:start] == 0) and np.all(np.asarray(out)[end:] == 0)
+    close(out, ref, "bfloat16")
+    out = np.asarray(out, np.float32)
+    assert np.all(out[:start] == 0) and np.all(out[end:] == 0)
 
 
 @pytest.mark.parametrize("name", BACKENDS)

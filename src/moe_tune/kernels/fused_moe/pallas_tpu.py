@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend
-from moe_tune.kernels.fused_moe.pallas_tpu_kernels import pallas_gather_gmm, pallas_gmm_combine
+from moe_tune.kernels.fused_moe.pallas_tpu_kernels import packs_halves, pallas_gather_gmm, pallas_gmm_combine
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.pallas_util import round_up, sublanes
 from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
@@ -94,8 +94,9 @@ def vmem_bytes(config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> int:
     if problem.rhs_qdtype:  # the scale blocks, whole along k, and the dequantized float32 block
         cols = tk if problem.transpose_rhs else tn
         need += weights * (2 * round_up(problem.k // problem.rhs_qblock, 8) * cols * 4 + tk * tn * 4)
-    if d.gathers:  # row scratch (float32: 16-bit x is staged), output block, glu's epilogue temporaries
-        need += tm * d.kc * 4 + 2 * tm * tn * item + (2 * tm * tn * 4 if d.glu else 0)
+    if d.gathers:  # row scratch (32-bit rows: bfloat16 pairs or float32), output block, glu's temporaries
+        row_bytes = d.kc * (2 if packs_halves(problem.dtype, d.kc, tk) else 4)
+        need += tm * row_bytes + 2 * tm * tn * item + (2 * tm * tn * 4 if d.glu else 0)
     else:  # h blocks, the float32 slab
         need += 2 * tm * tk * item + problem.tokens * tn * 4
     return need

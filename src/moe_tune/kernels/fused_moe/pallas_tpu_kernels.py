@@ -22,8 +22,10 @@ row tile shared by two groups is visited twice in a row for the same output bloc
   their NaN cannot leak. The finished slab is DMAed to the float32 [tokens, n] output once per n tile.
 
 Packed 16-bit x cannot be copied one row at a time by Mosaic (its tiles hold row pairs; see
-`gather/pallas_tpu.py`), so gather_gmm stages a bfloat16 x as float32 ([tokens, k], not [m, k]) and casts
-the tile back to bfloat16 for the MXU.
+`gather/pallas_tpu.py`), so gather_gmm stages a bfloat16 x ([tokens, k], not [m, k]) as 32-bit rows: when
+`tk` tiles one half of k (or is all of k), column j and column j + k/2 share one uint32 (`pack_halves`), so
+the gathered bytes stay those of bfloat16, and a k step unpacks its half exactly (bfloat16 is the top half
+of a float32); otherwise as float32.
 
 Quantized weights (QArray int8 / float8_e4m3fn, scale [g, k / bs, n]) stay 1-byte in HBM and VMEM; each
 weight block is dequantized in float32 in sub-blocks of min(tile, bs) rows along the forward k (which the
@@ -62,6 +64,41 @@ def _schedule(group_sizes, group_offset, *, m_padded: int, tm: int, groups: int)
                                group_offset=0 if group_offset is None else group_offset)
     info = jnp.stack([meta.num_visits, meta.group_starts[0], meta.group_ends[groups - 1]]).astype(jnp.int32)
     return meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, info
+
+
+def packs_halves(dtype, kc: int, tk: int) -> bool:
+    """Whether gather_gmm stages a 16-bit x [tokens, kc] as uint32 halves (else as float32): bfloat16 with
+    every k step inside one lane-aligned half (tk divides kc / 2), or one step over all of kc."""
+    half = kc // 2
+    return jnp.dtype(dtype) == jnp.bfloat16 and kc % (2 * 128) == 0 and (half % tk == 0 or tk == kc)
+
+
+def pack_halves(x: jax.Array) -> jax.Array:
+    """bfloat16 [tokens, kc] -> uint32 [tokens, kc / 2]: low 16 bits column j, high 16 bits column j + kc/2."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    half = x.shape[1] // 2
+    return bits[:, :half] | (bits[:, half:] << 16)
+
+
+def _unpack(u: jax.Array, high) -> jax.Array:
+    """float32 values of the bfloat16 halves of uint32 `u`: the high ones where `high` (a bool scalar), else
+    the low ones (a bfloat16 is a float32 whose low 16 bits are zero)."""
+    bits = jnp.where(high, u & jnp.uint32(0xFFFF0000), u << 16)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _lhs_step(xbuf, kk, *, tk: int, kc: int, packed: bool, dtype) -> jax.Array:
+    """Columns [kk * tk, (kk + 1) * tk) of the gathered rows in the dot's dtype."""
+    if not packed:
+        return xbuf[:, pl.ds(pl.multiple_of(kk * tk, tk), tk)].astype(dtype)
+    half = kc // 2
+    if tk == kc:
+        u = xbuf[...]
+        return jnp.concatenate([_unpack(u, False), _unpack(u, True)], axis=1).astype(dtype)
+    start = kk * tk
+    high = start >= half
+    u = xbuf[:, pl.ds(pl.multiple_of(jnp.where(high, start - half, start), tk), tk)]
+    return _unpack(u, high).astype(dtype)
 
 
 def _dot(a, w, transpose_rhs: bool):
@@ -111,8 +148,8 @@ def _split_weights(refs, n_views: int, quantized: bool):
     return views, refs[n_views * step:]
 
 
-def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm, tk, tn, k_steps, dmas, glu,
-                       transpose_rhs, dot_dtype, quant_block):
+def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm, tk, tn, kc, dmas, glu,
+                       transpose_rhs, dot_dtype, quant_block, packed):
     """gid / tid int32 [visits], starts / ends int32 [groups], info int32 [3], rows_ref int32 [m_p] (SMEM);
     x_hbm [tokens, kc] in HBM; weight views (1, or 2 with glu), each with its scale block when quantized
     (`_rhs_specs`); o_ref [tm, tn]; xbuf [tm, kc]; acc f32 (1 or 2); sems DMA [dmas]."""
@@ -146,12 +183,12 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
             for acc in accs:
                 acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-        a = xbuf[:, pl.ds(pl.multiple_of(kk * tk, tk), tk)].astype(dot_dtype)
+        a = _lhs_step(xbuf, kk, tk=tk, kc=kc, packed=packed, dtype=dot_dtype)
         for acc, (w_ref, s_ref) in zip(accs, views):
             w = _weight_block(w_ref, s_ref, row_index, tile=row_tile, block=quant_block, dtype=dot_dtype)
             acc[...] += _dot(a, w, transpose_rhs)
 
-        @pl.when(kk == k_steps - 1)
+        @pl.when(kk == kc // tk - 1)
         def _():
             out = accs[0][...]
             if glu:
@@ -179,12 +216,13 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
     tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
     visits = tables[0].shape[0]
     # Mosaic copies 32-bit rows only: stage a 16-bit x as float32 (a [tokens, kc] copy, not [m, kc]).
-    staged = x if x.dtype.itemsize == 4 else x.astype(jnp.float32)
+    packed = packs_halves(x.dtype, kc, tk)
+    staged = pack_halves(x) if packed else x if x.dtype.itemsize == 4 else x.astype(jnp.float32)
     dot_dtype = x.dtype if scale is not None else jnp.promote_types(x.dtype, rhs.dtype)
     n_acc = 2 if glu else 1
     scale_rows, block = _scale_layout(rhs, scale)
-    kernel = functools.partial(_gather_gmm_kernel, tm=tm, tk=tk, tn=tn, k_steps=kc // tk, dmas=dmas_in_flight,
-                               glu=glu, transpose_rhs=transpose_rhs, dot_dtype=dot_dtype, quant_block=block)
+    kernel = functools.partial(_gather_gmm_kernel, tm=tm, tk=tk, tn=tn, kc=kc, dmas=dmas_in_flight, glu=glu,
+                               transpose_rhs=transpose_rhs, dot_dtype=dot_dtype, quant_block=block, packed=packed)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),  # a ragged last row tile is clipped on write
@@ -194,7 +232,7 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
             in_specs=[pl.BlockSpec(memory_space=pl.ANY),
                       *_rhs_specs(tk, tn, transpose_rhs, n_out // tn if glu else None, scale_rows)],
             out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, gid, tid, *_: (tid[v], j)),
-            scratch_shapes=[pltpu.VMEM((tm, kc), staged.dtype),
+            scratch_shapes=[pltpu.VMEM((tm, staged.shape[1]), staged.dtype),
                             *[pltpu.VMEM((tm, tn), jnp.float32)] * n_acc,
                             pltpu.SemaphoreType.DMA((dmas_in_flight,))],
         ),
@@ -202,7 +240,7 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary", "arbitrary")),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * kc * n_w, transcendentals=m * n_out if glu else 0,
-            bytes_accessed=m * kc * staged.dtype.itemsize + rhs.size * rhs.dtype.itemsize
+            bytes_accessed=m * staged.shape[1] * 4 + rhs.size * rhs.dtype.itemsize
             + m * n_out * jnp.dtype(out_dtype).itemsize),
         interpret=_interpret(),
         name="moe_tune_gather_gmm",
