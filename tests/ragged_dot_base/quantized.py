@@ -61,10 +61,10 @@ QUANT_MODES = {
     "dlhs_weight_sub_channel": QuantMode("dlhs", None, 8),
     "drhs_lhs_per_row": QuantMode("drhs", "k", None),
     "drhs_lhs_sub_channel": QuantMode("drhs", 8, None),
-    # 4-bit weights (weight-only, fwd and dlhs: the weights are constants): mxfp4 in its blocks of 32 (two
-    # along k, so the scale steps inside k); int4 in blocks runs through the op (the 4-bit test below)
+    # 4-bit weights (weight-only; their dlhs runs through the op in the 4-bit test below): mxfp4 in its
+    # blocks of 32 (two along k, so the scale steps inside k), int4 in blocks of 16
     "fwd_weight_mxfp4": QuantMode("fwd", None, 32, "float4_e2m1fn", k=64),
-    "dlhs_weight_mxfp4": QuantMode("dlhs", None, 32, "float4_e2m1fn", k=64),
+    "fwd_weight_int4_sub_channel": QuantMode("fwd", None, 16, "int4"),
     # activations quantized in the kernel (dynamic w8a8): per row with per-channel int8 weights (int8 x int8),
     # and in blocks of 16 with int4 weights in blocks of 16
     "fwd_dynamic_w8a8_per_row": QuantMode("fwd", "k", "k", "int8", "int8", dynamic=True),
@@ -222,11 +222,11 @@ class QuantizedTests(BackendHooks):
             pytest.skip(f"{self.backend} runs no quantized operands")
 
     def test_4bit_weights_and_activations_quantized_in_the_kernel_through_the_op_and_its_vjp(self):
-        """The public op with int4 weights in blocks of 16: weight-only with float32 activations, and with
-        bfloat16 ones quantized in the kernel (`lhs_quant="int8"`, dynamic w8a8, in the weights' blocks),
-        jitted with its VJP: out against the float64 reference of the quantized-then-dequantized operands,
-        lhs's gradient the straight-through one (dout times the dequantized weights) in lhs's dtype, the
-        weights a constant. A backend that refuses them is skipped."""
+        """The public op with int4 weights in blocks of 16 and bfloat16 activations quantized in the kernel
+        (`lhs_quant="int8"`, dynamic w8a8, in the weights' blocks), jitted with its VJP: out against the
+        float64 reference of the quantized-then-dequantized operands, lhs's gradient the straight-through one
+        (the int4 weight-only dlhs: dout times the dequantized weights) in lhs's dtype, the weights a
+        constant. A backend that refuses them is skipped."""
         rng = np.random.default_rng(5)
         x = rng.standard_normal((QM, QK), np.float32)
         rhs = quantize(jnp.asarray(rng.standard_normal((len(QSIZES), QK, QN), np.float32) / np.sqrt(QK)), "int4",
@@ -234,7 +234,7 @@ class QuantizedTests(BackendHooks):
         dout = jnp.asarray(rng.standard_normal((QM, QN), np.float32))
         sizes = jnp.asarray(QSIZES, jnp.int32)
         ran = 0
-        for lhs_quant, dtype in ((None, "float32"), ("int8", "bfloat16")):
+        for lhs_quant, dtype in (("int8", "bfloat16"),):
             lhs = jnp.asarray(x, dtype)
             a = lhs if lhs_quant is None else DynamicQuant(lhs, lhs_quant, 16)
             problem = RaggedDotProblem.from_arrays(a, rhs, sizes, preferred_element_type=jnp.float32)
