@@ -66,7 +66,7 @@ def load(block: jax.Array, dtype, compute, scale: jax.Array | float | None = Non
 
 # 4-bit values (int4, float4_e2m1fn). XLA CPU stores them packed, two a byte along the last axis (the even
 # element in the low nibble), but reads them element by element: a dynamic slice and convert of an int4
-# block inside a loop ran 3x slower than the int8 one (benchmarks/NOTES.md 19). A bitcast of the whole array
+# block inside a loop ran 3x slower than the int8 one (benchmarks/NOTES.md 18). A bitcast of the whole array
 # to its bytes outside the loop is free, so the kernels carry those bytes (`packed_bytes`), slice them, and
 # unpack each loaded block with integer ops (`load_nibbles`): the even and the odd elements as two arrays,
 # which the kernels multiply separately (no interleave of the weights).
@@ -91,7 +91,7 @@ def e2m1_to_float32(code: jax.Array) -> jax.Array:
 def load_nibbles(block: jax.Array, odd: bool, dtype, compute, scale: jax.Array | float | None = None) -> jax.Array:
     """The even (`odd` False) or odd elements of a `packed_bytes` block (uint8 [..., c/2]) of 4-bit `dtype`
     values, in the `compute` dtype, times `scale` (float32). The bytes are widened to 32 bits first: XLA
-    CPU's shifts and masks on 8-bit lanes ran about 2x slower (NOTES 19)."""
+    CPU's shifts and masks on 8-bit lanes measured slower in one noisy run (NOTES 18)."""
     word = block.astype(jnp.int32)
     if jnp.dtype(dtype) == jnp.int4:  # the nibble moved to the top, then sign-extended by an arithmetic shift
         values = jax.lax.shift_right_arithmetic(jax.lax.shift_left(word, 24 if odd else 28), 28)
