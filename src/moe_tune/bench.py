@@ -5,6 +5,7 @@ rounds (`time_variants`).
   vs a dense matmul of the same FLOPs.
 - dispatch / combine (`compare_gather` -> `GatherComparison`): tuned vs default config vs the plain-JAX
   fallback vs a copy of the same bytes (this machine's copy bandwidth, measured in the same rounds).
+- the fused-or-not choice of a layer (`compare_fusion` -> `FusionComparison`): `moe_mlp` fused and unfused.
 """
 
 from __future__ import annotations
@@ -139,6 +140,44 @@ class GatherComparison(Comparison):
                 f"{self.times_s['output_write'] * 1e3:.3f} ms")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FusionComparison(Comparison):
+    """`moe_fusion`: one `moe_mlp` layer with its experts fused and unfused, side by side (times `fused` and
+    `unfused`; `tuned` is the looked-up choice's, `default` the heuristic one's). No roofline: copy_gbps and
+    roofline_s are 0."""
+
+    baseline: ClassVar[str] = "unfused"
+
+    def baseline_advice(self) -> str:
+        return "pass fused=False to moe_mlp for this shape"
+
+    def reference(self) -> str:
+        return (f"fused {self.times_s['fused'] * 1e3:.3f} ms, unfused {self.times_s['unfused'] * 1e3:.3f} ms "
+                f"(unfused/fused {self.ratios['unfused_vs_fused']:.2f})")
+
+
+def compare_fusion(problem: Any, tuned: KernelConfig, *, samples: int = 7, distribution: str = distributions.DEFAULT,
+                   seed: int = 1) -> FusionComparison:
+    """The layer fused and unfused (each with its kernels' looked-up configs), timed interleaved."""
+    kernel_op = get_op("moe_fusion")
+    impl = kernel_op.backends.get("layer")
+    default = impl.default_config(problem)
+    inputs = jax.device_put(kernel_op.make_inputs(problem, distribution, seed))
+    paths = {"fused": True, "unfused": False}
+    timed = time_variants({name: (lambda a, fused=fused: kernel_op.run(impl, impl.config_cls(fused=fused), problem, a))
+                           for name, fused in paths.items()}, inputs, samples=samples)
+    times, spread = dict(timed["times_s"]), dict(timed["spread"])
+    for label, config in (("tuned", tuned), ("default", default)):
+        path = "fused" if config.fused else "unfused"
+        times[label], spread[label] = times[path], spread[path]
+    ratios = {"unfused_vs_tuned": times["unfused"] / times["tuned"], "default_vs_tuned": times["default"] / times["tuned"],
+              "unfused_vs_fused": times["unfused"] / times["fused"]}
+    return FusionComparison(backend=impl.name, tuned_config=tuned.to_dict(), default_config=default.to_dict(),
+                            times_s=times, spread=spread, timing_method=timed["timing_method"],
+                            timing_fallback=timed["timing_fallback"], copy_gbps=0.0, roofline_s=0.0, ratios=ratios,
+                            op="moe_fusion", shape=problem.key_fields())
+
+
 def time_variants(variants: Mapping[str, Callable[[Any], Any]], inputs: Any, *, samples: int = 7) -> dict[str, Any]:
     """Compile each `fn(inputs)` once, then time them all interleaved: times_s (medians), spread,
     timing_method, timing_fallback."""
@@ -271,6 +310,8 @@ def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: in
     found = kernel_op.lookup(problem, backend=backend, distribution=distribution)
     if isinstance(problem, RaggedDotProblem):
         result = compare(problem, found.backend, found.config, samples=samples, distribution=distribution)
+    elif op == "moe_fusion":
+        result = compare_fusion(problem, found.config, samples=samples, distribution=distribution)
     else:
         result = compare_gather(op, problem, found.backend, found.config, samples=samples, distribution=distribution)
     marks = tuple(evidence.marks(found.entry)) if found.entry is not None else ()

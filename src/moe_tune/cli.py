@@ -275,6 +275,9 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
         cases = [(case.op, case.problem) for _, case in presets.layer_cases(
             presets.get_preset(model), shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
             quant=quant_options(shape))]
+        cases += [(case.op, case.problem) for _, case in presets.layer_cases(  # the layer fused vs unfused
+            presets.get_preset(model), shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
+            quant=quant_options(shape), direction="fwd") if case.op == "moe_fusion"]
     else:
         cases = [(op, problem) for problem in problems(op, direction, shape)]
     distribution = distribution or distributions.DEFAULT

@@ -30,8 +30,10 @@ from moe_tune.kernels.fused_moe.definition import FUSED_MOE
 from moe_tune.kernels.fused_moe.plain_jax import local_rows
 from moe_tune.kernels.fused_moe.problem import DIRECTIONS, FusedMoeProblem
 from moe_tune.kernels.kernel_op import freeze_config
+from moe_tune.kernels.gather.definition import RAGGED_GATHER
+from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
-from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, select_shard
+from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, group_bounds, select_shard
 from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, RaggedDotProblem, dtype_name
 from moe_tune.quant import QArray, check_operand
 
@@ -97,6 +99,19 @@ def _tgmm(lhs, dout, group_sizes, group_offset, *, groups: int, out_dtype, distr
     return resolved.backend.run(problem, resolved.config, lhs, dout, group_sizes, group_offset)
 
 
+def _gather_rows(a, rows, group_sizes, group_offset, *, groups: int, weights=None, distribution: str | None):
+    """[m, width]: a[rows[i]] (* weights[i]) on the shard's rows [start, end), 0 elsewhere: the tuned dispatch
+    kernel (`ragged_gather`'s), which the backward's drhs reads (XLA CPU's own row gather was 2.5 s of a 35 s
+    training step at qwen3-30b-a3b prefill, benchmarks/results/fused_cpu_*)."""
+    m = rows.shape[0]
+    starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
+    problem = GatherProblem(tokens=a.shape[0], rows=m, hidden=a.shape[1], dtype=dtype_name(a.dtype),
+                            weighted=weights is not None)
+    options = {} if distribution is None else {"distribution": distribution}
+    resolved = RAGGED_GATHER.resolve_config(None, problem, **options)
+    return resolved.backend.gather(a, rows, starts[0], ends[groups - 1], weights, config=resolved.config)
+
+
 def _constant(rhs) -> bool:
     """Whether the weights are QArrays: autodiff constants (no gradient, its kernel not run)."""
     return isinstance(weight_parts(rhs)[0], QArray)
@@ -152,8 +167,8 @@ def _gather_gmm_bwd(call: _Call, residuals, dout):
     dx = call.gmm_combine("bwd", dh, rhs, group_sizes, rows, jnp.ones((m,), jnp.float32), group_offset)
     drhs = _no_grad(rhs)
     if not _constant(rhs):  # the rows gathered for it: the drhs kernel reads [m, k]
-        valid = local_rows(group_sizes, m, call.problem.groups, group_offset)
-        gathered = jnp.take(x, jnp.where(valid, rows, 0), axis=0, mode="clip")
+        gathered = _gather_rows(x, rows, group_sizes, group_offset, groups=call.problem.groups,
+                                distribution=call.distribution)
         drhs = _weights_grad(rhs, gathered, dh, group_sizes, group_offset, groups=call.problem.groups,
                              distribution=call.distribution)
     return dx.astype(x.dtype), None, drhs, None, None
@@ -190,9 +205,10 @@ def _gmm_combine_bwd(skip_zero_weights, call: _Call, residuals, dout):
     safe_h = jnp.where(valid[:, None], h.astype(jnp.float32), 0.0)  # rows outside may hold NaN
     dweights = jnp.where(valid, jnp.einsum("rf,rf->r", safe_h, g), 0.0).astype(weights.dtype)
     drhs = _no_grad(rhs)
-    if not _constant(rhs):  # the d(out) rows gathered for it: the drhs kernel reads them
-        dout_rows = jnp.take(dout, jnp.where(valid, rows, 0), axis=0, mode="clip")
-        drhs = _weights_grad(rhs, (safe_h * w32[:, None]).astype(h.dtype), dout_rows, group_sizes, group_offset,
+    if not _constant(rhs):  # the weighted d(out) rows gathered for it: the drhs kernel reads them
+        dout_rows = _gather_rows(dout, rows, group_sizes, group_offset, groups=call.problem.groups,
+                                 weights=jnp.where(valid, w32, 0.0), distribution=call.distribution)
+        drhs = _weights_grad(rhs, safe_h.astype(h.dtype), dout_rows, group_sizes, group_offset,
                              groups=call.problem.groups, distribution=call.distribution)
     return dh, drhs, None, None, dweights, None
 
