@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from moe_tune import profiles  # noqa: E402
 from moe_tune.kernels import use_backend  # noqa: E402
+from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine  # noqa: E402
 from moe_tune.kernels.gather import dense_gather_reduce, ragged_gather, ragged_gather_reduce  # noqa: E402
 from moe_tune.kernels.ragged_dot import ragged_dot  # noqa: E402
 from moe_tune.moe import moe_mlp  # noqa: E402
@@ -16,5 +17,5 @@ from moe_tune.quant import AsQArray, DynamicQuant, QArray, dequantize, from_chec
 from moe_tune.routing import use_distribution  # noqa: E402
 
 __all__ = ["AsQArray", "DynamicQuant", "QArray", "__version__", "dense_gather_reduce", "dequantize", "from_checkpoint",
-           "moe_mlp", "profiles", "quantize", "ragged_dot", "ragged_gather", "ragged_gather_reduce", "use_backend", "use_distribution",
+           "gather_gmm", "gmm_combine", "moe_mlp", "profiles", "quantize", "ragged_dot", "ragged_gather", "ragged_gather_reduce", "use_backend", "use_distribution",
            "use_profiles"]
