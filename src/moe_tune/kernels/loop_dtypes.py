@@ -66,15 +66,18 @@ def load(block: jax.Array, dtype, compute, scale: jax.Array | float | None = Non
 
 # 4-bit values (int4, float4_e2m1fn). XLA CPU stores them packed, two a byte along the last axis (the even
 # element in the low nibble), but reads them element by element: a dynamic slice and convert of an int4
-# block inside a loop ran 3x slower than the int8 one (benchmarks/NOTES.md 18). A bitcast of the whole array
-# to its bytes outside the loop is free, so the kernels carry those bytes (`packed_bytes`), slice them, and
-# unpack each loaded block with integer ops (`load_nibbles`): the even and the odd elements as two arrays,
-# which the kernels multiply separately (no interleave of the weights).
+# block inside a loop ran at 0.27x the int8 one's speed (benchmarks/NOTES.md 18). The kernels instead carry
+# the array's bytes (`packed_bytes`), slice those, and unpack each loaded block with integer ops
+# (`load_nibbles`): the even and the odd elements as two arrays, which the kernels multiply separately (no
+# interleave of the weights). The bitcast to bytes is not free either: XLA CPU expands it into one pass over
+# the weights per call (40% of the int4/128 decode kernel's time in its breakdown, NOTES 18), still faster in
+# the loop benchmark than converting int4 blocks in the loop.
 
 
 def packed_bytes(x: jax.Array) -> jax.Array:
     """4-bit x [..., c] (c even) -> uint8 [..., c/2], the bytes that hold it (element 2j in the low nibble of
-    byte j). A bitcast: free outside a loop."""
+    byte j). One pass over x on XLA CPU (its bitcast of a 4-bit array is expanded into a loop), so done once,
+    outside the kernel's loops."""
     return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint8)
 
 

@@ -98,7 +98,7 @@ def tiled_ragged_dot(
     plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, lhs_quant, transpose_rhs=transpose_rhs).kernel_plan()
     plan = plan.with_dequantize(dequantize)
     dots = tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
-    rhs = packed_bytes(rhs) if dots.packed else rhs  # outside the loops: a free bitcast (loop_dtypes)
+    rhs = packed_bytes(rhs) if dots.packed else rhs  # once, outside the loops: one pass (loop_dtypes)
     product = functools.partial(dlhs_product if transpose_rhs else fwd_product, dots=dots)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
