@@ -288,6 +288,7 @@ def test_bench_model_covers_every_kernel_of_a_layer(run):
                  "--samples", "1")
     assert result.exit_code == 0, result.output
     assert result.output.count("xla/tuned") == 6 and result.output.count("fallback/tuned") == 2
+    assert result.output.count("unfused/tuned") == 1  # the layer fused vs unfused (moe_fusion)
 
 
 def test_a_profile_dir_that_cannot_be_written_is_one_line_and_exit_1(run, tmp_path):
