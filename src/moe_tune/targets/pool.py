@@ -2,8 +2,11 @@
 
 Each worker is a fresh `python -m moe_tune.targets.worker` with the compile-only wheels on its path
 (`wheels.worker_env`), so the process using the pool never loads libtpu or the CUDA plugin. A worker keeps
-its topologies between jobs. A job that kills its worker (an LLVM fatal error aborts the process) is a
-`crashed` result naming the last error the worker printed, and the worker is replaced.
+its topologies between jobs, but serves one GPU target only: once a process has compiled Mosaic GPU code for
+one compute capability, ptxas rejects another's (sm_100 after sm_90: "SM version specified by .target is higher
+than default SM version assumed"), so a job for another GPU target gets a fresh worker. A job that kills its
+worker (an LLVM fatal error aborts the process) is a `crashed` result naming the last error the worker printed,
+and the worker is replaced.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class _Worker:
     """One worker process and the file its stderr goes to."""
 
     def __init__(self) -> None:
+        self.gpu_target: str | None = None  # the one GPU target this process has compiled for
         self.stderr = tempfile.TemporaryFile(mode="w+b")
         self.proc = subprocess.Popen([sys.executable, "-m", "moe_tune.targets.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, env=wheels.worker_env(), text=True)
@@ -107,6 +111,10 @@ class _Worker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def serves(self, target: str) -> bool:
+        """Whether this process may compile for `target` (alive, and no other GPU target compiled in it)."""
+        return self.alive and (get_target(target).platform != "gpu" or self.gpu_target in (None, target))
+
     def close(self) -> None:
         if self.alive:
             self.proc.stdin.close()
@@ -144,7 +152,7 @@ class CompilePool:
             wheels.require(platform)
         results: list[CompileResult | None] = [None] * len(jobs)
         todo: queue.Queue[int] = queue.Queue()
-        for index in range(len(jobs)):
+        for index in sorted(range(len(jobs)), key=lambda i: jobs[i].target):  # one target's jobs together
             todo.put(index)
         errors: list[BaseException] = []
 
@@ -155,11 +163,13 @@ class CompilePool:
                         index = todo.get_nowait()
                     except queue.Empty:
                         return
-                    worker = self._workers[slot]
-                    if worker is None or not worker.alive:
+                    worker, target = self._workers[slot], jobs[index].target
+                    if worker is None or not worker.serves(target):
                         if worker is not None:
                             worker.close()
                         worker = self._workers[slot] = _Worker()
+                    if get_target(target).platform == "gpu":
+                        worker.gpu_target = target
                     results[index] = result = worker.run(index, jobs[index], self.timeout)
                     if on_result is not None:
                         with self._lock:
