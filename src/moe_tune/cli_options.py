@@ -244,6 +244,10 @@ class SweepCases:
         return f"{self.layer[0]}: {sweeps} kernel sweeps on {device_kind} {self.layer[1]}"
 
 
+LADDER_NOTE = ("a ladder: after its sweeps, where neighbouring counts' winners differ, both are timed between "
+               "them and the table gets intervals with measured boundaries")
+
+
 def sweep_cases(op: str, direction: str, backend: str | None, model: str | None, shape: dict[str, Any], *,
                 campaign_flags: bool, ladder: bool = False) -> SweepCases:
     """The cases of `sweep`: one per direction (and per combination of listed shape values) of `op`, or every
@@ -253,9 +257,10 @@ def sweep_cases(op: str, direction: str, backend: str | None, model: str | None,
     from moe_tune.campaign.plan import model_campaign_cases, op_cases
 
     ladder = ladder or any(isinstance(v, LadderCounts) for v in shape.values())
+    said = [LADDER_NOTE] if ladder else []
     if model is None:
         several_ = campaign_flags or several(shape)
-        return SweepCases(op_cases(op, problems(op, direction, shape, grid=several_)), backend=backend,
+        return SweepCases(op_cases(op, problems(op, direction, shape, grid=several_)), said, backend,
                           several=several_, ladder=ladder)
     ctx = click.get_current_context()
     explicit = [name for name in ("op",) if ctx.get_parameter_source(name).name != "DEFAULT"]
@@ -268,7 +273,7 @@ def sweep_cases(op: str, direction: str, backend: str | None, model: str | None,
     # only the ragged_dot kernels are quantized
     cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape), direction=runs)
     several_ = len(models) > 1 or len(eps) > 1 or models == ["all"] or campaign_flags
-    return SweepCases(cases, notes, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"),
+    return SweepCases(cases, notes + said, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"),
                       ladder)
 
 
