@@ -1,20 +1,24 @@
-"""Warm start against cold on this CPU: what a coordinate sweep of a new shape costs to reach a config within
-1.05x of the best known, when the nearest shapes are already tuned (a ladder of token counts of the
-`strategies_cpu.py` shape), and what it ends with.
+"""Warm start against cold on this CPU: what a sweep of a new shape costs to return a config within 1.05x of
+the best known, when the nearest shapes are already tuned (a ladder of token counts of the `strategies_cpu.py`
+shape, m=2048 k=2048 n=768 groups=16, among them), and what it ends with.
 
     .venv/bin/python benchmarks/warm_start_cpu.py [--ms 256,512,1024,2048] [--k 2048 --n 768 --groups 16]
         [--samples 3] [--grids DIR] [--json OUT]
 
 1. Every count of the ladder is swept with `grid` (cold, each in its own profile dir `DIR/grid_<m>`; with
    `--grids DIR`, the entries an earlier run left there are used instead): the tuned neighbours of the others.
-2. For each count, `coordinate` runs cold (`--cold`, an empty dir) and warm (a dir holding the grid entries of
-   the other counts of the ladder, never its own), alternating which goes first.
+2. For each count, `coordinate` runs cold (`--cold`, an empty dir) and the default strategy (`grid`) runs warm
+   (a dir holding the grid entries of the other counts of the ladder, never its own: with seeds it is the
+   warm local search of `tuner/strategies.py`; `coordinate` with seeds runs the same search), alternating
+   which goes first.
 3. Then every config either run measured, and the grid's winner, are compiled once and timed side by side,
    interleaved in the same trace rounds (`bench.time_variants`): the reference that load drifting between
    runs cannot bias. "Good" = within 1.05x of the fastest of them (the grid winner included).
 4. Per run: the candidates and wall time until its first good config was measured (each candidate's finish
-   is when its line reached the sweep log), the whole run's candidates and wall time, and its winner's
-   side-by-side time over the grid winner's (1.00 = as good as the full grid).
+   is when its line reached the sweep log), the whole run's candidates and wall time (a sweep returns its
+   config only at its end: this is the cost to a good config when its winner is good), and its winner's
+   side-by-side time over the grid winner's (1.00 = as good as the full grid). The cold grid's candidates
+   and wall time are its own run's (step 1; with --grids an earlier run's, under that run's load).
 
 Printed: per count and the median over counts, warm / cold ratios. Nothing is asserted (a shared machine).
 """
@@ -126,10 +130,12 @@ def main() -> int:
         for how in (("cold", "warm") if index % 2 == 0 else ("warm", "cold")):
             directory = root / f"{how}_{m}" if how == "cold" else tables
             started = time.perf_counter()
-            result, finishes[how] = _sweep(problem, directory, strategy="coordinate", samples=args.samples,
-                                           cold=how == "cold", **extra)
+            result, finishes[how] = _sweep(problem, directory, strategy="coordinate" if how == "cold" else "grid",
+                                           samples=args.samples, cold=how == "cold", **extra)
             runs[how] = {"tried": len(finishes[how]), "wall_s": time.perf_counter() - started,
-                         "winner": _label(result.entry.config), "start": result.entry.search["start"]}
+                         "winner": _label(result.entry.config), "start": result.entry.search["start"],
+                         "local": result.entry.search.get("local"), "stopped": result.entry.search["stopped"],
+                         "strategy": result.entry.search["strategy"]}
         # the side-by-side reference: every config either run measured, and the grid's winner
         configs = {_label(c): c for how in finishes for c, _ in finishes[how]}
         configs[grid_winner] = grids[m]["entry"].config
@@ -152,14 +158,20 @@ def main() -> int:
               f"side by side, {len(good)} within {GOOD}x of the fastest; grid winner {side[grid_winner] / best:.3f}x\n"
               f"    coordinate cold: good at candidate {c['reach_candidates']} ({_s(c['reach_s'])}), all "
               f"{c['tried']} in {c['wall_s']:.1f} s, winner {c['winner_vs_grid_winner']:.3f}x the grid winner\n"
-              f"    coordinate warm: good at candidate {w['reach_candidates']} ({_s(w['reach_s'])}), all "
-              f"{w['tried']} in {w['wall_s']:.1f} s, winner {w['winner_vs_grid_winner']:.3f}x the grid winner",
+              f"    grid warm ({'local' if w['local'] else 'whole grid'}): good at candidate {w['reach_candidates']} ({_s(w['reach_s'])}), all "
+              f"{w['tried']} in {w['wall_s']:.1f} s, winner {w['winner_vs_grid_winner']:.3f}x the grid winner\n"
+              f"    warm / cold grid: candidates {w['tried'] / row['grid_tried']:.2f}, wall "
+              f"{w['wall_s'] / row['grid_wall_s']:.2f}; warm / cold coordinate: candidates "
+              f"{w['tried'] / c['tried']:.2f}, wall {w['wall_s'] / c['wall_s']:.2f}",
               flush=True)
 
     def ratio(get) -> list[float]:
         return [get(r, "warm") / get(r, "cold") for r in rows if get(r, "warm") and get(r, "cold")]
 
+    grid_ratio = lambda name, of: [r["coordinate"]["warm"][name] / r[of] for r in rows]
     summary = {
+        "warm_over_cold_grid_candidates": grid_ratio("tried", "grid_tried"),
+        "warm_over_cold_grid_wall_s (grid wall from its own run)": grid_ratio("wall_s", "grid_wall_s"),
         "reach_candidates_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["reach_candidates"]),
         "reach_s_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["reach_s"]),
         "total_candidates_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["tried"]),
@@ -167,7 +179,7 @@ def main() -> int:
         "winner_vs_grid_winner_cold": [r["coordinate"]["cold"]["winner_vs_grid_winner"] for r in rows],
         "winner_vs_grid_winner_warm": [r["coordinate"]["warm"]["winner_vs_grid_winner"] for r in rows],
     }
-    print("\nwarm / cold (per count; median):")
+    print("\nwarm / cold (cold = coordinate unless it says grid; per count; median):")
     for name, values in summary.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
         print(f"  {name:<34} {shown}  (median {statistics.median(values):.2f})" if values else f"  {name}: none")

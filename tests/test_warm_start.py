@@ -1,6 +1,8 @@
 """Warm start: the nearest tuned shapes' winners (same op and backend) are measured right after the default,
-coordinate descent descends from the best of them, `--cold` turns it off, and the log and entry say where
-the search started. Proposals with synthetic measurements, then one tiny real pair of sweeps."""
+`grid` and `coordinate` then search locally (the configs between the seeds, a descent from the best that
+moves only past the noise), `--cold` turns it off (the whole grid), and the log, the entry and the report
+say where the search started and that it was local. Proposals with synthetic measurements, then one tiny
+real pair of sweeps."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import json
 import pytest
 
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.profiles import key_fields, write_entries
+from moe_tune.profiles import evidence, key_fields, write_entries
 from moe_tune.profiles.key import key_from_fields
 from moe_tune.tuner import SweepRequest, run_sweep, warm_start
 from moe_tune.tuner import strategies as S
@@ -45,11 +47,48 @@ def test_project_maps_a_winner_onto_this_space():
 
 def test_strategies_measure_the_seeds_right_after_the_default():
     seeds = [TILED.config_cls(**OPTIMUM), SPACE[0], SPACE[3]]  # the default is not a seed
-    grid = S.make("grid", SPACE, seeds=seeds).next_round({})
-    assert grid[:3] == [SPACE[0], seeds[0], SPACE[3]] and sorted(map(str, grid)) == sorted(map(str, SPACE))
+    grid = S.make("grid", SPACE, seeds=seeds)
+    first = grid.next_round({})
+    assert grid.local and first[:3] == [SPACE[0], seeds[0], SPACE[3]]
+    assert first[3:] == S.bracket(SPACE, [seeds[0], SPACE[3]]) and len(first) < len(SPACE)  # not the whole grid
+    assert not S.make("grid", SPACE).local  # cold (`--cold`, or nothing tuned nearby): every candidate
     rnd = S.make("random", SPACE, budget=5, seed=3, seeds=seeds).next_round({})
     assert rnd[:3] == [SPACE[0], seeds[0], SPACE[3]] and len(rnd) == 5
     assert S.make("grid", SPACE, budget=2, seeds=seeds).next_round({}) == [SPACE[0], seeds[0]]
+
+
+def test_bracket_is_what_a_ladder_implies_between_the_seeds():
+    at = lambda **kw: TILED.config_cls(**{**OPTIMUM, **kw})
+    low, high = at(tm=64), at(tm=256)  # m/2 won tm=64, 2m won tm=256: tm=128 lies between
+    assert at(tm=128) in SPACE and S.bracket(SPACE, [low, high]) == [at(tm=128)]
+    assert S.bracket(SPACE, [at(tm=32), at(tm=512)])[0] == at(tm=128)  # the geometric middle first
+    assert set(S.bracket(SPACE, [at(tm=32), at(tm=512)])) == {at(tm=64), at(tm=128), at(tm=256)}
+    two_ways = S.bracket(SPACE, [at(tm=64, tail=16), at(tm=256, tail=64)])  # a box, not a line: nothing
+    assert two_ways == [] and S.bracket(SPACE, [low]) == []
+
+
+def test_warm_local_search_reaches_the_optimum_in_a_fraction_of_the_grid():
+    near = TILED.config_cls(**{**OPTIMUM, "tm": 64})
+    far = TILED.config_cls(**{**OPTIMUM, "tm": 1024})  # the bracket holds tm=128 and 256, the optimum among them
+    for name in ("grid", "coordinate"):
+        strategy = S.make(name, SPACE, backend=TILED, problem=BIG, seeds=[near, far])
+        rounds, measured = _run(strategy, bowl(OPTIMUM))
+        assert min(measured.values(), key=lambda c: c.timing.median_s).config == TILED.config_cls(**OPTIMUM)
+        assert strategy.stopped == "converged" and len(measured) * 3 < len(SPACE), (name, len(measured))
+    assert _run(S.make("grid", SPACE, backend=TILED, problem=BIG, seeds=[near, far]), bowl(OPTIMUM))[0] == rounds
+
+
+def test_warm_descent_moves_only_past_the_noise():
+    start, step = TILED.config_cls(**OPTIMUM), TILED.config_cls(**{**OPTIMUM, "tm": 128})
+    slightly = lambda c: 1.0 if c == start else (1 - S.NOISE / 2 if c == step else 2.0)  # a gain within noise
+    strategy = S.make("coordinate", SPACE, backend=TILED, problem=BIG, seeds=[start])
+    _, measured = _run(strategy, slightly)
+    assert strategy.path[-1] == start and strategy.stopped == "converged"
+    assert step in measured  # measured (a finalist when it is fast), not descended from
+    clearly = lambda c: 1.0 if c == start else (1 - 2 * S.NOISE if c == step else 2.0)
+    strategy = S.make("coordinate", SPACE, backend=TILED, problem=BIG, seeds=[start])
+    _run(strategy, clearly)
+    assert strategy.path[-1] == step
 
 
 def test_coordinate_descends_from_the_best_seed_and_needs_fewer_candidates():
@@ -57,7 +96,8 @@ def test_coordinate_descends_from_the_best_seed_and_needs_fewer_candidates():
     cold_rounds, cold = _run(S.make("coordinate", SPACE, backend=TILED, problem=BIG), bowl(OPTIMUM))
     warm_strategy = S.make("coordinate", SPACE, backend=TILED, problem=BIG, seeds=[SPACE[7], near])
     warm_rounds, warm = _run(warm_strategy, bowl(OPTIMUM))
-    assert warm_rounds[0] == [SPACE[0], SPACE[7], near]  # the default and the seeds, side by side
+    # the default, the seeds and the configs between the seeds, side by side
+    assert warm_rounds[0] == [SPACE[0], SPACE[7], near, *S.bracket(SPACE, [SPACE[7], near])]
     assert warm_strategy.path[0] == near  # the descent starts from the best of them
     best = lambda measured: min(measured.values(), key=lambda c: c.timing.median_s).config
     assert best(warm) == best(cold) == TILED.config_cls(**OPTIMUM)
@@ -102,6 +142,9 @@ def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
         assert [c.config for c in warm.candidates] == [space[0], expected]
     assert "m=256" in warm.entry.search["start"] and warm.entry.search["seeds"] == (
         [] if expected == space[0] else [expected.to_dict()])
+    if expected != space[0]:  # seeds: a local search, which the entry and the report's budget column say
+        assert warm.entry.search["local"] and warm.entry.search["start"].startswith("warm local search from 1")
+        assert evidence.budget_text(warm.entry.search, 2).endswith(", warm local search")
     lines = [json.loads(line) for line in warm.log_path.read_text().splitlines()]
     (final,) = [line for line in lines if line["type"] == "final"]  # the run's last line says where it started
     assert final["sources"][0]["config"] == first_winner.to_dict() and not final["cold"]
@@ -110,3 +153,4 @@ def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
     cold = run_sweep(SweepRequest.make("ragged_dot", other, strategy="coordinate", budget=2, cold=True, fresh=True,
                                        **quick))
     assert cold.entry.search["start"] == "cold start (--cold)" and cold.entry.search["seeds"] == []
+    assert not cold.entry.search["local"] and "warm" not in evidence.budget_text(cold.entry.search, 2)

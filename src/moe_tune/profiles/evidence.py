@@ -73,7 +73,9 @@ def budget_text(search: Mapping[str, Any], tried: int | None) -> str:
     full = search.get("full_space") or search.get("space")
     count = f", {tried} of {full} candidates" if tried is not None and full is not None else ""
     stopped = f", stopped: {search['stopped']}" if search.get("stopped") in _CUT_SHORT else ""
-    return f"{search.get('strategy', 'grid')}{count}" + (f" ({', '.join(limits)})" if limits else "") + stopped
+    local = ", warm local search" if search.get("local") else ""  # around the nearest tuned shapes' winners
+    return (f"{search.get('strategy', 'grid')}{count}" + (f" ({', '.join(limits)})" if limits else "") + stopped
+            + local)
 
 
 def low_budget(entry: Entry) -> str | None:

@@ -98,7 +98,8 @@ def build_entry(state: SweepState, done: Step, best: Candidate, verdict: Verdict
         search={**plan.search_settings(), "stopped": _stopped(done, interrupted), "batches": done.batches,
                 "resumed": done.resumed, "recompiled_finalists": done.recompiled,
                 "stage_s": {k: round(v, 3) for k, v in state.stage_s.items()}, "log_restarted": state.log.restarted,
-                "start": state.start.describe(), "seeds": [c.to_dict() for c in state.start.seeds]},
+                "start": state.start.describe(), "seeds": [c.to_dict() for c in state.start.seeds],
+                "local": state.start.local},
         sweep_wall_s=round(state.elapsed_s(), 3),
     )
 

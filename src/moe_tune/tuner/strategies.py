@@ -7,19 +7,26 @@ strategy never proposes a config twice, never one outside the space (valid confi
 than `budget` configs in all. Proposals depend only on the space, the budget, the seed and the measured
 results, so a resumed sweep, whose results come from its log, replays the same proposals.
 
-- `grid`: the whole space in order (the default and the seeds first); `budget` keeps its first N.
+- `grid`: the whole space in order; `budget` keeps its first N. With seeds (a warm start) it runs the warm
+  local search below instead (`--cold` asks for the whole grid).
 - `random`: the default, the seeds, then a seeded random sample of the rest, `budget` configs in all.
-- `coordinate`: coordinate descent from the heuristic default, or with seeds from the best of the default
-  and the seeds (measured side by side in the first round). Each round measures the unmeasured
-  neighbours of the best config so far: along each tunable, the nearest smaller and larger value among the
-  configs of the space that differ from it in that tunable only. It moves to the best measured config and
-  stops when a round finds nothing faster (or the budget is spent).
+- `coordinate`: coordinate descent from the heuristic default: the first round is the default and its
+  neighbours, each later round the unmeasured neighbours of the best config so far (along each tunable, the
+  nearest smaller and larger value among the configs of the space that differ from it in that tunable
+  only). It moves to the best measured config and stops when a round finds nothing faster (or the budget
+  is spent). With seeds it runs the warm local search.
+- The warm local search (`grid` and `coordinate` with seeds; `Strategy.local`): the first round is the
+  default, the seeds and the configs bracketed by the seeds (`bracket`: between two seeds that differ in one
+  tunable, as a ladder implies: m/2 won tm=32 and 2m won tm=128, so tm=64 is tried), timed side by side; then
+  coordinate descent from the best of them, moving only to a neighbour faster by more than `NOISE` (a
+  smaller gain is within the run-to-run noise of a 3-sample median, and chasing it walks the space).
 
 The sweep itself stops asking for rounds when its time budget is spent.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -29,12 +36,43 @@ from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.tuner.candidate import OK, Candidate
 
 
+NOISE = 0.03  # the warm local search moves to a neighbour only when it is this much faster than the best
+BRACKET = 8  # at most this many configs between the seeds are tried in the warm first round
+
+
+def bracket(space: Sequence[KernelConfig], seeds: Sequence[KernelConfig], limit: int = BRACKET
+            ) -> list[KernelConfig]:
+    """The configs of `space` (not the default, `space[0]`, nor the seeds) that lie strictly between two seeds
+    which differ in one ordered tunable only (the line a ladder draws: m/2 won tm=32 and 2m won tm=128, so
+    tm=64 for m), nearest the middle of their pair first, at most `limit`. Seeds that differ in several
+    tunables bracket nothing: the box between them grows with every tunable and costs more than it finds."""
+    found: list[tuple[float, int, KernelConfig]] = []
+    for i, a in enumerate(seeds):
+        for b in seeds[i + 1:]:
+            differ = [f for f, v in a.to_dict().items() if getattr(b, f) != v]
+            if len(differ) != 1 or not all(_positive(getattr(c, differ[0])) for c in (a, b)):
+                continue
+            (field,), low, high = differ, *sorted((getattr(a, differ[0]), getattr(b, differ[0])))
+            middle = math.sqrt(low * high)  # the geometric middle: tiles double
+            for index, c in enumerate(space[1:]):
+                value = getattr(c, field)
+                if c not in seeds and low < value < high and all(
+                        getattr(c, f) == v for f, v in a.to_dict().items() if f != field):
+                    found.append((abs(math.log2(value / middle)), index, c))
+    return list(dict.fromkeys(c for _, _, c in sorted(found, key=lambda item: item[:2])))[:limit]
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 class Strategy:
     """Base: `space` is the backend's search space for the problem (valid configs, default first)."""
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""  # one phrase for `moe-tune sweep --help`
     needs_budget: ClassVar[bool] = False  # without a budget (count or time) the strategy is just a grid
+    local: bool = False  # a warm local search around the seeds (module docstring), not the strategy's own walk
 
     def __init__(self, space: Sequence[KernelConfig], *, backend: Backend | None = None, problem: Any = None,
                  budget: int | None = None, seed: int = 0, seeds: Sequence[KernelConfig] = ()):
@@ -81,9 +119,18 @@ class Strategy:
 
 class Grid(Strategy):
     name = "grid"
-    summary = "every candidate"
+    summary = "every candidate (with a warm start: a local search around the seeds; --cold: every candidate)"
+
+    def __init__(self, space, **kwargs):
+        super().__init__(space, **kwargs)
+        self.local = bool(self.seeds)
+        self._descent = CoordinateDescent(space, **kwargs) if self.local else None
 
     def next_round(self, measured):
+        if self._descent is not None:  # warm: the local search (module docstring)
+            proposal = self._descent.next_round(measured)
+            self.stopped = self._descent.stopped
+            return proposal
         return self._cap(self._first(self.space), measured, "exhausted" if self.budget is None or self.budget >= len(
             self.space) else "budget")
 
@@ -110,13 +157,14 @@ def _sort_key(value: Any) -> tuple:
 
 class CoordinateDescent(Strategy):
     name = "coordinate"
-    summary = "coordinate descent from the default config"
+    summary = "coordinate descent from the default config (with a warm start: from the best seed)"
 
     def __init__(self, space, **kwargs):
         super().__init__(space, **kwargs)
         self.in_space = set(self.space)
         self.current: KernelConfig | None = None  # the config whose neighbours were proposed last
         self.path: list[KernelConfig] = []  # the best config after each round (non-increasing time)
+        self.local = bool(self.seeds)  # the warm local search (module docstring)
 
     def neighbours(self, config: KernelConfig) -> list[KernelConfig]:
         """Along each tunable, the configs of the space that differ from `config` in that tunable only and
@@ -141,15 +189,20 @@ class CoordinateDescent(Strategy):
 
     def next_round(self, measured):
         if not measured:  # the first round: the default and its neighbours, timed side by side
-            if self.seeds:  # warm: the default and the seeds; the descent starts from the best of them
-                return self._cap(self._first(()), measured, "converged")
+            if self.local:  # warm: the default, the seeds and what they bracket; descend from the best of them
+                return self._cap(self._first(bracket(self.space, self.seeds)), measured, "converged")
             self.current = self.default
             return self._cap([self.default, *self.neighbours(self.default)], measured, "converged")
         ok = [c for c in measured.values() if c.status == OK and c.timing is not None]
         if not ok:  # nothing ran yet (the default failed, and its neighbours): go on in space order
             self.current = None
             return self._cap([c for c in self.space if c not in measured][:8], measured, "exhausted")
-        best = min(ok, key=lambda c: c.timing.median_s).config
+        fastest = min(ok, key=lambda c: c.timing.median_s)
+        best = fastest.config
+        if self.local and self.current is not None and best != self.current:
+            here = measured[self.current].timing.median_s  # moving needs a gain beyond the noise
+            if fastest.timing.median_s > here * (1 - NOISE):
+                best = self.current
         self.path.append(best)
         if best == self.current:
             self.stopped = "converged"

@@ -21,6 +21,7 @@ the same sweep again resumes it. A KeyboardInterrupt stops the sweep, keeps the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +83,7 @@ def run_sweep(request: SweepRequest, reporter: Reporter | None = None, *,
     start = start_of(plan)
     strategy = strategies.make(settings.strategy, plan.space, backend=plan.backend, problem=request.problem,
                                budget=settings.budget, seed=settings.seed, seeds=start.seeds)
+    start = dataclasses.replace(start, local=strategy.local)  # the entry says the search stayed near the seeds
     with SweepLog(plan.log_path, record.header(plan), fresh=settings.fresh, on_append=on_log) as log:
         state = SweepState(plan, log, reporter or Reporter(), started, start=start)
         return _run(state, strategy)

@@ -6,7 +6,9 @@ lookup order, and the sweep's own), keeps the entries of the same op, backend an
 key fields except sizes, dtypes, direction and distribution (and not this sweep's own key), ranks them by
 `distance`, and maps the winners of the nearest `limit` onto this sweep's space (`project`: the config of the
 space nearest to each winner, so a seed is always a valid candidate here). The strategies measure those seeds
-right after the default (`strategies.Strategy`'s `seeds`); coordinate descent descends from the best of them.
+right after the default (`strategies.Strategy`'s `seeds`); `grid` and `coordinate` then run a warm local
+search (the seeds, the configs between them, and a descent from the best; `WarmStart.local`) instead of
+walking the whole space.
 
 The seeds depend on the tables when the sweep starts; a resumed sweep restores every candidate its log holds
 whatever order they are proposed in. `--cold` (`SweepSettings.cold`) turns it off.
@@ -38,6 +40,7 @@ class WarmStart:
     seeds: tuple[KernelConfig, ...] = ()
     sources: tuple[dict[str, Any], ...] = ()  # {"key", "distance", "config" (the winner), "seed" (its label)}
     cold: bool = False  # turned off (`--cold`)
+    local: bool = False  # the strategy searched only around the seeds (`strategies.Strategy.local`)
 
     def describe(self) -> str:
         """One line for the sweep's output and log."""
@@ -45,12 +48,12 @@ class WarmStart:
             return "cold start (--cold)"
         if not self.sources:
             return "cold start (no tuned entry of this op and backend nearby)"
-        said = (f"warm start from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
+        said = (f"warm {'local search' if self.local else 'start'} from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
                 + "; ".join(f"{s['key'].split('|', 1)[1]} -> {s['seed']}" for s in self.sources))
         return said if self.seeds else said + " (each the default here: no seed to add)"
 
     def to_json(self) -> dict[str, Any]:
-        return {"cold": self.cold, "seeds": [s.to_dict() for s in self.seeds], "sources": list(self.sources)}
+        return {"cold": self.cold, "local": self.local, "seeds": [s.to_dict() for s in self.seeds], "sources": list(self.sources)}
 
 
 def _is_size(value: Any) -> bool:
