@@ -111,7 +111,11 @@ class SweepPlan:
     def identity(self) -> dict[str, Any]:
         """What makes two sweeps the same sweep: the same candidates, measured the same way."""
         problem = self.request.problem
-        problem = dataclasses.asdict(problem) if dataclasses.is_dataclass(problem) else repr(problem)
+        optional = getattr(type(problem), "OPTIONAL_KEY_FIELDS", ())
+        # an optional key field that is off (False: ragged_dot's lhs_qdynamic) is left out, as the key leaves it,
+        # so that the identity of every problem without it hashes as it did before the field existed
+        problem = ({k: v for k, v in dataclasses.asdict(problem).items() if not (k in optional and v is False)}
+                   if dataclasses.is_dataclass(problem) else repr(problem))
         return as_json({"key": self.key, "problem": problem, **{k: self.settings_json[k] for k in IDENTITY_FIELDS}})
 
     def search_settings(self) -> dict[str, Any]:
