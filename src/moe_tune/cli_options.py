@@ -337,7 +337,7 @@ def sweep_options(fn: Callable) -> Callable:
         click.option("--fresh", is_flag=True, help="Delete this sweep's log and start over instead of resuming."),
         click.option("--cold", is_flag=True,
                      help="No warm start: do not measure the winners of the nearest tuned shapes (same op and "
-                          "backend) first, nor descend from the best of them."),
+                          "backend) first, nor search only around them (grid: every candidate)."),
         click.option("--model", default=None,
                      help="Sweep the kernels one layer of this preset runs (see `moe-tune models`; several "
                           "comma-separated, or `all`): --direction all for training (gradients and the backward's "
