@@ -2,7 +2,7 @@
 the best known, when the nearest shapes are already tuned (a ladder of token counts of the `strategies_cpu.py`
 shape, m=2048 k=2048 n=768 groups=16, among them), and what it ends with.
 
-    .venv/bin/python benchmarks/warm_start_cpu.py [--ms 256,512,1024,2048] [--k 2048 --n 768 --groups 16]
+    .venv/bin/python benchmarks/warm_start_cpu.py [--ms 512,1024,2048,4096] [--k 2048 --n 768 --groups 16]
         [--samples 3] [--grids DIR] [--json OUT]
 
 1. Every count of the ladder is swept with `grid` (cold, each in its own profile dir `DIR/grid_<m>`; with
