@@ -235,8 +235,6 @@ def sweep_summary(result: SweepResult) -> None:
                             f"{search['space']} candidates, stopped: {search['stopped']}")
     if search.get("start"):  # entries before issue 32 do not say
         shown.add_row("start", search["start"])
-    if search.get("start"):  # entries before issue 32 do not say
-        shown.add_row("start", search["start"])
     recompiled = f", {search['recompiled_finalists']} finalist compiles" if search["recompiled_finalists"] else ""
     shown.add_row("resumed", f"{search['resumed']} candidates from the sweep log{recompiled}")
     shown.add_row("timed by", entry.timing_method + (f" ({entry.timing_fallback})" if entry.timing_fallback else ""))
