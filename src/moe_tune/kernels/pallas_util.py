@@ -1,4 +1,5 @@
-"""Small helpers the Pallas and tiled kernels share: rounding, padding, TPU tile rows, interpret mode."""
+"""Small helpers the Pallas and tiled kernels share: rounding, padding, TPU tile rows, dot precision, interpret
+mode."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def pad_to(x: jax.Array, axis: int, block: int, value: float | int = 0) -> jax.A
 def sublanes(dtype: str) -> int:
     """Rows per native TPU tile: 8 for 32-bit, 16 for 16-bit dtypes (two values packed per 32-bit sublane)."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def exact_f32_precision(dtype) -> jax.lax.Precision | None:
+    """The precision of a kernel dot on `dtype` operands: HIGHEST for float32 (no TF32 on GPU tensor cores),
+    so that results match a float32 reference; the chip's default otherwise."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def interpreted(native: str) -> bool:

@@ -33,7 +33,8 @@ from moe_tune.kernels.kernel_op import freeze_config
 from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
-from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, group_bounds, select_shard
+from moe_tune.kernels.ragged_dot.metadata import group_bounds
+from moe_tune.kernels.ragged_dot.op import shard_groups
 from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, RaggedDotProblem, dtype_name
 from moe_tune.quant import QArray, check_operand
 
@@ -260,16 +261,6 @@ def _problem(a, rows, rhs, group_sizes, group_offset, *, stage: str, tokens: int
                            stage=stage, glu=glu, total_groups=total if total != groups else None, **quant)
 
 
-def _shard(group_sizes, group_offset, *, m: int, groups: int):
-    """Group sizes and offset as every backend reads them (`metadata.select_shard`)."""
-    if group_offset is None:
-        return clip_group_sizes(jnp.asarray(group_sizes), m), None
-    offset = jnp.asarray(group_offset, jnp.int32)
-    if offset.shape != ():
-        raise UsageError(f"group_offset must be a scalar, got shape {offset.shape}")
-    return select_shard(jnp.asarray(group_sizes), offset, m=m, groups=groups)
-
-
 def gather_gmm(
     x: jax.Array,
     rows: jax.Array,
@@ -301,7 +292,7 @@ def gather_gmm(
       [m, n] ([m, n / 2] with glu) in x.dtype. Differentiable in x and float weights (a QArray is a constant).
     """
     problem = _problem(x, rows, rhs, group_sizes, group_offset, stage="dispatch", tokens=x.shape[0], glu=glu)
-    sizes, offset = _shard(group_sizes, group_offset, m=problem.m, groups=problem.groups)
+    sizes, offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
     call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config), distribution)
     return _gather_gmm(x, rows.astype(jnp.int32), rhs, sizes, offset, call)
 
@@ -341,6 +332,6 @@ def gmm_combine(
     if getattr(row_weights, "shape", None) != (problem.m,):
         raise UsageError(f"fused combine: row_weights must have shape ({problem.m},), got "
                          f"{getattr(row_weights, 'shape', None)}")
-    sizes, offset = _shard(group_sizes, group_offset, m=problem.m, groups=problem.groups)
+    sizes, offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
     call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config), distribution)
     return _gmm_combine(h, rhs, sizes, rows.astype(jnp.int32), row_weights, offset, bool(skip_zero_weights), call)

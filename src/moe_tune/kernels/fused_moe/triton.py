@@ -37,7 +37,7 @@ from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend
 from moe_tune.kernels.fused_moe.pallas_tpu import dims
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.kernels.pallas_util import interpreted, round_up
+from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, round_up
 from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.quant import split
@@ -57,11 +57,6 @@ class FusedTritonConfig(KernelConfig):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-
-
-def _precision(dtype) -> jax.lax.Precision | None:
-    # float32 inputs: full precision (no TF32), so results match a float32 reference.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _tile_rows(gid, tid, starts, ends, v, bm: int, m: int):
@@ -104,7 +99,7 @@ def _product(a_ref, a_rows, keep, w_refs, group, col0, *, bk, bn, k_steps, trans
                 w = _weight_block(w_ref, s_ref, group, col0 + offset, bn, kk * bk, bk, block, dtype)
             else:
                 w = _weight_block(w_ref, s_ref, group, kk * bk, bk, col0 + offset, bn, block, dtype)
-            out.append(acc + plgpu.dot(a, w, trans_b=transpose_rhs, precision=_precision(dtype)))
+            out.append(acc + plgpu.dot(a, w, trans_b=transpose_rhs, precision=exact_f32_precision(dtype)))
         return tuple(out)
 
     zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs)

@@ -123,7 +123,7 @@ def _concrete(x: Any) -> np.ndarray | None:
 
 
 def _check_groups(group_sizes: Any, group_offset: Any, *, m: int, groups: int) -> None:
-    """One-line UsageErrors for group sizes and offsets whose values are known (see `_shard_groups` for
+    """One-line UsageErrors for group sizes and offsets whose values are known (see `shard_groups` for
     what traced ones do instead): a negative size, `sum(group_sizes) > m`, an offset whose shard
     `[offset, offset + groups)` does not lie inside `group_sizes`."""
     sizes, offset = _concrete(group_sizes), _concrete(group_offset)
@@ -138,7 +138,7 @@ def _check_groups(group_sizes: Any, group_offset: Any, *, m: int, groups: int) -
                          f"{groups} in rhs it must be in [0, {total - groups}]")
 
 
-def _shard_groups(group_sizes: jax.Array, group_offset: Any, *, m: int, groups: int
+def shard_groups(group_sizes: jax.Array, group_offset: Any, *, m: int, groups: int
                   ) -> tuple[jax.Array, jax.Array | None]:
     """The group sizes and offset every backend is given, so that all of them compute the same rows from
     traced values too: negative sizes count as 0, rows past m belong to no group, and an offset out of range
@@ -227,7 +227,7 @@ def ragged_dot(
         lhs_q, rhs_q, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset
     )
     impl = RAGGED_DOT.backend(backend)
-    group_sizes, group_offset = _shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
+    group_sizes, group_offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
     call = _Call(impl.name, problem, _given_configs(config), (_ste_template(lhs), _ste_template(rhs)),
                  routing.for_call(distribution), lhs_quant=dynamic)
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)

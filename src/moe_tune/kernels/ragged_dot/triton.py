@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.pallas_util import interpreted, pad_to
+from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, pad_to
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
@@ -55,11 +55,6 @@ class TritonConfig(KernelConfig):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-
-
-def _precision(dtype) -> jax.lax.Precision | None:
-    # f32 inputs: full precision (no TF32), so results match a float32 reference.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _dot_dtype(plan: QuantPlan, a: jax.Array, b: jax.Array) -> jnp.dtype:
@@ -193,7 +188,7 @@ def _step_dot(x, w, after, *, trans_b: bool) -> jax.Array:
     """f32 x @ w (or w^T), times the step's `after` scales; x and w meet in float32 where one was dequantized."""
     if x.dtype != w.dtype:  # one side was dequantized: both in float32
         x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    part = plgpu.dot(x, w, trans_b=trans_b, precision=_precision(x.dtype)).astype(jnp.float32)
+    part = plgpu.dot(x, w, trans_b=trans_b, precision=exact_f32_precision(x.dtype)).astype(jnp.float32)
     for scale in after:
         part = part * scale
     return part
@@ -375,7 +370,7 @@ class TritonRaggedDot(RaggedDotBackend):
                                    group_offset=0 if group_offset is None else group_offset)
         dtype = _dot_dtype(plan, lhs, rhs)
         kernel = functools.partial(_gmm_kernel, plan=plan, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
-                                   precision=_precision(dtype), dtype=dtype, interpret=self.interpret)
+                                   precision=exact_f32_precision(dtype), dtype=dtype, interpret=self.interpret)
         kernel = with_absent_refs(kernel, 5, [True, lhs_scale is not None, True, rhs_scale is not None])
         out = pl.pallas_call(
             kernel,
@@ -402,7 +397,7 @@ class TritonRaggedDot(RaggedDotBackend):
                                    group_offset=0 if group_offset is None else group_offset)
         dtype = _dot_dtype(plan, lhs, dout)
         kernel = functools.partial(_tgmm_kernel, plan=plan, block_m=bm, block_k=bk, block_n=bn,
-                                   precision=_precision(dtype), dtype=dtype)
+                                   precision=exact_f32_precision(dtype), dtype=dtype)
         kernel = with_absent_refs(kernel, 2, [True, lhs_scale is not None, True])
         lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, bm)
         kp, np_ = lhs_p.shape[1], dout_p.shape[1]
