@@ -79,7 +79,7 @@ def _instrument(clock: _Clock) -> None:
     timing.jax.profiler.trace = timed_trace
 
 
-def one_sweep(workers: int, candidates: int, samples: int, spawned: float) -> dict:
+def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None) -> dict:
     """In this (fresh) process: the sweep and its wall time per stage (with workers, "compile" includes each
     candidate's first run in its worker, which gives the check its output), and per phase inside them."""
     imported = time.time()
@@ -99,7 +99,9 @@ def one_sweep(workers: int, candidates: int, samples: int, spawned: float) -> di
     stages = dict(result.entry.search["stage_s"])
     stages["finalists and table"] = (ended - started) - sum(stages.values())
     counts = result.entry.candidates
-    phases = {"process start and imports (before the sweep)": imported - spawned, **clock.spent, **clock.values}
+    # a child started by another script (targets_cpu.py) has no spawn time: its start-up is not counted
+    start_up = {} if spawned is None else {"process start and imports (before the sweep)": imported - spawned}
+    phases = {**start_up, **clock.spent, **clock.values}
     return {"workers": workers, "wall_s": ended - started, "stages_s": dict(stages), "phases_s": phases,
             "candidates": counts, "compiles_per_candidate": counts["compiles"] / counts["tried"],
             "main_process_compiles": backend_compiles(), "winner": result.entry.config}

@@ -49,8 +49,9 @@ def test_targets_benchmark_prints_every_target(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
+    # triton only: mosaic_gpu's cases on CPU are its interpreter (tests/test_ragged_dot_mosaic_gpu.py)
     out = _run(["benchmarks/gpu_check.py", "--small", "--directions", "fwd,drhs", "--max-candidates", "2",
-                "--samples", "1", "--out", str(tmp_path)], tmp_path)
+                "--samples", "1", "--backends", "triton", "--out", str(tmp_path)], tmp_path)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["meta"]["device_kind"]
     ops = [(case.get("op", "ragged_dot"), case.get("quant")) for case in report["cases"]]

@@ -35,7 +35,9 @@ def test_model_sweep_entries_are_what_moe_mlp_looks_up(ep, caplog):
 
     x, logits, w_gate, w_down = layer_inputs(TINY, 16, ep)
     caplog.set_level(logging.INFO, logger="moe_tune")
-    moe_tune.moe_mlp(x, logits, w_gate, w_gate, w_down, TINY.top_k, expert_offset=0 if ep > 1 else None)
+    # the unfused block: these are its kernels (test_layer_runs checks the fused kernels and the choice)
+    moe_tune.moe_mlp(x, logits, w_gate, w_gate, w_down, TINY.top_k, expert_offset=0 if ep > 1 else None,
+                     fused=False)
     sources = [r.getMessage() for r in caplog.records if "backend" in r.getMessage()]
     assert len(sources) == 5  # dispatch, gate, up, down, combine
     assert all("(exact: tuned entry in" in line for line in sources), sources

@@ -103,15 +103,16 @@ def gather_backends(caplog) -> dict[str, set[str]]:
 
 
 def test_fallback_flags_give_the_same_block(layer, caplog):
-    """The flags reach the gather kernels of the block, forward and backward: the plain path (`jax`) runs them
-    all, not the CPU's `tiled`, and the block's value and gradient are unchanged."""
+    """The flags reach the gather kernels of the unfused block, forward and backward: the plain path (`jax`)
+    runs them all, not the CPU's `tiled`, and the block's value and gradient are unchanged."""
     caplog.set_level(logging.INFO, logger="moe_tune")
 
     def run(**flags):
         """The block's value, and the backends of its kernels forward and backward (the gradient traced only)."""
         caplog.clear()
-        out = moe_tune.moe_mlp(*layer, TOP_K, **flags)
-        jax.make_jaxpr(jax.grad(lambda x: jnp.sum(moe_tune.moe_mlp(x, *layer[1:], TOP_K, **flags))))(layer[0])
+        out = moe_tune.moe_mlp(*layer, TOP_K, fused=False, **flags)
+        jax.make_jaxpr(jax.grad(lambda x: jnp.sum(moe_tune.moe_mlp(x, *layer[1:], TOP_K, fused=False, **flags))))(
+            layer[0])
         return out, gather_backends(caplog)
 
     reference, backends = run()

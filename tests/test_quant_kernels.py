@@ -111,7 +111,7 @@ def test_config_rules_for_quantized_problems():
         assert space and all(impl.config_error(c, problem) is None for c in space), impl.name
     triton = BACKENDS.get("triton")
     w8a8 = RaggedDotProblem(m=M, k=K, n=N, groups=4, lhs_qdtype="int8", rhs_qdtype="int8", rhs_qblock=16)
-    assert "block_k >= 32" in triton.config_error(TritonConfig(block_k=16, block_n=32), w8a8)  # int8 x int8 dots
+    assert "int8 x int8 dots need a k of at least 32" in triton.config_error(TritonConfig(block_k=16, block_n=32), w8a8)
     assert triton.config_error(TritonConfig(block_k=32, block_n=32), w8a8) is None  # steps dequantized: f32 dots
     short_k = RaggedDotProblem(m=M, k=16, n=N, groups=4, lhs_qdtype="int8", rhs_qdtype="int8")
     assert triton.default_config(short_k).block_k == 32  # past k=16 (padded), as int8 dots need
