@@ -75,7 +75,7 @@ def _ragged_dot_case(name: str, problem, args, profile_dir: str, backend: str = 
     started = time.perf_counter()
     try:
         sweep = run_sweep(SweepRequest.make("ragged_dot", problem, backend=backend, max_candidates=args.max_candidates,
-                                            profile_dir=profile_dir))
+                                            profile_dir=profile_dir, cold=True))
         case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
         case["sweep"]["wall_s"] = time.perf_counter() - started
         case["default_error"] = sweep.default.error  # relative error vs the (dequantized) reference
@@ -146,7 +146,7 @@ def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dic
     case = {"model": name, "op": op, "shape": problem.key_fields()}
     started = time.perf_counter()
     sweep = run_sweep(SweepRequest.make(op, problem, backend="triton", max_candidates=args.max_candidates,
-                                        profile_dir=profile_dir))
+                                        profile_dir=profile_dir, cold=True))
     case["sweep"] = {key: getattr(sweep.entry, key) for key in ("candidates", "failures", "timing_fallback")}
     case["sweep"]["wall_s"] = time.perf_counter() - started
     case["default_error"] = sweep.default.error

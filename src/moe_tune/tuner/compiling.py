@@ -19,7 +19,8 @@ What runs where:
   crashed or hung in a worker is never run in this process.
 * With one worker, and on TPU (one process per chip), candidates compile here (`local_compile`), one at a
   time, without a timeout, and `check_all` runs each once here: a crashing candidate then takes the sweep
-  down with it.
+  down with it. On GPU they compile here too, on `workers` threads (`local_compile` says why not in
+  worker processes).
 
 Timing (`timing.py`) always runs in this process, on the executables compiled as above.
 """
@@ -45,7 +46,7 @@ OnDone = Callable[[Candidate], None]
 
 def uses_workers(workers: int) -> bool:
     """Whether `compile_all` compiles in worker processes (see the module docstring)."""
-    return workers > 1 and devices.platform() in ("cpu", "gpu")
+    return workers > 1 and devices.platform() == "cpu"
 
 
 def start_workers(workers: int) -> None:
@@ -59,16 +60,18 @@ def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping
                 workers: int, on_done: OnDone | None = None, timeout: float | None = None) -> None:
     """Compile every candidate once, ahead of time; `on_done(candidate)` as each is done.
 
-    With `workers > 1` on CPU and GPU, each candidate is compiled and run once in a worker process (JAX's
+    With `workers > 1` on CPU, each candidate is compiled and run once in a worker process (JAX's
     compile does not run two at once in one process, and a candidate that crashes, hangs or runs out of
     memory must not take the sweep with it); it comes back serialized, with its output for `check_all`.
     A candidate whose compile and first run take longer than `timeout` seconds has its worker killed and
-    is recorded as failed, as is one whose worker dies. Otherwise candidates compile here, one at a time.
+    is recorded as failed, as is one whose worker dies. Otherwise candidates compile here: one at a time,
+    or on GPU on `workers` threads.
     """
     if uses_workers(workers):
         _compile_in_workers(kernel, candidates, inputs, workers, on_done, timeout)
     else:
-        compile_here(kernel, candidates, inputs, on_done)
+        threads = workers if devices.platform() == "gpu" else 1
+        compile_here(kernel, candidates, inputs, on_done, threads=threads)
 
 
 def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs: Any, workers: int,
