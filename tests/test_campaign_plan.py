@@ -42,10 +42,12 @@ def test_duplicates_across_models_are_swept_once_largest_first():
 
 
 def test_a_compile_only_plan_takes_the_backend_the_chip_tunes():
-    """`--target h100` checks the chip's own kernels: GPU's default backend (xla) has nothing to tune, so the
-    compile-only plan takes triton; a default with tunables (megablox on TPU) stays; --backend still wins."""
+    """`--target h100` checks the chip's own kernels: a GPU default with nothing to tune (plain JAX for the
+    fused layer and the dense combine) gives way to triton in the compile-only plan; a default with tunables
+    (triton for ragged_dot on GPU, megablox on TPU) stays; --backend still wins."""
     cases = cases_of(FOUR, 1)
-    assert {s.backend for s in plan(cases, platform="gpu", distribution="balanced")} >= {"xla"}
+    on_gpu = {(s.op, s.backend) for s in plan(cases, platform="gpu", distribution="balanced")}
+    assert ("ragged_dot", "triton") in on_gpu and any(backend == "jax" for _, backend in on_gpu)
     assert {s.backend for s in plan(cases, platform="gpu", distribution="balanced", tunable=True)} == {"triton"}
     on_tpu = {(s.op, s.backend) for s in plan(cases, platform="tpu", distribution="balanced", tunable=True)}
     assert ("ragged_dot", "megablox") in on_tpu and ("ragged_gather", "pallas_tpu") in on_tpu

@@ -169,8 +169,8 @@ class BackendRegistry:
 
     def tunable_for(self, platform: str) -> Backend:
         """The backend whose configs a chip of `platform` would tune: its default when that has tunables, else
-        the backend with tunables most specific to the platform (GPU's default is `xla`, which has nothing to
-        tune; its own kernel is `triton`, not the `tiled` that compiles everywhere)."""
+        the backend with tunables most specific to the platform (GPU's dense combine defaults to plain `jax`,
+        which has nothing to tune; its own kernel is `triton`, not the `tiled` that compiles everywhere)."""
         default = self.default_for(platform)
         if default.tunables():
             return default

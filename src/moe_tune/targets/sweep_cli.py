@@ -25,7 +25,7 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
     target = get_target(target_name)
     if not campaign.dry_run:
         wheels.require(target.platform)  # the one-line error before anything is printed
-    # without --backend, what the chip would tune: on GPU triton, not the default xla (nothing to check)
+    # without --backend, what the chip would tune: its default, or its own kernel where that has no tunables
     sweeps = plan(cases, platform=target.platform, distribution=settings.distribution, backend=backend,
                   tunable=True)
     if campaign.share is not None:
