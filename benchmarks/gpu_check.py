@@ -20,7 +20,8 @@ Each ragged_dot case also records its `breakdown` (`moe-tune report --breakdown`
 default re-run under the profiler, time per HLO op from xprof's `hlo_stats` and per kernel from its
 `kernel_stats` on GPU (the per-op trace events on CPU), largest first; a breakdown that fails is recorded as
 `breakdown_error` and fails the run.
-Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished.
+Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished; the sweeps'
+tables are kept under OUT/tables/<device kind>/ (`--tables`), ready to ship in `profiles/data/`.
 `winners` (in the JSON, printed at the end): per shape and direction, every ragged_dot backend's tuned time and
 XLA's, and which is fastest: the evidence for the GPU default (`registry.py`; xla until then). A backend that
 cannot run a problem at all (`chip_error`: mosaic_gpu's float32, quantized, and drhs on sm_100) is recorded as
@@ -33,7 +34,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -170,6 +170,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for gpu_check.json")
     parser.add_argument("--small", action="store_true", help="toy shapes (a smoke test off GPU)")
+    parser.add_argument("--tables", type=Path, default=None, help="where the sweeps' tables go (default: OUT/tables)")
     parser.add_argument("--directions", default="fwd,dlhs,drhs")
     parser.add_argument("--max-candidates", type=int, default=40, help="per sweep (the default config is first)")
     parser.add_argument("--samples", type=int, default=5)
@@ -190,29 +191,30 @@ def main() -> int:
         "cases": [],
     }
     print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
-    with tempfile.TemporaryDirectory() as profile_dir:
-        for name, shape in (SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
-            directions = args.directions.split(",")
-            for backend in args.backends.split(","):
-                bf16 = {}
-                for direction in directions:
-                    problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
-                    bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir, backend)
-                    _record(report, bf16[direction], out_path)
-                for case in _quant_cases(name, shape, directions, bf16, args, profile_dir, backend):
-                    _record(report, case, out_path)
-            report["winners"] = _winners(report["cases"])
-        for op in (op for op in GATHER_OPS if op in ops):
-            for name, shape in (GATHER_SMALL if args.small else GATHER_SHAPES).items():
-                if (op == "dense_gather_reduce") != (shape["ep"] == 1):
-                    continue  # the dense combine is the ep=1 case, the ragged ops the expert-parallel one
-                try:
-                    case = _gather_case(op, name, shape, args, profile_dir)
-                except Exception as e:  # noqa: BLE001 - record it and go on to the next case
-                    case = {"model": name, "op": op, "error": f"{type(e).__name__}: {e}",
-                            "traceback": traceback.format_exc()[-4000:]}
-                    print(f"\n{name} {op}: FAILED {case['error'][:300]}", flush=True)
+    # The sweeps' tables are kept beside the JSON: what a lent GPU tuned can be shipped (profiles/data/<device>/).
+    profile_dir = str(args.tables or Path(args.out) / "tables")
+    for name, shape in (SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
+        directions = args.directions.split(",")
+        for backend in args.backends.split(","):
+            bf16 = {}
+            for direction in directions:
+                problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
+                bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir, backend)
+                _record(report, bf16[direction], out_path)
+            for case in _quant_cases(name, shape, directions, bf16, args, profile_dir, backend):
                 _record(report, case, out_path)
+        report["winners"] = _winners(report["cases"])
+    for op in (op for op in GATHER_OPS if op in ops):
+        for name, shape in (GATHER_SMALL if args.small else GATHER_SHAPES).items():
+            if (op == "dense_gather_reduce") != (shape["ep"] == 1):
+                continue  # the dense combine is the ep=1 case, the ragged ops the expert-parallel one
+            try:
+                case = _gather_case(op, name, shape, args, profile_dir)
+            except Exception as e:  # noqa: BLE001 - record it and go on to the next case
+                case = {"model": name, "op": op, "error": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc()[-4000:]}
+                print(f"\n{name} {op}: FAILED {case['error'][:300]}", flush=True)
+            _record(report, case, out_path)
     for row in report.get("winners", []):
         times = ", ".join(f"{b} {t * 1e3:.3f} ms" for b, t in row["times_s"].items())
         print(f"{row['model']} {row['direction']} {row['mode']}: {times}; fastest {row['fastest']}")
