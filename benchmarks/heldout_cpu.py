@@ -1,24 +1,32 @@
 """Held-out token counts: does the config lookup picks between tuned counts come close to the best there?
 
-    .venv/bin/python benchmarks/heldout_cpu.py [--profile-dir DIR] [--max-candidates 12] [--phase all]
-        [--json OUT] [--text OUT]
+    .venv/bin/python benchmarks/heldout_cpu.py [--profile-dir DIR] [--phase all] [--kernels TEXT]
+        [--time-limit S] [--json OUT] [--text OUT]
 
 Kernels (the issue's "two presets' kernels, fwd, f32 and bf16"; chosen as the presets' smallest fwd ragged_dot
 kernels so that a 2-core CPU can afford it): the `down` projection of qwen3-30b-a3b (k=768, n=2048, 16 groups)
 and of deepseek-v2-lite (k=1408, n=2048, 8 groups) at ep=8, each in float32 and bfloat16, on the CPU backend
 (`tiled`), balanced routing. The token count is the kernel's m (rows: tokens x top_k of the layer).
 
-1. `ladder`: `campaign.ladder` tunes m = 16, 32, ..., 8192 (powers of two) for each kernel, each sweep a grid
-   over `--max-candidates` configs (the default and a seeded spread sample of the backend's space), then times
-   neighbouring winners between their counts and writes the intervals.
-2. `heldout`: 12 counts not on the ladder, drawn log-uniformly in [16, 8192] with a fixed seed; at each, for each
-   kernel, a full sweep (the same budget) finds the best config.
-3. `compare`: at each held-out case, the sweep's best, the config lookup picks (interval), the config nearest in
-   log space picks (what lookup did before intervals) and the default are compiled once and timed interleaved
-   in the same trace rounds (`moe_tune.bench.time_variants`); printed: each one's time over the best's.
+Every sweep here searches the same small space, in full (`small_space`: what the tiled backend's sweep
+searches, cut to tn = n, tm <= 512 and, per tm, the default's tail rule: at most 10 configs), so that the
+held-out comparison measures lookup, not which configs two random samples happened to hold (session 12 sampled
+12 of ~68 per sweep, and a "best" outside the ladder's samples could not be looked up at all).
 
-Every phase resumes: sweeps write their logs and entries under the profile dir, and a finished sweep (or a
-finished ladder boundary) is not run again, so the script can be rerun after an interruption.
+1. `sweeps`: the ladder m = 16, 32, ..., 8192 of each kernel, cold grid sweeps over the small space (the
+   tuner's rules: checks, 3-sample first round, finalists re-timed side by side).
+2. `ladder`: `campaign.ladder` times neighbouring winners between their counts and writes the intervals
+   (into a view holding only the ladder's entries).
+3. `compare`: at 12 counts not on the ladder, drawn log-uniformly in [16, 8192] with a fixed seed, for each
+   kernel: (a) the full sweep: every config of the small space checked and timed side by side (interleaved,
+   `--sweep-samples` each); (b) in ONE second interleaved run (`--samples` each, every distinct config once):
+   (a)'s two fastest, the config lookup picks (interval), the config nearest in log space picks (lookup before
+   intervals) and the default. The best is the fastest of (b); each ratio is its time over the best's in (b),
+   so a ratio is never two runs' noise.
+
+Every phase resumes: sweeps write their logs and entries under the profile dir, a finished sweep (or ladder
+boundary) is not run again, and a case already in `--json` is not compared again. `--kernels` and
+`--time-limit` split the work into short runs.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ DTYPES = ("float32", "bfloat16")
 EP = 8
 LADDER = [2**i for i in range(4, 14)]  # 16 .. 8192
 HELDOUT_SEED = 32
+TM_MAX = 512  # the small space's largest row tile (the default's cap; session 12's winners never took 1024)
 
 
 SMALL_LADDER = [8, 16]  # --small (tests/test_heldout_benchmark.py): a toy kernel, one held-out count
@@ -63,6 +72,38 @@ def kernels(small: bool = False) -> list[tuple[str, Any]]:
             down = next(c for c in cases if c.op == "ragged_dot" and c.role == "down")
             found.append((f"{name} down fwd {dtype}", down.problem))
     return found
+
+
+def small_space(impl: Any, problem: Any) -> list[Any]:
+    """The default, then the configs of the tiled backend's full space (`_FULL_SPACE`) with tn = n, tm <=
+    TM_MAX and the tail the default's rule gives that tm (a small group's tail, else max(16, tm / 8)): the
+    space that decides here, tm and tk, in full, for the ladder's and the held-out counts alike."""
+    from moe_tune.kernels.ragged_dot.tiled import SMALL_GROUP_TAIL_SIZES
+
+    full = _FULL_SPACE(impl, problem)
+    if problem.direction == "drhs":
+        return full
+    m, _, n = problem.matmul_dims()
+    rows = max(m // problem.groups, 1)
+    small = [t for t in SMALL_GROUP_TAIL_SIZES if t >= rows]
+
+    def tail(tm: int) -> int:
+        return min(small[0] if small else max(16, tm // 8), tm)
+
+    return [full[0], *(c for c in full[1:] if c.tn == n and c.tm <= TM_MAX and c.tail == tail(c.tm))]
+
+
+def restrict_space() -> None:
+    """Every sweep in this process (the ladder's, through the tuner) searches `small_space`."""
+    from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot
+
+    global _FULL_SPACE
+    if _FULL_SPACE is None:
+        _FULL_SPACE = TiledRaggedDot.search_space
+        TiledRaggedDot.search_space = small_space
+
+
+_FULL_SPACE: Any = None
 
 
 def heldout_counts(n: int = 12, seed: int = HELDOUT_SEED, ladder: list[int] = LADDER) -> list[int]:
@@ -154,42 +195,39 @@ def pick(view: Path, problem: Any) -> tuple[dict[str, Any], dict[str, Any], str]
     return found.config.to_dict(), dict(nearest["config"]), f"{found.source} ({found.path})"
 
 
-def compare(profile_dir: Path, view: Path, label: str, problem: Any, samples: int) -> dict[str, Any]:
-    """One held-out case: the full sweep's best, lookup's pick, nearest's pick and the default, timed
-    interleaved (each distinct config once)."""
-    from moe_tune import devices
-    from moe_tune.profiles import dirs
-    from moe_tune.profiles.key import entry_key
-    from moe_tune.profiles.table import read_table
+def compare(view: Path, label: str, problem: Any, samples: int, sweep_samples: int) -> dict[str, Any]:
+    """One held-out case: the full sweep of the small space (side by side), then its two fastest, lookup's
+    pick, nearest's pick and the default re-timed in one interleaved run (module docstring, compare)."""
     from moe_tune.tuner.crossover import time_side_by_side
 
-    entry = read_table(dirs.table_path(profile_dir, devices.device_kind(), "ragged_dot"))["entries"][
-        entry_key("ragged_dot", problem, "tiled", "balanced")]
+    impl = get_op("ragged_dot").backends.get("tiled")
+    space = [c.to_dict() for c in impl.search_space(problem)]
+    swept_all = time_side_by_side("ragged_dot", "tiled", problem, {f"s{i}": c for i, c in enumerate(space)},
+                                  distribution="balanced", samples=sweep_samples)
+    ranked = sorted(swept_all.median_s, key=swept_all.median_s.__getitem__)
     interval, nearest, source = pick(view, problem)
-    default = get_op("ragged_dot").backends.get("tiled").default_config(problem).to_dict()
-    chosen = {"best": dict(entry["config"]), "lookup": interval, "nearest": nearest, "default": default}
+    chosen = {"sweep_best": space[int(ranked[0][1:])], "lookup": interval, "nearest": nearest,
+              "default": space[0]}
+    if len(ranked) > 1:
+        chosen["sweep_second"] = space[int(ranked[1][1:])]
     distinct: dict[str, dict[str, Any]] = {}
-    for name, config in chosen.items():
+    for config in chosen.values():
         distinct.setdefault(json.dumps(config, sort_keys=True), config)
     labels = {key: f"c{i}" for i, key in enumerate(distinct)}
     timed = time_side_by_side("ragged_dot", "tiled", problem, {labels[k]: c for k, c in distinct.items()},
                               distribution="balanced", samples=samples)
-    times = {name: timed.median_s.get(labels[json.dumps(c, sort_keys=True)]) for name, c in chosen.items()}
+    by_key = {k: timed.median_s.get(labels[k]) for k in distinct}
+    best_key = min((k for k, t in by_key.items() if t is not None), key=by_key.__getitem__)
+    chosen["best"] = distinct[best_key]
+    times = {name: by_key[json.dumps(c, sort_keys=True)] for name, c in chosen.items()}
     best = times["best"]
     return {"kernel": label, "m": problem.m, "configs": chosen, "lookup_source": source, "times_s": times,
             "ratio": {name: (t / best if t and best else None) for name, t in times.items()},
-            "spread": timed.spread, "unusable": timed.unusable, "method": timed.method, "samples": samples}
-
-
-def swept(profile_dir: Path, problem: Any) -> bool:
-    """Whether the held-out full sweep of `problem` has a complete entry."""
-    from moe_tune import devices
-    from moe_tune.profiles import dirs
-    from moe_tune.profiles.key import entry_key
-    from moe_tune.profiles.table import has_complete_entry
-
-    return has_complete_entry(dirs.table_path(profile_dir, devices.device_kind(), "ragged_dot"),
-                              entry_key("ragged_dot", problem, "tiled", "balanced"))
+            "in_space": {name: c in space for name, c in chosen.items()}, "space": len(space),
+            "sweep_median_s": {json.dumps(space[int(n[1:])], sort_keys=True): t
+                               for n, t in swept_all.median_s.items()},
+            "sweep_unusable": swept_all.unusable, "spread": timed.spread, "unusable": timed.unusable,
+            "method": timed.method, "samples": samples, "sweep_samples": sweep_samples}
 
 
 def case_line(result: dict[str, Any]) -> str:
@@ -220,34 +258,44 @@ def summary(results: list[dict[str, Any]]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile-dir", type=Path,
-                        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-tune-heldout")
-    parser.add_argument("--max-candidates", type=int, default=12)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=7, help="samples of the side-by-side comparison")
+                        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-tune-heldout13")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=9, help="samples of the side-by-side comparison")
+    parser.add_argument("--sweep-samples", type=int, default=3, help="samples of a held-out count's full sweep")
     parser.add_argument("--phase", choices=["sweeps", "ladder", "compare", "all"], default="all",
-                        help="compare: only the side-by-side timings, from the intervals measured before")
+                        help="compare: only the held-out comparisons, from the intervals measured before")
     parser.add_argument("--small", action="store_true", help="a toy run: one tiny kernel, ladder 8, 16, one count")
+    parser.add_argument("--kernels", default=None, help="only the kernels whose label holds this text "
+                        "(e.g. 'float32', 'qwen3')")
     parser.add_argument("--counts", default=None, help="compare only these held-out counts (comma-separated)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="S",
+                        help="start no new sweep or comparison after S seconds (rerun to go on)")
     parser.add_argument("--json", type=Path, default=None, help="the results (also read back to resume)")
     parser.add_argument("--text", type=Path, default=None, help="also write the printed summary here")
-    parser.add_argument("--shard", default=None, metavar="I/N", help="sweeps phase: the I-th of N shares")
     args = parser.parse_args()
 
     from moe_tune.tuner import SweepSettings
 
-    settings = SweepSettings(profile_dir=args.profile_dir, max_candidates=args.max_candidates, workers=args.workers)
+    restrict_space()
+    start = time.monotonic()
+
+    def out_of_time() -> bool:
+        return args.time_limit is not None and time.monotonic() - start > args.time_limit
+
+    settings = SweepSettings(profile_dir=args.profile_dir, workers=args.workers, cold=True)
     ladder = SMALL_LADDER if args.small else LADDER
     held = heldout_counts(1, ladder=ladder) if args.small else heldout_counts()
-    print(f"held-out counts: {held}", flush=True)
+    chosen = [(label, p) for label, p in kernels(args.small) if args.kernels is None or args.kernels in label]
+    print(f"held-out counts: {held}; kernels: {[label for label, _ in chosen]}", flush=True)
+    rungs = [at(p, m) for _, p in chosen for m in ladder]
     if args.phase in ("sweeps", "all"):
-        from moe_tune.campaign.plan import parse_shard
-
-        share = parse_shard(args.shard) if args.shard else None
-        sweep_all([at(p, m) for _, p in kernels(args.small) for m in ladder], settings, share)  # the ladder first
-        sweep_all([at(p, m) for _, p in kernels(args.small) for m in held], settings, share)
+        for problem in rungs:  # one at a time, smallest counts first, so that --time-limit can stop between
+            if out_of_time():
+                print("time limit: stopping before the next sweep (rerun to go on)", flush=True)
+                return 0
+            sweep_all([problem], settings)
     if args.phase == "sweeps":
         return 0
-    rungs = [at(p, m) for _, p in kernels(args.small) for m in ladder]
     view = ladder_view(args.profile_dir, rungs)
     intervals = measure_ladders(view, rungs, settings) if args.phase != "compare" else held_intervals(view)
     if args.phase == "ladder":
@@ -259,13 +307,13 @@ def main() -> int:
     wanted = [int(c) for c in args.counts.split(",")] if args.counts else held
     # smallest counts first, every kernel at each: an interrupted run has covered all kernels evenly
     for m in sorted(wanted):
-        for label, problem in kernels(args.small):
+        for label, problem in chosen:
             if (label, m) in seen:
                 continue
-            if not swept(args.profile_dir, at(problem, m)):
-                print(f"{label} m={m}: not swept yet (rerun to compare it)", flush=True)
-                continue
-            result = compare(args.profile_dir, view, label, at(problem, m), args.samples)
+            if out_of_time():
+                print("time limit: stopping before the next comparison (rerun to go on)", flush=True)
+                break
+            result = compare(view, label, at(problem, m), args.samples, args.sweep_samples)
             print(case_line(result), flush=True)
             results.append(result)
             if args.json is not None:
@@ -283,8 +331,8 @@ def main() -> int:
 
 def _write(path: Path, results: list[dict[str, Any]], intervals: list[dict[str, Any]], held: list[int],
            args: argparse.Namespace) -> None:
-    payload = {"heldout_counts": held, "ladder": SMALL_LADDER if args.small else LADDER, "max_candidates": args.max_candidates,
-               "samples": args.samples, "intervals": [{k: r[k] for k in ("key", "lo", "hi", "config")}
+    payload = {"heldout_counts": held, "ladder": SMALL_LADDER if args.small else LADDER, "tm_max": TM_MAX,
+               "samples": args.samples, "sweep_samples": args.sweep_samples, "intervals": [{k: r[k] for k in ("key", "lo", "hi", "config")}
                                                       for r in intervals],
                "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
     path.write_text(json.dumps(payload, indent=1) + "\n")
