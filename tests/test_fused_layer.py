@@ -12,7 +12,8 @@ import pytest
 
 from moe_tune import AsQArray, moe_mlp, quantize
 from moe_tune.errors import UsageError
-from moe_tune.kernels.fused_moe.choice import LayerChoice, FusionConfig
+from moe_tune.kernels.fused_moe.choice import MOE_FUSION, FusionConfig, FusionProblem, LayerChoice
+from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine
 
 TOKENS, HIDDEN, WIDTH, EXPERTS, TOP_K = 16, 32, 12, 8, 2
@@ -105,3 +106,34 @@ def test_fused_ops_reject_bad_input():
         gmm_combine(h, down, sizes, rows, jnp.ones((3,)), TOKENS)
     with pytest.raises(UsageError, match="tokens"):
         gmm_combine(h, down, sizes, rows, jnp.ones((TOKENS * TOP_K,)), 0)
+
+
+def test_fused_none_trains_on_the_choice_timed_forward_and_backward(monkeypatch, caplog):
+    """moe_fusion's two directions apart (patched defaults: the forward fused, forward+backward unfused): a
+    forward-only call runs the fused kernels, a differentiated one the unfused layer (its value and
+    gradients those of fused=False); the bwd choice's timed program is the layer's gradients, checked
+    against float64."""
+    x, logits, gate, up, down = _layer(4)
+    caplog.set_level(logging.INFO, logger="moe_tune")
+    monkeypatch.setattr(LayerChoice, "default_config",
+                        lambda self, problem: FusionConfig(fused=problem.direction == "fwd"))
+    args = (x[:12], logits[:12], gate, up, down)  # a key no other test looked up (lookups are cached)
+    forward = jax.jit(lambda *a: moe_mlp(*a, TOP_K))(*args)
+    traced = {r.getMessage().split(" ")[0] for r in caplog.records}
+    assert "fused_moe" in traced and "ragged_gather" not in traced, traced
+    caplog.clear()
+    (_, out), grads = _loss(None)(*args)
+    traced = {r.getMessage().split(" ")[0] for r in caplog.records}
+    assert "ragged_gather" in traced and "fused_moe" not in traced, traced
+    (_, plain_out), plain_grads = _loss(False)(*args)
+    np.testing.assert_allclose(out, plain_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(forward, plain_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, plain_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    monkeypatch.undo()
+    problem = FusionProblem(tokens=16, hidden=32, intermediate=12, experts=8, top_k=2, ep=2, direction="bwd")
+    inputs = MOE_FUSION.make_inputs(problem, "balanced", 0)
+    expected = MOE_FUSION.reference(problem, inputs)
+    for fused in (True, False):
+        got = jax.jit(lambda i, f=fused: MOE_FUSION.run(LayerChoice(), FusionConfig(fused=f), problem, i))(inputs)
+        assert relative_error(np.asarray(got), expected) < 1e-5

@@ -51,7 +51,7 @@ def test_sweep_and_models_take_the_direction_and_lists():
     serving = run(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "64", "--direction", "fwd", "--dry-run"])
     assert serving.exit_code == 0 and "7 kernel cases" in serving.output, serving.output
     training = run(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "64", "--dry-run"])
-    assert "15 kernel cases" in training.output and "combine bwd" in training.output
+    assert "16 kernel cases" in training.output and "combine bwd" in training.output
     listed = run(cli, ["models", "qwen3-30b-a3b", "--tokens", "64,512", "--ep", "1,4", "--direction", "fwd"])
     assert listed.exit_code == 0, listed.output
     assert "tokens=512 ep=4" in listed.output and "dlhs" not in listed.output

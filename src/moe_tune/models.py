@@ -123,8 +123,9 @@ def layer_runs(preset: ModelPreset, tokens: int, *, dtype: str, ep: int = 1, qua
 def fused_runs(preset: ModelPreset, tokens: int, *, ep: int, dtype: str, quant: Mapping[str, Any],
                direction: str) -> list[KernelCase]:
     """The fused path's kernel calls (`kernels/fused_moe/`, SiLU-gated experts), then the choice between the
-    two paths (`moe_fusion`, timed with both paths' kernels tuned, so last). Serving runs the gated dispatch
-    (`fused gate/up`) and the combine (`fused down`) forward; training runs the dispatch forward without the
+    two paths (`moe_fusion`, timed with both paths' kernels tuned, so last; training also times the layer's
+    forward+backward, direction bwd). Serving runs the gated dispatch (`fused gate/up`) and the combine
+    (`fused down`) forward; training runs the dispatch forward without the
     activation (its backward needs the pre-activation product), both stages' backward, and the combine.
     Quantized weights (rhs) are fused too; quantized activations are not (then no fused cases), and the
     choice is not keyed on quantization (a quantized layer gets moe_fusion's default)."""
@@ -142,10 +143,11 @@ def fused_runs(preset: ModelPreset, tokens: int, *, ep: int, dtype: str, quant: 
         cases = [_build("fused_moe", "fused gate/up", gate_up),
                  _build("fused_moe", "fused gate/up", {**gate_up, "glu": "silu"}, "bwd"),
                  _build("fused_moe", "fused down", down), _build("fused_moe", "fused down", down, "bwd")]
-    if not weights:
-        cases.append(_build("moe_fusion", "fused or not", {
-            "tokens": tokens, "hidden": preset.hidden, "intermediate": preset.expert_intermediate,
-            "experts": preset.experts, "top_k": preset.top_k, "ep": ep, "dtype": dtype}))
+    if not weights:  # training: the forward's choice (evaluation) and the one timed forward+backward
+        choice = {"tokens": tokens, "hidden": preset.hidden, "intermediate": preset.expert_intermediate,
+                  "experts": preset.experts, "top_k": preset.top_k, "ep": ep, "dtype": dtype}
+        cases += [_build("moe_fusion", "fused or not", choice, d) for d in (("fwd",) if direction == "fwd" else
+                                                                             ("fwd", "bwd"))]
     return cases
 
 

@@ -9,6 +9,7 @@ partial sum (add the shards' outputs, e.g. with a psum).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from moe_tune import routing
 from moe_tune.errors import UsageError
 from moe_tune.kernels.fused_moe.choice import register_layer, use_fused
-from moe_tune.kernels.fused_moe.layer import fused_experts
+from moe_tune.kernels.fused_moe.layer import fused_experts, serve_or_train
 from moe_tune.kernels.gather.op import dense_gather_reduce, ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
 from moe_tune.quant import AsQArray, QArray
@@ -97,16 +98,31 @@ def moe_mlp(
     group_sizes = jnp.bincount(flat_expert, length=experts).astype(jnp.int32)
 
     offset = None if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
-    ends = jnp.cumsum(group_sizes)
-    start = jnp.int32(0) if offset is None else ends[offset] - group_sizes[offset]
-    end = ends[-1] if offset is None else ends[offset + local - 1]
+    # fused=None: the measured choice for the forward, and where the layer is differentiated the one measured
+    # forward+backward (`moe_fusion` direction bwd: a training step's layer)
+    serve, train = (use_fused(fused, tokens=tokens, hidden=hidden, intermediate=w_gate.shape[2], experts=experts,
+                              local=local, top_k=top_k, dtype=x.dtype, weights=(w_gate, w_up, w_down),
+                              distribution=distribution, direction=direction) for direction in ("fwd", "bwd"))
+    run = functools.partial(_experts, top_k=top_k, activation=activation, skip_zero_weights=skip_zero_weights,
+                            flags=flags)
+    return serve_or_train(run, serve, train, x, weights, w_gate, w_up, w_down, entry_of_row, row_of_entry,
+                          group_sizes, offset)
 
-    if use_fused(fused, tokens=tokens, hidden=hidden, intermediate=w_gate.shape[2], experts=experts, local=local,
-                 top_k=top_k, dtype=x.dtype, weights=(w_gate, w_up, w_down), distribution=distribution):
+
+def _experts(fused: bool, x, weights, w_gate, w_up, w_down, entry_of_row, row_of_entry, group_sizes, offset, *,
+             top_k: int, activation, skip_zero_weights: bool, flags: dict) -> jax.Array:
+    """`moe_mlp`'s experts after routing, fused or not: weights float32 [tokens, top_k]; entry_of_row int32
+    [tokens x top_k] (expert-ordered row -> (token, k) entry), row_of_entry its inverse, group_sizes int32
+    [experts], offset the shard's first expert (None: all local) -> [tokens, hidden] in x.dtype."""
+    entries, local = entry_of_row.shape[0], w_gate.shape[0]
+    distribution = flags["distribution"]
+    if fused:
         return fused_experts(x, entry_of_row // top_k, weights.reshape(entries)[entry_of_row], group_sizes, offset,
                              w_gate, w_up, w_down, activation=activation, skip_zero_weights=skip_zero_weights,
                              distribution=distribution)
-
+    ends = jnp.cumsum(group_sizes)
+    start = jnp.int32(0) if offset is None else ends[offset] - group_sizes[offset]
+    end = ends[-1] if offset is None else ends[offset + local - 1]
     rows = ragged_gather(x, entry_of_row // top_k, start, end, **flags)  # [entries, hidden], expert order
     gate = ragged_dot(rows, w_gate, group_sizes, group_offset=offset, distribution=distribution)
     up = ragged_dot(rows, w_up, group_sizes, group_offset=offset, distribution=distribution)

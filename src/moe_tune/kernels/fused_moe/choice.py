@@ -3,7 +3,11 @@ ragged_dots, gather-reduce), as a measured choice stored and looked up like any 
 
 The problem is one MoE layer's shape; its one backend (`layer`) has one tunable, `fused`, whose two values a
 sweep times by running the whole layer each way (each way's kernels with their own tuned configs) against a
-float64 reference of the layer. `moe_mlp(..., fused=None)` looks the winner up per shape at trace time.
+float64 reference of the layer. Two directions, chosen apart: `fwd` times the layer's forward (inference),
+`bwd` its forward and backward together (a training step: the gradients in x, the router logits and the three
+weights, checked against float64 ones). `moe_mlp(..., fused=None)` looks the winners up per shape at trace
+time: the `fwd` one runs where the layer is only evaluated, the `bwd` one where it is differentiated
+(`layer.serve_or_train`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
 
 INTERMEDIATE = ShapeOption("intermediate", int, "moe_fusion: one expert's FFN width.", listable=True)
+DIRECTIONS = ("fwd", "bwd")
 DEFAULT_OPTIONS = {"tokens": 256, "hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "ep": 1,
                    "dtype": "float32"}
 
@@ -44,7 +49,7 @@ class FusionProblem:
     top_k: int
     ep: int = 1
     dtype: str = "float32"
-    direction: str = "fwd"
+    direction: str = "fwd"  # fwd: the forward timed; bwd: forward and backward timed together
 
     def __post_init__(self) -> None:
         for name in ("tokens", "hidden", "intermediate", "experts", "top_k", "ep"):
@@ -54,8 +59,9 @@ class FusionProblem:
         if self.experts % self.ep or self.top_k > self.experts:
             raise UsageError(f"ep ({self.ep}) must divide experts ({self.experts}) and top_k ({self.top_k}) not "
                              "exceed it")
-        if self.direction != "fwd":
-            raise UsageError(f"moe_fusion has one direction, fwd; got {self.direction!r}")
+        if self.direction not in DIRECTIONS:
+            raise UsageError(f"moe_fusion's directions are {' and '.join(DIRECTIONS)} (forward+backward); got "
+                             f"{self.direction!r}")
         canonical = dtype_name(self.dtype)
         if canonical not in SUPPORTED_DTYPES:
             raise UsageError(f"dtype {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
@@ -149,8 +155,49 @@ def layer_reference(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) ->
     return out
 
 
+LAYER_OPERANDS = ("x", "router_logits", "w_gate", "w_up", "w_down")
+
+
+def layer_reference_grads(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Float64 gradients of sum(`layer_reference`) in the `LAYER_OPERANDS` order: x, router logits (through
+    the softmax and the renormalized top_k weights; the choice of experts is constant), w_gate, w_up, w_down."""
+    f64 = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
+    logits = f64["router_logits"]
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :problem.top_k]
+    picked = np.take_along_axis(probs, chosen, axis=1)
+    total = picked.sum(axis=1, keepdims=True)
+    weights = picked / total
+    grads = {name: np.zeros_like(f64[name]) for name in LAYER_OPERANDS}
+    dweights = np.zeros_like(weights)
+    for e in range(problem.local_experts):
+        t, j = np.nonzero(chosen == e)
+        if not t.size:
+            continue
+        x, w = f64["x"][t], weights[t, j][:, None]
+        gate, up = x @ f64["w_gate"][e], x @ f64["w_up"][e]
+        sig = 1 / (1 + np.exp(-gate))
+        act = gate * sig
+        h = act * up
+        dweights[t, j] = (h @ f64["w_down"][e]).sum(axis=1)  # d(sum of out) / d(top-k weight)
+        dout = np.broadcast_to(w, (t.size, problem.hidden))
+        grads["w_down"][e] = h.T @ dout
+        dh = dout @ f64["w_down"][e].T
+        dgate, dup = dh * up * sig * (1 + gate * (1 - sig)), dh * act
+        grads["w_gate"][e], grads["w_up"][e] = x.T @ dgate, x.T @ dup
+        np.add.at(grads["x"], t, dgate @ f64["w_gate"][e].T + dup @ f64["w_up"][e].T)
+    # weights = picked / total, picked = the chosen softmax probabilities
+    dpicked = dweights / total - (dweights * picked).sum(axis=1, keepdims=True) / total ** 2
+    dprobs = np.zeros_like(probs)
+    np.put_along_axis(dprobs, chosen, dpicked, axis=1)
+    grads["router_logits"] = probs * (dprobs - (dprobs * probs).sum(axis=1, keepdims=True))
+    return [grads[name] for name in LAYER_OPERANDS]
+
+
 class MoeFusionOp(KernelOp):
     name = "moe_fusion"
+    directions = DIRECTIONS
     backends = BACKENDS
     fallback = "layer"
     description = "moe_mlp's experts fused or unfused: a measured choice per layer shape"
@@ -172,14 +219,23 @@ class MoeFusionOp(KernelOp):
         return {"experts": problem.experts, "ep": problem.ep}
 
     def reference(self, problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        if problem.direction == "bwd":
+            return np.concatenate([g.ravel() for g in layer_reference_grads(problem, inputs)])
         return layer_reference(problem, inputs)
 
     def run(self, backend: Backend, config: KernelConfig, problem: FusionProblem,
             inputs: Mapping[str, jax.Array]) -> jax.Array:
         if not _LAYER:
             raise RuntimeError("moe_fusion runs moe_tune.moe.moe_mlp: import moe_tune first")
-        return _LAYER[0](inputs["x"], inputs["router_logits"], inputs["w_gate"], inputs["w_up"], inputs["w_down"],
-                       problem.top_k, expert_offset=0 if problem.ep > 1 else None, fused=config.fused)
+        layer = lambda *operands: _LAYER[0](*operands, problem.top_k, expert_offset=0 if problem.ep > 1 else None,
+                                            fused=config.fused)
+        operands = tuple(inputs[name] for name in LAYER_OPERANDS)
+        if problem.direction == "fwd":
+            return layer(*operands)
+        # the training step: loss = sum of the output; every gradient flattened into one checked array (f32)
+        loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))
+        grads = jax.grad(loss, argnums=tuple(range(len(operands))))(*operands)
+        return jnp.concatenate([g.astype(jnp.float32).ravel() for g in grads])
 
     def memory_estimate(self, problem: FusionProblem) -> int:
         """The weights and activations on the host and the device, their float64 copies for the reference,
@@ -188,12 +244,14 @@ class MoeFusionOp(KernelOp):
         weights = 3 * p.local_experts * p.hidden * p.intermediate
         acts = p.tokens * (p.hidden + p.experts)
         rows = p.tokens * p.top_k * (2 * p.hidden + 3 * p.intermediate)
+        if p.direction == "bwd":  # the gradients (and their float64 references) and the backward's row buffers
+            return (2 * size + 8) * 2 * (weights + acts) + 4 * 3 * rows
         return (2 * size + 8) * (weights + acts) + 4 * rows
 
     def describe(self, problem: FusionProblem) -> str:
         p = problem
         ep = f" ep={p.ep}" if p.ep > 1 else ""
-        return (f"moe_fusion tokens={p.tokens} hidden={p.hidden} intermediate={p.intermediate} experts={p.experts} "
+        return (f"moe_fusion {p.direction} tokens={p.tokens} hidden={p.hidden} intermediate={p.intermediate} experts={p.experts} "
                 f"top_k={p.top_k} {p.dtype}{ep}")
 
 
@@ -201,15 +259,17 @@ MOE_FUSION = MoeFusionOp()
 
 
 def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int, experts: int, local: int,
-              top_k: int, dtype: Any, weights: tuple, distribution: str | None = None) -> bool:
+              top_k: int, dtype: Any, weights: tuple, distribution: str | None = None, direction: str = "fwd") -> bool:
     """Whether `moe_mlp` runs its experts fused: `fused` when given, else the tables' measured choice for the
-    layer's shape (else `LayerChoice.default_config`), False where the fused path cannot run the weights
-    (`layer.can_fuse`). `local`: the experts the weights hold (ep = experts / local)."""
+    layer's shape and `direction` (fwd: inference, bwd: a training step; else `LayerChoice.default_config`),
+    False where the fused path cannot run the weights (`layer.can_fuse`). `local`: the experts the weights hold
+    (ep = experts / local)."""
     if fused is not None:
         return bool(fused)
     if can_fuse(*weights) is not None:
         return False
     problem = FusionProblem(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                            ep=experts // local if experts % local == 0 else 1, dtype=dtype_name(dtype))
+                            ep=experts // local if experts % local == 0 else 1, dtype=dtype_name(dtype),
+                            direction=direction)
     options = {} if distribution is None else {"distribution": distribution}
     return bool(MOE_FUSION.resolve_config(None, problem, **options).config.fused)

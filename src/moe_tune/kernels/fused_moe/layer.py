@@ -7,6 +7,7 @@ gate and up products come out of one kernel."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -57,3 +58,24 @@ def fused_experts(
         h = (activation(h[:, :f]) * h[:, f:]).astype(x.dtype)
     return gmm_combine(h, w_down, group_sizes, token_of_row, row_weights, x.shape[0], group_offset=offset,
                        skip_zero_weights=skip_zero_weights, **options)
+
+
+def serve_or_train(run: Callable[..., jax.Array], serve: bool, train: bool, *args) -> jax.Array:
+    """`run(serve, *args)`; where the result is differentiated, the value and VJP of `run(train, *args)`
+    instead: the forward's measured choice for inference, the forward+backward one for a training step.
+
+    The same choice: a plain call. Different ones: a custom VJP whose forward rule (traced only under reverse
+    differentiation) runs the training choice and keeps its pullback as the residual; forward-mode (`jax.jvp`)
+    of such a layer is not supported (pass `fused=` explicitly there)."""
+    if serve == train:
+        return run(serve, *args)
+
+    @jax.custom_vjp
+    def layer(*operands):
+        return run(serve, *operands)
+
+    def forward(*operands):
+        return jax.vjp(functools.partial(run, train), *operands)
+
+    layer.defvjp(forward, lambda pullback, cotangent: pullback(cotangent))
+    return layer(*args)
