@@ -1,7 +1,9 @@
 """The `mosaic_gpu` ragged_dot backend: its kernels run in Mosaic GPU's interpreter on this CPU against the
 float64 references (fwd and dlhs; the interpreter cannot run the tgmm kernel, so drhs falls back there:
-`mosaic_gpu.chip_error`), its rules per chip, and `moe_mlp` on it. The real compilers for H100 and B200 are in
-tests/test_real_compilers_mosaic_gpu.py.
+`mosaic_gpu.chip_error`), its rules per chip, and `moe_mlp` on it. The sm_100 drhs kernel
+(`mosaic_gpu_tgmm_sm100`) cannot run here at all (the interpreter has no TMEM): the rows it is given are
+checked with the kernel replaced by a plain-JAX statement of what it computes. The real compilers for H100 and
+B200 are in tests/test_real_compilers_mosaic_gpu.py.
 
 The shared backend tests (`TestMosaicGpu`, ~100 tests) run only with MOE_TUNE_MOSAIC_GPU_SUITE=1: the
 interpreter simulates the Hopper kernel's 132 SMs, 1-3 s a call on an idle 2-core machine (and XLA:CPU compiles
@@ -17,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ragged_dot_base import RaggedDotBackendTests
-from ragged_dot_base.helpers import DIRECTIONS, assert_matches_reference, make_operands
+from ragged_dot_base.helpers import DIRECTIONS, GRAD_TOLERANCE, assert_matches_reference, make_operands
 from test_moe import TOP_K, dense_moe_float64, relative
 
 import moe_tune
 from moe_tune import devices
 from moe_tune.errors import UsageError
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
+from moe_tune.kernels.ragged_dot import mosaic_gpu_tgmm_sm100
 from moe_tune.kernels.ragged_dot.mosaic_gpu import MosaicGpuConfig, MosaicGpuRaggedDot
 from moe_tune.targets import get_target
 from moe_tune.targets.compile import acting_as
@@ -81,15 +84,16 @@ PROBLEM = RaggedDotProblem(2048, 2048, 768, 16, "bfloat16", "bfloat16", "bfloat1
 @pytest.mark.parametrize("chip", ["h100", "b200"])
 def test_every_candidate_fits_the_chips_shared_memory(chip):
     """The space's configs, counted as Mosaic GPU counts shared memory, fit the chip's 227 KiB; the Blackwell
-    space is all 2-CTA (`collective`), the Hopper one has none."""
+    gmm space is all 2-CTA (`collective`), the Hopper one and Blackwell's drhs (one CTA per tile) have none."""
     impl = MosaicGpuRaggedDot()
     with acting_as(get_target(chip)):
-        for direction in ("fwd", "dlhs"):
+        for direction in DIRECTIONS:
             problem = PROBLEM.with_direction(direction)
             space = impl.search_space(problem)
             assert len(space) > 20
             assert all(impl.shared_memory_bytes(c, problem) <= 227 * 1024 for c in space)
-            assert {c.collective for c in space} == ({True} if chip == "b200" else {False})
+            pairs = chip == "b200" and direction != "drhs"
+            assert {c.collective for c in space} == {pairs}
 
 
 def test_float32_mixed_and_quantized_problems_are_refused_with_the_reason():
@@ -107,7 +111,12 @@ def test_the_chips_kernel_and_their_refusals():
     impl = MosaicGpuRaggedDot()
     drhs = PROBLEM.with_direction("drhs")
     with acting_as(get_target("b200")):
-        assert "JAX has no tcgen05 transposed ragged dot" in impl.chip_error(drhs)
+        assert impl.chip_error(drhs) is None  # this project's tcgen05 kernel
+        assert impl.config_error(impl.default_config(drhs), drhs) is None
+        assert "no 2-CTA pairs" in impl.config_error(MosaicGpuConfig(collective=True), drhs)
+        assert "tcgen05 M is 128" in impl.config_error(MosaicGpuConfig(block_m=64), drhs)
+        over = MosaicGpuConfig(block_n=128, block_k=128, max_concurrent_steps=4)  # the compiler refuses it too
+        assert "bytes of shared memory" in impl.config_error(over, drhs)
         assert "2-CTA" in impl.config_error(MosaicGpuConfig(), PROBLEM)
     with acting_as(get_target("h100")):
         assert impl.chip_error(drhs) is None
@@ -163,3 +172,58 @@ def test_moe_mlp_runs_its_ragged_dots_on_the_backend_a_use_backend_block_names(l
     assert relative(out, dense_moe_float64(*layer)) < 3e-2
     with pytest.raises(UsageError, match="unknown backend"), moe_tune.use_backend("ragged_dot", "nope"):
         pass
+
+
+def _tgmm_sm100_as_plain_jax(lhs, dout, block_starts, *, groups, block_m, block_n, block_k, steps,
+                             epilogue_tile_n):
+    """What `mosaic_gpu_tgmm_sm100._kernel` computes, in plain JAX: each row block's lhs^T @ dout (float32)
+    summed into the group whose blocks [block_starts[i], block_starts[i + 1]) hold it."""
+    blocks = lhs.shape[0] // block_k
+    owner = jnp.searchsorted(block_starts[1:], jnp.arange(blocks), side="right")
+    tiles = jnp.einsum("bik,bin->bkn", lhs.reshape(blocks, block_k, -1).astype(jnp.float32),
+                       dout.reshape(blocks, block_k, -1).astype(jnp.float32))
+    return jax.ops.segment_sum(tiles, owner, num_segments=groups + 1)[:groups].astype(lhs.dtype)
+
+
+@pytest.mark.parametrize("m,sizes,shard", [(150, [3, 70, 0, 66], None), (160, [6, 65, 0, 12, 10], (1, 3))],
+                         ids=["uneven", "shard_with_rows_past_the_sum"])
+def test_blackwell_drhs_rows_group_by_group(monkeypatch, m, sizes, shard):
+    """sm_100 drhs through the backend (acting as a B200), with the Pallas kernel replaced by the plain-JAX
+    statement of what it computes: the rows gathered group by group (`_padded_rows`), an expert-parallel
+    shard's local groups only, rows past sum(group_sizes) ignored, an empty group zero, k and n padded and
+    sliced back. Against float64. The kernel itself only compiles here (the interpreter has no TMEM)."""
+    monkeypatch.setattr(mosaic_gpu_tgmm_sm100, "_kernel", _tgmm_sm100_as_plain_jax)
+    offset, groups = (0, len(sizes)) if shard is None else shard
+    rng = np.random.default_rng(3)
+    lhs = jnp.asarray(rng.standard_normal((m, 72)), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((m, 40)), jnp.bfloat16)
+    impl = MosaicGpuRaggedDot()
+    problem = RaggedDotProblem(m, 72, 40, groups, "bfloat16", "bfloat16", "bfloat16", direction="drhs")
+    with acting_as(get_target("b200")):
+        config = impl.default_config(problem)
+        out = impl.tgmm(lhs, dout, jnp.asarray(sizes, jnp.int32), config=config, out_dtype=jnp.bfloat16,
+                        num_groups=groups, group_offset=None if shard is None else jnp.int32(offset))
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    a, b = (np.asarray(x.astype(jnp.float32), np.float64) for x in (lhs, dout))
+    ref = np.stack([a[starts[g]:ends[g]].T @ b[starts[g]:ends[g]] for g in range(offset, offset + groups)])
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert out.shape == (groups, 72, 40) and out.dtype == jnp.bfloat16
+    assert np.all(got[[i for i in range(groups) if sizes[offset + i] == 0]] == 0)
+    assert np.abs(got - ref).max() <= GRAD_TOLERANCE["bfloat16"] * np.abs(ref).max()
+
+
+def test_blackwell_drhs_exports_for_cuda():
+    """sm_100 drhs of an expert-parallel shard lowers through `jax.export` for cuda to one Mosaic GPU call (the
+    tcgen05 kernel; the compile tests run it through the B200 compiler)."""
+    impl = MosaicGpuRaggedDot()
+    problem = RaggedDotProblem(512, 256, 192, 4, "bfloat16", "bfloat16", "bfloat16", direction="drhs")
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    with acting_as(get_target("b200")):
+        config = impl.default_config(problem)
+        run = lambda lhs, dout, sizes, offset: impl.tgmm(lhs, dout, sizes, config=config, out_dtype=jnp.bfloat16,
+                                                         num_groups=4, group_offset=offset)
+        exported = jax.export.export(jax.jit(run), platforms=["cuda"])(
+            spec(512, 256), spec(512, 192), spec(8, dtype=jnp.int32), spec(dtype=jnp.int32))
+    assert exported.out_avals[0].shape == (4, 256, 192)
+    assert exported.mlir_module().count(MOSAIC_GPU_CALL) == 1

@@ -7,12 +7,13 @@ for a target chip picks that chip's kernel):
   `transposed_ragged_dot_mgpu.transposed_ragged_dot`;
 - sm_100 (B200): fwd and dlhs on `blackwell_ragged_dot_mgpu.ragged_dot_kernel` (dlhs with rhs transposed by
   XLA first: the kernel has no `transpose_rhs`), as 2-CTA pairs only (`collective`: JAX 0.10.2's kernel fails
-  without them); drhs is refused: JAX has no tcgen05 transposed ragged dot,
-  and its Hopper one uses wgmma, which sm_100 does not have (the op runs drhs on its plain-JAX fallback);
+  without them); drhs on this project's tcgen05 kernel, `mosaic_gpu_tgmm_sm100` (JAX 0.10 / 0.11 have no
+  tcgen05 transposed ragged dot, and their Hopper one uses wgmma, which sm_100 does not have), one CTA per
+  output tile (not 2-CTA);
 - off a GPU the Hopper gmm runs in Mosaic GPU's interpreter, which the tests check against the float64
   references (dlhs with rhs transposed by XLA there: the interpreter's wgmma cannot read a transposed ref);
   the interpreter cannot run the tgmm kernel (see `chip_error`), so drhs off a GPU falls back, nor the
-  Blackwell kernel ("Unsupported memory space: tmem").
+  Blackwell kernels ("Unsupported memory space: tmem").
 `mosaic_gpu_kernels.py` wraps the calls (padding, shards, zero rows); `mosaic_gpu_smem.py` counts shared
 memory the way Mosaic GPU does.
 
@@ -35,6 +36,7 @@ from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import mosaic_gpu_kernels as kernels
 from moe_tune.kernels.ragged_dot import mosaic_gpu_smem as smem
+from moe_tune.kernels.ragged_dot import mosaic_gpu_tgmm_sm100 as tgmm_sm100
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.quant import QArray
@@ -118,9 +120,6 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
         if problem.direction == "drhs" and kernels.interpreting():
             return ("drhs in Mosaic GPU's interpreter: its tgmm kernel's plgpu.layout_cast has no CPU rule, and "
                     "with one XLA:CPU crashes (SIGFPE folding a remainder by zero)")
-        if family == BLACKWELL and problem.direction == "drhs":
-            return ("drhs on sm_100: JAX has no tcgen05 transposed ragged dot, and its Hopper one uses wgmma, "
-                    "which sm_100 lacks")
         return None
 
     def config_error(self, config: MosaicGpuConfig, problem: RaggedDotProblem) -> str | None:
@@ -144,7 +143,7 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
         least = 1 if problem.direction == "drhs" else 2  # gmm's pipeline delays each release by one step
         if not least <= config.max_concurrent_steps <= 8:
             return f"max_concurrent_steps={config.max_concurrent_steps} must be in {least}..8"
-        if family == BLACKWELL and (reason := self._blackwell_error(config)) is not None:
+        if family == BLACKWELL and (reason := self._blackwell_error(config, problem.direction)) is not None:
             return reason
         if (reason := self._fits_dims(config, problem)) is not None:
             return reason
@@ -154,7 +153,9 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
         return None
 
     @staticmethod
-    def _blackwell_error(config: MosaicGpuConfig) -> str | None:
+    def _blackwell_error(config: MosaicGpuConfig, direction: str) -> str | None:
+        if direction == "drhs":
+            return _blackwell_tgmm_error(config)
         if not config.collective:
             # jax 0.10.2's kernel reads the cluster axis `x` and unpacks three grid indices into two unless it is
             # collective ("Found an unbound axis name: x", then "too many values to unpack")
@@ -164,8 +165,9 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
         pair = 2 if config.collective else 1
         if (config.block_n * pair) % config.epilogue_tile_n:
             return f"epilogue_tile_n={config.epilogue_tile_n} must divide the pair's {config.block_n * pair} columns"
-        if 2 * config.block_n * pair > 512:
-            return f"block_n={config.block_n}: its double-buffered float32 accumulator needs over 512 TMEM columns"
+        if smem.tmem_columns(2 * config.block_n * pair) > smem.TMEM_COLUMNS:
+            return (f"block_n={config.block_n}: its double-buffered float32 accumulator needs over "
+                    f"{smem.TMEM_COLUMNS} TMEM columns")
         return None
 
     @staticmethod
@@ -174,6 +176,8 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
         rows, contract, cols = problem.matmul_dims()
         tiled = ({"block_m": contract, "block_n": cols, "block_k": rows} if problem.direction == "drhs"
                  else {"block_n": cols, "block_k": contract})
+        if chip() == BLACKWELL:
+            tiled.pop("block_m", None)  # 128 rows of tcgen05 (k padded up to them), whatever the dimension
         for field, size in tiled.items():
             if getattr(config, field) > _fit(256, size):
                 return f"{field}={getattr(config, field)} is larger than the dimension it tiles ({size})"
@@ -184,6 +188,8 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
         a, _, out = (jnp.dtype(d).itemsize for d in problem.operand_dtypes())
         _, contract, _ = problem.matmul_dims()
         bm, bn, bk, steps = config.block_m, config.block_n, config.block_k, config.max_concurrent_steps
+        if problem.direction == "drhs" and chip() == BLACKWELL:
+            return smem.blackwell_tgmm_bytes(bm, bn, bk, steps, config.epilogue_tile_n, a)
         if problem.direction == "drhs":
             return smem.hopper_tgmm_bytes(bm, bn, bk, steps, a, out)
         if chip() == BLACKWELL:
@@ -192,6 +198,8 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
 
     def default_config(self, problem: RaggedDotProblem) -> MosaicGpuConfig:
         rows, contract, cols = problem.matmul_dims()
+        if problem.direction == "drhs" and chip() == BLACKWELL:
+            return MosaicGpuConfig(block_m=128, block_n=_fit(128, cols), block_k=64, max_concurrent_steps=4)
         if problem.direction == "drhs":
             return MosaicGpuConfig(block_m=_fit(128, contract), block_n=_fit(128, cols), block_k=64,
                                    max_concurrent_steps=2)
@@ -201,7 +209,10 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list]:
         values = {"block_m": [64, 128], "block_n": [64, 128, 256], "block_k": [64, 128],
                   "max_concurrent_steps": [2, 3, 4, 6], "grid_block_n": [1, 4]}
-        if problem.direction == "drhs":
+        if problem.direction == "drhs" and chip() == BLACKWELL:
+            values.update(block_m=[128], max_concurrent_steps=[1, 2, 3, 4, 6], grid_block_n=[1],
+                          epilogue_tile_n=[64, 128])
+        elif problem.direction == "drhs":
             values["max_concurrent_steps"] = [1, 2, 3, 4]
         elif chip() == BLACKWELL:
             values.update(block_m=[128], collective=[True], grid_minor_dim=[1, 0])
@@ -231,12 +242,32 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         lhs = _float(lhs)
         sizes, start = kernels.local_groups(group_sizes, lhs.shape[0], num_groups, group_offset)
+        if chip() == BLACKWELL:  # rows gathered group by group: the shard's start is read there, no roll
+            return tgmm_sm100.blackwell_tgmm(
+                lhs, dout, sizes, start, block_m=config.block_m, block_n=config.block_n, block_k=config.block_k,
+                max_concurrent_steps=config.max_concurrent_steps,
+                epilogue_tile_n=config.epilogue_tile_n).astype(out_dtype)
         shard = group_offset is not None
         out = kernels.hopper_tgmm(
             kernels.to_row_zero(lhs, start, shard), kernels.to_row_zero(dout, start, shard), sizes,
             block_m=config.block_m, block_n=config.block_n, block_k=config.block_k,
             max_concurrent_steps=config.max_concurrent_steps, grid_block_n=config.grid_block_n)
         return out.astype(out_dtype)
+
+
+def _blackwell_tgmm_error(config: MosaicGpuConfig) -> str | None:
+    """What `mosaic_gpu_tgmm_sm100` cannot run: one CTA per output tile of block_m (k) x block_n."""
+    if config.collective:
+        return "collective=True: the sm_100 drhs kernel runs one CTA per output tile (no 2-CTA pairs)"
+    if config.block_m != tgmm_sm100.TCGEN05_ROWS:
+        return f"block_m={config.block_m}: the sm_100 drhs kernel's tcgen05 M is {tgmm_sm100.TCGEN05_ROWS} (k tiles)"
+    if config.grid_block_n != 1 or config.grid_minor_dim != 1:
+        return "grid_block_n and grid_minor_dim stay 1: the sm_100 drhs kernel's grid is one CTA per output tile"
+    if config.block_n % config.epilogue_tile_n:
+        return f"epilogue_tile_n={config.epilogue_tile_n} must divide block_n={config.block_n}"
+    if smem.tmem_columns(config.block_n) > smem.TMEM_COLUMNS:  # float32 accumulator: a column per output column
+        return f"block_n={config.block_n}: its float32 accumulator needs over {smem.TMEM_COLUMNS} TMEM columns"
+    return None
 
 
 def _float(x: jax.Array | QArray) -> jax.Array:
