@@ -23,9 +23,9 @@ default re-run under the profiler, time per HLO op from xprof's `hlo_stats` and 
 Each case's JSON is written as soon as it is measured, so a run cut short keeps what it finished; the sweeps'
 tables are kept under OUT/tables/<device kind>/ (`--tables`), ready to ship in `profiles/data/`.
 `winners` (in the JSON, printed at the end): per shape and direction, every ragged_dot backend's tuned time and
-XLA's, and which is fastest: the evidence for the GPU default (`registry.py`; xla until then). A backend that
-cannot run a problem at all (`chip_error`: mosaic_gpu's float32, quantized, and drhs on sm_100) is recorded as
-`skipped` with its reason.
+XLA's, and which is fastest: the evidence for the GPU default (`registry.py`). A backend that cannot run a
+problem at all (`chip_error`: mosaic_gpu's float32 and quantized problems) is recorded as `skipped` with its
+reason.
 """
 
 from __future__ import annotations
