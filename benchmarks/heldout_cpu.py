@@ -53,6 +53,7 @@ DTYPES = ("float32", "bfloat16")
 EP = 8
 LADDER = [2**i for i in range(4, 14)]  # 16 .. 8192
 HELDOUT_SEED = 32
+MAX_SAMPLES = 61  # of one config in the comparison (short calls: see compare)
 TM_MAX = 512  # the small space's largest row tile (the default's cap; session 12's winners never took 1024)
 
 
@@ -195,9 +196,13 @@ def pick(view: Path, problem: Any) -> tuple[dict[str, Any], dict[str, Any], str]
     return found.config.to_dict(), dict(nearest["config"]), f"{found.source} ({found.path})"
 
 
-def compare(view: Path, label: str, problem: Any, samples: int, sweep_samples: int) -> dict[str, Any]:
+def compare(view: Path, label: str, problem: Any, samples: int, sweep_samples: int,
+            timing_s: float = 0.0) -> dict[str, Any]:
     """One held-out case: the full sweep of the small space (side by side), then its two fastest, lookup's
-    pick, nearest's pick and the default re-timed in one interleaved run (module docstring, compare)."""
+    pick, nearest's pick and the default re-timed in one interleaved run (module docstring, compare), with
+    at least `samples` samples each and more for short calls: about `timing_s` seconds of calls per config
+    (at most MAX_SAMPLES), since the fewer the samples of a short noisy call, the more the fastest of several
+    equal configs flatters the best."""
     from moe_tune.tuner.crossover import time_side_by_side
 
     impl = get_op("ragged_dot").backends.get("tiled")
@@ -205,6 +210,7 @@ def compare(view: Path, label: str, problem: Any, samples: int, sweep_samples: i
     swept_all = time_side_by_side("ragged_dot", "tiled", problem, {f"s{i}": c for i, c in enumerate(space)},
                                   distribution="balanced", samples=sweep_samples)
     ranked = sorted(swept_all.median_s, key=swept_all.median_s.__getitem__)
+    samples = max(samples, min(MAX_SAMPLES, math.ceil(timing_s / swept_all.median_s[ranked[0]])))
     interval, nearest, source = pick(view, problem)
     chosen = {"sweep_best": space[int(ranked[0][1:])], "lookup": interval, "nearest": nearest,
               "default": space[0]}
@@ -227,7 +233,7 @@ def compare(view: Path, label: str, problem: Any, samples: int, sweep_samples: i
             "sweep_median_s": {json.dumps(space[int(n[1:])], sort_keys=True): t
                                for n, t in swept_all.median_s.items()},
             "sweep_unusable": swept_all.unusable, "spread": timed.spread, "unusable": timed.unusable,
-            "method": timed.method, "samples": samples, "sweep_samples": sweep_samples}
+            "method": timed.method, "samples": samples, "sweep_samples": sweep_samples, "timing_s": timing_s}
 
 
 def case_line(result: dict[str, Any]) -> str:
@@ -262,6 +268,10 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--samples", type=int, default=9, help="samples of the side-by-side comparison")
     parser.add_argument("--sweep-samples", type=int, default=3, help="samples of a held-out count's full sweep")
+    parser.add_argument("--timing-s", type=float, default=1.0, help="comparison: more samples for short calls, "
+                        f"about this many seconds of calls per config (at most {MAX_SAMPLES} samples)")
+    parser.add_argument("--again", action="store_true", help="compare the --counts again (replacing results "
+                        "measured with another --timing-s; a rerun resumes)")
     parser.add_argument("--phase", choices=["sweeps", "ladder", "compare", "all"], default="all",
                         help="compare: only the held-out comparisons, from the intervals measured before")
     parser.add_argument("--small", action="store_true", help="a toy run: one tiny kernel, ladder 8, 16, one count")
@@ -303,6 +313,10 @@ def main() -> int:
     done = json.loads(args.json.read_text())["results"] if args.json is not None and args.json.exists() else []
     # a case compared before its ladder was complete (lookup had no interval for it then) is compared again
     results = [r for r in done if r["lookup_source"].startswith("interval")]
+    if args.again and args.counts:  # measured again: those counts' results (chosen kernels) of another method
+        again = {int(c) for c in args.counts.split(",")}
+        results = [r for r in results if not (r["m"] in again and r["kernel"] in {k for k, _ in chosen}
+                                              and r.get("timing_s") != args.timing_s)]
     seen = {(r["kernel"], r["m"]) for r in results}
     wanted = [int(c) for c in args.counts.split(",")] if args.counts else held
     # smallest counts first, every kernel at each: an interrupted run has covered all kernels evenly
@@ -313,7 +327,7 @@ def main() -> int:
             if out_of_time():
                 print("time limit: stopping before the next comparison (rerun to go on)", flush=True)
                 break
-            result = compare(view, label, at(problem, m), args.samples, args.sweep_samples)
+            result = compare(view, label, at(problem, m), args.samples, args.sweep_samples, args.timing_s)
             print(case_line(result), flush=True)
             results.append(result)
             if args.json is not None:
