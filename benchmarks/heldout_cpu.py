@@ -332,7 +332,11 @@ def main() -> int:
             results.append(result)
             if args.json is not None:
                 _write(args.json, results, intervals, held, args)
-    lines = [case_line(r) for r in sorted(results, key=lambda r: (r["m"], r["kernel"]))] + summary(results)
+    header = (f"# benchmarks/heldout_cpu.py: ladder {ladder[0]}..{ladder[-1]}, held-out counts {held}; every sweep "
+              f"over the small full space (tn=n, tm<={TM_MAX} x tk, the default's tail rule); per case a full sweep "
+              f"side by side ({args.sweep_samples} samples), then best/lookup/nearest/default re-timed in one "
+              f"interleaved run (>= {args.samples} samples, ~{args.timing_s} s of calls per config, <= {MAX_SAMPLES})")
+    lines = [header] + [case_line(r) for r in sorted(results, key=lambda r: (r["m"], r["kernel"]))] + summary(results)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     lines.append(f"load: {load}")
     print("\n".join(lines))
