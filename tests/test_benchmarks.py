@@ -84,14 +84,10 @@ def test_strategies_benchmark_compares_with_grid(tmp_path):
 @pytest.mark.slow
 def test_sweep_benchmark_reports_stages_and_compiles(tmp_path):
     out = _run(["benchmarks/sweep_cpu.py", "--candidates", "2", "--samples", "1", "--workers", "1,2",
-                "--retime-rounds", "2", "--json", str(tmp_path / "w.json")], tmp_path)
-    results = json.loads((tmp_path / "w.json").read_text())["results"]
-    runs = results["runs"]
+                "--json", str(tmp_path / "w.json")], tmp_path)
+    runs = json.loads((tmp_path / "w.json").read_text())["results"]
     assert [r["workers"] for r in runs] == [1, 2] and all(r["compiles_per_candidate"] == 1.0 for r in runs)
     assert runs[1]["main_process_compiles"] == 0 and "compile stage" in out
-    # the winners of both runs, re-timed side by side in one process
-    retimed = results["winners_retimed"]
-    assert len(retimed["medians_s"]) == len(retimed["configs"]) >= 1 and min(retimed["medians_s"]) > 0
 
 
 @pytest.mark.slow
