@@ -3,13 +3,7 @@ shape) with a cold persistent compilation cache, run with 1 compile worker and w
 process; prints the wall time of the sweep and of each stage, the parallel-compile speedup and the XLA
 compilations per candidate.
 
-    .venv/bin/python benchmarks/sweep_cpu.py [--candidates 64] [--workers 1,2] [--clock auto,trace] [--repeat N]
-                                             [--json OUT]
-
-`--clock`: `auto` is the tuner as it is (on CPU, long calls timed by the wall clock without the profiler:
-`tuner.timing.choose_clock`); `trace` forces the profiler trace for every timing, as before issue 32. Several
-clocks (and `--repeat`) run interleaved (A B A B), and the winners of all runs are then re-timed side by side
-in one fresh process, so that a faster sweep is seen to pick as fast a winner.
+    .venv/bin/python benchmarks/sweep_cpu.py [--candidates 64] [--workers 1,2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -85,16 +79,13 @@ def _instrument(clock: _Clock) -> None:
     timing.jax.profiler.trace = timed_trace
 
 
-def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None, timer: str = "auto") -> dict:
+def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None) -> dict:
     """In this (fresh) process: the sweep and its wall time per stage (with workers, "compile" includes each
     candidate's first run in its worker, which gives the check its output), and per phase inside them."""
     imported = time.time()
     from moe_tune.kernels import get_op
-    from moe_tune.tuner import SweepRequest, compile_cache, run_sweep, timing
+    from moe_tune.tuner import SweepRequest, compile_cache, run_sweep
     from moe_tune.tuner.compile_count import backend_compiles
-
-    if timer == "trace":  # the profiler trace for every timing, however long the calls
-        timing.WALL_CLOCK_MIN_S = float("inf")
 
     compile_cache.enable()  # the dir is fresh and empty: a cold cache, as a first sweep on a machine has
     clock = _Clock()
@@ -114,31 +105,7 @@ def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None
     phases = {**start_up, **clock.spent, **clock.values}
     return {"workers": workers, "wall_s": ended - started, "stages_s": dict(stages), "phases_s": phases,
             "candidates": counts, "compiles_per_candidate": counts["compiles"] / counts["tried"],
-            "main_process_compiles": backend_compiles(), "winner": result.entry.config, "clock": timer,
-            "timing_method": result.entry.timing["method"], "winner_median_s": result.entry.timing["median_s"]}
-
-
-def retime(configs: list[dict], rounds: int) -> dict:
-    """In this (fresh) process: each winner config compiled and timed side by side (`rounds` interleaved
-    rounds, profiler trace); their medians (s), in the order given."""
-    import jax
-
-    from moe_tune.kernels import get_op
-    from moe_tune.tuner import SweepRequest
-    from moe_tune.tuner.request import SweepPlan
-    from moe_tune.tuner.timing import time_candidates
-
-    op = get_op("ragged_dot")
-    problem = op.problem(**SHAPE)
-    plan = SweepPlan(SweepRequest.make("ragged_dot", problem, backend="tiled"))
-    inputs = jax.device_put(op.make_inputs(problem, "balanced", 0))
-    compiled = [plan.kernel.function(plan.backend.config_cls(**c), i).lower(inputs).compile()
-                for i, c in enumerate(configs)]
-    timings, fallback = time_candidates({i: (lambda e=e: e(inputs)) for i, e in enumerate(compiled)},
-                                        samples=rounds, platform="cpu", seed=11, clock="trace")
-    return {"medians_s": [timings[i].median_s for i in range(len(configs))], "method": timings[0].method,
-            "fallback": fallback}
-
+            "main_process_compiles": backend_compiles(), "winner": result.entry.config}
 
 
 def _load() -> str:
@@ -179,86 +146,42 @@ def main() -> int:
     parser.add_argument("--candidates", type=int, default=64)
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--samples", type=int, default=SweepSettings.samples)
-    parser.add_argument("--clock", default="auto", help="comma-separated: auto (the tuner as it is), trace")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each (workers, clock), interleaved")
-    parser.add_argument("--retime-rounds", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--child-clock", default="auto", help=argparse.SUPPRESS)
-    parser.add_argument("--retime", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(one_sweep(args.child, args.candidates, args.samples, args.spawned, args.child_clock)))
-        return 0
-    if args.retime is not None:
-        print(json.dumps(retime(json.loads(args.retime), args.retime_rounds)))
+        print(json.dumps(one_sweep(args.child, args.candidates, args.samples, args.spawned)))
         return 0
     print(f"load before: {_load()}", flush=True)
 
     runs = []
-    clocks = args.clock.split(",")
-    for repeat in range(args.repeat):
-        for workers in (int(w) for w in args.workers.split(",")):
-            # alternate the order from one repeat to the next (A B, B A, ...): drift in the load hits both
-            for clock in clocks if repeat % 2 == 0 else clocks[::-1]:
-                runs.append(_run_child(args, workers, clock))
-    _compare(runs)
-    retimed = _retime_winners(runs, args.retime_rounds) if len(runs) > 1 else None
+    for workers in (int(w) for w in args.workers.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": os.path.join(tmp, "cache"),
+                   "MOE_TUNE_PROFILE_DIR": os.path.join(tmp, "profiles")}
+            proc = subprocess.run([sys.executable, __file__, "--child", str(workers), "--candidates",
+                                   str(args.candidates), "--samples", str(args.samples), "--spawned", str(time.time())],
+                                  env=env, capture_output=True, text=True, check=True)
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append(run)
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stages_s"].items())
+        print(f"workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
+              f"{run['compiles_per_candidate']:.2f} XLA compiles per candidate, "
+              f"{run['main_process_compiles']} in the main process", flush=True)
+        _print_phases(run)
+        run["load"] = _load()
+    if len(runs) > 1:
+        base = runs[0]["stages_s"].get("compile", 0.0)
+        for run in runs[1:]:
+            ratio = base / run["stages_s"]["compile"] if run["stages_s"].get("compile") else float("nan")
+            print(f"compile stage, {runs[0]['workers']} vs {run['workers']} workers: {ratio:.2f}x faster; "
+                  f"whole sweep {runs[0]['wall_s'] / run['wall_s']:.2f}x")
     if args.json:
         from moe_tune import bench
 
-        bench.write_results(args.json, {"runs": runs, "winners_retimed": retimed})
+        bench.write_results(args.json, runs)
     return 0
-
-
-def _run_child(args: argparse.Namespace, workers: int, clock: str) -> dict:
-    """One sweep in a fresh process with a fresh (cold) compile cache and profile dir; prints its phases."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": os.path.join(tmp, "cache"),
-               "MOE_TUNE_PROFILE_DIR": os.path.join(tmp, "profiles")}
-        proc = subprocess.run([sys.executable, __file__, "--child", str(workers), "--child-clock", clock,
-                               "--candidates", str(args.candidates), "--samples", str(args.samples),
-                               "--spawned", str(time.time())], env=env, capture_output=True, text=True, check=True)
-    run = json.loads(proc.stdout.strip().splitlines()[-1])
-    stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stages_s"].items())
-    print(f"workers={workers} clock={clock} (timed by {run['timing_method']}): {run['candidates']['tried']} "
-          f"candidates in {run['wall_s']:.1f} s ({stages}); {run['compiles_per_candidate']:.2f} XLA compiles per "
-          f"candidate, {run['main_process_compiles']} in the main process; winner {run['winner']}", flush=True)
-    _print_phases(run)
-    run["load"] = _load()
-    print(f"load after: {run['load']}", flush=True)
-    return run
-
-
-def _compare(runs: list[dict]) -> None:
-    """Median wall time per (workers, clock), and each clock's ratio to the first one at the same workers."""
-    import statistics
-
-    groups: dict[tuple[int, str], list[float]] = {}
-    for run in runs:
-        groups.setdefault((run["workers"], run["clock"]), []).append(run["wall_s"])
-    for (workers, clock), walls in groups.items():
-        base = next(w for (wk, _), w in groups.items() if wk == workers)
-        print(f"workers={workers} clock={clock}: sweep wall median {statistics.median(walls):.1f} s over "
-              f"{len(walls)} run(s) {[round(w, 1) for w in walls]}; vs the first clock "
-              f"{statistics.median(base) / statistics.median(walls):.2f}x faster", flush=True)
-
-
-def _retime_winners(runs: list[dict], rounds: int) -> dict:
-    """The distinct winners of all runs, re-timed side by side in one fresh process; each run's winner's
-    median there relative to the fastest winner."""
-    configs = list({json.dumps(r["winner"], sort_keys=True): r["winner"] for r in runs}.values())
-    proc = subprocess.run([sys.executable, __file__, "--retime", json.dumps(configs), "--retime-rounds", str(rounds)],
-                          capture_output=True, text=True, check=True)
-    retimed = json.loads(proc.stdout.strip().splitlines()[-1])
-    best = min(retimed["medians_s"])
-    print(f"winners re-timed side by side ({rounds} rounds, {retimed['method']}):", flush=True)
-    for config, median in zip(configs, retimed["medians_s"]):
-        won = [f"w{r['workers']}/{r['clock']}" for r in runs if r["winner"] == config]
-        print(f"    {median * 1e3:8.2f} ms  {median / best:5.3f}x the fastest winner  {config}  won {won}", flush=True)
-    retimed["configs"] = configs
-    return retimed
 
 
 if __name__ == "__main__":

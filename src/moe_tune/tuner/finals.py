@@ -68,9 +68,9 @@ def decide(best: Candidate, default: Candidate, compared: Sequence[Candidate] = 
 
 
 def final_round(settings: SweepSettings, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
-                reporter: Reporter, clock: str = "trace") -> tuple[Candidate, Verdict, str | None]:
-    """Re-time the fastest few and the default together (`final_samples` each), by `clock` (the sweep's:
-    `measure.timing_clock`), and pick the winner there. Returns (winner, verdict, timing fallback reason)."""
+                reporter: Reporter) -> tuple[Candidate, Verdict, str | None]:
+    """Re-time the fastest few and the default together (`final_samples` each), and pick the winner there.
+    Returns (winner, verdict, timing fallback reason)."""
     chosen = finalists(settings, survivors, default)
     if len(chosen) < 2:
         return chosen[0], Verdict(ONLY_CANDIDATE), None
@@ -80,7 +80,6 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
         {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
         samples=samples, platform=platform, seed=settings.seed + 1,
         on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
-        clock=clock,
     )
     for c in chosen:
         c.first_timing, c.timing = c.timing, final[c.index]
@@ -109,9 +108,8 @@ def run_finals(state: SweepState) -> Generator[Step, None, tuple[Candidate, Verd
     if not survivors:
         reasons = "; ".join(f"{c.config.label()}: {c.reason}" for c in state.done[:3])
         raise SweepError(f"no candidate of {state.plan.backend.name} compiled and passed the check ({reasons})")
-    yield measure.timing_clock(state, chosen[0])  # chosen already, unless every candidate came from the log
     winner, verdict, fallback = final_round(state.settings, survivors, default, state.inputs, state.plan.platform,
-                                            state.reporter, clock=state.timer or "trace")
+                                            state.reporter)
     yield Step(fallback=fallback)
     return winner, verdict
 

@@ -18,7 +18,7 @@ from moe_tune.tuner.compiling import compile_all
 from moe_tune.tuner.gate import check_all
 from moe_tune.tuner.state import SweepState
 from moe_tune.tuner.step import Step
-from moe_tune.tuner.timing import choose_clock, first_call_is_warm, time_candidates
+from moe_tune.tuner.timing import first_call_is_warm, time_candidates
 
 
 def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
@@ -69,40 +69,24 @@ def time_batch(state: SweepState, batch: list[Candidate]) -> Step:
             {c.index: (lambda c=c: c.executable(state.inputs)) for c in cands},
             samples=settings.samples, platform=state.plan.platform, seed=settings.seed + 1000 * (number + 1),
             keep_trace_dir=keep, on_round=lambda units: state.reporter.advance("time", units / settings.samples),
-            warmup=0, race=settings.race, best_s=state.best_median(), clock=state.timer or "trace",
+            warmup=0, race=settings.race, best_s=state.best_median(),
         )
 
-    timings, recompiled, chosen = None, Step(), Step()
+    timings, recompiled = None, Step()
     if first_call_is_warm(state.plan.platform):  # the first timed round is the warm-up
         try:
-            chosen = timing_clock(state, batch[0])
             timings, fallback = time_them(batch)
         except Exception:  # noqa: BLE001 - a candidate that fails to run here: `warm_up` sorts it out
             timings = None
     if timings is None:
         batch, recompiled = warm_up(state, batch)
         if not batch:
-            return recompiled + chosen
-        chosen = chosen + timing_clock(state, batch[0])
+            return recompiled
         timings, fallback = time_them(batch)
     for c in batch:
         c.timing = timings[c.index]
     state.finished(batch, batch=number)
-    return chosen + recompiled + Step(batches=1, fallback=f"batch {number}: {fallback}" if fallback else None)
-
-
-def timing_clock(state: SweepState, cand: Candidate) -> Step:
-    """Choose the sweep's clock once, before its first timing, from a call of `cand` (`timing.choose_clock`: the
-    wall clock for long CPU calls, else the profiler trace; the trace whenever traces are kept). Every
-    candidate of the sweep is then timed by it; a chosen wall clock is recorded as the sweep's timing fallback
-    (the step returned), with why."""
-    if state.timer is not None:
-        return Step()
-    if state.settings.keep_trace_dir is not None:
-        state.timer, why = "trace", None
-    else:
-        state.timer, why = choose_clock(state.plan.platform, lambda: cand.executable(state.inputs))
-    return Step(fallback=why)
+    return recompiled + Step(batches=1, fallback=f"batch {number}: {fallback}" if fallback else None)
 
 
 def warm_up(state: SweepState, cands: list[Candidate], *, logged: bool = False) -> tuple[list[Candidate], Step]:

@@ -44,7 +44,6 @@ class SweepState:
     stage_s: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"compile": 0.0, "check": 0.0, "time": 0.0})  # wall time per stage
     start: WarmStart = dataclasses.field(default_factory=WarmStart)  # where the search started
-    timer: str | None = None  # the clock, "trace" or "wall": chosen once, at the first timing (`measure.timing_clock`)
 
     @property
     def settings(self) -> SweepSettings:

@@ -7,10 +7,6 @@ contiguity rule when the trace has no run ids. Wall-clock times of the same call
 trace time longer than the wall time, a missing event, or a trace time far below the wall time of a long
 call means the parse is broken, and every candidate is then timed by the wall clock instead (recorded as
 the timing method), so that all candidates of a sweep are always compared by the same clock.
-
-On CPU a sweep whose calls are long is timed by the wall clock from the start, without the profiler
-(`choose_clock`): there the trace adds nothing the wall clock lacks, and writing and parsing it cost more than
-half of a tiled candidate's call (issue 32, benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -177,35 +173,6 @@ def cross_check(trace: list[float], wall: list[float], expected: int) -> str | N
     return None
 
 
-# On CPU a call at least this long is timed by the wall clock: dispatch and the sync (tens of microseconds)
-# are under 0.5% of it, while the profiler trace of a tiled ragged_dot candidate (about 1,700 thunk events per
-# call) took 27-33 ms per call to stop (write) and 9 ms per call to parse, in proportion to the calls traced
-# (2048x2048x768 f32, ~80 ms calls; issue 32). Shorter calls keep the trace, which leaves the dispatch out.
-WALL_CLOCK_MIN_S = 10e-3
-
-
-def clock_for(platform: str, call_s: float) -> tuple[str, str | None]:
-    """("trace" or "wall", why the wall clock) for a sweep on `platform` whose calls take about `call_s`
-    seconds: the wall clock on CPU for calls of at least WALL_CLOCK_MIN_S, else the trace."""
-    if platform != "cpu" or call_s < WALL_CLOCK_MIN_S:
-        return "trace", None
-    return "wall", (f"wall clock chosen: on CPU a call took {call_s * 1e3:.1f} ms (>= {WALL_CLOCK_MIN_S * 1e3:g} ms: "
-                    "dispatch is under 0.5% of it, and the profiler trace would cost more than it tells)")
-
-
-def choose_clock(platform: str, call: Callable[[], jax.Array]) -> tuple[str, str | None]:
-    """`clock_for` a sweep whose calls are like `call` (one of its candidates): on CPU the faster of two wall
-    timed calls of it (a shared machine only adds to a call's time), elsewhere no call."""
-    if platform != "cpu":
-        return "trace", None
-    seconds = []
-    for _ in range(2):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        seconds.append(time.perf_counter() - start)
-    return clock_for(platform, min(seconds))
-
-
 def first_call_is_warm(platform: str) -> bool:
     """Whether an executable's first call here costs what later calls cost, so that a separate untimed
     warm-up call is a waste. On CPU it is: a 64-candidate sweep's warm-up calls took 4.4 s where the same
@@ -233,7 +200,6 @@ def time_candidates(
     warmup: int = 1,
     race: float | None = None,
     best_s: float | None = None,
-    clock: str = "trace",
 ) -> tuple[dict[int, Timing], str | None]:
     """Time each zero-argument call `samples` times, after `warmup` untimed calls each (the first call of
     an executable pays one-off costs: loading, first allocations, cold caches; with compile workers the
@@ -244,9 +210,7 @@ def time_candidates(
     earlier, e.g. the best of a sweep's previous batches) when that is faster -- is not timed again; its
     timing has one sample. One sample is enough to know a call is that much slower, and the rounds left are
     spent on the ones that can still win. `on_round(units)`: after each round, how many of the
-    `len(calls) * samples` call-samples are done (timed, or skipped by racing). `clock`: "trace" (the profiler,
-    cross-checked by the wall clock) or "wall" (no profiler: `choose_clock`); the reason returned is None for
-    a chosen wall clock (the caller knows why it chose it).
+    `len(calls) * samples` call-samples are done (timed, or skipped by racing).
     """
     rng = random.Random(seed)
     trace: dict[int, list[float]] = defaultdict(list)
@@ -257,10 +221,20 @@ def time_candidates(
             jax.block_until_ready(calls[i]())
     for round_index in range(samples):
         rng.shuffle(active)
-        if clock == "wall":
-            _wall_round(calls, active, wall)
-        else:
-            _traced_round(calls, active, wall, trace, platform, keep_trace_dir, round_index)
+        trace_dir = Path(tempfile.mkdtemp(prefix="moe_tune_trace_"))
+        try:
+            with jax.profiler.trace(str(trace_dir), profiler_options=_profile_options(keep_trace_dir)):
+                for i in active:
+                    start = time.perf_counter()
+                    jax.block_until_ready(calls[i]())
+                    wall[i].append(time.perf_counter() - start)
+            for i, durations in parse_trace(trace_dir, platform).items():
+                if i in calls:
+                    trace[i].extend(durations)
+            if keep_trace_dir is not None:
+                shutil.copytree(trace_dir, Path(keep_trace_dir) / f"round_{round_index}", dirs_exist_ok=True)
+        finally:
+            shutil.rmtree(trace_dir, ignore_errors=True)
         done = len(active)
         if round_index == 0 and race is not None:
             kept = _race(active, trace if all(trace.get(i) for i in active) else wall, race, best_s)
@@ -269,39 +243,12 @@ def time_candidates(
         if on_round is not None:
             on_round(done)
 
-    if clock == "wall":
-        return {i: _summarize(wall[i], "wall", wall[i]) for i in calls}, None
     problems = {i: why for i in calls if (why := cross_check(trace.get(i, []), wall[i], len(wall[i])))}
     if problems:
         i, why = next(iter(problems.items()))
         fallback = f"profiler trace failed the wall-clock cross-check for {len(problems)} candidate(s), e.g. #{i}: {why}"
         return {i: _summarize(wall[i], "wall", wall[i]) for i in calls}, fallback
     return {i: _summarize(trace[i], "trace", wall[i]) for i in calls}, None
-
-
-def _wall_round(calls: Mapping[int, Callable[[], jax.Array]], active: list[int], wall: dict[int, list[float]]) -> None:
-    """One round: each active call once, in order, timed by the wall clock."""
-    for i in active:
-        start = time.perf_counter()
-        jax.block_until_ready(calls[i]())
-        wall[i].append(time.perf_counter() - start)
-
-
-def _traced_round(calls: Mapping[int, Callable[[], jax.Array]], active: list[int], wall: dict[int, list[float]],
-                  trace: dict[int, list[float]], platform: str, keep_trace_dir: Path | None, round_index: int) -> None:
-    """One round inside a profiler trace: the wall times as in `_wall_round`, and each call's device times
-    from the parsed trace (kept under `keep_trace_dir` when given)."""
-    trace_dir = Path(tempfile.mkdtemp(prefix="moe_tune_trace_"))
-    try:
-        with jax.profiler.trace(str(trace_dir), profiler_options=_profile_options(keep_trace_dir)):
-            _wall_round(calls, active, wall)
-        for i, durations in parse_trace(trace_dir, platform).items():
-            if i in calls:
-                trace[i].extend(durations)
-        if keep_trace_dir is not None:
-            shutil.copytree(trace_dir, Path(keep_trace_dir) / f"round_{round_index}", dirs_exist_ok=True)
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def _race(active: list[int], first: Mapping[int, list[float]], factor: float, best_s: float | None) -> list[int]:
