@@ -138,6 +138,17 @@ def _weights_grad(rhs, lhs, dout, group_sizes, group_offset, *, groups: int, dis
     return tuple(grads) if isinstance(rhs, tuple) else grads[0]
 
 
+def _glu_grad(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
+    """d(act(gate) * up) / d[gate, up] for the pre-activation product h = [gate, up] ([m, 2f]) and dout [m, f],
+    in float32, rounded once to h.dtype: each half computed on its own and concatenated (the VJP of `apply`
+    transposes its two slices into two zero-padded [m, 2f] arrays and their sum: a 190 ms pad+add at deepseek
+    prefill ep 4 f32, benchmarks/results/fused_cpu_2core_2026-11-25_session13_prefill_ep4)."""
+    f = h.shape[1] // 2
+    gate, up, d = h[:, :f].astype(jnp.float32), h[:, f:].astype(jnp.float32), dout.astype(jnp.float32)
+    act, act_pullback = jax.vjp(ACTIVATIONS[glu][0], gate)
+    return jnp.concatenate([act_pullback(d * up)[0], d * act], axis=1).astype(h.dtype)
+
+
 # --------------------------------------------------------------------------------------------------------
 # gather_gmm
 
@@ -162,8 +173,7 @@ def _gather_gmm_bwd(call: _Call, residuals, dout):
     if glu is None:
         dh = dout
     else:
-        _, pullback = jax.vjp(lambda v: apply(glu, v), h.astype(jnp.float32))
-        dh = pullback(dout.astype(jnp.float32))[0].astype(h.dtype)
+        dh = _glu_grad(glu, h, dout)
     # dx: the combine kernel with the weights transposed, every local row weighted 1 (a fused scatter-add)
     dx = call.gmm_combine("bwd", dh, rhs, group_sizes, rows, jnp.ones((m,), jnp.float32), group_offset)
     drhs = _no_grad(rhs)
