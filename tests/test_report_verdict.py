@@ -33,7 +33,7 @@ def shipped_entries() -> list[dict]:
 
 def test_every_shipped_entry_records_its_verdict_and_still_round_trips():
     entries = shipped_entries()
-    assert len(entries) == 45
+    assert len(entries) >= 45  # 45 ragged_dot and gather entries (session 9) and the fused_moe ones since
     for data in entries:
         entry = Entry.from_json(data)
         assert entry.to_json() == data
@@ -46,7 +46,7 @@ def test_every_shipped_entry_records_its_verdict_and_still_round_trips():
         if data["verdict"]["rule"] == FASTEST:
             assert verdict.rule == (DEFAULT_FASTEST if is_default else BEAT_DEFAULT)
     frame = report.entries_frame(SHIPPED)
-    assert len(frame) == 45 and frame["verdict_detail"].str.len().gt(0).all()
+    assert len(frame) == len(entries) and frame["verdict_detail"].str.len().gt(0).all()
     kept = sum(e["within_noise_of_default"] for e in entries)
     assert frame["verdict_detail"].str.startswith("kept default: within noise").sum() == kept
 

@@ -136,13 +136,20 @@ def layer_inputs(problem: FusionProblem, distribution: str, seed: int) -> dict[s
             "w_down": normal(local, p.intermediate, p.hidden, fan_in=p.intermediate)}
 
 
-def layer_reference(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Float64 `moe_mlp` (softmax, top_k renormalized, SiLU-gated experts) of the shard's experts [0, experts/ep)."""
+def _routed(problem: FusionProblem, inputs: Mapping[str, np.ndarray]
+            ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """(the inputs in float64, the router's softmax probabilities [tokens, experts], the top_k experts of each
+    token [tokens, top_k], highest first, ties to the lower index)."""
     f64 = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
     logits = f64["router_logits"]
     probs = np.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
-    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :problem.top_k]
+    return f64, probs, np.argsort(-probs, axis=1, kind="stable")[:, :problem.top_k]
+
+
+def layer_reference(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Float64 `moe_mlp` (softmax, top_k renormalized, SiLU-gated experts) of the shard's experts [0, experts/ep)."""
+    f64, probs, chosen = _routed(problem, inputs)
     weights = np.take_along_axis(probs, chosen, axis=1)
     weights /= weights.sum(axis=1, keepdims=True)
     out = np.zeros((problem.tokens, problem.hidden))
@@ -161,11 +168,7 @@ LAYER_OPERANDS = ("x", "router_logits", "w_gate", "w_up", "w_down")
 def layer_reference_grads(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """Float64 gradients of sum(`layer_reference`) in the `LAYER_OPERANDS` order: x, router logits (through
     the softmax and the renormalized top_k weights; the choice of experts is constant), w_gate, w_up, w_down."""
-    f64 = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
-    logits = f64["router_logits"]
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :problem.top_k]
+    f64, probs, chosen = _routed(problem, inputs)
     picked = np.take_along_axis(probs, chosen, axis=1)
     total = picked.sum(axis=1, keepdims=True)
     weights = picked / total
