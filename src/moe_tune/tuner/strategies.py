@@ -19,8 +19,7 @@ results, so a resumed sweep, whose results come from its log, replays the same p
   nearest tuned shape's seed, the default, the other seeds and the configs bracketed by the seeds
   (`bracket`: between two seeds that differ in one tunable, as a ladder implies: m/2 won tm=32 and 2m won
   tm=128, so tm=64 is tried), timed side by side; then coordinate descent from the best of them along the OPEN tunables only
-  (`open_tunables`: those the seeds disagree on; one seed: those it changed from the default; the
-  neighbours all won with the default: none, one candidate), moving only
+  (`open_tunables`: those the seeds disagree on; one seed: those it changed from the default), moving only
   to a neighbour faster by more than `NOISE` (a smaller gain is within the run-to-run noise of a 3-sample
   median, and chasing it walks the space), and stopping when a round finds nothing faster. A tunable every
   tuned neighbour's winner agrees on is not walked again: walking it is what made a warm descent cost as much
@@ -68,11 +67,8 @@ def bracket(space: Sequence[KernelConfig], seeds: Sequence[KernelConfig], limit:
 
 
 def open_tunables(seeds: Sequence[KernelConfig], default: KernelConfig) -> set[str]:
-    """The tunables a warm descent walks: those on which `seeds` (distinct configs, not the default) disagree;
-    with one seed, those in which it differs from `default`; with none (every neighbour won with the
-    default), none."""
-    if not seeds:
-        return set()
+    """The tunables a warm descent walks: those on which `seeds` (distinct configs) disagree; with one seed,
+    those in which it differs from `default`."""
     first = seeds[0].to_dict()
     others = list(seeds[1:]) or [default]
     return {f for f, v in first.items() if any(getattr(c, f) != v for c in others)}
@@ -95,11 +91,8 @@ class Strategy:
         if not space:
             raise UsageError("the search space is empty")
         self.space, self.backend, self.problem = list(space), backend, problem
-        # the warm start's configs (of the space, not the default), measured first; `warm`: there was a warm
-        # start, even one whose seeds are all the default (the neighbours all won with it)
-        given = [c for c in dict.fromkeys(seeds) if c in set(self.space)]
-        self.seeds = [c for c in given if c != self.space[0]]
-        self.warm = bool(given)
+        # the warm start's configs (of the space, not the default), measured right after the default
+        self.seeds = [c for c in dict.fromkeys(seeds) if c in set(self.space) and c != self.space[0]]
         self.budget, self.seed = budget, seed
         self.stopped: str | None = None  # why the strategy has no more rounds (once next_round returns [])
 
@@ -142,7 +135,7 @@ class Grid(Strategy):
 
     def __init__(self, space, **kwargs):
         super().__init__(space, **kwargs)
-        self.local = self.warm
+        self.local = bool(self.seeds)
         self._descent = CoordinateDescent(space, **kwargs) if self.local else None
 
     def next_round(self, measured):
@@ -183,7 +176,7 @@ class CoordinateDescent(Strategy):
         self.in_space = set(self.space)
         self.current: KernelConfig | None = None  # the config whose neighbours were proposed last
         self.path: list[KernelConfig] = []  # the best config after each round (non-increasing time)
-        self.local = self.warm  # the warm local search (module docstring)
+        self.local = bool(self.seeds)  # the warm local search (module docstring)
         self.open = open_tunables(self.seeds, self.default) if self.local else None  # walked warm (None: all)
 
     def neighbours(self, config: KernelConfig, fields: set[str] | None = None) -> list[KernelConfig]:
@@ -214,7 +207,7 @@ class CoordinateDescent(Strategy):
             if self.local:  # warm: the seeds, the default, what the seeds bracket; descend from the best of them
                 # the nearest tuned shape's winner first, the default right after it (within any budget: the
                 # finals hold the winner to it)
-                first = [*self.seeds[:1], self.default, *self.seeds[1:], *bracket(self.space, self.seeds)]
+                first = [self.seeds[0], self.default, *self.seeds[1:], *bracket(self.space, self.seeds)]
                 return self._cap(first, measured, "converged")
             self.current = self.default
             return self._cap([self.default, *self.neighbours(self.default)], measured, "converged")

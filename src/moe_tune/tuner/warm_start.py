@@ -6,10 +6,9 @@ lookup order, and the sweep's own), keeps the entries of the same op, backend an
 key fields except sizes, dtypes, direction and distribution (and not this sweep's own key), ranks them by
 `distance`, and maps the winners of the nearest `limit` onto this sweep's space (`project`: the config of the
 space nearest to each winner, so a seed is always a valid candidate here). The strategies measure those seeds
-first (`strategies.Strategy`'s `seeds`; a winner that maps to the default is a seed too: neighbours that all
-won with the default make a warm search of one candidate); `grid` and `coordinate` then run a warm local
-search (the seeds, the configs between them, and a descent from the best along the tunables the seeds
-disagree on; `WarmStart.local`) instead of walking the whole space.
+right after the default (`strategies.Strategy`'s `seeds`); `grid` and `coordinate` then run a warm local
+search (the seeds, the configs between them, and a descent from the best; `WarmStart.local`) instead of
+walking the whole space.
 
 The seeds depend on the tables when the sweep starts; a resumed sweep restores every candidate its log holds
 whatever order they are proposed in. `--cold` (`SweepSettings.cold`) turns it off.
@@ -36,9 +35,9 @@ OTHER_FIELD_WEIGHT = 1.0  # dtypes, quantization fields, weighted, ...
 
 @dataclasses.dataclass(frozen=True)
 class WarmStart:
-    """The seeds (configs of the space, nearest source first) and where they came from."""
+    """The seeds (configs of the space, nearest source first, the default left out) and where they came from."""
 
-    seeds: tuple[KernelConfig, ...] = ()  # distinct, nearest source's first; the default when one mapped to it
+    seeds: tuple[KernelConfig, ...] = ()
     sources: tuple[dict[str, Any], ...] = ()  # {"key", "distance", "config" (the winner), "seed" (its label)}
     cold: bool = False  # turned off (`--cold`)
     local: bool = False  # the strategy searched only around the seeds (`strategies.Strategy.local`)
@@ -51,7 +50,7 @@ class WarmStart:
             return "cold start (no tuned entry of this op and backend nearby)"
         said = (f"warm {'local search' if self.local else 'start'} from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
                 + "; ".join(f"{s['key'].split('|', 1)[1]} -> {s['seed']}" for s in self.sources))
-        return said
+        return said if self.seeds else said + " (each the default here: no seed to add)"
 
     def to_json(self) -> dict[str, Any]:
         return {"cold": self.cold, "local": self.local, "seeds": [s.to_dict() for s in self.seeds], "sources": list(self.sources)}
@@ -137,6 +136,6 @@ def find(op: str, device_kind: str, fields: Mapping[str, Any], key: str, space: 
             continue
         seed = project(entry["config"], space)
         sources.append({"key": other_key, "distance": round(d, 3), "config": entry["config"], "seed": seed.label()})
-        if seed not in seeds:  # the default too: neighbours that all won with it are a warm start as well
+        if seed != space[0] and seed not in seeds:
             seeds.append(seed)
     return WarmStart(tuple(seeds), tuple(sources))
