@@ -151,8 +151,8 @@ def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
     warm = run_sweep(SweepRequest.make("ragged_dot", other, strategy="coordinate", budget=2, **quick))
     space = TILED.search_space(other)
     expected = warm_start.project(tuned.entry.config, space)
-    if expected != space[0]:  # the winner (mapped onto this space) first, the default right after it
-        assert [c.config for c in warm.candidates] == [expected, space[0]]
+    if expected != space[0]:  # the winner (mapped onto this space) right after the default
+        assert [c.config for c in warm.candidates] == [space[0], expected]
     assert "m=256" in warm.entry.search["start"] and warm.entry.search["seeds"] == (
         [] if expected == space[0] else [expected.to_dict()])
     if expected != space[0]:  # seeds: a local search, which the entry and the report's budget column say
