@@ -16,14 +16,10 @@ results, so a resumed sweep, whose results come from its log, replays the same p
   only). It moves to the best measured config and stops when a round finds nothing faster (or the budget
   is spent). With seeds it runs the warm local search.
 - The warm local search (`grid` and `coordinate` with seeds; `Strategy.local`): the first round is the
-  nearest tuned shape's seed, the default, the other seeds and the configs bracketed by the seeds
-  (`bracket`: between two seeds that differ in one tunable, as a ladder implies: m/2 won tm=32 and 2m won
-  tm=128, so tm=64 is tried), timed side by side; then coordinate descent from the best of them along the OPEN tunables only
-  (`open_tunables`: those the seeds disagree on; one seed: those it changed from the default), moving only
-  to a neighbour faster by more than `NOISE` (a smaller gain is within the run-to-run noise of a 3-sample
-  median, and chasing it walks the space), and stopping when a round finds nothing faster. A tunable every
-  tuned neighbour's winner agrees on is not walked again: walking it is what made a warm descent cost as much
-  as a cold one (session 12: 0.76x the cold coordinate descent's candidates).
+  default, the seeds and the configs bracketed by the seeds (`bracket`: between two seeds that differ in one
+  tunable, as a ladder implies: m/2 won tm=32 and 2m won tm=128, so tm=64 is tried), timed side by side; then
+  coordinate descent from the best of them, moving only to a neighbour faster by more than `NOISE` (a
+  smaller gain is within the run-to-run noise of a 3-sample median, and chasing it walks the space).
 
 The sweep itself stops asking for rounds when its time budget is spent.
 """
@@ -64,14 +60,6 @@ def bracket(space: Sequence[KernelConfig], seeds: Sequence[KernelConfig], limit:
                         getattr(c, f) == v for f, v in a.to_dict().items() if f != field):
                     found.append((abs(math.log2(value / middle)), index, c))
     return list(dict.fromkeys(c for _, _, c in sorted(found, key=lambda item: item[:2])))[:limit]
-
-
-def open_tunables(seeds: Sequence[KernelConfig], default: KernelConfig) -> set[str]:
-    """The tunables a warm descent walks: those on which `seeds` (distinct configs) disagree; with one seed,
-    those in which it differs from `default`."""
-    first = seeds[0].to_dict()
-    others = list(seeds[1:]) or [default]
-    return {f for f, v in first.items() if any(getattr(c, f) != v for c in others)}
 
 
 def _positive(value: Any) -> bool:
@@ -177,16 +165,13 @@ class CoordinateDescent(Strategy):
         self.current: KernelConfig | None = None  # the config whose neighbours were proposed last
         self.path: list[KernelConfig] = []  # the best config after each round (non-increasing time)
         self.local = bool(self.seeds)  # the warm local search (module docstring)
-        self.open = open_tunables(self.seeds, self.default) if self.local else None  # walked warm (None: all)
 
-    def neighbours(self, config: KernelConfig, fields: set[str] | None = None) -> list[KernelConfig]:
-        """Along each tunable (of `fields`, None: all), the configs of the space that differ from `config` in
-        that tunable only and have the nearest smaller and the nearest larger value."""
+    def neighbours(self, config: KernelConfig) -> list[KernelConfig]:
+        """Along each tunable, the configs of the space that differ from `config` in that tunable only and
+        have the nearest smaller and the nearest larger value."""
         here = config.to_dict()
         found = []
         for field, value in here.items():
-            if fields is not None and field not in fields:
-                continue
             line = [c for c in self.space if c != config and all(
                 v == here[f] for f, v in c.to_dict().items() if f != field)]
             below = [c for c in line if _sort_key(getattr(c, field)) < _sort_key(value)]
@@ -204,11 +189,8 @@ class CoordinateDescent(Strategy):
 
     def next_round(self, measured):
         if not measured:  # the first round: the default and its neighbours, timed side by side
-            if self.local:  # warm: the seeds, the default, what the seeds bracket; descend from the best of them
-                # the nearest tuned shape's winner first, the default right after it (within any budget: the
-                # finals hold the winner to it)
-                first = [self.seeds[0], self.default, *self.seeds[1:], *bracket(self.space, self.seeds)]
-                return self._cap(first, measured, "converged")
+            if self.local:  # warm: the default, the seeds and what they bracket; descend from the best of them
+                return self._cap(self._first(bracket(self.space, self.seeds)), measured, "converged")
             self.current = self.default
             return self._cap([self.default, *self.neighbours(self.default)], measured, "converged")
         ok = [c for c in measured.values() if c.status == OK and c.timing is not None]
@@ -226,7 +208,7 @@ class CoordinateDescent(Strategy):
             self.stopped = "converged"
             return []
         self.current = best
-        return self._cap(self.neighbours(best, self.open), measured, "converged")
+        return self._cap(self.neighbours(best), measured, "converged")
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Grid, RandomSearch, CoordinateDescent)}
