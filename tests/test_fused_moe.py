@@ -25,3 +25,17 @@ class TestTiled(FusedMoeBackendTests):
 class TestPlain(FusedMoeBackendTests):
     backend = "jax"
     dtypes = ()
+
+
+def test_the_cli_names_a_dispatch_without_activation_none():
+    """`--glu none` (a training layer's forward dispatch, gate and up kept concatenated) is a problem with no
+    activation; the combine never has one; an unknown activation is refused by the CLI's choices."""
+    from moe_tune.kernels import get_op
+    from moe_tune.kernels.fused_moe.definition import GLU, NO_GLU
+
+    op = get_op("fused_moe")
+    shape = dict(tokens=16, top_k=2, k=32, n=64, groups=4)
+    assert op.problem(**shape, glu=NO_GLU).glu is None
+    assert op.problem(**shape, glu="silu").glu == "silu"
+    assert op.problem(**shape, stage="combine", glu="silu").glu is None
+    assert NO_GLU in GLU.type and "bogus" not in GLU.type

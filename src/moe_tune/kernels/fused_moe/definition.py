@@ -23,8 +23,10 @@ from moe_tune.quant import QArray, dequantize_host, quantize
 
 STAGE = ShapeOption("stage", STAGES, "fused_moe: the fused dispatch (gather + gate/up matmul) or combine (down "
                     "matmul + weighted sum).")
-GLU = ShapeOption("glu", tuple(ACTIVATIONS), "fused_moe: the gated activation of the dispatch's epilogue "
-                  "(default: none; n is then gate and up concatenated).")
+NO_GLU = "none"
+GLU = ShapeOption("glu", (*ACTIVATIONS, NO_GLU), "fused_moe: the gated activation of the dispatch's epilogue "
+                  "(default: silu; none: no activation, n is then gate and up concatenated, as a training "
+                  "layer's forward dispatch keeps them for its backward).")
 
 # The default sweep: the gate/up dispatch of one Qwen3-30B-A3B MoE layer (hidden 2048, expert width 768, 128
 # experts, top-8) for 512 tokens: 4096 rows, [2048, 1536] concatenated weights, SiLU.
@@ -59,7 +61,7 @@ class FusedMoeOp(KernelOp):
         """`groups`: experts on this shard; with `ep` > 1 the router has groups x ep experts and the shard's
         rows are about 1/ep of the tokens x top_k."""
         return FusedMoeProblem(tokens=tokens, m=tokens * top_k, k=k, n=n, groups=groups, dtype=dtype, stage=stage,
-                               direction=direction, glu=glu if stage == "dispatch" else None,
+                               direction=direction, glu=glu if stage == "dispatch" and glu != NO_GLU else None,
                                rhs_qdtype=rhs_quant, rhs_qblock=quant_block if rhs_quant else None,
                                total_groups=groups * ep if ep > 1 else None, ep=ep)
 
