@@ -130,3 +130,19 @@ def test_kernel_stats_fixture():
     assert [o.seconds for o in ops] == pytest.approx([800e-6, 115e-6])
     assert [o.count for o in ops] == [2, 1]
     assert sum(o.share for o in ops) == pytest.approx(1.0)
+
+
+def test_a_gpu_program_without_hlo_stats_rows_is_read_from_its_kernels(tmp_path, monkeypatch):
+    """A command buffer (Triton's fwd on an H100) leaves hlo_stats empty: the breakdown is the kernel table."""
+    from moe_tune.breakdown import run, xprof_tools
+
+    kernels = json.loads((DATA / "xprof_kernel_stats.json").read_text())
+    empty = {**json.loads((DATA / "xprof_hlo_stats.json").read_text()), "rows": []}
+    monkeypatch.setattr(run, "xplane_file", lambda trace_dir: tmp_path / "vm.xplane.pb")
+    tables = {"hlo_stats": empty, "kernel_stats": kernels}
+    monkeypatch.setattr(xprof_tools, "tool_data", lambda xplane, tool: tables[tool])
+    ((reader, ops),) = read_ops(tmp_path, "gpu", "xprof", program(0), 10)
+    assert reader == run.KERNEL_STATS and ops[0].name == "ragged_dot_kernel"
+    tables["kernel_stats"] = empty
+    with pytest.raises(run.MoeTuneError, match="no per-op events"):
+        read_ops(tmp_path, "gpu", "xprof", program(0), 10)

@@ -91,7 +91,8 @@ def program(index: int) -> str:
 def read_ops(trace_dir: Path, platform: str, source: str, module: str, runs: int
              ) -> list[tuple[str, tuple[OpTime, ...]]]:
     """(reader name, ops largest first) of the trace under `trace_dir`, of `runs` runs of program `module`:
-    one table, or on GPU through xprof two (HLO ops, then kernels). MoeTuneError when it holds no op."""
+    one table, or on GPU through xprof two (HLO ops, then kernels; the kernels alone where hlo_stats has no
+    rows). MoeTuneError when it holds no op."""
     if source == "trace":
         tables = [("trace", ranked(*self_times(_xplane_events(trace_dir, platform, module)), runs))]
     else:
@@ -103,14 +104,13 @@ def read_ops(trace_dir: Path, platform: str, source: str, module: str, runs: int
             tables = [("xprof trace_viewer", ranked(*self_times(events), runs))]
         else:
             tables = [("xprof hlo_stats", xprof_tools.hlo_stats_ops(xprof_tools.tool_data(xplane, "hlo_stats"), runs))]
-            if not tables[0][1] and platform == "gpu":
-                # Seen on an H100 with JAX 0.11.2 and xprof 2.24: hlo_stats empty while the device plane holds
-                # the per-op events the tuner times; read those instead, and say so in the reader's name.
-                events = _xplane_events(trace_dir, platform, module)
-                tables = [("trace (xprof hlo_stats was empty)", ranked(*self_times(events), runs))]
             if platform == "gpu":
-                tables.append((KERNEL_STATS,
-                               xprof_tools.kernel_stats_ops(xprof_tools.tool_data(xplane, "kernel_stats"), runs)))
+                kernels = (KERNEL_STATS, xprof_tools.kernel_stats_ops(xprof_tools.tool_data(xplane, "kernel_stats"),
+                                                                      runs))
+                # Seen on an H100 (JAX 0.11.2, xprof 2.24): a program XLA runs as a CUDA command buffer has no
+                # hlo_stats rows, and its device-plane op is the buffer's 4 us launch; its kernels are in
+                # kernel_stats, which is then the one table.
+                tables = [kernels] if not tables[0][1] else [*tables, kernels]
     if not tables[0][1]:
         raise MoeTuneError(f"no per-op events of {module} in the trace ({tables[0][0]})")
     return tables
