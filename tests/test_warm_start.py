@@ -91,6 +91,21 @@ def test_warm_descent_moves_only_past_the_noise():
     assert strategy.path[-1] == step
 
 
+def test_warm_descent_walks_only_the_tunables_the_default_and_seeds_disagree_on():
+    default = SPACE[0]
+    at = lambda **kw: TILED.config_cls(**{**default.to_dict(), **kw})
+    assert S.open_tunables(default, [at(tm=64)]) == {"tm"}  # one seed: what it changed from the default
+    assert S.open_tunables(default, [at(tm=64), at(tm=64, tk=512)]) == {"tm", "tk"}
+    seeds = [at(tm=64), at(tm=512)]  # the neighbours agree with the default on tk, tn and tail: only tm is open
+    for name in ("coordinate", "grid"):
+        strategy = S.make(name, SPACE, backend=TILED, problem=BIG, seeds=seeds)
+        rounds, measured = _run(strategy, bowl({"tm": 256, "tk": 512, "tn": default.tn, "tail": default.tail}))  # tk is off too
+        assert rounds[0][0] == default and strategy.stopped == "converged"  # the default first, always
+        assert all((c.tk, c.tn, c.tail) == (default.tk, default.tn, default.tail) for c in measured)
+        best = min(measured.values(), key=lambda c: c.timing.median_s).config
+        assert best == at(tm=256) and len(measured) <= 5, [c.label() for c in measured]  # seeds, default, bracket
+
+
 def test_coordinate_descends_from_the_best_seed_and_needs_fewer_candidates():
     near = TILED.config_cls(**{**OPTIMUM, "tm": 128})  # one step from the optimum
     cold_rounds, cold = _run(S.make("coordinate", SPACE, backend=TILED, problem=BIG), bowl(OPTIMUM))

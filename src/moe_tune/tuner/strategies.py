@@ -18,8 +18,13 @@ results, so a resumed sweep, whose results come from its log, replays the same p
 - The warm local search (`grid` and `coordinate` with seeds; `Strategy.local`): the first round is the
   default, the seeds and the configs bracketed by the seeds (`bracket`: between two seeds that differ in one
   tunable, as a ladder implies: m/2 won tm=32 and 2m won tm=128, so tm=64 is tried), timed side by side; then
-  coordinate descent from the best of them, moving only to a neighbour faster by more than `NOISE` (a
-  smaller gain is within the run-to-run noise of a 3-sample median, and chasing it walks the space).
+  coordinate descent from the best of them along the OPEN tunables only (`open_tunables`: those on which the
+  default and the seeds do not all agree; never empty, a seed differs from the default), moving only to a
+  neighbour faster by more than `NOISE` (a smaller gain is within the run-to-run noise of a 3-sample median,
+  and chasing it walks the space). A tunable that the default and every tuned neighbour's winner agree on is
+  not walked: walking every tunable made the warm descent's confirming round cost as much as a cold round
+  (NOTES 11). The default stays the first candidate, and a warm search measures at least the default and one
+  seed (no seed: the cold walk).
 
 The sweep itself stops asking for rounds when its time budget is spent.
 """
@@ -60,6 +65,12 @@ def bracket(space: Sequence[KernelConfig], seeds: Sequence[KernelConfig], limit:
                         getattr(c, f) == v for f, v in a.to_dict().items() if f != field):
                     found.append((abs(math.log2(value / middle)), index, c))
     return list(dict.fromkeys(c for _, _, c in sorted(found, key=lambda item: item[:2])))[:limit]
+
+
+def open_tunables(default: KernelConfig, seeds: Sequence[KernelConfig]) -> set[str]:
+    """The tunables a warm descent walks: those on which `default` and `seeds` do not all agree."""
+    here = default.to_dict()
+    return {f for f, v in here.items() if any(getattr(c, f) != v for c in seeds)}
 
 
 def _positive(value: Any) -> bool:
@@ -165,13 +176,17 @@ class CoordinateDescent(Strategy):
         self.current: KernelConfig | None = None  # the config whose neighbours were proposed last
         self.path: list[KernelConfig] = []  # the best config after each round (non-increasing time)
         self.local = bool(self.seeds)  # the warm local search (module docstring)
+        # the tunables the warm descent walks (None: every one, the cold walk)
+        self.open = open_tunables(self.default, self.seeds) if self.local else None
 
-    def neighbours(self, config: KernelConfig) -> list[KernelConfig]:
-        """Along each tunable, the configs of the space that differ from `config` in that tunable only and
-        have the nearest smaller and the nearest larger value."""
+    def neighbours(self, config: KernelConfig, fields: set[str] | None = None) -> list[KernelConfig]:
+        """Along each tunable (of `fields`; None: every one), the configs of the space that differ from
+        `config` in that tunable only and have the nearest smaller and the nearest larger value."""
         here = config.to_dict()
         found = []
         for field, value in here.items():
+            if fields is not None and field not in fields:
+                continue
             line = [c for c in self.space if c != config and all(
                 v == here[f] for f, v in c.to_dict().items() if f != field)]
             below = [c for c in line if _sort_key(getattr(c, field)) < _sort_key(value)]
@@ -208,7 +223,7 @@ class CoordinateDescent(Strategy):
             self.stopped = "converged"
             return []
         self.current = best
-        return self._cap(self.neighbours(best), measured, "converged")
+        return self._cap(self.neighbours(best, self.open), measured, "converged")
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Grid, RandomSearch, CoordinateDescent)}
