@@ -71,6 +71,28 @@ def test_fused_temp_memory_is_smaller_by_the_removed_buffers():
     assert temp[False] - temp[True] >= removed, temp
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_training_temp_memory_is_smaller_by_the_removed_buffers(dtype):
+    """The compiled forward+backward (gradients in x, the router logits and the three weights) drops by at
+    least the two [tokens x top_k, hidden] buffers (x's dtype) that only the unfused step writes: the expert
+    outputs (kept for the combine's weight gradient) and d(rows) (the gate and up dlhs, scattered into dx by
+    the gather's VJP). Both steps still write two: the gathered rows and the weighted d(out) rows that the
+    weights' drhs read. The shape is decode-like (weights 6x one such buffer): before session 14 every
+    bf16 drhs loop carried its result as uint16 bits and copied it out, and the fused step's gate and up
+    drhs held two weight-sized carries at once (temp above the unfused step's)."""
+    tokens, hidden, width, top_k = 32, 128, 48, 2
+    args = _layer(2, dtype, tokens=tokens, hidden=hidden, width=width)
+
+    def temp(fused: bool) -> int:
+        loss = lambda *a: jnp.sum(moe_mlp(*a, top_k, fused=fused).astype(jnp.float32))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    unfused, fused = temp(False), temp(True)
+    removed = 2 * tokens * top_k * hidden * jnp.dtype(dtype).itemsize
+    assert unfused - fused >= removed, (unfused, fused, removed)
+
+
 def test_fused_none_runs_the_choice_and_aqt_weights_stay_unfused(monkeypatch, caplog):
     """fused=None asks moe_fusion (here its default, patched to unfused); quantization-aware weights cannot be
     fused: None runs them unfused, True is a UsageError."""

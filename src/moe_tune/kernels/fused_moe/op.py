@@ -138,6 +138,9 @@ def _weights_grad(rhs, lhs, dout, group_sizes, group_offset, *, groups: int, dis
     return tuple(grads) if isinstance(rhs, tuple) else grads[0]
 
 
+PER_HALF_GLU_GRAD = ("float32",)
+
+
 def _glu_grad(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
     """d(act(gate) * up) / d[gate, up] for the pre-activation product h = [gate, up] ([m, 2f]) and dout [m, f],
     in float32, rounded once to h.dtype: each half computed on its own and concatenated (the VJP of `apply`
@@ -172,7 +175,7 @@ def _gather_gmm_bwd(call: _Call, residuals, dout):
     glu, m = call.problem.glu, rows.shape[0]
     if glu is None:
         dh = dout
-    elif h.dtype == jnp.float32:
+    elif h.dtype.name in PER_HALF_GLU_GRAD:
         dh = _glu_grad(glu, h, dout)
     else:  # bf16 / f16: the concatenated halves were no faster and took more temp (NOTES, session 13)
         _, pullback = jax.vjp(lambda v: apply(glu, v), h.astype(jnp.float32))

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, packed_bytes, per_iteration
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, packed_bytes, per_iteration, update_slice
 from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
@@ -219,14 +219,19 @@ def tiled_transposed_ragged_dot(
 
         return jax.lax.fori_loop(0, num_groups, add_later, windows(0, starts, ends)).astype(out_dtype)
 
-    def group(g, out):
+    def result(g):
+        """[1, k, n] in out_dtype: group g's result."""
         count, product = later_windows(g)
         acc = jax.lax.fori_loop(0, count, lambda w, acc: acc + product(w), windows(g, starts[g][None], ends[g][None]))
-        return jax.lax.dynamic_update_slice_in_dim(out, as_bits(acc.astype(out_dtype)), g, axis=0)
+        return acc.astype(out_dtype)
 
-    # a 2-byte output is carried as its bits, so that every group's write is in place
-    out = jax.lax.fori_loop(0, num_groups, group, as_bits(jnp.zeros((num_groups, k, n), out_dtype)))
-    return from_bits(out, out_dtype)
+    # The output is carried in its own dtype and each group's block written in place (`update_slice`: a
+    # bfloat16 one through its bits), so the loop runs in the output's buffer. It starts as group 0's
+    # result repeated, not as zeros: every group's block is written (an empty group's with zeros), and a
+    # constant init is one XLA CSEs between two drhs of one shape (gate and up), after which neither loop
+    # runs in its own buffer (a weight-sized copy each; NOTES session 14 (A)).
+    return jax.lax.fori_loop(1, num_groups, lambda g, out: update_slice(out, result(g), g),
+                             jnp.broadcast_to(result(jnp.int32(0)), (num_groups, k, n)))
 
 
 def _pow2_up_to(limit: int, low: int) -> list[int]:
