@@ -53,7 +53,8 @@ def _instrument(clock: _Clock) -> None:
     clock.wrap(state.SweepState, "prepare_inputs", "inputs and reference")
     clock.wrap(measure, "check_all", "check (main process)")
     clock.wrap(compiling.serialize_executable, "deserialize_and_load", "load executables (main process)")
-    clock.wrap(timing, "parse_trace", "trace parse")
+    clock.wrap(timing, "parse_profile", "trace parse")
+    clock.wrap(timing, "stop_profiler", "profiler stop")  # the xplane, in memory
     clock.wrap(measure, "warm_up", "finalists: one untimed run each")
     clock.wrap(finals, "final_round", "finalists: final round")
     clock.wrap(record, "write", "entry and table write")
@@ -74,7 +75,7 @@ def _instrument(clock: _Clock) -> None:
             clock.add("profiler start", time.perf_counter() - start)
             yield
             stop = time.perf_counter()
-        clock.add("profiler stop (writes the xplane)", time.perf_counter() - stop)
+        clock.add("profiler stop", time.perf_counter() - stop)
 
     timing.jax.profiler.trace = timed_trace
 
@@ -116,7 +117,7 @@ def _print_phases(run: dict) -> None:
     """Where the wall time went: the stages, and the phases measured inside them (the worker phases are
     summed over the workers, which run in parallel: divided by the workers they are wall time)."""
     p, st, w = run["phases_s"], run["stages_s"], run["workers"]
-    profiler = sum(p.get(k, 0.0) for k in ("profiler start", "profiler stop (writes the xplane)", "trace parse"))
+    profiler = sum(p.get(k, 0.0) for k in ("profiler start", "profiler stop", "trace parse"))
     final = p.get("finalists: final round", 0.0)
     rows = [
         ("process start and imports", p.get("process start and imports (before the sweep)", 0.0)),
@@ -127,7 +128,7 @@ def _print_phases(run: dict) -> None:
         ("compile stage: load executables here", p.get("load executables (main process)", 0.0)),
         ("compile stage: check here", p.get("check (main process)", 0.0)),
         ("time stage + final round: profiler start", p.get("profiler start", 0.0)),
-        ("time stage + final round: profiler stop (xplane write)", p.get("profiler stop (writes the xplane)", 0.0)),
+        ("time stage + final round: profiler stop (collect the xplane)", p.get("profiler stop", 0.0)),
         ("time stage + final round: trace parse", p.get("trace parse", 0.0)),
         ("time stage + final round: the timed calls and the rest", st.get("time", 0.0) + final - profiler),
         ("finalists: one untimed run each", p.get("finalists: one untimed run each", 0.0)),
@@ -168,7 +169,7 @@ def main() -> int:
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stages_s"].items())
         print(f"workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
               f"{run['compiles_per_candidate']:.2f} XLA compiles per candidate, "
-              f"{run['main_process_compiles']} in the main process", flush=True)
+              f"{run['main_process_compiles']} in the main process; winner {run['winner']}", flush=True)
         _print_phases(run)
         run["load"] = _load()
     if len(runs) > 1:

@@ -150,3 +150,34 @@ def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
     assert 1 <= sum(size > nbytes for size in sent) <= 2
     check_all(cands, inputs, op.reference(TINY, host), op.tolerance(TINY))
     assert all(c.status == "ok" and c.output is None and c.error is not None for c in cands)
+
+
+def test_map_calls_back_on_the_callers_thread_and_an_error_there_stops_the_rest():
+    """The callbacks run on the caller's thread (the workers go on meanwhile); one that raises stops the
+    requests not yet started, and the error reaches the caller."""
+    import threading
+    import time
+
+    token = uuid.uuid4().hex
+    pool = workers.pool(2)
+    seen = []
+    pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(4)],
+             lambda tag, status, value: seen.append((tag, status, value, threading.current_thread())),
+             timeout=60, shared=(token, 7))
+    assert sorted(tag for tag, *_ in seen) == [0, 1, 2, 3]
+    assert all(status == "ok" and value == 7 and thread is threading.main_thread() for _, status, value, thread in seen)
+
+    called = []
+
+    def fail(tag, status, value):
+        called.append(tag)
+        raise ValueError("stop here")
+
+    with pytest.raises(ValueError, match="stop here"):
+        pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(50)], fail, timeout=60,
+                 shared=(token, 7))
+    assert len(called) == 1
+    deadline = time.monotonic() + 30
+    while pool._idle.qsize() < 2 and time.monotonic() < deadline:  # the requests in flight finish
+        time.sleep(0.05)
+    assert pool._idle.qsize() == 2

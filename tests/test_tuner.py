@@ -193,7 +193,7 @@ def test_wall_clock_timing_when_the_trace_cannot_be_parsed(tmp_path, monkeypatch
     too) says so and why."""
     from moe_tune.tuner import timing as timing_module
 
-    monkeypatch.setattr(timing_module, "parse_trace", lambda trace_dir, platform: {})
+    monkeypatch.setattr(timing_module, "parse_profile", lambda profile, platform: {})
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=2, profile_dir=tmp_path,
                                          max_candidates=2))
     entry = read_table(tmp_path / "cpu" / "ragged_dot.json")["entries"][result.key]

@@ -1,9 +1,11 @@
 """Time compiled candidates from the profiler trace (xplane), with a wall-clock cross-check.
 
-Each sample round runs every candidate once, in a shuffled order, inside one `jax.profiler.trace`; the
-xplane is read with tune-jax's profile reader and each candidate's device time is the span of the events
-of one execution of its program (named `jit_moe_tune_cand_<i>`), grouped by run id, or by tune-jax's own
-contiguity rule when the trace has no run ids. Wall-clock times of the same calls are kept: a
+Each sample round runs every candidate once, in a shuffled order, inside one profiler session; the
+xplane (XSpace) it collects is read as tune-jax's profile reader reads it (a `jax.profiler.ProfileData`) and
+each candidate's device time is the span of the events of one execution of its program (named
+`jit_moe_tune_cand_<i>`), grouped by run id, or by tune-jax's own contiguity rule when the trace has no run
+ids. The XSpace is handed over in memory (`collect`), not written to a file and read back, unless the traces
+are kept for xprof. Wall-clock times of the same calls are kept: a
 trace time longer than the wall time, a missing event, or a trace time far below the wall time of a long
 call means the parse is broken, and every candidate is then timed by the wall clock instead (recorded as
 the timing method), so that all candidates of a sweep are always compared by the same clock.
@@ -139,14 +141,19 @@ def device_planes(trace_dir: Path, platform: str) -> tuple[Any, list[int]]:
 
 
 def parse_trace(trace_dir: Path, platform: str) -> dict[int, list[float]]:
-    """Candidate index -> device durations (s) of its executions found in the xplane under `trace_dir`.
+    """Candidate index -> device durations (s) of its executions found in the xplane under `trace_dir`."""
+    profile, _ = device_planes(trace_dir, platform)
+    return {} if profile is None else parse_profile(profile, platform)
+
+
+def parse_profile(profile: Any, platform: str) -> dict[int, list[float]]:
+    """Candidate index -> device durations (s) of its executions found in `profile` (a parsed xplane,
+    `jax.profiler.ProfileData`).
 
     With several device planes (one per device) each candidate's events come from the device where it
     was slowest, as in tune-jax.
     """
-    profile, plane_ids = device_planes(trace_dir, platform)
-    if profile is None:
-        return {}
+    plane_ids = profile_reader.find_device_plane_ids(profile, platform)
     planes = list(profile.planes)
     per_plane = []
     for index in plane_ids:
@@ -189,6 +196,55 @@ def _profile_options(keep_trace_dir: Path | None) -> jax.profiler.ProfileOptions
     return options
 
 
+def _session_type() -> Any:
+    """jaxlib's profiler session, whose `stop_and_get_profile_data` hands the XSpace over in memory (the
+    `ProfileData` that `ProfileData.from_serialized_xspace` would build from the file); None when this
+    jaxlib has none (then the trace goes through a file, as `jax.profiler.trace` writes it)."""
+    try:
+        from jax._src.lib import _profiler  # what jax.profiler.start_trace uses; not public
+    except ImportError:
+        return None
+    session = getattr(_profiler, "ProfilerSession", None)
+    return session if hasattr(session, "stop_and_get_profile_data") else None
+
+
+def stop_profiler(session: Any) -> Any:
+    """Stop a profiler session; its XSpace as a `jax.profiler.ProfileData`, in memory."""
+    return session.stop_and_get_profile_data()
+
+
+def collect(run: Callable[[], None], platform: str, keep_dir: Path | None = None) -> dict[int, list[float]]:
+    """Run `run()` under the profiler; candidate index -> device durations (s) of the executions in its
+    trace (`parse_profile`).
+
+    The trace is read in memory: writing the xplane and reading it back cost more than collecting it (6
+    tiled candidates: stopping 0.125 s with the file, 0.044 s in memory; parse 0.044 vs 0.035 s; NOTES.md,
+    issue 32, session 14). With `keep_dir` (`--keep-trace`, for xprof) it is written there, with the HLO
+    protos xprof's views use (`_profile_options`).
+    """
+    session_type = None if keep_dir is not None else _session_type()
+    options = _profile_options(keep_dir)
+    if session_type is not None:
+        jax.devices()  # the backends exist before the session starts (as jax.profiler.start_trace ensures)
+        options.raise_error_on_start_failure = True  # another session active: an error, not an empty trace
+        session = session_type(options)
+        try:
+            run()
+        finally:
+            profile = stop_profiler(session)
+        return parse_profile(profile, platform)
+    trace_dir = Path(tempfile.mkdtemp(prefix="moe_tune_trace_"))
+    try:
+        with jax.profiler.trace(str(trace_dir), profiler_options=options):
+            run()
+        found = parse_trace(trace_dir, platform)
+        if keep_dir is not None:
+            shutil.copytree(trace_dir, keep_dir, dirs_exist_ok=True)
+        return found
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
 def time_candidates(
     calls: Mapping[int, Callable[[], jax.Array]],
     *,
@@ -221,20 +277,17 @@ def time_candidates(
             jax.block_until_ready(calls[i]())
     for round_index in range(samples):
         rng.shuffle(active)
-        trace_dir = Path(tempfile.mkdtemp(prefix="moe_tune_trace_"))
-        try:
-            with jax.profiler.trace(str(trace_dir), profiler_options=_profile_options(keep_trace_dir)):
-                for i in active:
-                    start = time.perf_counter()
-                    jax.block_until_ready(calls[i]())
-                    wall[i].append(time.perf_counter() - start)
-            for i, durations in parse_trace(trace_dir, platform).items():
-                if i in calls:
-                    trace[i].extend(durations)
-            if keep_trace_dir is not None:
-                shutil.copytree(trace_dir, Path(keep_trace_dir) / f"round_{round_index}", dirs_exist_ok=True)
-        finally:
-            shutil.rmtree(trace_dir, ignore_errors=True)
+
+        def one_round() -> None:
+            for i in active:
+                start = time.perf_counter()
+                jax.block_until_ready(calls[i]())
+                wall[i].append(time.perf_counter() - start)
+
+        keep = None if keep_trace_dir is None else Path(keep_trace_dir) / f"round_{round_index}"
+        for i, durations in collect(one_round, platform, keep).items():
+            if i in calls:
+                trace[i].extend(durations)
         done = len(active)
         if round_index == 0 and race is not None:
             kept = _race(active, trace if all(trace.get(i) for i in active) else wall, race, best_s)

@@ -49,6 +49,7 @@ from typing import Any, BinaryIO
 from moe_tune import settings
 
 _HEADER = struct.Struct("<Q")
+_CRASHED = "crashed"  # a `map` thread's own failure (not a request's), raised in the caller
 MEMORY_LIMIT_ENV = settings.WORKER_MEMORY_LIMIT
 START_LIMIT_S = 300.0  # for a worker to read a request and import its function (not part of `timeout`)
 
@@ -222,39 +223,61 @@ class WorkerPool:
 
         A request that takes longer than `timeout` seconds has its worker killed. A worker that died or was
         killed is replaced before its next request. `shared` is (token, payload): see `Worker.call`.
-        Callbacks run one at a time.
+        Callbacks run one at a time, on the caller's thread, while the workers go on with the next requests
+        (the tuner's callback loads the executable and checks the output: had it run on the thread that
+        feeds a worker, that worker would idle meanwhile). An exception from `on_result` (or an interrupt)
+        stops the requests not yet started and is raised; those in flight finish in the background.
         """
         todo: queue.Queue = queue.Queue()
+        count = 0
         for item in requests:
             todo.put(item)
-        lock = threading.Lock()
+            count += 1
+        results: queue.Queue = queue.Queue()
+        stop = threading.Event()
 
         def drain() -> None:
-            while True:
-                try:
-                    tag, args = todo.get_nowait()
-                except queue.Empty:
-                    return
-                worker = self._idle.get()
-                if not worker.alive():  # died while idle: not this request's fault
-                    worker.close()
-                    worker = Worker()
-                try:
-                    status, value = "ok", worker.call(fn, *args, timeout=timeout, shared=shared)
-                except WorkerFailure as failure:
-                    status, value = "failed", failure
-                    if failure.kind != "error":
-                        worker.close()
-                        worker = Worker()
-                self._idle.put(worker)
-                with lock:
-                    on_result(tag, status, value)
+            try:
+                while not stop.is_set():
+                    try:
+                        tag, args = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    results.put((tag, *self._run(fn, args, timeout, shared)))
+            except BaseException as e:  # noqa: BLE001 - a bug here must reach the caller, not hang it
+                results.put((None, _CRASHED, e))
 
-        threads = [threading.Thread(target=drain, daemon=True) for _ in range(self.size)]
+        threads = [threading.Thread(target=drain, daemon=True) for _ in range(min(self.size, count))]
         for t in threads:
             t.start()
+        try:
+            for _ in range(count):
+                tag, status, value = results.get()
+                if status == _CRASHED:
+                    raise value
+                on_result(tag, status, value)
+        except BaseException:
+            stop.set()
+            raise
         for t in threads:
             t.join()
+
+    def _run(self, fn: str, args: tuple, timeout: float | None, shared: tuple[str, Any] | None) -> tuple[str, Any]:
+        """One request on an idle worker: ("ok", value) or ("failed", WorkerFailure); the worker (or the new
+        one that replaced it, when it died or was killed) is idle again before this returns."""
+        worker = self._idle.get()
+        if not worker.alive():  # died while idle: not this request's fault
+            worker.close()
+            worker = Worker()
+        try:
+            status, value = "ok", worker.call(fn, *args, timeout=timeout, shared=shared)
+        except WorkerFailure as failure:
+            status, value = "failed", failure
+            if failure.kind != "error":
+                worker.close()
+                worker = Worker()
+        self._idle.put(worker)
+        return status, value
 
     def close(self) -> None:
         while not self._idle.empty():
