@@ -37,16 +37,16 @@ def from_bits(x: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == _BITS and jnp.dtype(dtype) != _BITS else x
 
 
-def update_slice(out: jax.Array, block: jax.Array, index: int | jax.Array, axis: int = 0) -> jax.Array:
-    """`dynamic_update_slice_in_dim(out, block, index, axis)` for an output a loop carries in its own dtype:
-    a bfloat16 one is updated through its bits (bitcast to uint16, update, bitcast back). XLA CPU fuses the
-    three into one in-place update of the carried buffer, where a bfloat16 update is converted whole to
-    float32 and back (13) and a uint16 carry needs a final bitcast, a copy: a second output-sized buffer
-    in temp (benchmarks/NOTES.md, session 14 (A): a [64, 1024, 512] output, temp 68 -> 8 MiB)."""
+def update_slice(out: jax.Array, block: jax.Array, starts: tuple) -> jax.Array:
+    """`dynamic_update_slice(out, block, starts)` for an output a loop carries in its own dtype (block in
+    that dtype too): a bfloat16 one is updated through its bits (bitcast to uint16, update, bitcast back).
+    XLA CPU fuses the three into one in-place update of the carried buffer, where a bfloat16 update is
+    converted whole to float32 and back (13) and a uint16 carry needs a final bitcast, a copy: a second
+    output-sized buffer in temp (benchmarks/NOTES.md, session 14 (A): a [64, 1024, 512] output, temp
+    68 -> 8 MiB)."""
     if out.dtype != jnp.bfloat16:
-        return jax.lax.dynamic_update_slice_in_dim(out, block.astype(out.dtype), index, axis)
-    bits = jax.lax.dynamic_update_slice_in_dim(as_bits(out), as_bits(block.astype(out.dtype)), index, axis)
-    return from_bits(bits, out.dtype)
+        return jax.lax.dynamic_update_slice(out, block, starts)
+    return from_bits(jax.lax.dynamic_update_slice(as_bits(out), as_bits(block), starts), out.dtype)
 
 
 def e4m3fn_to_float32(x: jax.Array) -> jax.Array:

@@ -230,7 +230,7 @@ def tiled_transposed_ragged_dot(
     # result repeated, not as zeros: every group's block is written (an empty group's with zeros), and a
     # constant init is one XLA CSEs between two drhs of one shape (gate and up), after which neither loop
     # runs in its own buffer (a weight-sized copy each; NOTES session 14 (A)).
-    return jax.lax.fori_loop(1, num_groups, lambda g, out: update_slice(out, result(g), g),
+    return jax.lax.fori_loop(1, num_groups, lambda g, out: update_slice(out, result(g), (g, 0, 0)),
                              jnp.broadcast_to(result(jnp.int32(0)), (num_groups, k, n)))
 
 
