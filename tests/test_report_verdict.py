@@ -18,7 +18,8 @@ from moe_tune.profiles.verdict import (
     BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE, RULES, WITHIN_NOISE,
     Verdict, verdict_of,
 )
-from moe_tune.tuner import SweepRequest, run_sweep
+from moe_tune.tuner import SweepRequest, SweepSettings, run_sweep
+from moe_tune.tuner.finals import final_samples
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
 
@@ -125,9 +126,11 @@ def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
     assert (verdict.noise is None) == default_fastest and (default_fastest or verdict.noise >= 0)
     finalists = verdict.finalists
     assert finalists[0]["config"] == entry.config and finalists[0]["median_s"] == entry.median_s
-    # --samples 2: the final round takes twice as many, but never fewer than the rule's minimum
+    # --samples 2: the final round takes twice as many, never fewer than the rule's minimum, and for short calls
+    # about final_time_s of calls each (tuner.finals.final_samples, from the slowest finalist's sweep round)
     assert sum(f["is_default"] for f in finalists) == 1
-    assert all(f["samples"] == max(4, MIN_FINAL_SAMPLES) for f in finalists)
+    expected = final_samples(SweepSettings(samples=2), max(f["first_median_s"] for f in finalists))
+    assert expected >= max(4, MIN_FINAL_SAMPLES) and all(f["samples"] == expected for f in finalists)
     assert all(f["min_s"] <= f["median_s"] <= f["max_s"] for f in finalists)
     first_round = {json.dumps(r["config"]): r["median_s"] for r in entry.results}
     assert all(first_round[json.dumps(f["config"])] == f["first_median_s"] for f in finalists)

@@ -9,7 +9,9 @@ says: fewer cannot estimate the noise. The verdict is one of
   `MIN_FINAL_SAMPLES` samples (the only rule under which the winner is not the default);
 - `default_fastest`: the default was the fastest finalist;
 - `within_noise`: the default, kept because the fastest finalist beat it by no more than the noise: twice
-  the larger relative median absolute deviation (MAD) of the two finalists' samples;
+  the larger relative median absolute deviation (MAD) of the two finalists' samples, scaled down as
+  sqrt(NOISE_SAMPLES / n) when both have n > NOISE_SAMPLES samples (the noise of a median of n samples), to
+  no less than one MAD;
 - `unverified`: the default, kept because the rule could not be applied (`reason`: an interrupt before the
   final round, too few samples); the fastest finalist is recorded but does not win;
 - `default_failed`: the default failed (compile, run or check), so the fastest correct candidate won with
@@ -32,6 +34,7 @@ kept: a lower bound of the threshold the sweep used); their finalists are the wi
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,6 +51,14 @@ SHORT = {BEAT_DEFAULT: "beat default", DEFAULT_FASTEST: "default fastest", WITHI
 NOISE_FACTOR = 2
 # Samples every finalist gets in the final round (at least): a MAD of fewer says nothing about the noise.
 MIN_FINAL_SAMPLES = 5
+# Up to this many samples per timing the threshold is NOISE_FACTOR relative MADs; beyond, it shrinks as the
+# standard error of a median does (`noise_threshold`): a finalist of a short call gets many more samples
+# (`tuner.finals.final_samples`), and a gap its median resolves is then not "noise" for want of samples.
+NOISE_SAMPLES = 6
+# ... but never below this fraction of it (one MAD, from 24 samples on): a shared machine's samples are not
+# independent, and a copy of the default, 41 samples each side by side, timed 8.7% faster than the default
+# where sqrt(6 / 41) would have set 7.3% (benchmarks/finals_cpu.py, NOTES.md issue 32, session 14).
+MIN_NOISE_SCALE = 0.5
 
 
 def relative_mad(samples: Sequence[float]) -> float:
@@ -59,8 +70,14 @@ def relative_mad(samples: Sequence[float]) -> float:
 
 
 def noise_threshold(*samples: Sequence[float]) -> float:
-    """The smallest relative gain that counts as a win between timings with these samples."""
-    return NOISE_FACTOR * max(relative_mad(s) for s in samples)
+    """The smallest relative gain that counts as a win between the medians of timings with these samples:
+    NOISE_FACTOR times the larger relative MAD, and where every timing has n > NOISE_SAMPLES samples, that
+    times sqrt(NOISE_SAMPLES / n) (n: the fewest): the MAD is the noise of one sample, and the standard error
+    of a median of n samples falls as 1 / sqrt(n); never below MIN_NOISE_SCALE of the 6-sample threshold (one
+    MAD). Up to NOISE_SAMPLES samples the rule is the one issue 26 set (the final round's usual 6 samples)."""
+    fewest = min(len(s) for s in samples)
+    scale = max(MIN_NOISE_SCALE, math.sqrt(NOISE_SAMPLES / fewest)) if fewest > NOISE_SAMPLES else 1.0
+    return NOISE_FACTOR * scale * max(relative_mad(s) for s in samples)
 
 
 def too_few_samples(*samples: Sequence[float]) -> str | None:

@@ -39,13 +39,17 @@ class SideBySide:
     method: str
     fallback: str | None
     unusable: dict[str, str]
+    # per name, every sample (s), in round order: for a caller's own statistics; not part of `to_json`
+    samples_s: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def fastest(self) -> str | None:
         """The name of the fastest usable config (None when none is usable)."""
         return min(self.median_s, key=self.median_s.__getitem__) if self.median_s else None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["samples_s"]  # a table's interval evidence keeps medians and spreads, not every sample
+        return out
 
 
 def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str, Mapping[str, Any]], *,
@@ -80,4 +84,5 @@ def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str,
     timings, fallback = time_candidates(calls, samples=samples, platform=devices.platform(), seed=seed, warmup=0)
     return SideBySide({names[i]: t.median_s for i, t in timings.items()},
                       {names[i]: t.spread for i, t in timings.items()}, samples,
-                      next(iter(timings.values())).method, fallback, unusable)
+                      next(iter(timings.values())).method, fallback, unusable,
+                      {names[i]: t.samples_s for i, t in timings.items()})

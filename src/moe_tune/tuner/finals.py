@@ -3,15 +3,18 @@ whether the fastest is a win.
 
 One sweep round's medians of near-equal candidates are mostly noise on a shared machine; the finalists are
 compared like for like, side by side, each with twice the sweep round's samples and never fewer than
-`MIN_FINAL_SAMPLES` (a noise estimate needs them, whatever `--samples` says). A winner that beats the default by
-no more than the noise (`profiles.verdict.noise_threshold`: twice the larger relative median absolute
-deviation of the two) is not a win: the default is kept. A sweep that cannot apply the rule (interrupted
-before its final round) keeps the default too, and says `unverified` and why. The outcome is a `Verdict`
+`MIN_FINAL_SAMPLES` (a noise estimate needs them, whatever `--samples` says), and short calls with more: about
+`final_time_s` seconds of calls each (`final_samples`). A winner that beats the default by no more than the
+noise (`profiles.verdict.noise_threshold`: twice the larger relative median absolute deviation of the two,
+narrowed as a median's standard error for more than 6 samples) is not a win: the default is kept. A sweep
+that cannot apply the rule (interrupted before its final round) keeps the default too, and says `unverified`
+and why. The outcome is a `Verdict`
 (the rule applied, the threshold, the finalists' timings of both rounds), which the entry records.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -27,6 +30,10 @@ from moe_tune.tuner.state import SweepState
 from moe_tune.tuner.step import Step
 from moe_tune.tuner.timing import time_candidates
 
+# The most samples a finalist gets from the time budget (`final_samples`): 40 rounds of the profiler cost
+# ~20 ms here; the noise threshold stops narrowing at 24 (verdict.MIN_NOISE_SCALE), more steady the medians.
+MAX_FINAL_SAMPLES = 40
+
 
 def finalists(settings: SweepSettings, survivors: list[Candidate], default: Candidate) -> list[Candidate]:
     """The fastest `settings.finalists` survivors, and the default."""
@@ -37,9 +44,15 @@ def finalists(settings: SweepSettings, survivors: list[Candidate], default: Cand
     return chosen
 
 
-def final_samples(settings: SweepSettings) -> int:
-    """Samples per finalist in the final round: twice the sweep round's, at least MIN_FINAL_SAMPLES."""
-    return max(2 * settings.samples, MIN_FINAL_SAMPLES)
+def final_samples(settings: SweepSettings, median_s: float | None = None) -> int:
+    """Samples per finalist in the final round: twice the sweep round's, at least MIN_FINAL_SAMPLES, and for
+    short calls about `settings.final_time_s` seconds of calls per finalist (`median_s`: the slowest
+    finalist's sweep-round median), at most MAX_FINAL_SAMPLES: six samples of a 5 ms call on a shared machine
+    kept the default against a measured 15% gain (benchmarks/finals_cpu.py, NOTES.md issue 32 session 14)."""
+    base = max(2 * settings.samples, MIN_FINAL_SAMPLES)
+    if median_s is None or not median_s > 0 or not settings.final_time_s:
+        return base
+    return max(base, min(MAX_FINAL_SAMPLES, math.ceil(settings.final_time_s / median_s)))
 
 
 def decide(best: Candidate, default: Candidate, compared: Sequence[Candidate] = (), *,
@@ -74,7 +87,7 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
     chosen = finalists(settings, survivors, default)
     if len(chosen) < 2:
         return chosen[0], Verdict(ONLY_CANDIDATE), None
-    samples = final_samples(settings)
+    samples = final_samples(settings, max(c.timing.median_s for c in chosen))
     reporter.stage("finalists", samples)
     final, fallback = time_candidates(
         {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},

@@ -37,6 +37,9 @@ class SweepSettings:
     keep_trace_dir: Path | None = None  # keep the profiler traces (xplane) here
     fresh: bool = False  # delete the sweep log first (no resume)
     finalists: int = 4  # the fastest N (and the default) are re-timed together before the winner is chosen
+    # the final round gives each finalist about this many seconds of calls (short calls get more than the
+    # samples above, up to tuner.finals.MAX_FINAL_SAMPLES); 0 for the samples alone
+    final_time_s: float = 0.3
     batch_size: int = 8  # candidates timed together (interleaved); a kill loses at most one batch
     compile_timeout_s: float = 600.0  # per candidate, compile + first run in a worker (not its start-up)
     cold: bool = False  # no warm start: do not seed the search with the nearest tuned shapes' winners
@@ -48,6 +51,8 @@ class SweepSettings:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:  # NumPy's seeds are unsigned 32-bit
             raise UsageError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if not self.final_time_s >= 0:
+            raise UsageError(f"final_time_s must be >= 0, got {self.final_time_s}")
         if self.race is not None and not self.race > 1:
             raise UsageError(f"race must be > 1 (or None, no racing), got {self.race}")
         strategies.check(self.strategy, self.budget, self.time_budget_s)
