@@ -10,6 +10,7 @@ import math
 import pytest
 
 from moe_tune.errors import UsageError
+from moe_tune.kernels import get_op
 from moe_tune.profiles.verdict import (
     MIN_FINAL_SAMPLES, MIN_NOISE_SCALE, NOISE_FACTOR, NOISE_SAMPLES, BEAT_DEFAULT, WITHIN_NOISE, noise_threshold,
     relative_mad,
@@ -89,3 +90,17 @@ def test_side_by_side_keeps_its_samples_out_of_the_json():
     timed = SideBySide({"a": 1.0}, {"a": 0.1}, 3, "trace", None, {}, {"a": (1.0, 1.1, 0.9)})
     assert timed.samples_s["a"] == (1.0, 1.1, 0.9) and "samples_s" not in timed.to_json()
     assert timed.to_json()["median_s"] == {"a": 1.0}
+
+
+def test_side_by_side_gives_short_calls_the_time_budget_too():
+    """A ladder's boundary is one side-by-side comparison: with `time_s`, its short calls get more samples."""
+    from moe_tune.tuner.crossover import time_side_by_side
+
+    problem = get_op("ragged_dot").problem(m=32, k=32, n=32, groups=2)
+    configs = {"a": {"tm": 16, "tk": 32, "tn": 32}, "b": {"tm": 32, "tk": 32, "tn": 32}}
+    plain = time_side_by_side("ragged_dot", "tiled", problem, configs, distribution="balanced", samples=2)
+    budget = time_side_by_side("ragged_dot", "tiled", problem, configs, distribution="balanced", samples=2,
+                               time_s=1.0)
+    assert plain.samples == 2 and {len(s) for s in plain.samples_s.values()} == {2}
+    assert budget.samples == finals.MAX_FINAL_SAMPLES  # microsecond calls: the cap
+    assert {len(s) for s in budget.samples_s.values()} == {finals.MAX_FINAL_SAMPLES}

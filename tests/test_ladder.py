@@ -61,7 +61,7 @@ class _Timed:
 def _fake_timer(crossover: int, calls: list):
     """A stand-in for `crossover.time_side_by_side`: the upper winner is faster from `crossover` on."""
 
-    def timer(op, backend, problem, configs, *, distribution, seed):
+    def timer(op, backend, problem, configs, *, distribution, seed, time_s=0.0):
         calls.append(problem.m)
         upper_faster = problem.m >= crossover
         return _Timed({"lower": 2.0 if upper_faster else 1.0, "upper": 1.0 if upper_faster else 2.0})

@@ -190,7 +190,7 @@ def _bisect(ladder: Ladder, below: tuple, above: tuple, settings: SweepSettings,
         if not lo < mid < hi:
             break
         result = timer(ladder.op, ladder.backend, ladder.problem_at(mid), configs,
-                       distribution=ladder.distribution, seed=settings.seed)
+                       distribution=ladder.distribution, seed=settings.seed, time_s=settings.final_time_s)
         faster = result.fastest()
         timed.append({"at": mid, "faster": faster, **result.to_json()})
         if faster == "upper":

@@ -11,6 +11,8 @@ run-to-run noise.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +21,7 @@ import jax
 from moe_tune import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.kernel_op import relative_error
+from moe_tune.tuner.finals import MAX_FINAL_SAMPLES
 from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.timing import time_candidates
 
@@ -53,9 +56,11 @@ class SideBySide:
 
 
 def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str, Mapping[str, Any]], *,
-                      distribution: str, seed: int = 0, samples: int = SAMPLES) -> SideBySide:
+                      distribution: str, seed: int = 0, samples: int = SAMPLES, time_s: float = 0.0) -> SideBySide:
     """Check and time `configs` (name -> a config's JSON, as a table holds it) of `backend` on `problem`, with
-    seeded inputs routed by `distribution`, in this process (each config compiles once)."""
+    seeded inputs routed by `distribution`, in this process (each config compiles once). `time_s`: short calls
+    get more than `samples`, about this many seconds of calls each (from the slowest check call's wall time,
+    at most `finals.MAX_FINAL_SAMPLES`), as the finals give short finalists."""
     kernel_op = get_op(op)
     impl = kernel_op.backends.get(backend)
     kernel = Kernel(kernel_op, impl, problem)
@@ -66,11 +71,15 @@ def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str,
     unusable: dict[str, str] = {}
     calls: dict[int, Any] = {}
     names = list(configs)
+    slowest_s = 0.0
     for index, name in enumerate(names):
         try:
             config = impl.coerce_config(dict(configs[name]), problem)
             compiled, _ = kernel.compile(config, index, inputs)
-            error = relative_error(jax.device_get(compiled(inputs)), expected)
+            start = time.perf_counter()
+            out = jax.block_until_ready(compiled(inputs))
+            slowest_s = max(slowest_s, time.perf_counter() - start)
+            error = relative_error(jax.device_get(out), expected)
         except Exception as e:  # noqa: BLE001 - a config that cannot run here loses, with its reason
             unusable[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
@@ -81,6 +90,8 @@ def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str,
     if not calls:
         return SideBySide({}, {}, 0, "none", None, unusable)
     # the check above was each executable's first call (on CPU, a warm one: `timing.first_call_is_warm`)
+    if time_s > 0 and slowest_s > 0:
+        samples = max(samples, min(MAX_FINAL_SAMPLES, math.ceil(time_s / slowest_s)))
     timings, fallback = time_candidates(calls, samples=samples, platform=devices.platform(), seed=seed, warmup=0)
     return SideBySide({names[i]: t.median_s for i, t in timings.items()},
                       {names[i]: t.spread for i, t in timings.items()}, samples,
