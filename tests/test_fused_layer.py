@@ -80,7 +80,7 @@ def test_fused_training_temp_memory_is_smaller_by_the_removed_buffers(dtype):
     weights' drhs read. The shape is decode-like (weights 6x one such buffer): before session 14 every
     bf16 drhs loop carried its result as uint16 bits and copied it out, and the fused step's gate and up
     drhs held two weight-sized carries at once (temp above the unfused step's)."""
-    tokens, hidden, width, top_k = 32, 128, 48, 2
+    tokens, hidden, width, top_k = 64, 256, 96, 2
     args = _layer(2, dtype, tokens=tokens, hidden=hidden, width=width)
 
     def temp(fused: bool) -> int:

@@ -30,6 +30,7 @@ from moe_tune.kernels.fused_moe.definition import FUSED_MOE
 from moe_tune.kernels.fused_moe.plain_jax import local_rows
 from moe_tune.kernels.fused_moe.problem import DIRECTIONS, FusedMoeProblem
 from moe_tune.kernels.kernel_op import freeze_config
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits
 from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
@@ -138,18 +139,21 @@ def _weights_grad(rhs, lhs, dout, group_sizes, group_offset, *, groups: int, dis
     return tuple(grads) if isinstance(rhs, tuple) else grads[0]
 
 
-PER_HALF_GLU_GRAD = ("float32",)
-
-
 def _glu_grad(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
-    """d(act(gate) * up) / d[gate, up] for the pre-activation product h = [gate, up] ([m, 2f]) and dout [m, f],
-    in float32, rounded once to h.dtype: each half computed on its own and concatenated (the VJP of `apply`
-    transposes its two slices into two zero-padded [m, 2f] arrays and their sum: a 190 ms pad+add at deepseek
-    prefill ep 4 f32, benchmarks/results/fused_cpu_2core_2026-11-25_session13_prefill_ep4)."""
+    """d(act(gate) * up) / d[gate, up] for the pre-activation product h = [gate, up] ([m, 2f]) and dout [m, f]
+    -> [m, 2f] in h.dtype, computed in float32 and rounded once: each half on its own, concatenated (bf16
+    through its bits). Against the VJP of `apply` (its two slices transposed into two zero-padded [m, 2f]
+    arrays and summed: a 190 ms pad+add at deepseek prefill ep 4 f32, session 13): no pad, and no more temp,
+    because (a) the concatenate runs on bits (XLA CPU converts a bf16 concatenate to float32: both halves
+    and the result in f32) and (b) an optimization barrier keeps the result one buffer (without it XLA
+    folds the drhs' column slices of dh into the halves, which then live beside the concatenated copy).
+    deepseek-v2-lite prefill ep 4 fused fwd+bwd temp: f32 1596 MiB (slices) / 1736 (halves, no barrier) ->
+    1456, bf16 839 -> 733 (benchmarks/results/glu_grad_cpu_2core_2026-11-25_session14.txt)."""
     f = h.shape[1] // 2
     gate, up, d = h[:, :f].astype(jnp.float32), h[:, f:].astype(jnp.float32), dout.astype(jnp.float32)
     act, act_pullback = jax.vjp(ACTIVATIONS[glu][0], gate)
-    return jnp.concatenate([act_pullback(d * up)[0], d * act], axis=1).astype(h.dtype)
+    halves = [as_bits(half.astype(h.dtype)) for half in (act_pullback(d * up)[0], d * act)]
+    return jax.lax.optimization_barrier(from_bits(jnp.concatenate(halves, axis=1), h.dtype))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -173,13 +177,7 @@ def _gather_gmm_fwd(x, rows, rhs, group_sizes, group_offset, call: _Call):
 def _gather_gmm_bwd(call: _Call, residuals, dout):
     x, rows, rhs, group_sizes, group_offset, h = residuals
     glu, m = call.problem.glu, rows.shape[0]
-    if glu is None:
-        dh = dout
-    elif h.dtype.name in PER_HALF_GLU_GRAD:
-        dh = _glu_grad(glu, h, dout)
-    else:  # bf16 / f16: the concatenated halves were no faster and took more temp (NOTES, session 13)
-        _, pullback = jax.vjp(lambda v: apply(glu, v), h.astype(jnp.float32))
-        dh = pullback(dout.astype(jnp.float32))[0].astype(h.dtype)
+    dh = dout if glu is None else _glu_grad(glu, h, dout)
     # dx: the combine kernel with the weights transposed, every local row weighted 1 (a fused scatter-add)
     dx = call.gmm_combine("bwd", dh, rhs, group_sizes, rows, jnp.ones((m,), jnp.float32), group_offset)
     drhs = _no_grad(rhs)
