@@ -3,7 +3,7 @@ the best known, when the nearest shapes are already tuned (a ladder of token cou
 shape, m=2048 k=2048 n=768 groups=16, among them), and what it ends with.
 
     .venv/bin/python benchmarks/warm_start_cpu.py [--ms 512,1024,2048,4096] [--k 2048 --n 768 --groups 16]
-        [--samples 3] [--grids DIR [--grids-only]] [--json OUT]
+        [--samples 3] [--grids DIR [--grids-only]] [--only M,...] [--json OUT]
 
 1. Every count of the ladder is swept with `grid` (cold, each in its own profile dir `DIR/grid_<m>`; with
    `--grids DIR`, the entries an earlier run left there are used instead): the tuned neighbours of the others.
@@ -88,6 +88,8 @@ def main() -> int:
     parser.add_argument("--grids", default=None, help="reuse the grid entries of an earlier run's dir")
     parser.add_argument("--compare-samples", type=int, default=5, help="samples of the side-by-side timing")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", default=None,
+                        help="measure warm and cold at these counts only (the whole ladder still seeds them)")
     parser.add_argument("--grids-only", action="store_true",
                         help="step 1 only: sweep the ladder's grids into --grids DIR (a later run reuses them)")
     args = parser.parse_args()
@@ -125,7 +127,10 @@ def main() -> int:
         return 0
     rows = []
     impl = op.backends.get("tiled")
+    only = ms if args.only is None else [int(v) for v in args.only.split(",")]
     for index, (m, problem) in enumerate(problems.items()):
+        if m not in only:
+            continue
         grid_winner = _label(grids[m]["entry"].config)
         tables = root / f"tables_{m}"  # the other counts' grid entries: the tuned neighbours
         write_entries(tables / kind / "ragged_dot.json", "ragged_dot", kind, [grids[o]["entry"] for o in ms if o != m])
