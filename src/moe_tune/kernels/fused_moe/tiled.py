@@ -31,8 +31,12 @@ from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.quant import QArray, dequantize
 
-TM = (16, 32, 64, 128, 256, 512)
-TAILS = (4, 8, 16, 32)
+# 192 and 384 (multiples of 64 between the powers of two) and tails of 64, for groups of about 384 rows
+# (deepseek-v2-lite prefill): there 192:64 or 256:64 led three of the four fused calls in a loaded run
+# (spreads up to 76%, results/fused_tiles_cpu_2core_2026-11-25_session14); the sweeps then kept 128:32
+# within noise (benchmarks/NOTES.md, session 14 (B))
+TM = (16, 32, 64, 128, 192, 256, 384, 512)
+TAILS = (4, 8, 16, 32, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,9 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
 
         return _tiles(starts, ends, g, tm, tail, m, tile, out)
 
+    # a uint16 carry: its tail tiles' select and update run in place. A bf16 carry written through its bits
+    # (`loop_dtypes.update_slice`) saves the bitcast after the loop (an [m, n] copy), but XLA CPU then copied
+    # the whole carry once per tail tile (tried in session 14)
     out = jax.lax.fori_loop(0, groups, group, as_bits(jnp.zeros((m, out_n), out_dtype)))
     return from_bits(out, out_dtype)
 
