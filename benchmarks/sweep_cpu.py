@@ -101,12 +101,17 @@ def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None
     stages = dict(result.entry.search["stage_s"])
     stages["finalists and table"] = (ended - started) - sum(stages.values())
     counts = result.entry.candidates
+    # traced calls: the batches' rounds (a finalist's first timing is kept as `first_timing`) and the final round
+    first = [getattr(c, "first_timing", None) or c.timing for c in result.candidates if c.timing is not None]
+    final = [c.timing for c in result.candidates if getattr(c, "first_timing", None) is not None]
+    calls = {"batches": sum(t.samples for t in first), "final round": sum(t.samples for t in final)}
     # a child started by another script (targets_cpu.py) has no spawn time: its start-up is not counted
     start_up = {} if spawned is None else {"process start and imports (before the sweep)": imported - spawned}
     phases = {**start_up, **clock.spent, **clock.values}
     return {"workers": workers, "wall_s": ended - started, "stages_s": dict(stages), "phases_s": phases,
             "candidates": counts, "compiles_per_candidate": counts["compiles"] / counts["tried"],
-            "main_process_compiles": backend_compiles(), "winner": result.entry.config}
+            "main_process_compiles": backend_compiles(), "winner": result.entry.config,
+            "timed_calls": calls}
 
 
 def _load() -> str:
@@ -169,7 +174,8 @@ def main() -> int:
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stages_s"].items())
         print(f"workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
               f"{run['compiles_per_candidate']:.2f} XLA compiles per candidate, "
-              f"{run['main_process_compiles']} in the main process; winner {run['winner']}", flush=True)
+              f"{run['main_process_compiles']} in the main process; winner {run['winner']}; timed calls "
+              f"{run['timed_calls']}", flush=True)
         _print_phases(run)
         run["load"] = _load()
     if len(runs) > 1:

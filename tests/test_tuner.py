@@ -421,3 +421,23 @@ print(json.dumps(out))
     runs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(runs) == 6 and all(ok >= 1 for _, _, ok in runs)
     assert all(resumed > 0 for _, resumed, _ in runs[2:])  # the second and third rounds resumed
+
+
+def test_median_floor_bounds_the_median_whatever_the_samples_left():
+    from moe_tune.tuner.timing import _median_floor
+
+    assert _median_floor([5.0], 3) == 0.0  # one of three: the other two may be anything
+    assert _median_floor([5.0, 2.0], 3) == 2.0  # two of three: the median is at least the smaller
+    assert _median_floor([5.0, 2.0, 9.0, 4.0], 5) == 4.0
+    assert _median_floor([5.0, 2.0, 9.0], 4) == 2.0  # even: at least the lower middle
+
+
+def test_a_call_that_cannot_be_a_finalist_gets_no_more_samples():
+    """With a cutoff every call is far above, each stops once its median is certain to be above it: after
+    two of three samples (deterministic: the cutoff is below any real time)."""
+    calls, rounds = _three_calls(), []
+    timings, _ = time_candidates(calls, samples=3, platform="cpu", race=1e9, cutoff_s=1e-12, on_round=rounds.append)
+    assert {t.samples for t in timings.values()} == {2}
+    assert sum(rounds) == 3 * 3
+    timings, _ = time_candidates(calls, samples=3, platform="cpu", race=1e9, cutoff_s=1e9)
+    assert {t.samples for t in timings.values()} == {3}

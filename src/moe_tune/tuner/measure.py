@@ -60,7 +60,8 @@ def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
 
 
 def time_batch(state: SweepState, batch: list[Candidate]) -> Step:
-    """Time one batch in its own shuffled rounds (racing against the best median so far), then log it."""
+    """Time one batch in its own shuffled rounds (racing against the best median so far, and no more samples
+    for a candidate that can no longer be a finalist), then log it."""
     settings, number = state.settings, next(state.batch_numbers)
     keep = None if settings.keep_trace_dir is None else Path(settings.keep_trace_dir) / f"batch_{number}"
 
@@ -70,6 +71,7 @@ def time_batch(state: SweepState, batch: list[Candidate]) -> Step:
             samples=settings.samples, platform=state.plan.platform, seed=settings.seed + 1000 * (number + 1),
             keep_trace_dir=keep, on_round=lambda units: state.reporter.advance("time", units / settings.samples),
             warmup=0, race=settings.race, best_s=state.best_median(),
+            cutoff_s=None if settings.race is None else state.finalist_cutoff(),  # race=None: every sample
         )
 
     timings, recompiled = None, Step()

@@ -94,6 +94,13 @@ class SweepState:
     def default(self) -> Candidate | None:
         return next((c for c in self.done if c.is_default), None)
 
+    def finalist_cutoff(self) -> float | None:
+        """The median a candidate has to beat to be among the finalists (`settings.finalists` fastest) of
+        the candidates timed so far, restored ones included; None while fewer are timed."""
+        medians = sorted(c.timing.median_s for c in self.done if c.status == OK and c.timing is not None)
+        n = self.settings.finalists
+        return medians[n - 1] if len(medians) >= n else None
+
     def best_median(self) -> float | None:
         """The fastest median among the candidates timed so far (restored ones included), or None."""
         return min((c.timing.median_s for c in self.done if c.status == OK and c.timing is not None), default=None)

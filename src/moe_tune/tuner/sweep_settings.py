@@ -26,7 +26,8 @@ class SweepSettings:
     # with twice as many (at least profiles.verdict.MIN_FINAL_SAMPLES), which is where the winner is decided
     samples: int = 3
     # racing: after the first round, a candidate slower than this factor times the best known gets no more
-    # samples (see timing.time_candidates); None times every candidate `samples` times
+    # samples, nor does one whose median can no longer make it a finalist (see timing.time_candidates);
+    # None times every candidate `samples` times
     race: float | None = 1.5
     strategy: str = "grid"  # see tuner.strategies
     budget: int | None = None  # at most this many candidates

@@ -256,6 +256,7 @@ def time_candidates(
     warmup: int = 1,
     race: float | None = None,
     best_s: float | None = None,
+    cutoff_s: float | None = None,
 ) -> tuple[dict[int, Timing], str | None]:
     """Time each zero-argument call `samples` times, after `warmup` untimed calls each (the first call of
     an executable pays one-off costs: loading, first allocations, cold caches; with compile workers the
@@ -265,8 +266,12 @@ def time_candidates(
     times the fastest time known -- the fastest first sample of this round, or `best_s` (a median measured
     earlier, e.g. the best of a sweep's previous batches) when that is faster -- is not timed again; its
     timing has one sample. One sample is enough to know a call is that much slower, and the rounds left are
-    spent on the ones that can still win. `on_round(units)`: after each round, how many of the
-    `len(calls) * samples` call-samples are done (timed, or skipped by racing).
+    spent on the ones that can still win. `cutoff_s`: a median a call has to beat to matter (a sweep passes
+    the slowest of its finalists so far): after any round, a call whose median over `samples` is certain to
+    be above it whatever its samples left (`_median_floor`: for 3 samples, both of its first two above) is
+    not timed again; its median, of the samples it has, is above the cutoff too, so it ranks where it would
+    have. `on_round(units)`: after each round, how many of the `len(calls) * samples` call-samples are done
+    (timed, or skipped by racing or the cutoff).
     """
     rng = random.Random(seed)
     trace: dict[int, list[float]] = defaultdict(list)
@@ -288,11 +293,14 @@ def time_candidates(
         for i, durations in collect(one_round, platform, keep).items():
             if i in calls:
                 trace[i].extend(durations)
-        done = len(active)
+        done, kept = len(active), active
+        values = trace if all(len(trace.get(i, ())) == len(wall[i]) for i in active) else wall
         if round_index == 0 and race is not None:
-            kept = _race(active, trace if all(trace.get(i) for i in active) else wall, race, best_s)
-            done += (len(active) - len(kept)) * (samples - 1)
-            active = kept
+            kept = _race(kept, values, race, best_s)
+        if cutoff_s is not None:
+            kept = [i for i in kept if not _median_floor(values[i], samples) > cutoff_s]
+        done += (len(active) - len(kept)) * (samples - 1 - round_index)
+        active = kept
         if on_round is not None:
             on_round(done)
 
@@ -310,3 +318,11 @@ def _race(active: list[int], first: Mapping[int, list[float]], factor: float, be
     if best_s is not None:
         fastest = min(fastest, best_s)
     return [i for i in active if first[i][0] <= factor * fastest]
+
+
+def _median_floor(values: list[float], samples: int) -> float:
+    """The least `statistics.median` of `samples` values can be, `values` being some of them and the others
+    unknown (0 when nothing bounds it): the median is at least the lower middle value, and each unknown
+    value may sit below it."""
+    position = (samples - 1) // 2 - (samples - len(values))
+    return sorted(values)[position] if position >= 0 else 0.0
