@@ -160,7 +160,7 @@ def main() -> int:
             run.update(reach_candidates=n, reach_s=at, winner_vs_grid_winner=side[run["winner"]] / side[grid_winner])
         row = {"m": m, "grid_tried": grids[m]["tried"], "grid_wall_s": grids[m]["wall_s"], "grid_winner": grid_winner,
                "grid_winner_vs_best_side_by_side": side[grid_winner] / best, "compared": len(side),
-               "good_configs": len(good), "seeds": [c.label() for c in start.seeds],
+               "good_configs": len(good), "side_by_side_s": side, "seeds": [c.label() for c in start.seeds],
                "seed_sources": list(start.sources), "coordinate": runs, "load": load()}
         rows.append(row)
         c, w = runs["cold"], runs["warm"]
