@@ -183,8 +183,10 @@ def default_tm(problem: FusedMoeProblem) -> int:
     """Half an average group's rows (on this shard) rounded down to a power of two, in [16, 256]: nearly every
     group runs a full tile. Tiles of a whole average group left the groups below it all in tails; measured
     at qwen3-30b-a3b prefill bf16 (256 rows a group), tm 128 / tail 32 beat tm 256 / tail 16 in each of the
-    four fused calls by 5-15% (benchmarks/results/fused_tiles_cpu_2core_2026-11-25_session13)."""
-    half = max(problem.m // (problem.groups * problem.ep) // 2, 1)
+    four fused calls by 5-15% (benchmarks/results/fused_tiles_cpu_2core_2026-11-25_session13).
+    An average group is m over all the experts (`num_group_sizes`): the op's problem at run time knows the
+    shard by its total groups, not by `ep` (which only the sweep's problem sets); both give one default."""
+    half = max(problem.m // problem.num_group_sizes // 2, 1)
     return max(16, min(256, 1 << (half.bit_length() - 1), problem.m))
 
 
