@@ -307,7 +307,8 @@ def main() -> int:
     if args.phase == "sweeps":
         return 0
     view = ladder_view(args.profile_dir, rungs)
-    intervals = measure_ladders(view, rungs, settings) if args.phase != "compare" else held_intervals(view)
+    if args.phase != "compare":
+        measure_ladders(view, rungs, settings)
     if args.phase == "ladder":
         return 0
     done = json.loads(args.json.read_text())["results"] if args.json is not None and args.json.exists() else []
@@ -331,7 +332,7 @@ def main() -> int:
             print(case_line(result), flush=True)
             results.append(result)
             if args.json is not None:
-                _write(args.json, results, intervals, held, args)
+                _write(args.json, results, held_intervals(view), held, args)
     header = (f"# benchmarks/heldout_cpu.py: ladder {ladder[0]}..{ladder[-1]}, held-out counts {held}; every sweep "
               f"over the small full space (tn=n, tm<={TM_MAX} x tk, the default's tail rule); per case a full sweep "
               f"side by side ({args.sweep_samples} samples), then best/lookup/nearest/default re-timed in one "
@@ -340,8 +341,8 @@ def main() -> int:
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     lines.append(f"load: {load}")
     print("\n".join(lines))
-    if args.json is not None:
-        _write(args.json, results, intervals, held, args)
+    if args.json is not None:  # every kernel's intervals the view holds (a --kernels run measured only its own)
+        _write(args.json, results, held_intervals(view), held, args)
     if args.text is not None:
         args.text.write_text("\n".join(lines) + "\n")
     return 0
