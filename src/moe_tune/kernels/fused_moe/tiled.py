@@ -27,7 +27,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
+from moe_tune.kernels.loop_dtypes import as_bits, load, per_iteration, update_slice
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.quant import QArray, dequantize
 
@@ -84,9 +84,11 @@ def _products(a, parts: list[jax.Array], transpose_rhs: bool) -> list[jax.Array]
     return [total]
 
 
-def _tiles(starts, ends, g, tm: int, tail: int, m: int, tile_fn, carry):
-    """Run `tile_fn(row0, size, keep [size] bool, t, carry)` over group g's full tiles (keep all true) and
-    then its tail tiles (keep: the rows of the tile in the group; the last tile shifted back to end at m)."""
+def _tiles(starts, ends, g, tm: int, tail: int, m: int, tile_fn, carry, *, shifted: bool = True):
+    """Run `tile_fn(row0, size, keep [size] bool, t, carry)` over group g's full tiles (keep None: all rows in
+    the group) and then its tail tiles (keep: the rows of the tile in the group). A tail tile that would run
+    past m is shifted back to end at m; with `shifted` False it is skipped instead (its rows are in the last
+    `tail` rows of m, left to the caller), so every tile's rows before keep's are never touched."""
     start, end = starts[g], ends[g]
     full = jnp.maximum(end - start, 0) // tm
     row_in_tail = jnp.arange(tail, dtype=jnp.int32)
@@ -101,14 +103,25 @@ def _tiles(starts, ends, g, tm: int, tail: int, m: int, tile_fn, carry):
         return tile_fn(row0, tail, (rows >= first) & (rows < end), t, carry)
 
     carry = jax.lax.fori_loop(0, full, full_tile, carry)
-    tails = (end - (start + full * tm) + tail - 1) // tail
+    tail_start = start + full * tm
+    tails = (end - tail_start + tail - 1) // tail
+    if not shifted:  # the tiles t with tail_start + (t + 1) * tail <= m (floor division: 0 when none fits)
+        tails = jnp.minimum(tails, (m - tail - tail_start) // tail + 1)
     return jax.lax.fori_loop(0, jnp.maximum(tails, 0), tail_tile, carry)
 
 
 def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype, group_offset=None,
                      glu: str | None = None, transpose_rhs: bool = False) -> jax.Array:
     """`FusedMoeBackend.gather_gmm` (see there): x [tokens, c], rows int32 [m], rhs [groups, c, n] (transpose:
-    [groups, n, c]) -> [m, n] ([m, n/2] with glu) in out_dtype."""
+    [groups, n, c]) -> [m, n] ([m, n/2] with glu) in out_dtype.
+
+    The output is carried in out_dtype and only written, never read back (`loop_dtypes.update_slice`), so
+    XLA CPU updates it in place and returns the carried buffer: no second [m, n] buffer in temp. A read of
+    the carry (a tail tile's masked read-modify-write) made XLA CPU copy the carry, once per tail tile for a
+    bf16 carry, and a uint16 carry costs an [m, n] copy after the loop (its bitcast; benchmarks/NOTES.md,
+    session 14 (F)). So a tail tile writes 0 on its rows past the group (a later group rewrites them; rows
+    outside every group stay 0), and the tiles that would be shifted back over earlier rows are skipped:
+    the last `tail` rows are written once after the loop, from every group they hold (`_last_rows`)."""
     m, (groups, c_dim, n) = rows.shape[0], weights_shape(rhs)
     n = c_dim if transpose_rhs else n
     out_n = n // 2 if glu else n
@@ -116,32 +129,57 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
     compute = _dot_dtype(x.dtype)
 
+    def products(ids, w, step) -> jax.Array:
+        """float32 [len(ids), out_n]: x[ids] times the weight parts w, with the activation."""
+        xb = load(jnp.take(as_bits(per_iteration(x, step)), ids, axis=0, mode="clip"), x.dtype, compute)
+        h = _products(xb, w, transpose_rhs)
+        if glu:
+            return ACTIVATIONS[glu][0](h[0]) * h[1] if len(h) == 2 else apply(glu, h[0])
+        return h[0] if len(h) == 1 else jnp.concatenate(h, axis=1)
+
     def group(g, out):
         w = _group_weights(rhs, g, compute)
 
         def tile(row0, size, keep, t, out):
             ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
-            if keep is not None:  # a row outside the group may hold any index: read row 0 instead
-                ids = jnp.where(keep, ids, 0)
-            xb = load(jnp.take(as_bits(per_iteration(x, t)), ids, axis=0, mode="clip"), x.dtype, compute)
-            h = _products(xb, w, transpose_rhs)
-            if glu:
-                h = ACTIVATIONS[glu][0](h[0]) * h[1] if len(h) == 2 else apply(glu, h[0])
-            else:
-                h = h[0] if len(h) == 1 else jnp.concatenate(h, axis=1)
-            block = as_bits(h.astype(out_dtype))
-            if keep is not None:
-                current = jax.lax.dynamic_slice_in_dim(out, row0, size)
-                block = jnp.where(keep[:, None], block, current)
-            return jax.lax.dynamic_update_slice_in_dim(out, block, row0, axis=0)
+            if keep is None:
+                return update_slice(out, products(ids, w, t).astype(out_dtype), (row0, 0))
+            # a row outside the group may hold any index (read row 0 instead) and its product may be NaN
+            block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, t), 0.0)
+            return update_slice(out, block.astype(out_dtype), (row0, 0))
 
-        return _tiles(starts, ends, g, tm, tail, m, tile, out)
+        return _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
 
-    # a uint16 carry: its tail tiles' select and update run in place. A bf16 carry written through its bits
-    # (`loop_dtypes.update_slice`) saves the bitcast after the loop (an [m, n] copy), but XLA CPU then copied
-    # the whole carry once per tail tile (tried in session 14)
-    out = jax.lax.fori_loop(0, groups, group, as_bits(jnp.zeros((m, out_n), out_dtype)))
-    return from_bits(out, out_dtype)
+    out = jax.lax.fori_loop(0, groups, group, jnp.zeros((m, out_n), out_dtype))
+    return _last_rows(out, rows, starts, ends, tail, lambda g: _group_weights(rhs, g, compute), products)
+
+
+def _last_rows(out, rows, starts, ends, tail: int, weights_of, products) -> jax.Array:
+    """out [m, n] with its last `tail` rows rewritten: each from its group's `products(ids, weights_of(g), g)`
+    (float32 [tail, n]), 0 outside every group. Only the groups that hold one of these rows run (usually
+    one or two: a weight load and a tail-row dot each). The rows are written inside the loop, after each
+    group (the rows of the groups still to come hold 0 until then): an update after the loop was not run in
+    place by XLA CPU in the whole layer (a copy of out)."""
+    m = out.shape[0]
+    first = m - tail
+    window = first + jnp.arange(tail, dtype=jnp.int32)
+    ids = rows[first:]
+
+    def one_group(g, carry):
+        out, block = carry
+        keep = (window >= starts[g]) & (window < ends[g])
+
+        def run(carry):
+            out, block = carry
+            block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), weights_of(g), g), block)
+            return update_slice(out, block.astype(out.dtype), (first, 0)), block
+
+        return jax.lax.cond(jnp.any(keep), run, lambda carry: carry, (out, block))
+
+    # ends and starts never decrease: groups [lo, hi) are the ones that can reach into the window. With none
+    # there, the window's rows are outside every group: the tiles wrote 0 there, or nothing (out starts at 0)
+    lo, hi = jnp.sum(ends <= first, dtype=jnp.int32), jnp.sum(starts < m, dtype=jnp.int32)
+    return jax.lax.fori_loop(lo, hi, one_group, (out, jnp.zeros((tail, out.shape[1]), jnp.float32)))[0]
 
 
 def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tail: int, out_dtype,
