@@ -64,22 +64,23 @@ def test_tiled_dispatch_rows_near_the_end_and_outside_the_groups(dtype):
     (rewritten by the next group) and the tiles that would be shifted back over earlier rows are skipped,
     the last `tail` rows then written from every group they hold. Checked against the float64 reference on
     group sizes that put tiny and empty groups in those last rows, leave rows outside every group (0, and
-    x rows out of range there), and on an expert-parallel shard, for several tiles."""
+    x rows out of range there), and on an expert-parallel shard; in one column chunk (k 16) and in 4 (k 64:
+    a group's weights larger than the output)."""
     from moe_tune.kernels.fused_moe.reference import gather_gmm_reference
     from moe_tune.kernels.fused_moe.tiled import tiled_gather_gmm
 
     rng = np.random.default_rng(0)
-    m, tokens, k, n = 40, 24, 16, 24
-    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    m, tokens, n = 40, 24, 24
     rows = rng.integers(0, tokens, m).astype(np.int32)
     rows[-2:] = 10**6  # out of range, outside every group: must never be read
-    gate, up = (rng.standard_normal((5, k, n)).astype(np.float32) for _ in range(2))
     cases = [([9, 12, 0, 15, 1], 0), ([20, 0, 11, 6, 0], 0), ([3, 14, 2, 18, 1], 0), ([13, 7, 8, 5, 4], 2)]
-    for sizes, offset in cases:
-        groups = 5 - offset
-        expected = gather_gmm_reference(x, rows, np.concatenate([gate, up], 2)[offset:], np.array(sizes),
-                                        group_offset=offset, glu="silu")
-        for tm, tail in ((8, 8), (32, 16)):
+    for k, tm, tail in ((16, 8, 8), (64, 32, 16)):
+        x = rng.standard_normal((tokens, k)).astype(np.float32)
+        gate, up = (rng.standard_normal((5, k, n)).astype(np.float32) for _ in range(2))
+        for sizes, offset in cases:
+            groups = 5 - offset
+            expected = gather_gmm_reference(x, rows, np.concatenate([gate, up], 2)[offset:], np.array(sizes),
+                                            group_offset=offset, glu="silu")
             out = jax.jit(lambda *a, tm=tm, tail=tail: tiled_gather_gmm(
                 *a, tm=tm, tail=tail, out_dtype=dtype, group_offset=offset, glu="silu"))(
                 jnp.asarray(x, dtype), jnp.asarray(rows), (jnp.asarray(gate[offset:offset + groups], dtype),
@@ -87,7 +88,7 @@ def test_tiled_dispatch_rows_near_the_end_and_outside_the_groups(dtype):
                 jnp.asarray(sizes, jnp.int32))
             out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
             scale = np.abs(expected).max()
-            assert np.abs(out - expected).max() <= (2e-2 if dtype == "bfloat16" else 1e-5) * scale, (sizes, tm, tail)
+            assert np.abs(out - expected).max() <= (2e-2 if dtype == "bfloat16" else 1e-5) * scale, (sizes, k, tm)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

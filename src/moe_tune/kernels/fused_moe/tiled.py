@@ -128,35 +128,65 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     tm, tail = min(tm, m), min(tail, tm, m)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
     compute = _dot_dtype(x.dtype)
+    chunks = _column_chunks(rhs, m * out_n * jnp.dtype(out_dtype).itemsize, compute, glu, transpose_rhs)
+    width = out_n // chunks
+
+    def weights(g, j) -> list[jax.Array]:
+        """Group g's weight parts, their columns [j * width, (j + 1) * width) with column chunks."""
+        if chunks == 1:
+            return _group_weights(rhs, g, compute)
+        return [load(jax.lax.dynamic_slice(as_bits(per_iteration(p, g)), (g, 0, j * width), (1, c_dim, width))[0],
+                     p.dtype, compute) for p in weight_parts(rhs)]
 
     def products(ids, w, step) -> jax.Array:
-        """float32 [len(ids), out_n]: x[ids] times the weight parts w, with the activation."""
+        """float32 [len(ids), width]: x[ids] times the weight parts w, with the activation."""
         xb = load(jnp.take(as_bits(per_iteration(x, step)), ids, axis=0, mode="clip"), x.dtype, compute)
         h = _products(xb, w, transpose_rhs)
         if glu:
             return ACTIVATIONS[glu][0](h[0]) * h[1] if len(h) == 2 else apply(glu, h[0])
         return h[0] if len(h) == 1 else jnp.concatenate(h, axis=1)
 
-    def group(g, out):
-        w = _group_weights(rhs, g, compute)
+    def columns(j, out):
+        def group(g, out):
+            w = weights(g, j)
 
-        def tile(row0, size, keep, t, out):
-            ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
-            if keep is None:
-                return update_slice(out, products(ids, w, t).astype(out_dtype), (row0, 0))
-            # a row outside the group may hold any index (read row 0 instead) and its product may be NaN
-            block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, t), 0.0)
-            return update_slice(out, block.astype(out_dtype), (row0, 0))
+            def tile(row0, size, keep, t, out):
+                ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
+                if keep is None:
+                    return update_slice(out, products(ids, w, t).astype(out_dtype), (row0, j * width))
+                # a row outside the group may hold any index (read row 0 instead) and its product may be NaN
+                block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, t), 0.0)
+                return update_slice(out, block.astype(out_dtype), (row0, j * width))
 
-        return _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
+            return _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
 
-    out = jax.lax.fori_loop(0, groups, group, jnp.zeros((m, out_n), out_dtype))
-    return _last_rows(out, rows, starts, ends, tail, lambda g: _group_weights(rhs, g, compute), products)
+        out = jax.lax.fori_loop(0, groups, group, out)
+        return _last_rows(out, rows, starts, ends, tail, lambda g: weights(g, j), products, j * width, width)
+
+    out = jnp.zeros((m, out_n), out_dtype)
+    return columns(0, out) if chunks == 1 else jax.lax.fori_loop(0, chunks, columns, out)
 
 
-def _last_rows(out, rows, starts, ends, tail: int, weights_of, products) -> jax.Array:
-    """out [m, n] with its last `tail` rows rewritten: each from its group's `products(ids, weights_of(g), g)`
-    (float32 [tail, n]), 0 outside every group. Only the groups that hold one of these rows run (usually
+def _column_chunks(rhs, out_bytes: int, compute, glu: str | None, transpose_rhs: bool) -> int:
+    """How many column chunks the dispatch runs (1, 2, 4 or 8), each over all the groups: the fewest whose
+    slice of a group's weights (every part, in the dot's dtype: the dot reads a copy) is at most the
+    [m, out_n] output. At decode a group's gate and up weights are larger than the whole output (deepseek-v2-lite,
+    256 tokens: 2 x 11 MiB in f32 against 8.25), and held at once they made the fused forward's temp. Only
+    for the gated forward with (gate, up) as two plain arrays, whose columns are the output's."""
+    parts = weight_parts(rhs)
+    if not glu or transpose_rhs or len(parts) != 2 or any(isinstance(p, QArray) for p in parts):
+        return 1
+    _, c, half = parts[0].shape
+    group_bytes = 2 * c * half * jnp.dtype(compute).itemsize
+    chunks = 1
+    while chunks < 8 and group_bytes > chunks * out_bytes and half % (2 * chunks) == 0:
+        chunks *= 2
+    return chunks
+
+
+def _last_rows(out, rows, starts, ends, tail: int, weights_of, products, col, width: int) -> jax.Array:
+    """out [m, n] with its last `tail` rows rewritten in columns [col, col + width): each row from its group's
+    `products(ids, weights_of(g), g)` (float32 [tail, width]), 0 outside every group. Only the groups that hold one of these rows run (usually
     one or two: a weight load and a tail-row dot each). The rows are written inside the loop, after each
     group (the rows of the groups still to come hold 0 until then): an update after the loop was not run in
     place by XLA CPU in the whole layer (a copy of out)."""
@@ -172,14 +202,14 @@ def _last_rows(out, rows, starts, ends, tail: int, weights_of, products) -> jax.
         def run(carry):
             out, block = carry
             block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), weights_of(g), g), block)
-            return update_slice(out, block.astype(out.dtype), (first, 0)), block
+            return update_slice(out, block.astype(out.dtype), (first, col)), block
 
         return jax.lax.cond(jnp.any(keep), run, lambda carry: carry, (out, block))
 
     # ends and starts never decrease: groups [lo, hi) are the ones that can reach into the window. With none
     # there, the window's rows are outside every group: the tiles wrote 0 there, or nothing (out starts at 0)
     lo, hi = jnp.sum(ends <= first, dtype=jnp.int32), jnp.sum(starts < m, dtype=jnp.int32)
-    return jax.lax.fori_loop(lo, hi, one_group, (out, jnp.zeros((tail, out.shape[1]), jnp.float32)))[0]
+    return jax.lax.fori_loop(lo, hi, one_group, (out, jnp.zeros((tail, width), jnp.float32)))[0]
 
 
 def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tail: int, out_dtype,
