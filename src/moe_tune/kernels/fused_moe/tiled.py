@@ -5,7 +5,8 @@ Both kernels loop over the local groups; each group's rows go through full `tm`-
 
 - gather_gmm: a tile's lhs rows are gathered from x by `rows` straight into the dot's operand ([tm, k], in
   cache), never into an [m, k] buffer; with glu the gate and up columns come out of one dot against the
-  concatenated weights and the activation runs on the f32 result before the one rounding.
+  concatenated weights and the activation runs on the f32 result before the one rounding. Its [m, n] output
+  is only written, never read back, so XLA CPU runs the loops in the output's buffer (see there).
 - gmm_combine: a tile's product [tm, n] stays in f32, is weighted by its rows' top-k weights and
   scatter-added into the f32 [tokens, n] output (rows outside the group selected to 0 first: their h may be
   NaN); there is no [m, n] product. A token's contributions arrive from the tiles of its top_k experts, each
@@ -13,7 +14,8 @@ Both kernels loop over the local groups; each group's rows go through full `tm`-
 
 The weights are read per group (`rhs[g]`, transposed by the dot's dimension numbers for the backward
 directions, never copied transposed); a QArray's group is dequantized to the dot's dtype once per group.
-bf16 operands are carried through the loops as their bits (`loop_dtypes`).
+bf16 inputs are read through their bits (`loop_dtypes`); the dispatch's bf16 output is written through its
+bits (`loop_dtypes.update_slice`).
 """
 
 from __future__ import annotations

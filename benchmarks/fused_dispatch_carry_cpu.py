@@ -1,0 +1,87 @@
+"""The tiled fused dispatch (gate and up, gated) before and after session 14 (F)'s change, timed interleaved:
+`old` = the kernel of a given file (the committed one before: the output carried as uint16 bits in bf16 and
+bitcast after the loop, tail tiles read-modify-write, a group's weights held whole), `new` = the installed
+kernel (the output only written, in column chunks where a group's weights outweigh the output). Same config
+(the backend's default for the problem), same inputs (balanced group sizes, random rows), outputs compared,
+each program's temp memory printed with its time.
+
+    git show 06f4a9d:src/moe_tune/kernels/fused_moe/tiled.py > /tmp/old_fused_tiled.py
+    flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/fused_dispatch_carry_cpu.py \\
+        /tmp/old_fused_tiled.py [--shapes tokens:top_k:hidden:width:experts,...] [--dtypes ...] [--samples 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_tune import distributions
+from moe_tune.bench import time_variants
+from moe_tune.kernels import get_op
+from moe_tune.kernels.fused_moe.tiled import TiledFusedMoe, tiled_gather_gmm
+
+# qwen3-30b-a3b and deepseek-v2-lite's gate+up dispatch at prefill (4096 tokens) and decode (256), ep 1
+SHAPES = "4096:8:2048:768:128,4096:6:2048:1408:64,256:8:2048:768:128,256:6:2048:1408:64"
+
+
+def load_old(path: str):
+    spec = importlib.util.spec_from_file_location("old_fused_tiled", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.tiled_gather_gmm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old", help="the fused_moe/tiled.py to compare against")
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--samples", type=int, default=5)
+    args = parser.parse_args()
+    old = load_old(args.old)
+    uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print("load before:", uptime(), flush=True)
+    for shape in args.shapes.split(","):
+        tokens, top_k, hidden, width, experts = (int(v) for v in shape.split(":"))
+        m = tokens * top_k
+        for dtype in args.dtypes.split(","):
+            problem = get_op("fused_moe").problem(tokens=tokens, top_k=top_k, k=hidden, n=2 * width,
+                                                  groups=experts, glu="silu", dtype=dtype)
+            config = TiledFusedMoe().default_config(problem)
+            rng = np.random.default_rng(0)
+            normal = lambda shape, scale: jnp.asarray(rng.standard_normal(shape, np.float32) * scale, dtype)
+            inputs = {"x": normal((tokens, hidden), 1.0), "rows": jnp.asarray(rng.integers(0, tokens, m), jnp.int32),
+                      "w": (normal((experts, hidden, width), hidden ** -0.5),
+                            normal((experts, hidden, width), hidden ** -0.5)),
+                      "sizes": jnp.asarray(distributions.group_sizes("balanced", m, experts, 0), jnp.int32)}
+            variants = {name: (lambda a, fn=fn: fn(a["x"], a["rows"], a["w"], a["sizes"], tm=config.tm,
+                                                     tail=config.tail, out_dtype=jnp.dtype(dtype), glu="silu"))
+                        for name, fn in (("old", old), ("new", tiled_gather_gmm))}
+            outs = {name: np.asarray(jax.jit(fn)(inputs).astype(jnp.float32)) for name, fn in variants.items()}
+            # the same products, up to the dots' accumulation order (a column chunk's dot is narrower)
+            scale = float(np.abs(outs["old"]).max())
+            error = float(np.abs(outs["old"] - outs["new"]).max()) / scale
+            temp = {name: jax.jit(fn).lower(inputs).compile().memory_analysis().temp_size_in_bytes / 2**20
+                    for name, fn in variants.items()}
+            # A B A B ... twice, in both orders
+            result = time_variants({**variants, "new2": variants["new"], "old2": variants["old"]}, inputs,
+                                   samples=args.samples)
+            t = result["times_s"]
+            ratio = (t["old"] + t["old2"]) / (t["new"] + t["new2"])
+            print(f"tokens={tokens} top_k={top_k} d={hidden} f={width} g={experts} {dtype:<8} tm={config.tm} "
+                  f"tail={config.tail}: old {t['old'] * 1e3:.1f}/{t['old2'] * 1e3:.1f} ms  new "
+                  f"{t['new'] * 1e3:.1f}/{t['new2'] * 1e3:.1f} ms  old/new {ratio:.2f}x  spread "
+                  f"{max(result['spread'].values()):.0%}  temp MiB old {temp['old']:.1f} new {temp['new']:.1f}"
+                  f"  max|old-new|/max|old| {error:.1e}", flush=True)
+    print("load after:", uptime())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
