@@ -123,7 +123,10 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     bf16 carry, and a uint16 carry costs an [m, n] copy after the loop (its bitcast; benchmarks/NOTES.md,
     session 14 (F)). So a tail tile writes 0 on its rows past the group (a later group rewrites them; rows
     outside every group stay 0), and the tiles that would be shifted back over earlier rows are skipped:
-    the last `tail` rows are written once after the loop, from every group they hold (`_last_rows`)."""
+    the last `tail` rows are written instead by each group that holds one of them, after its tiles, all of
+    them from a [tail, n] block that merges those groups' rows (0 for the groups still to come). That write
+    is inside the group loop: one after the loop was not run in place by XLA CPU within the whole layer (a
+    copy of out), and the group's weights are already loaded there."""
     m, (groups, c_dim, n) = rows.shape[0], weights_shape(rhs)
     n = c_dim if transpose_rhs else n
     out_n = n // 2 if glu else n
@@ -148,8 +151,12 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
             return ACTIVATIONS[glu][0](h[0]) * h[1] if len(h) == 2 else apply(glu, h[0])
         return h[0] if len(h) == 1 else jnp.concatenate(h, axis=1)
 
+    first = m - tail  # the last `tail` rows: each group that holds one writes them all, merged in `block`
+    window = first + jnp.arange(tail, dtype=jnp.int32)
+
     def columns(j, out):
-        def group(g, out):
+        def group(g, carry):
+            out, block = carry
             w = weights(g, j)
 
             def tile(row0, size, keep, t, out):
@@ -160,10 +167,17 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
                 block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, t), 0.0)
                 return update_slice(out, block.astype(out_dtype), (row0, j * width))
 
-            return _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
+            out = _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
+            keep = (window >= starts[g]) & (window < ends[g])
 
-        out = jax.lax.fori_loop(0, groups, group, out)
-        return _last_rows(out, rows, starts, ends, tail, lambda g: weights(g, j), products, j * width, width)
+            def last_rows(carry):
+                out, block = carry
+                block = jnp.where(keep[:, None], products(jnp.where(keep, rows[first:], 0), w, g), block)
+                return update_slice(out, block.astype(out_dtype), (first, j * width)), block
+
+            return jax.lax.cond(jnp.any(keep), last_rows, lambda carry: carry, (out, block))
+
+        return jax.lax.fori_loop(0, groups, group, (out, jnp.zeros((tail, width), jnp.float32)))[0]
 
     out = jnp.zeros((m, out_n), out_dtype)
     return columns(0, out) if chunks == 1 else jax.lax.fori_loop(0, chunks, columns, out)
@@ -184,34 +198,6 @@ def _column_chunks(rhs, out_bytes: int, compute, glu: str | None, transpose_rhs:
     while chunks < 8 and group_bytes > chunks * out_bytes and half % (2 * chunks) == 0:
         chunks *= 2
     return chunks
-
-
-def _last_rows(out, rows, starts, ends, tail: int, weights_of, products, col, width: int) -> jax.Array:
-    """out [m, n] with its last `tail` rows rewritten in columns [col, col + width): each row from its group's
-    `products(ids, weights_of(g), g)` (float32 [tail, width]), 0 outside every group. Only the groups that hold one of these rows run (usually
-    one or two: a weight load and a tail-row dot each). The rows are written inside the loop, after each
-    group (the rows of the groups still to come hold 0 until then): an update after the loop was not run in
-    place by XLA CPU in the whole layer (a copy of out)."""
-    m = out.shape[0]
-    first = m - tail
-    window = first + jnp.arange(tail, dtype=jnp.int32)
-    ids = rows[first:]
-
-    def one_group(g, carry):
-        out, block = carry
-        keep = (window >= starts[g]) & (window < ends[g])
-
-        def run(carry):
-            out, block = carry
-            block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), weights_of(g), g), block)
-            return update_slice(out, block.astype(out.dtype), (first, col)), block
-
-        return jax.lax.cond(jnp.any(keep), run, lambda carry: carry, (out, block))
-
-    # ends and starts never decrease: groups [lo, hi) are the ones that can reach into the window. With none
-    # there, the window's rows are outside every group: the tiles wrote 0 there, or nothing (out starts at 0)
-    lo, hi = jnp.sum(ends <= first, dtype=jnp.int32), jnp.sum(starts < m, dtype=jnp.int32)
-    return jax.lax.fori_loop(lo, hi, one_group, (out, jnp.zeros((tail, width), jnp.float32)))[0]
 
 
 def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tail: int, out_dtype,
