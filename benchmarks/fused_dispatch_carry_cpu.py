@@ -1,7 +1,7 @@
 """The tiled fused dispatch (gate and up, gated) before and after session 14 (F)'s change, timed interleaved:
 `old` = the kernel of a given file (the committed one before: the output carried as uint16 bits in bf16 and
 bitcast after the loop, tail tiles read-modify-write, a group's weights held whole), `new` = the installed
-kernel (the output only written, in column chunks where a group's weights outweigh the output). Same config
+kernel (the output only written, in column chunks where a group's weights outweigh the output). (More files: more variants.) Same config
 (the backend's default for the problem), same inputs (balanced group sizes, random rows), outputs compared,
 each program's temp memory printed with its time.
 
@@ -40,12 +40,13 @@ def load_old(path: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old", help="the fused_moe/tiled.py to compare against")
+    parser.add_argument("old", nargs="+", help="the fused_moe/tiled.py to compare against (more files: more "
+                        "variants, old2, old3, ...)")
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--samples", type=int, default=5)
     args = parser.parse_args()
-    old = load_old(args.old)
+    olds = {("old" if i == 0 else f"old{i + 1}"): load_old(path) for i, path in enumerate(args.old)}
     uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print("load before:", uptime(), flush=True)
     for shape in args.shapes.split(","):
@@ -63,23 +64,25 @@ def main() -> None:
                       "sizes": jnp.asarray(distributions.group_sizes("balanced", m, experts, 0), jnp.int32)}
             variants = {name: (lambda a, fn=fn: fn(a["x"], a["rows"], a["w"], a["sizes"], tm=config.tm,
                                                      tail=config.tail, out_dtype=jnp.dtype(dtype), glu="silu"))
-                        for name, fn in (("old", old), ("new", tiled_gather_gmm))}
+                        for name, fn in [*olds.items(), ("new", tiled_gather_gmm)]}
             outs = {name: np.asarray(jax.jit(fn)(inputs).astype(jnp.float32)) for name, fn in variants.items()}
             # the same products, up to the dots' accumulation order (a column chunk's dot is narrower)
             scale = float(np.abs(outs["old"]).max())
-            error = float(np.abs(outs["old"] - outs["new"]).max()) / scale
+            error = max(float(np.abs(outs["old"] - out).max()) / scale for out in outs.values())
             temp = {name: jax.jit(fn).lower(inputs).compile().memory_analysis().temp_size_in_bytes / 2**20
                     for name, fn in variants.items()}
-            # A B A B ... twice, in both orders
-            result = time_variants({**variants, "new2": variants["new"], "old2": variants["old"]}, inputs,
-                                   samples=args.samples)
-            t = result["times_s"]
-            ratio = (t["old"] + t["old2"]) / (t["new"] + t["new2"])
+            # A B ... then ... B A: each variant twice, in both orders
+            names = list(variants)
+            order = {**{n: variants[n] for n in names}, **{n + "'": variants[n] for n in reversed(names)}}
+            result = time_variants(order, inputs, samples=args.samples)
+            t = {n: result["times_s"][n] + result["times_s"][n + "'"] for n in names}
+            times = "  ".join(f"{n} {result['times_s'][n] * 1e3:.1f}/{result['times_s'][n + chr(39)] * 1e3:.1f} ms"
+                              for n in names)
+            ratios = "  ".join(f"{n}/new {t[n] / t['new']:.2f}x" for n in names if n != "new")
+            temps = " ".join(f"{n} {temp[n]:.1f}" for n in names)
             print(f"tokens={tokens} top_k={top_k} d={hidden} f={width} g={experts} {dtype:<8} tm={config.tm} "
-                  f"tail={config.tail}: old {t['old'] * 1e3:.1f}/{t['old2'] * 1e3:.1f} ms  new "
-                  f"{t['new'] * 1e3:.1f}/{t['new2'] * 1e3:.1f} ms  old/new {ratio:.2f}x  spread "
-                  f"{max(result['spread'].values()):.0%}  temp MiB old {temp['old']:.1f} new {temp['new']:.1f}"
-                  f"  max|old-new|/max|old| {error:.1e}", flush=True)
+                  f"tail={config.tail}: {times}  {ratios}  spread {max(result['spread'].values()):.0%}  temp MiB "
+                  f"{temps}  max|old-x|/max|old| {error:.1e}", flush=True)
     print("load after:", uptime())
 
 
