@@ -179,8 +179,12 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
 
         return jax.lax.fori_loop(0, groups, group, (out, jnp.zeros((tail, width), jnp.float32)))[0]
 
+    # one group loop per chunk, the chunk's columns static: with a traced column offset the weights' column
+    # slices ran 0.68-0.83x as fast in bf16 at decode (a dynamic offset in the minor dimension)
     out = jnp.zeros((m, out_n), out_dtype)
-    return columns(0, out) if chunks == 1 else jax.lax.fori_loop(0, chunks, columns, out)
+    for j in range(chunks):
+        out = columns(j, out)
+    return out
 
 
 def _column_chunks(rhs, out_bytes: int, compute, glu: str | None, transpose_rhs: bool) -> int:
