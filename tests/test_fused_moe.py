@@ -64,8 +64,7 @@ def test_tiled_dispatch_rows_near_the_end_and_outside_the_groups(dtype):
     (rewritten by the next group) and the tiles that would be shifted back over earlier rows are skipped,
     the last `tail` rows then written from every group they hold. Checked against the float64 reference on
     group sizes that put tiny and empty groups in those last rows, leave rows outside every group (0, and
-    x rows out of range there), and on an expert-parallel shard; in one column chunk (k 16) and in 4 (k 64:
-    a group's weights larger than the output)."""
+    x rows out of range there), and on an expert-parallel shard, for two tilings and contraction sizes."""
     from moe_tune.kernels.fused_moe.reference import gather_gmm_reference
     from moe_tune.kernels.fused_moe.tiled import tiled_gather_gmm
 

@@ -133,18 +133,9 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     tm, tail = min(tm, m), min(tail, tm, m)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
     compute = _dot_dtype(x.dtype)
-    chunks = _column_chunks(rhs, m * out_n * jnp.dtype(out_dtype).itemsize, compute, glu, transpose_rhs)
-    width = out_n // chunks
-
-    def weights(g, j) -> list[jax.Array]:
-        """Group g's weight parts, their columns [j * width, (j + 1) * width) with column chunks."""
-        if chunks == 1:
-            return _group_weights(rhs, g, compute)
-        return [load(jax.lax.dynamic_slice(as_bits(per_iteration(p, g)), (g, 0, j * width), (1, c_dim, width))[0],
-                     p.dtype, compute) for p in weight_parts(rhs)]
 
     def products(ids, w, step) -> jax.Array:
-        """float32 [len(ids), width]: x[ids] times the weight parts w, with the activation."""
+        """float32 [len(ids), out_n]: x[ids] times the weight parts w, with the activation."""
         xb = load(jnp.take(as_bits(per_iteration(x, step)), ids, axis=0, mode="clip"), x.dtype, compute)
         h = _products(xb, w, transpose_rhs)
         if glu:
@@ -154,54 +145,30 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     first = m - tail  # the last `tail` rows: each group that holds one writes them all, merged in `block`
     window = first + jnp.arange(tail, dtype=jnp.int32)
 
-    def columns(j, out):
-        def group(g, carry):
+    def group(g, carry):
+        out, block = carry
+        w = _group_weights(rhs, g, compute)
+
+        def tile(row0, size, keep, t, out):
+            ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
+            if keep is None:
+                return update_slice(out, products(ids, w, t).astype(out_dtype), (row0, 0))
+            # a row outside the group may hold any index (read row 0 instead) and its product may be NaN
+            block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, t), 0.0)
+            return update_slice(out, block.astype(out_dtype), (row0, 0))
+
+        out = _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
+        keep = (window >= starts[g]) & (window < ends[g])
+
+        def last_rows(carry):
             out, block = carry
-            w = weights(g, j)
+            block = jnp.where(keep[:, None], products(jnp.where(keep, rows[first:], 0), w, g), block)
+            return update_slice(out, block.astype(out_dtype), (first, 0)), block
 
-            def tile(row0, size, keep, t, out):
-                ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
-                if keep is None:
-                    return update_slice(out, products(ids, w, t).astype(out_dtype), (row0, j * width))
-                # a row outside the group may hold any index (read row 0 instead) and its product may be NaN
-                block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, t), 0.0)
-                return update_slice(out, block.astype(out_dtype), (row0, j * width))
+        return jax.lax.cond(jnp.any(keep), last_rows, lambda carry: carry, (out, block))
 
-            out = _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
-            keep = (window >= starts[g]) & (window < ends[g])
-
-            def last_rows(carry):
-                out, block = carry
-                block = jnp.where(keep[:, None], products(jnp.where(keep, rows[first:], 0), w, g), block)
-                return update_slice(out, block.astype(out_dtype), (first, j * width)), block
-
-            return jax.lax.cond(jnp.any(keep), last_rows, lambda carry: carry, (out, block))
-
-        return jax.lax.fori_loop(0, groups, group, (out, jnp.zeros((tail, width), jnp.float32)))[0]
-
-    # one group loop per chunk, the chunk's columns static: with a traced column offset the weights' column
-    # slices ran 0.68-0.83x as fast in bf16 at decode (a dynamic offset in the minor dimension)
-    out = jnp.zeros((m, out_n), out_dtype)
-    for j in range(chunks):
-        out = columns(j, out)
-    return out
-
-
-def _column_chunks(rhs, out_bytes: int, compute, glu: str | None, transpose_rhs: bool) -> int:
-    """How many column chunks the dispatch runs (1, 2, 4 or 8), each over all the groups: the fewest whose
-    slice of a group's weights (every part, in the dot's dtype: the dot reads a copy) is at most the
-    [m, out_n] output. At decode a group's gate and up weights are larger than the whole output (deepseek-v2-lite,
-    256 tokens: 2 x 11 MiB in f32 against 8.25), and held at once they made the fused forward's temp. Only
-    for the gated forward with (gate, up) as two plain arrays, whose columns are the output's."""
-    parts = weight_parts(rhs)
-    if not glu or transpose_rhs or len(parts) != 2 or any(isinstance(p, QArray) for p in parts):
-        return 1
-    _, c, half = parts[0].shape
-    group_bytes = 2 * c * half * jnp.dtype(compute).itemsize
-    chunks = 1
-    while chunks < 8 and group_bytes > chunks * out_bytes and half % (2 * chunks) == 0:
-        chunks *= 2
-    return chunks
+    init = (jnp.zeros((m, out_n), out_dtype), jnp.zeros((tail, out_n), jnp.float32))
+    return jax.lax.fori_loop(0, groups, group, init)[0]
 
 
 def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tail: int, out_dtype,
