@@ -13,7 +13,6 @@ each program's temp memory printed with its time.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune import distributions
-from moe_tune.bench import time_variants
+from moe_tune.bench import load_file_module, time_variants
 from moe_tune.kernels import get_op
 from moe_tune.kernels.fused_moe.tiled import TiledFusedMoe, tiled_gather_gmm
 
@@ -31,11 +30,7 @@ SHAPES = "4096:8:2048:768:128,4096:6:2048:1408:64,256:8:2048:768:128,256:6:2048:
 
 
 def load_old(path: str):
-    spec = importlib.util.spec_from_file_location("old_fused_tiled", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.tiled_gather_gmm
+    return load_file_module(path, "old_fused_tiled").tiled_gather_gmm
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ each program's temp memory printed with its time.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune import distributions
-from moe_tune.bench import time_variants
+from moe_tune.bench import load_file_module, time_variants
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot, tiled_transposed_ragged_dot
 
@@ -32,11 +31,7 @@ SHAPES = "2048:2048:768:128,8192:2048:768:32"
 
 
 def load_old(path: str):
-    spec = importlib.util.spec_from_file_location("old_tiled", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.tiled_transposed_ragged_dot
+    return load_file_module(path, "old_tiled").tiled_transposed_ragged_dot
 
 
 def main() -> None:

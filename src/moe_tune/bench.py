@@ -316,3 +316,16 @@ def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: in
         result = compare_gather(op, problem, found.backend, found.config, samples=samples, distribution=distribution)
     marks = tuple(evidence.marks(found.entry)) if found.entry is not None else ()
     return dataclasses.replace(result, lookup_source=found.source, lookup_reason=found.reason, lookup_marks=marks)
+
+
+def load_file_module(path: str, name: str):
+    """A module loaded from a source file under its own `name` (e.g. an older copy of a kernel module that a
+    benchmark times against the installed one). Registered in sys.modules: its dataclasses look it up."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
