@@ -11,7 +11,6 @@ run-to-run noise.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +20,7 @@ import jax
 from moe_tune import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.kernel_op import relative_error
-from moe_tune.tuner.finals import MAX_FINAL_SAMPLES
+from moe_tune.tuner.finals import samples_for_time
 from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.timing import time_candidates
 
@@ -60,7 +59,7 @@ def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str,
     """Check and time `configs` (name -> a config's JSON, as a table holds it) of `backend` on `problem`, with
     seeded inputs routed by `distribution`, in this process (each config compiles once). `time_s`: short calls
     get more than `samples`, about this many seconds of calls each (from the slowest check call's wall time,
-    at most `finals.MAX_FINAL_SAMPLES`), as the finals give short finalists."""
+    `finals.samples_for_time`), as the finals give short finalists."""
     kernel_op = get_op(op)
     impl = kernel_op.backends.get(backend)
     kernel = Kernel(kernel_op, impl, problem)
@@ -90,8 +89,7 @@ def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str,
     if not calls:
         return SideBySide({}, {}, 0, "none", None, unusable)
     # the check above was each executable's first call (on CPU, a warm one: `timing.first_call_is_warm`)
-    if time_s > 0 and slowest_s > 0:
-        samples = max(samples, min(MAX_FINAL_SAMPLES, math.ceil(time_s / slowest_s)))
+    samples = samples_for_time(samples, time_s, slowest_s)
     timings, fallback = time_candidates(calls, samples=samples, platform=devices.platform(), seed=seed, warmup=0)
     return SideBySide({names[i]: t.median_s for i, t in timings.items()},
                       {names[i]: t.spread for i, t in timings.items()}, samples,

@@ -49,10 +49,16 @@ def final_samples(settings: SweepSettings, median_s: float | None = None) -> int
     short calls about `settings.final_time_s` seconds of calls per finalist (`median_s`: the slowest
     finalist's sweep-round median), at most MAX_FINAL_SAMPLES: six samples of a 5 ms call on a shared machine
     kept the default against a measured 15% gain (benchmarks/finals_cpu.py, NOTES.md issue 32 session 14)."""
-    base = max(2 * settings.samples, MIN_FINAL_SAMPLES)
-    if median_s is None or not median_s > 0 or not settings.final_time_s:
-        return base
-    return max(base, min(MAX_FINAL_SAMPLES, math.ceil(settings.final_time_s / median_s)))
+    return samples_for_time(max(2 * settings.samples, MIN_FINAL_SAMPLES), settings.final_time_s, median_s)
+
+
+def samples_for_time(samples: int, time_s: float, call_s: float | None) -> int:
+    """`samples`, or more for a call of about `call_s` seconds: enough for `time_s` seconds of calls, at most
+    MAX_FINAL_SAMPLES (the finals' and the ladder's side-by-side timing of short calls). `call_s` None or not
+    positive, or `time_s` 0: `samples`."""
+    if call_s is None or not call_s > 0 or not time_s > 0:
+        return samples
+    return max(samples, min(MAX_FINAL_SAMPLES, math.ceil(time_s / call_s)))
 
 
 def decide(best: Candidate, default: Candidate, compared: Sequence[Candidate] = (), *,
