@@ -1,7 +1,8 @@
 """The final round's time budget (issue 32, session 14): a short call's finalists get about `final_time_s`
 seconds of calls each (at most MAX_FINAL_SAMPLES samples), and the noise rule holds a median of many samples to
 its standard error (sqrt(6 / n) of the 6-sample threshold, never below one MAD), so that a gap six samples
-call noise can be a win once the samples resolve it; a copy of the default still never wins."""
+call noise can be a win once the samples resolve it; a copy of the default still never wins. The final round
+compares the finalists paired, round by round (session 15): load both calls of a round share cancels."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 from moe_tune.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles.verdict import (
-    MIN_FINAL_SAMPLES, MIN_NOISE_SCALE, NOISE_FACTOR, NOISE_SAMPLES, BEAT_DEFAULT, WITHIN_NOISE, noise_threshold,
-    relative_mad,
+    MIN_FINAL_SAMPLES, MIN_NOISE_SCALE, NOISE_FACTOR, NOISE_SAMPLES, BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE,
+    PAIRED_MIN_NOISE, Verdict, noise_threshold, paired, relative_mad,
 )
 from moe_tune.tuner import Reporter, finals
 from moe_tune.tuner.candidate import Candidate
@@ -104,3 +105,50 @@ def test_side_by_side_gives_short_calls_the_time_budget_too():
     assert plain.samples == 2 and {len(s) for s in plain.samples_s.values()} == {2}
     assert budget.samples == finals.MAX_FINAL_SAMPLES  # microsecond calls: the cap
     assert {len(s) for s in budget.samples_s.values()} == {finals.MAX_FINAL_SAMPLES}
+
+
+# Per-round load on a shared machine: each round's calls all run slower or faster together (made up, 1x-2x).
+LOAD = [1.0, 1.7, 1.1, 2.0, 1.3, 1.6, 1.05, 1.9]
+
+
+def test_a_clear_win_under_shared_load_is_a_win_paired_and_noise_apart():
+    """1.2x faster in every round while the load doubles some rounds: two medians with their MADs call it
+    noise (the session 14 m=1024 case); the per-round ratios are all 1.2 and it wins."""
+    best, default = _cand(1, list(LOAD)), _cand(0, [1.2 * x for x in LOAD], default=True)
+    assert finals.decide(best, default, [best, default])[1].rule == WITHIN_NOISE
+    winner, verdict = finals.decide(best, default, [best, default], pair=True)
+    assert winner is best and verdict.rule == BEAT_DEFAULT
+    assert verdict.gain == pytest.approx(0.2) and verdict.paired_gain == pytest.approx(0.2)
+    assert Verdict.from_json(verdict.to_json()).paired_gain == pytest.approx(0.2)
+
+
+def test_a_copy_of_the_default_under_shared_load_does_not_win_paired():
+    """The same config twice: per round within +-4% of each other whatever the load, no gain beyond it."""
+    jitter = [0.04, -0.03, 0.02, -0.04, 0.03, -0.02, 0.01, -0.01]
+    copy = _cand(1, [x * (1 + j) for x, j in zip(LOAD, jitter)])
+    default = _cand(0, [x * (1 - j / 2) for x, j in zip(LOAD, jitter)], default=True)
+    gain, noise = paired(default.timing.samples_s, copy.timing.samples_s)
+    assert abs(gain) <= noise
+    assert finals.decide(copy, default, [copy, default], pair=True)[1].rule == WITHIN_NOISE
+    # two compiles of one config can differ by a few percent in every round: below the floor, no win
+    steady = _cand(1, [x / (1 + 0.9 * PAIRED_MIN_NOISE) for x in LOAD])
+    _, verdict = finals.decide(steady, _cand(0, list(LOAD), default=True), pair=True)
+    assert verdict.rule == WITHIN_NOISE and verdict.noise == PAIRED_MIN_NOISE
+
+
+def test_the_final_round_picks_by_paired_gain(monkeypatch):
+    """The finalist faster round by round wins, though another's median is lower (its fast samples fell in
+    the quiet rounds); none faster in the median round: the default."""
+    final = {0: _summarize([1.2 * x for x in LOAD], "trace", LOAD),
+             1: _summarize([x / 1.0 for x in LOAD], "trace", LOAD),  # 1.2x faster in every round
+             # 1.05x slower than 1 in six rounds, 2-3x faster in two: a lower median, a smaller median gain
+             2: _summarize([1.05 * x for x in LOAD[:4]] + [0.5, 0.5] + [1.05 * x for x in LOAD[6:]], "trace", LOAD)}
+    monkeypatch.setattr(finals, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
+    default, a, b = _cand(0, [1.2] * 3, default=True), _cand(1, [1.0] * 3), _cand(2, [1.0] * 3)
+    assert final[2].median_s < final[1].median_s
+    settings = SweepSettings(samples=3, workers=1, finalists=2, final_time_s=0)
+    winner, verdict, _ = finals.final_round(settings, [default, a, b], default, {}, "cpu", Reporter())
+    assert winner is a and verdict.rule == BEAT_DEFAULT and verdict.paired_gain == pytest.approx(0.2)
+    final[1] = final[2] = final[0]
+    winner, verdict, _ = finals.final_round(settings, [default, a, b], default, {}, "cpu", Reporter())
+    assert winner is default and verdict.rule == DEFAULT_FASTEST

@@ -352,6 +352,7 @@ def _timing(samples):
     ([0.50, 0.52, 0.49, 0.51, 0.50, 0.50], False),  # 2x faster: a win
 ])
 def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, best_samples, kept_default):
+    from moe_tune.profiles.verdict import PAIRED_MIN_NOISE
     from moe_tune.tuner import Reporter, finals
     from moe_tune.tuner.candidate import Candidate
 
@@ -367,9 +368,11 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
     assert (verdict.rule == "within_noise") is kept_default
     assert winner is (default if kept_default else other)
     # the verdict records the noise rule's threshold and both finalists' rounds, the winner first
-    mads = [float(np.median(np.abs(np.array(s) - np.median(s))) / np.median(s))
-            for s in (best_samples, final[0].samples_s)]
-    assert verdict.noise == pytest.approx(2 * max(mads))
+    # the paired rule (issue 32 session 15): per round the default's time over the other's
+    ratios = np.array(final[0].samples_s) / np.array(best_samples)
+    assert verdict.noise == pytest.approx(max(PAIRED_MIN_NOISE, 2 * float(
+        np.median(np.abs(ratios - np.median(ratios))) / np.median(ratios))))
+    assert verdict.gain == pytest.approx(float(np.median(ratios)) - 1)
     assert verdict.text == (f"kept default: within noise (+-{verdict.noise:.0%})" if kept_default else
                             f"beat default by {verdict.gain:.0%} (noise +-{verdict.noise:.0%})")
     loser = other if kept_default else default

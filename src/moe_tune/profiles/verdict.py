@@ -11,16 +11,22 @@ says: fewer cannot estimate the noise. The verdict is one of
 - `within_noise`: the default, kept because the fastest finalist beat it by no more than the noise: twice
   the larger relative median absolute deviation (MAD) of the two finalists' samples, scaled down as
   sqrt(NOISE_SAMPLES / n) when both have n > NOISE_SAMPLES samples (the noise of a median of n samples), to
-  no less than one MAD;
+  no less than one MAD. The final round's finalists run interleaved, one call each per round, so it compares
+  them PAIRED (`paired`): per round, the default's time over the finalist's; the gain is the median of these
+  ratios less 1 and the noise the same rule applied to the ratios (their relative MAD), never below
+  PAIRED_MIN_NOISE (two compiles of one config differ by up to that), so that load which both calls of a
+  round share cancels instead of widening both timings' MADs;
 - `unverified`: the default, kept because the rule could not be applied (`reason`: an interrupt before the
   final round, too few samples); the fastest finalist is recorded but does not win;
 - `default_failed`: the default failed (compile, run or check), so the fastest correct candidate won with
   nothing to hold it to;
 - `only_candidate`: the one correct candidate (no final round).
 
-New entries record it as `verdict` = {rule, noise, reason, finalists: [{config, is_default, median_s, spread,
-min_s, max_s, samples, first_median_s, first_spread}]}: the final round's timings (and each finalist's
-sweep-round median and spread), the winner first.
+New entries record it as `verdict` = {rule, noise, reason, paired_gain, finalists: [{config, is_default, median_s,
+spread, min_s, max_s, samples, first_median_s, first_spread}]}: the final round's timings (and each finalist's
+sweep-round median and spread), the winner first; `paired_gain` (from issue 32, session 15): the median
+per-round gain of the fastest finalist over the default that the paired rule held to `noise` (absent: the
+two medians were compared).
 
 Older entries stay readable. Entries written before issue 26 recorded `fastest` for any winner: it is read as
 `default_fastest` when the winner was the default, `default_failed` when the default was no finalist, and
@@ -59,6 +65,11 @@ NOISE_SAMPLES = 6
 # independent, and a copy of the default, 41 samples each side by side, timed 8.7% faster than the default
 # where sqrt(6 / 41) would have set 7.3% (benchmarks/finals_cpu.py, NOTES.md issue 32, session 14).
 MIN_NOISE_SCALE = 0.5
+# The paired rule's threshold never falls below this gain: a copy of the default compiled apart, timed with
+# it in the same rounds, was 5% and 8% faster in 2 of 32 final rounds with per-round ratios as tight as 4-5%
+# (benchmarks/finals_paired_cpu.py, NOTES.md issue 32 session 15; session 14: 8.7% over 41 samples). Two
+# executables of one config differ by that much: a smaller gain is not a config's.
+PAIRED_MIN_NOISE = 0.10
 
 
 def relative_mad(samples: Sequence[float]) -> float:
@@ -80,6 +91,23 @@ def noise_threshold(*samples: Sequence[float]) -> float:
     return NOISE_FACTOR * scale * max(relative_mad(s) for s in samples)
 
 
+def paired_ratios(default: Sequence[float], other: Sequence[float]) -> list[float]:
+    """Per round, the default's time over the other's (> 1: the other was faster in that round); the samples
+    of both are in round order, one per round (the final round times every finalist once per round)."""
+    if len(default) != len(other):
+        raise ValueError(f"paired timings need one sample per round each, got {len(default)} and {len(other)}")
+    return [d / o for d, o in zip(default, other)]
+
+
+def paired(default: Sequence[float], other: Sequence[float]) -> tuple[float, float]:
+    """(gain, noise) of `other` over `default` from their per-round ratios (`paired_ratios`): the median ratio
+    less 1, and `noise_threshold` of the ratios (twice their relative MAD, narrowed for many rounds as for a
+    median), at least PAIRED_MIN_NOISE. Load that slows both calls of a round leaves their ratio alone; two
+    medians compared apart carry it twice."""
+    ratios = paired_ratios(default, other)
+    return statistics.median(ratios) - 1, max(PAIRED_MIN_NOISE, noise_threshold(ratios))
+
+
 def too_few_samples(*samples: Sequence[float]) -> str | None:
     """Why timings with these samples cannot decide a win (fewer than MIN_FINAL_SAMPLES each), else None."""
     fewest = min(len(s) for s in samples)
@@ -98,6 +126,7 @@ class Verdict:
     finalists: tuple[Mapping[str, Any], ...] = ()
     derived: bool = False
     reason: str | None = None
+    paired_gain: float | None = None  # the paired rule's gain (module doc); None: medians were compared
 
     @property
     def kept_default(self) -> bool:
@@ -107,7 +136,10 @@ class Verdict:
     @property
     def gain(self) -> float | None:
         """The winner's (or, for a kept default, the fastest finalist's) relative gain over the default in the
-        final round: default median / its median - 1; None when not both were timed."""
+        final round: the paired rule's median per-round gain when it applied, else default median / its
+        median - 1; None when not both were timed."""
+        if self.paired_gain is not None:
+            return self.paired_gain
         default = next((f for f in self.finalists if f.get("is_default")), None)
         others = [f for f in self.finalists if not f.get("is_default") and f.get("median_s")]
         if default is None or not default.get("median_s") or not others:
@@ -156,6 +188,8 @@ class Verdict:
 
     def to_json(self) -> dict[str, Any]:
         out = {"rule": self.rule, "noise": self.noise, "finalists": [dict(f) for f in self.finalists]}
+        if self.paired_gain is not None:
+            out["paired_gain"] = self.paired_gain
         return out if self.reason is None else {**out, "reason": self.reason}
 
     @classmethod
@@ -164,7 +198,7 @@ class Verdict:
         rule = data.get("rule", FASTEST)
         if rule == FASTEST:
             rule = _fastest_meant(finalists)
-        return cls(rule, data.get("noise"), finalists, reason=data.get("reason"))
+        return cls(rule, data.get("noise"), finalists, reason=data.get("reason"), paired_gain=data.get("paired_gain"))
 
 
 def _fastest_meant(finalists: Sequence[Mapping[str, Any]]) -> str:

@@ -4,9 +4,13 @@ whether the fastest is a win.
 One sweep round's medians of near-equal candidates are mostly noise on a shared machine; the finalists are
 compared like for like, side by side, each with twice the sweep round's samples and never fewer than
 `MIN_FINAL_SAMPLES` (a noise estimate needs them, whatever `--samples` says), and short calls with more: about
-`final_time_s` seconds of calls each (`final_samples`). A winner that beats the default by no more than the
-noise (`profiles.verdict.noise_threshold`: twice the larger relative median absolute deviation of the two,
-narrowed as a median's standard error for more than 6 samples) is not a win: the default is kept. A sweep
+`final_time_s` seconds of calls each (`final_samples`). The final round runs the finalists interleaved, one
+call each per round, and compares each with the default PAIRED (`profiles.verdict.paired`): per round the
+default's time over the finalist's, so that load both calls of a round share cancels. The finalist with the
+largest median per-round gain is the best; a gain no more than the noise (twice the ratios' relative median
+absolute deviation, narrowed as a median's standard error for more than 6 rounds) is not a win: the default
+is kept. Comparing two medians, each with its own MAD, kept the default against a 1.6x faster finalist under
+load ("within noise +-68%", NOTES.md issue 32 session 14 (D)). A sweep
 that cannot apply the rule (interrupted before its final round) keeps the default too, and says `unverified`
 and why. The outcome is a `Verdict`
 (the rule applied, the threshold, the finalists' timings of both rounds), which the entry records.
@@ -20,7 +24,7 @@ from typing import Any
 
 from moe_tune.profiles.verdict import (
     BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE, UNVERIFIED, WITHIN_NOISE, Verdict,
-    noise_threshold, too_few_samples,
+    noise_threshold, paired, too_few_samples,
 )
 from moe_tune.tuner import measure
 from moe_tune.tuner.candidate import OK, Candidate
@@ -62,28 +66,47 @@ def samples_for_time(samples: int, time_s: float, call_s: float | None) -> int:
 
 
 def decide(best: Candidate, default: Candidate, compared: Sequence[Candidate] = (), *,
-           unverified: str | None = None) -> tuple[Candidate, Verdict]:
+           unverified: str | None = None, pair: bool = False) -> tuple[Candidate, Verdict]:
     """(winner, verdict). A candidate wins over the default only when it beat it by more than the noise and
     both had at least MIN_FINAL_SAMPLES samples; otherwise the default is kept (`within_noise`, or
     `unverified` when the samples were too few or `unverified` gives a reason the rule cannot apply, e.g. an
-    interrupt before the final round). `compared`: the finalists of the final round, recorded in the
-    verdict (for an interrupted sweep, the best and the default by their batch timings)."""
-    noise, reason = None, None
+    interrupt before the final round). `pair`: the two timings' samples are in the same rounds (the final
+    round), and the gain and noise are the paired rule's (`profiles.verdict.paired`); else their medians and
+    MADs are compared. `compared`: the finalists of the final round, recorded in the verdict (for an
+    interrupted sweep, the best and the default by their batch timings)."""
+    noise, reason, paired_gain = None, None, None
     if default.status != OK:  # nothing to hold the best to
         winner, rule = best, DEFAULT_FAILED
     elif best is default:
         winner, rule = default, DEFAULT_FASTEST
     else:
-        noise = noise_threshold(best.timing.samples_s, default.timing.samples_s)
+        if pair:
+            gain, noise = paired(default.timing.samples_s, best.timing.samples_s)
+            paired_gain = gain
+        else:
+            gain = default.timing.median_s / best.timing.median_s - 1
+            noise = noise_threshold(best.timing.samples_s, default.timing.samples_s)
         reason = unverified or too_few_samples(best.timing.samples_s, default.timing.samples_s)
         if reason is not None:
             winner, rule = default, UNVERIFIED
-        elif default.timing.median_s / best.timing.median_s - 1 <= noise:
+        elif gain <= noise:
             winner, rule = default, WITHIN_NOISE
         else:
             winner, rule = best, BEAT_DEFAULT
     ranked = sorted(compared, key=lambda c: c is not winner)  # the winner first
-    return winner, Verdict(rule, noise, tuple(c.finalist_record() for c in ranked), reason=reason)
+    return winner, Verdict(rule, noise, tuple(c.finalist_record() for c in ranked), reason=reason,
+                           paired_gain=paired_gain)
+
+
+def paired_best(chosen: Sequence[Candidate], default: Candidate) -> Candidate:
+    """The finalist with the largest median per-round gain over the default (`paired`), or the default when
+    none gained in the median round; by median when the default is no finalist (it failed)."""
+    others = [c for c in chosen if c is not default]
+    if default.status != OK or not any(c is default for c in chosen) or not others:
+        return min(chosen, key=lambda c: c.timing.median_s)
+    gain, best = max(((paired(default.timing.samples_s, c.timing.samples_s)[0], c) for c in others),
+                     key=lambda item: item[0])
+    return best if gain > 0 else default
 
 
 def final_round(settings: SweepSettings, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
@@ -102,26 +125,31 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
     )
     for c in chosen:
         c.first_timing, c.timing = c.timing, final[c.index]
-    best = min(chosen, key=lambda c: c.timing.median_s)
-    winner, verdict = decide(best, default, chosen)
+    winner, verdict = decide(paired_best(chosen, default), default, chosen, pair=True)
     return winner, verdict, fallback
 
 
 def run_finals(state: SweepState) -> Generator[Step, None, tuple[Candidate, Verdict]]:
-    """Compile the finalists restored from the log (they have no executable), run each once, then
+    """Compile the finalists restored from the log (they have no executable), run each of those once, then
     `final_round`; yields the compilations spent again and the timing fallback, returns (winner, verdict).
-    Raises SweepError when no candidate survived."""
+    A finalist timed in this process ran here already (its sweep round): it gets no untimed run (0.2-0.3 s
+    of a 3-candidate warm sweep's 6 s, NOTES.md issue 32 session 15). Raises SweepError when no candidate
+    survived."""
     survivors = [c for c in state.done if c.status == OK]
     default = state.default()
+    ran_here = {c.index for c in survivors if c.executable is not None}  # restored ones have none yet
     while survivors:
         chosen = finalists(state.settings, survivors, default)
         need = [c for c in chosen if c.executable is None]
         if need:
             yield measure.recompile(state, need)
         else:
-            ready, step = measure.warm_up(state, chosen, logged=True)
+            cold = [c for c in chosen if c.index not in ran_here]
+            if not cold:
+                break
+            ready, step = measure.warm_up(state, cold, logged=True)
             yield step
-            if len(ready) == len(chosen):
+            if len(ready) == len(cold):
                 break
         survivors = [c for c in survivors if c.status == OK]
     if not survivors:
