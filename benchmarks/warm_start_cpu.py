@@ -145,7 +145,11 @@ def main() -> int:
             runs[how] = {"tried": len(finishes[how]), "wall_s": time.perf_counter() - started,
                          "winner": _label(result.entry.config), "start": result.entry.search["start"],
                          "local": result.entry.search.get("local"), "stopped": result.entry.search["stopped"],
-                         "strategy": result.entry.search["strategy"]}
+                         "strategy": result.entry.search["strategy"],
+                         "verdict": (result.entry.verdict or {}).get("rule"),
+                         "stage_s": dict(result.entry.search.get("stage_s") or {})}
+            # the rest of the wall: inputs and reference, finals, entry write (fixed costs of every sweep)
+            runs[how]["stage_s"]["other"] = runs[how]["wall_s"] - sum(runs[how]["stage_s"].values())
         # the side-by-side reference: every config either run measured, and the grid's winner
         configs = {_label(c): c for how in finishes for c, _ in finishes[how]}
         configs[grid_winner] = grids[m]["entry"].config
@@ -157,7 +161,8 @@ def main() -> int:
         good = {label for label, t in side.items() if t <= GOOD * best}
         for how, run in runs.items():
             n, at = _reach(finishes[how], good)
-            run.update(reach_candidates=n, reach_s=at, winner_vs_grid_winner=side[run["winner"]] / side[grid_winner])
+            run.update(reach_candidates=n, reach_s=at, winner_vs_grid_winner=side[run["winner"]] / side[grid_winner],
+                       winner_vs_best=side[run["winner"]] / best)
         row = {"m": m, "grid_tried": grids[m]["tried"], "grid_wall_s": grids[m]["wall_s"], "grid_winner": grid_winner,
                "grid_winner_vs_best_side_by_side": side[grid_winner] / best, "compared": len(side),
                "good_configs": len(good), "side_by_side_s": side, "seeds": [c.label() for c in start.seeds],
@@ -172,7 +177,11 @@ def main() -> int:
               f"{w['tried']} in {w['wall_s']:.1f} s, winner {w['winner_vs_grid_winner']:.3f}x the grid winner\n"
               f"    warm / cold grid: candidates {w['tried'] / row['grid_tried']:.2f}, wall "
               f"{w['wall_s'] / row['grid_wall_s']:.2f}; warm / cold coordinate: candidates "
-              f"{w['tried'] / c['tried']:.2f}, wall {w['wall_s'] / c['wall_s']:.2f}",
+              f"{w['tried'] / c['tried']:.2f}, wall {w['wall_s'] / c['wall_s']:.2f}\n"
+              f"    winners over the fastest side by side: warm {w['winner_vs_best']:.3f} ({w['verdict']}), cold "
+              f"{c['winner_vs_best']:.3f} ({c['verdict']}), grid {side[grid_winner] / best:.3f}\n"
+              f"    where the wall went (s): " + "; ".join(f"{how} " + ", ".join(
+                  f"{k} {v:.1f}" for k, v in runs[how]["stage_s"].items()) for how in ("warm", "cold")),
               flush=True)
 
     def ratio(get) -> list[float]:
@@ -188,6 +197,9 @@ def main() -> int:
         "total_s_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["wall_s"]),
         "winner_vs_grid_winner_cold": [r["coordinate"]["cold"]["winner_vs_grid_winner"] for r in rows],
         "winner_vs_grid_winner_warm": [r["coordinate"]["warm"]["winner_vs_grid_winner"] for r in rows],
+        "winner_vs_fastest_warm": [r["coordinate"]["warm"]["winner_vs_best"] for r in rows],
+        "winner_vs_fastest_cold": [r["coordinate"]["cold"]["winner_vs_best"] for r in rows],
+        "winner_vs_fastest_grid": [r["grid_winner_vs_best_side_by_side"] for r in rows],
     }
     print("\nwarm / cold (cold = coordinate unless it says grid; per count; median):")
     for name, values in summary.items():
