@@ -133,7 +133,7 @@ def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
     from moe_tune.kernels import get_op
     from moe_tune.tuner.candidate import Candidate
     from moe_tune.tuner.compiling import compile_all
-    from moe_tune.tuner.gate import check_all
+    from moe_tune.tuner.gate import Reference, check_all
     from moe_tune.tuner.kernel import Kernel
 
     sent = []
@@ -148,8 +148,41 @@ def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
         compile_all(Kernel(op, backend, TINY), chunk, inputs, workers=2, timeout=60)
     assert all(c.status == "ok" and c.output is not None for c in cands)
     assert 1 <= sum(size > nbytes for size in sent) <= 2
-    check_all(cands, inputs, op.reference(TINY, host), op.tolerance(TINY))
+    check_all(cands, inputs, Reference.of(op.reference(TINY, host)), op.tolerance(TINY))
     assert all(c.status == "ok" and c.output is None and c.error is not None for c in cands)
+
+
+def test_with_a_reference_the_worker_compares_and_only_the_error_comes_back():
+    """Given the sweep's reference (sent once per worker with the inputs), a worker compares each output with
+    it: the error comes back instead of the output, check_all judges by it without running the candidate
+    here, and a wrong output is caught all the same."""
+    import jax
+
+    from moe_tune.kernels import get_op
+    from moe_tune.kernels.kernel_op import relative_error
+    from moe_tune.tuner.candidate import Candidate
+    from moe_tune.tuner.compiling import compile_all
+    from moe_tune.tuner.gate import Reference, check_all
+    from moe_tune.tuner.kernel import Kernel
+
+    op, backend = get_op("ragged_dot"), BACKENDS.get("tiled")
+    host = op.make_inputs(TINY, "balanced", 0)
+    inputs, expected = jax.device_put(host), op.reference(TINY, host)
+    cands = [Candidate(i, cfg) for i, cfg in enumerate(backend.search_space(TINY)[:2])]
+    compile_all(Kernel(op, backend, TINY), cands, inputs, workers=2, timeout=60, reference=Reference.of(expected))
+    assert all(c.status == "ok" and c.output is None and c.worker_error is not None for c in cands)
+    errors = [c.worker_error for c in cands]
+    assert errors == pytest.approx([relative_error(np.asarray(c.executable(inputs)), expected) for c in cands])
+    for c in cands:
+        c.executable = None  # judged by the worker's error: nothing runs here
+    check_all(cands[:1], inputs, Reference.of(expected), op.tolerance(TINY))
+    check_all(cands[1:], inputs, Reference.of(expected + 1.0), op.tolerance(TINY))  # ignored: judged in the worker
+    assert cands[0].status == "ok" and cands[0].error == errors[0] and cands[0].worker_error is None
+    assert cands[1].status == "ok"
+    wrong = [Candidate(9, backend.search_space(TINY)[0])]
+    compile_all(Kernel(op, backend, TINY), wrong, inputs, workers=2, timeout=60, reference=Reference.of(expected + 1.0))
+    check_all(wrong, inputs, Reference.of(expected + 1.0), op.tolerance(TINY))
+    assert wrong[0].status == "wrong" and wrong[0].stage == "check" and "relative error" in wrong[0].reason
 
 
 def test_map_calls_back_on_the_callers_thread_and_an_error_there_stops_the_rest():

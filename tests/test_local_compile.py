@@ -9,7 +9,7 @@ import numpy as np
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.tuner.candidate import Candidate
-from moe_tune.tuner.gate import check_all
+from moe_tune.tuner.gate import Reference, check_all
 from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.local_compile import compile_here
 
@@ -38,7 +38,7 @@ def test_threads_compile_each_candidate_once_and_keep_failures_apart(monkeypatch
     assert broken.status == "failed" and broken.stage == "compile" and "planted" in broken.reason
     ok = [c for c in cands if c is not broken]
     assert all(c.executable is not None and c.compiles == 1 and c.compile_s > 0 for c in ok)
-    check_all(ok, inputs, op.reference(TINY, host), op.tolerance(TINY))
+    check_all(ok, inputs, Reference.of(op.reference(TINY, host)), op.tolerance(TINY))
     assert all(c.status == "ok" and c.error is not None for c in ok)
     out = np.asarray(ok[0].executable(inputs))
     assert out.shape == (TINY.m, TINY.n) and np.isfinite(out).all()

@@ -124,16 +124,17 @@ def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, m
 
 
 def test_worker_outputs_are_checked_as_they_arrive(tmp_path, monkeypatch):
-    """With workers, each candidate's output is checked (and dropped) when its worker answers, not once the
-    whole chunk is back: a chunk of big outputs (drhs: groups x k x n) is never held at once."""
+    """With workers, each candidate is judged when its worker answers, not once the whole chunk is back, and
+    by the error the worker computed against the reference: no output (drhs: groups x k x n) comes back."""
     from moe_tune.tuner import measure
 
     real_check_all, held = measure.check_all, []
 
     def check_all(cands, *args, **kwargs):
-        held.append(sum(c.output is not None for c in cands))
-        real_check_all(cands, *args, **kwargs)
         assert all(c.output is None for c in cands)
+        held.append(sum(c.worker_error is not None for c in cands))
+        real_check_all(cands, *args, **kwargs)
+        assert all(c.worker_error is None and c.error is not None for c in cands)
 
     monkeypatch.setattr(measure, "check_all", check_all)
     result = run_sweep(SweepRequest.make("ragged_dot", SMALL, backend="tiled", samples=1, workers=2, max_candidates=4,

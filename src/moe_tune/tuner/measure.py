@@ -37,21 +37,21 @@ def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
 
     def compiled(cand: Candidate) -> None:
         reporter.advance("compile")
-        if cand.status == OK and cand.output is not None:
-            # checked as it arrives, so that a chunk's outputs are never all held at once (a drhs
+        if cand.status == OK and cand.ran_elsewhere:
+            # checked as it arrives (an output sent back is never held with the chunk's others: a drhs
             # output can be gigabytes)
-            check_all([cand], state.inputs, state.expected, tolerance, on_done=checked)
+            check_all([cand], state.inputs, state.reference, tolerance, on_done=checked)
 
     with state.clock("compile"):  # with workers this also runs and checks each candidate once
         compile_all(state.kernel, chunk, state.inputs, workers=settings.workers, on_done=compiled,
-                    timeout=settings.compile_timeout_s)
+                    timeout=settings.compile_timeout_s, reference=state.reference)
     failed = [c for c in chunk if c.status != OK and c.index not in checked_ids]
     state.finished(failed)
     reporter.advance("check", len(failed))
     reporter.advance("time", len(failed))
     with state.clock("check"):  # candidates compiled here: run once and checked now
         check_all([c for c in chunk if c.status == OK and c.index not in checked_ids], state.inputs,
-                  state.expected, tolerance, on_done=checked)
+                  state.reference, tolerance, on_done=checked)
     correct = [c for c in chunk if c.status == OK]
     for start in range(0, len(correct), settings.batch_size):
         with state.clock("time"):
@@ -129,8 +129,9 @@ def recompile(state: SweepState, cands: list[Candidate]) -> Step:
     before = {c.index: (c.compiles, c.compile_s) for c in cands}
     for c in cands:
         c.compiles = 0
-    compile_all(state.kernel, cands, state.inputs, workers=settings.workers, timeout=settings.compile_timeout_s)
-    check_all([c for c in cands if c.status == OK], state.inputs, state.expected, state.plan.op.tolerance(problem))
+    compile_all(state.kernel, cands, state.inputs, workers=settings.workers, timeout=settings.compile_timeout_s,
+                reference=state.reference)
+    check_all([c for c in cands if c.status == OK], state.inputs, state.reference, state.plan.op.tolerance(problem))
     recompiled = 0
     for c in cands:
         recompiled += c.compiles

@@ -20,6 +20,7 @@ import numpy as np
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner.candidate import OK, Candidate
+from moe_tune.tuner.gate import Reference
 from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.log import SweepLog, candidate_line
 from moe_tune.tuner.request import SweepPlan
@@ -35,7 +36,7 @@ class SweepState:
     reporter: Reporter
     started: float  # perf_counter() when the sweep started
     host_inputs: dict[str, np.ndarray] | None = None
-    expected: np.ndarray | None = None  # the reference output
+    reference: Reference | None = None  # the reference output
     inputs: Any = None  # the inputs on the device
     done: list[Candidate] = dataclasses.field(default_factory=list)  # finished: restored or measured
     measured: dict[KernelConfig, Candidate] = dataclasses.field(default_factory=dict)  # what strategies see
@@ -57,7 +58,7 @@ class SweepState:
         """Seeded inputs, the reference output, and the inputs on the device."""
         op, problem, s = self.plan.op, self.plan.request.problem, self.settings
         self.host_inputs = op.make_inputs(problem, s.distribution, s.seed)
-        self.expected = op.reference(problem, self.host_inputs)
+        self.reference = Reference.of(op.reference(problem, self.host_inputs))
         self.inputs = jax.device_put(self.host_inputs)
 
     @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """What a compile worker (`tuner/workers.py`) runs for one candidate: compile it, then run it once on the
-sweep's inputs, and send back the serialized executable and the output. It runs in the worker process, so a
+sweep's inputs, and send back the serialized executable and the output's relative error against the sweep's
+reference (or the output, when the sweep sent none). It runs in the worker process, so a
 candidate that crashes, hangs or runs out of memory there takes down only the worker.
 """
 
@@ -16,6 +17,7 @@ from jax.experimental import serialize_executable
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner import workers
 from moe_tune.tuner.candidate import FAILED, OK, failure_reason, short
+from moe_tune.tuner.gate import Reference
 from moe_tune.tuner.kernel import Kernel
 
 _inputs: dict[str, Any] = {}
@@ -25,17 +27,23 @@ def _inputs_here(token: str) -> Any:
     """The sweep's inputs on this worker's device, put there once per sweep (token)."""
     if token not in _inputs:
         _inputs.clear()
-        _inputs[token] = jax.device_put(workers.shared(token))
+        _inputs[token] = jax.device_put(workers.shared(token)[0])
     return _inputs[token]
+
+
+def _reference_here(token: str) -> Reference | None:
+    """The sweep's reference (`gate.Reference`) shared with the inputs under `token`, or None."""
+    return workers.shared(token)[1]
 
 
 def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: Any, token: str) -> dict[str, Any]:
     """Compile candidate `index` for `shapes` (ShapeDtypeStructs of the inputs), then run it once on the
-    inputs shared under `token`.
+    inputs shared under `token` (with the reference: `(host inputs, gate.Reference or None)`).
 
-    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "output", "run_s"}: status OK with
-    the serialized executable (None when it cannot travel, e.g. a Python host callback; "local_reason" says
-    why) and the output as a NumPy array, or FAILED at stage "compile" or "run" with the reason. Once
+    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "error" or "output", "run_s"}:
+    status OK with the serialized executable (None when it cannot travel, e.g. a Python host callback;
+    "local_reason" says why) and the output's relative error against the reference (the output as a NumPy
+    array when there is no reference), or FAILED at stage "compile" or "run" with the reason. Once
     compiled it reports progress ("compiled"), so that if running it kills or hangs this worker the caller
     knows the compile went through and the run did not.
     """
@@ -47,7 +55,7 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
                 "compile_s": time.perf_counter() - start, "compiles": 0}
     compile_s = time.perf_counter() - start
     result: dict[str, Any] = {"status": OK, "stage": "", "reason": "", "compile_s": compile_s,
-                              "compiles": compiles, "executable": None, "output": None}
+                              "compiles": compiles, "executable": None}
     try:
         payload = serialize_executable.serialize(compiled)
         pickle.dumps(payload)
@@ -57,8 +65,16 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
     workers.progress({"compiled": True, "compile_s": compile_s, "compiles": compiles})
     start = time.perf_counter()
     try:
-        result["output"] = np.asarray(jax.block_until_ready(compiled(_inputs_here(token))))
+        output = np.asarray(jax.block_until_ready(compiled(_inputs_here(token))))
     except Exception as e:  # noqa: BLE001 - MemoryError included
         result.update(status=FAILED, stage="run", reason=failure_reason(e), executable=None)
     result["run_s"] = time.perf_counter() - start  # the first run, for the check (benchmarks/sweep_cpu.py)
+    if result["status"] == OK:
+        start = time.perf_counter()
+        reference = _reference_here(token)
+        if reference is None:
+            result["output"] = output
+        else:  # the comparison here: the output (the size of the reference) does not travel back
+            result["error"] = reference.error(output)
+        result["check_s"] = time.perf_counter() - start
     return result
