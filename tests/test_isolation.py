@@ -12,7 +12,7 @@ from faulty_backend import FaultyConfig, FaultyRaggedDot
 
 from moe_tune import devices
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.tuner import SweepRequest, run_sweep, workers
+from moe_tune.tuner import SweepRequest, run_sweep, shared_payload, workers
 from moe_tune.tuner.compile_count import backend_compiles
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
@@ -104,10 +104,16 @@ def test_every_kind_of_failure_in_one_sweep(faulty, monkeypatch, tmp_path):
     assert [c.status for c in again.candidates] == ["ok", "ok"]
 
 
-def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monkeypatch):
+def _shares_sent(monkeypatch) -> list:
+    """The shared payloads the requests sent from now on carry (a `shared_payload.Stored`, or None)."""
     sent = []
-    write_all = workers._write_all
-    monkeypatch.setattr(workers, "_write_all", lambda fd, data: (sent.append(len(data)), write_all(fd, data)))
+    pack = workers._pack
+    monkeypatch.setattr(workers, "_pack", lambda obj: (sent.append(obj[2]), pack(obj))[1])
+    return sent
+
+
+def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monkeypatch):
+    sent = _shares_sent(monkeypatch)
     payload = np.arange(250_000, dtype=np.float32)  # 1 MB
     token = uuid.uuid4().hex
     answers = {}
@@ -115,7 +121,9 @@ def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monk
     pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(6)],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=60, shared=(token, payload))
     assert all(status == "ok" and np.array_equal(value, payload) for status, value in answers.values())
-    assert 1 <= sum(size > payload.nbytes for size in sent) <= 2  # once per worker, not once per request
+    shares = [s for s in sent if s is not None]
+    assert 1 <= len(shares) <= 2  # once per worker, not once per request; written to one file, once
+    assert len({s[1] for s in shares}) == 1 and all(isinstance(s[1], shared_payload.Stored) for s in shares)
 
     pids = {w.proc.pid for w in pool._idle.queue}
     pool.map("moe_tune.tuner.workers:shared", [(0, ("no such token",))],
@@ -136,18 +144,15 @@ def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
     from moe_tune.tuner.gate import Reference, check_all
     from moe_tune.tuner.kernel import Kernel
 
-    sent = []
-    write_all = workers._write_all
-    monkeypatch.setattr(workers, "_write_all", lambda fd, data: (sent.append(len(data)), write_all(fd, data)))
+    sent = _shares_sent(monkeypatch)
     op, backend = get_op("ragged_dot"), BACKENDS.get("tiled")
     host = op.make_inputs(TINY, "balanced", 0)
     inputs = jax.device_put(host)
-    nbytes = sum(np.asarray(x).nbytes for x in host.values())
     cands = [Candidate(i, cfg) for i, cfg in enumerate(backend.search_space(TINY)[:4])]
     for chunk in (cands[:2], cands[2:]):
         compile_all(Kernel(op, backend, TINY), chunk, inputs, workers=2, timeout=60)
     assert all(c.status == "ok" and c.output is not None for c in cands)
-    assert 1 <= sum(size > nbytes for size in sent) <= 2
+    assert 1 <= sum(s is not None for s in sent) <= 2
     check_all(cands, inputs, Reference.of(op.reference(TINY, host)), op.tolerance(TINY))
     assert all(c.status == "ok" and c.output is None and c.error is not None for c in cands)
 

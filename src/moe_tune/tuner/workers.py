@@ -20,7 +20,8 @@ worker answers `("started", None)` once it has read the request and imported `fn
 `("progress", obj)` messages (see `progress`), then one `("done", value)` or `("error", reason)` (`fn`
 raised; the worker stays usable). `shared` is `None` or `(token, payload)`: data that many requests need
 (the tuner's inputs) goes to each worker once, with its first request that needs it, and is read there
-with `shared(token)`; a worker holds one payload at a time. The worker moves its own stdout to stderr
+with `shared(token)`; a worker holds one payload at a time. `WorkerPool.map` writes the payload's arrays once
+to a shared-memory file (`shared_payload`) and sends only where they are. The worker moves its own stdout to stderr
 first, so stray prints cannot corrupt the stream.
 
 `MOE_TUNE_WORKER_MEMORY_LIMIT` (bytes; unset by default): when set in the environment that starts a worker,
@@ -47,6 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
 from moe_tune import settings
+from moe_tune.tuner import shared_payload
 
 _HEADER = struct.Struct("<Q")
 _CRASHED = "crashed"  # a `map` thread's own failure (not a request's), raised in the caller
@@ -215,6 +217,7 @@ class WorkerPool:
         self._idle: queue.Queue[Worker] = queue.Queue()
         for _ in range(size):
             self._idle.put(Worker())
+        self._stored: tuple[str, shared_payload.Stored] | None = None  # the shared payload's file, by token
 
     def map(self, fn: str, requests: Iterable[tuple[Any, tuple]],
             on_result: Callable[[Any, str, Any], None], timeout: float | None = None,
@@ -228,6 +231,8 @@ class WorkerPool:
         feeds a worker, that worker would idle meanwhile). An exception from `on_result` (or an interrupt)
         stops the requests not yet started and is raised; those in flight finish in the background.
         """
+        if shared is not None:
+            shared = (shared[0], self._store(*shared))
         todo: queue.Queue = queue.Queue()
         count = 0
         for item in requests:
@@ -279,9 +284,25 @@ class WorkerPool:
         self._idle.put(worker)
         return status, value
 
+    def _store(self, token: str, payload: Any) -> Any:
+        """The file holding the payload of `token`, written once (the previous token's file is removed); the
+        payload itself (sent through the pipes) when no file can be written."""
+        if self._stored is None or self._stored[0] != token:
+            if self._stored is not None:
+                shared_payload.remove(self._stored[1])
+                self._stored = None
+            try:
+                self._stored = (token, shared_payload.store(payload))
+            except OSError:  # e.g. a full /dev/shm
+                return payload
+        return self._stored[1]
+
     def close(self) -> None:
         while not self._idle.empty():
             self._idle.get_nowait().close()
+        if self._stored is not None:
+            shared_payload.remove(self._stored[1])
+            self._stored = None
 
 
 _pools: dict[int, WorkerPool] = {}
@@ -344,11 +365,12 @@ def _serve() -> None:
             fn, args, share = _receive(protocol_in)
         except EOFError:
             return
-        if share is not None:
-            _shared.clear()  # one payload at a time: a new token means the previous one is done with
-            _shared[share[0]] = share[1]
         module, name = fn.split(":")
         try:
+            if share is not None:
+                _shared.clear()  # one payload at a time: a new token means the previous one is done with
+                payload = share[1]
+                _shared[share[0]] = shared_payload.load(payload) if isinstance(payload, shared_payload.Stored) else payload
             function = getattr(importlib.import_module(module), name)
             _send(_out, ("started", None))
             answer = ("done", function(*args))
