@@ -4,6 +4,10 @@ process; prints the wall time of the sweep and of each stage, the parallel-compi
 compilations per candidate.
 
     .venv/bin/python benchmarks/sweep_cpu.py [--candidates 64] [--workers 1,2] [--json OUT]
+        [--src old=DIR,new=DIR --repeat N]
+
+`--src`: variants of the tuner to compare, each a copy of `src/` (e.g. `git archive <commit> src | tar -x -C
+DIR`), run as `PYTHONPATH=DIR/src`, interleaved (old new old new ...) `--repeat` times.
 """
 
 from __future__ import annotations
@@ -25,6 +29,22 @@ class _Clock:
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
         self.values: dict[str, float] = {}
+        self.chunks: list = []  # per compile chunk: [start, end, [(request start, end), ...]]
+
+    def worker_idle(self, workers: int) -> dict[str, float]:
+        """Worker-seconds the compile chunks left idle: after a worker's last request of a chunk until the
+        chunk ended (the tail), and between its requests (the rest), from the requests as the pool ran them."""
+        tail = total = 0.0
+        for start, end, requests in self.chunks:
+            if end is None:
+                continue
+            busy = sum(b - a for a, b in requests)
+            total += workers * (end - start) - busy
+            # the chunk's requests end in order on `workers` workers: each worker's last one ends at one of
+            # the `workers` latest ends
+            ends = sorted(b for _, b in requests)[-workers:]
+            tail += sum(end - b for b in ends) + (workers - len(ends)) * (end - start)
+        return {"idle in the compile chunks (worker-s)": total, TAIL: tail}
 
     def wrap(self, owner, name: str, phase: str) -> None:
         inner = getattr(owner, name)
@@ -48,7 +68,7 @@ def _instrument(clock: _Clock) -> None:
 
     import jax
 
-    from moe_tune.tuner import compiling, finals, measure, record, state, timing
+    from moe_tune.tuner import compiling, finals, measure, record, state, timing, workers
 
     clock.wrap(state.SweepState, "prepare_inputs", "inputs and reference")
     clock.wrap(measure, "check_all", "check (main process)")
@@ -63,9 +83,30 @@ def _instrument(clock: _Clock) -> None:
     def take_result(cand, value):  # what the worker measured of itself
         clock.add("worker compile (sum over workers)", value.get("compile_s") or 0.0)
         clock.add("worker first run (sum over workers)", value.get("run_s") or 0.0)
+        clock.add("worker check (sum over workers)", value.get("check_s") or 0.0)
         return take(cand, value)
 
     compiling._take_result = take_result
+    chunk = compiling._compile_in_workers
+    run_one = workers.WorkerPool._run
+
+    def compile_chunk(*args, **kwargs):  # each chunk's wall and its requests' (start, end) on the workers
+        clock.chunks.append([time.perf_counter(), None, []])
+        try:
+            return chunk(*args, **kwargs)
+        finally:
+            clock.chunks[-1][1] = time.perf_counter()
+
+    def run_request(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run_one(self, *args, **kwargs)
+        finally:
+            if clock.chunks:
+                clock.chunks[-1][2].append((start, time.perf_counter()))
+
+    compiling._compile_in_workers = compile_chunk
+    workers.WorkerPool._run = run_request
     trace = jax.profiler.trace
 
     @contextlib.contextmanager
@@ -105,17 +146,23 @@ def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None
     first = [getattr(c, "first_timing", None) or c.timing for c in result.candidates if c.timing is not None]
     final = [c.timing for c in result.candidates if getattr(c, "first_timing", None) is not None]
     calls = {"batches": sum(t.samples for t in first), "final round": sum(t.samples for t in final)}
+    # what each candidate cost the batches' rounds: its samples, their seconds, its median, the samples
+    per_candidate = [[c.index, t.samples, sum(t.samples_s), t.median_s, list(t.samples_s)]
+                     for c in result.candidates if (t := getattr(c, "first_timing", None) or c.timing) is not None]
     # a child started by another script (targets_cpu.py) has no spawn time: its start-up is not counted
     start_up = {} if spawned is None else {"process start and imports (before the sweep)": imported - spawned}
-    phases = {**start_up, **clock.spent, **clock.values}
+    phases = {**start_up, **clock.spent, **clock.values, **clock.worker_idle(workers)}
     return {"workers": workers, "wall_s": ended - started, "stages_s": dict(stages), "phases_s": phases,
             "candidates": counts, "compiles_per_candidate": counts["compiles"] / counts["tried"],
             "main_process_compiles": backend_compiles(), "winner": result.entry.config,
-            "timed_calls": calls}
+            "timed_calls": calls, "per_candidate": per_candidate}
 
 
 def _load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+TAIL = "of it at the chunks' ends"
 
 
 def _print_phases(run: dict) -> None:
@@ -130,6 +177,7 @@ def _print_phases(run: dict) -> None:
         (f"compile stage: worker compiles (sum / {w} workers)", p.get("worker compile (sum over workers)", 0) / w),
         (f"compile stage: worker first runs, for the check (sum / {w})", p.get("worker first run (sum over workers)",
                                                                               0) / w),
+        (f"compile stage: worker checks (sum / {w})", p.get("worker check (sum over workers)", 0) / w),
         ("compile stage: load executables here", p.get("load executables (main process)", 0.0)),
         ("compile stage: check here", p.get("check (main process)", 0.0)),
         ("time stage + final round: profiler start", p.get("profiler start", 0.0)),
@@ -143,6 +191,20 @@ def _print_phases(run: dict) -> None:
     for name, seconds in rows:
         print(f"    {name:<62} {seconds:6.2f} s  {100 * seconds / total:5.1f}%")
     print(f"    {'(sweep wall time)':<62} {total:6.2f} s", flush=True)
+    worker_s = p.get("worker compile (sum over workers)", 0) + p.get("worker first run (sum over workers)", 0) + \
+        p.get("worker check (sum over workers)", 0)
+    print(f"    worker-seconds {worker_s:.2f}; main process in the compile stage (load + check) "
+          f"{p.get('load executables (main process)', 0) + p.get('check (main process)', 0):.2f} s; workers idle in "
+          f"the compile chunks {p.get('idle in the compile chunks (worker-s)', 0):.2f} worker-s, of it at the "
+          f"chunks' ends {p.get(TAIL, 0):.2f}")
+    per = run.get("per_candidate") or []
+    if per:
+        ranked = sorted(per, key=lambda r: r[3])
+        by_samples = {n: sum(1 for r in per if r[1] == n) for n in sorted({r[1] for r in per})}
+        top, rest = ranked[:4], ranked[4:]
+        print(f"    batch calls per candidate {by_samples}; seconds of calls: fastest 4 {sum(r[2] for r in top):.2f} s, "
+              f"the other {len(rest)} {sum(r[2] for r in rest):.2f} s (of them beyond their first call "
+              f"{sum(r[2] - r[2] / r[1] for r in rest):.2f} s)", flush=True)
 
 
 def main() -> int:
@@ -153,6 +215,8 @@ def main() -> int:
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--samples", type=int, default=SweepSettings.samples)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--src", default=None, help="NAME=DIR,...: tuner variants (copies of src/), interleaved")
+    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -162,23 +226,28 @@ def main() -> int:
     print(f"load before: {_load()}", flush=True)
 
     runs = []
-    for workers in (int(w) for w in args.workers.split(",")):
+    variants = [(None, None)] if args.src is None else [tuple(v.split("=", 1)) for v in args.src.split(",")]
+    plan = [(name, src, int(w)) for _ in range(args.repeat) for name, src in variants for w in args.workers.split(",")]
+    for name, src, workers in plan:
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": os.path.join(tmp, "cache"),
                    "MOE_TUNE_PROFILE_DIR": os.path.join(tmp, "profiles")}
+            if src is not None:
+                env["PYTHONPATH"] = os.path.join(os.path.abspath(src), "src")
             proc = subprocess.run([sys.executable, __file__, "--child", str(workers), "--candidates",
                                    str(args.candidates), "--samples", str(args.samples), "--spawned", str(time.time())],
                                   env=env, capture_output=True, text=True, check=True)
         run = json.loads(proc.stdout.strip().splitlines()[-1])
+        run["variant"] = name
         runs.append(run)
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stages_s"].items())
-        print(f"workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
+        print(f"{'' if name is None else name + ': '}workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
               f"{run['compiles_per_candidate']:.2f} XLA compiles per candidate, "
               f"{run['main_process_compiles']} in the main process; winner {run['winner']}; timed calls "
               f"{run['timed_calls']}", flush=True)
         _print_phases(run)
         run["load"] = _load()
-    if len(runs) > 1:
+    if len(runs) > 1 and args.src is None:
         base = runs[0]["stages_s"].get("compile", 0.0)
         for run in runs[1:]:
             ratio = base / run["stages_s"]["compile"] if run["stages_s"].get("compile") else float("nan")
