@@ -202,7 +202,8 @@ def _print_phases(run: dict) -> None:
         ranked = sorted(per, key=lambda r: r[3])
         by_samples = {n: sum(1 for r in per if r[1] == n) for n in sorted({r[1] for r in per})}
         top, rest = ranked[:4], ranked[4:]
-        print(f"    batch calls per candidate {by_samples}; seconds of calls: fastest 4 {sum(r[2] for r in top):.2f} s, "
+        print(f"    batch calls per candidate {by_samples}; seconds of calls: fastest 4 "
+              f"{sum(r[2] for r in top):.2f} s, "
               f"the other {len(rest)} {sum(r[2] for r in rest):.2f} s (of them beyond their first call "
               f"{sum(r[2] - r[2] / r[1] for r in rest):.2f} s)", flush=True)
 
@@ -241,7 +242,8 @@ def main() -> int:
         run["variant"] = name
         runs.append(run)
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in run["stages_s"].items())
-        print(f"{'' if name is None else name + ': '}workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
+        label = "" if name is None else f"{name}: "
+        print(f"{label}workers={workers}: {run['candidates']['tried']} candidates in {run['wall_s']:.1f} s ({stages}); "
               f"{run['compiles_per_candidate']:.2f} XLA compiles per candidate, "
               f"{run['main_process_compiles']} in the main process; winner {run['winner']}; timed calls "
               f"{run['timed_calls']}", flush=True)

@@ -7,10 +7,11 @@ What runs where:
   per-candidate timeout for both. The worker sends back the serialized executable and the output's relative
   error against the sweep's reference (`gate.Reference`), computed there; without a reference, the output
   itself as a NumPy array. The inputs and the reference go to each worker once per sweep (`shared_inputs`),
-  not with every request. `gate.check_all` then judges the candidate here by that error (or compares the
-  output with the reference), without running it in this process. (Sending the output back cost a copy
-  through the pipe and a comparison here per candidate, ~1.4 s of this process's time in a 64-candidate
-  sweep, on the cores the workers compile on: NOTES.md, issue 32, session 15.) The reason is isolation: a candidate that segfaults, aborts, hangs or runs out of memory
+  not with every request, through one shared-memory file (`shared_payload`). `gate.check_all` then judges
+  the candidate here by that error (or compares the output with the reference), without running it in this
+  process. (Sending the output back cost a copy through the pipe and a comparison here per candidate, ~1.6 s
+  of this process's time in a 64-candidate sweep, on the cores the workers compile on: NOTES.md, issue 32,
+  session 15.) The reason is isolation: a candidate that segfaults, aborts, hangs or runs out of memory
   when run takes down (or stalls) only its worker; it is recorded as failed at stage "run" with the reason
   -- "worker died (SIGABRT, signal 6) running the candidate", "worker hung: timed out after N s running the
   candidate", "out of memory: ..." (XLA's RESOURCE_EXHAUSTED, a MemoryError, or the worker SIGKILLed, which

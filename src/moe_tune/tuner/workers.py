@@ -370,7 +370,9 @@ def _serve() -> None:
             if share is not None:
                 _shared.clear()  # one payload at a time: a new token means the previous one is done with
                 payload = share[1]
-                _shared[share[0]] = shared_payload.load(payload) if isinstance(payload, shared_payload.Stored) else payload
+                if isinstance(payload, shared_payload.Stored):  # written to a file by `WorkerPool.map`
+                    payload = shared_payload.load(payload)
+                _shared[share[0]] = payload
             function = getattr(importlib.import_module(module), name)
             _send(_out, ("started", None))
             answer = ("done", function(*args))
