@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration
+from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration, update_slice
 
 CHUNKS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # The default chunk holds about this many bytes of rows: a few chunks fit in a core's L2 cache.
@@ -110,10 +110,12 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
             w = jax.lax.dynamic_slice_in_dim(weights, row0, chunk)[:, None]
             block = as_bits(load(block, dtype, jnp.float32, w.astype(jnp.float32)).astype(dtype))
         block = jnp.where(keep[:, None], block, jnp.zeros((), block.dtype))  # bits 0: +0.0
-        return jax.lax.dynamic_update_slice_in_dim(out, block, row0, axis=0)
+        return update_slice(out, from_bits(block, dtype), (row0, 0))
 
-    out = as_bits(jnp.zeros((rows, hidden), dtype))
-    return from_bits(jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, out), dtype)
+    # The output is carried in its own dtype (a bf16 one updated through its bits, in place): a uint16 carry
+    # needed a bitcast after the loop, an output-sized copy (52 ms of deepseek-v2-lite's bf16 prefill
+    # training step, benchmarks/NOTES.md session 15 (A)).
+    return jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, jnp.zeros((rows, hidden), dtype))
 
 
 def single_pass_gather(x, indices, start, end, weights) -> jax.Array:
