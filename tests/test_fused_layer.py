@@ -65,8 +65,11 @@ def test_fused_temp_memory_is_smaller_by_the_removed_buffers(dtype):
     """The compiled forward's temp memory (XLA's buffer assignment) drops by at least the two [tokens x top_k,
     hidden] buffers the fused kernels do not write: the gathered rows and the expert outputs. (The bf16
     dispatch's copy of its output that made the full-size bf16 layers miss this is checked on the kernel:
-    test_fused_moe.py, test_tiled_dispatch_temp_holds_no_second_output.)"""
-    tokens, hidden, top_k = 128, 256, 4
+    test_fused_moe.py, test_tiled_dispatch_temp_holds_no_second_output.) top_k is deepseek-v2-lite's: the fused
+    combine's float32 [tokens, hidden] accumulator is 2 / top_k of a bf16 [tokens x top_k, hidden] buffer, half
+    of one at top_k 4, which the margin no longer covers once the unfused bf16 dispatch gather lost its copy of
+    its output (session 15 (A); benchmarks/fused_memory_cpu.py checks the presets' shapes)."""
+    tokens, hidden, top_k = 128, 256, 6
     args = _layer(2, dtype, tokens=tokens, hidden=hidden, width=64)
     temp = {fused: jax.jit(lambda *a, fused=fused: moe_mlp(*a, top_k, fused=fused)).lower(*args).compile()
             .memory_analysis().temp_size_in_bytes for fused in (False, True)}

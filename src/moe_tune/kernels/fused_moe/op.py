@@ -218,7 +218,11 @@ def _gmm_combine_bwd(skip_zero_weights, call: _Call, residuals, dout):
     g = call.gather_gmm("bwd", dout, rows, rhs, group_sizes, group_offset, glu=None).astype(jnp.float32)
     dh = jnp.where(valid[:, None], g * w32[:, None], 0.0).astype(h.dtype)
     safe_h = jnp.where(valid[:, None], h.astype(jnp.float32), 0.0)  # rows outside may hold NaN
-    dweights = jnp.where(valid, jnp.einsum("rf,rf->r", safe_h, g), 0.0).astype(weights.dtype)
+    # the products masked, then summed per row: XLA CPU computes them in one pass over h and g in their dtype
+    # and sums them (one float32 [m, k] buffer). As a row dot (an einsum, or a sum of the unmasked product,
+    # which XLA rewrites into one) its operands were float32 copies of safe_h and g, two [m, k] buffers
+    # (deepseek-v2-lite bf16 prefill ep 4: temp 702 -> 636 MiB; benchmarks/NOTES.md session 15 (A)).
+    dweights = jnp.sum(jnp.where(valid[:, None], h.astype(jnp.float32) * g, 0.0), axis=1).astype(weights.dtype)
     drhs = _no_grad(rhs)
     if not _constant(rhs):  # the weighted d(out) rows gathered for it: the drhs kernel reads them
         dout_rows = _gather_rows(dout, rows, group_sizes, group_offset, groups=call.problem.groups,
