@@ -118,7 +118,7 @@ def run_case(preset, tokens: int, ep: int, dtype: str, samples: int, top: int, a
         noise = max(result["spread"].values())
         target = 1.1 if (mode == "fwd+bwd" and tokens >= PREFILL) else 1.0 / (1.0 + noise)
         result["target"], result["missed"] = target, speedup < target
-        if result["missed"] or (always and mode == "fwd+bwd"):
+        if result["missed"] or always:
             result["breakdown"] = breakdown(fns, inputs, top)
         case["modes"][mode] = result
         print(line(case, mode), flush=True)
@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--top", type=int, default=10, help="ops per breakdown")
-    parser.add_argument("--breakdown", action="store_true", help="a breakdown of every fwd+bwd case, not only "
+    parser.add_argument("--breakdown", action="store_true", help="a breakdown of every case, not only "
                         "of the misses")
     parser.add_argument("--json", default=None)
     parser.add_argument("--print", dest="saved", default=None)

@@ -7,12 +7,14 @@ each program's temp memory printed with its time.
 
     git show 06f4a9d:src/moe_tune/kernels/fused_moe/tiled.py > /tmp/old_fused_tiled.py
     flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/fused_dispatch_carry_cpu.py \\
-        /tmp/old_fused_tiled.py [--shapes tokens:top_k:hidden:width:experts,...] [--dtypes ...] [--samples 5]
+        /tmp/old_fused_tiled.py [--shapes tokens:top_k:hidden:width:experts,...] [--dtypes ...] [--samples 5] \\
+        [--config tm:tail] [--weights-per-tile rule|yes|no]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 
@@ -23,7 +25,7 @@ import numpy as np
 from moe_tune import distributions
 from moe_tune.bench import load_file_module, time_variants
 from moe_tune.kernels import get_op
-from moe_tune.kernels.fused_moe.tiled import TiledFusedMoe, tiled_gather_gmm
+from moe_tune.kernels.fused_moe.tiled import TiledFusedConfig, TiledFusedMoe, tiled_gather_gmm
 
 # qwen3-30b-a3b and deepseek-v2-lite's gate+up dispatch at prefill (4096 tokens) and decode (256), ep 1
 SHAPES = "4096:8:2048:768:128,4096:6:2048:1408:64,256:8:2048:768:128,256:6:2048:1408:64"
@@ -40,6 +42,10 @@ def main() -> None:
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--config", default=None, help="tm:tail for every variant (default: the backend's default "
+                        "for the problem)")
+    parser.add_argument("--weights-per-tile", default="rule", choices=("rule", "yes", "no"),
+                        help="the installed kernel's `weights_per_tile` (rule: its own choice)")
     args = parser.parse_args()
     olds = {("old" if i == 0 else f"old{i + 1}"): load_old(path) for i, path in enumerate(args.old)}
     uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -51,6 +57,10 @@ def main() -> None:
             problem = get_op("fused_moe").problem(tokens=tokens, top_k=top_k, k=hidden, n=2 * width,
                                                   groups=experts, glu="silu", dtype=dtype)
             config = TiledFusedMoe().default_config(problem)
+            if args.config:
+                config = TiledFusedConfig(*(int(v) for v in args.config.split(":")))
+            per_tile = {"rule": None, "yes": True, "no": False}[args.weights_per_tile]
+            new = functools.partial(tiled_gather_gmm, weights_per_tile=per_tile)
             rng = np.random.default_rng(0)
             normal = lambda shape, scale: jnp.asarray(rng.standard_normal(shape, np.float32) * scale, dtype)
             inputs = {"x": normal((tokens, hidden), 1.0), "rows": jnp.asarray(rng.integers(0, tokens, m), jnp.int32),
@@ -59,7 +69,7 @@ def main() -> None:
                       "sizes": jnp.asarray(distributions.group_sizes("balanced", m, experts, 0), jnp.int32)}
             variants = {name: (lambda a, fn=fn: fn(a["x"], a["rows"], a["w"], a["sizes"], tm=config.tm,
                                                      tail=config.tail, out_dtype=jnp.dtype(dtype), glu="silu"))
-                        for name, fn in [*olds.items(), ("new", tiled_gather_gmm)]}
+                        for name, fn in [*olds.items(), ("new", new)]}
             outs = {name: np.asarray(jax.jit(fn)(inputs).astype(jnp.float32)) for name, fn in variants.items()}
             # the same products, up to the dots' accumulation order (a column chunk's dot is narrower)
             scale = float(np.abs(outs["old"]).max())

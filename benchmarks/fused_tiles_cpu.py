@@ -7,7 +7,7 @@ tile does (benchmarks/results/fused_cpu_*: the dx kernel's [16, 2048] tail dots 
 
     PYTHONPATH=src flock /work/coord/bench.lock .venv/bin/python benchmarks/fused_tiles_cpu.py \
         [--preset qwen3-30b-a3b] [--tokens 4096] [--ep 1] [--dtype bfloat16] [--configs 256:16,256:64,...]
-        [--samples 3] [--json OUT]
+        [--samples 3] [--json OUT] [--direction fwd]
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ def main() -> None:
     parser.add_argument("--configs", default="256:16,256:64,256:128,128:32,128:64,64:64")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--direction", default="all", choices=("all", "fwd"),
+                        help="the calls of training (all) or of serving (fwd: the gated dispatch and the combine)")
     args = parser.parse_args()
     uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     result = {"load_before": uptime(), "args": vars(args), "calls": []}
     print(result["load_before"], flush=True)
     backend = TiledFusedMoe()
     cases = [c for c in fused_runs(get_preset(args.preset), args.tokens, ep=args.ep, dtype=args.dtype, quant={},
-                                   direction="all") if c.op == "fused_moe"]
+                                   direction=args.direction) if c.op == "fused_moe"]
     for case in cases:
         problem = case.problem
         inputs = {k: (jnp.asarray(v) if hasattr(v, "shape") else v)
@@ -63,10 +65,11 @@ def main() -> None:
         default = next(iter(configs))
         row = {"call": f"{case.role} {problem.direction}", "problem": problem.key_fields(), "default": default,
                "ms": {name: timings[name].median_s * 1e3 for name in configs},
-               "spread": {name: timings[name].spread for name in configs}}
+               "spread": {name: timings[name].spread for name in configs},
+               "min_ms": {name: timings[name].min_s * 1e3 for name in configs}}
         result["calls"].append(row)
         print(f"{row['call']:<22} " + "  ".join(
-            f"{name} {ms:8.1f} ms ({row['spread'][name]:.0%})" for name, ms in row["ms"].items()), flush=True)
+            f"{name} {ms:8.1f} ms ({row['spread'][name]:.0%}, min {row['min_ms'][name]:.1f})" for name, ms in row["ms"].items()), flush=True)
     result["load_after"] = uptime()
     print(result["load_after"])
     if args.json:

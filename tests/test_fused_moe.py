@@ -51,11 +51,14 @@ def test_the_tiled_default_is_one_for_the_sweep_and_for_the_layer_at_every_ep():
     from moe_tune.kernels.fused_moe.tiled import TiledFusedMoe
 
     backend, op = TiledFusedMoe(), get_op("fused_moe")
-    for ep in (1, 4):
-        swept = op.problem(tokens=4096, top_k=8, k=2048, n=1536, groups=128 // ep, ep=ep)
-        layer = FusedMoeProblem(tokens=4096, m=32768, k=2048, n=1536, groups=128 // ep, dtype="float32",
-                                stage="dispatch", total_groups=128 if ep > 1 else None)
-        assert backend.default_config(swept) == backend.default_config(layer) == TiledFusedConfig(tm=128, tail=32)
+    # prefill (256 rows a group): half a group; decode (deepseek-v2-lite, 24 rows a group): one tile a group
+    for tokens, top_k, experts, expected in ((4096, 8, 128, TiledFusedConfig(tm=128, tail=32)),
+                                             (256, 6, 64, TiledFusedConfig(tm=32, tail=32))):
+        for ep in (1, 4):
+            swept = op.problem(tokens=tokens, top_k=top_k, k=2048, n=1536, groups=experts // ep, ep=ep)
+            layer = FusedMoeProblem(tokens=tokens, m=tokens * top_k, k=2048, n=1536, groups=experts // ep,
+                                    dtype="float32", stage="dispatch", total_groups=experts if ep > 1 else None)
+            assert backend.default_config(swept) == backend.default_config(layer) == expected, (tokens, ep)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -121,3 +124,28 @@ def test_combine_backward_holds_one_float32_product_buffer():
     entry = hlo[hlo.index("\nENTRY"):]
     made = [line for line in entry.splitlines() if "=" in line and f"f32[{m},{k}]" in line.split("=")[1].split("(")[0]]
     assert len(made) == 1, made
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiled_dispatch_holds_one_weight_part_at_decode(dtype):
+    """Where an average group fits one tile (decode), the dispatch reads the gate and up weights of a group
+    one after the other, each right before its dot: its temp holds one part's [k, n] slice (the dot's
+    operand is a copy on XLA CPU), not both. (Read once per group, both were live across the group's tiles:
+    temp over 2 slices here, session 14 (F).) Outputs as with the weights read per group."""
+    from moe_tune.kernels.fused_moe.tiled import sequenced_weights, tiled_gather_gmm
+
+    tokens, top_k, k, n, groups, tm = 16, 2, 256, 256, 4, 16
+    assert sequenced_weights(tokens * top_k, groups, tm)
+    s = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    args = (s((tokens, k)), s((tokens * top_k,), "int32"), (s((groups, k, n)), s((groups, k, n))), s((groups,), "int32"))
+    run = lambda per_tile: jax.jit(lambda *a: tiled_gather_gmm(*a, tm=tm, tail=8, out_dtype=dtype, glu="silu",
+                                                                weights_per_tile=per_tile))
+    slice_bytes = k * n * jnp.dtype(dtype).itemsize
+    temp = run(None).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 1.5 * slice_bytes, (temp, slice_bytes)
+    rng = np.random.default_rng(0)
+    inputs = (jnp.asarray(rng.standard_normal((tokens, k)), dtype), jnp.asarray(rng.integers(0, tokens, tokens * top_k), jnp.int32),
+              tuple(jnp.asarray(rng.standard_normal((groups, k, n)) * k ** -0.5, dtype) for _ in range(2)),
+              jnp.asarray([5, 0, 17, 9], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(run(None)(*inputs).astype(jnp.float32)),
+                                  np.asarray(run(False)(*inputs).astype(jnp.float32)))

@@ -39,6 +39,9 @@ from moe_tune.quant import QArray, dequantize
 # within noise (benchmarks/NOTES.md, session 14 (B))
 TM = (16, 32, 64, 128, 192, 256, 384, 512)
 TAILS = (4, 8, 16, 32, 64)
+# Groups of at most this many rows on average (decode: qwen3-30b-a3b 16, deepseek-v2-lite 24 at 256 tokens)
+# get one tile each by default (`default_tm`).
+DECODE_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +59,35 @@ def _dot_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
+def _group_weight(part, g, step, compute) -> jax.Array:
+    """part[g] (one of `base.weight_parts`) in the dot's dtype, read in the loop iteration `step`: a QArray's
+    group dequantized (float32, then rounded once to `compute`)."""
+    if isinstance(part, QArray):
+        return dequantize(QArray(part.qvalue[g], part.scale[g])).astype(compute)
+    return load(as_bits(per_iteration(part, step))[g], part.dtype, compute)
+
+
 def _group_weights(rhs, g, compute) -> list[jax.Array]:
-    """The parts of rhs[g] (`base.weight_parts`) in the dot's dtype: a QArray's group dequantized (float32,
-    then rounded once to `compute`)."""
-    def one(part):
-        if isinstance(part, QArray):
-            return dequantize(QArray(part.qvalue[g], part.scale[g])).astype(compute)
-        return load(as_bits(per_iteration(part, g))[g], part.dtype, compute)
-    return [one(part) for part in weight_parts(rhs)]
+    """The parts of rhs[g] (`base.weight_parts`) in the dot's dtype."""
+    return [_group_weight(part, g, g, compute) for part in weight_parts(rhs)]
+
+
+def _sequenced_products(a, rhs, g, step, compute) -> list[jax.Array]:
+    """`_products(a, _group_weights(rhs, g, compute), False)`, each part's weights read (a copy on XLA CPU: a
+    dot's operand) only after the previous part's dot, so one part's [k, n_p] slice is live at a time and is
+    used by its dot right after it is made, instead of every part's slice held across the group's tiles.
+
+    The order is a data dependence: the next part's group index is min(g, groups - 1 + (v != v)) for v an
+    element of the previous dot's result, which is g for every v but which XLA cannot fold. (An optimization
+    barrier tying the next part to the previous result did not order them: XLA CPU split the barrier's tuple
+    and hoisted the weights' half out of the loop.)"""
+    results = []
+    for part in weight_parts(rhs):
+        if results:
+            v = results[-1][0, 0]
+            g = jnp.minimum(g, part.shape[0] - 1 + (v != v).astype(jnp.int32))
+        results.append(_dot(a, _group_weight(part, g, step, compute), False))
+    return results
 
 
 def _dot(a, w, transpose_rhs: bool) -> jax.Array:
@@ -113,7 +137,8 @@ def _tiles(starts, ends, g, tm: int, tail: int, m: int, tile_fn, carry, *, shift
 
 
 def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype, group_offset=None,
-                     glu: str | None = None, transpose_rhs: bool = False) -> jax.Array:
+                     glu: str | None = None, transpose_rhs: bool = False,
+                     weights_per_tile: bool | None = None) -> jax.Array:
     """`FusedMoeBackend.gather_gmm` (see there): x [tokens, c], rows int32 [m], rhs [groups, c, n] (transpose:
     [groups, n, c]) -> [m, n] ([m, n/2] with glu) in out_dtype.
 
@@ -133,11 +158,15 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     tm, tail = min(tm, m), min(tail, tm, m)
     starts, ends = group_bounds(group_sizes, m=m, groups=groups, group_offset=0 if group_offset is None else group_offset)
     compute = _dot_dtype(x.dtype)
+    if weights_per_tile is None:
+        weights_per_tile = sequenced_weights(m, group_sizes.shape[0], tm)
+    weights_per_tile = weights_per_tile and not transpose_rhs and len(weight_parts(rhs)) > 1
 
-    def products(ids, w, step) -> jax.Array:
-        """float32 [len(ids), out_n]: x[ids] times the weight parts w, with the activation."""
+    def products(ids, w, g, step) -> jax.Array:
+        """float32 [len(ids), out_n]: x[ids] times group g's weight parts (w, or read here when None), with the
+        activation."""
         xb = load(jnp.take(as_bits(per_iteration(x, step)), ids, axis=0, mode="clip"), x.dtype, compute)
-        h = _products(xb, w, transpose_rhs)
+        h = _sequenced_products(xb, rhs, g, step, compute) if w is None else _products(xb, w, transpose_rhs)
         if glu:
             return ACTIVATIONS[glu][0](h[0]) * h[1] if len(h) == 2 else apply(glu, h[0])
         return h[0] if len(h) == 1 else jnp.concatenate(h, axis=1)
@@ -147,14 +176,14 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
 
     def group(g, carry):
         out, block = carry
-        w = _group_weights(rhs, g, compute)
+        w = None if weights_per_tile else _group_weights(rhs, g, compute)
 
         def tile(row0, size, keep, t, out):
             ids = jax.lax.dynamic_slice_in_dim(rows, row0, size)
             if keep is None:
-                return update_slice(out, products(ids, w, t).astype(out_dtype), (row0, 0))
+                return update_slice(out, products(ids, w, g, t).astype(out_dtype), (row0, 0))
             # a row outside the group may hold any index (read row 0 instead) and its product may be NaN
-            block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, t), 0.0)
+            block = jnp.where(keep[:, None], products(jnp.where(keep, ids, 0), w, g, t), 0.0)
             return update_slice(out, block.astype(out_dtype), (row0, 0))
 
         out = _tiles(starts, ends, g, tm, tail, m, tile, out, shifted=False)
@@ -162,7 +191,7 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
 
         def last_rows(carry):
             out, block = carry
-            block = jnp.where(keep[:, None], products(jnp.where(keep, rows[first:], 0), w, g), block)
+            block = jnp.where(keep[:, None], products(jnp.where(keep, rows[first:], 0), w, g, g), block)
             return update_slice(out, block.astype(out_dtype), (first, 0)), block
 
         return jax.lax.cond(jnp.any(keep), last_rows, lambda carry: carry, (out, block))
@@ -206,15 +235,35 @@ def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm
     return acc.astype(out_dtype)
 
 
+def sequenced_weights(m: int, num_group_sizes: int, tm: int) -> bool:
+    """Whether the dispatch reads a group's gate and up weights per tile, one after the other
+    (`_sequenced_products`), rather than both once per group: where an average group fits one tile (decode),
+    so the reads are as many and only one part's slice is live."""
+    return m <= tm * num_group_sizes
+
+
 def default_tm(problem: FusedMoeProblem) -> int:
     """Half an average group's rows (on this shard) rounded down to a power of two, in [16, 256]: nearly every
     group runs a full tile. Tiles of a whole average group left the groups below it all in tails; measured
     at qwen3-30b-a3b prefill bf16 (256 rows a group), tm 128 / tail 32 beat tm 256 / tail 16 in each of the
     four fused calls by 5-15% (benchmarks/results/fused_tiles_cpu_2core_2026-11-25_session13).
+    Where an average group holds at most `DECODE_ROWS` rows (decode), a whole average group rounded up to a
+    power of two (at least 16) instead, with tails as large (`default_tail`): one tile for most groups, and so
+    the dispatch reads the gate and up weights per tile, one at a time (`sequenced_weights`).
     An average group is m over all the experts (`num_group_sizes`): the op's problem at run time knows the
     shard by its total groups, not by `ep` (which only the sweep's problem sets); both give one default."""
-    half = max(problem.m // problem.num_group_sizes // 2, 1)
+    average = max(problem.m // problem.num_group_sizes, 1)
+    if average <= DECODE_ROWS:
+        return max(16, min(1 << (average - 1).bit_length(), problem.m))
+    half = max(average // 2, 1)
     return max(16, min(256, 1 << (half.bit_length() - 1), problem.m))
+
+
+def default_tail(problem: FusedMoeProblem, tm: int) -> int:
+    """A quarter of the tile (at least 16, at most tm); the whole tile at decode (see `default_tm`)."""
+    if problem.m // problem.num_group_sizes <= DECODE_ROWS:
+        return tm
+    return min(max(16, tm // 4), tm)
 
 
 class TiledFusedMoe(FusedMoeBackend):
@@ -238,7 +287,7 @@ class TiledFusedMoe(FusedMoeBackend):
 
     def default_config(self, problem: FusedMoeProblem) -> TiledFusedConfig:
         tm = default_tm(problem)
-        return TiledFusedConfig(tm=tm, tail=min(max(16, tm // 4), tm))
+        return TiledFusedConfig(tm=tm, tail=default_tail(problem, tm))
 
     def candidate_values(self, problem: FusedMoeProblem):
         return {"tm": [t for t in TM if t <= max(problem.m, TM[0])], "tail": list(TAILS)}
