@@ -14,6 +14,8 @@ Both kernels loop over the local groups; each group's rows go through full `tm`-
 
 The weights are read per group (`rhs[g]`, transposed by the dot's dimension numbers for the backward
 directions, never copied transposed); a QArray's group is dequantized to the dot's dtype once per group.
+Where an average group fits one tile (decode, `sequenced_weights`), the dispatch reads them per tile instead,
+gate then up, so one part's slice is live at a time (`_sequenced_products`).
 bf16 inputs are read through their bits (`loop_dtypes`); the dispatch's bf16 output is written through its
 bits (`loop_dtypes.update_slice`).
 """
