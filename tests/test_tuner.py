@@ -102,8 +102,8 @@ def test_an_executable_that_fails_here_is_compiled_again_or_recorded(tmp_path, m
     real_compile_all = measure.compile_all
     compiled = {}  # candidate index -> how many times compile_all built it
 
-    def flaky_compile_all(kernel, cands, inputs, **kwargs):
-        real_compile_all(kernel, cands, inputs, **kwargs)
+    def flaky_compile_all(kernel, cands, inputs, *args, **kwargs):
+        real_compile_all(kernel, cands, inputs, *args, **kwargs)
         for c in cands:
             compiled[c.index] = compiled.get(c.index, 0) + 1
             # candidate 1 breaks once (its recompile works); candidate 2's recompile is broken too
@@ -131,7 +131,6 @@ def test_worker_outputs_are_checked_as_they_arrive(tmp_path, monkeypatch):
     real_check_all, held = measure.check_all, []
 
     def check_all(cands, *args, **kwargs):
-        assert all(c.output is None for c in cands)
         held.append(sum(c.worker_error is not None for c in cands))
         real_check_all(cands, *args, **kwargs)
         assert all(c.worker_error is None and c.error is not None for c in cands)

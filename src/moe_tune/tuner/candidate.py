@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner.timing import Timing
@@ -25,18 +24,11 @@ class Candidate:
     reason: str = ""
     error: float | None = None  # relative error vs the reference
     executable: Any = dataclasses.field(default=None, repr=False)
-    output: np.ndarray | None = dataclasses.field(default=None, repr=False)  # its run in a worker, to check
     worker_error: float | None = None  # its run in a worker, compared with the reference there (`gate`)
     compile_s: float | None = None
     compiles: int = 0  # XLA compilations spent on this candidate, wherever they ran
     timing: Timing | None = None
     first_timing: Timing | None = None  # a finalist's sweep-round timing, before the final round replaced it
-
-    @property
-    def ran_elsewhere(self) -> bool:
-        """Whether it ran in a compile worker, which sent back its output or its error: `gate.check_all`
-        judges it without running it here."""
-        return self.output is not None or self.worker_error is not None
 
     def fail(self, stage: str, reason: str) -> None:
         """Record a failure (or a wrong output, stage "check")."""

@@ -5,11 +5,10 @@ What runs where:
 * With workers (`workers > 1` on CPU and GPU), each candidate is compiled AND run once, on the sweep's
   real inputs, in a worker subprocess (`workers.py`, running `worker_side.compile_and_run`), under one
   per-candidate timeout for both. The worker sends back the serialized executable and the output's relative
-  error against the sweep's reference (`gate.Reference`), computed there; without a reference, the output
-  itself as a NumPy array. The inputs and the reference go to each worker once per sweep (`shared_inputs`),
-  not with every request, through one shared-memory file (`shared_payload`). `gate.check_all` then judges
-  the candidate here by that error (or compares the output with the reference), without running it in this
-  process. (Sending the output back cost a copy through the pipe and a comparison here per candidate, ~1.6 s
+  error against the sweep's reference (`gate.Reference`), computed there. The inputs and the reference go to
+  each worker once per sweep (`shared_inputs`), not with every request, through one shared-memory file
+  (`shared_payload`). `gate.check_all` then judges the candidate here by that error, without running it in
+  this process. (Sending the output back cost a copy through the pipe and a comparison here per candidate, ~1.6 s
   of this process's time in a 64-candidate sweep, on the cores the workers compile on: NOTES.md, issue 32,
   session 15.) The reason is isolation: a candidate that segfaults, aborts, hangs or runs out of memory
   when run takes down (or stalls) only its worker; it is recorded as failed at stage "run" with the reason
@@ -61,15 +60,15 @@ def start_workers(workers: int) -> None:
         workers_module.pool(workers)
 
 
-def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping[str, jax.Array], *,
-                workers: int, on_done: OnDone | None = None, timeout: float | None = None,
-                reference: Reference | None = None) -> None:
+def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping[str, jax.Array],
+                reference: Reference, *, workers: int, on_done: OnDone | None = None,
+                timeout: float | None = None) -> None:
     """Compile every candidate once, ahead of time; `on_done(candidate)` as each is done.
 
     With `workers > 1` on CPU, each candidate is compiled and run once in a worker process (JAX's
     compile does not run two at once in one process, and a candidate that crashes, hangs or runs out of
     memory must not take the sweep with it); it comes back serialized, with its relative error against
-    `reference` (`worker_error`), or without a reference its output, for `check_all`.
+    `reference` (`worker_error`) for `check_all`.
     A candidate whose compile and first run take longer than `timeout` seconds has its worker killed and
     is recorded as failed, as is one whose worker dies. Otherwise candidates compile here: one at a time,
     or on GPU on `workers` threads.
@@ -82,11 +81,10 @@ def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping
 
 
 def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs: Any, workers: int,
-                        on_done: OnDone | None, timeout: float | None, reference: Reference | None) -> None:
+                        on_done: OnDone | None, timeout: float | None, reference: Reference) -> None:
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
     token, host_inputs = shared_inputs(inputs)
-    if reference is not None:  # one payload per (inputs, reference): each worker gets it once per sweep
-        token = f"{token}.{reference.token}"
+    token = f"{token}.{reference.token}"  # one payload per (inputs, reference): each worker gets it once per sweep
     local: list[Candidate] = []  # ran fine in a worker but cannot travel: compiled here for timing
 
     def finish(cand: Candidate, status: str, value: Any) -> None:
@@ -116,13 +114,13 @@ def _take_result(cand: Candidate, value: dict[str, Any]) -> bool:
     if value["status"] != OK:
         cand.fail(value["stage"], value["reason"])
         return True
-    cand.output, cand.worker_error = value.get("output"), value.get("error")
+    cand.worker_error = value["error"]
     if value["executable"] is None:
         return False
     try:
         cand.executable = serialize_executable.deserialize_and_load(*value["executable"])
     except Exception as e:  # noqa: BLE001
-        cand.output = cand.worker_error = None
+        cand.worker_error = None
         cand.fail("compile", f"could not load the executable compiled in the worker: {short(e)}")
     return True
 

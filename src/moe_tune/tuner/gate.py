@@ -41,8 +41,8 @@ def check_all(
     on_done: Callable[[Candidate], None] | None = None,
 ) -> None:
     """Mark candidates off the reference as wrong. A candidate that ran in a compile worker (see
-    `compiling.compile_all`) is judged by the relative error computed there, or by the output it sent back
-    (checked here and dropped); one compiled in this process is run once here (also its warm-up)."""
+    `compiling.compile_all`) is judged by the relative error computed there; one compiled in this process is
+    run once here (also its warm-up)."""
     for cand in candidates:
         if cand.status != OK:
             continue
@@ -50,8 +50,6 @@ def check_all(
         try:
             if error is not None:
                 cand.worker_error = None
-            elif cand.output is not None:
-                out, cand.output = cand.output, None
             else:
                 out = np.asarray(jax.block_until_ready(cand.executable(inputs)))
         except Exception as e:  # noqa: BLE001

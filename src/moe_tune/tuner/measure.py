@@ -37,14 +37,12 @@ def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
 
     def compiled(cand: Candidate) -> None:
         reporter.advance("compile")
-        if cand.status == OK and cand.ran_elsewhere:
-            # checked as it arrives (an output sent back is never held with the chunk's others: a drhs
-            # output can be gigabytes)
+        if cand.status == OK and cand.worker_error is not None:  # judged in its worker: recorded as it arrives
             check_all([cand], state.inputs, state.reference, tolerance, on_done=checked)
 
     with state.clock("compile"):  # with workers this also runs and checks each candidate once
-        compile_all(state.kernel, chunk, state.inputs, workers=settings.workers, on_done=compiled,
-                    timeout=settings.compile_timeout_s, reference=state.reference)
+        compile_all(state.kernel, chunk, state.inputs, state.reference, workers=settings.workers,
+                    on_done=compiled, timeout=settings.compile_timeout_s)
     failed = [c for c in chunk if c.status != OK and c.index not in checked_ids]
     state.finished(failed)
     reporter.advance("check", len(failed))
@@ -106,7 +104,7 @@ def warm_up(state: SweepState, cands: list[Candidate], *, logged: bool = False) 
             jax.block_until_ready(c.executable(state.inputs))
         except Exception as first:  # noqa: BLE001 - recorded as the candidate's reason
             compiles = c.compiles
-            compile_all(state.kernel, [c], state.inputs, workers=1)
+            compile_all(state.kernel, [c], state.inputs, state.reference, workers=1)
             recompiled += c.compiles - compiles
             try:
                 if c.status != OK:
@@ -129,8 +127,8 @@ def recompile(state: SweepState, cands: list[Candidate]) -> Step:
     before = {c.index: (c.compiles, c.compile_s) for c in cands}
     for c in cands:
         c.compiles = 0
-    compile_all(state.kernel, cands, state.inputs, workers=settings.workers, timeout=settings.compile_timeout_s,
-                reference=state.reference)
+    compile_all(state.kernel, cands, state.inputs, state.reference, workers=settings.workers,
+                timeout=settings.compile_timeout_s)
     check_all([c for c in cands if c.status == OK], state.inputs, state.reference, state.plan.op.tolerance(problem))
     recompiled = 0
     for c in cands:

@@ -1,6 +1,6 @@
 """What a compile worker (`tuner/workers.py`) runs for one candidate: compile it, then run it once on the
 sweep's inputs, and send back the serialized executable and the output's relative error against the sweep's
-reference (or the output, when the sweep sent none). It runs in the worker process, so a
+reference. It runs in the worker process, so a
 candidate that crashes, hangs or runs out of memory there takes down only the worker.
 """
 
@@ -31,19 +31,18 @@ def _inputs_here(token: str) -> Any:
     return _inputs[token]
 
 
-def _reference_here(token: str) -> Reference | None:
-    """The sweep's reference (`gate.Reference`) shared with the inputs under `token`, or None."""
+def _reference_here(token: str) -> Reference:
+    """The sweep's reference (`gate.Reference`) shared with the inputs under `token`."""
     return workers.shared(token)[1]
 
 
 def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: Any, token: str) -> dict[str, Any]:
     """Compile candidate `index` for `shapes` (ShapeDtypeStructs of the inputs), then run it once on the
-    inputs shared under `token` (with the reference: `(host inputs, gate.Reference or None)`).
+    inputs shared under `token` (with the reference: `(host inputs, gate.Reference)`).
 
-    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "error" or "output", "run_s"}:
+    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "error", "run_s"}:
     status OK with the serialized executable (None when it cannot travel, e.g. a Python host callback;
-    "local_reason" says why) and the output's relative error against the reference (the output as a NumPy
-    array when there is no reference), or FAILED at stage "compile" or "run" with the reason. Once
+    "local_reason" says why) and the output's relative error against the reference, or FAILED at stage "compile" or "run" with the reason. Once
     compiled it reports progress ("compiled"), so that if running it kills or hangs this worker the caller
     knows the compile went through and the run did not.
     """
@@ -71,10 +70,7 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
     result["run_s"] = time.perf_counter() - start  # the first run, for the check (benchmarks/sweep_cpu.py)
     if result["status"] == OK:
         start = time.perf_counter()
-        reference = _reference_here(token)
-        if reference is None:
-            result["output"] = output
-        else:  # the comparison here: the output (the size of the reference) does not travel back
-            result["error"] = reference.error(output)
+        # the comparison here: the output (the size of the reference) does not travel back
+        result["error"] = _reference_here(token).error(output)
         result["check_s"] = time.perf_counter() - start
     return result

@@ -244,6 +244,11 @@ def sequenced_weights(m: int, num_group_sizes: int, tm: int) -> bool:
     return m <= tm * num_group_sizes
 
 
+def _average_group_rows(problem: FusedMoeProblem) -> int:
+    """Rows of an average group: m over all the experts (`num_group_sizes`), at least 1."""
+    return max(problem.m // problem.num_group_sizes, 1)
+
+
 def default_tm(problem: FusedMoeProblem) -> int:
     """Half an average group's rows (on this shard) rounded down to a power of two, in [16, 256]: nearly every
     group runs a full tile. Tiles of a whole average group left the groups below it all in tails; measured
@@ -254,7 +259,7 @@ def default_tm(problem: FusedMoeProblem) -> int:
     the dispatch reads the gate and up weights per tile, one at a time (`sequenced_weights`).
     An average group is m over all the experts (`num_group_sizes`): the op's problem at run time knows the
     shard by its total groups, not by `ep` (which only the sweep's problem sets); both give one default."""
-    average = max(problem.m // problem.num_group_sizes, 1)
+    average = _average_group_rows(problem)
     if average <= DECODE_ROWS:
         return max(16, min(1 << (average - 1).bit_length(), problem.m))
     half = max(average // 2, 1)
@@ -263,7 +268,7 @@ def default_tm(problem: FusedMoeProblem) -> int:
 
 def default_tail(problem: FusedMoeProblem, tm: int) -> int:
     """A quarter of the tile (at least 16, at most tm); the whole tile at decode (see `default_tm`)."""
-    if problem.m // problem.num_group_sizes <= DECODE_ROWS:
+    if _average_group_rows(problem) <= DECODE_ROWS:
         return tm
     return min(max(16, tm // 4), tm)
 
