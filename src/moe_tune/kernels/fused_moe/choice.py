@@ -25,6 +25,8 @@ from moe_tune.errors import UsageError
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.fused_moe.layer import can_fuse
+from moe_tune.kernels.fused_moe.layer_reference import (SEEDED_CHECKED, check_parts, check_size, check_vector,
+                                                          checked_experts, layer_reference, training_reference)
 from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
@@ -122,80 +124,27 @@ BACKENDS.register(LayerChoice())
 
 
 def layer_inputs(problem: FusionProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
-    """x, router logits and the shard's expert weights. The logits are random plus a per-expert bias of the
-    log of the named distribution's group sizes, so that the routing follows it roughly."""
+    """x, router logits and the shard's expert weights; for `bwd` also the loss's cotangent [tokens, hidden]
+    (in the layer's dtype) and the experts whose weight gradients are checked (`layer_reference`). The logits
+    are random plus a per-expert bias of the log of the named distribution's group sizes, so that the routing
+    follows it roughly."""
     rng = np.random.default_rng(seed)
     p, dtype = problem, jnp.dtype(problem.dtype)
     sizes = distributions.group_sizes(distribution, p.tokens * p.top_k, p.experts, seed)
     logits = rng.standard_normal((p.tokens, p.experts), np.float32) + np.log1p(sizes).astype(np.float32)
     normal = lambda *shape, fan_in: (rng.standard_normal(shape, np.float32) / np.sqrt(fan_in)).astype(dtype)
     local = p.local_experts
-    return {"x": normal(p.tokens, p.hidden, fan_in=1), "router_logits": logits,
-            "w_gate": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
-            "w_up": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
-            "w_down": normal(local, p.intermediate, p.hidden, fan_in=p.intermediate)}
-
-
-def _routed(problem: FusionProblem, inputs: Mapping[str, np.ndarray]
-            ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """(the inputs in float64, the router's softmax probabilities [tokens, experts], the top_k experts of each
-    token [tokens, top_k], highest first, ties to the lower index)."""
-    f64 = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
-    logits = f64["router_logits"]
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    return f64, probs, np.argsort(-probs, axis=1, kind="stable")[:, :problem.top_k]
-
-
-def layer_reference(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Float64 `moe_mlp` (softmax, top_k renormalized, SiLU-gated experts) of the shard's experts [0, experts/ep)."""
-    f64, probs, chosen = _routed(problem, inputs)
-    weights = np.take_along_axis(probs, chosen, axis=1)
-    weights /= weights.sum(axis=1, keepdims=True)
-    out = np.zeros((problem.tokens, problem.hidden))
-    for e in range(problem.local_experts):
-        t, j = np.nonzero(chosen == e)
-        if t.size:
-            x = f64["x"][t]
-            gate, up = x @ f64["w_gate"][e], x @ f64["w_up"][e]
-            out[t] += weights[t, j][:, None] * ((gate / (1 + np.exp(-gate)) * up) @ f64["w_down"][e])
-    return out
+    inputs = {"x": normal(p.tokens, p.hidden, fan_in=1), "router_logits": logits,
+              "w_gate": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
+              "w_up": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
+              "w_down": normal(local, p.intermediate, p.hidden, fan_in=p.intermediate)}
+    if p.direction == "bwd":
+        inputs["cotangent"] = normal(p.tokens, p.hidden, fan_in=1)
+        inputs["checked_experts"] = checked_experts(p, logits, rng)
+    return inputs
 
 
 LAYER_OPERANDS = ("x", "router_logits", "w_gate", "w_up", "w_down")
-
-
-def layer_reference_grads(problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """Float64 gradients of sum(`layer_reference`) in the `LAYER_OPERANDS` order: x, router logits (through
-    the softmax and the renormalized top_k weights; the choice of experts is constant), w_gate, w_up, w_down."""
-    f64, probs, chosen = _routed(problem, inputs)
-    picked = np.take_along_axis(probs, chosen, axis=1)
-    total = picked.sum(axis=1, keepdims=True)
-    weights = picked / total
-    grads = {name: np.zeros_like(f64[name]) for name in LAYER_OPERANDS}
-    dweights = np.zeros_like(weights)
-    for e in range(problem.local_experts):
-        t, j = np.nonzero(chosen == e)
-        if not t.size:
-            continue
-        x, w = f64["x"][t], weights[t, j][:, None]
-        gate, up = x @ f64["w_gate"][e], x @ f64["w_up"][e]
-        sig = 1 / (1 + np.exp(-gate))
-        act = gate * sig
-        h = act * up
-        dweights[t, j] = (h @ f64["w_down"][e]).sum(axis=1)  # d(sum of out) / d(top-k weight)
-        dout = np.broadcast_to(w, (t.size, problem.hidden))
-        grads["w_down"][e] = h.T @ dout
-        dh = dout @ f64["w_down"][e].T
-        dgate, dup = dh * up * sig * (1 + gate * (1 - sig)), dh * act
-        grads["w_gate"][e], grads["w_up"][e] = x.T @ dgate, x.T @ dup
-        np.add.at(grads["x"], t, dgate @ f64["w_gate"][e].T + dup @ f64["w_up"][e].T)
-    # weights = picked / total, picked = the chosen softmax probabilities
-    dpicked = dweights / total - (dweights * picked).sum(axis=1, keepdims=True) / total ** 2
-    dprobs = np.zeros_like(probs)
-    np.put_along_axis(dprobs, chosen, dpicked, axis=1)
-    grads["router_logits"] = probs * (dprobs - (dprobs * probs).sum(axis=1, keepdims=True))
-    return [grads[name] for name in LAYER_OPERANDS]
 
 
 class MoeFusionOp(KernelOp):
@@ -223,7 +172,7 @@ class MoeFusionOp(KernelOp):
 
     def reference(self, problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         if problem.direction == "bwd":
-            return np.concatenate([g.ravel() for g in layer_reference_grads(problem, inputs)])
+            return check_vector(check_parts(training_reference(problem, inputs)), np)
         return layer_reference(problem, inputs)
 
     def run(self, backend: Backend, config: KernelConfig, problem: FusionProblem,
@@ -235,21 +184,18 @@ class MoeFusionOp(KernelOp):
         operands = tuple(inputs[name] for name in LAYER_OPERANDS)
         if problem.direction == "fwd":
             return layer(*operands)
-        # the training step: loss = sum of the output; every gradient flattened into one checked array (f32)
-        loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))
-        grads = jax.grad(loss, argnums=tuple(range(len(operands))))(*operands)
-        return jnp.concatenate([g.astype(jnp.float32).ravel() for g in grads])
+        # the training step: every gradient of sum(out * cotangent) is computed; the checked part returned
+        # (`layer_reference`): dx, d(router logits), and the checked experts' weight gradients, taken by traced
+        # indices (an input), so that no weight gradient can be dropped as unused (tests/test_moe_fusion_check.py)
+        _, pullback = jax.vjp(layer, *operands)
+        dx, dlogits, *dw = pullback(inputs["cotangent"])
+        checked = [jnp.take(g, inputs["checked_experts"], axis=0) for g in dw]
+        return check_vector(check_parts([g.astype(jnp.float32) for g in (dx, dlogits, *checked)]), jnp)
 
     def memory_estimate(self, problem: FusionProblem) -> int:
-        """The weights and activations on the host and the device, their float64 copies for the reference,
-        and the layer's expert-ordered buffers."""
-        p, size = problem, jnp.dtype(problem.dtype).itemsize
-        weights = 3 * p.local_experts * p.hidden * p.intermediate
-        acts = p.tokens * (p.hidden + p.experts)
-        rows = p.tokens * p.top_k * (2 * p.hidden + 3 * p.intermediate)
-        if p.direction == "bwd":  # the gradients (and their float64 references) and the backward's row buffers
-            return (2 * size + 8) * 2 * (weights + acts) + 4 * 3 * rows
-        return (2 * size + 8) * (weights + acts) + 4 * rows
+        """What a sweep of `problem` holds at least, compiling in its own process (`--workers 1`):
+        `sweep_memory(problem, workers=1)`. Each compile worker adds its share (`memory_parts`)."""
+        return sweep_memory(problem, workers=1)
 
     def describe(self, problem: FusionProblem) -> str:
         p = problem
@@ -276,3 +222,51 @@ def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int
                             direction=direction)
     options = {} if distribution is None else {"distribution": distribution}
     return bool(MOE_FUSION.resolve_config(None, problem, **options).config.fused)
+
+
+# One Python process with JAX and moe_tune imported and its CPU client started (measured: ~215 MiB RSS).
+PROCESS_BYTES = 256 << 20
+
+
+def memory_parts(problem: FusionProblem) -> dict[str, int]:
+    """Bytes a `moe_fusion` sweep of `problem` holds, by holder (benchmarks/NOTES.md "Session 16 (B)" compares
+    `sweep_memory` with measured peaks):
+    - host: the inputs (`layer_inputs`);
+    - device: their copy that the candidates run on (`jax.device_put` copies on CPU too);
+    - reference: the float64 reference (fwd: the output; bwd: the check vector of `layer_reference`, which at
+      its peak, building the vector, holds about three of them);
+    - run: one candidate's outputs (bwd: every gradient, in the inputs' dtypes, and the check vector) and its
+      temp buffers (the expert-ordered rows: [tokens*top_k, 2 hidden + 3 intermediate] a pass, three passes
+      for a training step; cf. benchmarks/results/fused_memory_cpu_*);
+    - worker: what each compile worker process adds (`--workers` >= 2): its own device copy of the inputs, one
+      candidate's run, and the process itself (the shared file is mapped, not copied);
+    - shared: with workers, the inputs and the reference written once to a shared-memory file
+      (`tuner/shared_payload.py`);
+    - process: the sweep's own Python process with JAX."""
+    p, size = problem, jnp.dtype(problem.dtype).itemsize
+    weights = 3 * p.local_experts * p.hidden * p.intermediate
+    host = size * (weights + p.tokens * p.hidden) + 4 * p.tokens * p.experts
+    passes = 3 if p.direction == "bwd" else 1
+    temp = passes * size * p.tokens * p.top_k * (2 * p.hidden + 3 * p.intermediate)
+    if p.direction == "bwd":
+        host += size * p.tokens * p.hidden + 4 * min(2 + SEEDED_CHECKED, p.local_experts)  # cotangent, experts
+        reference = 8 * check_size(p)
+        run = host - size * p.tokens * p.hidden + 4 * check_size(p) + temp  # the gradients: no cotangent's
+    else:
+        reference = 8 * p.tokens * p.hidden
+        run = size * p.tokens * p.hidden + temp
+    return {"host": host, "device": host, "reference": reference, "run": run,
+            "worker": host + run + PROCESS_BYTES, "shared": host + reference, "process": PROCESS_BYTES}
+
+
+def sweep_memory(problem: FusionProblem, workers: int) -> int:
+    """Peak bytes of a sweep with `workers` compile workers (1: none, compiled in the sweep's process), the
+    larger of: building the reference (the host inputs, the reference's working set) and running the
+    candidates (host inputs, their device copy, the reference, one candidate's run, and with workers the
+    shared file and every worker's share: the workers keep their device copies while the sweep times)."""
+    m = memory_parts(problem)
+    building = m["process"] + m["host"] + (3 if problem.direction == "bwd" else 1) * m["reference"]
+    running = m["process"] + m["host"] + m["device"] + m["reference"] + m["run"]
+    if workers > 1:
+        running += m["shared"] + workers * m["worker"]
+    return max(building, running)
