@@ -14,13 +14,16 @@ shape, m=2048 k=2048 n=768 groups=16, among them), and what it ends with.
 3. Then every config either run measured, and the grid's winner, are compiled once and timed side by side,
    interleaved in the same trace rounds (`bench.time_variants`): the reference that load drifting between
    runs cannot bias. "Good" = within 1.05x of the fastest of them (the grid winner included).
-4. Per run: the candidates and wall time until its first good config was measured (each candidate's finish
-   is when its line reached the sweep log), the whole run's candidates and wall time (a sweep returns its
-   config only at its end: this is the cost to a good config when its winner is good), and its winner's
-   side-by-side time over the grid winner's (1.00 = as good as the full grid). The cold grid's candidates
-   and wall time are its own run's (step 1; with --grids an earlier run's, under that run's load).
+4. Per run: (a) the whole run's candidates and wall time (a sweep returns its config only at its end: this is
+   the cost to a good config when its winner is good); (b) the candidates and wall time until its first
+   good config was measured (each candidate's finish is when its line reached the sweep log); its winner's
+   side-by-side time over the fastest's and the grid winner's (1.00 = as good as the full grid). The cold
+   grid's candidates and wall time are its own run's (step 1; with --grids an earlier run's, under that run's load).
 
-Printed: per count and the median over counts, warm / cold ratios. Nothing is asserted (a shared machine).
+Printed: per count, warm / cold ratios, and over the counts their median and worst: (a) whole sweeps, (b) to
+the first good config over the counts where the default is not good already (where it is, both runs reach a
+good config with their first candidate, the default: how many such counts is printed), and the winners over
+the fastest side by side. Nothing is asserted (a shared machine).
 """
 
 from __future__ import annotations
@@ -163,7 +166,10 @@ def main() -> int:
             n, at = _reach(finishes[how], good)
             run.update(reach_candidates=n, reach_s=at, winner_vs_grid_winner=side[run["winner"]] / side[grid_winner],
                        winner_vs_best=side[run["winner"]] / best)
-        row = {"m": m, "grid_tried": grids[m]["tried"], "grid_wall_s": grids[m]["wall_s"], "grid_winner": grid_winner,
+        default_label = _label(plan.space[0].to_dict())
+        row = {"m": m, "default": default_label,
+               "default_good": default_label in good, "default_vs_best": side.get(default_label, float("nan")) / best,
+               "grid_tried": grids[m]["tried"], "grid_wall_s": grids[m]["wall_s"], "grid_winner": grid_winner,
                "grid_winner_vs_best_side_by_side": side[grid_winner] / best, "compared": len(side),
                "good_configs": len(good), "side_by_side_s": side, "seeds": [c.label() for c in start.seeds],
                "seed_sources": list(start.sources), "coordinate": runs, "load": load()}
@@ -184,11 +190,35 @@ def main() -> int:
                   f"{k} {v:.1f}" for k, v in runs[how]["stage_s"].items()) for how in ("warm", "cold")),
               flush=True)
 
-    def ratio(get) -> list[float]:
-        return [get(r, "warm") / get(r, "cold") for r in rows if get(r, "warm") and get(r, "cold")]
+    def ratio(get, among=None) -> list[float]:
+        chosen = rows if among is None else [r for r in rows if among(r)]
+        return [get(r, "warm") / get(r, "cold") for r in chosen if get(r, "warm") and get(r, "cold")]
 
     grid_ratio = lambda name, of: [r["coordinate"]["warm"][name] / r[of] for r in rows]
-    summary = {
+    not_default = lambda r: not r["default_good"]
+    # (a) the whole sweep (a sweep returns its config only at its end), (b) to the first good config, over the
+    # cases where the default is not good already (where it is, both reach it with their first candidate)
+    costs = {
+        "(a) sweep candidates warm/cold": ratio(lambda r, k: r["coordinate"][k]["tried"]),
+        "(a) sweep wall warm/cold": ratio(lambda r, k: r["coordinate"][k]["wall_s"]),
+        "(b) reach candidates warm/cold, default not good": ratio(
+            lambda r, k: r["coordinate"][k]["reach_candidates"], not_default),
+        "(b) reach wall warm/cold, default not good": ratio(lambda r, k: r["coordinate"][k]["reach_s"], not_default),
+        "(b) reach wall warm/cold, all cases": ratio(lambda r, k: r["coordinate"][k]["reach_s"]),
+    }
+    never = {how: [r["m"] for r in rows if r["coordinate"][how]["reach_candidates"] is None] for how in ("warm", "cold")}
+    print(f"\ndefault within {GOOD}x of the fastest at {sum(r['default_good'] for r in rows)} of {len(rows)} counts "
+          f"(there (b) is candidate 1 for both); never reached a good config: warm at {never['warm'] or 'none'}, "
+          f"cold at {never['cold'] or 'none'}")
+    for name, values in costs.items():
+        shown = ", ".join(f"{v:.2f}" for v in values)
+        print(f"  {name:<50} {shown}  (median {statistics.median(values):.2f}, worst {max(values):.2f})"
+              if values else f"  {name:<50} no case")
+    for how in ("warm", "cold"):
+        values = [r["coordinate"][how]["winner_vs_best"] for r in rows]
+        print(f"  quality: {how} winner over the fastest side by side {', '.join(f'{v:.3f}' for v in values)} "
+              f"(median {statistics.median(values):.3f}, worst {max(values):.3f})")
+    summary = {**costs, "default_good_counts": [r["m"] for r in rows if r["default_good"]], "never_reached": never,
         "warm_over_cold_grid_candidates": grid_ratio("tried", "grid_tried"),
         "warm_over_cold_grid_wall_s (grid wall from its own run)": grid_ratio("wall_s", "grid_wall_s"),
         "reach_candidates_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["reach_candidates"]),

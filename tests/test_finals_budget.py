@@ -152,3 +152,26 @@ def test_the_final_round_picks_by_paired_gain(monkeypatch):
     final[1] = final[2] = final[0]
     winner, verdict, _ = finals.final_round(settings, [default, a, b], default, {}, "cpu", Reporter())
     assert winner is default and verdict.rule == DEFAULT_FASTEST
+
+
+def test_finalists_timed_in_one_batch_keep_its_rounds_as_the_first_final_rounds(monkeypatch):
+    """Session 16: the default and a seed timed in the same batch rounds (a warm sweep's first round): the final
+    round times only the rounds still missing and decides paired over all of them; finalists of different
+    batches (or restored from the log: no batch) get the whole final round."""
+    asked = []
+
+    def fake(calls, *, samples, **kw):
+        asked.append(samples)
+        return {i: _summarize([t] * samples, "trace", [t]) for i, t in ((0, 1.2), (1, 1.0)) if i in calls}, None
+
+    monkeypatch.setattr(finals, "time_candidates", fake)
+    settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0)
+    for batches, reused in (((0, 0), True), ((0, 1), False), ((None, None), False)):
+        default, seed = _cand(0, [1.2, 2.4, 1.2], default=True), _cand(1, [1.0, 2.0, 1.0])
+        default.batch, seed.batch = batches
+        winner, verdict, _ = finals.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
+        assert asked.pop() == (finals.final_samples(settings) - 3 if reused else finals.final_samples(settings))
+        assert winner is seed and verdict.rule == BEAT_DEFAULT and verdict.paired_gain == pytest.approx(0.2)
+        assert {f["samples"] for f in verdict.finalists} == {finals.final_samples(settings)}
+        assert seed.first_timing.samples_s == (1.0, 2.0, 1.0)  # the sweep round, as recorded before
+        assert (seed.timing.samples_s[:3] == (1.0, 2.0, 1.0)) == reused

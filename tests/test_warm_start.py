@@ -15,6 +15,8 @@ from moe_tune.profiles import evidence, key_fields, write_entries
 from moe_tune.profiles.key import key_from_fields
 from moe_tune.tuner import SweepRequest, run_sweep, warm_start
 from moe_tune.tuner import strategies as S
+from moe_tune.tuner.candidate import Candidate, same_rounds
+from moe_tune.tuner.timing import _summarize
 from test_strategies import BIG, SPACE, TILED, _run, bowl
 
 OPTIMUM = {"tm": 256, "tk": 2048, "tn": 512, "tail": 32}
@@ -169,3 +171,61 @@ def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
                                        **quick))
     assert cold.entry.search["start"] == "cold start (--cold)" and cold.entry.search["seeds"] == []
     assert not cold.entry.search["local"] and "warm" not in evidence.budget_text(cold.entry.search, 2)
+
+
+def _kept(problem, config, default):
+    """A tuned entry whose default was `default` (kept when it is the winner `config`)."""
+    return {**_entry(problem, config), "default": {"config": default, "status": "ok"}}
+
+
+def test_neighbours_that_all_kept_their_defaults_seed_the_nearest_one_only(isolated_profiles):
+    """Session 16: every tuned neighbour's winner was its own default (the heuristic held there): one seed,
+    the nearest; one neighbour that beat its default: every seed, as before."""
+    m = lambda m: RaggedDotProblem(m=m, k=2048, n=768, groups=16)
+    here = key_fields(BIG, "tiled", "balanced")
+    table = isolated_profiles / "cpu" / "ragged_dot.json"
+    held = [_kept(m(4096), OPTIMUM, OPTIMUM), _kept(m(512), {**OPTIMUM, "tm": 64}, {**OPTIMUM, "tm": 64})]
+    write_entries(table, "ragged_dot", "cpu", held)
+    found = warm_start.find("ragged_dot", "cpu", here, key_from_fields("ragged_dot", here), SPACE)
+    assert found.defaults_held and len(found.sources) == 2
+    assert found.seeds == (TILED.config_cls(**OPTIMUM),)  # m=4096's, the nearest
+    assert found.describe().endswith("(each kept its default: the nearest seed only)")
+    beat = _kept(m(8192), {**OPTIMUM, "tm": 128}, OPTIMUM)  # beat its default
+    write_entries(table, "ragged_dot", "cpu", [*held, beat])
+    found = warm_start.find("ragged_dot", "cpu", here, key_from_fields("ragged_dot", here), SPACE)
+    assert not found.defaults_held and len(found.seeds) == 3
+    assert not warm_start.kept_default(_entry(m(4096), OPTIMUM))  # no default recorded: not known to be kept
+
+
+def test_one_seed_that_does_not_beat_the_default_ends_the_search_at_two_candidates():
+    seed = TILED.config_cls(**OPTIMUM)
+    for name in ("coordinate", "grid"):
+        strategy = S.make(name, SPACE, backend=TILED, problem=BIG, seeds=[seed])
+        rounds, measured = _run(strategy, lambda c: 1.0 if c == SPACE[0] else 1.0 / (1 + S.NOISE / 2))
+        assert rounds == [[SPACE[0], seed]] and strategy.stopped == "converged"  # within noise: no descent
+        strategy = S.make(name, SPACE, backend=TILED, problem=BIG, seeds=[seed])
+        rounds, measured = _run(strategy, lambda c: 1.0 if c == SPACE[0] else 0.5)
+        assert len(rounds) > 1 and len(measured) > 2  # it beat the default: a descent from it
+
+
+def test_a_move_within_one_batch_is_judged_round_by_round():
+    """The default and the seed timed in the same rounds: the seed's median is 7% lower (two rounds where it
+    ran faster), but it is slower in three of five rounds: no move. Apart (two batches): the medians say move."""
+    seed = TILED.config_cls(**OPTIMUM)
+    load = [1.0, 2.0, 1.0, 2.0, 1.0]
+    rounds = {SPACE[0]: [1.0 * x for x in load[:2]] + [1.05, 1.9, 1.1], seed: [1.02 * x for x in load[:2]] + [0.95, 0.97, 1.12]}
+
+    def measured(batches):
+        out = {}
+        for (config, samples), batch in zip(rounds.items(), batches):
+            out[config] = Candidate(len(out), config, is_default=config == SPACE[0],
+                                    timing=_summarize(samples, "trace", samples), batch=batch)
+        return out
+
+    together, apart = measured([0, 0]), measured([0, 1])
+    assert same_rounds(list(together.values())) and not same_rounds(list(apart.values()))
+    assert S.speedup(together[SPACE[0]], together[seed]) < 1 < S.speedup(apart[SPACE[0]], apart[seed])
+    for got, moves in ((together, False), (apart, True)):
+        strategy = S.make("coordinate", SPACE, backend=TILED, problem=BIG, seeds=[seed])
+        strategy.next_round({})
+        assert bool(strategy.next_round(got)) == moves

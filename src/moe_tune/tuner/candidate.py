@@ -29,6 +29,9 @@ class Candidate:
     compiles: int = 0  # XLA compilations spent on this candidate, wherever they ran
     timing: Timing | None = None
     first_timing: Timing | None = None  # a finalist's sweep-round timing, before the final round replaced it
+    # the timing batch (of this process) whose rounds its samples are, one per round: candidates of one batch
+    # with all its rounds are paired round by round (`tuner.finals`); None when restored from the log
+    batch: int | None = None
 
     def fail(self, stage: str, reason: str) -> None:
         """Record a failure (or a wrong output, stage "check")."""
@@ -61,6 +64,15 @@ class Candidate:
         return {"config": self.config.to_dict(), "is_default": self.is_default, "median_s": final.median_s,
                 "spread": final.spread, "min_s": final.min_s, "max_s": final.max_s, "samples": final.samples,
                 "first_median_s": first.median_s, "first_spread": first.spread}
+
+
+def same_rounds(cands: list[Candidate] | tuple[Candidate, ...]) -> bool:
+    """Whether `cands` were timed in the same rounds, one sample each per round: all in one timing batch of
+    this process with as many samples each (a batch stops timing a candidate for good, so k samples are its
+    first k rounds), by the same clock."""
+    timed = [c.timing for c in cands if c.batch is not None and c.timing is not None]
+    return len(timed) == len(cands) > 0 and len({c.batch for c in cands}) == 1 and len(
+        {(t.samples, len(t.samples_s), t.method) for t in timed}) == 1
 
 
 def short(exc: BaseException) -> str:

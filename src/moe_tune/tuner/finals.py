@@ -9,7 +9,10 @@ call each per round, and compares each with the default PAIRED (`profiles.verdic
 default's time over the finalist's, so that load both calls of a round share cancels. The finalist with the
 largest median per-round gain is the best; a gain no more than the noise (twice the ratios' relative median
 absolute deviation, narrowed as a median's standard error for more than 6 rounds) is not a win: the default
-is kept. Comparing two medians, each with its own MAD, kept the default against a 1.6x faster finalist under
+is kept. When every finalist was timed in one batch of this sweep with all its rounds (`candidate.same_rounds`:
+a warm sweep's first round of the default and one or two seeds, or a last batch that holds them all), those
+rounds are the final round's first ones: the final round times only the rounds still missing (issue 32,
+session 16). Comparing two medians, each with its own MAD, kept the default against a 1.6x faster finalist under
 load ("within noise +-68%", NOTES.md issue 32 session 14 (D)). A sweep
 that cannot apply the rule (interrupted before its final round) keeps the default too, and says `unverified`
 and why. The outcome is a `Verdict`
@@ -27,12 +30,12 @@ from moe_tune.profiles.verdict import (
     noise_threshold, paired, too_few_samples,
 )
 from moe_tune.tuner import measure
-from moe_tune.tuner.candidate import OK, Candidate
+from moe_tune.tuner.candidate import OK, Candidate, same_rounds
 from moe_tune.tuner.result import Reporter, SweepError
 from moe_tune.tuner.sweep_settings import SweepSettings
 from moe_tune.tuner.state import SweepState
 from moe_tune.tuner.step import Step
-from moe_tune.tuner.timing import time_candidates
+from moe_tune.tuner.timing import Timing, _summarize, time_candidates
 
 # The most samples a finalist gets from the time budget (`final_samples`): 40 rounds of the profiler cost
 # ~20 ms here; the noise threshold stops narrowing at 24 (verdict.MIN_NOISE_SCALE), more steady the medians.
@@ -117,16 +120,25 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
     if len(chosen) < 2:
         return chosen[0], Verdict(ONLY_CANDIDATE), None
     samples = final_samples(settings, max(c.timing.median_s for c in chosen))
-    reporter.stage("finalists", samples)
+    reuse = same_rounds(chosen)  # their batch's rounds are the final round's first ones
+    have = chosen[0].timing.samples if reuse else 0
+    reporter.stage("finalists", samples - have)
     final, fallback = time_candidates(
         {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
-        samples=samples, platform=platform, seed=settings.seed + 1,
+        samples=max(1, samples - have), platform=platform, seed=settings.seed + 1,
         on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
     )
+    reuse = reuse and len({final[c.index].method for c in chosen} | {chosen[0].timing.method}) == 1  # one clock
     for c in chosen:
-        c.first_timing, c.timing = c.timing, final[c.index]
+        c.first_timing, c.timing = c.timing, joined(c.timing, final[c.index]) if reuse else final[c.index]
     winner, verdict = decide(paired_best(chosen, default), default, chosen, pair=True)
     return winner, verdict, fallback
+
+
+def joined(first: Timing, then: Timing) -> Timing:
+    """One timing of `first`'s rounds followed by `then`'s (the same candidates, paired round by round); its
+    wall-clock median is `then`'s (the wall samples of `first` are not kept)."""
+    return _summarize([*first.samples_s, *then.samples_s], then.method, [then.wall_median_s])
 
 
 def run_finals(state: SweepState) -> Generator[Step, None, tuple[Candidate, Verdict]]:

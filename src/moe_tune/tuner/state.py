@@ -88,6 +88,9 @@ class SweepState:
         if not cands:
             return
         self.log.append([candidate_line(c, batch, recompiled) for c in cands])
+        if batch is not None:
+            for c in cands:
+                c.batch = batch
         if not recompiled:
             for c in cands:
                 self.add(c)

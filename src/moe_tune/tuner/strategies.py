@@ -20,11 +20,14 @@ results, so a resumed sweep, whose results come from its log, replays the same p
   tunable, as a ladder implies: m/2 won tm=32 and 2m won tm=128, so tm=64 is tried), timed side by side; then
   coordinate descent from the best of them along the OPEN tunables only (`open_tunables`: those on which the
   default and the seeds do not all agree; never empty, a seed differs from the default), moving only to a
-  neighbour faster by more than `NOISE` (a smaller gain is within the run-to-run noise of a 3-sample median,
+  neighbour faster by more than `NOISE` (`speedup`: paired round by round when the two ran in the same
+  rounds; a smaller gain is within the run-to-run noise of a 3-sample median,
   and chasing it walks the space). A tunable that the default and every tuned neighbour's winner agree on is
   not walked: walking every tunable made the warm descent's confirming round cost as much as a cold round
-  (NOTES 11). The default stays the first candidate, and a warm search measures at least the default and one
-  seed (no seed: the cold walk).
+  (NOTES 11). With ONE seed (the neighbours agree, or all kept their defaults: `warm_start`) the descent
+  starts only when the seed beat the default past `NOISE` in the first round: otherwise the evidence and the
+  measurement agree on the default, and the search stops at two candidates. The default stays the first
+  candidate, and a warm search measures at least the default and one seed (no seed: the cold walk).
 
 The sweep itself stops asking for rounds when its time budget is spent.
 """
@@ -33,12 +36,14 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import Backend, KernelConfig
-from moe_tune.tuner.candidate import OK, Candidate
+from moe_tune.profiles.verdict import paired_ratios
+from moe_tune.tuner.candidate import OK, Candidate, same_rounds
 
 
 NOISE = 0.03  # the warm local search moves to a neighbour only when it is this much faster than the best
@@ -71,6 +76,14 @@ def open_tunables(default: KernelConfig, seeds: Sequence[KernelConfig]) -> set[s
     """The tunables a warm descent walks: those on which `default` and `seeds` do not all agree."""
     here = default.to_dict()
     return {f for f, v in here.items() if any(getattr(c, f) != v for c in seeds)}
+
+
+def speedup(here: Candidate, other: Candidate) -> float:
+    """`here`'s time over `other`'s: the median per-round ratio when both were timed in the same rounds
+    (`candidate.same_rounds`: load both calls of a round share cancels), else the ratio of their medians."""
+    if same_rounds([here, other]):
+        return statistics.median(paired_ratios(here.timing.samples_s, other.timing.samples_s))
+    return here.timing.median_s / other.timing.median_s
 
 
 def _positive(value: Any) -> bool:
@@ -214,9 +227,11 @@ class CoordinateDescent(Strategy):
             return self._cap([c for c in self.space if c not in measured][:8], measured, "exhausted")
         fastest = min(ok, key=lambda c: c.timing.median_s)
         best = fastest.config
+        if self.local and self.current is None and len(self.seeds) == 1 and any(
+                c.config == self.default for c in ok):
+            self.current = self.default  # one seed: it must beat the default past the noise to be descended from
         if self.local and self.current is not None and best != self.current:
-            here = measured[self.current].timing.median_s  # moving needs a gain beyond the noise
-            if fastest.timing.median_s > here * (1 - NOISE):
+            if speedup(measured[self.current], fastest) < 1 / (1 - NOISE):  # moving needs a gain beyond the noise
                 best = self.current
         self.path.append(best)
         if best == self.current:

@@ -10,6 +10,13 @@ right after the default (`strategies.Strategy`'s `seeds`); `grid` and `coordinat
 search (the seeds, the configs between them, and a descent from the best; `WarmStart.local`) instead of
 walking the whole space.
 
+When every source kept its own default (its winner is its default: the heuristic held at each tuned
+neighbour, `WarmStart.defaults_held`), their winners are evidence for the heuristic, not for those configs:
+the seeds are cut to the nearest one (`find`), and with one seed the warm search stops after its first round
+unless the seed beat the default there past the noise (`strategies.CoordinateDescent`). On the strategies
+ladder every neighbour kept its default and the two seeds (the neighbours' own defaults) never won (NOTES.md
+issue 32, session 16).
+
 The seeds depend on the tables when the sweep starts; a resumed sweep restores every candidate its log holds
 whatever order they are proposed in. `--cold` (`SweepSettings.cold`) turns it off.
 """
@@ -38,9 +45,15 @@ class WarmStart:
     """The seeds (configs of the space, nearest source first, the default left out) and where they came from."""
 
     seeds: tuple[KernelConfig, ...] = ()
-    sources: tuple[dict[str, Any], ...] = ()  # {"key", "distance", "config" (the winner), "seed" (its label)}
+    # {"key", "distance", "config" (the winner), "seed" (its label), "kept_default" (its winner was its default)}
+    sources: tuple[dict[str, Any], ...] = ()
     cold: bool = False  # turned off (`--cold`)
     local: bool = False  # the strategy searched only around the seeds (`strategies.Strategy.local`)
+
+    @property
+    def defaults_held(self) -> bool:
+        """Whether every source kept its own default (the heuristic held at every tuned neighbour)."""
+        return bool(self.sources) and all(s.get("kept_default") for s in self.sources)
 
     def describe(self) -> str:
         """One line for the sweep's output and log."""
@@ -50,7 +63,9 @@ class WarmStart:
             return "cold start (no tuned entry of this op and backend nearby)"
         said = (f"warm {'local search' if self.local else 'start'} from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
                 + "; ".join(f"{s['key'].split('|', 1)[1]} -> {s['seed']}" for s in self.sources))
-        return said if self.seeds else said + " (each the default here: no seed to add)"
+        if not self.seeds:
+            return said + " (each the default here: no seed to add)"
+        return said + (" (each kept its default: the nearest seed only)" if self.defaults_held else "")
 
     def to_json(self) -> dict[str, Any]:
         return {"cold": self.cold, "local": self.local, "seeds": [s.to_dict() for s in self.seeds], "sources": list(self.sources)}
@@ -135,7 +150,17 @@ def find(op: str, device_kind: str, fields: Mapping[str, Any], key: str, space: 
         if any(s["key"] == other_key for s in sources):  # the same key in two profile dirs: the first wins
             continue
         seed = project(entry["config"], space)
-        sources.append({"key": other_key, "distance": round(d, 3), "config": entry["config"], "seed": seed.label()})
+        sources.append({"key": other_key, "distance": round(d, 3), "config": entry["config"], "seed": seed.label(),
+                        "kept_default": kept_default(entry)})
         if seed != space[0] and seed not in seeds:
             seeds.append(seed)
-    return WarmStart(tuple(seeds), tuple(sources))
+    start = WarmStart(tuple(seeds), tuple(sources))
+    # every neighbour kept its default: the evidence is for the heuristic; one seed checks it (module doc)
+    return dataclasses.replace(start, seeds=start.seeds[:1]) if start.defaults_held else start
+
+
+def kept_default(entry: Mapping[str, Any]) -> bool:
+    """Whether a table entry's winner is its own default config (the default was fastest, or the best did
+    not beat it past the noise); False when the entry does not say what its default was."""
+    default = entry.get("default")
+    return isinstance(default, dict) and default.get("config") == entry.get("config")
