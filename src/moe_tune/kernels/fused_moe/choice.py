@@ -13,7 +13,7 @@ time: the `fwd` one runs where the layer is only evaluated, the `bwd` one where 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -147,6 +147,15 @@ def layer_inputs(problem: FusionProblem, distribution: str, seed: int) -> dict[s
 LAYER_OPERANDS = ("x", "router_logits", "w_gate", "w_up", "w_down")
 
 
+def training_check(grads: Sequence[jax.Array], checked: jax.Array) -> jax.Array:
+    """What a `bwd` candidate returns for the check: from a training step's gradients [dx, d(router logits),
+    dw_gate, dw_up, dw_down] (every local expert's), the `check_vector` (float32) of dx, d(router logits) and
+    the `checked` experts' (int32 [n], traced) weight gradients, `layer_reference`'s order."""
+    dx, dlogits, *dw = grads
+    taken = [jnp.take(g, checked, axis=0) for g in dw]
+    return check_vector(check_parts([g.astype(jnp.float32) for g in (dx, dlogits, *taken)]), jnp)
+
+
 class MoeFusionOp(KernelOp):
     name = "moe_fusion"
     directions = DIRECTIONS
@@ -188,9 +197,7 @@ class MoeFusionOp(KernelOp):
         # (`layer_reference`): dx, d(router logits), and the checked experts' weight gradients, taken by traced
         # indices (an input), so that no weight gradient can be dropped as unused (tests/test_moe_fusion_check.py)
         _, pullback = jax.vjp(layer, *operands)
-        dx, dlogits, *dw = pullback(inputs["cotangent"])
-        checked = [jnp.take(g, inputs["checked_experts"], axis=0) for g in dw]
-        return check_vector(check_parts([g.astype(jnp.float32) for g in (dx, dlogits, *checked)]), jnp)
+        return training_check(pullback(inputs["cotangent"]), inputs["checked_experts"])
 
     def memory_estimate(self, problem: FusionProblem) -> int:
         """What a sweep of `problem` holds at least, compiling in its own process (`--workers 1`):

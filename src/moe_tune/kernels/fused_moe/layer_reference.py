@@ -55,11 +55,11 @@ def checked_experts(problem: Any, logits: np.ndarray, rng: np.random.Generator) 
 
 
 def check_size(problem: Any) -> int:
-    """Elements of a `bwd` check vector: dx, d(router logits), and the checked experts' three weight
-    gradients."""
+    """Elements of a `bwd` check vector (`check_vector`): dx, d(router logits), the checked experts' three
+    weight gradients, and one scale entry per part."""
     p = problem
     checked = min(2 + SEEDED_CHECKED, p.local_experts)
-    return p.tokens * (p.hidden + p.experts) + checked * 3 * p.hidden * p.intermediate
+    return p.tokens * (p.hidden + p.experts) + checked * 3 * p.hidden * p.intermediate + 2 + 3 * checked
 
 
 def _expert(inputs: Mapping[str, np.ndarray], e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
