@@ -4,6 +4,7 @@ gradient kept in the timed step, and the memory model against what the sweep rea
 
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -17,6 +18,8 @@ from moe_tune.kernels.fused_moe.choice import (MOE_FUSION, FusionConfig, FusionP
                                                memory_parts, training_check)
 from moe_tune.kernels.fused_moe.layer_reference import check_size, training_reference
 from moe_tune.kernels.kernel_op import relative_error
+from moe_tune.profiles import key_fields, write_entries
+from moe_tune.profiles.key import key_from_fields
 
 # 8 local experts at ep 1: the check's 4 are a strict subset
 PROBLEM = FusionProblem(tokens=16, hidden=32, intermediate=12, experts=8, top_k=2, direction="bwd")
@@ -104,3 +107,33 @@ def test_memory_parts_count_the_real_arrays(case, direction):
     assert parts["host"] == sum(a.nbytes for a in inputs.values())
     assert parts["reference"] == MOE_FUSION.reference(problem, inputs).nbytes
     assert case[1].size == check_size(PROBLEM)
+
+
+def test_fused_none_under_grad_follows_the_tables_bwd_entry(isolated_profiles, caplog):
+    """Tables whose fwd entry says fused and whose bwd entry says unfused (at a shape no other test traces):
+    moe_mlp(fused=None) traced for a forward runs the fused kernels, traced under jax.grad the unfused ones,
+    each from its exact entry."""
+    shape = {"tokens": 10, "hidden": 32, "intermediate": 12, "experts": 8, "top_k": 2}
+    entries = []
+    for direction, fused in (("fwd", True), ("bwd", False)):
+        fields = key_fields(FusionProblem(**shape, direction=direction), "layer", "balanced")
+        entries.append({"key": key_from_fields("moe_fusion", fields), "fields": fields, "config": {"fused": fused},
+                        "timing": {"median_s": 1e-3}})
+    write_entries(isolated_profiles / "cpu" / "moe_fusion.json", "moe_fusion", "cpu", entries)
+    rng = np.random.default_rng(0)
+    x, logits = rng.standard_normal((10, 32), np.float32), rng.standard_normal((10, 8), np.float32)
+    gate, up = rng.standard_normal((2, 8, 32, 12), np.float32) / 6
+    down = rng.standard_normal((8, 12, 32), np.float32) / 4
+    caplog.set_level(logging.INFO, logger="moe_tune")
+    traced = {}
+    for name, fn in (("fwd", lambda x: moe_mlp(x, logits, gate, up, down, 2)),
+                     ("bwd", jax.grad(lambda x: moe_mlp(x, logits, gate, up, down, 2).sum()))):
+        caplog.clear()
+        jax.make_jaxpr(fn)(x)  # traced only: the choice is made at trace time
+        traced[name] = [r.getMessage() for r in caplog.records]
+    ops = {name: {line.split(" ")[0] for line in lines} for name, lines in traced.items()}
+    assert "fused_moe" in ops["fwd"] and "ragged_gather" not in ops["fwd"], traced["fwd"]
+    assert "ragged_gather" in ops["bwd"] and "fused_moe" not in ops["bwd"], traced["bwd"]
+    for direction, fused in (("fwd", True), ("bwd", False)):  # (each trace looks both up: layer.serve_or_train)
+        assert any(line.startswith(f"moe_fusion {{'direction': '{direction}'") and f"fused={fused} (exact" in line
+                   for line in traced[direction]), traced[direction]
