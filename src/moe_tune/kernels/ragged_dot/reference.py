@@ -1,5 +1,10 @@
 """Float64 NumPy references for the three ragged_dot directions: what every backend and every tuning
-candidate is checked against."""
+candidate is checked against.
+
+Each group's operand rows are converted to float64 as that group is multiplied (`_f64`), not whole operands
+first: the same values and products, without a float64 copy of the whole rhs (200 MB at the default sweep
+shape, and groups with no rows are never converted; NOTES.md, issue 32, session 16).
+"""
 
 from __future__ import annotations
 
@@ -21,10 +26,11 @@ def ragged_dot_reference(
     lhs [m, k], rhs [groups, k, n], group_sizes [total_groups] (concrete values), local groups are
     `group_offset .. group_offset + groups - 1`.
     """
-    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    lhs, rhs = np.asarray(lhs), np.asarray(rhs)
     out = np.zeros((lhs.shape[0], rhs.shape[2]), np.float64)
     for i, (s, e) in enumerate(_local_row_ranges(group_sizes, lhs.shape[0], rhs.shape[0], group_offset)):
-        out[s:e] = lhs[s:e] @ rhs[i]
+        if e > s:
+            out[s:e] = _f64(lhs[s:e]) @ _f64(rhs[i])
     return out
 
 
@@ -32,10 +38,11 @@ def ragged_dot_dlhs_reference(
     dout: np.ndarray, rhs: np.ndarray, group_sizes: np.ndarray, *, group_offset: int = 0
 ) -> np.ndarray:
     """dlhs: dlhs[rows of local group i] = dout[rows] @ rhs[i]^T; other rows zero. float64 [m, k]."""
-    dout, rhs = np.asarray(dout, np.float64), np.asarray(rhs, np.float64)
+    dout, rhs = np.asarray(dout), np.asarray(rhs)
     out = np.zeros((dout.shape[0], rhs.shape[1]), np.float64)
     for i, (s, e) in enumerate(_local_row_ranges(group_sizes, dout.shape[0], rhs.shape[0], group_offset)):
-        out[s:e] = dout[s:e] @ rhs[i].T
+        if e > s:
+            out[s:e] = _f64(dout[s:e]) @ _f64(rhs[i]).T
     return out
 
 
@@ -43,8 +50,14 @@ def ragged_dot_drhs_reference(
     lhs: np.ndarray, dout: np.ndarray, group_sizes: np.ndarray, *, groups: int, group_offset: int = 0
 ) -> np.ndarray:
     """drhs (tgmm): drhs[i] = lhs[rows of local group i]^T @ dout[same rows]. float64 [groups, k, n]."""
-    lhs, dout = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+    lhs, dout = np.asarray(lhs), np.asarray(dout)
     out = np.zeros((groups, lhs.shape[1], dout.shape[1]), np.float64)
     for i, (s, e) in enumerate(_local_row_ranges(group_sizes, lhs.shape[0], groups, group_offset)):
-        out[i] = lhs[s:e].T @ dout[s:e]
+        if e > s:
+            out[i] = _f64(lhs[s:e]).T @ _f64(dout[s:e])
     return out
+
+
+def _f64(x: np.ndarray) -> np.ndarray:
+    """A float64 copy of `x` (exact for every float and integer dtype the operands have)."""
+    return np.asarray(x, np.float64)
