@@ -175,3 +175,15 @@ def test_finalists_timed_in_one_batch_keep_its_rounds_as_the_first_final_rounds(
         assert {f["samples"] for f in verdict.finalists} == {finals.final_samples(settings)}
         assert seed.first_timing.samples_s == (1.0, 2.0, 1.0)  # the sweep round, as recorded before
         assert (seed.timing.samples_s[:3] == (1.0, 2.0, 1.0)) == reused
+
+
+def test_a_resumed_run_numbers_its_batches_after_the_logged_ones():
+    """A batch number names one batch of one run of the sweep: a resumed run's first batch comes after the log's
+    (whose candidates keep their numbers), so its rounds never pair with a restored batch's."""
+    from types import SimpleNamespace
+
+    from moe_tune.tuner.state import SweepState
+
+    log = SimpleNamespace(restored={"a": {"batch": 0}, "b": {"batch": 3}, "c": {"batch": None}})
+    assert next(SweepState(None, log, Reporter(), 0.0).batch_numbers) == 4
+    assert next(SweepState(None, SimpleNamespace(restored={}), Reporter(), 0.0).batch_numbers) == 0

@@ -83,6 +83,7 @@ def test_every_finished_candidate_is_logged_and_a_rerun_resumes(tmp_path):
     assert compiled == search["recompiled_finalists"] and 1 <= compiled <= min(len(space), 5)
     assert again.entry.candidates["tried"] == len(space) and again.entry.config in [c.to_dict() for c in space]
     assert [c.index for c in again.candidates] == list(range(len(space))) and again.candidates[0].is_default
+    assert [c.batch for c in again.candidates] == [i // 2 for i in range(len(space))]  # restored rounds pair as logged
     assert [x["type"] for x in _raw_lines(log)].count("candidate") == len(space)  # nothing was run again
     kinds = [x["type"] for x in _raw_lines(log)]
     assert kinds.count("header") == 1 and kinds.count("run") == 1 and kinds.count("final") == 2

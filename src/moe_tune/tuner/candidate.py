@@ -29,8 +29,9 @@ class Candidate:
     compiles: int = 0  # XLA compilations spent on this candidate, wherever they ran
     timing: Timing | None = None
     first_timing: Timing | None = None  # a finalist's sweep-round timing, before the final round replaced it
-    # the timing batch (of this process) whose rounds its samples are, one per round: candidates of one batch
-    # with all its rounds are paired round by round (`tuner.finals`); None when restored from the log
+    # the timing batch whose rounds its samples are, one per round (numbered across the runs of one sweep, so
+    # a candidate restored from the log keeps its): candidates of one batch with as many samples are paired
+    # round by round (`same_rounds`); None: not timed in a batch
     batch: int | None = None
 
     def fail(self, stage: str, reason: str) -> None:

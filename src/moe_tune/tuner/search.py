@@ -55,6 +55,8 @@ def restore(state: SweepState, config: KernelConfig, index: int, is_default: boo
     cand = None if line is None else sweep_log.parse_candidate(line, index, config, is_default)
     if cand is None:
         return False
+    if isinstance(line.get("batch"), int):  # its rounds pair with its batch's (`candidate.same_rounds`)
+        cand.batch = line["batch"]
     state.add(cand)
     for stage in STAGES:
         state.reporter.advance(stage)

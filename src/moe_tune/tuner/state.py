@@ -46,6 +46,12 @@ class SweepState:
         default_factory=lambda: {"compile": 0.0, "check": 0.0, "time": 0.0})  # wall time per stage
     start: WarmStart = dataclasses.field(default_factory=WarmStart)  # where the search started
 
+    def __post_init__(self) -> None:
+        # a resumed run numbers its batches after the log's: a batch number names one batch of one run of this
+        # sweep, and a restored candidate keeps its (`search.restore`), so that restored rounds pair correctly
+        logged = [line.get("batch") for line in self.log.restored.values() if isinstance(line.get("batch"), int)]
+        self.batch_numbers = itertools.count(max(logged, default=-1) + 1)
+
     @property
     def settings(self) -> SweepSettings:
         return self.plan.request.settings
