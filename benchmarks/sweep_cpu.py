@@ -84,6 +84,8 @@ def _instrument(clock: _Clock) -> None:
         clock.add("worker compile (sum over workers)", value.get("compile_s") or 0.0)
         clock.add("worker first run (sum over workers)", value.get("run_s") or 0.0)
         clock.add("worker check (sum over workers)", value.get("check_s") or 0.0)
+        clock.add("worker compile CPU (sum over workers)", value.get("compile_cpu_s") or 0.0)
+        clock.add("worker first run CPU (sum over workers)", value.get("run_cpu_s") or 0.0)
         return take(cand, value)
 
     compiling._take_result = take_result
@@ -197,6 +199,10 @@ def _print_phases(run: dict) -> None:
           f"{p.get('load executables (main process)', 0) + p.get('check (main process)', 0):.2f} s; workers idle in "
           f"the compile chunks {p.get('idle in the compile chunks (worker-s)', 0):.2f} worker-s, of it at the "
           f"chunks' ends {p.get(TAIL, 0):.2f}")
+    if p.get("worker first run CPU (sum over workers)"):  # the workers' CPU seconds (all threads) beside the wall
+        print(f"    workers' CPU seconds: compiles {p['worker compile CPU (sum over workers)']:.2f} (wall "
+              f"{p.get('worker compile (sum over workers)', 0):.2f}), first runs "
+              f"{p['worker first run CPU (sum over workers)']:.2f} (wall {p.get('worker first run (sum over workers)', 0):.2f})")
     per = run.get("per_candidate") or []
     if per:
         ranked = sorted(per, key=lambda r: r[3])

@@ -40,21 +40,24 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
     """Compile candidate `index` for `shapes` (ShapeDtypeStructs of the inputs), then run it once on the
     inputs shared under `token` (with the reference: `(host inputs, gate.Reference)`).
 
-    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "error", "run_s"}:
+    Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "error", "run_s"} (and the
+    CPU seconds of the compile and the run, "compile_cpu_s", "run_cpu_s"):
     status OK with the serialized executable (None when it cannot travel, e.g. a Python host callback;
     "local_reason" says why) and the output's relative error against the reference, or FAILED at stage "compile" or "run" with the reason. Once
     compiled it reports progress ("compiled"), so that if running it kills or hangs this worker the caller
     knows the compile went through and the run did not.
     """
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         compiled, compiles = kernel.compile(config, index, shapes)
     except Exception as e:  # noqa: BLE001 - any failure is recorded as the candidate's reason
         return {"status": FAILED, "stage": "compile", "reason": failure_reason(e),
                 "compile_s": time.perf_counter() - start, "compiles": 0}
     compile_s = time.perf_counter() - start
+    # this process's CPU seconds (all its threads), beside the wall: their difference is time spent waiting
+    # for a core (benchmarks/sweep_cpu.py)
     result: dict[str, Any] = {"status": OK, "stage": "", "reason": "", "compile_s": compile_s,
-                              "compiles": compiles, "executable": None}
+                              "compile_cpu_s": time.process_time() - cpu, "compiles": compiles, "executable": None}
     try:
         payload = serialize_executable.serialize(compiled)
         pickle.dumps(payload)
@@ -62,12 +65,15 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
     except Exception as e:  # noqa: BLE001
         result["local_reason"] = short(e)
     workers.progress({"compiled": True, "compile_s": compile_s, "compiles": compiles})
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
-        output = np.asarray(jax.block_until_ready(compiled(_inputs_here(token))))
+        inputs = _inputs_here(token)  # put on the device once per sweep, outside the run's clocks
+        start, cpu = time.perf_counter(), time.process_time()
+        output = np.asarray(jax.block_until_ready(compiled(inputs)))
     except Exception as e:  # noqa: BLE001 - MemoryError included
         result.update(status=FAILED, stage="run", reason=failure_reason(e), executable=None)
     result["run_s"] = time.perf_counter() - start  # the first run, for the check (benchmarks/sweep_cpu.py)
+    result["run_cpu_s"] = time.process_time() - cpu
     if result["status"] == OK:
         start = time.perf_counter()
         # the comparison here: the output (the size of the reference) does not travel back
