@@ -218,7 +218,7 @@ def main() -> int:
         values = [r["coordinate"][how]["winner_vs_best"] for r in rows]
         print(f"  quality: {how} winner over the fastest side by side {', '.join(f'{v:.3f}' for v in values)} "
               f"(median {statistics.median(values):.3f}, worst {max(values):.3f})")
-    summary = {**costs, "default_good_counts": [r["m"] for r in rows if r["default_good"]], "never_reached": never,
+    per_count = {
         "warm_over_cold_grid_candidates": grid_ratio("tried", "grid_tried"),
         "warm_over_cold_grid_wall_s (grid wall from its own run)": grid_ratio("wall_s", "grid_wall_s"),
         "reach_candidates_warm_over_cold": ratio(lambda r, k: r["coordinate"][k]["reach_candidates"]),
@@ -232,10 +232,12 @@ def main() -> int:
         "winner_vs_fastest_grid": [r["grid_winner_vs_best_side_by_side"] for r in rows],
     }
     print("\nwarm / cold (cold = coordinate unless it says grid; per count; median):")
-    for name, values in summary.items():
+    for name, values in per_count.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
         print(f"  {name:<34} {shown}  (median {statistics.median(values):.2f})" if values else f"  {name}: none")
     print(f"load at the end: {load()}")
+    summary = {**costs, **per_count, "default_good_at": [r["m"] for r in rows if r["default_good"]],
+               "never_reached_good": never}
     if args.json:
         bench.write_results(args.json, rows)
         data = json.loads(Path(args.json).read_text())

@@ -70,10 +70,10 @@ def test_a_copy_of_the_default_does_not_beat_it_however_many_samples():
 
 
 def test_the_final_round_times_short_finalists_for_the_budget(monkeypatch):
-    asked = {}
+    asked = []
 
     def fake(calls, *, samples, **kw):
-        asked["samples"] = samples
+        asked.append(samples)
         return {i: _summarize(_noisy(t, samples, 0.01), "trace", [t]) for i, t in ((0, 0.012), (1, 0.010))
                 if i in calls}, None
 
@@ -81,7 +81,7 @@ def test_the_final_round_times_short_finalists_for_the_budget(monkeypatch):
     default, other = _cand(0, [0.012] * 3, default=True), _cand(1, [0.010] * 3)
     settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0.3)
     winner, verdict, _ = finals.final_round(settings, [default, other], default, {}, "cpu", Reporter())
-    assert asked["samples"] == 25  # 0.3 s over the slower finalist's 12 ms sweep-round median
+    assert sum(asked) == 25  # 0.3 s over the slower finalist's 12 ms sweep-round median (in chunks: `settled`)
     assert winner is other and verdict.rule == BEAT_DEFAULT
     assert {f["samples"] for f in verdict.finalists} == {25}
     assert {f["first_median_s"] for f in verdict.finalists} == {0.010, 0.012}
@@ -170,7 +170,8 @@ def test_finalists_timed_in_one_batch_keep_its_rounds_as_the_first_final_rounds(
         default, seed = _cand(0, [1.2, 2.4, 1.2], default=True), _cand(1, [1.0, 2.0, 1.0])
         default.batch, seed.batch = batches
         winner, verdict, _ = finals.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
-        assert asked.pop() == (finals.final_samples(settings) - 3 if reused else finals.final_samples(settings))
+        assert sum(asked) == (finals.final_samples(settings) - 3 if reused else finals.final_samples(settings))
+        asked.clear()
         assert winner is seed and verdict.rule == BEAT_DEFAULT and verdict.paired_gain == pytest.approx(0.2)
         assert {f["samples"] for f in verdict.finalists} == {finals.final_samples(settings)}
         assert seed.first_timing.samples_s == (1.0, 2.0, 1.0)  # the sweep round, as recorded before
@@ -187,3 +188,29 @@ def test_a_resumed_run_numbers_its_batches_after_the_logged_ones():
     log = SimpleNamespace(restored={"a": {"batch": 0}, "b": {"batch": 3}, "c": {"batch": None}})
     assert next(SweepState(None, log, Reporter(), 0.0).batch_numbers) == 4
     assert next(SweepState(None, SimpleNamespace(restored={}), Reporter(), 0.0).batch_numbers) == 0
+
+
+def test_the_final_round_stops_once_no_finalist_can_beat_the_default(monkeypatch):
+    """A win needs most rounds' ratios past the 10% floor: once more than half of the planned rounds are at or
+    below it for every finalist, the rest cannot change the winner, and the round stops (the default kept, as
+    the whole round would); a finalist faster in every round gets every round."""
+    asked, per_round = [], {0: 1.0, 1: 1.2, 2: 0.8}  # 1 is slower than the default, 2 is faster
+
+    def fake(calls, *, samples, **kw):
+        asked.append(samples)
+        return {i: _summarize([per_round[i]] * samples, "trace", [per_round[i]]) for i in calls}, None
+
+    monkeypatch.setattr(finals, "time_candidates", fake)
+    settings = SweepSettings(samples=3, workers=1, finalists=2, final_time_s=0.3)  # 0.3 s of 20 ms calls: 15 rounds
+    default, slower = _cand(0, [0.02] * 3, default=True), _cand(1, [0.02] * 3)
+    winner, verdict, _ = finals.final_round(settings, [default, slower], default, {}, "cpu", Reporter())
+    assert asked == [15 // 2 + 1] and winner is default and verdict.rule == DEFAULT_FASTEST
+    asked.clear()
+    default, faster = _cand(0, [0.02] * 3, default=True), _cand(2, [0.016] * 3)
+    winner, verdict, _ = finals.final_round(settings, [default, faster], default, {}, "cpu", Reporter())
+    assert sum(asked) == 15 and winner is faster and verdict.rule == BEAT_DEFAULT
+    # settled after 4 of 6 rounds: 4 ratios at or below 1.1 (more than 3) can no longer give a median above it;
+    # 3 can (the median of 6 is the mean of the 3rd and 4th)
+    d = _cand(0, [1.0] * 4, default=True)
+    at = lambda samples: finals.settled({0: d.timing, 1: _cand(1, samples).timing}, d, [d, _cand(1, [1.0])], 6)
+    assert at([1.0, 1.0, 1.0, 0.95]) and not at([1.0, 1.0, 1.0, 0.5]) and not at([1.0, 1.0, 0.5, 0.5])

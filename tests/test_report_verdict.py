@@ -19,7 +19,7 @@ from moe_tune.profiles.verdict import (
     Verdict, verdict_of,
 )
 from moe_tune.tuner import SweepRequest, SweepSettings, run_sweep
-from moe_tune.tuner.finals import final_samples
+from moe_tune.tuner.finals import earliest_stop, final_samples
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
 
@@ -130,7 +130,10 @@ def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
     # about final_time_s of calls each (tuner.finals.final_samples, from the slowest finalist's sweep round)
     assert sum(f["is_default"] for f in finalists) == 1
     expected = final_samples(SweepSettings(samples=2), max(f["first_median_s"] for f in finalists))
-    assert expected >= max(4, MIN_FINAL_SAMPLES) and all(f["samples"] == expected for f in finalists)
+    assert expected >= max(4, MIN_FINAL_SAMPLES) and len({f["samples"] for f in finalists}) == 1
+    # all of them, or fewer once no finalist could beat the default (`finals.settled`, session 16)
+    assert finalists[0]["samples"] == expected or (verdict.rule != BEAT_DEFAULT and
+                                                   earliest_stop(expected) <= finalists[0]["samples"] < expected)
     assert all(f["min_s"] <= f["median_s"] <= f["max_s"] for f in finalists)
     first_round = {json.dumps(r["config"]): r["median_s"] for r in entry.results}
     assert all(first_round[json.dumps(f["config"])] == f["first_median_s"] for f in finalists)

@@ -11,8 +11,9 @@ largest median per-round gain is the best; a gain no more than the noise (twice 
 absolute deviation, narrowed as a median's standard error for more than 6 rounds) is not a win: the default
 is kept. When every finalist was timed in one batch of this sweep with all its rounds (`candidate.same_rounds`:
 a warm sweep's first round of the default and one or two seeds, or a last batch that holds them all), those
-rounds are the final round's first ones: the final round times only the rounds still missing (issue 32,
-session 16). Comparing two medians, each with its own MAD, kept the default against a 1.6x faster finalist under
+rounds are the final round's first ones: the final round times only the rounds still missing; and it stops
+once no finalist can beat the default whatever the rounds left show (`settled`: a win needs more than half of
+the rounds past the paired floor), which keeps the winner the whole round would give (issue 32, session 16). Comparing two medians, each with its own MAD, kept the default against a 1.6x faster finalist under
 load ("within noise +-68%", NOTES.md issue 32 session 14 (D)). A sweep
 that cannot apply the rule (interrupted before its final round) keeps the default too, and says `unverified`
 and why. The outcome is a `Verdict`
@@ -26,8 +27,8 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from moe_tune.profiles.verdict import (
-    BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE, UNVERIFIED, WITHIN_NOISE, Verdict,
-    noise_threshold, paired, too_few_samples,
+    BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE, PAIRED_MIN_NOISE, UNVERIFIED,
+    WITHIN_NOISE, Verdict, noise_threshold, paired, paired_ratios, too_few_samples,
 )
 from moe_tune.tuner import measure
 from moe_tune.tuner.candidate import OK, Candidate, same_rounds
@@ -115,24 +116,53 @@ def paired_best(chosen: Sequence[Candidate], default: Candidate) -> Candidate:
 def final_round(settings: SweepSettings, survivors: list[Candidate], default: Candidate, inputs: Any, platform: str,
                 reporter: Reporter) -> tuple[Candidate, Verdict, str | None]:
     """Re-time the fastest few and the default together (`final_samples` each), and pick the winner there.
-    Returns (winner, verdict, timing fallback reason)."""
+    Rounds of one batch that timed them all (`same_rounds`) are the first ones; the round stops early once no
+    finalist can beat the default whatever the rounds left show (`settled`: the winner is the one the whole
+    round would give). Returns (winner, verdict, timing fallback reason)."""
     chosen = finalists(settings, survivors, default)
     if len(chosen) < 2:
         return chosen[0], Verdict(ONLY_CANDIDATE), None
     samples = final_samples(settings, max(c.timing.median_s for c in chosen))
-    reuse = same_rounds(chosen)  # their batch's rounds are the final round's first ones
-    have = chosen[0].timing.samples if reuse else 0
-    reporter.stage("finalists", samples - have)
-    final, fallback = time_candidates(
-        {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
-        samples=max(1, samples - have), platform=platform, seed=settings.seed + 1,
-        on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
-    )
-    reuse = reuse and len({final[c.index].method for c in chosen} | {chosen[0].timing.method}) == 1  # one clock
+    timed = {c.index: c.timing for c in chosen} if same_rounds(chosen) else {}  # the batch's rounds come first
+    reporter.stage("finalists", samples - _rounds(timed))
+    first_stop = earliest_stop(samples)
+    fallback, chunk = None, 0
+    while _rounds(timed) < samples and not (_rounds(timed) >= first_stop and settled(timed, default, chosen, samples)):
+        final, why = time_candidates(
+            {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
+            samples=max(1, first_stop - _rounds(timed)), platform=platform, seed=settings.seed + 1 + 7919 * chunk,
+            on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
+        )
+        chunk, fallback = chunk + 1, fallback or why
+        if timed and {t.method for t in final.values()} != {t.method for t in timed.values()}:
+            timed = {}  # one clock for all the samples compared: the other clock's rounds are dropped
+        timed = {i: joined(timed[i], t) if i in timed else t for i, t in final.items()}
     for c in chosen:
-        c.first_timing, c.timing = c.timing, joined(c.timing, final[c.index]) if reuse else final[c.index]
+        c.first_timing, c.timing = c.timing, timed[c.index]
     winner, verdict = decide(paired_best(chosen, default), default, chosen, pair=True)
     return winner, verdict, fallback
+
+
+def earliest_stop(samples: int) -> int:
+    """The fewest rounds a final round of `samples` rounds stops after (`settled`): a paired win needs more than
+    half of the rounds past the floor, and a verdict needs MIN_FINAL_SAMPLES."""
+    return max(MIN_FINAL_SAMPLES, samples // 2 + 1)
+
+
+def _rounds(timed: dict[int, Timing]) -> int:
+    return min((t.samples for t in timed.values()), default=0)
+
+
+def settled(timed: dict[int, Timing], default: Candidate, chosen: Sequence[Candidate], rounds: int) -> bool:
+    """Whether no finalist can beat the default after `rounds` paired rounds in all, whatever the rounds not
+    yet timed show: a win needs a median per-round ratio above 1 + PAIRED_MIN_NOISE (the least noise), so more
+    than half of the `rounds` ratios above it; a finalist with more than half of them at or below it already
+    cannot win. (Its median over the rounds timed is then at or below it too: `decide` keeps the default.)"""
+    if default.status != OK or default.index not in timed:
+        return False
+    base = timed[default.index].samples_s
+    return all(sum(r <= 1 + PAIRED_MIN_NOISE for r in paired_ratios(base, timed[c.index].samples_s)) > rounds // 2
+               for c in chosen if c is not default)
 
 
 def joined(first: Timing, then: Timing) -> Timing:
