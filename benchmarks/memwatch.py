@@ -1,6 +1,6 @@
 """Run a command and report the peak memory of its process tree: the sum of every process's PSS (/proc/PID/smaps_rollup,
 shared pages split between their users) polled every 0.25 s, and the moe_tune shared-memory payload files
-(/dev/shm/moe_tune_shared_*). Usage: memwatch.py COMMAND ARGS... (its exit status is the command's)."""
+the tree's (/dev/shm/moe_tune_shared_<pid>_*). Usage: memwatch.py COMMAND ARGS... (its exit status is the command's)."""
 import os, subprocess, sys, time, glob
 def tree(pid):
     out = [pid]
@@ -21,7 +21,9 @@ peak = peak_shm = peak_tot = 0; n = 0
 while proc.poll() is None:
     pids = tree(proc.pid)
     total = sum(pss(p) for p in pids)
-    shm = sum(os.path.getsize(f) for f in glob.glob("/dev/shm/moe_tune_shared_*") if os.path.exists(f))
+    # the payload files this tree wrote (moe_tune_shared_<pid>_*), not other sweeps'
+    files = [f for p in pids for f in glob.glob(f"/dev/shm/moe_tune_shared_{p}_*")]
+    shm = sum(os.path.getsize(f) for f in files if os.path.exists(f))
     peak, peak_shm, peak_tot = max(peak, total), max(peak_shm, shm), max(peak_tot, total + shm)
     n = max(n, len(pids))
     time.sleep(0.25)

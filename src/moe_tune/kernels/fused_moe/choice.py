@@ -231,8 +231,9 @@ def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int
     return bool(MOE_FUSION.resolve_config(None, problem, **options).config.fused)
 
 
-# One Python process with JAX and moe_tune imported and its CPU client started (measured: ~215 MiB RSS).
-PROCESS_BYTES = 256 << 20
+# A sweep process beyond its arrays (JAX, moe_tune, compiled programs, the profiler): the peak PSS of a whole
+# `moe-tune sweep --op moe_fusion --direction bwd --workers 1` at 16 tokens, hidden 32 (benchmarks/memwatch.py)
+PROCESS_BYTES = 360 << 20
 
 
 def memory_parts(problem: FusionProblem) -> dict[str, int]:
