@@ -101,11 +101,19 @@ def _instrument(clock: _Clock) -> None:
 
     def run_request(self, *args, **kwargs):
         start = time.perf_counter()
+        status, value = "failed", None
         try:
-            return run_one(self, *args, **kwargs)
+            status, value = run_one(self, *args, **kwargs)
+            return status, value
         finally:
+            end = time.perf_counter()
             if clock.chunks:
-                clock.chunks[-1][2].append((start, time.perf_counter()))
+                clock.chunks[-1][2].append((start, end))
+            if status == "ok" and isinstance(value, dict):  # the request's wall beyond the worker's own clocks
+                beyond = (end - start) - sum(value.get(k) or 0.0 for k in ("compile_s", "run_s", "check_s"))
+                clock.add(BEYOND, beyond)
+                if len(clock.chunks) == 1 and len(clock.chunks[0][2]) <= self.size:  # a worker's first request
+                    clock.add(FIRST_BEYOND, beyond)
 
     compiling._compile_in_workers = compile_chunk
     workers.WorkerPool._run = run_request
@@ -165,6 +173,8 @@ def _load() -> str:
 
 
 TAIL = "of it at the chunks' ends"
+BEYOND = "requests' wall beyond the workers' clocks (sum)"
+FIRST_BEYOND = "of it the workers' first requests (their imports)"
 
 
 def _print_phases(run: dict) -> None:
@@ -199,6 +209,8 @@ def _print_phases(run: dict) -> None:
           f"{p.get('load executables (main process)', 0) + p.get('check (main process)', 0):.2f} s; workers idle in "
           f"the compile chunks {p.get('idle in the compile chunks (worker-s)', 0):.2f} worker-s, of it at the "
           f"chunks' ends {p.get(TAIL, 0):.2f}")
+    print(f"    requests' wall beyond the workers' own clocks {p.get(BEYOND, 0):.2f} worker-s, of it the workers' "
+          f"first requests {p.get(FIRST_BEYOND, 0):.2f}")
     if p.get("worker first run CPU (sum over workers)"):  # the workers' CPU seconds (all threads) beside the wall
         print(f"    workers' CPU seconds: compiles {p['worker compile CPU (sum over workers)']:.2f} (wall "
               f"{p.get('worker compile (sum over workers)', 0):.2f}), first runs "
