@@ -13,7 +13,8 @@ walking the whole space.
 When every source kept its own default (its winner is its default: the heuristic held at each tuned
 neighbour, `WarmStart.defaults_held`), their winners are evidence for the heuristic, not for those configs:
 the seeds are cut to the nearest one (`find`), and with one seed the warm search stops after its first round
-unless the seed beat the default there past the noise (`strategies.CoordinateDescent`). On the strategies
+unless the seed beat the default there by the least gain a final round calls a win
+(`strategies.CoordinateDescent`). On the strategies
 ladder every neighbour kept its default and the two seeds (the neighbours' own defaults) never won (NOTES.md
 issue 32, session 16).
 
