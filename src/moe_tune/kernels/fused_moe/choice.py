@@ -4,8 +4,9 @@ ragged_dots, gather-reduce), as a measured choice stored and looked up like any 
 The problem is one MoE layer's shape; its one backend (`layer`) has one tunable, `fused`, whose two values a
 sweep times by running the whole layer each way (each way's kernels with their own tuned configs) against a
 float64 reference of the layer. Two directions, chosen apart: `fwd` times the layer's forward (inference),
-`bwd` its forward and backward together (a training step: the gradients in x, the router logits and the three
-weights, checked against float64 ones). `moe_mlp(..., fused=None)` looks the winners up per shape at trace
+`bwd` its forward and backward together (a training step: every gradient, in x, the router logits and the three
+weights, computed; dx, d(router logits) and 4 experts' weight gradients checked against float64 ones,
+`layer_reference.py`). `memory_parts` / `sweep_memory`: what a sweep of a shape holds. `moe_mlp(..., fused=None)` looks the winners up per shape at trace
 time: the `fwd` one runs where the layer is only evaluated, the `bwd` one where it is differentiated
 (`layer.serve_or_train`).
 """
