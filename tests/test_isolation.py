@@ -221,19 +221,3 @@ def test_map_calls_back_on_the_callers_thread_and_an_error_there_stops_the_rest(
         time.sleep(0.05)
     assert pool._idle.qsize() == 2
 
-
-def test_workers_import_their_preload_as_they_start_and_a_broken_one_is_left_to_the_request():
-    """`preload` (the sweep's `worker_side`, session 16): imported before the first request arrives; a module
-    that fails to import there does not stop the worker, and a request that needs it gets the error."""
-    pool = workers.WorkerPool(1, preload=("colorsys", "moe_tune_no_such_module"))
-    answers = {}
-    try:
-        question = "[m in __import__('sys').modules for m in ('colorsys', 'moe_tune_no_such_module')]"
-        pool.map("builtins:eval", [(0, (question,)), (1, ("1 + 1",))],
-                 lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=60)
-        pool.map("moe_tune_no_such_module:f", [(2, ())], lambda tag, status, value: answers.__setitem__(tag, (status, value)),
-                 timeout=60)
-    finally:
-        pool.close()
-    assert answers[0] == ("ok", [True, False]) and answers[1] == ("ok", 2)
-    assert answers[2][0] == "failed" and "ModuleNotFoundError" in answers[2][1].message

@@ -46,10 +46,6 @@ from moe_tune.tuner.local_compile import compile_here
 from moe_tune.tuner.shared_inputs import shared_inputs
 
 OnDone = Callable[[Candidate], None]
-# What the compile workers import as they start (`workers.pool`'s preload): JAX and the kernels, while the
-# sweep computes its inputs and reference, not on the first request's critical path.
-WORKER_FUNCTION = "moe_tune.tuner.worker_side:compile_and_run"
-_PRELOAD = (WORKER_FUNCTION.split(":")[0],)
 
 
 def uses_workers(workers: int) -> bool:
@@ -61,7 +57,7 @@ def start_workers(workers: int) -> None:
     """Start the worker processes `compile_all` will use, if it will, so that their start-up (a JAX import
     each, about a second) overlaps whatever the caller does before compiling."""
     if uses_workers(workers):
-        workers_module.pool(workers, _PRELOAD)
+        workers_module.pool(workers)
 
 
 def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping[str, jax.Array],
@@ -104,7 +100,7 @@ def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs:
             on_done(cand)
 
     requests = [(c, (kernel, c.config, c.index, shapes, token)) for c in candidates]
-    workers_module.pool(workers, _PRELOAD).map(WORKER_FUNCTION, requests, finish,
+    workers_module.pool(workers).map("moe_tune.tuner.worker_side:compile_and_run", requests, finish,
                                      timeout=timeout, shared=(token, (host_inputs, reference)))
     worker_s = {c.index: c.compile_s or 0.0 for c in local}
     compile_here(kernel, local, inputs)

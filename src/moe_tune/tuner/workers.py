@@ -24,12 +24,6 @@ with `shared(token)`; a worker holds one payload at a time. `WorkerPool.map` wri
 to a shared-memory file (`shared_payload`) and sends only where they are. The worker moves its own stdout to stderr
 first, so stray prints cannot corrupt the stream.
 
-`preload`: modules a worker imports as soon as it starts, before its first request (the tuner's
-`worker_side`, which imports JAX and the kernels, ~0.3 s beyond JAX itself), so that the import overlaps what
-the caller does before its first request (a sweep computes its inputs and reference meanwhile) instead of
-delaying that request. A module that fails to import there is imported again by the request that needs it,
-which reports the error.
-
 `MOE_TUNE_WORKER_MEMORY_LIMIT` (bytes; unset by default): when set in the environment that starts a worker,
 the worker caps its address space at that size (RLIMIT_AS), so an allocation past it fails cleanly
 (RESOURCE_EXHAUSTED / MemoryError) instead of growing until the kernel's OOM killer steps in. The tests'
@@ -150,12 +144,12 @@ class WorkerFailure(Exception):
 class Worker:
     """One subprocess that runs `fn(*args)` for each request (fn given as "module:function")."""
 
-    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+    def __init__(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # same modules as this process
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several processes may share one GPU
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_tune.tuner.workers", *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "moe_tune.tuner.workers"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, bufsize=0,
         )
         self.shared_token: str | None = None  # the shared payload this worker holds
@@ -218,11 +212,11 @@ class Worker:
 class WorkerPool:
     """A fixed number of workers, restarted when they die; `map` runs requests across them."""
 
-    def __init__(self, size: int, preload: tuple[str, ...] = ()) -> None:
-        self.size, self.preload = size, preload
+    def __init__(self, size: int) -> None:
+        self.size = size
         self._idle: queue.Queue[Worker] = queue.Queue()
         for _ in range(size):
-            self._idle.put(Worker(preload))
+            self._idle.put(Worker())
         self._stored: tuple[str, shared_payload.Stored] | None = None  # the shared payload's file, by token
 
     def map(self, fn: str, requests: Iterable[tuple[Any, tuple]],
@@ -279,14 +273,14 @@ class WorkerPool:
         worker = self._idle.get()
         if not worker.alive():  # died while idle: not this request's fault
             worker.close()
-            worker = Worker(self.preload)
+            worker = Worker()
         try:
             status, value = "ok", worker.call(fn, *args, timeout=timeout, shared=shared)
         except WorkerFailure as failure:
             status, value = "failed", failure
             if failure.kind != "error":
                 worker.close()
-                worker = Worker(self.preload)
+                worker = Worker()
         self._idle.put(worker)
         return status, value
 
@@ -314,11 +308,10 @@ class WorkerPool:
 _pools: dict[int, WorkerPool] = {}
 
 
-def pool(size: int, preload: tuple[str, ...] = ()) -> WorkerPool:
-    """The process-wide pool of `size` workers (started once: each start costs a JAX import), whose workers
-    import `preload` as they start (the pool's first caller decides)."""
+def pool(size: int) -> WorkerPool:
+    """The process-wide pool of `size` workers (started once: each start costs a JAX import)."""
     if size not in _pools:
-        _pools[size] = WorkerPool(size, preload)
+        _pools[size] = WorkerPool(size)
     return _pools[size]
 
 
@@ -366,11 +359,6 @@ def _serve() -> None:
         compile_cache.enable()
     _out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    for module in sys.argv[1:]:  # `preload`, before the first request arrives
-        try:
-            importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - imported again, and reported, by the request that needs it
-            pass
     protocol_in = sys.stdin.buffer
     while True:
         try:
