@@ -136,31 +136,3 @@ def test_spans_by_run_read_early_equal_the_spans_over_every_stat():
     found = timing._spans_by_run(plane)
     assert sorted(found) == [3, 7] and all(len(v) == 2 for v in found.values())
     assert {i: sorted(v) for i, v in found.items()} == {i: sorted(v) for i, v in want.items()}
-
-
-def test_a_chunk_compiles_its_longest_expected_candidates_first(monkeypatch):
-    """Session 16: `measure.expected_compile_s` guesses a compile time from the candidates compiled so far
-    whose configs share the most field values; `compile_all` hands the workers the longest first (ties and
-    no guess keep the chunk's order)."""
-    from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-    from moe_tune.tuner import compiling
-    from moe_tune.tuner.candidate import Candidate
-    from moe_tune.tuner.measure import expected_compile_s
-
-    space = BACKENDS.get("tiled").search_space(RaggedDotProblem(m=2048, k=2048, n=768, groups=16))
-    by_tk = {}
-    for config in space:
-        by_tk.setdefault(config.tk, []).append(config)
-    (slow_tk, slow), (fast_tk, fast) = sorted(by_tk.items())[:2]
-    assert expected_compile_s([]) is None
-    done = [Candidate(0, slow[0], compile_s=0.8), Candidate(1, fast[0], compile_s=0.3),
-            Candidate(2, fast[-1], compile_s=0.2)]
-    guess = expected_compile_s(done)
-    assert guess(Candidate(3, slow[0])) == 0.8 and guess(Candidate(4, fast[0])) == 0.3
-    chunk = [Candidate(5, fast[0]), Candidate(6, slow[0]), Candidate(7, fast[-1]), Candidate(8, fast[0])]
-    sent = []
-    monkeypatch.setattr(compiling, "uses_workers", lambda workers: True)
-    monkeypatch.setattr(compiling, "_compile_in_workers", lambda kernel, cands, *args: sent.append([c.index for c in cands]))
-    compiling.compile_all(None, chunk, {}, None, workers=2, expected_s=guess)
-    compiling.compile_all(None, chunk, {}, None, workers=2)
-    assert sent == [[6, 5, 8, 7], [5, 6, 7, 8]]

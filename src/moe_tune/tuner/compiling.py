@@ -62,7 +62,7 @@ def start_workers(workers: int) -> None:
 
 def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping[str, jax.Array],
                 reference: Reference, *, workers: int, on_done: OnDone | None = None,
-                timeout: float | None = None, expected_s: Callable[[Candidate], float] | None = None) -> None:
+                timeout: float | None = None) -> None:
     """Compile every candidate once, ahead of time; `on_done(candidate)` as each is done.
 
     With `workers > 1` on CPU, each candidate is compiled and run once in a worker process (JAX's
@@ -71,12 +71,9 @@ def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping
     `reference` (`worker_error`) for `check_all`.
     A candidate whose compile and first run take longer than `timeout` seconds has its worker killed and
     is recorded as failed, as is one whose worker dies. Otherwise candidates compile here: one at a time,
-    or on GPU on `workers` threads. `expected_s(candidate)`: a guess of its compile time; the workers take
-    the longest first, so that the chunk does not end with one worker compiling a long one alone.
+    or on GPU on `workers` threads.
     """
     if uses_workers(workers):
-        if expected_s is not None:
-            candidates = sorted(candidates, key=expected_s, reverse=True)  # stable: ties keep their order
         _compile_in_workers(kernel, candidates, inputs, workers, on_done, timeout, reference)
     else:
         threads = workers if devices.platform() == "gpu" else 1

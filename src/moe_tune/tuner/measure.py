@@ -8,8 +8,7 @@ An executable compiled in a worker can fail to run in this process; `warm_up` co
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -43,7 +42,7 @@ def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
 
     with state.clock("compile"):  # with workers this also runs and checks each candidate once
         compile_all(state.kernel, chunk, state.inputs, state.reference, workers=settings.workers,
-                    on_done=compiled, timeout=settings.compile_timeout_s, expected_s=expected_compile_s(state.done))
+                    on_done=compiled, timeout=settings.compile_timeout_s)
     failed = [c for c in chunk if c.status != OK and c.index not in checked_ids]
     state.finished(failed)
     reporter.advance("check", len(failed))
@@ -56,24 +55,6 @@ def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
         with state.clock("time"):
             step = time_batch(state, correct[start:start + settings.batch_size])
         yield step
-
-
-def expected_compile_s(done: list[Candidate]) -> Callable[[Candidate], float] | None:
-    """A guess of a candidate's compile time from the candidates compiled so far: the mean compile time of
-    those whose configs share the most field values with its config (tiled ragged_dot: 0.24-0.41 s at tk=2048,
-    0.37-0.77 s at tk=512). None before any is known. Only the order of a chunk's compiles follows it
-    (`compile_all`): the workers then end a chunk together more often (NOTES.md, issue 32, session 16)."""
-    known = [(c.config.to_dict(), c.compile_s) for c in done if c.compile_s]
-    if not known:
-        return None
-
-    def expected(cand: Candidate) -> float:
-        fields = cand.config.to_dict()
-        scored = [(sum(fields.get(name) == value for name, value in config.items()), s) for config, s in known]
-        closest = max(score for score, _ in scored)
-        return statistics.mean(s for score, s in scored if score == closest)
-
-    return expected
 
 
 def time_batch(state: SweepState, batch: list[Candidate]) -> Step:
