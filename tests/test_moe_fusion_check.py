@@ -137,3 +137,18 @@ def test_fused_none_under_grad_follows_the_tables_bwd_entry(isolated_profiles, c
     for direction, fused in (("fwd", True), ("bwd", False)):  # (each trace looks both up: layer.serve_or_train)
         assert any(line.startswith(f"moe_fusion {{'direction': '{direction}'") and f"fused={fused} (exact" in line
                    for line in traced[direction]), traced[direction]
+
+
+def test_the_sweeps_memory_check_counts_its_compile_workers(monkeypatch):
+    """A training-step sweep of deepseek-v2-lite's prefill layer fits with one process but not with two
+    compile workers each holding the layer: the refusal says so before anything is allocated."""
+    from moe_tune.errors import UsageError
+    from moe_tune.tuner import memory
+
+    problem = FusionProblem(tokens=4096, hidden=2048, intermediate=1408, experts=64, top_k=6, direction="bwd")
+    alone, with_two = MOE_FUSION.sweep_memory(problem, 1), MOE_FUSION.sweep_memory(problem, 2)
+    assert alone == MOE_FUSION.memory_estimate(problem) < with_two
+    monkeypatch.setattr(memory, "available_bytes", lambda: (alone + with_two) // 2)
+    memory.check_fits(MOE_FUSION, problem, workers=1)
+    with pytest.raises(UsageError, match=r"--workers 2; .*fewer --workers need less"):
+        memory.check_fits(MOE_FUSION, problem, workers=2)

@@ -164,6 +164,12 @@ class KernelOp(abc.ABC):
         on the problem, so that an absurd shape is refused before anything is allocated. 0: unknown."""
         return 0
 
+    def sweep_memory(self, problem: Any, workers: int) -> int:
+        """Bytes a sweep of `problem` with `workers` compile worker processes (1: none) holds at its peak.
+        By default `memory_estimate`: the workers' own copies are small next to it for the kernels' shapes; an
+        op whose workers each hold a large share (a whole layer's weights and gradients) says so here."""
+        return self.memory_estimate(problem)
+
     def distribution_record(self, problem: Any, distribution: str, seed: int,
                             inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """What an entry records of the inputs it was tuned on, beyond the distribution's name and seed."""

@@ -38,10 +38,12 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def check_fits(op: Any, problem: Any) -> None:
-    """UsageError (one line) when `problem`'s inputs, reference and output need more memory than is
-    available (an op that cannot estimate its need says 0: not checked)."""
-    need, have = op.memory_estimate(problem), available_bytes()
+def check_fits(op: Any, problem: Any, workers: int = 1) -> None:
+    """UsageError (one line) when `problem`'s inputs, reference and output, with `workers` compile worker
+    processes (1: none), need more memory than is available (an op that cannot estimate its need says 0:
+    not checked)."""
+    need, have = op.sweep_memory(problem, workers), available_bytes()
     if have is not None and need > have:
+        fewer = " (fewer --workers need less)" if workers > 1 and op.sweep_memory(problem, 1) < need else ""
         raise UsageError(f"{op.describe(problem)} needs about {_size(need)} of memory for its inputs, reference "
-                         f"and output; this machine has {_size(have)} available")
+                         f"and output with --workers {workers}; this machine has {_size(have)} available{fewer}")

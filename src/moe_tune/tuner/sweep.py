@@ -52,7 +52,8 @@ def preflight(request: SweepRequest) -> SweepPlan:
     the sweep, not after). `run_sweep` calls it; a caller may call it first to fail before it prints anything."""
     plan = SweepPlan(request)
     plan.check_runs_here()
-    memory.check_fits(plan.op, request.problem)
+    workers = request.settings.workers
+    memory.check_fits(plan.op, request.problem, workers if uses_workers(workers) else 1)
     _check_environment(request.settings.workers)
     if request.settings.keep_trace_dir is not None:
         paths.writable_dir(request.settings.keep_trace_dir, "cannot write traces to")

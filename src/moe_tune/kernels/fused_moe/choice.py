@@ -205,6 +205,9 @@ class MoeFusionOp(KernelOp):
         `sweep_memory(problem, workers=1)`. Each compile worker adds its share (`memory_parts`)."""
         return sweep_memory(problem, workers=1)
 
+    def sweep_memory(self, problem: FusionProblem, workers: int) -> int:
+        return sweep_memory(problem, workers)
+
     def tolerance(self, problem: FusionProblem) -> float:
         """The dtype's (`kernel_op.TOLERANCE`); a bf16/f16 training step's twice that: its gradients pass
         through more roundings in the layer's dtype than the forward (dh, the activation's derivative), and
