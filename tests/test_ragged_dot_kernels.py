@@ -118,6 +118,34 @@ def test_tiled_drhs_windows_cover_long_groups_empty_groups_and_shards(tm, group_
     assert drhs_window(10_000, m=m, groups=groups) == 80  # 2 * ceil(100 / 3) = 68, rounded up to 16s
 
 
+@pytest.mark.parametrize("groups", [1, 2, 3, 5])
+def test_tiled_bfloat16_drhs_windows_read_lhs_transposed_into_the_bf16_dot(groups):
+    """bf16 tgmm per group: every window's dot inside the loops is x^T [k, window] @ dout [window, n]
+    (lhs_contracting_dims={1}, a `__ynn_fusion`: XLA CPU's bf16 dot; the rows-contracted form it runs in
+    float32, 1.6-1.7x slower at deepseek-v2-lite's prefill drhs, benchmarks/NOTES.md session 16 (A)); only
+    group 0's first window, outside every loop, keeps that form. With 1 or 2 groups (the group loop inlined
+    by XLA) every dot keeps it: there the transposed form compiled to a dot XLA CPU cannot run. Results
+    against float64 at every group count."""
+    m, k, n = 16 * groups + 5, 24, 40
+    sizes = np.full(groups, 16, np.int32)
+    sizes[-1] += 5
+    rng = np.random.default_rng(groups)
+    lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+    kernel = jax.jit(lambda x, d, s: tiled_transposed_ragged_dot(x, d, s, tm=8, batched=False,
+                                                                 out_dtype=jnp.bfloat16, num_groups=groups))
+    got = np.asarray(kernel(lhs, dout, jnp.asarray(sizes)), np.float32)
+    ref = ragged_dot_drhs_reference(np.asarray(lhs, np.float32), np.asarray(dout, np.float32), sizes,
+                                    groups=groups, group_offset=0)
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    hlo = kernel.lower(lhs, dout, jnp.asarray(sizes)).compile().as_text()
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    assert (groups > 2) == ("__ynn_fusion" in hlo)
+    rows_contracted = [line for line in dots if "lhs_contracting_dims={0}" in line]
+    assert len(rows_contracted) == (len(dots) if groups <= 2 else 1), dots
+    assert groups <= 2 or len(dots) >= 3  # group 0's first window, later windows, later groups' windows
+
+
 @pytest.mark.parametrize("m, groups", [(4096, 8), (6144, 8), (8192, 16)])  # groups of 512-768 rows
 def test_tiled_default_drhs_window_holds_balanced_groups_with_little_padding(m, groups):
     """The default drhs window holds the largest group of a typical draw of balanced routing whole (the
@@ -131,6 +159,8 @@ def test_tiled_default_drhs_window_holds_balanced_groups_with_little_padding(m, 
 
 _S = jax.ShapeDtypeStruct
 # name: (kernel, bf16 operands whose whole shape no op outside the loops may have); shapes differ from the outputs'
+# (the per-group drhs does transpose its lhs whole, on purpose, into [k, m]: see
+# test_tiled_bfloat16_drhs_windows_read_lhs_transposed_into_the_bf16_dot)
 TILED_BF16_KERNELS = {
     "fwd": (lambda x, w, s: tiled_ragged_dot(x, w, s, tm=16, tk=48, tn=40, tail=8, out_dtype=jnp.bfloat16),
             (_S((64, 48), jnp.bfloat16), _S((4, 48, 40), jnp.bfloat16))),

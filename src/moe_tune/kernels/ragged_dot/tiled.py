@@ -183,16 +183,33 @@ def tiled_transposed_ragged_dot(
     # quantized lhs values: dequantized one window at a time, in f32 (times their sub-channel scale)
     operand, acc_dtype = (jnp.dtype(jnp.float32),) * 2 if plan.float32_dots else _dot_dtypes(lhs.dtype, dout.dtype)
     x_dtype, d_dtype = lhs.dtype, dout.dtype
+    # bf16 windows in the per-group schedule read lhs transposed, [k, m], made once (one pass over lhs): the
+    # window's dot is then x^T [k, window] @ dout [window, n], a form XLA CPU runs in its bf16 dot library
+    # (a `__ynn_fusion`); the contraction over the rows of both operands (the form of the f32 path) it runs
+    # in float32 instead, 1.8x slower at deepseek-v2-lite's prefill drhs (benchmarks/NOTES.md, session 16 (A)).
+    # A transpose made per window is folded back into the dot by XLA, so the whole of lhs is transposed, and
+    # only for more than 2 groups: with 2 the group loop runs once, XLA inlines it, folds the transpose into
+    # the dot as well and then fails to run the bf16 dot it made ("Unsupported element type for
+    # DotThunk::Execute: BF16 x BF16 = F32"; `windows`' in_loop is the same case for group 0).
+    lhs_t = (as_bits(lhs).T if not batched and num_groups > 2 and operand == jnp.bfloat16
+             and x_dtype == jnp.bfloat16 and plan.a.scale is not Apply.DEQUANTIZE else None)
 
-    def windows(step, first, end):
+    def windows(step, first, end, in_loop: bool = True):
         """[b, k, n] in acc_dtype: for each of b groups (first, end: int [b]), the product of its rows in
-        [first, end) of the window that starts at `first`; `step`: the loop iteration it runs in."""
+        [first, end) of the window that starts at `first`; `step`: the loop iteration it runs in; `in_loop`
+        False: a dot outside every loop, which reads lhs untransposed (see lhs_t)."""
         # per_iteration: the bf16 -> bits view fuses into this window's slice or gather (loop_dtypes); a view
         # made once outside a loop is a pass over the whole operand.
         x_bits, d_bits = as_bits(per_iteration(lhs, step)), as_bits(per_iteration(dout, step))
         row0 = jnp.minimum(first, m - window)  # shifted back to end at row m
         rows = row0[:, None] + in_window[None, :]  # [b, window]
         keep = (rows >= first[:, None]) & (rows < jnp.minimum(end, first + window)[:, None])
+        if len(first) == 1 and lhs_t is not None and in_loop:  # x^T [k, window] @ dout window [window, n] (see lhs_t)
+            x = load(jax.lax.dynamic_slice_in_dim(lhs_t, row0[0], window, axis=1), x_dtype, operand)
+            x = jnp.where(keep[0][None, :], x, jnp.zeros((), operand))
+            d = load(jax.lax.dynamic_slice_in_dim(d_bits, row0[0], window, axis=0), d_dtype, operand)
+            product = jax.lax.dot_general(x, d, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+            return product.reshape(1, k, n)
         if len(first) == 1:  # a slice and a 2-D dot: XLA CPU's gather and batched dot are slower (NOTES 17)
             take = lambda a: jax.lax.dynamic_slice_in_dim(a, row0[0], window, axis=0)
             keep, dims = keep[0], (((0,), (0,)), ((), ()))
@@ -219,10 +236,11 @@ def tiled_transposed_ragged_dot(
 
         return jax.lax.fori_loop(0, num_groups, add_later, windows(0, starts, ends)).astype(out_dtype)
 
-    def result(g):
+    def result(g, in_loop: bool = True):
         """[1, k, n] in out_dtype: group g's result."""
         count, product = later_windows(g)
-        acc = jax.lax.fori_loop(0, count, lambda w, acc: acc + product(w), windows(g, starts[g][None], ends[g][None]))
+        first = windows(g, starts[g][None], ends[g][None], in_loop)
+        acc = jax.lax.fori_loop(0, count, lambda w, acc: acc + product(w), first)
         return acc.astype(out_dtype)
 
     # The output is carried in its own dtype and each group's block written in place (`update_slice`: a
@@ -231,7 +249,7 @@ def tiled_transposed_ragged_dot(
     # constant init is one XLA CSEs between two drhs of one shape (gate and up), after which neither loop
     # runs in its own buffer (a weight-sized copy each; NOTES session 14 (A)).
     return jax.lax.fori_loop(1, num_groups, lambda g, out: update_slice(out, result(g), (g, 0, 0)),
-                             jnp.broadcast_to(result(jnp.int32(0)), (num_groups, k, n)))
+                             jnp.broadcast_to(result(jnp.int32(0), False), (num_groups, k, n)))
 
 
 def _pow2_up_to(limit: int, low: int) -> list[int]:
