@@ -73,7 +73,8 @@ def main() -> None:
             ratio = (t["old"] + t["old2"]) / (t["new"] + t["new2"])
             print(f"m={m} k={k} n={n} g={groups} {dtype:<8} tm={config.tm}: "
                   f"old {t['old'] * 1e3:.1f}/{t['old2'] * 1e3:.1f} ms  new {t['new'] * 1e3:.1f}/{t['new2'] * 1e3:.1f} ms"
-                  f"  old/new {ratio:.2f}x  spread {max(result['spread'].values()):.0%}  max error / max |ref| old "
+                  f"  old/new {ratio:.2f}x  spread {max(result['spread'].values()):.0%}"
+                  f"  max error / max |ref| old "
                   f"{error['old']:.1e} new {error['new']:.1e}  temp MiB old {temp['old']:.1f} new {temp['new']:.1f}",
                   flush=True)
     print("load after:", uptime())
