@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,23 +31,18 @@ from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot, tiled_transposed_r
 SHAPES = "2048:2048:768:128,8192:2048:768:32"
 
 
-def load_old(path: str):
-    return load_file_module(path, "old_tiled").tiled_transposed_ragged_dot
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old", help="the tiled.py to compare against")
-    parser.add_argument("--shapes", default=SHAPES)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--samples", type=int, default=9)
-    args = parser.parse_args()
-    old = load_old(args.old)
+def compare_old_new(old_file: str, shapes: str, dtypes: str, samples: int,
+                    judge: Callable[[dict, dict], str]) -> None:
+    """For each `m:k:n:groups` shape and dtype: the drhs of `old_file`'s kernel (`old`) and of the installed one
+    (`new`) in the per-group schedule, the backend's default tm, the same seeded inputs; prints both times (A B A B
+    ..., twice in both orders), their ratio, the spread, each program's temp memory and what `judge(variants,
+    inputs)` says of their outputs (it may raise: a bit-identity check)."""
+    old = load_file_module(old_file, "old_tiled").tiled_transposed_ragged_dot
     uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print("load before:", uptime(), flush=True)
-    for shape in args.shapes.split(","):
+    for shape in shapes.split(","):
         m, k, n, groups = (int(v) for v in shape.split(":"))
-        for dtype in args.dtypes.split(","):
+        for dtype in dtypes.split(","):
             problem = RaggedDotProblem(m=m, k=k, n=n, groups=groups, lhs_dtype=dtype, rhs_dtype=dtype,
                                        out_dtype=dtype, direction="drhs")
             config = TiledRaggedDot().default_config(problem)
@@ -58,20 +54,34 @@ def main() -> None:
                                                      batched=False, out_dtype=jnp.dtype(dtype),
                                                      num_groups=groups))
                         for name, fn in (("old", old), ("new", tiled_transposed_ragged_dot))}
-            outs = {name: np.asarray(jax.jit(fn)(inputs).astype(jnp.float32)) for name, fn in variants.items()}
-            np.testing.assert_array_equal(outs["old"], outs["new"])
+            verdict = judge(variants, inputs)
             temp = {name: jax.jit(fn).lower(inputs).compile().memory_analysis().temp_size_in_bytes / 2**20
                     for name, fn in variants.items()}
-            # A B A B ... twice, in both orders
             result = time_variants({**variants, "old2": variants["old"], "new2": variants["new"]}, inputs,
-                                   samples=args.samples)
+                                   samples=samples)
             t = result["times_s"]
             ratio = (t["old"] + t["old2"]) / (t["new"] + t["new2"])
             print(f"m={m} k={k} n={n} g={groups} {dtype:<8} tm={config.tm}: "
                   f"old {t['old'] * 1e3:.1f}/{t['old2'] * 1e3:.1f} ms  new {t['new'] * 1e3:.1f}/{t['new2'] * 1e3:.1f} ms"
-                  f"  old/new {ratio:.2f}x  spread {max(result['spread'].values()):.0%}  temp MiB old "
+                  f"  old/new {ratio:.2f}x  spread {max(result['spread'].values()):.0%}{verdict}  temp MiB old "
                   f"{temp['old']:.1f} new {temp['new']:.1f}", flush=True)
     print("load after:", uptime())
+
+
+def bit_identical(variants: dict, inputs: dict) -> str:
+    outs = {name: np.asarray(jax.jit(fn)(inputs).astype(jnp.float32)) for name, fn in variants.items()}
+    np.testing.assert_array_equal(outs["old"], outs["new"])
+    return ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old", help="the tiled.py to compare against")
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--samples", type=int, default=9)
+    args = parser.parse_args()
+    compare_old_new(args.old, args.shapes, args.dtypes, args.samples, bit_identical)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ from moe_tune.profiles.verdict import (
 from moe_tune.tuner import finals
 from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.sweep_settings import SweepSettings
-from moe_tune.tuner.timing import _summarize
+from moe_tune.tuner.timing import summarize
 
 CONFIGS = get_op("ragged_dot").backends.get("tiled").search_space(get_op("ragged_dot").problem(
     m=256, k=128, n=128, groups=4))
 
 
 def _cand(index: int, samples: list[float], *, default: bool = False, ok: bool = True) -> Candidate:
-    c = Candidate(index, CONFIGS[index], is_default=default, timing=_summarize(samples, "trace", samples))
+    c = Candidate(index, CONFIGS[index], is_default=default, timing=summarize(samples, "trace", samples))
     if not ok:
         c.fail("compile", "boom")
     return c

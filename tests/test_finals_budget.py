@@ -20,7 +20,7 @@ from moe_tune.tuner import Reporter, finals
 from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.crossover import SideBySide
 from moe_tune.tuner.sweep_settings import SweepSettings
-from moe_tune.tuner.timing import _summarize
+from moe_tune.tuner.timing import summarize
 from test_evidence import CONFIGS
 
 
@@ -31,7 +31,7 @@ def _noisy(median: float, n: int, mad: float) -> list[float]:
 
 
 def _cand(index: int, samples: list[float], *, default: bool = False) -> Candidate:
-    return Candidate(index, CONFIGS[index], is_default=default, timing=_summarize(samples, "trace", samples))
+    return Candidate(index, CONFIGS[index], is_default=default, timing=summarize(samples, "trace", samples))
 
 
 def test_short_calls_get_about_the_time_budget_in_samples_capped():
@@ -74,7 +74,7 @@ def test_the_final_round_times_short_finalists_for_the_budget(monkeypatch):
 
     def fake(calls, *, samples, **kw):
         asked.append(samples)
-        return {i: _summarize(_noisy(t, samples, 0.01), "trace", [t]) for i, t in ((0, 0.012), (1, 0.010))
+        return {i: summarize(_noisy(t, samples, 0.01), "trace", [t]) for i, t in ((0, 0.012), (1, 0.010))
                 if i in calls}, None
 
     monkeypatch.setattr(finals, "time_candidates", fake)
@@ -139,10 +139,10 @@ def test_a_copy_of_the_default_under_shared_load_does_not_win_paired():
 def test_the_final_round_picks_by_paired_gain(monkeypatch):
     """The finalist faster round by round wins, though another's median is lower (its fast samples fell in
     the quiet rounds); none faster in the median round: the default."""
-    final = {0: _summarize([1.2 * x for x in LOAD], "trace", LOAD),
-             1: _summarize([x / 1.0 for x in LOAD], "trace", LOAD),  # 1.2x faster in every round
+    final = {0: summarize([1.2 * x for x in LOAD], "trace", LOAD),
+             1: summarize([x / 1.0 for x in LOAD], "trace", LOAD),  # 1.2x faster in every round
              # 1.05x slower than 1 in six rounds, 2-3x faster in two: a lower median, a smaller median gain
-             2: _summarize([1.05 * x for x in LOAD[:4]] + [0.5, 0.5] + [1.05 * x for x in LOAD[6:]], "trace", LOAD)}
+             2: summarize([1.05 * x for x in LOAD[:4]] + [0.5, 0.5] + [1.05 * x for x in LOAD[6:]], "trace", LOAD)}
     monkeypatch.setattr(finals, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
     default, a, b = _cand(0, [1.2] * 3, default=True), _cand(1, [1.0] * 3), _cand(2, [1.0] * 3)
     assert final[2].median_s < final[1].median_s
@@ -162,7 +162,7 @@ def test_finalists_timed_in_one_batch_keep_its_rounds_as_the_first_final_rounds(
 
     def fake(calls, *, samples, **kw):
         asked.append(samples)
-        return {i: _summarize([t] * samples, "trace", [t]) for i, t in ((0, 1.2), (1, 1.0)) if i in calls}, None
+        return {i: summarize([t] * samples, "trace", [t]) for i, t in ((0, 1.2), (1, 1.0)) if i in calls}, None
 
     monkeypatch.setattr(finals, "time_candidates", fake)
     settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0)
@@ -198,7 +198,7 @@ def test_the_final_round_stops_once_no_finalist_can_beat_the_default(monkeypatch
 
     def fake(calls, *, samples, **kw):
         asked.append(samples)
-        return {i: _summarize([per_round[i]] * samples, "trace", [per_round[i]]) for i in calls}, None
+        return {i: summarize([per_round[i]] * samples, "trace", [per_round[i]]) for i in calls}, None
 
     monkeypatch.setattr(finals, "time_candidates", fake)
     settings = SweepSettings(samples=3, workers=1, finalists=2, final_time_s=0.3)  # 0.3 s of 20 ms calls: 15 rounds

@@ -17,7 +17,7 @@ from moe_tune.profiles.verdict import PAIRED_MIN_NOISE
 from moe_tune.tuner import SweepRequest, run_sweep, warm_start
 from moe_tune.tuner import strategies as S
 from moe_tune.tuner.candidate import Candidate, same_rounds
-from moe_tune.tuner.timing import _summarize
+from moe_tune.tuner.timing import summarize
 from test_strategies import BIG, SPACE, TILED, _run, bowl
 
 OPTIMUM = {"tm": 256, "tk": 2048, "tn": 512, "tail": 32}
@@ -223,7 +223,7 @@ def test_a_move_within_one_batch_is_judged_round_by_round():
         out = {}
         for (config, samples), batch in zip(rounds.items(), batches):
             out[config] = Candidate(len(out), config, is_default=config == SPACE[0],
-                                    timing=_summarize(samples, "trace", samples), batch=batch)
+                                    timing=summarize(samples, "trace", samples), batch=batch)
         return out
 
     together, apart = measured([0, 0]), measured([0, 1])

@@ -9,12 +9,14 @@ call each per round, and compares each with the default PAIRED (`profiles.verdic
 default's time over the finalist's, so that load both calls of a round share cancels. The finalist with the
 largest median per-round gain is the best; a gain no more than the noise (twice the ratios' relative median
 absolute deviation, narrowed as a median's standard error for more than 6 rounds) is not a win: the default
-is kept. When every finalist was timed in one batch of this sweep with all its rounds (`candidate.same_rounds`:
-a warm sweep's first round of the default and one or two seeds, or a last batch that holds them all), those
-rounds are the final round's first ones: the final round times only the rounds still missing; and it stops
-once no finalist can beat the default whatever the rounds left show (`settled`: a win needs more than half of
-the rounds past the paired floor), which keeps the winner the whole round would give (issue 32, session 16). Comparing two medians, each with its own MAD, kept the default against a 1.6x faster finalist under
-load ("within noise +-68%", NOTES.md issue 32 session 14 (D)). A sweep
+is kept. Comparing two medians, each with its own MAD, kept the default against a 1.6x faster finalist under
+load ("within noise +-68%", NOTES.md issue 32 session 14 (D)).
+
+When every finalist was timed in one batch of this sweep with all its rounds (`candidate.same_rounds`: a warm
+sweep's first round of the default and one or two seeds, or a last batch that holds them all), those rounds
+are the final round's first ones: the final round times only the rounds still missing; and it stops once no
+finalist can beat the default whatever the rounds left show (`settled`: a win needs more than half of the
+rounds past the paired floor), which keeps the winner the whole round would give (issue 32, session 16). A sweep
 that cannot apply the rule (interrupted before its final round) keeps the default too, and says `unverified`
 and why. The outcome is a `Verdict`
 (the rule applied, the threshold, the finalists' timings of both rounds), which the entry records.
@@ -36,7 +38,7 @@ from moe_tune.tuner.result import Reporter, SweepError
 from moe_tune.tuner.sweep_settings import SweepSettings
 from moe_tune.tuner.state import SweepState
 from moe_tune.tuner.step import Step
-from moe_tune.tuner.timing import Timing, _summarize, time_candidates
+from moe_tune.tuner.timing import Timing, summarize, time_candidates
 
 # The most samples a finalist gets from the time budget (`final_samples`): 40 rounds of the profiler cost
 # ~20 ms here; the noise threshold stops narrowing at 24 (verdict.MIN_NOISE_SCALE), more steady the medians.
@@ -168,7 +170,7 @@ def settled(timed: dict[int, Timing], default: Candidate, chosen: Sequence[Candi
 def joined(first: Timing, then: Timing) -> Timing:
     """One timing of `first`'s rounds followed by `then`'s (the same candidates, paired round by round); its
     wall-clock median is `then`'s (the wall samples of `first` are not kept)."""
-    return _summarize([*first.samples_s, *then.samples_s], then.method, [then.wall_median_s])
+    return summarize([*first.samples_s, *then.samples_s], then.method, [then.wall_median_s])
 
 
 def run_finals(state: SweepState) -> Generator[Step, None, tuple[Candidate, Verdict]]:

@@ -63,7 +63,9 @@ class Timing:
         return d
 
 
-def _summarize(values: list[float], method: str, wall: list[float]) -> Timing:
+def summarize(values: list[float], method: str, wall: list[float]) -> Timing:
+    """The `Timing` of one candidate's samples (`values`: seconds per call, one per round, by `method`:
+    trace or wall), with the median of its wall-clock samples `wall`."""
     med = statistics.median(values)
     return Timing(
         median_s=med, min_s=min(values), max_s=max(values),
@@ -328,8 +330,8 @@ def time_candidates(
     if problems:
         i, why = next(iter(problems.items()))
         fallback = f"profiler trace failed the wall-clock cross-check for {len(problems)} candidate(s), e.g. #{i}: {why}"
-        return {i: _summarize(wall[i], "wall", wall[i]) for i in calls}, fallback
-    return {i: _summarize(trace[i], "trace", wall[i]) for i in calls}, None
+        return {i: summarize(wall[i], "wall", wall[i]) for i in calls}, fallback
+    return {i: summarize(trace[i], "trace", wall[i]) for i in calls}, None
 
 
 def _race(active: list[int], first: Mapping[int, list[float]], factor: float, best_s: float | None) -> list[int]:
