@@ -214,3 +214,23 @@ def test_the_final_round_stops_once_no_finalist_can_beat_the_default(monkeypatch
     d = _cand(0, [1.0] * 4, default=True)
     at = lambda samples: finals.settled({0: d.timing, 1: _cand(1, samples).timing}, d, [d, _cand(1, [1.0])], 6)
     assert at([1.0, 1.0, 1.0, 0.95]) and not at([1.0, 1.0, 1.0, 0.5]) and not at([1.0, 1.0, 0.5, 0.5])
+
+
+def test_a_final_round_whose_clock_keeps_switching_ends(monkeypatch):
+    """Each switch between the trace and the wall clock drops the other clock's rounds; a round whose every
+    chunk switches (a trace parse refused every other call) still ends, after as many chunks as its rounds, and
+    reports the wall clock's reason."""
+    calls = []
+
+    def fake(timed_calls, *, samples, **kw):
+        method = ("trace", "wall")[len(calls) % 2]
+        calls.append(samples)
+        return ({i: summarize([t] * samples, method, [t]) for i, t in ((0, 1.2), (1, 1.0)) if i in timed_calls},
+                "cross-check refused" if method == "wall" else None)
+
+    monkeypatch.setattr(finals, "time_candidates", fake)
+    settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0)
+    default, seed = _cand(0, [1.2] * 3, default=True), _cand(1, [1.0] * 3)
+    winner, verdict, fallback = finals.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
+    assert len(calls) == finals.final_samples(settings) and fallback == "cross-check refused"
+    assert winner.timing.method == ("trace", "wall")[(len(calls) - 1) % 2]

@@ -183,9 +183,10 @@ def test_trace_timing_parses_one_event_per_run_and_the_method_is_recorded(tmp_pa
     refused = [why for why in (real(*args) for args in checked) if why]
     timed = [c.timing for c in result.candidates if c.timing is not None]
     assert len(timed) == 4
-    if refused:
-        assert result.entry.timing["method"] == "wall" and "cross-check" in result.entry.timing_fallback
-        assert {t.method for t in timed} == {"wall"}
+    if refused:  # some batch or final-round chunk on the wall clock: the entry says why, its own clock is its rounds'
+        assert "cross-check" in result.entry.timing_fallback
+        assert {t.method for t in timed} <= {"wall", "trace"}
+        assert result.entry.timing["method"] == result.best.timing.method
     else:
         assert result.entry.timing["method"] == "trace" and result.entry.timing_fallback is None
         assert {t.method for t in timed} == {"trace"}

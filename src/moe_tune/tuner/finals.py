@@ -129,7 +129,10 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
     reporter.stage("finalists", samples - _rounds(timed))
     first_stop = earliest_stop(samples)
     fallback, chunk = None, 0
-    while _rounds(timed) < samples and not (_rounds(timed) >= first_stop and settled(timed, default, chosen, samples)):
+    # each chunk adds a round or more; `chunk < samples` ends a round whose clock keeps switching (each switch
+    # drops the other clock's rounds) after as many calls as the whole round would have made
+    while chunk < samples and _rounds(timed) < samples and not (
+            _rounds(timed) >= first_stop and settled(timed, default, chosen, samples)):
         final, why = time_candidates(
             {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
             samples=max(1, first_stop - _rounds(timed)), platform=platform, seed=settings.seed + 1 + 7919 * chunk,
