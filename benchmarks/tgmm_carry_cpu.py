@@ -74,14 +74,20 @@ def bit_identical(variants: dict, inputs: dict) -> str:
     return ""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main_for(description: str, judge: Callable[[dict, dict], str], *, shapes: str, dtypes: str, samples: int) -> None:
+    """A benchmark's command line (the old kernel's file, --shapes, --dtypes, --samples with these defaults),
+    then `compare_old_new` with `judge`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("old", help="the tiled.py to compare against")
-    parser.add_argument("--shapes", default=SHAPES)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--samples", type=int, default=9)
+    parser.add_argument("--shapes", default=shapes)
+    parser.add_argument("--dtypes", default=dtypes)
+    parser.add_argument("--samples", type=int, default=samples)
     args = parser.parse_args()
-    compare_old_new(args.old, args.shapes, args.dtypes, args.samples, bit_identical)
+    compare_old_new(args.old, args.shapes, args.dtypes, args.samples, judge)
+
+
+def main() -> None:
+    main_for(__doc__.splitlines()[0], bit_identical, shapes=SHAPES, dtypes="bfloat16,float32", samples=9)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ the same bf16 inputs and its temp memory are printed with its time.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tgmm_carry_cpu import compare_old_new  # noqa: E402 - the same old/new timing, another judge
+from tgmm_carry_cpu import main_for  # noqa: E402 - the same old/new timing, another judge
 
 # deepseek-v2-lite prefill (4096 tokens x 6, 64 experts): the gate / up drhs and the down drhs
 SHAPES = "24576:2048:1408:64,24576:1408:2048:64"
@@ -42,13 +41,7 @@ def errors_against_float64(variants: dict, inputs: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old", help="the tiled.py to compare against")
-    parser.add_argument("--shapes", default=SHAPES)
-    parser.add_argument("--dtypes", default="bfloat16")
-    parser.add_argument("--samples", type=int, default=5)
-    args = parser.parse_args()
-    compare_old_new(args.old, args.shapes, args.dtypes, args.samples, errors_against_float64)
+    main_for(__doc__.splitlines()[0], errors_against_float64, shapes=SHAPES, dtypes="bfloat16", samples=5)
 
 
 if __name__ == "__main__":
