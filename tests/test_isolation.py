@@ -220,4 +220,3 @@ def test_map_calls_back_on_the_callers_thread_and_an_error_there_stops_the_rest(
     while pool._idle.qsize() < 2 and time.monotonic() < deadline:  # the requests in flight finish
         time.sleep(0.05)
     assert pool._idle.qsize() == 2
-

@@ -166,8 +166,9 @@ class KernelOp(abc.ABC):
 
     def sweep_memory(self, problem: Any, workers: int) -> int:
         """Bytes a sweep of `problem` with `workers` compile worker processes (1: none) holds at its peak.
-        By default `memory_estimate`: the workers' own copies are small next to it for the kernels' shapes; an
-        op whose workers each hold a large share (a whole layer's weights and gradients) says so here."""
+        By default `memory_estimate` alone: the workers' shares (each its device copy of the inputs and one
+        output) are not counted. An op whose workers each hold a large share (moe_fusion: a whole layer's
+        weights and gradients) counts them here."""
         return self.memory_estimate(problem)
 
     def distribution_record(self, problem: Any, distribution: str, seed: int,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner.timing import Timing
 

@@ -43,9 +43,9 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
     Returns {"status", "stage", "reason", "compile_s", "compiles", "executable", "error", "run_s"} (and the
     CPU seconds of the compile and the run, "compile_cpu_s", "run_cpu_s"):
     status OK with the serialized executable (None when it cannot travel, e.g. a Python host callback;
-    "local_reason" says why) and the output's relative error against the reference, or FAILED at stage "compile" or "run" with the reason. Once
-    compiled it reports progress ("compiled"), so that if running it kills or hangs this worker the caller
-    knows the compile went through and the run did not.
+    "local_reason" says why) and the output's relative error against the reference, or FAILED at stage
+    "compile" or "run" with the reason. Once compiled it reports progress ("compiled"), so that if running it
+    kills or hangs this worker the caller knows the compile went through and the run did not.
     """
     start, cpu = time.perf_counter(), time.process_time()
     try:

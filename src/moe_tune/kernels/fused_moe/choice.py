@@ -6,9 +6,9 @@ sweep times by running the whole layer each way (each way's kernels with their o
 float64 reference of the layer. Two directions, chosen apart: `fwd` times the layer's forward (inference),
 `bwd` its forward and backward together (a training step: every gradient, in x, the router logits and the three
 weights, computed; dx, d(router logits) and 4 experts' weight gradients checked against float64 ones,
-`layer_reference.py`). `memory_parts` / `sweep_memory`: what a sweep of a shape holds. `moe_mlp(..., fused=None)` looks the winners up per shape at trace
-time: the `fwd` one runs where the layer is only evaluated, the `bwd` one where it is differentiated
-(`layer.serve_or_train`).
+`layer_reference.py`). `memory_parts` / `sweep_memory`: what a sweep of a shape holds.
+`moe_mlp(..., fused=None)` looks the winners up per shape at trace time: the `fwd` one runs where the layer
+is only evaluated, the `bwd` one where it is differentiated (`layer.serve_or_train`).
 """
 
 from __future__ import annotations
