@@ -29,10 +29,11 @@ B = {"tm": 16, "tk": 64, "tn": 128, "tail": 8}
 C = {"tm": 32, "tk": 64, "tn": 128, "tail": 16}
 
 
-def _entry(problem, config, *, distribution="balanced", op="ragged_dot", median=1e-3):
+def _entry(problem, config, *, distribution="balanced", op="ragged_dot", median=1e-3, results=None):
     fields = {**problem.key_fields(), "backend": "tiled", "distribution": distribution}
     return {"key": entry_key(op, problem, "tiled", distribution), "op": op, "fields": fields, "config": config,
-            "timing": {"median_s": median}, "versions": {"backend_revision": get_op(op).backends.get("tiled").revision}}
+            "timing": {"median_s": median}, "versions": {"backend_revision": get_op(op).backends.get("tiled").revision},
+            **({"results": results} if results is not None else {})}
 
 
 def _table_path(directory: Path, op: str = "ragged_dot") -> Path:
@@ -56,6 +57,9 @@ class _Timed:
 
     def to_json(self):
         return {"median_s": self.median_s, "unusable": self.unusable}
+
+    def ratio(self, name, over):
+        return self.median_s[name] / self.median_s[over] if {name, over} <= self.median_s.keys() else None
 
 
 def _fake_timer(crossover: int, calls: list):
@@ -114,6 +118,62 @@ def test_ladder_bisects_each_boundary_writes_intervals_and_reuses_them(isolated_
     assert again == [] and outcome.reused == 2  # a rerun measures nothing twice
     table = read_table(_table_path(isolated_profiles))
     assert len(table["intervals"]) == 3  # the rerun replaced the intervals it re-measured
+
+
+def _results(times):
+    """A sweep's first-round results: (config, median seconds) pairs."""
+    return [{"config": config, "status": "ok", "median_s": median} for config, median in times]
+
+
+def _physical_timer(time_of, calls: list):
+    """A stand-in for `crossover.time_side_by_side` whose configs take `time_of(config, m)` seconds."""
+
+    def timer(op, backend, problem, configs, *, distribution, seed, time_s=0.0):
+        calls.append(problem.m)
+        return _Timed({name: time_of(config, problem.m) for name, config in configs.items()})
+
+    return timer
+
+
+@pytest.mark.parametrize("wins", [True, False])
+def test_neighbours_sharing_a_winner_are_challenged_at_their_middle(isolated_profiles, wins):
+    # C won at 8 and 32; A was faster than C in both sweeps' first rounds (short of a finals win), B only at 8
+    results = _results([(C, 1.0), (A, 0.9), (B, 0.5)]), _results([(C, 1.0), (A, 0.95), (B, 1.5)])
+    write_entries(_table_path(isolated_profiles), "ragged_dot", "cpu",
+                  [_entry(dataclasses.replace(SMALL, m=m), C, results=r) for m, r in zip((8, 32), results)])
+    _, (ladder,) = _ladder([8, 32])
+    assert ladders.challenger(C, *(_entry(SMALL, C, results=r) for r in results)) == A
+
+    def time_of(config, m):  # A is faster than C for 12 <= m < 21 (when it wins at all)
+        return 0.5 if config == A and wins and 12 <= m < 21 else 2.0 if config == A else 1.0
+
+    calls: list[int] = []
+    outcome = ladders.measure(ladder, SweepSettings(), "cpu", timer=_physical_timer(time_of, calls))
+    spans = [(r["lo"], r["hi"], r["config"]) for r in outcome.intervals]
+    challenges = [c for r in outcome.intervals for c in r["evidence"]["challenges"]]
+    assert [(c["at"], c["challenger"], c["won"]) for c in challenges] == [(16, A, wins)]
+    if wins:
+        # 8..16: C at 11, A at 13 -> crossover 12; 16..32 (A below C): C at 23, A at 19 -> crossover 21
+        assert calls == [16, 11, 13, 23, 19] and outcome.challenged == 1 and outcome.measured == 2
+        assert spans == [(8, 12, C), (12, 21, A), (21, 33, C)]
+        assert outcome.intervals[1]["entries"] == [] and outcome.intervals[1]["evidence"]["won_at"] == [16]
+    else:
+        assert calls == [16] and spans == [(8, 33, C)] and outcome.intervals[0]["entries"] == [
+            entry_key("ragged_dot", dataclasses.replace(SMALL, m=m), "tiled", "balanced") for m in (8, 32)]
+    again: list[int] = []
+    outcome = ladders.measure(ladder, SweepSettings(), "cpu", timer=_physical_timer(time_of, again))
+    assert again == [] and outcome.challenged == 0  # the challenge and the boundaries are reused
+    assert [(r["lo"], r["hi"], r["config"]) for r in outcome.intervals] == spans
+
+
+def test_a_boundary_is_decided_by_the_per_round_ratios():
+    from moe_tune.tuner.crossover import SideBySide
+
+    # one round slowed by load for `upper` alone: its median is the larger, yet it won two rounds of three
+    timed = SideBySide({"lower": 2.0, "upper": 3.0}, {}, 3, "trace", None, {},
+                       {"lower": (2.0, 2.0, 4.0), "upper": (1.0, 3.0, 3.0)})
+    assert timed.fastest() == "lower" and timed.ratio("upper", "lower") == 0.75
+    assert timed.ratio("upper", "gone") is None
 
 
 @pytest.mark.parametrize("m,source,config", [(16, "exact", B), (13, "interval", B), (9, "interval", A),

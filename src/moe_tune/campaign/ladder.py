@@ -9,8 +9,17 @@ high end). The table then holds intervals `[lo, hi)`: the first starts at the la
 boundary starts the next, the last ends after the ladder's last count; neighbours with the same winner share
 one interval. Beyond the ladder lookup falls back to the nearest entry.
 
-A rerun measures nothing twice: a boundary the table's intervals already record for the same two counts and
-winners is reused.
+Neighbours with the same winner are challenged first: a rung's sweep finds its winner at that count only,
+and the counts in between are not the rungs' (a power of two splits evenly into balanced groups, so no row tile
+leaves a tail there; in between every group has one). When another config ran faster than the shared winner in
+both rungs' sweeps (their first rounds, where a winner short of the finals' 10% gain over the default is left
+unchosen), it is timed side by side with the winner at the geometric middle; if it is faster there too (the
+median of the per-round ratios), the middle becomes a point of the ladder with that config as its winner, and
+its boundaries with both rungs are bisected as any. Three measurements agreeing is the evidence; the interval
+records the challenge (`evidence.challenges`), won or lost.
+
+A rerun measures nothing twice: a boundary or a challenge the table's intervals already record for the same
+counts and configs is reused.
 """
 
 from __future__ import annotations
@@ -95,6 +104,7 @@ class LadderOutcome:
     intervals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     measured: int = 0
     reused: int = 0
+    challenged: int = 0  # challenges timed now (reused ones count in `reused`)
     notes: list[str] = dataclasses.field(default_factory=list)
     table: Path | None = None
 
@@ -121,6 +131,8 @@ def measure(ladder: Ladder, settings: SweepSettings, device_kind: str, *, timer:
     if len(points) < 2:
         outcome.notes.append("fewer than two tuned counts: no interval written")
         return outcome
+    rungs = [p[0] for p in points]
+    points, challenges = _challenged(ladder, points, settings, timer, _known_challenges(table, ladder), outcome)
     segments: list[tuple[int, list[tuple[int, str, dict]], dict | None]] = [(points[0][0], [points[0]], None)]
     for below, above in zip(points, points[1:]):
         if _config(below[2]) == _config(above[2]):
@@ -138,12 +150,12 @@ def measure(ladder: Ladder, settings: SweepSettings, device_kind: str, *, timer:
         segments.append((boundary["crossover"], [above], boundary))
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     ends = [start for start, _, _ in segments[1:]] + [points[-1][0] + 1]
-    counts = [p[0] for p in points]
     for (start, won, below), end in zip(segments, ends):
         outcome.intervals.append(iv.make_interval(
             ladder.op, ladder.family, ladder.field, start, end, config=_config(won[0][2]), scale=ladder.scale,
-            entries=[key for _, key, _ in won], versions=won[0][2].get("versions") or {}, tuned_at=now,
-            evidence={"ladder": counts, "won_at": [c for c, _, _ in won], "below": below}))
+            entries=[key for _, key, _ in won if key is not None], versions=won[0][2].get("versions") or {},
+            tuned_at=now, evidence={"ladder": rungs, "won_at": [c for c, _, _ in won], "below": below,
+                                    "challenges": [c for c in challenges if start <= c["at"] < end]}))
     update_table(table, ladder.op, device_kind, lambda t: iv.replace_intervals(t, outcome.intervals))
     return outcome
 
@@ -152,36 +164,45 @@ def _config(entry: Mapping[str, Any]) -> dict[str, Any]:
     return dict(entry["config"])
 
 
+def _ident(config: Mapping[str, Any]) -> str:
+    """A config as a comparable text (its items sorted)."""
+    return repr(sorted(dict(config).items()))
+
+
 def _boundary_ident(below: tuple, above: tuple) -> tuple:
-    return (below[0], above[0], repr(sorted(_config(below[2]).items())), repr(sorted(_config(above[2]).items())))
+    return (below[0], above[0], _ident(below[2]["config"]), _ident(above[2]["config"]))
 
 
 def _known_boundaries(table: Path, ladder: Ladder) -> dict[tuple, dict[str, Any]]:
     """Boundaries the table's intervals of this family already record, by (counts, winners)."""
-    from moe_tune.profiles.table import read_table
+    found = {}
+    for record in _family_intervals(table, ladder):
+        boundary = (record.get("evidence") or {}).get("below")
+        if isinstance(boundary, Mapping) and "crossover" in boundary:
+            lower, upper = boundary["lower"], boundary["upper"]
+            ident = (lower["count"], upper["count"], _ident(lower["config"]), _ident(upper["config"]))
+            found[ident] = dict(boundary)
+    return found
+
+
+def _family_intervals(table: Path, ladder: Ladder) -> list[dict[str, Any]]:
+    """The intervals `table` holds for this ladder's family (none when it is missing or unreadable)."""
     from moe_tune.errors import TableError
+    from moe_tune.profiles.table import read_table
 
     try:
         held = read_table(table).get(iv.INTERVALS, {}) if table.exists() else {}
     except TableError:
-        return {}
-    found = {}
-    for record in held.values():
-        if record.get("fields") != ladder.family or record.get("field") != ladder.field:
-            continue
-        boundary = (record.get("evidence") or {}).get("below")
-        if isinstance(boundary, Mapping) and "crossover" in boundary:
-            lower, upper = boundary["lower"], boundary["upper"]
-            ident = (lower["count"], upper["count"], repr(sorted(dict(lower["config"]).items())),
-                     repr(sorted(dict(upper["config"]).items())))
-            found[ident] = dict(boundary)
-    return found
+        return []
+    return [r for r in held.values() if isinstance(r, Mapping) and r.get("fields") == ladder.family
+            and r.get("field") == ladder.field]
 
 
 def _bisect(ladder: Ladder, below: tuple, above: tuple, settings: SweepSettings, timer: Timer,
             steps: int) -> dict[str, Any]:
     """Where the upper winner starts to beat the lower one between two tuned counts: `steps` side-by-side
-    timings of both winners, each at the geometric middle of the bracket left."""
+    timings of both winners, each at the geometric middle of the bracket left (the faster: by the median of
+    the per-round ratios)."""
     lo, hi = below[0], above[0]
     configs = {"lower": _config(below[2]), "upper": _config(above[2])}
     timed = []
@@ -191,7 +212,8 @@ def _bisect(ladder: Ladder, below: tuple, above: tuple, settings: SweepSettings,
             break
         result = timer(ladder.op, ladder.backend, ladder.problem_at(mid), configs,
                        distribution=ladder.distribution, seed=settings.seed, time_s=settings.final_time_s)
-        faster = result.fastest()
+        ratio = result.ratio("upper", "lower")
+        faster = result.fastest() if ratio is None else "upper" if ratio < 1 else "lower"
         timed.append({"at": mid, "faster": faster, **result.to_json()})
         if faster == "upper":
             hi = mid
@@ -202,6 +224,61 @@ def _bisect(ladder: Ladder, below: tuple, above: tuple, settings: SweepSettings,
             "upper": {"count": above[0], "config": configs["upper"], "entry": above[1]},
             "timed": timed, "bracket": [lo, hi], "crossover": crossover,
             "rule": "bisection in log space; the crossover is the geometric middle of the last bracket"}
+
+
+def challenger(shared: Mapping[str, Any], below: Mapping[str, Any], above: Mapping[str, Any]) -> dict | None:
+    """The config that ran faster than `shared` (the winner of both entries) in both sweeps (each entry's
+    `results`: the first round's medians), by the widest margin at the entry where its margin was narrower;
+    None when no config did."""
+
+    def medians(entry: Mapping[str, Any]) -> dict[str, tuple[dict, float]]:
+        return {_ident(r["config"]): (dict(r["config"]), r["median_s"]) for r in entry.get("results") or []
+                if r.get("status") == "ok" and isinstance(r.get("median_s"), (int, float)) and r["median_s"] > 0}
+
+    low, high, mine = medians(below), medians(above), _ident(shared)
+    if mine not in low or mine not in high:
+        return None
+    ratios = {ident: max(low[ident][1] / low[mine][1], high[ident][1] / high[mine][1])
+              for ident in low.keys() & high.keys() if ident != mine}
+    best = min(ratios, key=ratios.__getitem__, default=None)
+    return low[best][0] if best is not None and ratios[best] < 1 else None
+
+
+def _challenged(ladder: Ladder, points: list[tuple], settings: SweepSettings, timer: Timer,
+                known: dict[tuple, dict[str, Any]], outcome: LadderOutcome) -> tuple[list[tuple], list[dict]]:
+    """`points` with the middle of each pair of neighbours that share a winner added where a challenger
+    (`challenger`) beat it there too (as `(count, None, {"config": ..., "versions": ...})`), and every
+    challenge's record, timed now or reused from `known`."""
+    found, records = [points[0]], []
+    for below, above in zip(points, points[1:]):
+        shared = _config(below[2])
+        rival = challenger(shared, below[2], above[2]) if shared == _config(above[2]) else None
+        mid = round(math.sqrt(below[0] * above[0]))
+        if rival is not None and below[0] < mid < above[0]:
+            ident = (below[0], above[0], _ident(shared), _ident(rival))
+            record = known.get(ident)
+            if record is not None:
+                outcome.reused += 1
+            else:
+                result = timer(ladder.op, ladder.backend, ladder.problem_at(mid),
+                               {"shared": shared, "challenger": rival}, distribution=ladder.distribution,
+                               seed=settings.seed, time_s=settings.final_time_s)
+                ratio = result.ratio("challenger", "shared")
+                record = {"lower": below[0], "upper": above[0], "at": mid, "config": shared, "challenger": rival,
+                          "ratio": ratio, "won": ratio is not None and ratio < 1, **result.to_json()}
+                outcome.challenged += 1
+            records.append(record)
+            if record["won"]:
+                found.append((mid, None, {"config": rival, "versions": below[2].get("versions") or {}}))
+        found.append(above)
+    return found, records
+
+
+def _known_challenges(table: Path, ladder: Ladder) -> dict[tuple, dict[str, Any]]:
+    """Challenges the table's intervals of this family already record, by (counts, shared winner, challenger)."""
+    return {(c["lower"], c["upper"], _ident(c["config"]), _ident(c["challenger"])): dict(c)
+            for record in _family_intervals(table, ladder)
+            for c in (record.get("evidence") or {}).get("challenges") or [] if isinstance(c, Mapping)}
 
 
 def measure_campaign(campaign: Any, *, print_line: Callable[[str], None] = print) -> list[LadderOutcome]:
@@ -223,6 +300,7 @@ def measure_campaign(campaign: Any, *, print_line: Callable[[str], None] = print
         for record in outcome.intervals:
             config = ", ".join(f"{k}={v}" for k, v in record["config"].items())
             print_line(f"  {iv.describe_interval(record)}: {config}")
-        print_line(f"  {outcome.measured} boundaries measured, {outcome.reused} reused; intervals in {outcome.table}")
+        print_line(f"  {outcome.measured} boundaries and {outcome.challenged} challenges measured, {outcome.reused} "
+                   f"reused; intervals in {outcome.table}")
         found.append(outcome)
     return found

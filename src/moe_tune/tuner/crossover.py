@@ -11,6 +11,7 @@ run-to-run noise.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +48,17 @@ class SideBySide:
     def fastest(self) -> str | None:
         """The name of the fastest usable config (None when none is usable)."""
         return min(self.median_s, key=self.median_s.__getitem__) if self.median_s else None
+
+    def ratio(self, name: str, over: str) -> float | None:
+        """`name`'s time over `over`'s: the median of their per-round ratios when both have the same number of
+        samples (they ran in the same rounds, so a round slowed by load slows both), else the ratio of their
+        medians; None when either is unusable."""
+        if name not in self.median_s or over not in self.median_s:
+            return None
+        mine, theirs = self.samples_s.get(name, ()), self.samples_s.get(over, ())
+        if mine and len(mine) == len(theirs):
+            return statistics.median(a / b for a, b in zip(mine, theirs))
+        return self.median_s[name] / self.median_s[over]
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
