@@ -45,6 +45,23 @@ def test_self_times_subtract_nested_ops():
     assert counts == {"while": 1, "dot": 3, "copy": 1}
 
 
+def test_the_wall_time_no_op_event_covers_is_shown(capsys):
+    """A breakdown whose ops cover 60% of its wall time says that 40% is in no op's event; one whose ops cover
+    it all (or whose wall time was not measured) says nothing of it."""
+    from moe_tune.breakdown import Breakdown
+    from moe_tune.breakdown.ops import OpTime
+    from moe_tune.cli_render import breakdowns
+
+    ops = (OpTime("dot", 0.006, 1.0, 1.0),)
+    found = [Breakdown("winner", {"tm": 8}, "trace", 3, ops, wall_s=0.010),
+             Breakdown("default", {"tm": 16}, "trace", 3, ops, wall_s=0.005), Breakdown("x", {}, "trace", 3, ops)]
+    assert [b.untraced_share for b in found] == [pytest.approx(0.4), 0.0, 0.0]
+    assert found[0].to_json()["untraced_share"] == pytest.approx(0.4)
+    breakdowns(found, "table", top=5)
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("in no op's event") == 1 and "40% of its 10.000 ms of wall time" in out
+
+
 def test_cpu_readers_agree_on_one_trace(tmp_path):
     """The xplane reader and xprof's trace_viewer read the same per-op events of one trace: same ops, same
     calls, the same dominant op, the same shares."""
@@ -86,6 +103,7 @@ def test_entry_breakdown_both_readers_and_kept_traces(tuned, tmp_path):
     for a, b in zip(by_trace, by_xprof):
         assert {(o.name, o.count) for o in a.ops} == {(o.name, o.count) for o in b.ops}
         assert a.total_s > 0 and sum(o.share for o in a.ops) == pytest.approx(1.0)
+        assert a.wall_s > 0 and 0 <= a.untraced_share < 1
     assert by_trace[0].trace_dir == str(kept)
     sessions = sorted(p.name.split("_")[0] for p in (kept / "plugins" / "profile").iterdir())
     assert sessions == sorted(labels)

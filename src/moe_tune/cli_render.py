@@ -315,6 +315,9 @@ def frame(data, fmt: str, *, title: str, empty: str, shown: list[str], compact: 
               right=[HEADERS.get(c, c) for c in shown if data[c].dtype.kind in "if"], compact=compact, console=console)
 
 
+UNTRACED_NOTE = 0.2  # a breakdown whose op events miss this share of its wall time or more says so
+
+
 def breakdowns(found: Sequence[Breakdown], fmt: str, *, top: int) -> None:
     """`report --breakdown`: a table per config of its largest `top` ops, or every op of every config as one
     csv / json / markdown frame."""
@@ -325,8 +328,10 @@ def breakdowns(found: Sequence[Breakdown], fmt: str, *, top: int) -> None:
     for b in found:
         ops = breakdown_frame([b], top)
         groups = ["group"] if any(o.group for o in b.ops) else []
+        untraced = (f"; {b.untraced_share:.0%} of its {_ms(b.wall_s)} ms of wall time is in no op's event (XLA "
+                    f"CPU's own threads: its dots among them)" if b.untraced_share >= UNTRACED_NOTE else "")
         frame(ops, fmt, title=f"{b.label}: {ops['config'][0]}, {_ms(b.total_s)} ms of op time per run ({b.source}, "
-                              f"{b.runs} runs)",
+                              f"{b.runs} runs){untraced}",
               empty="no ops", shown=["rank", "op", *groups, "ms_per_run", "share", "cumulative", "calls_per_run"])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,14 @@ def profile_entry(entry: Entry, *, source: str | None = None, runs: int = 5,
         jax.block_until_ready(compiled(inputs))
         with tempfile.TemporaryDirectory(prefix="moe_tune_breakdown_") as trace_dir:
             with jax.profiler.trace(trace_dir):
+                start = time.perf_counter()
                 for _ in range(runs):
                     jax.block_until_ready(compiled(inputs))
+                wall_s = (time.perf_counter() - start) / runs
             kept = None if keep_trace is None else keep(Path(trace_dir), Path(keep_trace), label)
             for reader, ops in read_ops(Path(trace_dir), platform, source, program(index), runs):
                 what = " kernels" if reader == KERNEL_STATS else ""
-                found.append(Breakdown(label + what, config_json, reader, runs, ops, kept))
+                found.append(Breakdown(label + what, config_json, reader, runs, ops, kept, wall_s))
     return found
 
 
