@@ -6,8 +6,9 @@ What runs where:
   real inputs, in a worker subprocess (`workers.py`, running `worker_side.compile_and_run`), under one
   per-candidate timeout for both. The worker sends back the serialized executable and the output's relative
   error against the sweep's reference (`gate.Reference`), computed there. The inputs and the reference go to
-  each worker once per sweep (`shared_inputs`), not with every request, through one shared-memory file
-  (`shared_payload`). `gate.check_all` then judges the candidate here by that error, without running it in
+  each worker once per sweep (`SweepInputs.token`), not with every request, through one shared-memory file
+  (`shared_payload`). A sweep's requests go out before its reference is made (`tuner/inputs.py`): a worker
+  compiles, then asks for them. `gate.check_all` then judges the candidate here by that error, without running it in
   this process. (Sending the output back cost a copy through the pipe and a comparison here per candidate, ~1.6 s
   of this process's time in a 64-candidate sweep, on the cores the workers compile on: NOTES.md, issue 32,
   session 15.) The reason is isolation: a candidate that segfaults, aborts, hangs or runs out of memory
@@ -42,8 +43,9 @@ from moe_tune.tuner import workers as workers_module
 from moe_tune.tuner.candidate import OK, Candidate, short
 from moe_tune.tuner.gate import Reference
 from moe_tune.tuner.kernel import Kernel
+from moe_tune.tuner.inputs import SweepInputs
 from moe_tune.tuner.local_compile import compile_here
-from moe_tune.tuner.shared_inputs import shared_inputs
+from moe_tune.tuner.shared_payload import Deferred
 
 OnDone = Callable[[Candidate], None]
 
@@ -60,10 +62,13 @@ def start_workers(workers: int) -> None:
         workers_module.pool(workers)
 
 
-def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping[str, jax.Array],
-                reference: Reference, *, workers: int, on_done: OnDone | None = None,
+def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping[str, jax.Array] | SweepInputs,
+                reference: Reference | None = None, *, workers: int, on_done: OnDone | None = None,
                 timeout: float | None = None) -> None:
     """Compile every candidate once, ahead of time; `on_done(candidate)` as each is done.
+
+    `inputs`: the inputs on the device with their `reference`, or a sweep's `SweepInputs` (which holds its
+    reference): with workers, their compiles then start before its reference and device copy are made.
 
     With `workers > 1` on CPU, each candidate is compiled and run once in a worker process (JAX's
     compile does not run two at once in one process, and a candidate that crashes, hangs or runs out of
@@ -74,17 +79,17 @@ def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping
     or on GPU on `workers` threads.
     """
     if uses_workers(workers):
-        _compile_in_workers(kernel, candidates, inputs, workers, on_done, timeout, reference)
+        prepared = inputs if isinstance(inputs, SweepInputs) else SweepInputs.given(inputs, reference)
+        _compile_in_workers(kernel, candidates, prepared, workers, on_done, timeout)
     else:
         threads = workers if devices.platform() == "gpu" else 1
-        compile_here(kernel, candidates, inputs, on_done, threads=threads)
+        compile_here(kernel, candidates, inputs.device if isinstance(inputs, SweepInputs) else inputs, on_done,
+                     threads=threads)
 
 
-def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs: Any, workers: int,
-                        on_done: OnDone | None, timeout: float | None, reference: Reference) -> None:
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
-    token, host_inputs = shared_inputs(inputs)
-    token = f"{token}.{reference.token}"  # one payload per (inputs, reference): each worker gets it once per sweep
+def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs: SweepInputs, workers: int,
+                        on_done: OnDone | None, timeout: float | None) -> None:
+    shapes, token = inputs.shapes, inputs.token  # one payload per (inputs, reference): once per worker per sweep
     local: list[Candidate] = []  # ran fine in a worker but cannot travel: compiled here for timing
 
     def finish(cand: Candidate, status: str, value: Any) -> None:
@@ -98,9 +103,10 @@ def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs:
 
     requests = [(c, (kernel, c.config, c.index, shapes, token)) for c in candidates]
     workers_module.pool(workers).map("moe_tune.tuner.worker_side:compile_and_run", requests, finish,
-                                     timeout=timeout, shared=(token, (host_inputs, reference)))
+                                     timeout=timeout, shared=(token, Deferred(inputs.payload, inputs.ready)))
     worker_s = {c.index: c.compile_s or 0.0 for c in local}
-    compile_here(kernel, local, inputs)
+    if local:
+        compile_here(kernel, local, inputs.device)
     for cand in local:
         cand.compile_s = (cand.compile_s or 0.0) + worker_s[cand.index]
         if on_done is not None:

@@ -41,8 +41,8 @@ def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
             check_all([cand], state.inputs, state.reference, tolerance, on_done=checked)
 
     with state.clock("compile"):  # with workers this also runs and checks each candidate once
-        compile_all(state.kernel, chunk, state.inputs, state.reference, workers=settings.workers,
-                    on_done=compiled, timeout=settings.compile_timeout_s)
+        compile_all(state.kernel, chunk, state.prepared, workers=settings.workers, on_done=compiled,
+                    timeout=settings.compile_timeout_s)
     failed = [c for c in chunk if c.status != OK and c.index not in checked_ids]
     state.finished(failed)
     reporter.advance("check", len(failed))
@@ -127,8 +127,7 @@ def recompile(state: SweepState, cands: list[Candidate]) -> Step:
     before = {c.index: (c.compiles, c.compile_s) for c in cands}
     for c in cands:
         c.compiles = 0
-    compile_all(state.kernel, cands, state.inputs, state.reference, workers=settings.workers,
-                timeout=settings.compile_timeout_s)
+    compile_all(state.kernel, cands, state.prepared, workers=settings.workers, timeout=settings.compile_timeout_s)
     check_all([c for c in cands if c.status == OK], state.inputs, state.reference, state.plan.op.tolerance(problem))
     recompiled = 0
     for c in cands:

@@ -7,6 +7,9 @@ go out of band into the file, and only the small rest and the buffers' places tr
 the 130 MB of a 64-candidate sweep's inputs and reference took ~0.95 s to reach both workers, which waited
 for them before their first compile (NOTES.md, issue 32, session 15).
 
+A payload still being made (the tuner's reference, computed while the first compiles run) is a `Deferred`:
+the pool writes it when a worker first asks for it (`workers.DEFERRED`).
+
 The file lives in /dev/shm where there is one (the temp dir otherwise), named with this process's id; the pool
 removes it when the payload changes or the pool closes, and removes files of processes that no longer run
 (a sweep killed with SIGKILL) the next time it stores one.
@@ -20,6 +23,8 @@ import mmap
 import os
 import pickle
 import tempfile
+import threading
+from collections.abc import Callable
 from typing import Any
 
 _PREFIX = "moe_tune_shared_"
@@ -32,6 +37,23 @@ class Stored:
     path: str
     head: bytes
     spans: tuple[tuple[int, int], ...]
+
+
+class Deferred:
+    """A shared payload still being made: `get()` waits for it and makes it once (`make()`), whichever thread
+    asks first; `ready()` says whether `get` would not wait for the producer."""
+
+    def __init__(self, make: Callable[[], Any], ready: Callable[[], bool]) -> None:
+        self._make, self.ready = make, ready
+        self._lock = threading.Lock()
+        self._made = False
+        self._value: Any = None
+
+    def get(self) -> Any:
+        with self._lock:
+            if not self._made:
+                self._value, self._made = self._make(), True
+        return self._value
 
 
 def _directory() -> str:

@@ -15,12 +15,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import jax
-import numpy as np
-
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner.candidate import OK, Candidate
 from moe_tune.tuner.gate import Reference
+from moe_tune.tuner.inputs import SweepInputs
 from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.log import SweepLog, candidate_line
 from moe_tune.tuner.request import SweepPlan
@@ -35,9 +33,7 @@ class SweepState:
     log: SweepLog
     reporter: Reporter
     started: float  # perf_counter() when the sweep started
-    host_inputs: dict[str, np.ndarray] | None = None
-    reference: Reference | None = None  # the reference output
-    inputs: Any = None  # the inputs on the device
+    prepared: SweepInputs | None = None  # the inputs and their reference (`prepare_inputs`)
     done: list[Candidate] = dataclasses.field(default_factory=list)  # finished: restored or measured
     measured: dict[KernelConfig, Candidate] = dataclasses.field(default_factory=dict)  # what strategies see
     indices: Iterator[int] = dataclasses.field(default_factory=itertools.count)  # of the candidates, in order
@@ -61,11 +57,25 @@ class SweepState:
         return self.plan.kernel
 
     def prepare_inputs(self) -> None:
-        """Seeded inputs, the reference output, and the inputs on the device."""
-        op, problem, s = self.plan.op, self.plan.request.problem, self.settings
-        self.host_inputs = op.make_inputs(problem, s.distribution, s.seed)
-        self.reference = Reference.of(op.reference(problem, self.host_inputs))
-        self.inputs = jax.device_put(self.host_inputs)
+        """The seeded inputs; their reference output and device copy are made on a thread meanwhile
+        (`tuner/inputs.py`): `inputs`, `reference` and `host_inputs` wait for them."""
+        s = self.settings
+        self.prepared = SweepInputs.prepare(self.plan.op, self.plan.request.problem, s.distribution, s.seed)
+
+    @property
+    def inputs(self) -> Any:
+        """The inputs on the device."""
+        return self.prepared.device
+
+    @property
+    def reference(self) -> Reference:
+        """The reference output."""
+        return self.prepared.reference
+
+    @property
+    def host_inputs(self) -> Any:
+        """The inputs on the host (views of the device copy on CPU)."""
+        return self.prepared.host
 
     @contextlib.contextmanager
     def clock(self, stage: str) -> Iterator[None]:

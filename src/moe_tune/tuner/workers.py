@@ -21,8 +21,11 @@ worker answers `("started", None)` once it has read the request and imported `fn
 raised; the worker stays usable). `shared` is `None` or `(token, payload)`: data that many requests need
 (the tuner's inputs) goes to each worker once, with its first request that needs it, and is read there
 with `shared(token)`; a worker holds one payload at a time. `WorkerPool.map` writes the payload's arrays once
-to a shared-memory file (`shared_payload`) and sends only where they are. The worker moves its own stdout to stderr
-first, so stray prints cannot corrupt the stream.
+to a shared-memory file (`shared_payload`) and sends only where they are. A payload still being made (a
+`shared_payload.Deferred`: the tuner's reference is computed while the first compiles run) goes as
+`(token, DEFERRED)`: the worker's `shared(token)` then answers `("need", token)` and reads the payload from
+its stdin, which the pool sends once it is made; the request's deadline stops while it waits. The worker
+moves its own stdout to stderr first, so stray prints cannot corrupt the stream.
 
 `MOE_TUNE_WORKER_MEMORY_LIMIT` (bytes; unset by default): when set in the environment that starts a worker,
 the worker caps its address space at that size (RLIMIT_AS), so an allocation past it fails cleanly
@@ -54,6 +57,7 @@ _HEADER = struct.Struct("<Q")
 _CRASHED = "crashed"  # a `map` thread's own failure (not a request's), raised in the caller
 MEMORY_LIMIT_ENV = settings.WORKER_MEMORY_LIMIT
 START_LIMIT_S = 300.0  # for a worker to read a request and import its function (not part of `timeout`)
+DEFERRED = "moe_tune.workers.deferred"  # a request's shared payload follows when the worker asks for it
 
 
 def _pack(obj: Any) -> bytes:
@@ -161,12 +165,15 @@ class Worker:
              on_progress: Callable[[Any], None] | None = None) -> Any:
         """Run one request and return its value; raise WorkerFailure when the worker died doing it, raised,
         or did not answer within `timeout` seconds (it is then killed). `shared` (token, payload) is sent
-        only if this worker does not hold that token yet."""
+        only if this worker does not hold that token yet; a `shared_payload.Deferred` not ready yet is sent
+        when the worker asks for it (the deadline stops while the payload is made)."""
         progress: list = []
         send = shared if shared is not None and shared[0] != self.shared_token else None
+        if send is not None and isinstance(send[1], shared_payload.Deferred):
+            send = (send[0], DEFERRED) if not send[1].ready() else (send[0], send[1].get())
         try:
             _write_all(self.proc.stdin.fileno(), _pack((fn, args, send)))
-            if send is not None:
+            if send is not None and send[1] is not DEFERRED:
                 self.shared_token = send[0]
             # Until the worker has read the request and imported `fn` (a fresh worker imports JAX first),
             # a generous start-up limit; from then on, `timeout`.
@@ -181,6 +188,10 @@ class Worker:
                     progress.append(value)
                     if on_progress is not None:
                         on_progress(value)
+                elif kind == "need":  # the deferred payload (`shared`): made, then sent
+                    left = None if deadline is None else deadline - time.monotonic()
+                    self.shared_token = self._send_deferred(*shared)
+                    deadline = None if left is None else time.monotonic() + left
                 elif kind == "done":
                     return value
                 else:
@@ -190,6 +201,16 @@ class Worker:
             raise WorkerFailure("timeout", progress, timeout=timeout) from None
         except (EOFError, OSError):  # BrokenPipeError included
             raise WorkerFailure("died", progress, returncode=self._reap()) from None
+
+    def _send_deferred(self, token: str, payload: shared_payload.Deferred) -> str | None:
+        """Send the payload a worker asked for; the token it now holds (None: the payload could not be made,
+        and the worker's `shared` raises)."""
+        try:
+            value = payload.get()
+        except Exception:  # noqa: BLE001 - whoever made it raises it where it is needed
+            value, token = None, None
+        _write_all(self.proc.stdin.fileno(), _pack(value))
+        return token
 
     def _reap(self) -> int | None:
         try:
@@ -225,14 +246,19 @@ class WorkerPool:
         """For each (tag, args): on_result(tag, "ok", value) or on_result(tag, "failed", WorkerFailure).
 
         A request that takes longer than `timeout` seconds has its worker killed. A worker that died or was
-        killed is replaced before its next request. `shared` is (token, payload): see `Worker.call`.
+        killed is replaced before its next request. `shared` is (token, payload): see `Worker.call`; a
+        `shared_payload.Deferred` is written to its file when a worker first asks for it.
         Callbacks run one at a time, on the caller's thread, while the workers go on with the next requests
         (the tuner's callback loads the executable and checks the output: had it run on the thread that
         feeds a worker, that worker would idle meanwhile). An exception from `on_result` (or an interrupt)
         stops the requests not yet started and is raised; those in flight finish in the background.
         """
-        if shared is not None:
-            shared = (shared[0], self._store(*shared))
+        deferred = shared is not None and isinstance(shared[1], shared_payload.Deferred)
+        if deferred and not shared[1].ready():
+            token, made = shared  # stored when a worker first asks for it, on that worker's thread
+            shared = (token, shared_payload.Deferred(lambda: self._store(token, made.get()), made.ready))
+        elif shared is not None:
+            shared = (shared[0], self._store(shared[0], shared[1].get() if deferred else shared[1]))
         todo: queue.Queue = queue.Queue()
         count = 0
         for item in requests:
@@ -325,7 +351,9 @@ def close_pools() -> None:
 # Worker side.
 
 _out: BinaryIO | None = None
+_in: BinaryIO | None = None
 _shared: dict[str, Any] = {}
+_deferred: str | None = None  # the token of a payload this worker gets when it asks (`DEFERRED`)
 
 
 def progress(obj: Any) -> None:
@@ -336,8 +364,24 @@ def progress(obj: Any) -> None:
 
 
 def shared(token: str) -> Any:
-    """In a worker: the shared payload sent with token `token` (KeyError if this worker does not hold it)."""
+    """In a worker: the shared payload sent with token `token` (KeyError if this worker does not hold it).
+    A payload the request deferred is asked for now, and waited for (`DEFERRED`)."""
+    global _deferred
+    if token not in _shared and token == _deferred and _out is not None and _in is not None:
+        _send(_out, ("need", token))
+        payload = _receive(_in)
+        if payload is None:
+            raise RuntimeError("the sweep's shared payload could not be made")
+        _hold(token, payload)
+        _deferred = None
     return _shared[token]
+
+
+def _hold(token: str, payload: Any) -> None:
+    _shared.clear()  # one payload at a time: a new token means the previous one is done with
+    if isinstance(payload, shared_payload.Stored):  # written to a file by `WorkerPool.map`
+        payload = shared_payload.load(payload)
+    _shared[token] = payload
 
 
 def _limit_memory() -> None:
@@ -351,7 +395,7 @@ def _limit_memory() -> None:
 def _serve() -> None:
     import importlib
 
-    global _out
+    global _out, _in, _deferred
     _limit_memory()
     if settings.compile_cache_dir_set():  # the sweep turned the persistent cache on: share it
         from moe_tune.tuner import compile_cache
@@ -359,20 +403,18 @@ def _serve() -> None:
         compile_cache.enable()
     _out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    protocol_in = sys.stdin.buffer
+    _in = sys.stdin.buffer
     while True:
         try:
-            fn, args, share = _receive(protocol_in)
+            fn, args, share = _receive(_in)
         except EOFError:
             return
         module, name = fn.split(":")
         try:
-            if share is not None:
-                _shared.clear()  # one payload at a time: a new token means the previous one is done with
-                payload = share[1]
-                if isinstance(payload, shared_payload.Stored):  # written to a file by `WorkerPool.map`
-                    payload = shared_payload.load(payload)
-                _shared[share[0]] = payload
+            if share is not None and isinstance(share[1], str) and share[1] == DEFERRED:
+                _deferred = share[0]
+            elif share is not None:
+                _hold(*share)
             function = getattr(importlib.import_module(module), name)
             _send(_out, ("started", None))
             answer = ("done", function(*args))

@@ -1,0 +1,113 @@
+"""A sweep's inputs: made on the host, then, on a background thread, their float64 reference, the device copy,
+and the host views of it that the compile workers get.
+
+Compiling a candidate needs only the inputs' shapes; its first run (the check) needs the inputs and the
+reference. So `prepare` makes the seeded inputs here (their shapes come with them), and the rest runs on a
+thread while the first chunk's compiles start: a compile worker asks for the payload once it has compiled
+(`workers.Deferred`). The reference runs on one BLAS thread (`tuner/blas.py`): the compiles hold the cores.
+
+On CPU the host arrays the op made are dropped once the device copy exists: `host` is a view of that copy
+(there `np.asarray` of a device array does not copy), so a sweep holds its inputs once, not twice (at deepseek-v2-lite
+prefill they are 2.1-2.3 GiB; NOTES.md, issue 32, session 17 (C)).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+
+from moe_tune import devices
+from moe_tune.tuner import blas
+from moe_tune.tuner.gate import Reference
+from moe_tune.tuner.shared_inputs import shared_inputs
+
+
+class SweepInputs:
+    """The inputs of one sweep (a pytree of arrays), their shapes at once and the rest when ready.
+
+    `shapes`: ShapeDtypeStructs of the inputs. `device`, `host`, `reference` wait for the background thread
+    (and raise what it raised). `token` names (inputs, reference) for the compile workers, `payload()` is
+    what they get: (host inputs, `gate.Reference`)."""
+
+    def __init__(self, shapes: Any, token: str) -> None:
+        self.shapes = shapes
+        self.token = token
+        self._ready = threading.Event()
+        self._device: Any = None
+        self._host: Any = None
+        self._reference: Reference | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def prepare(cls, op: Any, problem: Any, distribution: str, seed: int) -> SweepInputs:
+        """`op.make_inputs(problem, distribution, seed)` here; its reference and device copy on a thread."""
+        host = op.make_inputs(problem, distribution, seed)
+        made = cls(_shapes(host), uuid.uuid4().hex)
+
+        def finish() -> None:
+            try:
+                with blas.one_thread():
+                    reference = Reference.of(op.reference(problem, host))
+                device = jax.block_until_ready(jax.device_put(host))
+                made._set(device, reference, None if devices.platform() == "cpu" else host)
+            except BaseException as e:  # noqa: BLE001 - raised where the inputs are needed
+                made._error = e
+            finally:
+                made._ready.set()
+
+        threading.Thread(target=finish, name="moe_tune sweep inputs", daemon=True).start()
+        return made
+
+    @classmethod
+    def given(cls, inputs: Any, reference: Reference) -> SweepInputs:
+        """Inputs already on the device and their reference (the same token for the same arrays and
+        reference: a worker gets them once however many calls pass them)."""
+        token, host = shared_inputs(inputs)
+        made = cls(_shapes(inputs), f"{token}.{reference.token}")
+        made._set(inputs, reference, host)
+        made._ready.set()
+        return made
+
+    def _set(self, device: Any, reference: Reference, host: Any = None) -> None:
+        """`host` None: views of the device copy (on CPU `np.asarray` does not copy; elsewhere it would)."""
+        self._device, self._reference = device, reference
+        self._host = jax.tree.map(np.asarray, device) if host is None else host
+
+    def ready(self) -> bool:
+        """Whether the reference and the device copy are made (`device` and the others will not wait)."""
+        return self._ready.is_set()
+
+    def wait(self) -> None:
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def device(self) -> Any:
+        self.wait()
+        return self._device
+
+    @property
+    def host(self) -> Any:
+        self.wait()
+        return self._host
+
+    @property
+    def reference(self) -> Reference:
+        self.wait()
+        return self._reference
+
+    def payload(self) -> tuple[Any, Reference]:
+        """What a compile worker gets (waits for it): (host inputs, reference)."""
+        self.wait()
+        return self._host, self._reference
+
+
+def _shapes(inputs: Any) -> Any:
+    """ShapeDtypeStructs of host or device arrays, the dtype as the device copy has it (int64 is int32
+    there unless x64 is on)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), inputs)

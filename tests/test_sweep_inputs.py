@@ -1,0 +1,116 @@
+"""A sweep's inputs made while its first compiles run (issue 32, session 17): the compile workers get requests
+before the payload (inputs, reference) exists and ask for it once they need it; the inputs and reference are
+the op's, with one host copy (views of the device copy); the reference runs on one BLAS thread."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import jax
+import numpy as np
+import pytest
+
+from moe_tune.kernels import get_op
+from moe_tune.kernels.ragged_dot import RaggedDotProblem
+from moe_tune.tuner import blas, shared_payload, workers
+from moe_tune.tuner.inputs import SweepInputs
+
+TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
+
+
+def _requests_sent(monkeypatch, on_request=None) -> list:
+    """What the pool writes to its workers: requests (fn, args, share) and deferred payloads."""
+    sent, pack = [], workers._pack
+
+    def spy(obj):
+        sent.append(obj)
+        if on_request is not None and isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[0], str):
+            on_request(obj)
+        return pack(obj)
+
+    monkeypatch.setattr(workers, "_pack", spy)
+    return sent
+
+
+def test_a_deferred_payload_reaches_workers_that_started_before_it_was_made(monkeypatch):
+    """The requests go out with `DEFERRED` before the payload is made; each worker asks once, the payload is
+    written to its file once, and the wait (longer than the timeout) does not count against the request."""
+    payload = np.arange(250_000, dtype=np.float32)
+    made = threading.Event()
+
+    def first_request(request):  # made only after a worker holds a request without it
+        if request[2] is not None and request[2][1] == workers.DEFERRED and not made.is_set():
+            threading.Timer(1.5, made.set).start()
+
+    pool, token, answers = workers.pool(2), uuid.uuid4().hex, {}
+    pool.map("moe_tune.tuner.workers:progress", [(i, (None,)) for i in range(2)], lambda *a: None)  # started
+    sent = _requests_sent(monkeypatch, first_request)
+    deferred = shared_payload.Deferred(lambda: (made.wait(60), payload)[1], made.is_set)
+    pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(4)],
+             lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=1.0,
+             shared=(token, deferred))
+    assert sorted(answers) == [0, 1, 2, 3]
+    assert all(status == "ok" and np.array_equal(value, payload) for status, value in answers.values())
+    requests = [s for s in sent if isinstance(s, tuple) and len(s) == 3 and isinstance(s[0], str)]
+    assert requests[0][2] == (token, workers.DEFERRED)
+    stored = [s for s in sent if isinstance(s, shared_payload.Stored)]
+    assert 1 <= len(stored) <= 2 and len(set(stored)) == 1  # once per worker that asked; one file
+
+
+def test_a_payload_that_cannot_be_made_fails_the_request_and_keeps_the_worker(monkeypatch):
+    def fail():
+        raise MemoryError("no room for the inputs")
+
+    token, answers = uuid.uuid4().hex, {}
+    pool = workers.pool(2)
+    pool.map("moe_tune.tuner.workers:shared", [(0, (token,))],
+             lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=30,
+             shared=(token, shared_payload.Deferred(fail, lambda: False)))
+    status, failure = answers[0]
+    assert status == "failed" and failure.kind == "error" and "could not be made" in failure.message
+    pids = {w.proc.pid for w in pool._idle.queue}
+    pool.map("moe_tune.tuner.workers:shared", [(1, (token,))],
+             lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=30, shared=(token, 5))
+    assert answers[1] == ("ok", 5) and {w.proc.pid for w in pool._idle.queue} == pids
+
+
+@pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16"}, {"rhs_quant": "int8", "direction": "fwd"}])
+def test_prepared_inputs_are_the_ops_with_one_host_copy(options):
+    op = get_op("ragged_dot")
+    problem = op.problem(m=64, k=128, n=64, groups=4, **options)
+    prepared = SweepInputs.prepare(op, problem, "balanced", 3)
+    host = op.make_inputs(problem, "balanced", 3)
+    device = jax.device_put(host)
+    assert prepared.shapes == jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), device)
+    np.testing.assert_array_equal(prepared.reference.expected, op.reference(problem, host))
+    for mine, theirs, on_device in zip(jax.tree.leaves(prepared.host), jax.tree.leaves(host),
+                                       jax.tree.leaves(prepared.device)):
+        np.testing.assert_array_equal(mine, theirs)
+        assert np.shares_memory(mine, np.asarray(on_device))  # the host inputs are views of the device copy
+    payload = prepared.payload()
+    assert payload[0] is prepared.host and payload[1] is prepared.reference
+
+
+def test_an_error_making_the_reference_is_raised_where_it_is_needed():
+    class Broken:
+        def make_inputs(self, problem, distribution, seed):
+            return {"x": np.ones((4, 4), np.float32)}
+
+        def reference(self, problem, inputs):
+            raise ValueError("no reference here")
+
+    prepared = SweepInputs.prepare(Broken(), None, "balanced", 0)
+    assert prepared.shapes == {"x": jax.ShapeDtypeStruct((4, 4), np.float32)}
+    with pytest.raises(ValueError, match="no reference here"):
+        prepared.device
+    assert prepared.ready()
+
+
+def test_the_reference_runs_on_one_blas_thread_and_the_count_is_restored():
+    before = blas.threads()
+    if before is None:
+        pytest.skip("no OpenBLAS in this process")
+    with blas.one_thread():
+        assert blas.threads() == 1
+    assert blas.threads() == before
