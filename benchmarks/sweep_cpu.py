@@ -71,6 +71,12 @@ def _instrument(clock: _Clock) -> None:
     from moe_tune.tuner import compiling, finals, measure, record, state, timing, workers
 
     clock.wrap(state.SweepState, "prepare_inputs", "inputs and reference")
+    try:  # since session 17 the reference and device copy are made on a thread while the first compiles run
+        from moe_tune.tuner import inputs
+
+        clock.wrap(inputs.SweepInputs, "wait", WAITED)
+    except ImportError:  # an older tuner: made in "inputs and reference", before compiling
+        pass
     clock.wrap(measure, "check_all", "check (main process)")
     clock.wrap(compiling.serialize_executable, "deserialize_and_load", "load executables (main process)")
     clock.wrap(timing, "parse_profile", "trace parse")
@@ -173,6 +179,7 @@ def _load() -> str:
 
 
 TAIL = "of it at the chunks' ends"
+WAITED = "waited for the reference and device copy"
 BEYOND = "requests' wall beyond the workers' clocks (sum)"
 FIRST_BEYOND = "of it the workers' first requests (their imports)"
 
@@ -186,6 +193,7 @@ def _print_phases(run: dict) -> None:
     rows = [
         ("process start and imports", p.get("process start and imports (before the sweep)", 0.0)),
         ("inputs and reference (workers start meanwhile)", p.get("inputs and reference", 0.0)),
+        ("waited for the reference and device copy (sum over threads)", p.get(WAITED, 0.0)),
         (f"compile stage: worker compiles (sum / {w} workers)", p.get("worker compile (sum over workers)", 0) / w),
         (f"compile stage: worker first runs, for the check (sum / {w})", p.get("worker first run (sum over workers)",
                                                                               0) / w),

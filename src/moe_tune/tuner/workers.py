@@ -239,6 +239,7 @@ class WorkerPool:
         for _ in range(size):
             self._idle.put(Worker())
         self._stored: tuple[str, shared_payload.Stored] | None = None  # the shared payload's file, by token
+        self._storing = threading.Lock()  # a deferred payload is stored on a thread of its own (`map`)
 
     def map(self, fn: str, requests: Iterable[tuple[Any, tuple]],
             on_result: Callable[[Any, str, Any], None], timeout: float | None = None,
@@ -247,7 +248,7 @@ class WorkerPool:
 
         A request that takes longer than `timeout` seconds has its worker killed. A worker that died or was
         killed is replaced before its next request. `shared` is (token, payload): see `Worker.call`; a
-        `shared_payload.Deferred` is written to its file when a worker first asks for it.
+        `shared_payload.Deferred` is written to its file as soon as it is made, while the workers compile.
         Callbacks run one at a time, on the caller's thread, while the workers go on with the next requests
         (the tuner's callback loads the executable and checks the output: had it run on the thread that
         feeds a worker, that worker would idle meanwhile). An exception from `on_result` (or an interrupt)
@@ -255,8 +256,9 @@ class WorkerPool:
         """
         deferred = shared is not None and isinstance(shared[1], shared_payload.Deferred)
         if deferred and not shared[1].ready():
-            token, made = shared  # stored when a worker first asks for it, on that worker's thread
+            token, made = shared  # stored once made, on a thread, while the workers compile
             shared = (token, shared_payload.Deferred(lambda: self._store(token, made.get()), made.ready))
+            threading.Thread(target=_quietly, args=(shared[1].get,), daemon=True).start()
         elif shared is not None:
             shared = (shared[0], self._store(shared[0], shared[1].get() if deferred else shared[1]))
         todo: queue.Queue = queue.Queue()
@@ -313,15 +315,16 @@ class WorkerPool:
     def _store(self, token: str, payload: Any) -> Any:
         """The file holding the payload of `token`, written once (the previous token's file is removed); the
         payload itself (sent through the pipes) when no file can be written."""
-        if self._stored is None or self._stored[0] != token:
-            if self._stored is not None:
-                shared_payload.remove(self._stored[1])
-                self._stored = None
-            try:
-                self._stored = (token, shared_payload.store(payload))
-            except OSError:  # e.g. a full /dev/shm
-                return payload
-        return self._stored[1]
+        with self._storing:
+            if self._stored is None or self._stored[0] != token:
+                if self._stored is not None:
+                    shared_payload.remove(self._stored[1])
+                    self._stored = None
+                try:
+                    self._stored = (token, shared_payload.store(payload))
+                except OSError:  # e.g. a full /dev/shm
+                    return payload
+            return self._stored[1]
 
     def close(self) -> None:
         while not self._idle.empty():
@@ -329,6 +332,14 @@ class WorkerPool:
         if self._stored is not None:
             shared_payload.remove(self._stored[1])
             self._stored = None
+
+
+def _quietly(get: Callable[[], Any]) -> None:
+    """`get()`, its error left to whoever needs the value (`Worker._send_deferred`)."""
+    try:
+        get()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 _pools: dict[int, WorkerPool] = {}
