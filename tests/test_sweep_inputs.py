@@ -5,6 +5,7 @@ the op's, with one host copy (views of the device copy); the reference runs on o
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import jax
@@ -114,3 +115,24 @@ def test_the_reference_runs_on_one_blas_thread_and_the_count_is_restored():
     with blas.one_thread():
         assert blas.threads() == 1
     assert blas.threads() == before
+
+
+def test_inputs_that_cannot_be_made_fail_the_sweep_not_its_candidates(monkeypatch, tmp_path):
+    """The reference fails on its thread after the compiles went out: the sweep raises that error, and no
+    candidate is logged as failed for it (a resumed sweep would not retry them)."""
+    from moe_tune.tuner import SweepRequest, run_sweep
+    from moe_tune.tuner.sweep import log_path_for
+
+    op = get_op("ragged_dot")
+
+    def broken(problem, inputs):
+        time.sleep(1.0)  # the first compiles went out meanwhile
+        raise MemoryError("no room for the reference")
+
+    monkeypatch.setattr(op, "reference", broken)
+    request = SweepRequest.make("ragged_dot", TINY, backend="tiled", max_candidates=2, samples=1, workers=2,
+                                profile_dir=tmp_path, cold=True)
+    with pytest.raises(MemoryError, match="no room for the reference"):
+        run_sweep(request)
+    log = log_path_for(request).read_text()
+    assert '"header"' in log and '"failed"' not in log

@@ -93,6 +93,8 @@ def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs:
     local: list[Candidate] = []  # ran fine in a worker but cannot travel: compiled here for timing
 
     def finish(cand: Candidate, status: str, value: Any) -> None:
+        if inputs.ready():  # inputs that could not be made raise their error here: no candidate's failure
+            inputs.wait()
         if status != "ok":
             _record_worker_failure(cand, value)
         elif not _take_result(cand, value):
