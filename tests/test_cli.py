@@ -108,6 +108,17 @@ def test_sweep_to_explicit_profile_dir(run, tmp_path):
     assert "xla" in run("report", "--profile-dir", str(tmp_path / "p"), "--format", "csv").output
 
 
+def test_a_model_sweep_with_op_plans_that_ops_kernels_alone(run):
+    """`sweep --model M --op OP`: the layer's OP kernels (e.g. one op's shipped entries re-measured after its
+    backend's revision bump), and a one-line error when the layer runs none."""
+    result = run("sweep", "--model", "deepseek-v2-lite", "--op", "ragged_gather", "--tokens", "256", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "2 kernel cases" in result.output and "dispatch tokens=256" in result.output
+    assert "ragged_dot" not in result.output and "gather_reduce" not in result.output
+    none = run("sweep", "--model", "deepseek-v2-lite", "--op", "dense_gather_reduce", "--ep", "8", "--dry-run")
+    assert none.exit_code == 2 and "runs no dense_gather_reduce kernel" in none.output
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [

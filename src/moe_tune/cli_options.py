@@ -251,9 +251,9 @@ LADDER_NOTE = ("a ladder: after its sweeps, where neighbouring counts' winners d
 def sweep_cases(op: str, direction: str, backend: str | None, model: str | None, shape: dict[str, Any], *,
                 campaign_flags: bool, ladder: bool = False) -> SweepCases:
     """The cases of `sweep`: one per direction (and per combination of listed shape values) of `op`, or every
-    kernel case of the layers of `model` (comma-separated presets, or `all`) at each --tokens and --ep.
-    Several values, several models or a campaign flag make it a campaign. UsageError for a flag that does not
-    apply."""
+    kernel case of the layers of `model` (comma-separated presets, or `all`) at each --tokens and --ep (with
+    --op given: that op's cases alone). Several values, several models or a campaign flag make it a campaign.
+    UsageError for a flag that does not apply."""
     from moe_tune.campaign.plan import model_campaign_cases, op_cases
 
     ladder = ladder or any(isinstance(v, LadderCounts) for v in shape.values())
@@ -263,8 +263,8 @@ def sweep_cases(op: str, direction: str, backend: str | None, model: str | None,
         return SweepCases(op_cases(op, problems(op, direction, shape, grid=several_)), said, backend,
                           several=several_, ladder=ladder)
     ctx = click.get_current_context()
-    explicit = [name for name in ("op",) if ctx.get_parameter_source(name).name != "DEFAULT"]
-    model_only(shape, explicit=explicit + (["backend"] if backend is not None else []))
+    one_op = ctx.get_parameter_source("op").name != "DEFAULT"
+    model_only(shape, explicit=["backend"] if backend is not None else [])
     models, eps = model.split(","), shape.get("ep") or [presets.LAYER_DEFAULTS["ep"]]
     tokens, _, dtype = presets.layer_settings(shape.get("tokens"), None, shape.get("dtype"))
     # --direction fwd: what serving runs; all (the default with --model): what training runs (models.layer_runs)
@@ -272,6 +272,10 @@ def sweep_cases(op: str, direction: str, backend: str | None, model: str | None,
         "direction"]
     # only the ragged_dot kernels are quantized
     cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape), direction=runs)
+    if one_op:  # e.g. re-measuring one op's shipped entries after its backend's revision bump
+        cases = [c for c in cases if c.op == op]
+        if not cases:
+            raise UsageError(f"the layer of {model} runs no {op} kernel (see `moe-tune models {models[0]}`)")
     several_ = len(models) > 1 or len(eps) > 1 or models == ["all"] or campaign_flags
     return SweepCases(cases, notes + said, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"),
                       ladder)
