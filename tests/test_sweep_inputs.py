@@ -136,3 +136,38 @@ def test_inputs_that_cannot_be_made_fail_the_sweep_not_its_candidates(monkeypatc
         run_sweep(request)
     log = log_path_for(request).read_text()
     assert '"header"' in log and '"failed"' not in log
+
+
+def _problems():
+    ragged = get_op("ragged_dot")
+    for direction in ("fwd", "dlhs", "drhs"):
+        for options in ({}, {"dtype": "bfloat16"}, {"rhs_quant": "int8"}, {"rhs_quant": "int4"},
+                        {"rhs_quant": "float4_e2m1fn"}):
+            yield ragged, ragged.problem(m=64, k=128, n=64, groups=4, direction=direction, **options)
+    yield ragged, ragged.problem(m=64, k=128, n=64, groups=4, lhs_quant="int8", rhs_quant="int8", lhs_dynamic=True)
+    for name in ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce"):
+        yield get_op(name), get_op(name).problem(tokens=64, hidden=128, top_k=2)
+    for stage in ("dispatch", "combine"):
+        yield get_op("fused_moe"), get_op("fused_moe").problem(tokens=64, top_k=2, k=128, n=64, groups=4, stage=stage)
+
+
+def test_the_shapes_compiled_before_the_inputs_exist_are_the_made_inputs():
+    """For the ops whose shapes come first (`ABSTRACT_OPS`), `targets.calls.abstract_inputs` is what
+    `make_inputs` makes; the other ops make their inputs before the compiles start."""
+    from moe_tune.targets.calls import abstract_inputs
+    from moe_tune.tuner.inputs import ABSTRACT_OPS, _shapes
+
+    covered = set()
+    for op, problem in _problems():
+        covered.add(op.name)
+        assert _shapes(abstract_inputs(op.name, problem)) == _shapes(op.make_inputs(problem, "balanced", 1)), problem
+    assert covered == set(ABSTRACT_OPS)
+
+
+def test_made_inputs_that_are_not_the_shapes_compiled_for_are_an_error(monkeypatch):
+    from moe_tune.tuner import inputs as inputs_module
+
+    monkeypatch.setattr(inputs_module, "abstract_inputs", lambda op, problem: {"a": np.zeros((1,), np.float32)})
+    prepared = SweepInputs.prepare(get_op("ragged_dot"), TINY, "balanced", 0)
+    with pytest.raises(RuntimeError, match="moe-tune bug"):
+        prepared.reference

@@ -1,10 +1,13 @@
-"""A sweep's inputs: made on the host, then, on a background thread, their float64 reference, the device copy,
-and the host views of it that the compile workers get.
+"""A sweep's inputs, their float64 reference, the device copy and the host views of it that the compile workers
+get, made on a background thread while the first candidates compile.
 
 Compiling a candidate needs only the inputs' shapes; its first run (the check) needs the inputs and the
-reference. So `prepare` makes the seeded inputs here (their shapes come with them), and the rest runs on a
-thread while the first chunk's compiles start: a compile worker asks for the payload once it has compiled
-(`workers.Deferred`). The reference runs on one BLAS thread (`tuner/blas.py`): the compiles hold the cores.
+reference. The shapes come from `targets.calls.abstract_inputs` (what the compile-only targets compile for)
+for the ops it describes, so the seeded inputs too are made on the thread (the op's RNG: 0.25 s of a 1.3 s
+warm sweep at the `strategies_cpu.py` shape), and checked against those shapes there (a mismatch is a bug,
+raised where the inputs are needed); for other ops the inputs are made here first. A compile worker asks for
+the payload once it has compiled (`shared_payload.Deferred`). The reference runs on one BLAS thread
+(`tuner/blas.py`): the compiles hold the cores.
 
 On CPU the host arrays the op made are dropped once the device copy exists: `host` is a view of that copy
 (there `np.asarray` of a device array does not copy), so a sweep holds its inputs once, not twice (at deepseek-v2-lite
@@ -23,7 +26,11 @@ import numpy as np
 from moe_tune import devices
 from moe_tune.tuner import blas
 from moe_tune.tuner.gate import Reference
+from moe_tune.targets.calls import abstract_inputs
 from moe_tune.tuner.shared_inputs import shared_inputs
+
+# the ops whose inputs `abstract_inputs` describes (tests/test_sweep_inputs.py holds them to `make_inputs`)
+ABSTRACT_OPS = ("ragged_dot", "fused_moe", "ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
 
 
 class SweepInputs:
@@ -44,12 +51,20 @@ class SweepInputs:
 
     @classmethod
     def prepare(cls, op: Any, problem: Any, distribution: str, seed: int) -> SweepInputs:
-        """`op.make_inputs(problem, distribution, seed)` here; its reference and device copy on a thread."""
-        host = op.make_inputs(problem, distribution, seed)
-        made = cls(_shapes(host), uuid.uuid4().hex)
+        """`op.make_inputs(problem, distribution, seed)`, its reference and device copy on a thread (the
+        inputs here first when their shapes cannot be known without them)."""
+        abstract = _shapes(abstract_inputs(op.name, problem)) if getattr(op, "name", None) in ABSTRACT_OPS else None
+        host = op.make_inputs(problem, distribution, seed) if abstract is None else None
+        made = cls(_shapes(host) if abstract is None else abstract, uuid.uuid4().hex)
 
         def finish() -> None:
+            nonlocal host
             try:
+                if host is None:
+                    host = op.make_inputs(problem, distribution, seed)
+                    if _shapes(host) != made.shapes:
+                        raise RuntimeError(f"moe-tune bug: {op.name}'s inputs {_shapes(host)} are not the shapes "
+                                           f"targets/calls.py gives ({made.shapes})")
                 with blas.one_thread():
                     reference = Reference.of(op.reference(problem, host))
                 device = jax.block_until_ready(jax.device_put(host))
