@@ -93,7 +93,7 @@ def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs:
     local: list[Candidate] = []  # ran fine in a worker but cannot travel: compiled here for timing
 
     def finish(cand: Candidate, status: str, value: Any) -> None:
-        if inputs.ready():  # inputs that could not be made raise their error here: no candidate's failure
+        if inputs.failed():  # inputs that could not be made raise their error here: no candidate's failure
             inputs.wait()
         if status != "ok":
             _record_worker_failure(cand, value)
@@ -105,7 +105,7 @@ def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs:
 
     requests = [(c, (kernel, c.config, c.index, shapes, token)) for c in candidates]
     workers_module.pool(workers).map("moe_tune.tuner.worker_side:compile_and_run", requests, finish,
-                                     timeout=timeout, shared=(token, Deferred(inputs.payload, inputs.ready)))
+                                     timeout=timeout, shared=(token, Deferred(inputs.payload, inputs.payload_ready)))
     worker_s = {c.index: c.compile_s or 0.0 for c in local}
     if local:
         compile_here(kernel, local, inputs.device)

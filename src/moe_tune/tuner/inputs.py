@@ -44,6 +44,8 @@ class SweepInputs:
         self.shapes = shapes
         self.token = token
         self._ready = threading.Event()
+        self._payload_ready = threading.Event()  # before the device copy: the workers do not need it
+        self._payload: tuple[Any, Reference] | None = None
         self._device: Any = None
         self._host: Any = None
         self._reference: Reference | None = None
@@ -67,11 +69,14 @@ class SweepInputs:
                                            f"targets/calls.py gives ({made.shapes})")
                 with blas.one_thread():
                     reference = Reference.of(op.reference(problem, host))
+                made._payload = (host, reference)
+                made._payload_ready.set()
                 device = jax.block_until_ready(jax.device_put(host))
                 made._set(device, reference, None if devices.platform() == "cpu" else host)
             except BaseException as e:  # noqa: BLE001 - raised where the inputs are needed
                 made._error = e
             finally:
+                made._payload_ready.set()
                 made._ready.set()
 
         threading.Thread(target=finish, name="moe_tune sweep inputs", daemon=True).start()
@@ -84,6 +89,7 @@ class SweepInputs:
         token, host = shared_inputs(inputs)
         made = cls(_shapes(inputs), f"{token}.{reference.token}")
         made._set(inputs, reference, host)
+        made._payload_ready.set()
         made._ready.set()
         return made
 
@@ -91,10 +97,19 @@ class SweepInputs:
         """`host` None: views of the device copy (on CPU `np.asarray` does not copy; elsewhere it would)."""
         self._device, self._reference = device, reference
         self._host = jax.tree.map(np.asarray, device) if host is None else host
+        self._payload = (self._host, reference)  # the arrays the op made are dropped (`prepare`)
 
     def ready(self) -> bool:
         """Whether the reference and the device copy are made (`device` and the others will not wait)."""
         return self._ready.is_set()
+
+    def payload_ready(self) -> bool:
+        """Whether `payload` will not wait (the reference is made; the device copy may not be yet)."""
+        return self._payload_ready.is_set()
+
+    def failed(self) -> bool:
+        """Whether making them raised (`wait` raises it)."""
+        return self._error is not None
 
     def wait(self) -> None:
         self._ready.wait()
@@ -117,9 +132,12 @@ class SweepInputs:
         return self._reference
 
     def payload(self) -> tuple[Any, Reference]:
-        """What a compile worker gets (waits for it): (host inputs, reference)."""
-        self.wait()
-        return self._host, self._reference
+        """What a compile worker gets (waits for the reference, not for the device copy): (host inputs,
+        reference)."""
+        self._payload_ready.wait()
+        if self._payload is None:
+            self.wait()  # raises what making them raised
+        return self._payload
 
 
 def _shapes(inputs: Any) -> Any:
