@@ -4,10 +4,13 @@ NumPy's OpenBLAS runs each matmul on as many threads as there are cores. When an
 those cores busy (a compile worker, another sweep), its threads wait for each other: on this 2-core machine
 under another process's load (~2.4), the reference of the `strategies_cpu.py` shape (16 groups, one float64
 matmul each) took a median 0.42 s at m=256 and 0.88 s at m=2048 on OpenBLAS's 2 threads, 0.07 and 0.21 s on
-one; 0.70 / 1.35 s against 0.10 / 0.33 s with a busy loop added (benchmarks/reference_threads_cpu.py,
-NOTES.md, issue 32, session 17 (C)). That was the "inputs and reference" phase of 1.2-1.3 s that
-session 16 measured in warm sweeps at m=256 (0.37 s in the cold one between them). A sweep now computes the
-reference while its compile workers compile (`tuner/inputs.py`), so the cores are taken: one thread.
+one; 0.70 / 1.35 s against 0.10 / 0.33 s with a busy loop added (on the quiet machine 2 threads are faster
+alone; results/warm_phases_cpu_2core_2026-11-26_session17_C.txt, benchmarks/reference_threads_cpu.py; NOTES.md,
+issue 32, session 17 (C)). This most likely was the "inputs and reference" phase of 1.2-1.3 s that session 16
+measured in warm sweeps at m=256 (0.37 s in the cold one between them): it follows the other cores' load, not
+warm or cold (0.27-0.28 s in warm and cold sweeps alike on a quiet machine in session 17, 0.95-1.21 s in warm
+ones beside the held-out benchmark). A sweep now computes the reference while its compile workers compile
+(`tuner/inputs.py`), so the cores are taken: one thread.
 
 The thread count is OpenBLAS's process-wide setting, found by name in the OpenBLAS library this process
 loaded; without one (another BLAS), `one_thread` changes nothing.
