@@ -1,6 +1,8 @@
-"""The sweep's inputs as compile workers get them: a token and a host (NumPy) copy, the same for every call
-with the same arrays, so that each worker gets a sweep's inputs once, with its first request, even when the
-sweep compiles in several chunks (`workers.WorkerPool.map`'s `shared`). Forgotten when the arrays are freed.
+"""Inputs given on the device as compile workers get them: a token and a host (NumPy) copy, the same for every
+call with the same arrays, so that each worker gets them once, with its first request, even when they are
+compiled for in several chunks (`workers.WorkerPool.map`'s `shared`). Forgotten when the arrays are freed.
+A sweep's own inputs carry their token from the start (`tuner/inputs.py`); this serves `compile_all` called
+with arrays (`SweepInputs.given`).
 """
 
 from __future__ import annotations
