@@ -1,4 +1,4 @@
-"""The sweep's float64 reference on OpenBLAS's threads against one thread (`tuner/blas.py`), at the
+"""The sweep's float64 reference on OpenBLAS's threads against one thread (`threadpoolctl`, as `tuner/inputs.py` runs it), at the
 `strategies_cpu.py` shape (k=2048 n=768 groups=16 float32) and the counts of its ladder; alone, then with one
 busy-looping process beside it (what a compile worker is to the reference while a sweep compiles).
 
@@ -19,7 +19,7 @@ import sys
 import time
 
 from moe_tune.kernels import get_op
-from moe_tune.tuner import blas
+from threadpoolctl import threadpool_info, threadpool_limits
 
 
 def main() -> int:
@@ -28,11 +28,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=6)
     args = parser.parse_args()
     load = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    threads = blas.threads()
+    threads = next((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), None)
     if threads is None:
-        print("no OpenBLAS in this process: nothing to compare")
+        print("no BLAS threadpoolctl can see in this process: nothing to compare")
         return 0
-    print(f"OpenBLAS threads {threads}; load: {load()}", flush=True)
+    print(f"BLAS threads {threads}; load: {load()}", flush=True)
     op = get_op("ragged_dot")
     for busy in (False, True):
         loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
@@ -44,7 +44,8 @@ def main() -> int:
                 times: dict[str, list[float]] = {f"{threads} threads": [], "1 thread": []}
                 for _ in range(args.repeat):
                     for name in times:
-                        context = blas.one_thread() if name == "1 thread" else contextlib.nullcontext()
+                        context = (threadpool_limits(limits=1, user_api="blas") if name == "1 thread"
+                                   else contextlib.nullcontext())
                         with context:
                             start = time.perf_counter()
                             op.reference(problem, inputs)

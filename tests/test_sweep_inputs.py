@@ -14,7 +14,7 @@ import pytest
 
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
-from moe_tune.tuner import blas, shared_payload, workers
+from moe_tune.tuner import shared_payload, workers
 from moe_tune.tuner.inputs import SweepInputs
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
@@ -108,13 +108,21 @@ def test_an_error_making_the_reference_is_raised_where_it_is_needed():
     assert prepared.ready()
 
 
-def test_the_reference_runs_on_one_blas_thread_and_the_count_is_restored():
-    before = blas.threads()
-    if before is None:
-        pytest.skip("no OpenBLAS in this process")
-    with blas.one_thread():
-        assert blas.threads() == 1
-    assert blas.threads() == before
+def test_the_reference_runs_on_one_blas_thread_and_the_count_is_restored(monkeypatch):
+    from threadpoolctl import threadpool_info
+
+    def blas_threads() -> list[int]:
+        return [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+
+    before = blas_threads()
+    if not before:
+        pytest.skip("no BLAS threadpoolctl can see in this process")
+    op, seen = get_op("ragged_dot"), []
+    reference = op.reference
+    monkeypatch.setattr(op, "reference", lambda *a: (seen.append(blas_threads()), reference(*a))[1])
+    made = SweepInputs.prepare(op, TINY, "balanced", 0)
+    made.reference  # waits for the thread
+    assert seen == [[1] * len(before)] and blas_threads() == before
 
 
 def test_inputs_that_cannot_be_made_fail_the_sweep_not_its_candidates(monkeypatch, tmp_path):

@@ -6,8 +6,14 @@ reference. The shapes come from `targets.calls.abstract_inputs` (what the compil
 for the ops it describes, so the seeded inputs too are made on the thread (the op's RNG: 0.25 s of a 1.3 s
 warm sweep at the `strategies_cpu.py` shape), and checked against those shapes there (a mismatch is a bug,
 raised where the inputs are needed); for other ops the inputs are made here first. A compile worker asks for
-the payload once it has compiled (`shared_payload.Deferred`). The reference runs on one BLAS thread
-(`tuner/blas.py`): the compiles hold the cores.
+the payload once it has compiled (`shared_payload.Deferred`).
+
+The float64 reference runs on one BLAS thread (`threadpoolctl`): the compile workers hold the cores, and
+OpenBLAS's threads wait for each other when another process keeps a core busy. Beside such load the
+`strategies_cpu.py` shape's reference took a median 0.42 s (m=256) and 0.88 s (m=2048) on 2 threads, 0.07 and
+0.21 s on one; alone 2 threads are faster (results/warm_phases_cpu_2core_2026-11-26_session17_C.txt,
+`benchmarks/reference_threads_cpu.py`). That most likely was session 16's unexplained 1.2-1.3 s "inputs and
+reference" phase in warm sweeps at m=256: the phase follows the other cores' load, not warm or cold.
 
 On CPU the host arrays the op made are dropped once the device copy exists: `host` is a view of that copy
 (there `np.asarray` of a device array does not copy), so a sweep holds its inputs once, not twice (at deepseek-v2-lite
@@ -22,9 +28,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from moe_tune import devices
-from moe_tune.tuner import blas
 from moe_tune.tuner.gate import Reference
 from moe_tune.targets.calls import abstract_inputs
 from moe_tune.tuner.shared_inputs import shared_inputs
@@ -67,7 +73,7 @@ class SweepInputs:
                     if _shapes(host) != made.shapes:
                         raise RuntimeError(f"moe-tune bug: {op.name}'s inputs {_shapes(host)} are not the shapes "
                                            f"targets/calls.py gives ({made.shapes})")
-                with blas.one_thread():
+                with threadpool_limits(limits=1, user_api="blas"):
                     reference = Reference.of(op.reference(problem, host))
                 made._payload = (host, reference)
                 made._payload_ready.set()
