@@ -148,7 +148,11 @@ def test_neighbours_sharing_a_winner_are_challenged_at_their_middle(isolated_pro
         return 0.5 if config == A and wins and 12 <= m < 21 else 2.0 if config == A else 1.0
 
     calls: list[int] = []
-    outcome = ladders.measure(ladder, SweepSettings(), "cpu", timer=_physical_timer(time_of, calls))
+    said: list[str] = []
+    outcome = ladders.measure(ladder, SweepSettings(), "cpu", timer=_physical_timer(time_of, calls),
+                              on_boundary=said.append)
+    assert said[0] == f"m 8..32: challenged at 16 ({0.5 if wins else 2.0:.3f}x the shared winner's time), " + (
+        "won: a point of the ladder" if wins else "lost")
     spans = [(r["lo"], r["hi"], r["config"]) for r in outcome.intervals]
     challenges = [c for r in outcome.intervals for c in r["evidence"]["challenges"]]
     assert [(c["at"], c["challenger"], c["won"]) for c in challenges] == [(16, A, wins)]
