@@ -110,13 +110,19 @@ def test_sweep_to_explicit_profile_dir(run, tmp_path):
 
 def test_a_model_sweep_with_op_plans_that_ops_kernels_alone(run):
     """`sweep --model M --op OP`: the layer's OP kernels (e.g. one op's shipped entries re-measured after its
-    backend's revision bump), and a one-line error when the layer runs none."""
+    backend's revision bump), and a one-line error when the layer runs none; `--target` compiles a layer's
+    kernels, not its fused/unfused choice."""
     result = run("sweep", "--model", "deepseek-v2-lite", "--op", "ragged_gather", "--tokens", "256", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "2 kernel cases" in result.output and "dispatch tokens=256" in result.output
     assert "ragged_dot" not in result.output and "gather_reduce" not in result.output
     none = run("sweep", "--model", "deepseek-v2-lite", "--op", "dense_gather_reduce", "--ep", "8", "--dry-run")
     assert none.exit_code == 2 and "runs no dense_gather_reduce kernel" in none.output
+    # for a chip, the layer's kernels are compiled and its fused/unfused choice (moe_fusion) is left out
+    chip = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "256", "--target", "v5e", "--dry-run")
+    assert chip.exit_code == 0, chip.output
+    assert "note: moe_fusion left out" in chip.output and "ragged_dot fwd" in chip.output
+    assert "moe_fusion fwd" not in chip.output
 
 
 @pytest.mark.parametrize(
@@ -135,6 +141,7 @@ def test_a_model_sweep_with_op_plans_that_ops_kernels_alone(run):
         (["sweep", "--op", "dense_gather_reduce", "--ep", "2"], 2, "--ep does not apply"),
         (["sweep", "--op", "ragged_gather", "--experts", "6", "--ep", "4"], 2, "multiple of the expert-parallel"),
         (["sweep", "--op", "ragged_gather", "--direction", "dlhs"], 2, "has no direction 'dlhs'"),
+        (["sweep", "--op", "moe_fusion", "--target", "v5e", "--dry-run"], 2, "moe_fusion chooses between layers"),
     ],
 )
 def test_user_mistakes_get_one_line_and_exit_code(run, args, code, message):

@@ -160,16 +160,18 @@ def _problems():
 
 
 def test_the_shapes_compiled_before_the_inputs_exist_are_the_made_inputs():
-    """For the ops whose shapes come first (`ABSTRACT_OPS`), `targets.calls.abstract_inputs` is what
-    `make_inputs` makes; the other ops make their inputs before the compiles start."""
-    from moe_tune.targets.calls import abstract_inputs
-    from moe_tune.tuner.inputs import ABSTRACT_OPS, _shapes
+    """For the ops whose shapes come first (`targets.calls.DESCRIBED_OPS`), `targets.calls.abstract_inputs` is
+    what `make_inputs` makes; it refuses another op (it once fell through to a gather's inputs)."""
+    from moe_tune.targets.calls import DESCRIBED_OPS, abstract_inputs
+    from moe_tune.tuner.inputs import _shapes
 
     covered = set()
     for op, problem in _problems():
         covered.add(op.name)
         assert _shapes(abstract_inputs(op.name, problem)) == _shapes(op.make_inputs(problem, "balanced", 1)), problem
-    assert covered == set(ABSTRACT_OPS)
+    assert covered == set(DESCRIBED_OPS)
+    with pytest.raises(ValueError, match="no abstract inputs for op 'moe_fusion'"):
+        abstract_inputs("moe_fusion", None)
 
 
 def test_made_inputs_that_are_not_the_shapes_compiled_for_are_an_error(monkeypatch):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.kernels.gather.problem import GatherProblem
+from moe_tune.kernels.gather.problem import GATHER_OPS, GatherProblem
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.quant import DynamicQuant, QArray
 
@@ -71,15 +71,21 @@ def _fused_moe_inputs(problem: FusedMoeProblem, place: Callable) -> dict[str, An
     return inputs
 
 
+DESCRIBED_OPS = ("ragged_dot", "fused_moe", *GATHER_OPS)  # the ops whose inputs `abstract_inputs` describes
+
+
 def abstract_inputs(op: str, problem: Any, device: Any = None) -> dict[str, Any]:
-    """The inputs `get_op(op).run` takes, as `jax.ShapeDtypeStruct`s committed to `device` (None: uncommitted)."""
+    """The inputs `get_op(op).run` takes, as `jax.ShapeDtypeStruct`s committed to `device` (None: uncommitted),
+    for an op of `DESCRIBED_OPS` (ValueError for another)."""
     sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
     place = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
     if op == "ragged_dot":
         return _ragged_dot_inputs(problem, place)
     if op == "fused_moe":
         return _fused_moe_inputs(problem, place)
-    return _gather_inputs(op, problem, place)
+    if op in GATHER_OPS:
+        return _gather_inputs(op, problem, place)
+    raise ValueError(f"no abstract inputs for op {op!r} (described: {', '.join(DESCRIBED_OPS)})")
 
 
 def kernel_call(op: str, backend: str, problem: Any, config: KernelConfig) -> Callable[[dict[str, Any]], Any]:

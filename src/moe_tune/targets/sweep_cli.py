@@ -9,6 +9,7 @@ from moe_tune.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
 from moe_tune.targets import wheels
+from moe_tune.targets.calls import DESCRIBED_OPS
 from moe_tune.targets.chips import get_target
 from moe_tune.targets.compile_sweep import TargetSweep, compile_sweeps
 from moe_tune.targets.records import records_path
@@ -23,6 +24,14 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
     if campaign.ray_address is not None:
         raise UsageError("--target compiles on this machine; it does not take --ray")
     target = get_target(target_name)
+    # a layer choice (moe_fusion) runs kernels of the described ops; a chip compiles those, not the choice
+    layers = sorted({case.op for case in cases} - set(DESCRIBED_OPS))
+    cases = [case for case in cases if case.op in DESCRIBED_OPS]
+    if layers and not cases:
+        raise UsageError(f"--target compiles kernels ({', '.join(DESCRIBED_OPS)}); {layers[0]} chooses between "
+                         f"layers of them: compile their kernels instead (e.g. `--model M --op ragged_dot`)")
+    if layers:
+        print_line(f"note: {', '.join(layers)} left out: a choice between layers, whose kernels are compiled here")
     if not campaign.dry_run:
         wheels.require(target.platform)  # the one-line error before anything is printed
     # without --backend, what the chip would tune: its default, or its own kernel where that has no tunables

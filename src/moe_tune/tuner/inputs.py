@@ -32,11 +32,8 @@ from threadpoolctl import threadpool_limits
 
 from moe_tune import devices
 from moe_tune.tuner.gate import Reference
-from moe_tune.targets.calls import abstract_inputs
+from moe_tune.targets.calls import DESCRIBED_OPS, abstract_inputs
 from moe_tune.tuner.shared_inputs import shared_inputs
-
-# the ops whose inputs `abstract_inputs` describes (tests/test_sweep_inputs.py holds them to `make_inputs`)
-ABSTRACT_OPS = ("ragged_dot", "fused_moe", "ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
 
 
 class SweepInputs:
@@ -61,7 +58,7 @@ class SweepInputs:
     def prepare(cls, op: Any, problem: Any, distribution: str, seed: int) -> SweepInputs:
         """`op.make_inputs(problem, distribution, seed)`, its reference and device copy on a thread (the
         inputs here first when their shapes cannot be known without them)."""
-        abstract = _shapes(abstract_inputs(op.name, problem)) if getattr(op, "name", None) in ABSTRACT_OPS else None
+        abstract = _shapes(abstract_inputs(op.name, problem)) if getattr(op, "name", None) in DESCRIBED_OPS else None
         host = op.make_inputs(problem, distribution, seed) if abstract is None else None
         made = cls(_shapes(host) if abstract is None else abstract, uuid.uuid4().hex)
 
