@@ -138,7 +138,7 @@ def measure(ladder: Ladder, settings: SweepSettings, device_kind: str, *, timer:
             ratio = "unusable" if c["ratio"] is None else f"{c['ratio']:.3f}x the shared winner's time"
             verdict = "won: a point of the ladder" if c["won"] else "lost"
             on_boundary(f"{ladder.field} {c['lower']}..{c['upper']}: challenged at {c['at']} ({ratio}), {verdict}")
-    segments: list[tuple[int, list[tuple[int, str, dict]], dict | None]] = [(points[0][0], [points[0]], None)]
+    segments: list[tuple[int, list[tuple[int, str | None, dict]], dict | None]] = [(points[0][0], [points[0]], None)]
     for below, above in zip(points, points[1:]):
         if _config(below[2]) == _config(above[2]):
             segments[-1][1].append(above)

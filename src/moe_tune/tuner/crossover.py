@@ -21,6 +21,7 @@ import jax
 from moe_tune import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.kernel_op import relative_error
+from moe_tune.profiles.verdict import paired_ratios
 from moe_tune.tuner.finals import samples_for_time
 from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.timing import time_candidates
@@ -57,7 +58,7 @@ class SideBySide:
             return None
         mine, theirs = self.samples_s.get(name, ()), self.samples_s.get(over, ())
         if mine and len(mine) == len(theirs):
-            return statistics.median(a / b for a, b in zip(mine, theirs))
+            return statistics.median(paired_ratios(mine, theirs))
         return self.median_s[name] / self.median_s[over]
 
     def to_json(self) -> dict[str, Any]:
