@@ -170,14 +170,20 @@ def test_neighbours_sharing_a_winner_are_challenged_at_their_middle(isolated_pro
     assert [(r["lo"], r["hi"], r["config"]) for r in outcome.intervals] == spans
 
 
-def test_a_boundary_is_decided_by_the_per_round_ratios():
+def test_a_boundary_is_decided_by_the_per_round_ratios(isolated_profiles):
     from moe_tune.tuner.crossover import SideBySide
 
-    # one round slowed by load for `upper` alone: its median is the larger, yet it won two rounds of three
+    # `upper` won two rounds of three, by half; its one slow round (load) makes its median the larger
     timed = SideBySide({"lower": 2.0, "upper": 3.0}, {}, 3, "trace", None, {},
                        {"lower": (2.0, 2.0, 4.0), "upper": (1.0, 3.0, 3.0)})
     assert timed.fastest() == "lower" and timed.ratio("upper", "lower") == 0.75
     assert timed.ratio("upper", "gone") is None
+    write_entries(_table_path(isolated_profiles), "ragged_dot", "cpu",
+                  [_entry(dataclasses.replace(SMALL, m=m), cfg) for m, cfg in ((8, A), (32, B))])
+    _, (ladder,) = _ladder([8, 32])
+    outcome = ladders.measure(ladder, SweepSettings(), "cpu", timer=lambda *a, **k: timed, steps=1)
+    below = outcome.intervals[1]["evidence"]["below"]
+    assert below["timed"][0]["faster"] == "upper" and below["bracket"] == [8, 16]  # upper holds 16
 
 
 @pytest.mark.parametrize("m,source,config", [(16, "exact", B), (13, "interval", B), (9, "interval", A),
