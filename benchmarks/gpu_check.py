@@ -11,9 +11,12 @@ Shapes (bf16, balanced group sizes), all three directions of the up projection:
     of 8 (32 local experts), 4096 tokens x top-8 routed / 8 shards = 4096 rows per shard;
   * Mixtral-8x7B: hidden 4096 -> 14336, 8 experts, 4096 tokens x top-2 = 8192 rows.
 Quantized weights (`--quant`, fwd and dlhs: the directions that read them): weight-only int8 with one scale
-per channel, and float8_e4m3fn with 128-wide blocks along k (32 in --small), each swept (every candidate
+per channel, float8_e4m3fn and int4 with 128-wide blocks along k (32 in --small), and mxfp4 (OCP MX: blocks
+of 32, e8m0 scales), each swept (every candidate
 checked against the dequantized float64 reference), its error against the unquantized weights recorded, and
 its tuned time compared with the bf16 kernel's of the same shape and direction (`vs_bf16`).
+MoE layers (`--layers qwen3-30b-a3b:4096:1`, first): every forward kernel call swept on triton, then `moe_mlp`
+fused on triton, fused on plain JAX and unfused timed side by side (`gpu_layer.py`).
 Dispatch / combine (bf16): DeepSeek-V3 (4096 tokens, hidden 7168, top-8, 256 experts, ep=8: ragged ops) and
 Mixtral-8x7B (4096 tokens, hidden 4096, top-2, ep=1: the dense combine).
 Each ragged_dot case also records its `breakdown` (`moe-tune report --breakdown`): the tuned winner and the
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import jax
 
+from gpu_layer import layer_case
 from moe_tune import bench, devices
 from moe_tune.breakdown import profile_entry
 from moe_tune.breakdown.run import as_json
@@ -59,7 +63,8 @@ GATHER_SMALL = {"toy (ep=2)": dict(tokens=32, hidden=128, top_k=4, experts=8, ep
                 "toy": dict(tokens=32, hidden=128, top_k=4, experts=8, ep=1)}
 GATHER_OPS = ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
 # Quantized weight modes: name -> the ragged_dot quantization options (block None: filled per run, see QUANT_BLOCK).
-QUANT_MODES = {"int8": dict(rhs_quant="int8"), "fp8": dict(rhs_quant="float8_e4m3fn", quant_block=None)}
+QUANT_MODES = {"int8": dict(rhs_quant="int8"), "fp8": dict(rhs_quant="float8_e4m3fn", quant_block=None),
+               "int4": dict(rhs_quant="int4", quant_block=None), "mxfp4": dict(rhs_quant="mxfp4")}
 QUANT_BLOCK = {"full": 128, "small": 32}
 QUANT_DIRECTIONS = ("fwd", "dlhs")  # drhs reads no weights (it is the float kernel)
 
@@ -177,7 +182,13 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--breakdown-runs", type=int, default=3, help="profiled runs per config of each breakdown")
     parser.add_argument("--ops", default="ragged_dot," + ",".join(GATHER_OPS))
+    parser.add_argument("--models", default="", help="only the ragged_dot / gather shapes whose name has one of "
+                                                      "these (comma-separated; default: all)")
     parser.add_argument("--backends", default="triton,mosaic_gpu", help="the ragged_dot backends to sweep and time")
+    parser.add_argument("--layers", default="",
+                        help="MoE layers PRESET:TOKENS:EP,... to sweep and time fused vs unfused (gpu_layer.py), "
+                             "before the kernels ('toy:16:1' off GPU)")
+    parser.add_argument("--layer-candidates", type=int, default=8, help="per sweep of a layer's kernel call")
     parser.add_argument("--quant", default=",".join(QUANT_MODES),
                         help=f"quantized weight modes of ragged_dot ({', '.join(QUANT_MODES)}; '' for none)")
     args = parser.parse_args()
@@ -185,6 +196,7 @@ def main() -> int:
 
     spec = get_op("ragged_dot")
     out_path = Path(args.out) / "gpu_check.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "meta": {"device_kind": devices.device_kind(), "platform": devices.platform(), "jax": jax.__version__,
                  "date": time.strftime("%Y-%m-%d"), "devices": [str(d) for d in jax.devices()]},
@@ -193,7 +205,12 @@ def main() -> int:
     print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
     # The sweeps' tables are kept beside the JSON: what a lent GPU tuned can be shipped (profiles/data/<device>/).
     profile_dir = str(args.tables or Path(args.out) / "tables")
-    for name, shape in (SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
+    for layer in (spec_.split(":") for spec_ in args.layers.split(",") if spec_):
+        _record(report, layer_case(layer[0], int(layer[1]), int(layer[2]), dtype=args.dtype, samples=args.samples,
+                                   max_candidates=args.layer_candidates, profile_dir=profile_dir), out_path)
+    wanted = lambda shapes: {k: v for k, v in shapes.items() if not args.models
+                             or any(m and m in k for m in args.models.split(","))}
+    for name, shape in wanted(SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
         directions = args.directions.split(",")
         for backend in args.backends.split(","):
             bf16 = {}
@@ -205,7 +222,7 @@ def main() -> int:
                 _record(report, case, out_path)
         report["winners"] = _winners(report["cases"])
     for op in (op for op in GATHER_OPS if op in ops):
-        for name, shape in (GATHER_SMALL if args.small else GATHER_SHAPES).items():
+        for name, shape in wanted(GATHER_SMALL if args.small else GATHER_SHAPES).items():
             if (op == "dense_gather_reduce") != (shape["ep"] == 1):
                 continue  # the dense combine is the ep=1 case, the ragged ops the expert-parallel one
             try:

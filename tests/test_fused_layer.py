@@ -165,3 +165,18 @@ def test_fused_none_trains_on_the_choice_timed_forward_and_backward(monkeypatch,
     for fused in (True, False):
         got = jax.jit(lambda i, f=fused: MOE_FUSION.run(LayerChoice(), FusionConfig(fused=f), problem, i))(inputs)
         assert relative_error(np.asarray(got), expected) < 1e-5
+
+
+def test_the_gpu_defaults_follow_the_h100_measurements(monkeypatch):
+    """On GPU `moe_fusion` defaults to unfused and `fused_moe` to its triton kernels (an H100,
+    benchmarks/results/gpu_check_nvidia_h100_2026-11-26_layer*: unfused forwards 1.17-1.93x faster than fused
+    triton, the plain-JAX fused layer 3.7-45x slower than it); CPU stays fused on its tiled kernels."""
+    from moe_tune import devices
+    from moe_tune.kernels.fused_moe.registry import BACKENDS
+
+    problem = FusionProblem(tokens=TOKENS, hidden=HIDDEN, intermediate=WIDTH, experts=EXPERTS, top_k=TOP_K, ep=1,
+                            dtype="bfloat16", direction="fwd")
+    for platform, fused, kernels in (("cpu", True, "tiled"), ("gpu", False, "triton"), ("tpu", True, "pallas_tpu")):
+        monkeypatch.setattr(devices, "platform", lambda platform=platform: platform)
+        assert LayerChoice().default_config(problem) == FusionConfig(fused=fused), platform
+        assert BACKENDS.default_for(platform).name == kernels, platform

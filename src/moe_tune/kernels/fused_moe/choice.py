@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import distributions
+from moe_tune import devices, distributions
 from moe_tune.errors import UsageError
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
@@ -100,9 +100,16 @@ class LayerChoice(Backend[FusionConfig, FusionProblem]):
     description = "the whole moe_mlp layer, fused or unfused (each with its kernels' tuned configs)"
 
     def default_config(self, problem: FusionProblem) -> FusionConfig:
-        # CPU, benchmarks/results/fused_cpu_2core_2026-11-25_session12: the fused forward 1.17-2.11x faster at
-        # prefill (4096 tokens, ep 4), at decode within that loaded run's noise; a sweep measures your shape
-        return FusionConfig(fused=True)
+        """Fused where it was measured faster or not measured; a sweep measures your shape.
+
+        - CPU (benchmarks/results/fused_cpu_2core_2026-11-25_session12): the fused forward 1.17-2.11x faster at
+          prefill (4096 tokens, ep 4), at decode within that loaded run's noise.
+        - GPU (H100, benchmarks/results/gpu_check_nvidia_h100_2026-11-26_layer*): unfused, whose forward was
+          1.17x (qwen3-30b-a3b 4096 tokens), 1.93x (256 tokens) and 1.17x (deepseek-v3 ep 8) faster than the
+          fused triton kernels'; forward+backward: fused 1.07x faster (4096 tokens, a 20% spread), unfused 1.13x
+          (256) and 1.01x (deepseek-v3) faster.
+        - TPU: fused (pallas_tpu), not yet timed on a TPU."""
+        return FusionConfig(fused=devices.platform() != "gpu")
 
     def candidate_values(self, problem: FusionProblem):
         return {"fused": [True, False]}
