@@ -51,11 +51,19 @@ def test_targets_benchmark_prints_every_target(tmp_path):
 def test_gpu_check_smoke(tmp_path):
     # triton only: mosaic_gpu's cases on CPU are its interpreter (tests/test_ragged_dot_mosaic_gpu.py)
     out = _run(["benchmarks/gpu_check.py", "--small", "--directions", "fwd,drhs", "--max-candidates", "2",
-                "--samples", "1", "--backends", "triton", "--out", str(tmp_path)], tmp_path)
+                "--samples", "1", "--backends", "triton", "--quant", "int8,int4", "--layers", "toy:16:2",
+                "--layer-candidates", "2", "--out", str(tmp_path)], tmp_path)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["meta"]["device_kind"]
+    layer, *kernels = report["cases"]  # the layer first: fused (triton, plain JAX) vs unfused, fwd and fwd+bwd
+    assert layer["op"] == "moe_layer" and "error" not in layer, layer.get("traceback")
+    assert {s["op"] for s in layer["sweeps"]} == {"ragged_dot", "ragged_gather", "ragged_gather_reduce", "fused_moe"}
+    assert all(error < 0.02 for error in layer["rel_error"].values()) and set(layer["rel_error"]) == {
+        "unfused", "fused_jax", "fused_triton"}
+    assert all(r["ratios"]["unfused_vs_fused_triton"] > 0 for r in layer["modes"].values())
+    report["cases"] = kernels
     ops = [(case.get("op", "ragged_dot"), case.get("quant")) for case in report["cases"]]
-    assert ops == [("ragged_dot", None), ("ragged_dot", None), ("ragged_dot", "int8"), ("ragged_dot", "fp8"),
+    assert ops == [("ragged_dot", None), ("ragged_dot", None), ("ragged_dot", "int8"), ("ragged_dot", "int4"),
                    ("ragged_gather", None), ("ragged_gather_reduce", None), ("dense_gather_reduce", None)]
     for case in report["cases"]:
         assert "error" not in case, case.get("traceback")
@@ -65,10 +73,10 @@ def test_gpu_check_smoke(tmp_path):
         assert winner["label"] == "winner" and winner["ops"] and winner["total_s"] > 0
         assert sum(op["share"] for op in winner["ops"]) == pytest.approx(1.0)
     for case in report["cases"][2:4]:  # the quantized weights: fwd only (drhs reads no weights)
-        assert case["shape"]["rhs_qdtype"] in ("int8", "float8_e4m3fn") and case["shape"]["direction"] == "fwd"
+        assert case["shape"]["rhs_qdtype"] in ("int8", "int4") and case["shape"]["direction"] == "fwd"
         assert 0 < case["quantization_error"] < 0.1 and case["vs_bf16"] > 0
     tables = {path.name for path in (tmp_path / "tables").glob("*/*.json")}  # kept, to ship from a lent GPU
-    assert {"ragged_dot.json", "ragged_gather.json", "dense_gather_reduce.json"} <= tables
+    assert {"ragged_dot.json", "ragged_gather.json", "dense_gather_reduce.json", "fused_moe.json"} <= tables
     assert "wrote" in out
 
 
