@@ -16,12 +16,13 @@ kernels.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 from moe_tune import distributions, settings
 from moe_tune.errors import TableError
@@ -83,10 +84,14 @@ def _without_path(path: Path, message: str) -> str:
 
 
 GetOp = Callable[[str], OpLike]  # op name -> op object; raises (naming the choices) for an unknown op
+# device kind -> a context in which the backends' rules judge configs as on that device
+# (`targets.compile.acting_as_kind`); profiles/ imports neither kernels/ nor targets/, so the caller passes it.
+ActingAs = Callable[[str], ContextManager[None]]
 
 
-def validate_table(path: str | os.PathLike, *, get_op: GetOp) -> list[Problem]:
-    """Every problem with the table at `path` (empty when it is fine). `get_op`: `kernels.get_op`."""
+def validate_table(path: str | os.PathLike, *, get_op: GetOp, acting_as: ActingAs | None = None) -> list[Problem]:
+    """Every problem with the table at `path` (empty when it is fine). `get_op`: `kernels.get_op`; `acting_as`:
+    how to judge configs as on the table's device kind (None: as on this machine)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -121,16 +126,24 @@ def validate_table(path: str | os.PathLike, *, get_op: GetOp) -> list[Problem]:
             kernel_op = get_op(op)
         except Exception as e:
             problems.append(Problem(path, str(e)))
-    for key, entry in table["entries"].items():
-        wrong = _entry_problems(key, entry, op, device_kind, kernel_op)
-        problems += [Problem(path, message, key) for message in wrong]
-        if kernel_op is not None and not wrong:
-            backend = kernel_op.backends.get(entry["fields"]["backend"])
-            problems += [Problem(path, f"stale: tuned with {d}", key, WARNING) for d in staleness(entry, backend)]
+    judged_as = acting_as(device_kind) if acting_as is not None and device_kind else contextlib.nullcontext()
+    with judged_as:
+        for key, entry in table["entries"].items():
+            problems += _entry_problems_stale(path, key, entry, op, device_kind, kernel_op)
     for section, check in ((INTERVALS, interval_problems), (ROBUST, robust_problems)):
         for key, record in (table.get(section) or {}).items():  # lookup skips a broken one; say it here
             problems += [Problem(path, f"{section}: {message}", key) for message in check(record)]
     return problems
+
+
+def _entry_problems_stale(path: Path, key: str, entry: Any, op: str | None, device_kind: str | None,
+                          kernel_op: OpLike | None) -> list[Problem]:
+    """An entry's problems, else whether it is stale (warnings)."""
+    wrong = _entry_problems(key, entry, op, device_kind, kernel_op)
+    if wrong or kernel_op is None:
+        return [Problem(path, message, key) for message in wrong]
+    backend = kernel_op.backends.get(entry["fields"]["backend"])
+    return [Problem(path, f"stale: tuned with {d}", key, WARNING) for d in staleness(entry, backend)]
 
 
 def _entry_problems(key: str, entry: Any, op: str | None, device_kind: str | None,
@@ -202,7 +215,8 @@ def _not_a_dir(path: Path) -> str:
     return "a file"
 
 
-def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: GetOp) -> ValidationReport:
+def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: GetOp,
+                   acting_as: ActingAs | None = None) -> ValidationReport:
     """Validate table files and every table under directories; no paths: every profile dir that exists
     (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables).
     `get_op`: `kernels.get_op`."""
@@ -236,5 +250,5 @@ def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: 
             seen.add(real)
             unique.append(path)
     for path in unique:
-        problems += validate_table(path, get_op=get_op)
+        problems += validate_table(path, get_op=get_op, acting_as=acting_as)
     return ValidationReport(unique, problems)

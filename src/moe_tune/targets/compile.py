@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from moe_tune.targets.chips import Target
+from moe_tune.targets.chips import Target, for_device_kind
 from moe_tune.targets.gpu_config import target_config_text
 
 OK, REJECTED, CRASHED, ERROR = "ok", "rejected", "crashed", "error"
@@ -95,6 +95,16 @@ def acting_as(target: Target) -> Iterator[None]:
         yield
     finally:
         devices.platform, devices.device_kind = saved
+
+
+@contextlib.contextmanager
+def acting_as_kind(device_kind: str) -> Iterator[None]:
+    """`acting_as` the chip whose tables lie under `device_kind` (`chips.for_device_kind`), or as this machine
+    where moe-tune knows no such chip (cpu, an unlisted GPU): how `moe-tune validate` judges the configs of a
+    table tuned elsewhere (a Triton tile that fits an H100's 227 KiB of shared memory, not this machine's)."""
+    target = for_device_kind(device_kind)
+    with acting_as(target) if target is not None else contextlib.nullcontext():
+        yield
 
 
 def _memory(compiled: Any) -> dict[str, int]:
