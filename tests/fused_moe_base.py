@@ -130,19 +130,32 @@ class FusedMoeBackendTests:
                                    out_dtype=jnp.float32, group_offset=offset)
         assert not np.asarray(out).any()
 
-    def test_weight_parts_stand_for_their_concatenation(self):
-        """Gate and up as two parts (backends with `split_weights`) give the concatenated weights' result."""
+    @pytest.mark.parametrize("direction,glu,ep,quant", [
+        ("fwd", "silu", 1, {}), ("fwd", None, 2, {}), ("bwd", "silu", 2, {}),
+        ("fwd", None, 1, {"rhs_quant": "int8"}), ("bwd", None, 1, {"rhs_quant": "float8_e4m3fn", "quant_block": 64})])
+    def test_weight_parts_stand_for_their_concatenation(self, direction, glu, ep, quant):
+        """Gate and up as two parts (backends with `split_weights`) give the concatenated weights' result: the
+        dispatch with and without glu, its backward (the parts split the contraction), on a shard, with
+        int8 and float8 weights (values and scales split alike), each with the default config."""
         if not getattr(self.impl, "split_weights", False):
             pytest.skip(f"{self.backend} takes concatenated weights (the op concatenates parts)")
-        tokens, top_k, k, n, experts = self.shapes[0]
-        problem = self._problem(self.shapes[0], "dispatch", "fwd", "silu", 1, "float32")
+        problem = self._problem(self.shapes[0], "dispatch", direction, glu, ep, "float32", **quant)
+        if quant and (not self.quantized or self.impl.config_error(self.impl.default_config(problem), problem)):
+            pytest.skip(f"{self.backend} does not run QArray weights (the op falls back)")
         inputs = self.op.make_inputs(problem, "balanced", 5)
-        f = n // 2
-        parts = (jnp.asarray(inputs["rhs"][:, :, :f]), jnp.asarray(inputs["rhs"][:, :, f:]))
-        out = self.impl.gather_gmm(jnp.asarray(inputs["a"]), jnp.asarray(inputs["rows"]), parts,
-                                   jnp.asarray(inputs["group_sizes"]), config=self.impl.default_config(problem),
-                                   out_dtype=jnp.float32, glu="silu")
-        assert relative_error(out, self.op.reference(problem, inputs)) <= TOLERANCE["float32"]
+        expected = self.op.reference(problem, inputs)
+        f = problem.n // 2
+        halves = lambda w: (w[:, :, :f], w[:, :, f:])
+        rhs = inputs["rhs"]
+        if quant:
+            (qg, qu), (sg, su) = halves(rhs.qvalue), halves(rhs.scale)
+            parts = (dataclasses.replace(rhs, qvalue=qg, scale=sg), dataclasses.replace(rhs, qvalue=qu, scale=su))
+        else:
+            parts = halves(rhs)
+        inputs = jax.device_put({**inputs, "rhs": parts})
+        config = self.impl.default_config(problem)
+        out = jax.jit(lambda a: self.op.run(self.impl, config, problem, a))(inputs)
+        assert relative_error(out, expected) <= TOLERANCE["float32"], (problem, config)
 
     def test_rejects_invalid_configs(self):
         problem = self._problem(self.shapes[0], "dispatch", "fwd", "silu", 1, "float32")

@@ -16,6 +16,13 @@ only that group's rows (a tile shared by two groups is visited twice, each visit
   reaches a token. Interpret mode emulates the atomics with a scatter that keeps one of several adds to the
   same address within one program: exact for routing, where a token meets an expert once.
 
+Gate and up come as two arrays (`split_weights`, `base.py`), read where they are (no concatenated copy of
+the weights per call, which cost ~0.8 GB of temp at qwen3-30b-a3b on an H100): with glu the gate and the up
+accumulators read their own refs; without glu (the training forward keeps [m, 2f]) a program's column
+block lies in one part (block_n divides f) and two `pl.when` branches pick it, each a full k loop; where
+the parts split the contraction (the dispatch's backward, dh @ [gate | up]^T) the k loop runs over gate's
+f columns, then over up's, into the same accumulator (block_k divides f).
+
 Loads use index vectors clipped to the array (never a block hanging past it), so x, h and the weights are
 never padded; `block_k` / `block_n` must divide the contraction / the output columns (`config_error`).
 Only the gather output is padded to whole row tiles (a copy only when m is not a multiple of block_m).
@@ -34,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
-from moe_tune.kernels.fused_moe.base import FusedMoeBackend
+from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu import dims
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, round_up
@@ -84,55 +91,111 @@ def _weight_block(w_ref, s_ref, group, row0, rows: int, col0, cols: int, block, 
     return (w.astype(jnp.float32) * scale).astype(dtype)
 
 
-def _product(a_ref, a_rows, keep, w_refs, group, col0, *, bk, bn, k_steps, transpose_rhs, dtype, block):
-    """f32 [bm, bn] accumulators (one per (weight ref, scale ref or None, column offset)) of a[a_rows] @
-    w[group][:, col0:col0 + bn]: a's rows masked by keep (never read where False), k in steps of bk."""
+def _product(a_ref, a_rows, keep, segments, group, col0, *, bk, bn, transpose_rhs, dtype, block):
+    """f32 [bm, bn] accumulators of a[a_rows] @ w[group][:, col0:col0 + bn]: a's rows masked by keep (never
+    read where False). `segments` (`_blocks`) run one after the other into the same accumulators, each a k
+    loop in steps of bk over a's columns [a_col0, a_col0 + steps * bk) with one (weight ref, scale ref or None,
+    column offset) per accumulator: the weight parts that split the contraction (transpose_rhs) follow each
+    other, k restarting at 0 in each part."""
     bm = keep.shape[0]
     mask = jnp.broadcast_to(keep[:, None], (bm, bk))
+    accs = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in segments[0][2])
+    for a_col0, k_steps, views in segments:
+        def body(kk, accs, a_col0=a_col0, views=views):
+            ks = a_col0 + kk * bk + jnp.arange(bk, dtype=jnp.int32)
+            a = plgpu.load(a_ref.at[a_rows[:, None], ks[None, :]], mask=mask, other=0).astype(dtype)
+            out = []
+            for acc, (w_ref, s_ref, offset) in zip(accs, views):
+                if transpose_rhs:  # rhs[g].T: the block [bn, bk] of [g, k, n], read transposed
+                    w = _weight_block(w_ref, s_ref, group, col0 + offset, bn, kk * bk, bk, block, dtype)
+                else:
+                    w = _weight_block(w_ref, s_ref, group, kk * bk, bk, col0 + offset, bn, block, dtype)
+                out.append(acc + plgpu.dot(a, w, trans_b=transpose_rhs, precision=exact_f32_precision(dtype)))
+            return tuple(out)
 
-    def body(kk, accs):
-        ks = kk * bk + jnp.arange(bk, dtype=jnp.int32)
-        a = plgpu.load(a_ref.at[a_rows[:, None], ks[None, :]], mask=mask, other=0).astype(dtype)
-        out = []
-        for acc, (w_ref, s_ref, offset) in zip(accs, w_refs):
-            if transpose_rhs:  # rhs[g].T: the block [bn, bk] of [g, k, n], read transposed
-                w = _weight_block(w_ref, s_ref, group, col0 + offset, bn, kk * bk, bk, block, dtype)
-            else:
-                w = _weight_block(w_ref, s_ref, group, kk * bk, bk, col0 + offset, bn, block, dtype)
-            out.append(acc + plgpu.dot(a, w, trans_b=transpose_rhs, precision=exact_f32_precision(dtype)))
-        return tuple(out)
-
-    zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs)
-    return jax.lax.fori_loop(0, k_steps, body, zeros)
+        accs = jax.lax.fori_loop(0, k_steps, body, accs)
+    return accs
 
 
-def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, rhs_ref, *refs, m, bm, bk, bn,
-                       k_steps, glu, transpose_rhs, dtype, block):
+def _weight_refs(refs, parts: int, quantized: bool):
+    """[(values ref, scale ref or None)] per weight part, and the refs after them."""
+    step = 2 if quantized else 1
+    weights = [(refs[i * step], refs[i * step + 1] if quantized else None) for i in range(parts)]
+    return weights, refs[parts * step:]
+
+
+def _blocks(weights, j, *, bn: int, bk: int, kc: int, glu: str | None, transpose_rhs: bool, n_out: int):
+    """What program column block j multiplies: [(condition or None, local col0, segments)], each entry to run
+    under its condition (`pl.when`; None: always), the segments as `_product` takes them. The weight parts
+    stand for their concatenation along n (`base.py`):
+    - transpose_rhs: they split the contraction: one segment per part, a's columns offset by the parts before;
+    - glu: gate and up accumulators over the same columns, from the two parts (or from one array, up
+      n_out columns further);
+    - else the block lies in one part (block_n divides each part's width: the backend checks): one entry per
+      part, taken where j falls in it (two pl.when branches for gate | up, each a full k loop)."""
+    col0 = j * bn
+    if transpose_rhs:
+        segments, start = [], 0
+        for w_ref, s_ref in weights:
+            width = w_ref.shape[2]  # the contraction runs along the parts' n
+            segments.append((start, width // bk, [(w_ref, s_ref, 0)]))
+            start += width
+        return [(None, col0, segments)]
+    if glu:
+        (gate, gate_scale), (up, up_scale) = weights if len(weights) == 2 else weights * 2
+        views = [(gate, gate_scale, 0), (up, up_scale, 0 if len(weights) == 2 else n_out)]
+        return [(None, col0, [(0, kc // bk, views)])]
+    if len(weights) == 1:
+        return [(None, col0, [(0, kc // bk, [(*weights[0], 0)])])]
+    entries, start = [], 0
+    for w_ref, s_ref in weights:
+        width = w_ref.shape[2]
+        inside = (j >= start // bn) & (j < (start + width) // bn)
+        entries.append((inside, col0 - start, [(0, kc // bk, [(w_ref, s_ref, 0)])]))
+        start += width
+    return entries
+
+
+def _each_block(blocks, run) -> None:
+    """run(col0, segments) for each of `_blocks`' entries, under its condition."""
+    for condition, col0, segments in blocks:
+        if condition is None:
+            run(col0, segments)
+        else:
+            pl.when(condition)(functools.partial(run, col0, segments))
+
+
+def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, *refs, m, bm, bk, bn, k_steps, glu,
+                       transpose_rhs, dtype, block, parts):
     """Schedule tables (gid, tid [visits], starts, ends [groups], info [1] = real visits); rows int32 [m];
-    x [tokens, kc]; rhs [g, k, n] (read as rhs[g].T when transposed, kc = n), its scale [g, k / block, n]
-    when quantized -> out [m_p, n_out]."""
-    s_ref, out_ref = refs if block else (None, *refs)
+    x [tokens, kc]; the weight parts (`parts` of them: gate, up), each [g, k, n_p] (read as rhs[g].T when
+    transposed, kc = sum of n_p) followed by its scale [g, k / block, n_p] when quantized -> out [m_p, n_out]."""
+    weights, (out_ref,) = _weight_refs(refs, parts, block is not None)
     v, j = pl.program_id(0), pl.program_id(1)
+    n_out = out_ref.shape[1]
 
     @pl.when(v < info[0])
     def _():
         group, rows, keep = _tile_rows(gid, tid, starts, ends, v, bm, m)
         tokens = plgpu.load(rows_ref.at[rows], mask=keep, other=0)  # outside the group: row 0, masked below
-        col0 = j * bn
-        w_refs = [(rhs_ref, s_ref, 0)] + ([(rhs_ref, s_ref, out_ref.shape[1])] if glu else [])
-        accs = _product(x_ref, tokens, keep, w_refs, group, col0, bk=bk, bn=bn, k_steps=k_steps,
-                        transpose_rhs=transpose_rhs, dtype=dtype, block=block)
-        out = ACTIVATIONS[glu][0](accs[0]) * accs[1] if glu else accs[0]
-        plgpu.store(out_ref.at[pl.ds(tid[v] * bm, bm), pl.ds(col0, bn)], out.astype(out_ref.dtype),
-                    mask=jnp.broadcast_to(keep[:, None], (bm, bn)))
+
+        def run(col0, segments):
+            accs = _product(x_ref, tokens, keep, segments, group, col0, bk=bk, bn=bn, transpose_rhs=transpose_rhs,
+                            dtype=dtype, block=block)
+            out = ACTIVATIONS[glu][0](accs[0]) * accs[1] if glu else accs[0]
+            plgpu.store(out_ref.at[pl.ds(tid[v] * bm, bm), pl.ds(j * bn, bn)], out.astype(out_ref.dtype),
+                        mask=jnp.broadcast_to(keep[:, None], (bm, bn)))
+
+        _each_block(_blocks(weights, j, bn=bn, bk=bk, kc=k_steps * bk, glu=glu, transpose_rhs=transpose_rhs,
+                            n_out=n_out), run)
 
 
-def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_ref, rhs_ref, *refs, m, bm, bk, bn,
-                        k_steps, skip_zero, transpose_rhs, dtype, trash, masked_atomics, block):
-    """Schedule tables as in `_gather_gmm_kernel`; rows int32 [m]; weights float32 [m]; h [m, kc]; rhs (and
-    its scale) as there; out float32 [tokens + 1, n] (aliased with the zero-filled input before it; row
-    `trash` = tokens takes the invalid rows' adds)."""
-    s_ref, _, out_ref = refs if block else (None, *refs)
+def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_ref, *refs, m, bm, bk, bn, k_steps,
+                        skip_zero, transpose_rhs, dtype, trash, masked_atomics, block, parts):
+    """Schedule tables as in `_gather_gmm_kernel`; rows int32 [m]; weights float32 [m]; h [m, kc]; the weight
+    parts (and their scales) as there; out float32 [tokens + 1, n] (aliased with the zero-filled input before
+    it; row `trash` = tokens takes the invalid rows' adds)."""
+    rhs, (_, out_ref) = _weight_refs(refs, parts, block is not None)
     v, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(v < info[0])
@@ -141,19 +204,42 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_r
         weights = plgpu.load(weights_ref.at[rows], mask=keep, other=0)
         valid = keep & (weights != 0) if skip_zero else keep
         tokens = jnp.where(valid, plgpu.load(rows_ref.at[rows], mask=valid, other=trash), trash)
-        col0 = j * bn
-        (acc,) = _product(h_ref, rows, valid, [(rhs_ref, s_ref, 0)], group, col0, bk=bk, bn=bn, k_steps=k_steps,
-                          transpose_rhs=transpose_rhs, dtype=dtype, block=block)
-        # A select: an invalid row's product may be NaN (h rows are masked to 0, but weights are anything).
-        y = jnp.where(valid[:, None], acc * weights[:, None], 0.0)
-        cols = col0 + jnp.arange(bn, dtype=jnp.int32)
-        mask = jnp.broadcast_to(valid[:, None], (bm, bn)) if masked_atomics else None
-        plgpu.atomic_add(out_ref, (tokens[:, None], cols[None, :]), y, mask=mask)
+
+        def run(col0, segments):
+            (acc,) = _product(h_ref, rows, valid, segments, group, col0, bk=bk, bn=bn, transpose_rhs=transpose_rhs,
+                              dtype=dtype, block=block)
+            # A select: an invalid row's product may be NaN (h rows are masked to 0, but weights are anything).
+            y = jnp.where(valid[:, None], acc * weights[:, None], 0.0)
+            cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+            mask = jnp.broadcast_to(valid[:, None], (bm, bn)) if masked_atomics else None
+            plgpu.atomic_add(out_ref, (tokens[:, None], cols[None, :]), y, mask=mask)
+
+        _each_block(_blocks(rhs, j, bn=bn, bk=bk, kc=k_steps * bk, glu=None, transpose_rhs=transpose_rhs,
+                            n_out=out_ref.shape[1]), run)
 
 
-def _dot_dtype(a, values, scale) -> jnp.dtype:
-    """tl.dot takes one operand type: the activations' when the weights are dequantized, else the promoted."""
-    return a.dtype if scale is not None else jnp.promote_types(a.dtype, values.dtype)
+def _weight_arrays(rhs, tile: int, glu: str | None) -> tuple[list[jax.Array], int | None]:
+    """The arrays the kernels take for `rhs` (one array / QArray, or a tuple of parts: `base.py`): each part's
+    values, followed by its float32 scale when quantized, and the scale block along k (None: float). Parts
+    are read where they are, no concatenated copy, when each part's width along n is a multiple of `tile`
+    (the kernel's block along n: block_n, or block_k where n is the transposed contraction), so that no
+    block straddles two parts, and with glu they are (gate, up) of one width; `config_error` guarantees
+    that for the dispatch's gate | up. Other parts are concatenated here (one copy, as the op does for a
+    backend that takes no parts)."""
+    parts = [split(p) for p in weight_parts(rhs)]
+    widths = [values.shape[2] for values, _ in parts]
+    if len(parts) > 1 and (any(w % tile for w in widths) or (glu and (len(parts) != 2 or widths[0] != widths[1]))):
+        parts = [tuple(jnp.concatenate(arrays, axis=2) if arrays[0] is not None else None
+                       for arrays in zip(*parts))]
+    scale = parts[0][1]
+    block = None if scale is None else parts[0][0].shape[1] // scale.shape[1]
+    return [a for values, s in parts for a in (values, s) if a is not None], block
+
+
+def _dot_dtype(a, values, block: int | None) -> jnp.dtype:
+    """tl.dot takes one operand type: the activations' when the weights are dequantized (a scale `block`),
+    else the promoted."""
+    return a.dtype if block is not None else jnp.promote_types(a.dtype, values.dtype)
 
 
 def _schedule(group_sizes, group_offset, m: int, bm: int, groups: int):
@@ -162,9 +248,25 @@ def _schedule(group_sizes, group_offset, m: int, bm: int, groups: int):
     return meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None]
 
 
+def tiled_sizes(problem: FusedMoeProblem) -> tuple[int, int, str]:
+    """(contraction, output columns) that block_k and block_n must divide, and what splits them: the whole
+    ones (`dims`), except where the dispatch's weights come as gate and up parts of f = n / 2 columns each
+    (`split_weights`) and n is not already split by the glu epilogue: there a block must not straddle the
+    parts, so it divides f (the output columns of the training forward, without glu; the contraction of the
+    backward, dh @ [gate | up]^T)."""
+    d = dims(problem)
+    kc, n_out, why = d.kc, d.n_out, ""
+    if problem.stage == "dispatch" and (problem.transpose_rhs or not problem.glu):
+        why = " of each of gate and up"
+        kc, n_out = (problem.n // 2, n_out) if problem.transpose_rhs else (kc, problem.n // 2)
+    return kc, n_out, why
+
+
 class TritonFusedMoe(FusedMoeBackend):
     name = "triton"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    # 2: gate and up read as two parts (`split_weights`), and the rule that a block does not straddle them
+    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    split_weights = True  # reads (gate, up) as two parts: no concatenated copy of the weights per call
     config_cls = FusedTritonConfig
     platforms = ("gpu",)
     # pl.program_id / pl.when, triton load / store / atomic_add / dot / CompilerParams as of jax 0.10.2; JAX
@@ -192,12 +294,12 @@ class TritonFusedMoe(FusedMoeBackend):
             return f"num_warps={config.num_warps!r} must be a power of two <= 16"
         if not isinstance(config.num_stages, int) or not 1 <= config.num_stages <= 6:
             return f"num_stages={config.num_stages!r} must be in 1..6"
-        d = dims(problem)
         # Neither x / h nor the weights are padded (a copy of each per call): blocks divide what they tile.
-        if d.kc % config.block_k:
-            return f"block_k={config.block_k} must divide the contraction ({d.kc})"
-        if d.n_out % config.block_n:
-            return f"block_n={config.block_n} must divide the output columns ({d.n_out})"
+        kc, n_out, parts = tiled_sizes(problem)
+        if kc % config.block_k:
+            return f"block_k={config.block_k} must divide the contraction{parts} ({kc})"
+        if n_out % config.block_n:
+            return f"block_n={config.block_n} must divide the output columns{parts} ({n_out})"
         if config.block_m > max(16, 1 << (problem.m - 1).bit_length()):
             return f"block_m={config.block_m} is larger than the {problem.m} rows it tiles"
         need, budget = self.shared_memory_bytes(config, problem), devices.gpu_shared_memory_bytes()
@@ -236,10 +338,10 @@ class TritonFusedMoe(FusedMoeBackend):
         return need
 
     def default_config(self, problem: FusedMoeProblem) -> FusedTritonConfig:
-        d = dims(problem)
+        kc, n_out, _ = tiled_sizes(problem)
         pick = lambda want, size: max([b for b in BLOCKS if b <= want and size % b == 0], default=16)
         block_m = min(64, max(16, 1 << (problem.m - 1).bit_length()))  # no taller than the rows
-        return FusedTritonConfig(block_m=block_m, block_k=pick(32, d.kc), block_n=pick(64, d.n_out), num_warps=4,
+        return FusedTritonConfig(block_m=block_m, block_k=pick(32, kc), block_n=pick(64, n_out), num_warps=4,
                                  num_stages=2)
 
     def candidate_values(self, problem: FusedMoeProblem) -> dict[str, list[int]]:
@@ -249,15 +351,14 @@ class TritonFusedMoe(FusedMoeBackend):
     def gather_gmm(self, x, rows, rhs, group_sizes, *, config, out_dtype, group_offset=None, glu=None,
                    transpose_rhs=False):
         m, kc = rows.shape[0], x.shape[1]
-        rhs, scale = split(rhs)
-        block = None if scale is None else rhs.shape[1] // scale.shape[1]
-        groups = rhs.shape[0]
-        n_w = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-        n_out = n_w // 2 if glu else n_w
         bm, bk, bn = config.block_m, config.block_k, config.block_n
+        weights, block = _weight_arrays(rhs, bk if transpose_rhs else bn, glu)
+        groups, k_w, n_w = weights_shape(rhs)
+        n_out = k_w if transpose_rhs else n_w // 2 if glu else n_w
         m_p = round_up(m, bm)
         kernel = functools.partial(_gather_gmm_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, glu=glu,
-                                   transpose_rhs=transpose_rhs, dtype=_dot_dtype(x, rhs, scale), block=block)
+                                   transpose_rhs=transpose_rhs, dtype=_dot_dtype(x, weights[0], block), block=block,
+                                   parts=len(weights) // (1 if block is None else 2))
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
         out = pl.pallas_call(
             kernel,
@@ -266,7 +367,7 @@ class TritonFusedMoe(FusedMoeBackend):
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=interpreted("gpu"),
             name="moe_tune_gather_gmm",
-        )(*tables, rows.astype(jnp.int32), x, rhs, *([] if scale is None else [scale]))
+        )(*tables, rows.astype(jnp.int32), x, *weights)
         # Rows no local group owns were never stored.
         keep = rows_in_local_groups(group_sizes, m, groups, group_offset)
         return jnp.where(keep, out[:m], jnp.zeros((), out.dtype))
@@ -274,26 +375,26 @@ class TritonFusedMoe(FusedMoeBackend):
     def gmm_combine(self, h, rhs, group_sizes, rows, row_weights, *, tokens, config, out_dtype, group_offset=None,
                     skip_zero_weights=False, transpose_rhs=False) -> jax.Array:
         m, kc = h.shape
-        rhs, scale = split(rhs)
-        block = None if scale is None else rhs.shape[1] // scale.shape[1]
-        groups = rhs.shape[0]
-        n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
+        weights, block = _weight_arrays(rhs, bk if transpose_rhs else bn, None)
+        groups, k_w, n_w = weights_shape(rhs)
+        n = k_w if transpose_rhs else n_w
         interpret = interpreted("gpu")
         kernel = functools.partial(
             _gmm_combine_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, skip_zero=skip_zero_weights,
-            transpose_rhs=transpose_rhs, dtype=_dot_dtype(h, rhs, scale), trash=tokens,
+            transpose_rhs=transpose_rhs, dtype=_dot_dtype(h, weights[0], block), trash=tokens,
             # Interpret mode's atomics take no mask; there the invalid rows' adds all land on the trash row.
-            masked_atomics=not interpret, block=block)
+            masked_atomics=not interpret, block=block, parts=len(weights) // (1 if block is None else 2))
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
         out = pl.pallas_call(
             kernel,
             grid=(tables[0].shape[0], n // bn),
             out_shape=jax.ShapeDtypeStruct((tokens + 1, n), jnp.float32),
-            input_output_aliases={9 if scale is None else 10: 0},  # the zero-filled accumulator
+            # the zero-filled accumulator, after the 5 tables, rows, weights, h and the weight arrays
+            input_output_aliases={8 + len(weights): 0},
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=interpret,
             name="moe_tune_gmm_combine",
-        )(*tables, rows.astype(jnp.int32), row_weights.astype(jnp.float32), h, rhs,
-          *([] if scale is None else [scale]), jnp.zeros((tokens + 1, n), jnp.float32))
+        )(*tables, rows.astype(jnp.int32), row_weights.astype(jnp.float32), h, *weights,
+          jnp.zeros((tokens + 1, n), jnp.float32))
         return out[:tokens].astype(out_dtype)
