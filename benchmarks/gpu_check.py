@@ -6,6 +6,11 @@ and combine against the plain-JAX fallback and the device's copy bandwidth measu
     python benchmarks/gpu_check.py                 # on the GPU machine; JSON to $OUT (or --out)
     python benchmarks/gpu_check.py --small         # the same steps at toy sizes (CPU: interpret mode)
 
+The cases run in this order, and none starts after `--time-limit` seconds (default 480: the run fits one
+10-minute device call; those left are listed as `not_run`): the layers, then per ragged_dot shape and backend
+the float directions and the quantized ones, then dispatch and combine. Narrow a run with --layers, --ops,
+--models, --backends, --directions and --quant.
+
 Shapes (bf16, balanced group sizes), all three directions of the up projection:
   * DeepSeek-V3 expert layer: hidden 7168 -> expert width 2048, 256 experts over an expert-parallel group
     of 8 (32 local experts), 4096 tokens x top-8 routed / 8 shards = 4096 rows per shard;
@@ -34,11 +39,13 @@ reason.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -103,7 +110,7 @@ def _winners(cases: list[dict]) -> list[dict]:
     backend's run), and the fastest of them."""
     rows: dict[tuple, dict] = {}
     for c in cases:
-        if "backend" not in c or "times_s" not in c:
+        if c.get("op", "ragged_dot") != "ragged_dot" or "backend" not in c or "times_s" not in c:
             continue
         key = (c["model"], c["shape"]["direction"], c.get("quant", "float"))
         row = rows.setdefault(key, {"model": key[0], "direction": key[1], "mode": key[2], "times_s": {}})
@@ -127,21 +134,19 @@ def _breakdown(entry, args) -> dict:
     return {"breakdown": as_json(found, entry)}
 
 
-def _quant_cases(name: str, shape: dict, directions: list[str], bf16: dict, args, profile_dir: str,
-                 backend: str = "triton"):
-    """The quantized-weight cases of one shape; each with `vs_bf16`, its tuned time over the bf16 kernel's
-    (`bf16`: direction -> that case) measured in the same run."""
+def _quant_case(name: str, shape: dict, mode: str, direction: str, bf16: dict, args, profile_dir: str,
+                backend: str) -> dict:
+    """One quantized-weight case, with `vs_bf16`: its tuned time over the bf16 kernel's (`bf16`: direction ->
+    that case, measured earlier in the same run)."""
     block = QUANT_BLOCK["small" if args.small else "full"]
-    for mode in args.quant.split(",") if args.quant else ():
-        options = {k: block if k == "quant_block" else v for k, v in QUANT_MODES[mode].items()}
-        for direction in (d for d in directions if d in QUANT_DIRECTIONS):
-            problem = get_op("ragged_dot").problem(**shape, **options, dtype=args.dtype, direction=direction)
-            case = {"quant": mode, **_ragged_dot_case(name, problem, args, profile_dir, backend)}
-            float_case = bf16.get(direction, {})
-            if "times_s" in case and "times_s" in float_case:
-                case["vs_bf16"] = case["times_s"]["tuned"] / float_case["times_s"]["tuned"]
-                print(f"  {mode} tuned / {args.dtype} tuned: {case['vs_bf16']:.2f}", flush=True)
-            yield case
+    options = {k: block if k == "quant_block" else v for k, v in QUANT_MODES[mode].items()}
+    problem = get_op("ragged_dot").problem(**shape, **options, dtype=args.dtype, direction=direction)
+    case = {"quant": mode, **_ragged_dot_case(name, problem, args, profile_dir, backend)}
+    float_case = bf16.get(direction, {})
+    if "times_s" in case and "times_s" in float_case:
+        case["vs_bf16"] = case["times_s"]["tuned"] / float_case["times_s"]["tuned"]
+        print(f"  {mode} tuned / {args.dtype} tuned: {case['vs_bf16']:.2f}", flush=True)
+    return case
 
 
 def _gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dict:
@@ -171,13 +176,53 @@ def _record(report: dict, case: dict, out_path: Path) -> None:
     out_path.write_text(json.dumps(report, indent=1, default=str))
 
 
+def _plan(args, profile_dir: str) -> list[tuple[str, Callable[[], dict]]]:
+    """Every case of the run, (label, run it), in the order run: the layers, then per ragged_dot shape and
+    backend the float directions and the quantized ones, then dispatch and combine."""
+    plan, ops = [], args.ops.split(",")
+    for layer in (text.split(":") for text in args.layers.split(",") if text):
+        plan.append((f"layer {':'.join(layer)}", functools.partial(
+            layer_case, layer[0], int(layer[1]), int(layer[2]), dtype=args.dtype, samples=args.samples,
+            max_candidates=args.layer_candidates, profile_dir=profile_dir)))
+    wanted = lambda shapes: {k: v for k, v in shapes.items() if not args.models
+                             or any(m and m in k for m in args.models.split(","))}
+    for name, shape in wanted(SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
+        directions = args.directions.split(",")
+        for backend in args.backends.split(","):
+            bf16: dict[str, dict] = {}  # direction -> its case, for the quantized cases' vs_bf16
+
+            def float_case(direction, name=name, shape=shape, backend=backend, bf16=bf16):
+                problem = get_op("ragged_dot").problem(**shape, dtype=args.dtype, direction=direction)
+                bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir, backend)
+                return bf16[direction]
+
+            plan += [(f"{name} {backend} {d}", functools.partial(float_case, d)) for d in directions]
+            plan += [(f"{name} {backend} {mode} {d}", functools.partial(_quant_case, name, shape, mode, d, bf16, args,
+                                                                        profile_dir, backend))
+                     for mode in (args.quant.split(",") if args.quant else ())
+                     for d in directions if d in QUANT_DIRECTIONS]
+    for op in (op for op in GATHER_OPS if op in ops):
+        for name, shape in wanted(GATHER_SMALL if args.small else GATHER_SHAPES).items():
+            if (op == "dense_gather_reduce") == (shape["ep"] == 1):  # dense: ep 1; the ragged ops: expert-parallel
+                plan.append((f"{name} {op}", functools.partial(_safe_gather_case, op, name, shape, args, profile_dir)))
+    return plan
+
+
+def _safe_gather_case(op: str, name: str, shape: dict, args, profile_dir: str) -> dict:
+    try:
+        return _gather_case(op, name, shape, args, profile_dir)
+    except Exception as e:  # noqa: BLE001 - record it and go on to the next case
+        print(f"\n{name} {op}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return {"model": name, "op": op, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for gpu_check.json")
     parser.add_argument("--small", action="store_true", help="toy shapes (a smoke test off GPU)")
     parser.add_argument("--tables", type=Path, default=None, help="where the sweeps' tables go (default: OUT/tables)")
     parser.add_argument("--directions", default="fwd,dlhs,drhs")
-    parser.add_argument("--max-candidates", type=int, default=40, help="per sweep (the default config is first)")
+    parser.add_argument("--max-candidates", type=int, default=16, help="per sweep (the default config is first)")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--breakdown-runs", type=int, default=3, help="profiled runs per config of each breakdown")
@@ -185,16 +230,18 @@ def main() -> int:
     parser.add_argument("--models", default="", help="only the ragged_dot / gather shapes whose name has one of "
                                                       "these (comma-separated; default: all)")
     parser.add_argument("--backends", default="triton,mosaic_gpu", help="the ragged_dot backends to sweep and time")
-    parser.add_argument("--layers", default="",
+    parser.add_argument("--layers", default=None,
                         help="MoE layers PRESET:TOKENS:EP,... to sweep and time fused vs unfused (gpu_layer.py), "
-                             "before the kernels ('toy:16:1' off GPU)")
+                             "before the kernels (default: qwen3-30b-a3b:4096:1; toy:16:2 with --small; '' for none)")
     parser.add_argument("--layer-candidates", type=int, default=8, help="per sweep of a layer's kernel call")
     parser.add_argument("--quant", default=",".join(QUANT_MODES),
                         help=f"quantized weight modes of ragged_dot ({', '.join(QUANT_MODES)}; '' for none)")
+    parser.add_argument("--time-limit", type=float, default=480,
+                        help="start no case after this many seconds (0: none); the rest are listed as not_run")
     args = parser.parse_args()
-    ops = args.ops.split(",")
+    if args.layers is None:
+        args.layers = "toy:16:2" if args.small else "qwen3-30b-a3b:4096:1"
 
-    spec = get_op("ragged_dot")
     out_path = Path(args.out) / "gpu_check.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -204,34 +251,15 @@ def main() -> int:
     }
     print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
     # The sweeps' tables are kept beside the JSON: what a lent GPU tuned can be shipped (profiles/data/<device>/).
-    profile_dir = str(args.tables or Path(args.out) / "tables")
-    for layer in (spec_.split(":") for spec_ in args.layers.split(",") if spec_):
-        _record(report, layer_case(layer[0], int(layer[1]), int(layer[2]), dtype=args.dtype, samples=args.samples,
-                                   max_candidates=args.layer_candidates, profile_dir=profile_dir), out_path)
-    wanted = lambda shapes: {k: v for k, v in shapes.items() if not args.models
-                             or any(m and m in k for m in args.models.split(","))}
-    for name, shape in wanted(SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
-        directions = args.directions.split(",")
-        for backend in args.backends.split(","):
-            bf16 = {}
-            for direction in directions:
-                problem = spec.problem(**shape, dtype=args.dtype, direction=direction)
-                bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir, backend)
-                _record(report, bf16[direction], out_path)
-            for case in _quant_cases(name, shape, directions, bf16, args, profile_dir, backend):
-                _record(report, case, out_path)
-        report["winners"] = _winners(report["cases"])
-    for op in (op for op in GATHER_OPS if op in ops):
-        for name, shape in wanted(GATHER_SMALL if args.small else GATHER_SHAPES).items():
-            if (op == "dense_gather_reduce") != (shape["ep"] == 1):
-                continue  # the dense combine is the ep=1 case, the ragged ops the expert-parallel one
-            try:
-                case = _gather_case(op, name, shape, args, profile_dir)
-            except Exception as e:  # noqa: BLE001 - record it and go on to the next case
-                case = {"model": name, "op": op, "error": f"{type(e).__name__}: {e}",
-                        "traceback": traceback.format_exc()[-4000:]}
-                print(f"\n{name} {op}: FAILED {case['error'][:300]}", flush=True)
-            _record(report, case, out_path)
+    started = time.perf_counter()
+    for label, run in _plan(args, str(args.tables or Path(args.out) / "tables")):
+        if args.time_limit and time.perf_counter() - started > args.time_limit:
+            report.setdefault("not_run", []).append(label)  # a lease ends: what did not start is listed
+            continue
+        _record(report, run(), out_path)
+    report["winners"] = _winners(report["cases"])
+    if report.get("not_run"):
+        print(f"\n--time-limit {args.time_limit:.0f} s: not run: {', '.join(report['not_run'])}")
     for row in report.get("winners", []):
         times = ", ".join(f"{b} {t * 1e3:.3f} ms" for b, t in row["times_s"].items())
         print(f"{row['model']} {row['direction']} {row['mode']}: {times}; fastest {row['fastest']}")

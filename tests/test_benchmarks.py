@@ -81,6 +81,17 @@ def test_gpu_check_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_check_starts_no_case_after_its_time_limit(tmp_path):
+    """A device lease ends: the first case runs, the rest are listed as not run, and the JSON still comes back."""
+    out = _run(["benchmarks/gpu_check.py", "--small", "--layers", "", "--ops", "ragged_dot,ragged_gather",
+                "--directions", "fwd", "--backends", "triton", "--quant", "int8", "--max-candidates", "1",
+                "--samples", "1", "--time-limit", "0.001", "--out", str(tmp_path)], tmp_path)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [case["shape"]["direction"] for case in report["cases"]] == ["fwd"]
+    assert report["not_run"] == ["toy triton int8 fwd", "toy (ep=2) ragged_gather"] and "not run:" in out
+
+
+@pytest.mark.slow
 def test_strategies_benchmark_compares_with_grid(tmp_path):
     out = _run(["benchmarks/strategies_cpu.py", "--m", "128", "--k", "64", "--n", "64", "--groups", "4",
                 "--samples", "1", "--workers", "1", "--random-budgets", "3", "--coordinate-budgets", "none",
