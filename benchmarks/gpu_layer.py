@@ -11,7 +11,7 @@ each and timed interleaved in the same trace rounds (`fused_cpu.timed`):
 
 Forward and forward+backward (the backward kernels run their default configs: only the forward is swept).
 Each variant's output is compared with the layer in float32 (the fused_jax program on float32 copies of the
-inputs): `rel_error` is the relative Frobenius error. This is the evidence for the GPU default of fused_moe
+inputs, float32 dots): `rel_error` is the relative Frobenius error. This is the evidence for the GPU default of fused_moe
 and of `moe_fusion` (`kernels/fused_moe/registry.py`). Nothing is asserted here.
 """
 
@@ -73,7 +73,8 @@ def _sweeps(preset: ModelPreset, tokens: int, ep: int, dtype: str, max_candidate
 def _errors(preset: ModelPreset, ep: int, inputs: dict) -> dict[str, float]:
     """Each variant's forward output against the layer in float32, as a relative Frobenius error."""
     wide = {k: v.astype(jnp.float32) for k, v in inputs.items()}
-    reference = np.asarray(jax.jit(_layer(preset, ep, True, "jax"))(wide), np.float64)
+    with jax.default_matmul_precision("float32"):  # not TF32, which a GPU may use for float32 dots
+        reference = np.asarray(jax.jit(_layer(preset, ep, True, "jax"))(wide), np.float64)
     errors = {}
     for name, (fused, backend) in VARIANTS.items():
         out = np.asarray(jax.jit(_layer(preset, ep, fused, backend))(inputs).astype(jnp.float32), np.float64)
