@@ -248,7 +248,7 @@ def _schedule(group_sizes, group_offset, m: int, bm: int, groups: int):
     return meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None]
 
 
-def tiled_sizes(problem: FusedMoeProblem) -> tuple[int, int, str]:
+def _blocked_sizes(problem: FusedMoeProblem) -> tuple[int, int, str]:
     """(contraction, output columns) that block_k and block_n must divide, and what splits them: the whole
     ones (`dims`), except where the dispatch's weights come as gate and up parts of f = n / 2 columns each
     (`split_weights`) and n is not already split by the glu epilogue: there a block must not straddle the
@@ -272,8 +272,8 @@ class TritonFusedMoe(FusedMoeBackend):
     # pl.program_id / pl.when, triton load / store / atomic_add / dot / CompilerParams as of jax 0.10.2; JAX
     # 0.11 deprecates the Pallas Triton backend (still shipped).
     jax_versions = ">=0.10,<0.12"
-    description = ("Pallas Triton: indexed row loads into the grouped matmul; combine by float32 atomic adds "
-                   "into the token rows; interpret mode elsewhere")
+    description = ("Pallas Triton: indexed row loads into the grouped matmul, gate and up read as two arrays; "
+                   "combine by float32 atomic adds into the token rows; interpret mode elsewhere")
 
     def runs_on(self, platform: str) -> bool:
         return True  # compiled on GPU, in interpret mode elsewhere
@@ -295,7 +295,7 @@ class TritonFusedMoe(FusedMoeBackend):
         if not isinstance(config.num_stages, int) or not 1 <= config.num_stages <= 6:
             return f"num_stages={config.num_stages!r} must be in 1..6"
         # Neither x / h nor the weights are padded (a copy of each per call): blocks divide what they tile.
-        kc, n_out, parts = tiled_sizes(problem)
+        kc, n_out, parts = _blocked_sizes(problem)
         if kc % config.block_k:
             return f"block_k={config.block_k} must divide the contraction{parts} ({kc})"
         if n_out % config.block_n:
@@ -318,7 +318,9 @@ class TritonFusedMoe(FusedMoeBackend):
 
     def shared_memory_bytes(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> int:
         """Pipelined loads: num_stages copies of the lhs tile and of each weight tile (two with glu), as loaded
-        (1-byte quantized weights stay 1 byte). Quantized weights add, as the H100 compiler requested them
+        (1-byte quantized weights stay 1 byte). Weight parts add none: one part's tile is loaded at a time
+        (a `pl.when` branch or k loop per part), and the H100 compiler's verdicts near the budget are the
+        same on parts as on one array (benchmarks/results/fused_triton_weights_h100_compile_*). Quantized weights add, as the H100 compiler requested them
         (benchmarks/results/fused_moe_compile_*): per stage and weight tile a row of float32 scales, or
         where the tile spans several scale blocks its gathered [rows, cols] float32 scales in num_stages - 1
         buffers; and but for the plain dispatch a conversion buffer of up to bm x max(bk, bn) 16-bit values."""
@@ -338,7 +340,7 @@ class TritonFusedMoe(FusedMoeBackend):
         return need
 
     def default_config(self, problem: FusedMoeProblem) -> FusedTritonConfig:
-        kc, n_out, _ = tiled_sizes(problem)
+        kc, n_out, _ = _blocked_sizes(problem)
         pick = lambda want, size: max([b for b in BLOCKS if b <= want and size % b == 0], default=16)
         block_m = min(64, max(16, 1 << (problem.m - 1).bit_length()))  # no taller than the rows
         return FusedTritonConfig(block_m=block_m, block_k=pick(32, kc), block_n=pick(64, n_out), num_warps=4,
