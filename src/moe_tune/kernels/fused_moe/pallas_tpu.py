@@ -9,7 +9,9 @@ DMAs outstanding in gather_gmm (unused by gmm_combine, whose h comes in blocks).
 
 Validity (`config_error`): float32 / bfloat16 activations, float or int8 / float8_e4m3fn weights; TPU
 block alignment ((8 or 16) x 128, or the whole dimension), `tk` dividing the contraction, `tn` dividing the
-gated width with glu and the combine's output, the tile along the forward k a multiple or a divisor of the
+gated width with glu and the combine's output, a block never straddling gate and up (`tn` dividing f
+without glu, `tk` dividing f in the dispatch's backward: the kernels read them as two operands,
+`pallas_tpu_weights.py`), the tile along the forward k a multiple or a divisor of the
 scale block; the SMEM the scalar-prefetch tables take and the VMEM the blocks, scratches and the compiler's
 own temporaries take against the chip's scoped budget (`devices.tpu_scoped_vmem_bytes`). The budget rules
 were held to the v5e compiler (benchmarks/fused_moe_compile_probe.py: no false accepts, some false rejects
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.fused_moe.base import FusedMoeBackend
+from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu_kernels import packs_halves, pallas_gather_gmm, pallas_gmm_combine
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.pallas_util import round_up, sublanes
@@ -73,6 +75,26 @@ def dims(problem: FusedMoeProblem) -> Dims:
     return Dims(kc, n_w, n_w // 2 if glu else n_w, glu, problem.kernel == "gather_gmm")
 
 
+def part_split(problem: FusedMoeProblem) -> tuple[str, int] | None:
+    """(the tile, f) where the dispatch's weights come as gate and up parts of f = n / 2 columns each
+    (`split_weights`) and split what a tile runs along: the output columns without glu (tn; the training
+    forward), the contraction of the backward (tk; dh @ [gate | up]^T); None elsewhere (with glu tn tiles f
+    already; the combine's weights are one array)."""
+    if problem.stage != "dispatch" or (problem.glu and not problem.transpose_rhs):
+        return None
+    return ("tk" if problem.transpose_rhs else "tn"), problem.n // 2
+
+
+def tiled_sizes(problem: FusedMoeProblem) -> tuple[int, int]:
+    """(contraction, output columns) that tk and tn tile: `dims`', except that along gate | up a tile tiles f,
+    where f is lane-aligned (else no lane-aligned block fits a part: the tiles tile 2f and the backend
+    concatenates the parts, as before)."""
+    d, split = dims(problem), part_split(problem)
+    if split is None or split[1] % LANES:
+        return d.kc, d.n_out
+    return (split[1], d.n_out) if split[0] == "tk" else (d.kc, split[1])
+
+
 def smem_bytes(config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> int:
     """The int32/float32 scalar-prefetch tables: rows (and the combine's weights) [m padded to tm], group and
     tile ids per visit, group starts and ends, and three scalars."""
@@ -87,11 +109,13 @@ def vmem_bytes(config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> int:
     operand tile, the epilogue's float32 temporaries) and the chip's reserve (`devices.tpu_vmem_model`)."""
     d, tm, tk, tn = dims(problem), config.tm, config.tk, config.tn
     item = jnp.dtype(problem.dtype).itemsize
-    weights = 2 if d.glu else 1
+    # weight operands, each double-buffered: gate and up (glu, or the dispatch's parts; an idle part's
+    # blocks stay resident); accumulators: 2 with glu
+    weights, accs = (2 if d.glu or part_split(problem) else 1), (2 if d.glu else 1)
     reserve, _ = devices.tpu_vmem_model()
     w_item = 1 if problem.rhs_qdtype else item
-    need = reserve + 2 * weights * tk * tn * w_item + weights * tm * tn * 4 + tm * tk * 4
-    if problem.rhs_qdtype:  # the scale blocks, whole along k, and the dequantized float32 block
+    need = reserve + 2 * weights * tk * tn * w_item + accs * tm * tn * 4 + tm * tk * 4
+    if problem.rhs_qdtype:  # per operand the scale blocks, whole along k, and the dequantized float32 block
         cols = tk if problem.transpose_rhs else tn
         need += weights * (2 * round_up(problem.k // problem.rhs_qblock, 8) * cols * 4 + tk * tn * 4)
     if d.gathers:  # row scratch (32-bit rows: bfloat16 pairs or float32), output block, glu's temporaries
@@ -132,13 +156,16 @@ def shape_error(problem: FusedMoeProblem) -> str | None:
 
 class PallasTpuFusedMoe(FusedMoeBackend):
     name = "pallas_tpu"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    # 2: gate and up read as two operands (`split_weights`), the rule that a block does not straddle them, and
+    # the VMEM their blocks take
+    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    split_weights = True  # reads (gate, up) as two operands: no concatenated copy of the weights per call
     config_cls = FusedPallasTpuConfig
     platforms = ("tpu",)
     # PrefetchScalarGridSpec, pl.ANY, make_async_copy, DMA semaphores and InterpretParams as of jax 0.10.
     jax_versions = ">=0.10,<0.12"
-    description = ("Pallas Mosaic TPU: x rows DMAed by index into the grouped matmul; combine adds into a "
-                   "VMEM-resident output slab; interpret mode off TPU")
+    description = ("Pallas Mosaic TPU: x rows DMAed by index into the grouped matmul; gate and up read as two "
+                   "operands; combine adds into a VMEM-resident output slab; interpret mode off TPU")
 
     def runs_on(self, platform: str) -> bool:
         return True  # natively on TPU, in interpret mode everywhere else
@@ -156,6 +183,11 @@ class PallasTpuFusedMoe(FusedMoeBackend):
             return reason
         if d.glu and config.tn % LANES:
             return f"tn={config.tn} must be a multiple of {LANES} with glu (a block of the concatenated weights)"
+        split = part_split(problem)
+        if split and not split[1] % LANES and split[1] % getattr(config, split[0]):
+            name, f = split
+            return (f"{name}={getattr(config, name)} must divide the {f} columns of each of gate and up (a block "
+                    f"never straddles the two)")
         if problem.rhs_qdtype:
             # The weight block's rows run along the forward k (tk; transposed, tn): dequantized in sub-blocks
             # that each lie in one scale block and start on a whole 1-byte tile.
@@ -181,8 +213,10 @@ class PallasTpuFusedMoe(FusedMoeBackend):
 
     def default_config(self, problem: FusedMoeProblem) -> FusedPallasTpuConfig:
         """tm 128 (or the rows rounded up), the largest tk <= 512 and tn <= 512 that divide their
-        dimensions, halved (tn first, then tk, then tm) until the VMEM and SMEM rules hold."""
-        d, sub = dims(problem), sublanes(problem.dtype)
+        dimensions (`tiled_sizes`: f along gate | up), halved (tn first, then tk, then tm) until the VMEM and
+        SMEM rules hold."""
+        sub = sublanes(problem.dtype)
+        kc, n_out = tiled_sizes(problem)
 
         def fit(want: int, size: int) -> int:
             for tile in range(min(want, size) // LANES * LANES, 0, -LANES):
@@ -190,13 +224,13 @@ class PallasTpuFusedMoe(FusedMoeBackend):
                     return tile
             return size
 
-        config = FusedPallasTpuConfig(tm=min(128, round_up(problem.m, sub)), tk=fit(512, d.kc),
-                                      tn=fit(512, d.n_out), dmas_in_flight=16)
+        config = FusedPallasTpuConfig(tm=min(128, round_up(problem.m, sub)), tk=fit(512, kc),
+                                      tn=fit(512, n_out), dmas_in_flight=16)
         config = dataclasses.replace(config, dmas_in_flight=min(16, config.tm))
         for field, floor in (("tn", LANES), ("tk", LANES), ("tm", sub)):
             while self.config_error(config, problem) and getattr(config, field) // 2 >= floor:
                 smaller = getattr(config, field) // 2
-                size = d.n_out if field == "tn" else d.kc
+                size = n_out if field == "tn" else kc
                 if field != "tm" and (smaller % LANES or size % smaller):
                     break
                 config = dataclasses.replace(config, **{field: smaller},
@@ -206,9 +240,10 @@ class PallasTpuFusedMoe(FusedMoeBackend):
 
     def candidate_values(self, problem: FusedMoeProblem) -> dict[str, list[int]]:
         d, sub = dims(problem), sublanes(problem.dtype)
+        kc, n_out = tiled_sizes(problem)
         tiles = lambda size: sorted({size, *(t for t in TILES if t < size)})
         dmas = [8, 16, 32] if d.gathers else [16]
-        return {"tm": [2 * sub, 64, 128, 256, 512], "tk": tiles(d.kc), "tn": tiles(d.n_out), "dmas_in_flight": dmas}
+        return {"tm": [2 * sub, 64, 128, 256, 512], "tk": tiles(kc), "tn": tiles(n_out), "dmas_in_flight": dmas}
 
     def gather_gmm(self, x, rows, rhs, group_sizes, *, config, out_dtype, group_offset=None, glu=None,
                    transpose_rhs=False):
@@ -216,7 +251,7 @@ class PallasTpuFusedMoe(FusedMoeBackend):
                                 dmas_in_flight=config.dmas_in_flight, out_dtype=jnp.dtype(out_dtype),
                                 group_offset=group_offset, glu=glu, transpose_rhs=transpose_rhs)
         # Rows no local group owns are never written.
-        keep = rows_in_local_groups(group_sizes, rows.shape[0], rhs.shape[0], group_offset)
+        keep = rows_in_local_groups(group_sizes, rows.shape[0], weights_shape(rhs)[0], group_offset)
         return jnp.where(keep, out, jnp.zeros((), out.dtype))
 
     def gmm_combine(self, h, rhs, group_sizes, rows, row_weights, *, tokens, config, out_dtype, group_offset=None,

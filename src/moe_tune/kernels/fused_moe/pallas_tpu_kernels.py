@@ -11,7 +11,9 @@ row tile shared by two groups is visited twice in a row for the same output bloc
   scalar prefetch), into a [tm, k] VMEM scratch that the k steps and the tile's second visit reuse: no
   [m, k] gathered copy exists, and the lhs traffic is that of Megablox, which re-reads lhs per n tile too.
   Rows outside the shard's range are never read. With `glu`, the gate and up blocks of the same columns
-  are two views of the concatenated weights and the activation runs in float32 before the one rounding.
+  come from the two parts (or two views of one array) and the activation runs in float32 before the one
+  rounding. Gate and up are separate operands in every direction (`pallas_tpu_weights.py`: no concatenated
+  copy of the weights).
   The row DMAs are waited for before the tile's first k step (not overlapped with the previous tile).
 - gmm_combine: h blocks come through BlockSpecs as in Megablox. The output column slab [tokens, tn]
   stays resident in a float32 VMEM scratch for a whole n tile; after a visit's last k step each local row
@@ -46,10 +48,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
+from moe_tune.kernels.fused_moe.base import weights_shape
+from moe_tune.kernels.fused_moe.pallas_tpu_weights import operands, rhs_specs, serves, weight_refs, weight_views
 from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
 from moe_tune.kernels.pallas_util import interpreted, round_up
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
-from moe_tune.quant import split
 
 
 def _interpret():
@@ -107,25 +110,6 @@ def _dot(a, w, transpose_rhs: bool):
     return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
 
 
-def _rhs_specs(tk: int, tn: int, transpose_rhs: bool, glu_offset: int | None, scale_rows: int | None):
-    """BlockSpecs of the weights' block(s) for grid (j, v, kk), one per view (two with glu: gate, then up
-    `glu_offset` column blocks further), each followed by its scale block when quantized: [g, k, n] -> (tk, tn)
-    at (g, kk, j); transposed (rhs[g].T) -> (tn, tk) at (g, j, kk). Either way the block's rows run along the
-    forward k, so a scale [g, k / bs, n] comes whole along k (`scale_rows` = k / bs), tiled as the columns."""
-    offsets = [0] if glu_offset is None else [0, glu_offset]
-    specs = []
-    for off in offsets:
-        if transpose_rhs:
-            specs.append(pl.BlockSpec((None, tn, tk), lambda j, v, kk, gid, *_: (gid[v], j, kk)))
-            scale = pl.BlockSpec((None, scale_rows, tk), lambda j, v, kk, gid, *_: (gid[v], 0, kk))
-        else:
-            specs.append(pl.BlockSpec((None, tk, tn), lambda j, v, kk, gid, *_, off=off: (gid[v], kk, j + off)))
-            scale = pl.BlockSpec((None, scale_rows, tn), lambda j, v, kk, gid, *_, off=off: (gid[v], 0, j + off))
-        if scale_rows is not None:
-            specs.append(scale)
-    return specs
-
-
 def _weight_block(w_ref, s_ref, tile_index, *, tile: int, block: int | None, dtype) -> jax.Array:
     """The weight block in the dot's dtype. Quantized (s_ref float32 [k / block, cols], whole along the forward
     k, which the block's rows tile with `tile` at `tile_index`): dequantized in float32 in sub-blocks of
@@ -141,21 +125,30 @@ def _weight_block(w_ref, s_ref, tile_index, *, tile: int, block: int | None, dty
     return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)).astype(dtype)
 
 
-def _split_weights(refs, n_views: int, quantized: bool):
-    """[(w_ref, s_ref or None)] per view, and the refs after them."""
-    step = 2 if quantized else 1
-    views = [(refs[i * step], refs[i * step + 1] if quantized else None) for i in range(n_views)]
-    return views, refs[n_views * step:]
+def _accumulate(accs, weights, views, a, j, kk, *, row_tile: int, row_index, block: int | None, dtype,
+                transpose_rhs: bool) -> None:
+    """accs += a @ each view's weight block: with as many accumulators as views (glu's gate and up) each its
+    own; else the one accumulator, each view's product where it serves (j, kk) (`pallas_tpu_weights`: gate
+    or up, under pl.when)."""
+    for i, (view, (w_ref, s_ref)) in enumerate(zip(views, weights)):
+        acc = accs[i] if len(accs) == len(views) else accs[0]
+
+        def step(acc=acc, w_ref=w_ref, s_ref=s_ref):
+            w = _weight_block(w_ref, s_ref, row_index, tile=row_tile, block=block, dtype=dtype)
+            acc[...] += _dot(a, w, transpose_rhs)
+
+        when = serves(view, j, kk)
+        step() if when is None else pl.when(when)(step)
 
 
 def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm, tk, tn, kc, dmas, glu,
-                       transpose_rhs, dot_dtype, quant_block, packed):
+                       transpose_rhs, dot_dtype, quant_block, packed, views):
     """gid / tid int32 [visits], starts / ends int32 [groups], info int32 [3], rows_ref int32 [m_p] (SMEM);
-    x_hbm [tokens, kc] in HBM; weight views (1, or 2 with glu), each with its scale block when quantized
-    (`_rhs_specs`); o_ref [tm, tn]; xbuf [tm, kc]; acc f32 (1 or 2); sems DMA [dmas]."""
-    n_w = 2 if glu else 1
-    views, (o_ref, xbuf, *rest) = _split_weights(refs, n_w, quant_block is not None)
-    accs, sems = rest[:n_w], rest[n_w]
+    x_hbm [tokens, kc] in HBM; the weight operands of `views` (`pallas_tpu_weights`), each followed by its
+    scale block when quantized; o_ref [tm, tn]; xbuf [tm, kc]; acc f32 (1, or 2 with glu); sems DMA [dmas]."""
+    n_acc = 2 if glu else 1
+    weights, (o_ref, xbuf, *rest) = weight_refs(refs, views, quant_block is not None)
+    accs, sems = rest[:n_acc], rest[n_acc]
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The block's rows run along the forward k: the contraction (tk at kk), or transposed the output (tn at j).
     row_tile, row_index = (tn, j) if transpose_rhs else (tk, kk)
@@ -184,9 +177,8 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
                 acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
         a = _lhs_step(xbuf, kk, tk=tk, kc=kc, packed=packed, dtype=dot_dtype)
-        for acc, (w_ref, s_ref) in zip(accs, views):
-            w = _weight_block(w_ref, s_ref, row_index, tile=row_tile, block=quant_block, dtype=dot_dtype)
-            acc[...] += _dot(a, w, transpose_rhs)
+        _accumulate(accs, weights, views, a, j, kk, row_tile=row_tile, row_index=row_index, block=quant_block,
+                    dtype=dot_dtype, transpose_rhs=transpose_rhs)
 
         @pl.when(kk == kc // tk - 1)
         def _():
@@ -204,14 +196,16 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
 def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, dmas_in_flight: int, out_dtype,
                       group_offset=None, glu: str | None = None, transpose_rhs: bool = False) -> jax.Array:
     """x [tokens, kc] (f32 / bf16; kc a multiple of 128), rows int32 [m], rhs [g, k, n] float or QArray (int8 /
-    float8_e4m3fn scaled along k; read as rhs[g].T with transpose_rhs, kc = n), group_sizes int32 [total]
-    normalized -> [m, n_out] in out_dtype (n_out = n / 2 with glu; k transposed). Rows outside the local
-    groups are left unwritten here; the caller zeroes them."""
+    float8_e4m3fn scaled along k; read as rhs[g].T with transpose_rhs, kc = n), or a tuple of such parts
+    standing for their concatenation along n (gate, up), group_sizes int32 [total] normalized -> [m, n_out] in
+    out_dtype (n_out = n / 2 with glu; k transposed). Rows outside the local groups are left unwritten here;
+    the caller zeroes them."""
     m, kc = rows.shape[0], x.shape[1]
-    rhs, scale = split(rhs)
-    groups = rhs.shape[0]
-    n_w = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    groups, k_w, n_all = weights_shape(rhs)
+    n_w = k_w if transpose_rhs else n_all
     n_out = n_w // 2 if glu else n_w
+    parts, views = weight_views(rhs, glu=glu, transpose_rhs=transpose_rhs, tk=tk, tn=tn)
+    rhs, scale = parts[0]
     m_p = round_up(m, tm)
     tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
     visits = tables[0].shape[0]
@@ -222,15 +216,18 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
     n_acc = 2 if glu else 1
     scale_rows, block = _scale_layout(rhs, scale)
     kernel = functools.partial(_gather_gmm_kernel, tm=tm, tk=tk, tn=tn, kc=kc, dmas=dmas_in_flight, glu=glu,
-                               transpose_rhs=transpose_rhs, dot_dtype=dot_dtype, quant_block=block, packed=packed)
+                               transpose_rhs=transpose_rhs, dot_dtype=dot_dtype, quant_block=block, packed=packed,
+                               views=views)
+    grid = (pl.cdiv(n_out, tn), visits, kc // tk)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),  # a ragged last row tile is clipped on write
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(pl.cdiv(n_out, tn), visits, kc // tk),
+            grid=grid,
             in_specs=[pl.BlockSpec(memory_space=pl.ANY),
-                      *_rhs_specs(tk, tn, transpose_rhs, n_out // tn if glu else None, scale_rows)],
+                      *rhs_specs(views, tk=tk, tn=tn, transpose_rhs=transpose_rhs, scale_rows=scale_rows,
+                                 last=tuple(size - 1 for size in grid))],
             out_specs=pl.BlockSpec((tm, tn), lambda j, v, kk, gid, tid, *_: (tid[v], j)),
             scratch_shapes=[pltpu.VMEM((tm, staged.shape[1]), staged.dtype),
                             *[pltpu.VMEM((tm, tn), jnp.float32)] * n_acc,
@@ -240,13 +237,12 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary", "arbitrary")),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * kc * n_w, transcendentals=m * n_out if glu else 0,
-            bytes_accessed=m * staged.shape[1] * 4 + rhs.size * rhs.dtype.itemsize
+            bytes_accessed=m * staged.shape[1] * 4 + groups * k_w * n_all * rhs.dtype.itemsize
             + m * n_out * jnp.dtype(out_dtype).itemsize),
         interpret=_interpret(),
         name="moe_tune_gather_gmm",
     )
-    weights = [rhs] if scale is None else [rhs, scale]
-    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *weights * n_acc)
+    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *operands(parts))
 
 
 def _scale_layout(rhs, scale) -> tuple[int | None, int | None]:
@@ -258,11 +254,11 @@ def _scale_layout(rhs, scale) -> tuple[int | None, int | None]:
 
 
 def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, *refs, tm, tk, tn, k_steps, skip_zero,
-                        transpose_rhs, dot_dtype, quant_block):
+                        transpose_rhs, dot_dtype, quant_block, views):
     """gid / tid / starts / ends / info as in `_gather_gmm_kernel`; rows_ref int32 [m_p] and w_smem f32 [m_p]
-    (SMEM); h_ref [tm, tk]; the weights' block (and its scale block when quantized); out_hbm f32 [tokens, n]
-    in HBM; acc f32 [tm, tn]; slab f32 [tokens, tn]; sem one DMA semaphore."""
-    ((w_ref, s_ref),), (out_hbm, acc, slab, sem) = _split_weights(refs, 1, quant_block is not None)
+    (SMEM); h_ref [tm, tk]; the weight operands of `views` (and their scale blocks when quantized); out_hbm
+    f32 [tokens, n] in HBM; acc f32 [tm, tn]; slab f32 [tokens, tn]; sem one DMA semaphore."""
+    weights, (out_hbm, acc, slab, sem) = weight_refs(refs, views, quant_block is not None)
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_tile, row_index = (tn, j) if transpose_rhs else (tk, kk)
     last_v, last_k = pl.num_programs(1) - 1, k_steps - 1
@@ -277,8 +273,8 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, *
         def _():
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-        w = _weight_block(w_ref, s_ref, row_index, tile=row_tile, block=quant_block, dtype=dot_dtype)
-        acc[...] += _dot(h_ref[...].astype(dot_dtype), w, transpose_rhs)
+        _accumulate([acc], weights, views, h_ref[...].astype(dot_dtype), j, kk, row_tile=row_tile,
+                    row_index=row_index, block=quant_block, dtype=dot_dtype, transpose_rhs=transpose_rhs)
 
         @pl.when(kk == last_k)
         def _():
@@ -311,15 +307,16 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, *
 def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm: int, tk: int, tn: int,
                        out_dtype, group_offset=None, skip_zero_weights: bool = False,
                        transpose_rhs: bool = False) -> jax.Array:
-    """h [m, kc] (f32 / bf16), rhs [g, k, n] float or QArray as in `pallas_gather_gmm` (kc = k; transposed
-    kc = n), group_sizes int32 [total] normalized, rows int32 [m], row_weights [m] -> [tokens, n] ([tokens, k]
-    transposed) in out_dtype, accumulated in float32 (tn must divide the output columns: the slab is copied
-    out in whole column blocks)."""
+    """h [m, kc] (f32 / bf16), rhs [g, k, n] float or QArray, or parts, as in `pallas_gather_gmm` (kc = k;
+    transposed kc = n), group_sizes int32 [total] normalized, rows int32 [m], row_weights [m] -> [tokens, n]
+    ([tokens, k] transposed) in out_dtype, accumulated in float32 (tn must divide the output columns: the slab
+    is copied out in whole column blocks)."""
     m, kc = h.shape
-    rhs, scale = split(rhs)
+    groups, k_w, n_all = weights_shape(rhs)
+    n = k_w if transpose_rhs else n_all
+    parts, views = weight_views(rhs, glu=None, transpose_rhs=transpose_rhs, tk=tk, tn=tn)
+    rhs, scale = parts[0]
     scale_rows, block = _scale_layout(rhs, scale)
-    groups = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     m_p = round_up(m, tm)
     tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
     visits = tables[0].shape[0]
@@ -327,15 +324,17 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
     dot_dtype = h.dtype if scale is not None else jnp.promote_types(h.dtype, rhs.dtype)
     kernel = functools.partial(_gmm_combine_kernel, tm=tm, tk=tk, tn=tn, k_steps=kc // tk,
                                skip_zero=skip_zero_weights, transpose_rhs=transpose_rhs, dot_dtype=dot_dtype,
-                               quant_block=block)
+                               quant_block=block, views=views)
+    grid = (n // tn, visits, kc // tk)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((tokens, n), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
-            grid=(n // tn, visits, kc // tk),
+            grid=grid,
             in_specs=[pl.BlockSpec((tm, tk), lambda j, v, kk, gid, tid, *_: (tid[v], kk)),
-                      *_rhs_specs(tk, tn, transpose_rhs, None, scale_rows)],
+                      *rhs_specs(views, tk=tk, tn=tn, transpose_rhs=transpose_rhs, scale_rows=scale_rows,
+                                 last=tuple(size - 1 for size in grid))],
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tokens, tn), jnp.float32),
                             pltpu.SemaphoreType.DMA(())],
@@ -344,11 +343,12 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         cost_estimate=pl.CostEstimate(
             flops=2 * m * kc * n, transcendentals=0,
-            bytes_accessed=(n // tn) * m * kc * h.dtype.itemsize + rhs.size * rhs.dtype.itemsize + tokens * n * 4),
+            bytes_accessed=(n // tn) * m * kc * h.dtype.itemsize + groups * k_w * n_all * rhs.dtype.itemsize
+            + tokens * n * 4),
         interpret=_interpret(),
         name="moe_tune_gmm_combine",
     )
     # h is not padded: a ragged last tile's rows are past m, never added.
     out = call(*tables, jnp.pad(rows.astype(jnp.int32), pad), jnp.pad(row_weights.astype(jnp.float32), pad),
-               h, *([rhs] if scale is None else [rhs, scale]))
+               h, *operands(parts))
     return out.astype(out_dtype)
