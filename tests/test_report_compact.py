@@ -90,3 +90,14 @@ def test_mine_columns_and_all(demo_tables):
     assert "tuned_at" in run("--mine", "--all") and "tuned_at" not in run("--mine")
     wrong = runner.invoke(cli, ["report", "--columns", "colour"])
     assert wrong.exit_code == 2 and "no column 'colour'" in wrong.output
+
+
+def test_other_devices_shipped_tables_show_only_when_asked(demo_tables):
+    """The H100's shipped entries are not this CPU's: hidden by default, shown by --device or --source shipped."""
+    frame = report.entries_frame(None, "ragged_dot")
+    h100 = "nvidia_h100_80gb_hbm3"
+    assert (frame["device_kind"] == h100).sum() >= 10
+    assert h100 not in set(report.select(frame, op="ragged_dot")["device_kind"])
+    for asked in ({"device": h100}, {"source": "shipped"}):
+        shown = report.select(frame, op="ragged_dot", **asked)
+        assert (shown["device_kind"] == h100).sum() == (frame["device_kind"] == h100).sum(), asked

@@ -207,7 +207,12 @@ def entries_frame(profile_dir: Path | None = None, op: str | None = None) -> pd.
 def select(frame: pd.DataFrame, *, sort: str | None = None, descending: bool = False,
            **filters: str | None) -> pd.DataFrame:
     """Rows matching every given filter (FILTERS names; a dtype matches any of a row's dtypes), sorted by a
-    column of COLUMNS if asked."""
+    column of COLUMNS if asked. Without a device or source filter, the shipped tables of other device kinds
+    (what a lent H100 tuned, on a CPU) are left out: this machine never uses them."""
+    if filters.get("device") is None and filters.get("source") is None:
+        from moe_tune import devices  # here: the report's other paths never touch JAX's backends
+
+        frame = frame[(frame["source"] != SOURCES["shipped"]) | (frame["device_kind"] == devices.device_kind())]
     for name, value in filters.items():
         if value is None:
             continue
