@@ -3,11 +3,17 @@ pallas_tpu for a TPU v5e (Mosaic TPU), triton for an H100 (Triton, ptxas), at on
 shapes (512 tokens, top-8, 128 experts; bfloat16). Every direction's default compiles (and one with float8
 weights); a config the backend's rules refuse for the chip's budget (VMEM, shared memory) is refused by the
 compiler as well, with the chip's own message (a rule that let it through would be a false accept;
-tests/test_real_compilers.py has the ragged_dot and gather kernels). benchmarks/results/fused_moe_compile_*
+tests/test_real_compilers.py has the ragged_dot and gather kernels). pallas_tpu's dispatch kernels also compile
+given gate and up as two operands (what the op hands a `split_weights` backend). benchmarks/results/fused_moe_compile_*
 hold the wider probes.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +68,43 @@ def test_defaults_compile_and_an_over_budget_config_is_refused_by_both(backend):
               for j, r in zip(jobs[:-1], results[:-1]) if not r.ok]
     assert not failed, "\n".join(failed)
     assert results[-1].status == REJECTED and words in results[-1].message, results[-1]
+
+
+# Compiles the dispatch's kernels with gate and up as two operands (what the op hands a `split_weights`
+# backend) for the chip, in a process that sees the compile-only wheel: prints one status per problem.
+_PARTS_SCRIPT = """
+import json, sys, jax
+from moe_tune.kernels import get_op
+from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
+from moe_tune.quant import QArray
+from moe_tune.targets import get_target
+from moe_tune.targets.calls import abstract_inputs, kernel_call
+from moe_tune.targets.compile import compile_call
+
+half = lambda a: jax.ShapeDtypeStruct((*a.shape[:2], a.shape[2] // 2), a.dtype, sharding=a.sharding)
+target, name = get_target(sys.argv[1]), sys.argv[2]
+backend = get_op("fused_moe").backends.get(name)
+for fields in json.loads(sys.argv[3]):
+    p = FusedMoeProblem(**fields)
+    def inputs(device, p=p):
+        found = abstract_inputs("fused_moe", p, device)
+        rhs = found["rhs"]
+        found["rhs"] = tuple(QArray(half(rhs.qvalue), half(rhs.scale)) if isinstance(rhs, QArray) else half(rhs)
+                             for _ in range(2))
+        return found
+    result = compile_call(target, kernel_call("fused_moe", name, p, backend.default_config(p)), inputs)
+    print("STATUS", p.direction, result.status, result.message[:200], flush=True)
+"""
+
+
+@needs_tpu
+def test_the_dispatch_kernels_compile_on_gate_and_up_parts():
+    """pallas_tpu's dispatch without glu (column blocks in gate, then up) and its backward with float8 weights
+    (the contraction over both parts), each given (gate, up) as two operands, compiled for a v5e."""
+    problems = [dataclasses.replace(problem("dispatch", "fwd"), glu=None),
+                problem("dispatch", "bwd", rhs_qdtype="float8_e4m3fn", rhs_qblock=128)]
+    fields = json.dumps([dataclasses.asdict(p) for p in problems])
+    proc = subprocess.run([sys.executable, "-c", _PARTS_SCRIPT, "v5e", "pallas_tpu", fields], env=wheels.worker_env(),
+                          capture_output=True, text=True, timeout=300)
+    statuses = [line for line in proc.stdout.splitlines() if line.startswith("STATUS")]
+    assert len(statuses) == 2 and all(" ok" in line for line in statuses), (statuses, proc.stderr[-2000:])
