@@ -4,8 +4,8 @@ shapes (512 tokens, top-8, 128 experts; bfloat16). Every direction's default com
 weights); a config the backend's rules refuse for the chip's budget (VMEM, shared memory) is refused by the
 compiler as well, with the chip's own message (a rule that let it through would be a false accept;
 tests/test_real_compilers.py has the ragged_dot and gather kernels). pallas_tpu's dispatch kernels also compile
-given gate and up as two operands (what the op hands a `split_weights` backend). benchmarks/results/fused_moe_compile_*
-hold the wider probes.
+given gate and up as two operands (what the op hands a `split_weights` backend).
+benchmarks/results/fused_moe_compile_* hold the wider probes.
 """
 
 from __future__ import annotations
