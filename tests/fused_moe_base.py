@@ -11,7 +11,6 @@ combine's zero-weight rule (0 x NaN = NaN unless skip_zero_weights), QArray weig
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar
 
 import jax
@@ -21,7 +20,8 @@ import pytest
 
 from moe_tune.errors import InvalidConfigError
 from moe_tune.kernels import get_op
-from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference
+from moe_tune.kernels.fused_moe.base import concatenated
+from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range
 from moe_tune.kernels.ragged_dot.metadata import select_shard
 
 # Error allowed relative to max|reference|, by dtype.
@@ -134,28 +134,20 @@ class FusedMoeBackendTests:
         ("fwd", "silu", 1, {}), ("fwd", None, 2, {}), ("bwd", "silu", 2, {}),
         ("fwd", None, 1, {"rhs_quant": "int8"}), ("bwd", None, 1, {"rhs_quant": "float8_e4m3fn", "quant_block": 64})])
     def test_weight_parts_stand_for_their_concatenation(self, direction, glu, ep, quant):
-        """Gate and up as two parts (backends with `split_weights`) give the concatenated weights' result: the
-        dispatch with and without glu, its backward (the parts split the contraction), on a shard, with
-        int8 and float8 weights (values and scales split alike), each with the default config."""
-        if not getattr(self.impl, "split_weights", False):
-            pytest.skip(f"{self.backend} takes concatenated weights (the op concatenates parts)")
+        """The dispatch's inputs hold gate and up as two arrays, as `moe_mlp` passes them; run on them (read
+        where they are with `split_weights`, else concatenated by `takes`) and on their concatenation, each
+        gives the float64 reference: with and without glu, the backward (the parts split the contraction), on
+        a shard, with int8 and float8 weights (values and scales split alike), each with the default config."""
         problem = self._problem(self.shapes[0], "dispatch", direction, glu, ep, "float32", **quant)
         if quant and (not self.quantized or self.impl.config_error(self.impl.default_config(problem), problem)):
             pytest.skip(f"{self.backend} does not run QArray weights (the op falls back)")
-        inputs = self.op.make_inputs(problem, "balanced", 5)
+        inputs = jax.device_put(self.op.make_inputs(problem, "balanced", 5))  # the dispatch's: (gate, up)
+        assert problem.rhs_parts == 2 and len(inputs["rhs"]) == 2
         expected = self.op.reference(problem, inputs)
-        f = problem.n // 2
-        halves = lambda w: (w[:, :, :f], w[:, :, f:])
-        rhs = inputs["rhs"]
-        if quant:
-            (qg, qu), (sg, su) = halves(rhs.qvalue), halves(rhs.scale)
-            parts = (dataclasses.replace(rhs, qvalue=qg, scale=sg), dataclasses.replace(rhs, qvalue=qu, scale=su))
-        else:
-            parts = halves(rhs)
-        inputs = jax.device_put({**inputs, "rhs": parts})
         config = self.impl.default_config(problem)
-        out = jax.jit(lambda a: self.op.run(self.impl, config, problem, a))(inputs)
-        assert relative_error(out, expected) <= TOLERANCE["float32"], (problem, config)
+        for rhs in (inputs["rhs"], concatenated(list(inputs["rhs"]))):
+            out = jax.jit(lambda a: self.op.run(self.impl, config, problem, a))({**inputs, "rhs": rhs})
+            assert relative_error(out, expected) <= TOLERANCE["float32"], (problem, config, type(rhs))
 
     def test_rejects_invalid_configs(self):
         problem = self._problem(self.shapes[0], "dispatch", "fwd", "silu", 1, "float32")
@@ -169,3 +161,58 @@ class FusedMoeBackendTests:
         space = self.impl.search_space(problem)
         assert space[0] == self.impl.default_config(problem)
         assert all(self.impl.config_error(c, problem) is None for c in space)
+
+
+def assert_lowered_without_concatenated_weights(platform: str, backend: str, config, kernel_call: str, *, f: int,
+                                                local: int, tokens: int, m: int, total: int, k: int) -> None:
+    """The dispatch's forward and backward (glu silu, shard offset 1) on gate and up, bf16 [local, k, f] each,
+    lowered for `platform` (the chip's kernels, not interpret mode): no [local, k, 2f] weights concatenate,
+    and at least two calls of the chip's kernels (`kernel_call`, a text of the module)."""
+    from moe_tune.kernels.fused_moe.op import gather_gmm
+    from ragged_dot_base.lowering import export_for
+
+    S = jax.ShapeDtypeStruct
+    part = S((local, k, f), jnp.bfloat16)
+
+    def step(x, rows, sizes, g, u):
+        loss = lambda x, g, u: jnp.sum(gather_gmm(x, rows, (g, u), sizes, group_offset=1, glu="silu",
+                                                  backend=backend, config={"fwd": config, "bwd": config})
+                                       .astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(x, g, u)
+
+    text = export_for(platform, step, S((tokens, k), jnp.bfloat16), S((m,), jnp.int32), S((total,), jnp.int32),
+                      part, part).mlir_module()
+    concatenates = [line for line in text.splitlines() if "stablehlo.concatenate" in line
+                    and f"tensor<{local}x{k}x{2 * f}xbf16>" in line]
+    assert not concatenates, concatenates
+    assert text.count(kernel_call) >= 2
+
+
+def assert_parts_vjp_matches_float64(backend: str, config, rows: np.ndarray, sizes: np.ndarray, x: np.ndarray,
+                                     gate: np.ndarray, up: np.ndarray, cot: np.ndarray, *, local: int) -> None:
+    """d/d(x, gate, up) of sum(cot * gather_gmm(x, rows, (gate, up), glu=silu)) on a shard (group_offset 1),
+    through the op's custom VJP on `backend`, against the float64 chain rule: the forward runs the dispatch
+    without glu on the parts, the backward's dx the combine over [gate | up]^T, each weight's gradient per part.
+    x float32 [tokens, k]; gate, up float32 [local, k, f]; cot float32 [m, f]; rows int32 [m]."""
+    from moe_tune.kernels.fused_moe.op import gather_gmm
+
+    (tokens, _), f, m = x.shape, gate.shape[2], rows.shape[0]
+    loss = lambda x, g, u: jnp.sum(cot * gather_gmm(x, jnp.asarray(rows), (g, u), jnp.asarray(sizes), group_offset=1,
+                                                    glu="silu", backend=backend,
+                                                    config={"fwd": config, "bwd": config}))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, gate, up)
+    w = np.concatenate([gate, up], axis=2).astype(np.float64)
+    clipped = np.clip(rows, 0, tokens - 1)
+    h = gather_gmm_reference(x, clipped, w, sizes, group_offset=1)
+    sigmoid = 1.0 / (1.0 + np.exp(-h[:, :f]))
+    act, act_grad = h[:, :f] * sigmoid, sigmoid * (1.0 + h[:, :f] * (1.0 - sigmoid))
+    c = cot.astype(np.float64)
+    dh = np.concatenate([c * h[:, f:] * act_grad, c * act], axis=1)
+    ranges, start, end = local_row_range(sizes, m, local, 1)
+    dh[:start] = dh[end:] = 0.0
+    dx = gmm_combine_reference(dh, w, sizes, rows, np.ones(m), tokens=tokens, group_offset=1, transpose_rhs=True)
+    dw = np.zeros_like(w)
+    for g, (s, e) in enumerate(ranges):
+        dw[g] = x[clipped[s:e]].astype(np.float64).T @ dh[s:e]
+    for out, ref in zip(got, (dx, dw[:, :, :f], dw[:, :, f:])):
+        np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-5 * np.abs(ref).max(), rtol=2e-5)

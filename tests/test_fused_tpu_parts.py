@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_tune.kernels.fused_moe.op import gather_gmm
 from moe_tune.kernels.fused_moe.pallas_tpu import FusedPallasTpuConfig, PallasTpuFusedMoe
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, weight_views
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range
+from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference
 from moe_tune.quant import QArray, dequantize_host, quantize
-from ragged_dot_base.lowering import MOSAIC_CALL, export_for
+from fused_moe_base import assert_parts_vjp_matches_float64, assert_lowered_without_concatenated_weights
+from ragged_dot_base.lowering import MOSAIC_CALL
 from test_fused_moe_pallas import K, M, T, TOTAL, close, rounded, routing, shard
 
 F = 256  # each of gate and up: two column blocks of 128
@@ -48,11 +48,6 @@ def _shard_routing(seed: int):
     return rows, sizes, norm, offset, start, end
 
 
-def _silu_and_grad(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    s = 1.0 / (1.0 + np.exp(-z))
-    return z * s, s * (1.0 + z * (1.0 - s))
-
-
 def test_gradients_through_the_custom_vjp_on_parts_match_float64():
     """d/d(x, gate, up) of sum(cot * gather_gmm(x, rows, (gate, up), glu=silu)) on a shard (group_offset 1):
     the forward runs the dispatch without glu on the parts (column blocks 0-1 in gate, 2-3 in up), the
@@ -62,24 +57,7 @@ def test_gradients_through_the_custom_vjp_on_parts_match_float64():
     x = rng.standard_normal((T, H)).astype(np.float32)
     gate, up = (rng.standard_normal((LOCAL, H, F)).astype(np.float32) / 16 for _ in range(2))
     cot = rng.standard_normal((M, F)).astype(np.float32)
-    loss = lambda x, g, u: jnp.sum(cot * gather_gmm(x, jnp.asarray(rows), (g, u), jnp.asarray(sizes), group_offset=1,
-                                                    glu="silu", backend="pallas_tpu",
-                                                    config={"fwd": CONFIG, "bwd": CONFIG}))
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, gate, up)
-    w = np.concatenate([gate, up], axis=2).astype(np.float64)
-    clipped = np.clip(rows, 0, T - 1)
-    h = gather_gmm_reference(x, clipped, w, sizes, group_offset=1)
-    act, act_grad = _silu_and_grad(h[:, :F])
-    c = cot.astype(np.float64)
-    dh = np.concatenate([c * h[:, F:] * act_grad, c * act], axis=1)
-    ranges, start, end = local_row_range(sizes, M, LOCAL, 1)
-    dh[:start] = dh[end:] = 0.0
-    dx = gmm_combine_reference(dh, w, sizes, rows, np.ones(M), tokens=T, group_offset=1, transpose_rhs=True)
-    dw = np.zeros_like(w)
-    for g, (s, e) in enumerate(ranges):
-        dw[g] = x[clipped[s:e]].astype(np.float64).T @ dh[s:e]
-    for out, ref in zip(got, (dx, dw[:, :, :F], dw[:, :, F:])):
-        np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-5 * np.abs(ref).max(), rtol=2e-5)
+    assert_parts_vjp_matches_float64("pallas_tpu", CONFIG, rows, sizes, x, gate, up, cot, local=LOCAL)
 
 
 def test_gated_dispatch_on_parts_bfloat16_rows_and_int8_scales():
@@ -195,17 +173,5 @@ def test_the_tpu_program_holds_no_concatenated_weights(on_chip):
     """Forward and backward of the dispatch on (gate, up), lowered for a TPU (the Mosaic kernels, not interpret
     mode): no [groups, k, 2f] concatenate, and the parts go to the kernels as they are."""
     on_chip("tpu")
-    S = jax.ShapeDtypeStruct
-    gate = S((LOCAL, K, F), jnp.bfloat16)
-
-    def step(x, rows, sizes, g, u):
-        loss = lambda x, g, u: jnp.sum(gather_gmm(x, rows, (g, u), sizes, group_offset=1, glu="silu",
-                                                  backend="pallas_tpu", config={"fwd": CONFIG, "bwd": CONFIG})
-                                       .astype(jnp.float32))
-        return jax.grad(loss, argnums=(0, 1, 2))(x, g, u)
-
-    text = export_for("tpu", step, S((T, K), jnp.bfloat16), S((M,), jnp.int32), S((TOTAL,), jnp.int32), gate,
-                      gate).mlir_module()
-    concatenates = [line for line in text.splitlines() if "stablehlo.concatenate" in line]
-    assert not [line for line in concatenates if f"tensor<{LOCAL}x{K}x{2 * F}xbf16>" in line], concatenates
-    assert text.count(MOSAIC_CALL) >= 2
+    assert_lowered_without_concatenated_weights("tpu", "pallas_tpu", CONFIG, MOSAIC_CALL, f=F, local=LOCAL, tokens=T,
+                                                m=M, total=TOTAL, k=K)

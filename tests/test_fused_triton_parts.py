@@ -12,20 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_tune.kernels.fused_moe.op import gather_gmm
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range
+from moe_tune.kernels.fused_moe.reference import gmm_combine_reference
 from moe_tune.kernels.fused_moe.triton import FusedTritonConfig, TritonFusedMoe
-from ragged_dot_base.lowering import export_for
+from fused_moe_base import assert_parts_vjp_matches_float64, assert_lowered_without_concatenated_weights
 from test_fused_moe_pallas import F, K, M, T, TOTAL, routing, shard
 
 CONFIG = FusedTritonConfig(block_m=16, block_k=32, block_n=32)
 LOCAL = 2  # local groups 1..2 of TOTAL
-
-
-def _silu_and_grad(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    s = 1.0 / (1.0 + np.exp(-z))
-    return z * s, s * (1.0 + z * (1.0 - s))
 
 
 def _shard_inputs(seed: int):
@@ -43,26 +37,7 @@ def test_gradients_through_the_custom_vjp_on_parts_match_float64():
     """d/d(x, gate, up) of sum(cot * gather_gmm(x, rows, (gate, up), glu=silu)) on a shard (group_offset 1):
     the forward runs the dispatch without glu on the two parts (column blocks in each), the backward's dx
     the combine over [gate | up]^T (the contraction over both parts), the weights' gradient per part."""
-    rows, sizes, x, gate, up, cot = _shard_inputs(11)
-    loss = lambda x, g, u: jnp.sum(cot * gather_gmm(x, jnp.asarray(rows), (g, u), jnp.asarray(sizes), group_offset=1,
-                                                    glu="silu", backend="triton",
-                                                    config={"fwd": CONFIG, "bwd": CONFIG}))
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, gate, up)
-    # float64: h = [x @ gate | x @ up] on the local rows, then the chain rule of silu(h_g) * h_u
-    w = np.concatenate([gate, up], axis=2).astype(np.float64)
-    clipped = np.clip(rows, 0, T - 1)
-    h = gather_gmm_reference(x, clipped, w, sizes, group_offset=1)
-    hg, hu, c = h[:, :F], h[:, F:], cot.astype(np.float64)
-    act, act_grad = _silu_and_grad(hg)
-    dh = np.concatenate([c * hu * act_grad, c * act], axis=1)
-    _, start, end = local_row_range(sizes, M, LOCAL, 1)
-    dh[:start] = dh[end:] = 0.0
-    dx = gmm_combine_reference(dh, w, sizes, rows, np.ones(M), tokens=T, group_offset=1, transpose_rhs=True)
-    dw = np.zeros_like(w)
-    for g, (s, e) in enumerate(local_row_range(sizes, M, LOCAL, 1)[0]):
-        dw[g] = x[clipped[s:e]].astype(np.float64).T @ dh[s:e]
-    for out, ref in zip(got, (dx, dw[:, :, :F], dw[:, :, F:])):
-        np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-5 * np.abs(ref).max(), rtol=2e-5)
+    assert_parts_vjp_matches_float64("triton", CONFIG, *_shard_inputs(11), local=LOCAL)
 
 
 @pytest.mark.parametrize("widths", [(96, 160), (80, 176)])
@@ -100,17 +75,5 @@ def test_the_gpu_program_holds_no_concatenated_weights(on_chip):
     """Forward and backward of the dispatch on (gate, up), lowered for a GPU (the Triton kernels, not interpret
     mode): no [groups, k, 2f] concatenate, and the parts go to the kernels as they are."""
     on_chip("gpu")
-    S = jax.ShapeDtypeStruct
-    gate = S((LOCAL, K, F), jnp.bfloat16)
-
-    def step(x, rows, sizes, g, u):
-        loss = lambda x, g, u: jnp.sum(gather_gmm(x, rows, (g, u), sizes, group_offset=1, glu="silu",
-                                                  backend="triton", config={"fwd": CONFIG, "bwd": CONFIG})
-                                       .astype(jnp.float32))
-        return jax.grad(loss, argnums=(0, 1, 2))(x, g, u)
-
-    text = export_for("gpu", step, S((T, K), jnp.bfloat16), S((M,), jnp.int32), S((TOTAL,), jnp.int32), gate,
-                      gate).mlir_module()
-    concatenates = [line for line in text.splitlines() if "stablehlo.concatenate" in line]
-    assert not [line for line in concatenates if f"tensor<{LOCAL}x{K}x{2 * F}xbf16>" in line], concatenates
-    assert text.count("__gpu$xla.gpu.triton") >= 2
+    assert_lowered_without_concatenated_weights("gpu", "triton", CONFIG, "__gpu$xla.gpu.triton", f=F, local=LOCAL, tokens=T,
+                                                m=M, total=TOTAL, k=K)

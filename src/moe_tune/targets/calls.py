@@ -60,10 +60,13 @@ def _fused_moe_inputs(problem: FusedMoeProblem, place: Callable) -> dict[str, An
     p = problem
     token_side = (p.stage == "dispatch") == (p.direction == "fwd")  # x of dispatch, dout of combine's bwd
     a_cols = p.k if p.direction == "fwd" else p.n
-    rhs = place((p.groups, p.k, p.n), p.dtype)
-    if p.rhs_qdtype is not None:  # scaled along k: scale [g, k / qblock, n] in float32
-        rhs = QArray(place((p.groups, p.k, p.n), p.rhs_qdtype),
-                     place((p.groups, p.k // p.rhs_qblock, p.n), jnp.float32))
+    def weights(n: int):
+        if p.rhs_qdtype is None:
+            return place((p.groups, p.k, n), p.dtype)
+        return QArray(place((p.groups, p.k, n), p.rhs_qdtype),  # scaled along k: [g, k / qblock, n] float32
+                      place((p.groups, p.k // p.rhs_qblock, n), jnp.float32))
+
+    rhs = (weights(p.n // 2), weights(p.n // 2)) if p.rhs_parts == 2 else weights(p.n)  # make_inputs' gate, up
     inputs = {"a": place((p.tokens if token_side else p.m, a_cols), p.dtype), "rows": place((p.m,), jnp.int32),
               "rhs": rhs, "group_sizes": place((p.num_group_sizes,), jnp.int32), "weights": place((p.m,), jnp.float32)}
     if p.total_groups:

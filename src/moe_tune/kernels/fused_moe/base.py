@@ -40,6 +40,14 @@ def weight_parts(rhs: Weights) -> list:
     return list(rhs) if isinstance(rhs, tuple) else [rhs]
 
 
+def concatenated(parts: list) -> jax.Array | QArray:
+    """Weight parts concatenated along n (a QArray's values and scales alike): one copy of the weights."""
+    if isinstance(parts[0], QArray):
+        return QArray(jnp.concatenate([p.qvalue for p in parts], axis=2),
+                      jnp.concatenate([p.scale for p in parts], axis=2))
+    return jnp.concatenate(parts, axis=2)
+
+
 def weights_shape(rhs: Weights) -> tuple[int, int, int]:
     """(groups, k, n) of the weights the parts stand for, concatenated along their last axis."""
     parts = weight_parts(rhs)
@@ -109,9 +117,19 @@ class FusedMoeBackend(Backend[Any, FusedMoeProblem]):
         NaN) unless `skip_zero_weights`, which drops rows whose weight is exactly 0 like invalid ones. A
         token no valid row reaches is 0."""
 
+    def takes(self, rhs: Weights) -> Weights:
+        """`rhs` as this backend takes it: the parts only with `split_weights`, else their concatenation (inside
+        the caller's program: the copy is part of what runs, and of what a sweep times)."""
+        parts = weight_parts(rhs)
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(parts) if self.split_weights else concatenated(parts)
+
     def run(self, problem: FusedMoeProblem, config: KernelConfig, inputs: dict[str, Any]) -> jax.Array:
         """Run `problem.direction` on the inputs `FusedMoeOp.make_inputs` builds: `a` (x, dh, h or dout),
-        `rows`, `rhs`, `group_sizes`, and for the combine kernel `weights`; optional `group_offset`."""
+        `rows`, `rhs` (the dispatch's as gate and up, as `moe_mlp` passes them), `group_sizes`, and for the
+        combine kernel `weights`; optional `group_offset`."""
+        inputs = {**inputs, "rhs": self.takes(inputs["rhs"])}
         out_dtype = jnp.dtype(problem.dtype)
         common = dict(config=config, out_dtype=out_dtype, group_offset=inputs.get("group_offset"),
                       transpose_rhs=problem.transpose_rhs)

@@ -14,6 +14,7 @@ from moe_tune import distributions
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
+from moe_tune.kernels.fused_moe.base import weight_parts
 from moe_tune.kernels.fused_moe.problem import DIRECTIONS, STAGES, FusedMoeProblem
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range
 from moe_tune.kernels.fused_moe.registry import BACKENDS, FALLBACK
@@ -71,8 +72,9 @@ class FusedMoeOp(KernelOp):
     def make_inputs(self, problem: FusedMoeProblem, distribution: str, seed: int) -> dict[str, Any]:
         """Routed rows over `total_groups` experts (the shard: the first `groups`), the direction's operand `a`
         (dispatch: x [tokens, k] / dh [m, n]; combine: h [m, k] with NaN rows outside the shard / dout
-        [tokens, n]), weights [groups, k, n] (a QArray when quantized), row weights; rows outside the shard
-        index past the tokens (they must never be read)."""
+        [tokens, n]), weights [groups, k, n] (a QArray when quantized; the dispatch's as its gate and up
+        halves, the two arrays `moe_mlp` passes: `base.FusedMoeBackend.takes`), row weights; rows outside the
+        shard index past the tokens (they must never be read)."""
         rng = np.random.default_rng(seed)
         p, dtype = problem, jnp.dtype(problem.dtype)
         sizes = distributions.group_sizes(distribution, p.m, p.num_group_sizes, seed)
@@ -83,6 +85,8 @@ class FusedMoeOp(KernelOp):
         rhs = normal(p.groups, p.k, p.n) / np.sqrt(p.k)
         rhs = jax.tree.map(np.asarray, quantize(rhs, p.rhs_qdtype, axis=1, block_size=p.rhs_qblock)) \
             if p.rhs_qdtype else rhs.astype(dtype)
+        if p.rhs_parts == 2:
+            rhs = gate_and_up(rhs)
         if p.stage == "dispatch":
             a = normal(p.tokens, p.k) if p.direction == "fwd" else normal(p.m, p.n)
             weights = np.ones(p.m, np.float32)
@@ -97,8 +101,8 @@ class FusedMoeOp(KernelOp):
         return inputs
 
     def reference(self, problem: FusedMoeProblem, inputs: Mapping[str, Any]) -> np.ndarray:
-        rhs = inputs["rhs"]
-        rhs = dequantize_host(rhs) if isinstance(rhs, QArray) else rhs
+        rhs = np.concatenate([dequantize_host(part) if isinstance(part, QArray) else np.asarray(part)
+                              for part in weight_parts(inputs["rhs"])], axis=2)
         common = dict(transpose_rhs=problem.transpose_rhs)
         if problem.kernel == "gather_gmm":
             return gather_gmm_reference(inputs["a"], inputs["rows"], rhs, inputs["group_sizes"],
@@ -127,6 +131,16 @@ class FusedMoeOp(KernelOp):
         ep = f" ep={p.ep}" if p.ep > 1 else ""
         return (f"fused_moe {p.stage} {p.direction} tokens={p.tokens} m={p.m} k={p.k} n={p.n} g={p.groups}{glu} "
                 f"{p.dtype}{quant}{ep}")
+
+
+def gate_and_up(rhs: np.ndarray | QArray) -> tuple:
+    """[groups, k, 2f] weights (a QArray's values and scales alike) -> their two halves along n, contiguous:
+    the dispatch's gate and up as `moe_mlp` passes them."""
+    f = rhs.shape[2] // 2
+    halves = lambda a: (np.ascontiguousarray(a[..., :f]), np.ascontiguousarray(a[..., f:]))
+    if isinstance(rhs, QArray):
+        return tuple(QArray(q, s) for q, s in zip(halves(rhs.qvalue), halves(rhs.scale)))
+    return halves(rhs)
 
 
 FUSED_MOE = FusedMoeOp()

@@ -59,7 +59,7 @@ class _Call:
         if direction == "fwd":
             problem = dataclasses.replace(problem, glu=glu)
         resolved = self._resolve(problem)
-        return resolved.backend.gather_gmm(a, rows, _weights_for(resolved.backend, rhs), group_sizes,
+        return resolved.backend.gather_gmm(a, rows, resolved.backend.takes(rhs), group_sizes,
                                            config=resolved.config, out_dtype=jnp.dtype(problem.dtype),
                                            group_offset=group_offset, glu=glu, transpose_rhs=problem.transpose_rhs)
 
@@ -68,26 +68,10 @@ class _Call:
         """combine fwd or dispatch bwd (the weights transposed, into the dispatch's tokens)."""
         problem = self.problem.with_direction(direction)
         resolved = self._resolve(problem)
-        return resolved.backend.gmm_combine(a, _weights_for(resolved.backend, rhs), group_sizes, rows, weights,
+        return resolved.backend.gmm_combine(a, resolved.backend.takes(rhs), group_sizes, rows, weights,
                                             tokens=problem.tokens, config=resolved.config,
                                             out_dtype=jnp.dtype(problem.dtype), group_offset=group_offset,
                                             skip_zero_weights=skip_zero_weights, transpose_rhs=problem.transpose_rhs)
-
-
-def _concat(parts: list) -> jax.Array | QArray:
-    """Weight parts concatenated along n (a QArray's values and scales alike)."""
-    if isinstance(parts[0], QArray):
-        return QArray(jnp.concatenate([p.qvalue for p in parts], axis=2),
-                      jnp.concatenate([p.scale for p in parts], axis=2))
-    return jnp.concatenate(parts, axis=2)
-
-
-def _weights_for(backend, rhs):
-    """rhs as `backend` takes it: a tuple of parts only for a backend with `split_weights`."""
-    parts = weight_parts(rhs)
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(parts) if getattr(backend, "split_weights", False) else _concat(parts)
 
 
 def _tgmm(lhs, dout, group_sizes, group_offset, *, groups: int, out_dtype, distribution: str | None) -> jax.Array:

@@ -118,6 +118,12 @@ class FusedMoeProblem:
         """Columns of the forward dispatch output: n / 2 with glu, else n."""
         return self.n // 2 if self.glu else self.n
 
+    @property
+    def rhs_parts(self) -> int:
+        """How many arrays the weights come as: the dispatch's gate and up (2, each [groups, k, n / 2]), as
+        `moe_mlp` passes them, when n is even; else 1 ([groups, k, n])."""
+        return 2 if self.stage == "dispatch" and self.n % 2 == 0 else 1
+
     def with_direction(self, direction: str) -> "FusedMoeProblem":
         """The same stage's other direction (glu is kept: the dispatch backward differentiates through it)."""
         return dataclasses.replace(self, direction=direction)
