@@ -131,9 +131,12 @@ def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
     assert sum(f["is_default"] for f in finalists) == 1
     expected = final_samples(SweepSettings(samples=2), max(f["first_median_s"] for f in finalists))
     assert expected >= max(4, MIN_FINAL_SAMPLES) and len({f["samples"] for f in finalists}) == 1
-    # all of them, or fewer once no finalist could beat the default (`finals.settled`, session 16)
+    # all of them, or fewer once no finalist could beat the default (`finals.settled`, session 16), or, where the
+    # clock switched between the trace and the wall (a loaded machine: `timing_fallback` says why), fewer: each
+    # switch drops the other clock's rounds, and the round ends after as many calls as it would have made
     assert finalists[0]["samples"] == expected or (verdict.rule != BEAT_DEFAULT and
-                                                   earliest_stop(expected) <= finalists[0]["samples"] < expected)
+                                                   earliest_stop(expected) <= finalists[0]["samples"] < expected) or (
+        entry.timing_fallback is not None and finalists[0]["samples"] < expected)
     assert all(f["min_s"] <= f["median_s"] <= f["max_s"] for f in finalists)
     first_round = {json.dumps(r["config"]): r["median_s"] for r in entry.results}
     assert all(first_round[json.dumps(f["config"])] == f["first_median_s"] for f in finalists)
