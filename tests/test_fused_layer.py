@@ -170,7 +170,7 @@ def test_fused_none_trains_on_the_choice_timed_forward_and_backward(monkeypatch,
 def test_the_gpu_defaults_follow_the_h100_measurements(monkeypatch):
     """On GPU `moe_fusion` defaults to unfused and `fused_moe` to its triton kernels (an H100,
     benchmarks/results/gpu_check_nvidia_h100_2026-11-26_layer*: unfused forwards 1.17-1.93x faster than fused
-    triton, the plain-JAX fused layer 3.7-45x slower than it); CPU stays fused on its tiled kernels."""
+    triton, the plain-JAX fused layer 3.1-45x slower than it); CPU stays fused on its tiled kernels."""
     from moe_tune import devices
     from moe_tune.kernels.fused_moe.registry import BACKENDS
 
