@@ -9,7 +9,7 @@ and combine against the plain-JAX fallback and the device's copy bandwidth measu
 The cases run in this order, and none starts after `--time-limit` seconds (default 480: the run fits one
 10-minute device call; those left are listed as `not_run`): the layers, then per ragged_dot shape and backend
 the float directions and the quantized ones, then dispatch and combine. Narrow a run with --layers, --ops,
---models, --backends, --directions and --quant.
+--models, --backends, --directions and --quant; --list prints the cases in order without running them.
 
 Shapes (bf16, balanced group sizes), all three directions of the up projection:
   * DeepSeek-V3 expert layer: hidden 7168 -> expert width 2048, 256 experts over an expert-parallel group
@@ -236,12 +236,17 @@ def main() -> int:
     parser.add_argument("--layer-candidates", type=int, default=8, help="per sweep of a layer's kernel call")
     parser.add_argument("--quant", default=",".join(QUANT_MODES),
                         help=f"quantized weight modes of ragged_dot ({', '.join(QUANT_MODES)}; '' for none)")
+    parser.add_argument("--list", action="store_true", help="print the cases this run would take, in order, and exit")
     parser.add_argument("--time-limit", type=float, default=480,
                         help="start no case after this many seconds (0: none); the rest are listed as not_run")
     args = parser.parse_args()
     if args.layers is None:
         args.layers = "toy:16:2" if args.small else "qwen3-30b-a3b:4096:1"
 
+    plan = _plan(args, str(args.tables or Path(args.out) / "tables"))
+    if args.list:
+        print("\n".join(label for label, _ in plan))
+        return 0
     out_path = Path(args.out) / "gpu_check.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -252,7 +257,7 @@ def main() -> int:
     print(f"device: {report['meta']['device_kind']} ({report['meta']['platform']}), jax {jax.__version__}", flush=True)
     # The sweeps' tables are kept beside the JSON: what a lent GPU tuned can be shipped (profiles/data/<device>/).
     started = time.perf_counter()
-    for label, run in _plan(args, str(args.tables or Path(args.out) / "tables")):
+    for label, run in plan:
         if args.time_limit and time.perf_counter() - started > args.time_limit:
             report.setdefault("not_run", []).append(label)  # a lease ends: what did not start is listed
             continue

@@ -80,6 +80,17 @@ def test_gpu_check_smoke(tmp_path):
     assert "wrote" in out
 
 
+def test_gpu_check_lists_its_default_plan(tmp_path):
+    """What one lent GPU's call runs by default, in order: the qwen3 layer first, then DeepSeek-V3's and Mixtral's
+    ragged_dot on triton (float, then quantized: 4-bit too) and mosaic_gpu, then dispatch and combine."""
+    labels = _run(["benchmarks/gpu_check.py", "--list"], tmp_path).splitlines()
+    assert labels[0] == "layer qwen3-30b-a3b:4096:1"
+    assert labels[1:4] == [f"deepseek-v3 (ep=8) triton {d}" for d in ("fwd", "dlhs", "drhs")]
+    assert {"deepseek-v3 (ep=8) triton int4 fwd", "deepseek-v3 (ep=8) triton mxfp4 dlhs",
+            "mixtral-8x7b mosaic_gpu drhs"} <= set(labels)
+    assert labels[-1] == "mixtral-8x7b dense_gather_reduce" and len(labels) == 1 + 2 * 2 * (3 + 4 * 2) + 3
+
+
 @pytest.mark.slow
 def test_gpu_check_starts_no_case_after_its_time_limit(tmp_path):
     """A device lease ends: the first case runs, the rest are listed as not run, and the JSON still comes back."""
