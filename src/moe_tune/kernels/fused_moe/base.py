@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.quant import QArray
+from moe_tune.quant import QArray, split
 
 
 Weights = Union[jax.Array, QArray, tuple]  # one array / QArray, or a tuple of parts (`split_weights`)
@@ -46,6 +46,31 @@ def concatenated(parts: list) -> jax.Array | QArray:
         return QArray(jnp.concatenate([p.qvalue for p in parts], axis=2),
                       jnp.concatenate([p.scale for p in parts], axis=2))
     return jnp.concatenate(parts, axis=2)
+
+
+def kernel_parts(rhs: Weights, *, tile: int, glu: str | None) -> list[tuple[jax.Array, jax.Array | None]]:
+    """The (values, float32 scale or None) of each weight array a Pallas kernel reads for `rhs`: its parts as
+    they are when each part's width along n is a multiple of `tile` (the kernel's block along n: no block
+    straddles two parts) and, with glu, they are gate and up of one width; else their concatenation, one
+    array (one copy, as the op makes for a backend that takes no parts). `FusedMoeProblem.parts_split` says
+    where a config must keep its blocks inside the parts."""
+    parts = weight_parts(rhs)
+    widths = [p.shape[2] for p in parts]
+    fits = all(w % tile == 0 for w in widths) and (not glu or (len(parts) == 2 and widths[0] == widths[1]))
+    return [split(p) for p in (parts if len(parts) == 1 or fits else [concatenated(parts)])]
+
+
+def kernel_operands(parts: list[tuple[jax.Array, jax.Array | None]]) -> list[jax.Array]:
+    """The arrays to pass a kernel for `kernel_parts`: each part's values, then its scale when quantized."""
+    return [a for values, scale in parts for a in (values, scale) if a is not None]
+
+
+def weight_refs(refs: tuple, count: int, quantized: bool) -> tuple[list, tuple]:
+    """The kernel's refs of `count` weight operands (`kernel_operands`' order) as [(values ref, scale ref or
+    None)], and the refs after them."""
+    step = 2 if quantized else 1
+    weights = [(refs[i * step], refs[i * step + 1] if quantized else None) for i in range(count)]
+    return weights, refs[count * step:]
 
 
 def weights_shape(rhs: Weights) -> tuple[int, int, int]:

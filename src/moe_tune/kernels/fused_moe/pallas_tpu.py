@@ -76,13 +76,11 @@ def dims(problem: FusedMoeProblem) -> Dims:
 
 
 def part_split(problem: FusedMoeProblem) -> tuple[str, int] | None:
-    """(the tile, f) where the dispatch's weights come as gate and up parts of f = n / 2 columns each
-    (`split_weights`) and split what a tile runs along: the output columns without glu (tn; the training
-    forward), the contraction of the backward (tk; dh @ [gate | up]^T); None elsewhere (with glu tn tiles f
-    already; the combine's weights are one array)."""
-    if problem.stage != "dispatch" or (problem.glu and not problem.transpose_rhs):
-        return None
-    return ("tk" if problem.transpose_rhs else "tn"), problem.n // 2
+    """(the tile, f) along the dispatch's gate | up parts of f = n / 2 columns each
+    (`FusedMoeProblem.parts_split`): tk along the backward's contraction, tn along the forward's output columns
+    without glu; None elsewhere."""
+    split = problem.parts_split
+    return None if split is None else ({"k": "tk", "n": "tn"}[split], problem.n // 2)
 
 
 def tiled_sizes(problem: FusedMoeProblem) -> tuple[int, int]:

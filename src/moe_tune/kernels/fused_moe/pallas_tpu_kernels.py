@@ -48,8 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
-from moe_tune.kernels.fused_moe.base import weights_shape
-from moe_tune.kernels.fused_moe.pallas_tpu_weights import operands, rhs_specs, serves, weight_refs, weight_views
+from moe_tune.kernels.fused_moe.base import kernel_operands, weight_refs, weights_shape
+from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, serves, weight_views
 from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
 from moe_tune.kernels.pallas_util import interpreted, round_up
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
@@ -147,7 +147,7 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
     x_hbm [tokens, kc] in HBM; the weight operands of `views` (`pallas_tpu_weights`), each followed by its
     scale block when quantized; o_ref [tm, tn]; xbuf [tm, kc]; acc f32 (1, or 2 with glu); sems DMA [dmas]."""
     n_acc = 2 if glu else 1
-    weights, (o_ref, xbuf, *rest) = weight_refs(refs, views, quant_block is not None)
+    weights, (o_ref, xbuf, *rest) = weight_refs(refs, len(views), quant_block is not None)
     accs, sems = rest[:n_acc], rest[n_acc]
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The block's rows run along the forward k: the contraction (tk at kk), or transposed the output (tn at j).
@@ -242,7 +242,7 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
         interpret=_interpret(),
         name="moe_tune_gather_gmm",
     )
-    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *operands(parts))
+    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *kernel_operands(parts))
 
 
 def _scale_layout(rhs, scale) -> tuple[int | None, int | None]:
@@ -258,7 +258,7 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, *
     """gid / tid / starts / ends / info as in `_gather_gmm_kernel`; rows_ref int32 [m_p] and w_smem f32 [m_p]
     (SMEM); h_ref [tm, tk]; the weight operands of `views` (and their scale blocks when quantized); out_hbm
     f32 [tokens, n] in HBM; acc f32 [tm, tn]; slab f32 [tokens, tn]; sem one DMA semaphore."""
-    weights, (out_hbm, acc, slab, sem) = weight_refs(refs, views, quant_block is not None)
+    weights, (out_hbm, acc, slab, sem) = weight_refs(refs, len(views), quant_block is not None)
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_tile, row_index = (tn, j) if transpose_rhs else (tk, kk)
     last_v, last_k = pl.num_programs(1) - 1, k_steps - 1
@@ -350,5 +350,5 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
     )
     # h is not padded: a ragged last tile's rows are past m, never added.
     out = call(*tables, jnp.pad(rows.astype(jnp.int32), pad), jnp.pad(row_weights.astype(jnp.float32), pad),
-               h, *operands(parts))
+               h, *kernel_operands(parts))
     return out.astype(out_dtype)

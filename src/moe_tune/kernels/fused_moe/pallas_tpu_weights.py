@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from moe_tune.kernels.fused_moe.base import weight_parts
-from moe_tune.quant import split
+from moe_tune.kernels.fused_moe.base import kernel_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +42,12 @@ class View:
 
 def weight_views(rhs, *, glu: str | None, transpose_rhs: bool, tk: int, tn: int) -> tuple[list, list[View]]:
     """The weight operands, [(values [g, k, n_p], float32 scale [g, k / bs, n_p] or None)], one per view, and
-    their views. Parts are read where they are when each part's width along n is a multiple of the tile that
-    runs along it (tn, or tk where n is the transposed contraction), and with glu they are (gate, up) of one
-    width; `config_error` guarantees that for the dispatch's gate | up where f is lane-aligned. Other parts are
-    concatenated here (one copy of the weights, as the op makes for a backend that takes no parts)."""
-    parts = [split(p) for p in weight_parts(rhs)]
+    their views. The parts are `base.kernel_parts` for the tile that runs along n (tn, or tk where n is the
+    transposed contraction); `config_error` keeps them apart for the dispatch's gate | up where f is
+    lane-aligned."""
     tile = tk if transpose_rhs else tn
+    parts = kernel_parts(rhs, tile=tile, glu=glu)
     widths = [values.shape[2] for values, _ in parts]
-    fits = all(w % tile == 0 for w in widths) and (not glu or (len(parts) == 2 and widths[0] == widths[1]))
-    if len(parts) > 1 and not fits:
-        parts = [tuple(None if a[0] is None else jnp.concatenate(a, axis=2) for a in zip(*parts))]
     if glu:  # gate and up over the same output columns: two parts, or two views of one array
         if len(parts) == 2:
             return parts, [View(), View()]
@@ -102,21 +97,9 @@ def rhs_specs(views: list[View], *, tk: int, tn: int, transpose_rhs: bool, scale
     return specs
 
 
-def weight_refs(refs, views: list[View], quantized: bool):
-    """[(w_ref, s_ref or None)] per view, and the refs after them."""
-    step = 2 if quantized else 1
-    weights = [(refs[i * step], refs[i * step + 1] if quantized else None) for i in range(len(views))]
-    return weights, refs[len(views) * step:]
-
-
 def serves(view: View, j, kk) -> jax.Array | None:
     """Whether `view` takes part in grid point (j, ., kk) (a bool scalar), or None: at every point."""
     if view.axis is None:
         return None
     here = j if view.axis == 0 else kk
     return (here >= view.lo) & (here < view.hi)
-
-
-def operands(parts: list) -> list:
-    """The arrays to pass, in the order of `rhs_specs`: each view's values, then its scale when quantized."""
-    return [a for values, scale in parts for a in (values, scale) if a is not None]

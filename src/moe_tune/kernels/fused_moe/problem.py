@@ -124,6 +124,16 @@ class FusedMoeProblem:
         `moe_mlp` passes them, when n is even; else 1 ([groups, k, n])."""
         return 2 if self.stage == "dispatch" and self.n % 2 == 0 else 1
 
+    @property
+    def parts_split(self) -> str | None:
+        """What the dispatch's gate and up parts split, where a kernel's block must not straddle them (its
+        block along that axis divides f = n / 2): "k", the contraction of the backward (dh @ [gate | up]^T);
+        "n", the output columns of the forward without glu (the training forward's [m, 2f]); None where the
+        weights are one array or glu gives each accumulator its own part."""
+        if self.rhs_parts != 2 or (self.glu and not self.transpose_rhs):
+            return None
+        return "k" if self.transpose_rhs else "n"
+
     def with_direction(self, direction: str) -> "FusedMoeProblem":
         """The same stage's other direction (glu is kept: the dispatch backward differentiates through it)."""
         return dataclasses.replace(self, direction=direction)

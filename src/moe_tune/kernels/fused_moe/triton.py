@@ -41,13 +41,13 @@ from jax.experimental.pallas import triton as plgpu
 from moe_tune import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
-from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weights_shape
+from moe_tune.kernels.fused_moe.base import (FusedMoeBackend, kernel_operands, kernel_parts, weight_refs,
+                                              weights_shape)
 from moe_tune.kernels.fused_moe.pallas_tpu import dims
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, round_up
 from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
-from moe_tune.quant import split
 
 BLOCKS = (16, 32, 64, 128, 256)
 SUPPORTED = ("float32", "bfloat16", "float16")
@@ -117,13 +117,6 @@ def _product(a_ref, a_rows, keep, segments, group, col0, *, bk, bn, transpose_rh
     return accs
 
 
-def _weight_refs(refs, parts: int, quantized: bool):
-    """[(values ref, scale ref or None)] per weight part, and the refs after them."""
-    step = 2 if quantized else 1
-    weights = [(refs[i * step], refs[i * step + 1] if quantized else None) for i in range(parts)]
-    return weights, refs[parts * step:]
-
-
 def _blocks(weights, j, *, bn: int, bk: int, kc: int, glu: str | None, transpose_rhs: bool, n_out: int):
     """What program column block j multiplies: [(condition or None, local col0, segments)], each entry to run
     under its condition (`pl.when`; None: always), the segments as `_product` takes them. The weight parts
@@ -170,7 +163,7 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, *refs, m, 
     """Schedule tables (gid, tid [visits], starts, ends [groups], info [1] = real visits); rows int32 [m];
     x [tokens, kc]; the weight parts (`parts` of them: gate, up), each [g, k, n_p] (read as rhs[g].T when
     transposed, kc = sum of n_p) followed by its scale [g, k / block, n_p] when quantized -> out [m_p, n_out]."""
-    weights, (out_ref,) = _weight_refs(refs, parts, block is not None)
+    weights, (out_ref,) = weight_refs(refs, parts, block is not None)
     v, j = pl.program_id(0), pl.program_id(1)
     n_out = out_ref.shape[1]
 
@@ -195,7 +188,7 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_r
     """Schedule tables as in `_gather_gmm_kernel`; rows int32 [m]; weights float32 [m]; h [m, kc]; the weight
     parts (and their scales) as there; out float32 [tokens + 1, n] (aliased with the zero-filled input before
     it; row `trash` = tokens takes the invalid rows' adds)."""
-    rhs, (_, out_ref) = _weight_refs(refs, parts, block is not None)
+    rhs, (_, out_ref) = weight_refs(refs, parts, block is not None)
     v, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(v < info[0])
@@ -219,21 +212,12 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_r
 
 
 def _weight_arrays(rhs, tile: int, glu: str | None) -> tuple[list[jax.Array], int | None]:
-    """The arrays the kernels take for `rhs` (one array / QArray, or a tuple of parts: `base.py`): each part's
-    values, followed by its float32 scale when quantized, and the scale block along k (None: float). Parts
-    are read where they are, no concatenated copy, when each part's width along n is a multiple of `tile`
-    (the kernel's block along n: block_n, or block_k where n is the transposed contraction), so that no
-    block straddles two parts, and with glu they are (gate, up) of one width; `config_error` guarantees
-    that for the dispatch's gate | up. Other parts are concatenated here (one copy, as the op does for a
-    backend that takes no parts)."""
-    parts = [split(p) for p in weight_parts(rhs)]
-    widths = [values.shape[2] for values, _ in parts]
-    if len(parts) > 1 and (any(w % tile for w in widths) or (glu and (len(parts) != 2 or widths[0] != widths[1]))):
-        parts = [tuple(jnp.concatenate(arrays, axis=2) if arrays[0] is not None else None
-                       for arrays in zip(*parts))]
-    scale = parts[0][1]
-    block = None if scale is None else parts[0][0].shape[1] // scale.shape[1]
-    return [a for values, s in parts for a in (values, s) if a is not None], block
+    """The arrays the kernels take for `rhs` (`base.kernel_parts`: the parts where no block of `tile` along n,
+    block_n or block_k where n is the transposed contraction, straddles two), and the scale block along k
+    (None: float)."""
+    parts = kernel_parts(rhs, tile=tile, glu=glu)
+    values, scale = parts[0]
+    return kernel_operands(parts), None if scale is None else values.shape[1] // scale.shape[1]
 
 
 def _dot_dtype(a, values, block: int | None) -> jnp.dtype:
@@ -250,16 +234,10 @@ def _schedule(group_sizes, group_offset, m: int, bm: int, groups: int):
 
 def _blocked_sizes(problem: FusedMoeProblem) -> tuple[int, int, str]:
     """(contraction, output columns) that block_k and block_n must divide, and what splits them: the whole
-    ones (`dims`), except where the dispatch's weights come as gate and up parts of f = n / 2 columns each
-    (`split_weights`) and n is not already split by the glu epilogue: there a block must not straddle the
-    parts, so it divides f (the output columns of the training forward, without glu; the contraction of the
-    backward, dh @ [gate | up]^T)."""
-    d = dims(problem)
-    kc, n_out, why = d.kc, d.n_out, ""
-    if problem.stage == "dispatch" and (problem.transpose_rhs or not problem.glu):
-        why = " of each of gate and up"
-        kc, n_out = (problem.n // 2, n_out) if problem.transpose_rhs else (kc, problem.n // 2)
-    return kc, n_out, why
+    ones (`dims`), except along the dispatch's gate | up parts (`FusedMoeProblem.parts_split`), where a block
+    must not straddle the two and divides f = n / 2."""
+    d, f, why = dims(problem), problem.n // 2, " of each of gate and up"
+    return {None: (d.kc, d.n_out, ""), "k": (f, d.n_out, why), "n": (d.kc, f, why)}[problem.parts_split]
 
 
 class TritonFusedMoe(FusedMoeBackend):
@@ -320,8 +298,8 @@ class TritonFusedMoe(FusedMoeBackend):
         """Pipelined loads: num_stages copies of the lhs tile and of each weight tile (two with glu), as loaded
         (1-byte quantized weights stay 1 byte). Weight parts add none: one part's tile is loaded at a time
         (a `pl.when` branch or k loop per part), and the H100 compiler's verdicts near the budget are the
-        same on parts as on one array (benchmarks/results/fused_triton_weights_h100_compile_*). Quantized weights add, as the H100 compiler requested them
-        (benchmarks/results/fused_moe_compile_*): per stage and weight tile a row of float32 scales, or
+        same on parts as on one array (benchmarks/results/fused_triton_weights_h100_compile_*). Quantized
+        weights add, as the H100 compiler requested them (benchmarks/results/fused_moe_compile_*): per stage and weight tile a row of float32 scales, or
         where the tile spans several scale blocks its gathered [rows, cols] float32 scales in num_stages - 1
         buffers; and but for the plain dispatch a conversion buffer of up to bm x max(bk, bn) 16-bit values."""
         views = 2 if dims(problem).glu else 1
