@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
 
+from moe_tune import settings
 from moe_tune.cli import cli
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
@@ -31,6 +33,19 @@ def test_ops_lists_backends_and_tunables(run):
                  "dmas_in_flight"):
         assert name in result.output
 
+
+
+def test_the_cli_and_its_workers_leave_gpu_memory_unclaimed_unless_the_user_chose(run, monkeypatch):
+    """JAX takes 75% of a GPU's memory when its backend starts; the CLI process and its workers must not, or
+    the workers (and a training job beside them) get a quarter of the chip."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    assert run("ops").exit_code == 0
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    child = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}  # the user's choice stands, here and in a worker's env
+    settings.no_gpu_preallocation(child)
+    assert child == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    assert run("ops").exit_code == 0 and os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
 
 def test_sweep_report_lookup_round_trip(run, tmp_path, isolated_profiles, monkeypatch):
     result = run("sweep", *TINY)
@@ -142,6 +157,11 @@ def test_a_model_sweep_with_op_plans_that_ops_kernels_alone(run):
         (["sweep", "--op", "ragged_gather", "--experts", "6", "--ep", "4"], 2, "multiple of the expert-parallel"),
         (["sweep", "--op", "ragged_gather", "--direction", "dlhs"], 2, "has no direction 'dlhs'"),
         (["sweep", "--op", "moe_fusion", "--target", "v5e", "--dry-run"], 2, "moe_fusion chooses between layers"),
+        (["sweep", "--backend", "triton", "--target", "v5e", "--dry-run"], 2,
+         "--backend triton is not a TPU kernel; --target v5e compiles what the chip runs natively: xla, tiled, "
+         "megablox"),
+        (["sweep", "--op", "ragged_gather", "--backend", "pallas_tpu", "--target", "h100", "--dry-run"], 2,
+         "--backend pallas_tpu is not a GPU kernel"),
     ],
 )
 def test_user_mistakes_get_one_line_and_exit_code(run, args, code, message):

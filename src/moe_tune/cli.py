@@ -10,12 +10,10 @@ from pathlib import Path
 import click
 
 from moe_tune import cli_render as render
-from moe_tune import devices, distributions
+from moe_tune import devices, distributions, settings
 from moe_tune import models as presets
-from moe_tune.cli_options import (
-    DTYPES, INT_LIST, handle_errors, one, problems, quant_flags, quant_options, shape_options, sweep_cases,
-    sweep_options,
-)
+from moe_tune.cli_options import (DTYPES, INT_LIST, handle_errors, one, problems, quant_flags, quant_options,
+                                  shape_options, sweep_cases, sweep_options)
 from moe_tune.cli_options import directions as all_directions
 from moe_tune.cli_render import console
 from moe_tune.coverage_cli import coverage
@@ -26,6 +24,7 @@ from moe_tune.kernels import get_op, op_names
 @click.version_option(package_name="moe-tune")
 def cli() -> None:
     """Tune the ragged kernels of MoE layers (tile sizes, block shapes) and store the best configs."""
+    settings.no_gpu_preallocation()  # before any command starts JAX's backend
 
 
 @cli.command()

@@ -7,6 +7,7 @@ Each accessor reads the environment when it is called (never at import), so a va
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import platformdirs
@@ -112,3 +113,11 @@ def ray_connect_timeout() -> float:
     if not value:
         return DEFAULT_RAY_CONNECT_TIMEOUT_S
     return float(_positive(RAY_CONNECT_TIMEOUT, value, float, "a positive number of seconds"))
+
+
+def no_gpu_preallocation(env: MutableMapping[str, str] | None = None) -> None:
+    """Keep JAX from taking 75% of a GPU's memory when its backend starts (`XLA_PYTHON_CLIENT_PREALLOCATE`),
+    in this process (`env` None) or in a child started with `env`, unless the user set it. moe-tune's CLI
+    process only plans and names tables, and its workers share the GPU with it, with each other and with
+    whatever else runs there."""
+    (os.environ if env is None else env).setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

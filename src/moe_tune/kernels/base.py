@@ -135,6 +135,14 @@ def _defaults_named(config: KernelConfig, given: Mapping[str, Any], reason: str)
     return f"; {', '.join(named)} {which} (not given): pass a value that fits"
 
 
+
+def positive_int_error(name: str, value: Any) -> str | None:
+    """`config_error`'s message when a tunable is not a positive integer (a bool is not one), else None."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return f"{name} must be a positive integer, got {value!r}"
+    return None
+
+
 class BackendRegistry:
     """Name -> backend instance for one op, plus the per-platform default backend."""
 

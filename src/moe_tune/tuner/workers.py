@@ -151,7 +151,7 @@ class Worker:
     def __init__(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # same modules as this process
-        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several processes may share one GPU
+        settings.no_gpu_preallocation(env)  # several processes may share one GPU
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_tune.tuner.workers"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, bufsize=0,

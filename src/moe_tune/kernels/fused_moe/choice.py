@@ -30,7 +30,7 @@ from moe_tune.kernels.fused_moe.layer_reference import (SEEDED_CHECKED, check_pa
                                                           checked_experts, layer_reference, training_reference)
 from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.kernels.options import ShapeOption
-from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
+from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
 
 INTERMEDIATE = ShapeOption("intermediate", int, "moe_fusion: one expert's FFN width.", listable=True)
 DIRECTIONS = ("fwd", "bwd")
@@ -55,20 +55,14 @@ class FusionProblem:
     direction: str = "fwd"  # fwd: the forward timed; bwd: forward and backward timed together
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "hidden", "intermediate", "experts", "top_k", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, ("tokens", "hidden", "intermediate", "experts", "top_k", "ep"))
         if self.experts % self.ep or self.top_k > self.experts:
             raise UsageError(f"ep ({self.ep}) must divide experts ({self.experts}) and top_k ({self.top_k}) not "
                              "exceed it")
         if self.direction not in DIRECTIONS:
             raise UsageError(f"moe_fusion's directions are {' and '.join(DIRECTIONS)} (forward+backward); got "
                              f"{self.direction!r}")
-        canonical = dtype_name(self.dtype)
-        if canonical not in SUPPORTED_DTYPES:
-            raise UsageError(f"dtype {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
-        object.__setattr__(self, "dtype", canonical)
+        object.__setattr__(self, "dtype", supported_dtype(self.dtype))
 
     @property
     def local_experts(self) -> int:

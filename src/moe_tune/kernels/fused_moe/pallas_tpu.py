@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune import devices
-from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu_kernels import packs_halves, pallas_gather_gmm, pallas_gmm_combine
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
@@ -125,8 +125,8 @@ def vmem_bytes(config: FusedPallasTpuConfig, problem: FusedMoeProblem) -> int:
 
 
 def _tile_error(name: str, tile, size: int, align: int, *, divides: bool) -> str | None:
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile <= 0:
-        return f"{name} must be a positive integer, got {tile!r}"
+    if error := positive_int_error(name, tile):
+        return error
     if tile % align and tile != size:
         return f"{name}={tile} must be a multiple of {align} or equal {size}"
     if tile > size:

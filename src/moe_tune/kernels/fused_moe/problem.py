@@ -24,7 +24,7 @@ import numpy as np
 
 from moe_tune.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
-from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
+from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
 from moe_tune.quant import QDTYPES
 
 DIRECTIONS = ("fwd", "bwd")
@@ -65,18 +65,12 @@ class FusedMoeProblem:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "m", "k", "n", "groups", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, ("tokens", "m", "k", "n", "groups", "ep"))
         if self.direction not in DIRECTIONS:
             raise UsageError(f"unknown direction {self.direction!r}; choose from {', '.join(DIRECTIONS)}")
         if self.stage not in STAGES:
             raise UsageError(f"unknown stage {self.stage!r}; choose from {', '.join(STAGES)}")
-        canonical = dtype_name(self.dtype)
-        if canonical not in SUPPORTED_DTYPES:
-            raise UsageError(f"dtype {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
-        object.__setattr__(self, "dtype", canonical)
+        object.__setattr__(self, "dtype", supported_dtype(self.dtype))
         if self.glu is not None:
             if self.glu not in ACTIVATIONS:
                 raise UsageError(f"unknown glu activation {self.glu!r}; choose from {', '.join(ACTIVATIONS)}")

@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
@@ -283,9 +283,8 @@ class TiledFusedMoe(FusedMoeBackend):
 
     def config_error(self, config: TiledFusedConfig, problem: FusedMoeProblem) -> str | None:
         for name in ("tm", "tail"):
-            value = getattr(config, name)
-            if not isinstance(value, int) or value <= 0:
-                return f"{name} must be a positive integer, got {value!r}"
+            if error := positive_int_error(name, getattr(config, name)):
+                return error
         if config.tail > config.tm:
             return f"tail {config.tail} > tm {config.tm}"
         if config.tm > max(problem.m, TM[0]):

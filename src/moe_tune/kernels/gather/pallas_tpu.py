@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moe_tune import devices
-from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.pallas_util import interpreted, round_up, sublanes
@@ -112,8 +112,8 @@ def _shape_error(problem: GatherProblem) -> str | None:
 
 
 def _tunable_error(name: str, value, align: int, limit: int) -> str | None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        return f"{name} must be a positive integer, got {value!r}"
+    if error := positive_int_error(name, value):
+        return error
     if value % align:
         return f"{name}={value} is not a multiple of {align} (sublanes of the block's tile for this dtype)"
     if value > limit:
@@ -122,8 +122,8 @@ def _tunable_error(name: str, value, align: int, limit: int) -> str | None:
 
 
 def _dmas_error(dmas, per_block: int) -> str | None:
-    if not isinstance(dmas, int) or isinstance(dmas, bool) or dmas <= 0:
-        return f"dmas_in_flight must be a positive integer, got {dmas!r}"
+    if error := positive_int_error("dmas_in_flight", dmas):
+        return error
     if dmas > MAX_DMAS_IN_FLIGHT:
         return f"dmas_in_flight={dmas} exceeds {MAX_DMAS_IN_FLIGHT} (one DMA semaphore each)"
     if dmas > per_block:

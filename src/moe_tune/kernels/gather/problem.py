@@ -7,10 +7,9 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
-import numpy as np
 
 from moe_tune.errors import UsageError
-from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES, dtype_name
+from moe_tune.kernels.ragged_dot.problem import check_positive, supported_dtype
 
 GATHER_OPS = ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
 
@@ -41,10 +40,7 @@ class GatherProblem:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "rows", "hidden", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, ("tokens", "rows", "hidden", "ep"))
         if self.experts is not None:
             if self.experts <= 0:
                 raise UsageError(f"experts must be a positive integer, got {self.experts!r}")
@@ -57,10 +53,7 @@ class GatherProblem:
         if self.direction != "fwd":
             raise UsageError(f"gather ops have one direction, fwd (their gradients are the other op); got "
                              f"{self.direction!r}")
-        canonical = dtype_name(self.dtype)
-        if canonical not in SUPPORTED_DTYPES:
-            raise UsageError(f"dtype {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
-        object.__setattr__(self, "dtype", canonical)
+        object.__setattr__(self, "dtype", supported_dtype(self.dtype))
 
     @property
     def top_k(self) -> int:

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration, update_slice
@@ -61,8 +61,8 @@ def default_chunk(problem: GatherProblem) -> int:
 
 
 def chunk_error(rows_per_chunk: int, problem: GatherProblem) -> str | None:
-    if not isinstance(rows_per_chunk, int) or rows_per_chunk <= 0:
-        return f"rows_per_chunk must be a positive integer, got {rows_per_chunk!r}"
+    if error := positive_int_error("rows_per_chunk", rows_per_chunk):
+        return error
     if rows_per_chunk > problem.rows:
         return f"rows_per_chunk {rows_per_chunk} > rows {problem.rows}"
     return None

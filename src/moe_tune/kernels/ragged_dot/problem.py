@@ -30,6 +30,22 @@ def dtype_name(dtype: Any) -> str:
         raise UsageError(f"unknown dtype {dtype!r}; use one of {', '.join(SUPPORTED_DTYPES)}") from None
 
 
+def supported_dtype(dtype: Any, name: str = "dtype") -> str:
+    """`dtype_name` of a float dtype the kernels take (`SUPPORTED_DTYPES`); UsageError naming `name` otherwise."""
+    canonical = dtype_name(dtype)
+    if canonical not in SUPPORTED_DTYPES:
+        raise UsageError(f"{name} {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+    return canonical
+
+
+def check_positive(problem: Any, names: tuple[str, ...]) -> None:
+    """UsageError unless each named field of a problem is a positive integer (Python or NumPy int)."""
+    for name in names:
+        value = getattr(problem, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedDotProblem:
     """Shapes and dtypes of `ragged_dot(lhs [m,k], rhs [groups,k,n], group_sizes) -> out [m,n]`, and which
@@ -73,19 +89,13 @@ class RaggedDotProblem:
     lhs_qdynamic: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("m", "k", "n", "groups"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, ("m", "k", "n", "groups"))
         if self.total_groups is not None and self.total_groups < self.groups:
             raise UsageError(f"total_groups ({self.total_groups}) < groups ({self.groups})")
         if self.direction not in DIRECTIONS:
             raise UsageError(f"unknown direction {self.direction!r}; choose from {', '.join(DIRECTIONS)}")
         for name in ("lhs_dtype", "rhs_dtype", "out_dtype"):
-            canonical = dtype_name(getattr(self, name))
-            if canonical not in SUPPORTED_DTYPES:
-                raise UsageError(f"{name} {canonical} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
-            object.__setattr__(self, name, canonical)
+            object.__setattr__(self, name, supported_dtype(getattr(self, name), name))
         for side in ("lhs", "rhs"):
             self._check_quantization(side)
         if self.lhs_qdynamic:

@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, packed_bytes, per_iteration, update_slice
 from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
@@ -293,9 +293,8 @@ class TiledRaggedDot(RaggedDotBackend):
 
     def config_error(self, config: TiledConfig, problem: RaggedDotProblem) -> str | None:
         for field in ("tm", "tk", "tn", "tail"):
-            value = getattr(config, field)
-            if not isinstance(value, int) or value <= 0:
-                return f"{field} must be a positive integer, got {value!r}"
+            if error := positive_int_error(field, getattr(config, field)):
+                return error
         for field in ("batched", "dequantize"):
             if not isinstance(getattr(config, field), bool):
                 return f"{field} must be true or false, got {getattr(config, field)!r}"
