@@ -306,13 +306,17 @@ def test_sweep_options_reach_the_sweep(run, tmp_path, isolated_profiles):
 
 def test_persistent_compile_cache_makes_a_rerun_compile_nothing(tmp_path):
     """Two real processes: the second sweep of the same shape (--fresh, so every candidate runs again) loads
-    every executable from the cache: its entry counts zero XLA compilations."""
-    import os
+    every executable from the cache: its entry counts zero XLA compilations. The first trims the cache back
+    under its size: an old entry that would overflow it goes."""
     import subprocess
     import sys
 
+    (tmp_path / "cache").mkdir()
+    stale = tmp_path / "cache" / "jit_old-0123-cache"
+    stale.write_bytes(b"x" * (2**21 + 1))
+    os.utime(stale, (1, 1))
     env = {**os.environ, "MOE_TUNE_COMPILE_CACHE_DIR": str(tmp_path / "cache"),
-           "MOE_TUNE_PROFILE_DIR": str(tmp_path / "p")}
+           "MOE_TUNE_PROFILE_DIR": str(tmp_path / "p"), "MOE_TUNE_COMPILE_CACHE_MAX_BYTES": str(2**21)}
     args = [sys.executable, "-m", "moe_tune.cli", "sweep", *TINY, "--workers", "1", "--fresh"]
     compiles = []
     for _ in range(2):
@@ -321,7 +325,7 @@ def test_persistent_compile_cache_makes_a_rerun_compile_nothing(tmp_path):
         entry = next(iter(json.loads((tmp_path / "p" / "cpu" / "ragged_dot.json").read_text())["entries"].values()))
         compiles.append(entry["candidates"]["compiles"])
     assert compiles[0] >= 3 and compiles[1] == 0
-    assert any((tmp_path / "cache").iterdir())
+    assert not stale.exists() and any((tmp_path / "cache").iterdir())
 
 
 def test_bench_model_covers_every_kernel_of_a_layer(run):

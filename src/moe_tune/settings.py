@@ -20,10 +20,12 @@ STALE_POLICY = "MOE_TUNE_STALE_POLICY"
 RAGGED_GATHER_FALLBACK = "MOE_TUNE_RAGGED_GATHER_FALLBACK"
 RAGGED_GATHER_REDUCE_FALLBACK = "MOE_TUNE_RAGGED_GATHER_REDUCE_FALLBACK"
 COMPILE_CACHE_DIR = "MOE_TUNE_COMPILE_CACHE_DIR"
+COMPILE_CACHE_MAX_BYTES = "MOE_TUNE_COMPILE_CACHE_MAX_BYTES"
 WORKER_MEMORY_LIMIT = "MOE_TUNE_WORKER_MEMORY_LIMIT"
 RAY_CONNECT_TIMEOUT = "MOE_TUNE_RAY_CONNECT_TIMEOUT"
 
 DEFAULT_RAY_CONNECT_TIMEOUT_S = 20.0
+DEFAULT_COMPILE_CACHE_MAX_BYTES = 4 * 2**30
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -96,6 +98,15 @@ def _positive(name: str, value: str, kind: type[int] | type[float], what: str) -
     if number is None or not number > 0 or number == float("inf"):
         raise UsageError(f"${name}={value!r} is not {what}; set it to one, or unset it")
     return number
+
+
+def compile_cache_max_bytes() -> int:
+    """`MOE_TUNE_COMPILE_CACHE_MAX_BYTES`: the size the compile cache is trimmed back from when a sweep starts
+    (default 4 GiB; `tuner.compile_cache.trim`). UsageError naming the variable when not a positive integer."""
+    value = _get(COMPILE_CACHE_MAX_BYTES)
+    if not value:
+        return DEFAULT_COMPILE_CACHE_MAX_BYTES
+    return int(_positive(COMPILE_CACHE_MAX_BYTES, value, int, "a positive number of bytes"))
 
 
 def worker_memory_limit() -> int | None:

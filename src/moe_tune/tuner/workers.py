@@ -411,7 +411,7 @@ def _serve() -> None:
     if settings.compile_cache_dir_set():  # the sweep turned the persistent cache on: share it
         from moe_tune.tuner import compile_cache
 
-        compile_cache.enable()
+        compile_cache.enable(trim_to_size=False)  # the sweep's process trimmed it
     _out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     _in = sys.stdin.buffer
