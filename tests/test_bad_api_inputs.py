@@ -114,3 +114,134 @@ def test_a_config_that_breaks_a_rule_with_a_default_says_the_default_was_not_giv
     message = str(raised.value)
     assert "{'tm': 16}" in message and "must not exceed tm (16)" in message
     assert "tail=32 is the default (not given)" in message
+
+
+# Session 19: the API added since issue 27 (moe_mlp fused and unfused, 4-bit and in-kernel quantization, the
+# fused ops), probed with user mistakes that used to end in a traceback from inside JAX or NumPy, a message
+# naming another argument, or a silently wrong answer.
+
+T, H, I, E = 8, 16, 8, 4  # moe_mlp: tokens, hidden, intermediate, experts
+
+
+def _f32(*shape: int, seed: int = 1) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _layer() -> tuple:
+    """x, router logits, w_gate, w_up, w_down of a tiny moe_mlp."""
+    return _f32(T, H), _f32(T, E, seed=2), _f32(E, H, I, seed=3), _f32(E, H, I, seed=4), _f32(E, I, H, seed=5)
+
+
+def _mlp(*, x=None, gate=None, top_k=2, **kwargs):
+    x0, logits, w_gate, w_up, w_down = _layer()
+    x = x0 if x is None else x
+    return moe_tune.moe_mlp(x, logits, w_gate if gate is None else gate, w_up, w_down, top_k, **kwargs)
+
+
+def _gather_gmm(rhs=None, x=None, **kwargs):
+    rhs = _f32(TOTAL, K, N) if rhs is None else rhs
+    return moe_tune.gather_gmm(_f32(T, K) if x is None else x, jnp.arange(16, dtype=jnp.int32) % T, rhs,
+                               jnp.full((TOTAL,), 4, jnp.int32), **kwargs)
+
+
+_RHS = _f32(TOTAL, K, N)
+_BAD_CALLS = {
+    # ragged_dot's group_offset: a vector failed in NumPy, a float or a string was cast (1.5 -> shard 1)
+    "offset vector": (lambda lhs, rhs: moe_tune.ragged_dot(lhs, rhs[:2], jnp.full((TOTAL,), 16, jnp.int32),
+                                                           group_offset=jnp.array([0, 1])),
+                      r"group_offset must be an integer scalar .* got a int32 array of shape \(2,\)"),
+    "offset float": (lambda lhs, rhs: moe_tune.ragged_dot(lhs, rhs[:2], jnp.full((TOTAL,), 16, jnp.int32),
+                                                          group_offset=1.5), "group_offset must be an integer"),
+    "offset string": (lambda lhs, rhs: moe_tune.ragged_dot(lhs, rhs[:2], jnp.full((TOTAL,), 16, jnp.int32),
+                                                           group_offset="1"), "group_offset must be an integer"),
+    "traced float offset": (lambda lhs, rhs: jax.jit(lambda o: moe_tune.ragged_dot(
+        lhs, rhs[:2], jnp.full((TOTAL,), 16, jnp.int32), group_offset=o))(jnp.float32(1)),
+        "group_offset must be an integer scalar .* float32"),
+    "DynamicQuant rhs": (lambda lhs, rhs: moe_tune.ragged_dot(lhs, moe_tune.DynamicQuant(rhs, "int8"),
+                                                              jnp.full((TOTAL,), 16, jnp.int32)),
+                         "rhs cannot be a DynamicQuant"),
+    # quant
+    "quantize axis name": (lambda lhs, rhs: moe_tune.quantize(rhs, "int8", axis="k"),
+                           r"axis 'k' is out of range .* an int in \[-3, 3\)"),
+    "dequantize a float array": (lambda lhs, rhs: moe_tune.dequantize(rhs), "dequantize takes a QArray"),
+    "packed_axis out of range": (lambda lhs, rhs: moe_tune.from_checkpoint(
+        np.zeros((TOTAL, K // 2, N), np.uint8), np.ones((TOTAL, 1, N), np.float32), "int4", packed_axis=7),
+        "packed_axis 7 is out of range"),
+    "checkpoint values a string": (lambda lhs, rhs: moe_tune.from_checkpoint("v", "s", "int4"),
+                                   "values must be a NumPy or JAX array, got str"),
+    # moe_mlp
+    "moe_mlp x rank 3": (lambda lhs, rhs: _mlp(x=_f32(1, T, H)), r"x must be \[tokens, hidden\]"),
+    "moe_mlp x a string": (lambda lhs, rhs: _mlp(x="x"), r"x must be \[tokens, hidden\], got str"),
+    "moe_mlp weights rank 2": (lambda lhs, rhs: _mlp(gate=_f32(H, I)),
+                               r"expert weights must be \[local_experts, k, n\] .* w_gate \(16, 8\)"),
+    "moe_mlp top_k float": (lambda lhs, rhs: _mlp(top_k=2.0), "top_k must be a Python int in"),
+    "moe_mlp top_k array": (lambda lhs, rhs: _mlp(top_k=jnp.int32(2), fused=False), "top_k must be a Python int"),
+    "moe_mlp expert_offset vector": (lambda lhs, rhs: _mlp(expert_offset=jnp.array([0, 1]), fused=False),
+                                     "expert_offset must be an integer scalar"),
+    "moe_mlp expert_offset string": (lambda lhs, rhs: _mlp(expert_offset="2", fused=True),
+                                     "expert_offset must be an integer scalar"),
+    "moe_mlp fused a string": (lambda lhs, rhs: _mlp(fused="yes"), "fused must be True, False or None"),
+    "moe_mlp activation not callable": (lambda lhs, rhs: _mlp(activation=3),
+                                        "activation must be a callable or one of silu, gelu, relu"),
+    "moe_mlp fused gate QArray up float": (
+        lambda lhs, rhs: _mlp(gate=moe_tune.quantize(_layer()[2], "int8", axis=1), fused=True),
+        "fused=True: gate and up: weight parts must .* all float or all QArray"),
+    # the gathers' start / end
+    "ragged_gather start float": (lambda lhs, rhs: moe_tune.ragged_gather(_f32(T, H), jnp.arange(16) % T, 0.5, 16),
+                                  "ragged_gather: start must be an integer scalar"),
+    # the fused ops
+    "gather_gmm gate and up of two widths": (lambda lhs, rhs: _gather_gmm((_RHS, _f32(TOTAL, K, 2 * N)), glu="silu"),
+                                             r"with glu the weight parts are \(gate, up\) of one shape"),
+    "gather_gmm three parts with glu": (lambda lhs, rhs: _gather_gmm((_RHS, _RHS, _RHS), glu="silu"),
+                                        r"with glu the weight parts are \(gate, up\)"),
+    "gather_gmm float and QArray parts": (
+        lambda lhs, rhs: _gather_gmm((_RHS, moe_tune.quantize(_RHS, "int8", axis=1)), glu="silu"),
+        "all float or all QArray, got ArrayImpl .*, QArray"),
+    "gather_gmm AsQArray weights": (lambda lhs, rhs: _gather_gmm(moe_tune.AsQArray(_RHS, "int8")),
+                                    "weights must be float arrays or QArrays, got AsQArray"),
+    "gather_gmm x a string": (lambda lhs, rhs: _gather_gmm(x="x"), "the activations must be a float array"),
+    "gather_gmm DynamicQuant x": (lambda lhs, rhs: _gather_gmm(moe_tune.quantize(_RHS, "int8", axis=1),
+                                                               x=moe_tune.DynamicQuant(_f32(T, K), "int8")),
+                                  "the activations must be a float array .* got DynamicQuant"),
+    "gather_gmm config of unknown direction": (lambda lhs, rhs: _gather_gmm(backend="tiled",
+                                                                            config={"fwd": {}, "dlhs": {}}),
+                                               r"config keys \['dlhs'\] are not directions: .* fwd, bwd"),
+    "gmm_combine rows shorter than h": (lambda lhs, rhs: moe_tune.gmm_combine(
+        _f32(16, K), _RHS, jnp.full((TOTAL,), 4, jnp.int32), jnp.arange(8, dtype=jnp.int32), jnp.ones((8,)), T),
+        r"rows must have one entry per row of h \(16\), got 8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_CALLS))
+def test_new_api_mistakes_are_one_line_usage_errors(operands, case):
+    """Each of these used to raise from inside JAX/NumPy (TypeError, IndexError, AttributeError, a broadcast
+    error in a kernel), name another argument, or run on a cast value; now one UsageError names it."""
+    call, message = _BAD_CALLS[case]
+    with pytest.raises(UsageError, match=message) as raised:
+        call(*operands)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_qarray_of_numpy_parts_runs_like_one_of_jax_arrays(operands):
+    """A QArray of NumPy arrays failed in the tiled kernel (a traced group id indexing a NumPy scale)."""
+    lhs, rhs = operands
+    q = moe_tune.quantize(rhs, "int8", axis=1)
+    sizes = jnp.full((TOTAL,), 16, jnp.int32)
+    numpy_parts = moe_tune.QArray(np.asarray(q.qvalue), np.asarray(q.scale))
+    np.testing.assert_array_equal(moe_tune.ragged_dot(lhs, numpy_parts, sizes, backend="tiled"),
+                                  moe_tune.ragged_dot(lhs, q, sizes, backend="tiled"))
+
+
+def test_moe_mlp_runs_gate_and_up_one_dispatch_cannot_read_unfused():
+    """A quantized gate with a float up (or two scale blocks) failed with fused=None, where the tables chose the
+    fused path that cannot read them as parts; now None runs them unfused, as fused=False does."""
+    gate = moe_tune.quantize(_layer()[2], "int8", axis=1)
+    np.testing.assert_array_equal(_mlp(gate=gate), _mlp(gate=gate, fused=False))
+
+
+def test_moe_mlp_gives_x_dtype_and_takes_an_activation_by_name_on_both_paths():
+    """Unfused, bf16 x with float32 weights came back float32 (fused: bf16, as documented), and
+    activation="gelu" was `'str' object is not callable` (the fused path took the name)."""
+    x = _layer()[0].astype(jnp.bfloat16)
+    assert _mlp(x=x, fused=False).dtype == _mlp(x=x, fused=True).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_mlp(activation="gelu", fused=False), _mlp(activation=jax.nn.gelu, fused=False))

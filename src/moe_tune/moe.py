@@ -14,13 +14,16 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_tune import routing
 from moe_tune.errors import UsageError
+from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.choice import register_layer, use_fused
 from moe_tune.kernels.fused_moe.layer import fused_experts, serve_or_train
 from moe_tune.kernels.gather.op import dense_gather_reduce, ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
+from moe_tune.kernels.ragged_dot.problem import int_scalar
 from moe_tune.quant import AsQArray, QArray
 
 
@@ -74,16 +77,28 @@ def moe_mlp(
     Returns:
       [tokens, hidden] in x.dtype: this shard's experts' contribution (all of it without expert_offset).
     """
+    if getattr(x, "ndim", None) != 2:
+        raise UsageError(f"x must be [tokens, hidden], got {getattr(x, 'shape', type(x).__name__)}")
     tokens, hidden = x.shape
+    if getattr(router_logits, "ndim", None) != 2 or router_logits.shape[0] != tokens:
+        raise UsageError(f"router_logits must be [tokens, experts] = [{tokens}, E], got "
+                         f"{getattr(router_logits, 'shape', type(router_logits).__name__)}")
     experts = router_logits.shape[-1]
+    shapes = {name: getattr(w, "shape", type(w).__name__) for name, w in
+              (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))}
+    if any(not isinstance(shape, tuple) or len(shape) != 3 for shape in shapes.values()):
+        raise UsageError(f"expert weights must be [local_experts, k, n] arrays, QArrays or AsQArrays, got "
+                         + ", ".join(f"{name} {shape}" for name, shape in shapes.items()))
     local = w_gate.shape[0]
-    if router_logits.shape != (tokens, experts):
-        raise UsageError(f"router_logits must be [tokens, experts] = [{tokens}, E], got {router_logits.shape}")
     if w_up.shape != w_gate.shape or w_down.shape != (local, w_gate.shape[2], hidden) or w_gate.shape[1] != hidden:
         raise UsageError(f"expert weights disagree: w_gate {w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape}"
                          f" for hidden {hidden}")
-    if not 0 < top_k <= experts:
-        raise UsageError(f"top_k must be in [1, {experts}], got {top_k}")
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or not 0 < top_k <= experts:
+        raise UsageError(f"top_k must be a Python int in [1, {experts}], got {top_k!r}")
+    if isinstance(activation, str) and activation in ACTIVATIONS:
+        activation = ACTIVATIONS[activation][0]  # a known name: the fused kernels take it by name too
+    elif not callable(activation):
+        raise UsageError(f"activation must be a callable or one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if expert_offset is None and local != experts:
         raise UsageError(f"the weights hold {local} experts but the router {experts}: pass expert_offset")
     distribution = routing.for_call(distribution)  # checked now, and the same for every kernel
@@ -97,7 +112,7 @@ def moe_mlp(
     row_of_entry = jnp.zeros((entries,), jnp.int32).at[entry_of_row].set(jnp.arange(entries, dtype=jnp.int32))
     group_sizes = jnp.bincount(flat_expert, length=experts).astype(jnp.int32)
 
-    offset = None if expert_offset is None else jnp.asarray(expert_offset, jnp.int32)
+    offset = None if expert_offset is None else int_scalar(expert_offset, "expert_offset")
     # fused=None: the measured choice for the forward, and where the layer is differentiated the one measured
     # forward+backward (`moe_fusion` direction bwd: a training step's layer)
     serve, train = (use_fused(fused, tokens=tokens, hidden=hidden, intermediate=w_gate.shape[2], experts=experts,
@@ -130,9 +145,11 @@ def _experts(fused: bool, x, weights, w_gate, w_up, w_down, entry_of_row, row_of
                             distribution=distribution)
     combine = dict(skip_zero_weights=skip_zero_weights, **flags)
     if offset is None:  # every expert is local: every entry is valid (the tensor-parallel combine)
-        return dense_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), top_k, **combine)
-    valid = (row_of_entry >= start) & (row_of_entry < end)
-    return ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k, **combine)
+        out = dense_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), top_k, **combine)
+    else:
+        valid = (row_of_entry >= start) & (row_of_entry < end)
+        out = ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k, **combine)
+    return out.astype(x.dtype)  # as the fused path: float32 weights would promote a bfloat16 x's expert outputs
 
 
 register_layer(moe_mlp)  # what `moe_fusion` sweeps time, fused and unfused

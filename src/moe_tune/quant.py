@@ -120,13 +120,19 @@ def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None) -
     """
     name = qdtype_name(dtype)  # a UsageError for other dtypes
     ndim = np.ndim(x)
-    if not -ndim <= axis < ndim:
-        raise UsageError(f"axis {axis} is out of range for an array of rank {ndim}")
+    _check_axis(axis, ndim, "axis")
     size = np.shape(x)[axis]
     if (error := block_rule(name, block_size, size, axis % ndim)) is not None:
         raise UsageError(error)
     block = default_block(name, block_size) or size
     return _quantize(x, name, axis % ndim, int(block))
+
+
+def _check_axis(axis, ndim: int, name: str) -> None:
+    """UsageError naming `name` unless `axis` is an int in [-ndim, ndim)."""
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+        raise UsageError(f"{name} {axis!r} is out of range for an array of rank {ndim}: it must be an int in "
+                         f"[{-ndim}, {ndim})")
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -169,10 +175,14 @@ def from_checkpoint(values: jax.Array | np.ndarray, scale: jax.Array | np.ndarra
     One-line UsageError for anything else.
     """
     name = qdtype_name(dtype)
+    for what, array in (("values", values), ("scale", scale)):
+        if not isinstance(array, (jax.Array, np.ndarray)):
+            raise UsageError(f"from_checkpoint: {what} must be a NumPy or JAX array, got {type(array).__name__}")
     values = jnp.asarray(values)
     if packed_axis is not None:
         if name not in FOUR_BIT or values.dtype != jnp.uint8:
             raise UsageError(f"packed_axis needs 4-bit values packed in uint8, got {name} in {values.dtype}")
+        _check_axis(packed_axis, values.ndim, "packed_axis")
         values = _unpack_nibbles(values, name, packed_axis % values.ndim)
     if jnp.dtype(values.dtype).name != name:
         raise UsageError(f"checkpoint values are {jnp.dtype(values.dtype).name}, not {name}"
@@ -230,6 +240,8 @@ def dequantize_host(q: QArray) -> np.ndarray:
 
 
 def _dequantize(q: QArray, xp, dtype):
+    if not isinstance(q, QArray):
+        raise UsageError(f"dequantize takes a QArray (moe_tune.quantize's result), got {type(q).__name__}")
     axis, block = scale_layout(q)
     scale = xp.asarray(q.scale).astype(dtype)  # float32 or float8_e8m0fnu: exact in either
     scale = scale if axis is None else xp.repeat(scale, block, axis=axis)

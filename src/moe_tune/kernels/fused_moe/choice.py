@@ -234,6 +234,8 @@ def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int
     layer's shape and `direction` (fwd: inference, bwd: a training step; else `LayerChoice.default_config`),
     False where the fused path cannot run the weights (`layer.can_fuse`). `local`: the experts the weights hold
     (ep = experts / local)."""
+    if fused is not None and not isinstance(fused, (bool, np.bool_)):
+        raise UsageError(f"fused must be True, False or None (the tables' choice), got {fused!r}")
     if fused is not None:
         return bool(fused)
     if can_fuse(*weights) is not None:

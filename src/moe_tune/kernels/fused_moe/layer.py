@@ -15,16 +15,19 @@ import jax.numpy as jnp
 
 from moe_tune.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import activation_name
-from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine
+from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine, parts_error
 from moe_tune.quant import AsQArray, QArray
 
 
-def can_fuse(*weights) -> str | None:
+def can_fuse(w_gate, w_up, w_down) -> str | None:
     """Why the fused path cannot run these expert weights, or None: quantization-aware weights (`AsQArray`)
-    take the unfused path, whose ragged_dot owns their straight-through gradient."""
-    if any(isinstance(w, AsQArray) for w in weights):
+    take the unfused path, whose ragged_dot owns their straight-through gradient, and so do a gate and up
+    that one dispatch cannot read as parts (`op.parts_error`: a float one and a QArray, two quantized dtypes
+    or scale blocks), which the unfused path runs as two ragged_dots."""
+    if any(isinstance(w, AsQArray) for w in (w_gate, w_up, w_down)):
         return "AsQArray (quantization-aware) weights run unfused"
-    return None
+    error = parts_error([w_gate, w_up], None)
+    return None if error is None else f"gate and up: {error}"
 
 
 def fused_experts(

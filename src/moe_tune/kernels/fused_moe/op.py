@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_tune.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
@@ -29,13 +29,12 @@ from moe_tune.kernels.fused_moe.base import weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.definition import FUSED_MOE
 from moe_tune.kernels.fused_moe.plain_jax import local_rows
 from moe_tune.kernels.fused_moe.problem import DIRECTIONS, FusedMoeProblem
-from moe_tune.kernels.kernel_op import freeze_config
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits
 from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
-from moe_tune.kernels.ragged_dot.op import shard_groups
+from moe_tune.kernels.ragged_dot.op import given_configs, shard_groups
 from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, RaggedDotProblem, dtype_name
 from moe_tune.quant import QArray, check_operand
 
@@ -223,28 +222,44 @@ _gmm_combine.defvjp(_gmm_combine_fwd, _gmm_combine_bwd)
 # Public API
 
 
-def _given(config: Any) -> tuple[tuple[str, Any], ...]:
-    """One config (or field dict) for fwd, or a mapping {"fwd": ..., "bwd": ...}."""
-    if config is None:
-        return ()
-    if isinstance(config, Mapping) and config and set(config) <= set(DIRECTIONS):
-        return tuple((d, freeze_config(c)) for d, c in config.items() if c is not None)
-    return (("fwd", freeze_config(config)),)
+def parts_error(parts: list, glu: str | None) -> str | None:
+    """Why weight parts cannot stand for one [groups, k, n] weight of the fused ops (None: they can): each a
+    float array or a QArray, all of one kind, groups and k (QArrays: one dtype and scale block), and with
+    `glu` either one array or the (gate, up) pair of one shape. A QArray of no valid layout is a UsageError
+    naming it."""
+    kinds = ", ".join(f"{type(p).__name__} {getattr(p, 'shape', '')}".rstrip() for p in parts)
+    if any(not isinstance(p, (jax.Array, np.ndarray, QArray)) for p in parts):
+        return f"weights must be float arrays or QArrays, got {kinds}"
+    if any(p.ndim != 3 for p in parts):
+        return f"weights must be [groups, k, n], got {kinds}"
+    if len({(p.shape[0], p.shape[1]) for p in parts}) != 1 or len({isinstance(p, QArray) for p in parts}) != 1:
+        return f"weight parts must share groups and k and be all float or all QArray, got {kinds}"
+    if glu is not None and len(parts) > 1 and (len(parts) != 2 or parts[0].shape != parts[1].shape):
+        return f"with glu the weight parts are (gate, up) of one shape, got {kinds}"
+    if isinstance(parts[0], QArray):
+        quant = [(p.dtype.name, check_operand(p, name="rhs", layout=RHS_LAYOUT)) for p in parts]
+        if len(set(quant)) != 1:
+            return ("quantized weight parts must share dtype and scale block, got "
+                    + ", ".join(f"{dtype} block {block}" for dtype, block in quant))
+    return None
 
 
-def _problem(a, rows, rhs, group_sizes, group_offset, *, stage: str, tokens: int, glu: str | None) -> FusedMoeProblem:
-    """Validate the operands (shapes, dtypes; UsageError) and describe them."""
+def _problem(a, rows, rhs, group_sizes, group_offset, *, stage: str, tokens: int | None, glu: str | None
+             ) -> FusedMoeProblem:
+    """Validate the operands (shapes, dtypes; UsageError) and describe them; tokens None: a's rows."""
     name = f"fused {stage}"
     parts = weight_parts(rhs)
-    if any(getattr(p, "ndim", None) != 3 for p in parts):
-        raise UsageError(f"{name}: weights must be [groups, k, n], got {[getattr(p, 'shape', None) for p in parts]}")
-    if len({(p.shape[0], p.shape[1]) for p in parts}) != 1 or len({isinstance(p, QArray) for p in parts}) != 1:
-        raise UsageError(f"{name}: weight parts disagree: {[p.shape for p in parts]}")
+    if (error := parts_error(parts, glu)) is not None:
+        raise UsageError(f"{name}: {error}")
     groups, k, n = weights_shape(rhs)
-    if getattr(a, "ndim", None) != 2 or a.shape[1] != k or not jnp.issubdtype(a.dtype, jnp.floating):
-        raise UsageError(f"{name}: the activations must be a float [rows, {k}], got {getattr(a, 'shape', None)}")
+    if (not isinstance(a, (jax.Array, np.ndarray)) or a.ndim != 2 or a.shape[1] != k
+            or not jnp.issubdtype(a.dtype, jnp.floating)):
+        raise UsageError(f"{name}: the activations must be a float array [rows, {k}], got "
+                         f"{type(a).__name__} {getattr(a, 'shape', '')}")
     if getattr(rows, "ndim", None) != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
         raise UsageError(f"{name}: rows must be a 1-D integer array, got {getattr(rows, 'shape', None)}")
+    if stage == "combine" and rows.shape[0] != a.shape[0]:
+        raise UsageError(f"{name}: rows must have one entry per row of h ({a.shape[0]}), got {rows.shape[0]}")
     if getattr(group_sizes, "ndim", None) != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise UsageError(f"{name}: group_sizes must be a 1-D integer array")
     total = group_sizes.shape[0]
@@ -253,14 +268,13 @@ def _problem(a, rows, rhs, group_sizes, group_offset, *, stage: str, tokens: int
                          "shard)")
     quant: dict[str, Any] = {}
     if isinstance(parts[0], QArray):
-        blocks = {check_operand(p, name="rhs", layout=RHS_LAYOUT) for p in parts}
-        if len(blocks) != 1 or len({p.dtype for p in parts}) != 1:
-            raise UsageError(f"{name}: quantized weight parts must share dtype and block size")
-        quant = {"rhs_qdtype": parts[0].dtype.name, "rhs_qblock": blocks.pop()}
+        quant = {"rhs_qdtype": parts[0].dtype.name,
+                 "rhs_qblock": check_operand(parts[0], name="rhs", layout=RHS_LAYOUT)}
     if glu is not None and glu not in ACTIVATIONS:
         raise UsageError(f"{name}: unknown glu activation {glu!r}; choose from {', '.join(ACTIVATIONS)}")
-    return FusedMoeProblem(tokens=tokens, m=rows.shape[0], k=k, n=n, groups=groups, dtype=dtype_name(a.dtype),
-                           stage=stage, glu=glu, total_groups=total if total != groups else None, **quant)
+    return FusedMoeProblem(tokens=a.shape[0] if tokens is None else tokens, m=rows.shape[0], k=k, n=n,
+                           groups=groups, dtype=dtype_name(a.dtype), stage=stage, glu=glu,
+                           total_groups=total if total != groups else None, **quant)
 
 
 def gather_gmm(
@@ -293,9 +307,9 @@ def gather_gmm(
     Returns:
       [m, n] ([m, n / 2] with glu) in x.dtype. Differentiable in x and float weights (a QArray is a constant).
     """
-    problem = _problem(x, rows, rhs, group_sizes, group_offset, stage="dispatch", tokens=x.shape[0], glu=glu)
+    problem = _problem(x, rows, rhs, group_sizes, group_offset, stage="dispatch", tokens=None, glu=glu)
     sizes, offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
-    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config), distribution)
+    call = _Call(FUSED_MOE.backend(backend).name, problem, given_configs(config, DIRECTIONS), distribution)
     return _gather_gmm(x, rows.astype(jnp.int32), rhs, sizes, offset, call)
 
 
@@ -335,5 +349,5 @@ def gmm_combine(
         raise UsageError(f"fused combine: row_weights must have shape ({problem.m},), got "
                          f"{getattr(row_weights, 'shape', None)}")
     sizes, offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
-    call = _Call(FUSED_MOE.backend(backend).name, problem, _given(config), distribution)
+    call = _Call(FUSED_MOE.backend(backend).name, problem, given_configs(config, DIRECTIONS), distribution)
     return _gmm_combine(h, rhs, sizes, rows.astype(jnp.int32), row_weights, offset, bool(skip_zero_weights), call)

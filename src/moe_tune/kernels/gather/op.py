@@ -27,7 +27,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.plain_jax import row_range_mask
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.definition import OPS
-from moe_tune.kernels.ragged_dot.problem import dtype_name
+from moe_tune.kernels.ragged_dot.problem import dtype_name, int_scalar
 from moe_tune.kernels.kernel_op import freeze_config
 
 ENV_GATHER_FALLBACK = settings.RAGGED_GATHER_FALLBACK
@@ -214,13 +214,6 @@ def _check_vector(value, rows: int, what: str, name: str) -> None:
         raise UsageError(f"{name}: {what} must have shape ({rows},), got {getattr(value, 'shape', None)}")
 
 
-def _scalar(value, what: str, name: str) -> jax.Array:
-    value = jnp.asarray(value, jnp.int32)
-    if value.shape != ():
-        raise UsageError(f"{name}: {what} must be a scalar, got shape {value.shape}")
-    return value
-
-
 def ragged_gather(
     x: jax.Array,
     indices: jax.Array,
@@ -261,7 +254,7 @@ def ragged_gather(
     _check_common(x, indices, name)
     if weights is not None:
         _check_vector(weights, indices.shape[0], "weights", name)
-    start, end = _scalar(start, "start", name), _scalar(end, "end", name)
+    start, end = int_scalar(start, f"{name}: start"), int_scalar(end, f"{name}: end")
     kernels = _kernels("ragged_gather", "ragged_gather_reduce", backend, config, ragged_gather_fallback,
                        ragged_gather_reduce_fallback, distribution)
     return _ragged_gather(x, indices.astype(jnp.int32), start, end, weights, kernels)

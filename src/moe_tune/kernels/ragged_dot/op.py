@@ -15,7 +15,7 @@ import numpy as np
 from moe_tune import routing
 from moe_tune.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem
+from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem, int_scalar
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, select_shard
 from moe_tune.kernels.kernel_op import freeze_config
@@ -98,17 +98,18 @@ def _ste_template(x: Any) -> AsQArray | None:
     return dataclasses.replace(x, value=jax.ShapeDtypeStruct(x.value.shape, x.value.dtype))
 
 
-def _given_configs(config: Any) -> tuple[tuple[str, Any], ...]:
-    """`config` is one config (or field dict) for fwd, or a mapping direction -> config. A mapping that
-    names some directions and other keys (`{"fwd": ..., "bwd": ...}`) is a UsageError naming them."""
+def given_configs(config: Any, directions: tuple[str, ...] = DIRECTIONS) -> tuple[tuple[str, Any], ...]:
+    """`config` is one config (or field dict) for fwd, or a mapping direction -> config (`directions`: the
+    op's). A mapping that names some directions and other keys (`{"fwd": ..., "bwd": ...}`) is a UsageError
+    naming them."""
     if config is None:
         return ()
-    if isinstance(config, Mapping) and config and set(config) <= set(DIRECTIONS):
+    if isinstance(config, Mapping) and config and set(config) <= set(directions):
         items = config.items()
-    elif isinstance(config, Mapping) and set(config) & set(DIRECTIONS):
-        unknown = sorted(set(config) - set(DIRECTIONS))
+    elif isinstance(config, Mapping) and set(config) & set(directions):
+        unknown = sorted(set(config) - set(directions))
         raise UsageError(f"config keys {unknown} are not directions: a config per direction takes "
-                         f"{', '.join(DIRECTIONS)} (a config's own fields go in one of them)")
+                         f"{', '.join(directions)} (a config's own fields go in one of them)")
     else:
         items = [("fwd", config)]
     return tuple((d, freeze_config(c)) for d, c in items if c is not None)
@@ -120,6 +121,11 @@ def _concrete(x: Any) -> np.ndarray | None:
     if x is None or isinstance(x, jax.core.Tracer):
         return None
     return np.asarray(x)
+
+
+def _jax_array(x: Any) -> Any:
+    """A NumPy array as a JAX array; anything else as is (checked later, with the operand's name)."""
+    return jnp.asarray(x) if isinstance(x, np.ndarray) else x
 
 
 def _check_groups(group_sizes: Any, group_offset: Any, *, m: int, groups: int) -> None:
@@ -143,12 +149,10 @@ def shard_groups(group_sizes: jax.Array, group_offset: Any, *, m: int, groups: i
     """The group sizes and offset every backend is given, so that all of them compute the same rows from
     traced values too: negative sizes count as 0, rows past m belong to no group, and an offset out of range
     selects no group (every row zero). `metadata.select_shard` defines it; checked first when concrete."""
+    offset = None if group_offset is None else int_scalar(group_offset, "group_offset")
     _check_groups(group_sizes, group_offset, m=m, groups=groups)
-    if group_offset is None:
+    if offset is None:
         return clip_group_sizes(jnp.asarray(group_sizes), m), None
-    offset = jnp.asarray(group_offset, jnp.int32)
-    if offset.shape != ():
-        raise UsageError(f"group_offset must be a scalar, got shape {offset.shape}")
     return select_shard(jnp.asarray(group_sizes), offset, m=m, groups=groups)
 
 
@@ -219,6 +223,8 @@ def ragged_dot(
     Returns:
       [m, n] in `preferred_element_type`.
     """
+    # a QArray of NumPy parts as JAX arrays: a kernel indexes them with traced group ids
+    lhs, rhs = (jax.tree.map(_jax_array, x) if isinstance(x, QArray) else x for x in (lhs, rhs))
     # an AsQArray is described by the QArray it becomes (its shapes only: nothing is quantized here)
     lhs_q, rhs_q = (jax.eval_shape(AsQArray.quantize, x) if isinstance(x, AsQArray) else x for x in (lhs, rhs))
     dynamic = _dynamic_lhs(lhs, rhs_q, lhs_quant, lhs_quant_block)
@@ -228,6 +234,6 @@ def ragged_dot(
     )
     impl = RAGGED_DOT.backend(backend)
     group_sizes, group_offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
-    call = _Call(impl.name, problem, _given_configs(config), (_ste_template(lhs), _ste_template(rhs)),
+    call = _Call(impl.name, problem, given_configs(config), (_ste_template(lhs), _ste_template(rhs)),
                  routing.for_call(distribution), lhs_quant=dynamic)
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)

@@ -46,6 +46,18 @@ def check_positive(problem: Any, names: tuple[str, ...]) -> None:
             raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
 
+def int_scalar(value: Any, name: str) -> Any:
+    """`value` as an int32 scalar array when it is a Python int or a 0-d integer NumPy / JAX array (traced
+    or not); a UsageError naming `name` otherwise: a float, bool, string or vector would be cast (truncated,
+    parsed) or fail deep inside a kernel. Checks the static dtype and shape only."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    plain_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not plain_int and not (shape == () and dtype is not None and jnp.issubdtype(dtype, jnp.integer)):
+        got = f"a {dtype} array of shape {tuple(shape)}" if shape is not None else repr(value)
+        raise UsageError(f"{name} must be an integer scalar (a Python int or a 0-d integer array), got {got}")
+    return jnp.asarray(value, jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedDotProblem:
     """Shapes and dtypes of `ragged_dot(lhs [m,k], rhs [groups,k,n], group_sizes) -> out [m,n]`, and which
@@ -214,6 +226,9 @@ class RaggedDotProblem:
             raise UsageError(f"lhs must be [m, k], got shape {getattr(lhs, 'shape', None)}")
         if getattr(rhs, "ndim", None) != 3:
             raise UsageError(f"rhs must be [groups, k, n], got shape {getattr(rhs, 'shape', None)}")
+        if isinstance(rhs, DynamicQuant):
+            raise UsageError("rhs cannot be a DynamicQuant: the kernels quantize the activations (lhs) only; "
+                             "quantize weights with moe_tune.quantize")
         if getattr(group_sizes, "ndim", None) != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
             raise UsageError("group_sizes must be a 1-D integer array")
         m, k = lhs.shape
