@@ -3,14 +3,17 @@ CPU-only machine (`moe_tune.targets`' compile-only CUDA plugin): per config, the
 gives the kernel (or the size it refused), the backend's rule for it, and the PTX's count of Hopper tensor-core
 instructions (`wgmma.mma_async`) and of scalar float32 FMAs (`fma.rn.f32`).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/triton_mxfp4_compile.py [--chip h100|a100] [--label L]
+    PYTHONPATH=src .venv/bin/python benchmarks/triton_mxfp4_compile.py [--chip h100|a100] [--weights int4:128]
+        [--label L]
 
 Why: on a real H100 (results/gpu_check_nvidia_h100_2026-11-26_*) the tuned mxfp4 kernel took 3.55x the bf16
 kernel's time at DeepSeek-V3's ep-8 gate/up (m 4096, k 7168, n 2048, 32 groups), with block_k 32: one MX scale
 block a k step. A longer step dequantizes its weights in the kernel; this shows what the compiler makes of it.
 The problem is that shape; the configs every combination of block_m 64/128, block_n 64/128/256, block_k
 32/64/128 and 2-4 stages, 8 warps. Nothing runs on a GPU and nothing is timed.
-Writes results/triton_mxfp4_compile_<chip>_2026-11-26_<label>.jsonl, one line per config.
+`--weights int4:128` compiles int4 weights in blocks of 128 instead (a step of at most 128 holds one block, so
+none is dequantized in the kernel). Writes results/triton_mxfp4_compile_<chip>[_<weights>]_2026-11-26_<label>.jsonl,
+one line per config.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import tempfile
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-CONFIGS = list(itertools.product([64, 128], [64, 128, 256], [32, 64, 128], [2, 3, 4]))  # block_m, block_n, block_k, stages
+# block_m, block_n, block_k, stages
+CONFIGS = list(itertools.product([64, 128], [64, 128, 256], [32, 64, 128], [2, 3, 4]))
 
 
-def _compile_all(chip: str, dump: str) -> None:
+def _compile_all(chip: str, dump: str, qdtype: str, qblock: int) -> None:
     """In a worker process (the compile-only wheels on its path): compile every config, print a JSON line each."""
     os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump}"  # read once, when the backend starts: set it first
     import jax
@@ -44,7 +48,7 @@ def _compile_all(chip: str, dump: str) -> None:
     target = get_target(chip)
     device = topology_device(target)
     problem = RaggedDotProblem(m=4096, k=7168, n=2048, groups=32, lhs_dtype="bfloat16", out_dtype="bfloat16",
-                               rhs_qdtype="float4_e2m1fn", rhs_qblock=32)
+                               rhs_qdtype=qdtype, rhs_qblock=qblock)
     backend = get_op("ragged_dot").backends.get("triton")
     for block_m, block_n, block_k, stages in CONFIGS:
         config = backend.config_cls(block_m=block_m, block_k=block_k, block_n=block_n, num_warps=8,
@@ -76,21 +80,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chip", default="h100", choices=["h100", "a100", "b200"])
     parser.add_argument("--label", default="session19")
+    parser.add_argument("--weights", default="float4_e2m1fn:32", help="the weights' stored dtype and block along k "
+                        "(int4:128 compares int4, whose block of 128 a step of at most 128 holds whole)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _compile_all(args.chip, args.worker)
+        qdtype, qblock = args.weights.split(":")
+        _compile_all(args.chip, args.worker, qdtype, int(qblock))
         return
     from moe_tune.targets import wheels
 
     wheels.require("gpu")
     with tempfile.TemporaryDirectory() as dump:
-        proc = subprocess.run([sys.executable, __file__, "--chip", args.chip, "--worker", dump],
-                              env=wheels.worker_env(), capture_output=True, text=True, timeout=3600)
+        command = [sys.executable, __file__, "--chip", args.chip, "--weights", args.weights, "--worker", dump]
+        proc = subprocess.run(command, env=wheels.worker_env(), capture_output=True, text=True, timeout=3600)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or len(rows) != len(CONFIGS):
         sys.exit(f"the compile worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    out = RESULTS / f"triton_mxfp4_compile_{args.chip}_2026-11-26_{args.label}.jsonl"
+    weights = "" if args.weights == "float4_e2m1fn:32" else "_" + args.weights.replace(":", "_")
+    out = RESULTS / f"triton_mxfp4_compile_{args.chip}{weights}_2026-11-26_{args.label}.jsonl"
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     compiled = [r for r in rows if "compiler_bytes" in r]
     under = [r for r in rows if r["rule_bytes"] < r.get("compiler_bytes", r.get("refused_bytes") or 0)]
