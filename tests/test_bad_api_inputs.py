@@ -163,6 +163,13 @@ _BAD_CALLS = {
     # quant
     "quantize axis name": (lambda lhs, rhs: moe_tune.quantize(rhs, "int8", axis="k"),
                            r"axis 'k' is out of range .* an int in \[-3, 3\)"),
+    "AsQArray of a string": (lambda lhs, rhs: moe_tune.ragged_dot(lhs, moe_tune.AsQArray("w", "int8"),
+                                                                  jnp.full((TOTAL,), 16, jnp.int32)),
+                             "an AsQArray's value must be a float array, got str"),
+    "use_profiles of an int": (lambda lhs, rhs: moe_tune.use_profiles(3).__enter__(),
+                               r"use_profiles takes a directory path \(str or os.PathLike\), got int"),
+    "lookup of a dict": (lambda lhs, rhs: get_op("ragged_dot").lookup({"m": 64}),
+                         r"ragged_dot.lookup takes the op's problem \(op.problem\(...\)\), got dict"),
     "dequantize a float array": (lambda lhs, rhs: moe_tune.dequantize(rhs), "dequantize takes a QArray"),
     "packed_axis out of range": (lambda lhs, rhs: moe_tune.from_checkpoint(
         np.zeros((TOTAL, K // 2, N), np.uint8), np.ones((TOTAL, 1, N), np.float32), "int4", packed_axis=7),

@@ -21,6 +21,7 @@ import numpy as np
 
 from moe_tune import devices, profiles
 from moe_tune.kernels import backend_choice
+from moe_tune.errors import UsageError
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.guard import chip_guard, guard
 from moe_tune.kernels.options import ShapeOption
@@ -95,6 +96,9 @@ class KernelOp(abc.ABC):
     def lookup(self, problem: Any, *, backend: str | Backend | None = None, **options: Any) -> profiles.LookupResult:
         """The config the runtime would use for `problem` with `backend` (None: the platform's), and why.
         `options`: those of `moe_tune.profiles.lookup` (distribution, device_kind, strict, stale_policy)."""
+        if not callable(getattr(problem, "key_fields", None)):
+            raise UsageError(f"{self.name}.lookup takes the op's problem (op.problem(...)), got "
+                             f"{type(problem).__name__}")
         return profiles.lookup(self.name, problem, backend=self.backend(backend), **options)
 
     def resolve_config(self, backend: str | Backend, problem: Any, given: Any = None, *,

@@ -12,6 +12,7 @@ from pathlib import Path
 import platformdirs
 
 from moe_tune import paths, settings
+from moe_tune.errors import UsageError
 
 ENV_PROFILE_DIR = settings.PROFILE_DIR
 _overlays: list[Path] = []
@@ -52,6 +53,8 @@ def use_profiles(path: str | os.PathLike) -> Iterator[Path]:
     Lookups happen when a function is traced: a function jitted before entering the block keeps the
     configs it was traced with.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"use_profiles takes a directory path (str or os.PathLike), got {type(path).__name__}")
     directory = Path(path).expanduser()
     _overlays.append(directory)
     try:

@@ -123,6 +123,14 @@ def _concrete(x: Any) -> np.ndarray | None:
     return np.asarray(x)
 
 
+def _template(x: AsQArray) -> QArray:
+    """The QArray an AsQArray becomes, shapes and dtypes only (nothing is quantized); UsageError unless its
+    value is an array."""
+    if not isinstance(x.value, (jax.Array, np.ndarray)):
+        raise UsageError(f"an AsQArray's value must be a float array, got {type(x.value).__name__}")
+    return jax.eval_shape(AsQArray.quantize, x)
+
+
 def _jax_array(x: Any) -> Any:
     """A NumPy array as a JAX array; anything else as is (checked later, with the operand's name)."""
     return jnp.asarray(x) if isinstance(x, np.ndarray) else x
@@ -226,7 +234,7 @@ def ragged_dot(
     # a QArray of NumPy parts as JAX arrays: a kernel indexes them with traced group ids
     lhs, rhs = (jax.tree.map(_jax_array, x) if isinstance(x, QArray) else x for x in (lhs, rhs))
     # an AsQArray is described by the QArray it becomes (its shapes only: nothing is quantized here)
-    lhs_q, rhs_q = (jax.eval_shape(AsQArray.quantize, x) if isinstance(x, AsQArray) else x for x in (lhs, rhs))
+    lhs_q, rhs_q = (_template(x) if isinstance(x, AsQArray) else x for x in (lhs, rhs))
     dynamic = _dynamic_lhs(lhs, rhs_q, lhs_quant, lhs_quant_block)
     lhs_q = lhs_q if dynamic is None else DynamicQuant(lhs, *dynamic)
     problem = RaggedDotProblem.from_arrays(
