@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import moe_tune
@@ -26,6 +26,7 @@ REL_STEP = {"int8": 0.5 / 127, "float8_e4m3fn": 2.0**-4}
     block=st.sampled_from([None, 1, 2, 3]),
     seed=st.integers(0, 2**16),
 )
+@example(dtype="int8", shape=(4, 12), block=2, seed=255)  # a tie at x / scale = 63.5 (the float32 slack below)
 def test_round_trip_error_is_within_half_a_step(dtype, shape, block, seed):
     axis = len(shape) - 2 if len(shape) > 1 else 0
     if block is not None and shape[axis] % block:
@@ -44,7 +45,9 @@ def test_round_trip_error_is_within_half_a_step(dtype, shape, block, seed):
         bound = absmax * REL_STEP[dtype]
     else:  # half an ulp of the value (3 mantissa bits), or half the smallest subnormal (2^-9) of the scale
         bound = REL_STEP[dtype] * np.abs(x) + 2.0**-10 * absmax / QMAX[dtype]
-    assert np.all(np.abs(back - x) <= bound * (1 + 1e-5) + 1e-30)
+    # slack for float32: the scale is rounded, and a value at a tie (x / scale = 63.5) then lands half a step
+    # and an ulp of x away (int8, (4, 12), block 2, seed 255: 1.00001 x the bound)
+    assert np.all(np.abs(back - x) <= bound * (1 + 1e-5) + np.abs(x) * 2.0**-22 + 1e-30)
     # the run's largest magnitude is hit exactly (up to float32 rounding of the scale)
     np.testing.assert_allclose(np.abs(back).max(), np.abs(x).max(), rtol=1e-6)
 
