@@ -175,6 +175,10 @@ class BackendRegistry:
     def resolve(self, name: str | None, platform: str) -> Backend:
         return self.default_for(platform) if name is None else self.get(name)
 
+    def native_to(self, platform: str) -> list[Backend]:
+        """The backends that run natively on `platform` (not emulated, as a Pallas kernel in interpret mode)."""
+        return [b for b in self._backends.values() if platform in b.platforms]
+
     def tunable_for(self, platform: str) -> Backend:
         """The backend whose configs a chip of `platform` would tune: its default when that has tunables, else
         the backend with tunables most specific to the platform (GPU's dense combine defaults to plain `jax`,
@@ -182,5 +186,5 @@ class BackendRegistry:
         default = self.default_for(platform)
         if default.tunables():
             return default
-        native = [b for b in self._backends.values() if platform in b.platforms and b.tunables()]
+        native = [b for b in self.native_to(platform) if b.tunables()]
         return min(native, key=lambda b: len(b.platforms), default=default)

@@ -38,9 +38,10 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
     sweeps = plan(cases, platform=target.platform, distribution=settings.distribution, backend=backend,
                   tunable=True)
     for sweep in sweeps:  # an emulated backend (triton in interpret mode on a TPU) proves nothing about the chip
-        if target.platform not in get_op(sweep.op).backends.get(sweep.backend).platforms:
+        native = [b.name for b in get_op(sweep.op).backends.native_to(target.platform)]
+        if sweep.backend not in native:
             raise UsageError(f"--backend {sweep.backend} is not a {target.platform.upper()} kernel; --target "
-                             f"{target.name} compiles what the chip runs natively: {native(sweep.op, target.platform)}")
+                             f"{target.name} compiles what the chip runs natively: {', '.join(native)}")
     if campaign.share is not None:
         sweeps = shard(sweeps, *campaign.share)
     directory = dirs.write_dir(settings.profile_dir)
@@ -60,12 +61,6 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
 
     return compile_sweeps(sweeps, target, profile_dir=directory, workers=settings.workers,
                           max_candidates=settings.max_candidates, on_record=progress)
-
-
-def native(op: str, platform: str) -> str:
-    """The backends of `op` that run natively on `platform`, as a user would list them."""
-    registry = get_op(op).backends
-    return ", ".join(name for name in registry.names() if platform in registry.get(name).platforms)
 
 
 def line(summary: TargetSweep) -> str:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.errors import UsageError
+from moe_tune.kernels.base import positive_int_error
 from moe_tune.quant import FOUR_BIT, QDTYPES, DynamicQuant, QArray, block_rule, check_operand
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")
@@ -39,11 +40,12 @@ def supported_dtype(dtype: Any, name: str = "dtype") -> str:
 
 
 def check_positive(problem: Any, names: tuple[str, ...]) -> None:
-    """UsageError unless each named field of a problem is a positive integer (Python or NumPy int)."""
+    """UsageError unless each named field of a problem is a positive integer: `base.positive_int_error`'s rule,
+    a NumPy integer allowed too (shapes read off arrays)."""
     for name in names:
         value = getattr(problem, name)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if (error := positive_int_error(name, int(value) if isinstance(value, np.integer) else value)) is not None:
+            raise UsageError(error)
 
 
 def int_scalar(value: Any, name: str) -> Any:
