@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/moe-tune sweep --op ragged_dot
 	$(VENV)/bin/moe-tune report --op ragged_dot
-	$(PY) -m moe_tune.demo_check
+	$(PY) -m moe_tune.commands.demo_check
 
 # The suite is CPU-bound (JAX compiles, interpret-mode Pallas): two pytest-xdist workers take it from about
 # 14.5 to 11 minutes on CI's 2 cores. TEST_WORKERS=0 runs it in one process.

@@ -36,7 +36,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from moe_tune.kernels import get_op
-from moe_tune.models import get_preset, kernel_problems
+from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.targets import get_target
 from moe_tune.targets.jobs import config_error, search_space
 from moe_tune.targets.pool import CompileJob, CompilePool

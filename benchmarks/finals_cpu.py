@@ -34,7 +34,7 @@ from moe_tune.kernels import get_op
 def sweep_once(problem: Any, final_time_s: float) -> dict[str, Any]:
     """The tuner's cold grid sweep of `problem` in a fresh profile dir, its final round given `final_time_s`
     seconds of calls per finalist (0: the samples alone, as before session 14): its verdict and wall time."""
-    from moe_tune import devices
+    from moe_tune.core import devices
     from moe_tune.profiles import dirs
     from moe_tune.profiles.table import read_table
     from moe_tune.tuner import SweepSettings

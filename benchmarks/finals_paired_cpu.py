@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.profiles.verdict import noise_threshold, paired

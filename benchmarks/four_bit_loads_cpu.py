@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import bench
+from moe_tune.commands import bench
 from moe_tune.kernels.loop_dtypes import e4m3fn_to_float32, load_nibbles, packed_bytes, per_iteration
 
 K, N, ROWS = 2048, 768, 4  # qwen3-30b-a3b's gate/up expert, 4 rows a group

@@ -31,9 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import devices, moe_mlp
-from moe_tune.breakdown.run import program, read_ops
-from moe_tune.models import get_preset
+from moe_tune import moe_mlp
+
+from moe_tune.core import devices
+from moe_tune.commands.breakdown.run import program, read_ops
+from moe_tune.layer.models import get_preset
 from moe_tune.tuner.timing import time_candidates, traceable
 
 PREFILL = 4096

@@ -18,9 +18,9 @@ import jax
 sys.path.insert(0, str(Path(__file__).parent))
 import fused_cpu  # noqa: E402
 
-from moe_tune import devices  # noqa: E402
+from moe_tune.core import devices  # noqa: E402
 from moe_tune.kernels.fused_moe import tiled  # noqa: E402
-from moe_tune.models import get_preset  # noqa: E402
+from moe_tune.layer.models import get_preset  # noqa: E402
 from moe_tune.tuner.timing import time_candidates  # noqa: E402
 
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import distributions
-from moe_tune.bench import load_file_module, time_variants
+from moe_tune.core import distributions
+from moe_tune.commands.bench import load_file_module, time_variants
 from moe_tune.kernels import get_op
 from moe_tune.kernels.fused_moe.tiled import TiledFusedConfig, TiledFusedMoe, tiled_gather_gmm
 

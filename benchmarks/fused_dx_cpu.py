@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import bench, ragged_dot, ragged_gather
+from moe_tune import ragged_dot, ragged_gather
+
+from moe_tune.commands import bench
 from moe_tune.kernels.fused_moe.op import _Call, _problem
-from moe_tune.models import get_preset
+from moe_tune.layer.models import get_preset
 from moe_tune.kernels.fused_moe.definition import routed_tokens
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from moe_tune.models import get_preset
+from moe_tune.layer.models import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_cpu import variants  # noqa: E402  (the same layer programs the timed benchmark compiles)

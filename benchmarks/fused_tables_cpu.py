@@ -22,7 +22,7 @@ from pathlib import Path
 
 from moe_tune.campaign import engine, runner
 from moe_tune.campaign.plan import Case
-from moe_tune.models import fused_runs, get_preset
+from moe_tune.layer.models import fused_runs, get_preset
 from moe_tune.tuner import SweepSettings
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.fused_moe.definition import FUSED_MOE
 from moe_tune.kernels.fused_moe.tiled import TiledFusedConfig, TiledFusedMoe
-from moe_tune.models import fused_runs, get_preset
+from moe_tune.layer.models import fused_runs, get_preset
 from moe_tune.tuner.timing import time_candidates
 
 

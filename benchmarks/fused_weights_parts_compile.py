@@ -42,7 +42,7 @@ def _compile_case(chip: str, name: str, tokens: int, ep: int, split: bool, mode:
 
     from moe_tune import moe_mlp, use_backend
     from moe_tune.kernels import get_op
-    from moe_tune.models import get_preset
+    from moe_tune.layer.models import get_preset
     from moe_tune.targets import get_target
     from moe_tune.targets.compile import acting_as, topology_device
 
@@ -97,7 +97,7 @@ def _parts(rhs):
     """Abstract (gate, up) halves along n of abstract weights (a QArray's values and scales alike)."""
     import jax
 
-    from moe_tune.quant import QArray
+    from moe_tune.core.quant import QArray
 
     half = lambda a, i: jax.ShapeDtypeStruct((*a.shape[:2], a.shape[2] // 2), a.dtype, sharding=a.sharding)
     if isinstance(rhs, QArray):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.bench import load_file_module, time_variants
+from moe_tune.commands.bench import load_file_module, time_variants
 from moe_tune.kernels.gather.tiled import single_pass_gather, tiled_gather
 
 # deepseek-v2-lite prefill (4096 tokens x top_k 6, hidden 2048): every row valid (ep 1), a quarter (ep 4)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.fused_moe import op
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
-from moe_tune.models import get_preset
+from moe_tune.layer.models import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_cpu import layer_inputs, timed, variants  # noqa: E402

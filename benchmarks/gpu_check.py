@@ -51,9 +51,10 @@ from pathlib import Path
 import jax
 
 from gpu_layer import layer_case
-from moe_tune import bench, devices
-from moe_tune.breakdown import profile_entry
-from moe_tune.breakdown.run import as_json
+from moe_tune.commands import bench
+from moe_tune.core import devices
+from moe_tune.commands.breakdown import profile_entry
+from moe_tune.commands.breakdown.run import as_json
 from moe_tune.kernels import get_op
 from moe_tune.tuner import SweepRequest, run_sweep
 

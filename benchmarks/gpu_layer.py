@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fused_cpu import layer_inputs, timed
-from moe_tune import moe_mlp, settings, use_backend
-from moe_tune.models import ModelPreset, get_preset, layer_runs
+from moe_tune import moe_mlp, use_backend
+from moe_tune.core import settings
+from moe_tune.layer.models import ModelPreset, get_preset, layer_runs
 from moe_tune.tuner import SweepRequest, run_sweep
 
 # A layer small enough for interpret mode (`--small`): 2 experts per token over 8.

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.tuner.timing import xplane_file, device_planes, plane_events
-from moe_tune.breakdown import xprof_tools
+from moe_tune.commands.breakdown import xprof_tools
 out = Path(os.environ.get("OUT", "."))
 f = jax.jit(lambda a, b: (a @ b).sum())
 a = jnp.ones((2048, 2048), jnp.bfloat16); b = jnp.ones((2048, 2048), jnp.bfloat16)

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_tune import models
+from moe_tune.layer import models
 from moe_tune.kernels import get_op
 
 PRESETS = ("qwen3-30b-a3b", "deepseek-v2-lite")
@@ -141,7 +141,7 @@ def sweep_all(problems: list[Any], settings: Any, share: tuple[int, int] | None 
 def ladder_view(profile_dir: Path, problems: list[Any]) -> Path:
     """A profile dir holding only the ladder's entries (copied from the sweeps' table) and the intervals measured
     from them: what lookup answers from, so that the held-out counts' own entries cannot answer themselves."""
-    from moe_tune import devices
+    from moe_tune.core import devices
     from moe_tune.profiles import dirs
     from moe_tune.profiles.key import entry_key
     from moe_tune.profiles.table import read_table, update_table
@@ -156,7 +156,7 @@ def ladder_view(profile_dir: Path, problems: list[Any]) -> Path:
 
 def measure_ladders(view: Path, problems: list[Any], settings: Any) -> list[dict[str, Any]]:
     """Every kernel's ladder boundaries, measured (or reused) into `view`; returns the intervals."""
-    from moe_tune import devices
+    from moe_tune.core import devices
     from moe_tune.campaign import ladder
     from moe_tune.campaign.plan import plan, op_cases
 
@@ -173,7 +173,7 @@ def measure_ladders(view: Path, problems: list[Any], settings: Any) -> list[dict
 
 def held_intervals(view: Path) -> list[dict[str, Any]]:
     """The intervals the ladder view holds (measured by an earlier `ladder` phase)."""
-    from moe_tune import devices
+    from moe_tune.core import devices
     from moe_tune.profiles import dirs
     from moe_tune.profiles.table import read_table
 
@@ -182,7 +182,7 @@ def held_intervals(view: Path) -> list[dict[str, Any]]:
 
 def pick(view: Path, problem: Any) -> tuple[dict[str, Any], dict[str, Any], str]:
     """(the config lookup picks from the ladder view, the config nearest in log space picks, lookup's source)."""
-    from moe_tune import devices
+    from moe_tune.core import devices
     from moe_tune.profiles import dirs, use_profiles
     from moe_tune.profiles.table import read_table
 

@@ -13,7 +13,7 @@ for spec in "$@"; do
     qwen3) dims="--hidden 2048 --intermediate 768 --experts 128 --top-k 8"; f=768 e=128 k=8 ;;
     deepseek) dims="--hidden 2048 --intermediate 1408 --experts 64 --top-k 6"; f=1408 e=64 k=6 ;;
   esac
-  estimate=$($py -c "from moe_tune.kernels.fused_moe.choice import FusionProblem, sweep_memory as m
+  estimate=$($py -c "from moe_tune.layer.fusion_choice import FusionProblem, sweep_memory as m
 print(f'{m(FusionProblem(tokens=$tokens, hidden=2048, intermediate=$f, experts=$e, top_k=$k, ep=$ep, dtype=\"$dtype\", direction=\"$direction\"), $workers) / 2**30:.2f}')" 2>/dev/null)
   echo "=== $direction tokens=$tokens ep=$ep dtype=$dtype $preset workers=$workers estimate_GiB=$estimate $(date -u +%H:%M:%S) $(uptime)"
   free -m | sed -n 2p

@@ -38,17 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import bench, devices
+from moe_tune.commands import bench
+
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
 from moe_tune.kernels.kernel_op import relative_error
-from moe_tune.quant import FOUR_BIT, as_float
+from moe_tune.core.quant import FOUR_BIT, as_float
 from moe_tune.tuner import SweepRequest, run_sweep
 
 sys.path.insert(0, os.path.dirname(__file__))
 from targets_cpu import verdict  # noqa: E402  (the scripts share their met/MISSED wording)
 
-# gate/up projection of one expert: k = hidden, n = expert width (moe_tune.models presets)
+# gate/up projection of one expert: k = hidden, n = expert width (moe_tune.layer.models presets)
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v2-lite": (2048, 1408)}
 SMALL_SHAPES = {"toy": (256, 128)}
 # problem options of each mode; the float operands are float32 unless the mode says otherwise

@@ -9,7 +9,7 @@ exhaustive (`grid`) best, and at what fraction of its cost.
    so the measurement noise, the search itself is deterministic) sweep the same space, each from scratch
    (a temporary profile dir; no sweep resumes another).
 3. Every distinct winner and the grid's winner are then compiled once and timed side by side, interleaved
-   in the same trace rounds (`moe_tune.bench.time_variants`), so that "winner time / grid-best time" is not
+   in the same trace rounds (`moe_tune.commands.bench.time_variants`), so that "winner time / grid-best time" is not
    run-to-run noise between sweeps.
 
 Printed per run: candidates tried and sweep wall time, both as fractions of grid's, the winner, and its
@@ -28,7 +28,9 @@ import time
 
 import jax
 
-from moe_tune import bench, devices
+from moe_tune.commands import bench
+
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.tuner import SweepRequest, run_sweep
 

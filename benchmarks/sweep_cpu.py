@@ -282,7 +282,7 @@ def main() -> int:
             print(f"compile stage, {runs[0]['workers']} vs {run['workers']} workers: {ratio:.2f}x faster; "
                   f"whole sweep {runs[0]['wall_s'] / run['wall_s']:.2f}x")
     if args.json:
-        from moe_tune import bench
+        from moe_tune.commands import bench
 
         bench.write_results(args.json, runs)
     return 0

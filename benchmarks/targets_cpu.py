@@ -7,7 +7,7 @@ each target is judged on.
 
 1. Roofline: for each ragged_dot case, a dense matmul of the same FLOPs (the compute roof) and a copy of
    the largest operand's size (the copy bandwidth) are timed in the same rounds as the kernels; the roofline
-   is max(dense time, least bytes moved / copy bandwidth) (`moe_tune.bench.compare`).
+   is max(dense time, least bytes moved / copy bandwidth) (`moe_tune.commands.bench.compare`).
 2. ragged_dot (tiled, swept here first; balanced groups): tuned/roofline, xla/tuned (`jax.lax.ragged_dot`),
    and the tuned config on skewed group sizes over balanced.
 3. Dispatch and combine (tiled, swept here first): tuned/roofline at valid fractions 1, 1/4, 1/16, and the
@@ -40,7 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import bench, devices
+from moe_tune.commands import bench
+
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
 from moe_tune.tuner import SweepRequest, SweepSettings, run_sweep

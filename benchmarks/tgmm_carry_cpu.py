@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import distributions
-from moe_tune.bench import load_file_module, time_variants
+from moe_tune.core import distributions
+from moe_tune.commands.bench import load_file_module, time_variants
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot, tiled_transposed_ragged_dot
 

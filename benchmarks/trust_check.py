@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import BEAT_DEFAULT, noise_threshold, verdict_of

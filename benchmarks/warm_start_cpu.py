@@ -40,7 +40,9 @@ from pathlib import Path
 
 import jax
 
-from moe_tune import bench, devices
+from moe_tune.commands import bench
+
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.profiles import Entry, read_table, write_entries
 from moe_tune.tuner import SweepRequest, run_sweep, warm_start

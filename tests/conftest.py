@@ -29,8 +29,8 @@ def isolated_profiles(tmp_path, monkeypatch):
 @pytest.fixture
 def on_chip(monkeypatch):
     """`on_chip("tpu")` / `on_chip("gpu")`: kernels traced afterwards take their compiled path for that chip
-    (`moe_tune.devices.platform()`, the one function kernels read to choose compiled vs interpret mode)."""
-    from moe_tune import devices
+    (`moe_tune.core.devices.platform()`, the one function kernels read to choose compiled vs interpret mode)."""
+    from moe_tune.core import devices
 
     return lambda platform: monkeypatch.setattr(devices, "platform", lambda: platform)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_tune.errors import InvalidConfigError
+from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels import get_op
 from moe_tune.kernels.fused_moe.base import concatenated
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range

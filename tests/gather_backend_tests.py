@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_tune.errors import InvalidConfigError
+from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
 from moe_tune.kernels.gather.registry import GATHER_BACKENDS, GATHER_REDUCE_BACKENDS

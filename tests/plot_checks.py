@@ -9,7 +9,7 @@ from matplotlib.container import BarContainer, ErrorbarContainer
 
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import verdict_of
-from moe_tune.report import entry_words
+from moe_tune.commands.report import entry_words
 
 
 @pytest.fixture

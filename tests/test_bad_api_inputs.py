@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune.errors import InvalidConfigError, UsageError
+from moe_tune.core.errors import InvalidConfigError, UsageError
 from moe_tune.kernels import get_op
 
 # Every backend registered with the op, read at import (collection), so a new backend is covered; backends

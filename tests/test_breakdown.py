@@ -12,10 +12,10 @@ import jax
 import pytest
 from click.testing import CliRunner
 
-from moe_tune.breakdown import profile_entry
-from moe_tune.breakdown.ops import OpEvent, self_times
-from moe_tune.breakdown.run import program, read_ops
-from moe_tune.breakdown.xprof_tools import datatable_rows, hlo_stats_ops, kernel_stats_ops
+from moe_tune.commands.breakdown import profile_entry
+from moe_tune.commands.breakdown.ops import OpEvent, self_times
+from moe_tune.commands.breakdown.run import program, read_ops
+from moe_tune.commands.breakdown.xprof_tools import datatable_rows, hlo_stats_ops, kernel_stats_ops
 from moe_tune.cli import cli
 from moe_tune.kernels import get_op
 from moe_tune.tuner import SweepRequest, run_sweep
@@ -48,9 +48,9 @@ def test_self_times_subtract_nested_ops():
 def test_the_wall_time_no_op_event_covers_is_shown(capsys):
     """A breakdown whose ops cover 60% of its wall time says that 40% is in no op's event; one whose ops cover
     it all (or whose wall time was not measured) says nothing of it."""
-    from moe_tune.breakdown import Breakdown
-    from moe_tune.breakdown.ops import OpTime
-    from moe_tune.cli_render import breakdowns
+    from moe_tune.commands.breakdown import Breakdown
+    from moe_tune.commands.breakdown.ops import OpTime
+    from moe_tune.commands.render import breakdowns
 
     ops = (OpTime("dot", 0.006, 1.0, 1.0),)
     found = [Breakdown("winner", {"tm": 8}, "trace", 3, ops, wall_s=0.010),
@@ -152,7 +152,7 @@ def test_kernel_stats_fixture():
 
 def test_a_gpu_program_without_hlo_stats_rows_is_read_from_its_kernels(tmp_path, monkeypatch):
     """A command buffer (Triton's fwd on an H100) leaves hlo_stats empty: the breakdown is the kernel table."""
-    from moe_tune.breakdown import run, xprof_tools
+    from moe_tune.commands.breakdown import run, xprof_tools
 
     kernels = json.loads((DATA / "xprof_kernel_stats.json").read_text())
     empty = {**json.loads((DATA / "xprof_hlo_stats.json").read_text()), "rows": []}

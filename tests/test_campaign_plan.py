@@ -14,9 +14,9 @@ from moe_tune.campaign.plan import (
     Case, model_campaign_cases, parse_shard, plan, shard, shard_from_env, split_done,
 )
 from moe_tune.cli import cli
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.models import ModelPreset, layer_cases
+from moe_tune.layer.models import ModelPreset, layer_cases
 from moe_tune.profiles.key import entry_key
 
 # Same matmuls per shard (4 experts on one shard, or 8 on two: 4 groups of the same m, k, n); other gathers.

@@ -8,7 +8,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from moe_tune import settings
+from moe_tune.core import settings
 from moe_tune.cli import cli
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
@@ -359,7 +359,7 @@ def test_a_problem_too_big_for_memory_is_refused_before_allocating(run, command,
 
 
 def test_available_memory_and_the_check(monkeypatch):
-    from moe_tune.errors import UsageError
+    from moe_tune.core.errors import UsageError
     from moe_tune.kernels import get_op
     from moe_tune.tuner import memory
 

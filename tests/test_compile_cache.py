@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from moe_tune import settings
-from moe_tune.errors import UsageError
+from moe_tune.core import settings
+from moe_tune.core.errors import UsageError
 from moe_tune.tuner import compile_cache
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moe_tune import settings
+from moe_tune.core import settings
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import migrate, read_table

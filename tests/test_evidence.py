@@ -111,8 +111,8 @@ def test_an_entry_tuned_with_less_than_asked_is_weaker():
 def test_the_breakdown_says_when_it_contradicts_a_claimed_win():
     """Issue 26: a `ragged_gather` "win" of 2.3x whose breakdown measured the winner at 14.9 ms of op time
     per run against the default's 6.7 ms, without pointing at the contradiction."""
-    from moe_tune.breakdown import Breakdown, OpTime
-    from moe_tune.report import breakdown_check, breakdown_frame
+    from moe_tune.commands.breakdown import Breakdown, OpTime
+    from moe_tune.commands.report import breakdown_check, breakdown_frame
 
     def broken(label: str, seconds: float) -> Breakdown:
         return Breakdown(label, {"rows_per_chunk": 8}, "trace", 5, (OpTime("fusion", seconds, 79.0, 1.0),))
@@ -134,7 +134,7 @@ def test_the_breakdown_says_when_it_contradicts_a_claimed_win():
 def test_bench_flags_the_default_as_tuned_and_a_faster_fallback_with_the_next_step():
     """Issue 26: `bench` showed tuned 18.78 vs default 20.12 ms for the identical config, and `fallback/tuned
     0.39` (the plain path 2.5x faster), with no flag and no advice."""
-    from moe_tune.bench import GatherComparison
+    from moe_tune.commands.bench import GatherComparison
 
     same = {"rows_per_chunk": 64}
     c = GatherComparison(op="ragged_gather", backend="tiled", tuned_config=same, default_config=same,

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles.verdict import (
     MIN_FINAL_SAMPLES, MIN_NOISE_SCALE, NOISE_FACTOR, NOISE_SAMPLES, BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE,

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from moe_tune import AsQArray, moe_mlp, quantize
-from moe_tune.errors import UsageError
-from moe_tune.kernels.fused_moe.choice import MOE_FUSION, FusionConfig, FusionProblem, LayerChoice
+from moe_tune.core.errors import UsageError
+from moe_tune.layer.fusion_choice import FusionConfig, FusionProblem, LayerChoice
+from moe_tune.layer.fusion_op import MOE_FUSION
 from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine
 
@@ -171,7 +172,7 @@ def test_the_gpu_defaults_follow_the_h100_measurements(monkeypatch):
     """On GPU `moe_fusion` defaults to unfused and `fused_moe` to its triton kernels (an H100,
     benchmarks/results/gpu_check_nvidia_h100_2026-11-26_layer*: unfused forwards 1.17-1.93x faster than fused
     triton, the plain-JAX fused layer 3.1-45x slower than it); CPU stays fused on its tiled kernels."""
-    from moe_tune import devices
+    from moe_tune.core import devices
     from moe_tune.kernels.fused_moe.registry import BACKENDS
 
     problem = FusionProblem(tokens=TOKENS, hidden=HIDDEN, intermediate=WIDTH, experts=EXPERTS, top_k=TOP_K, ep=1,

@@ -22,7 +22,7 @@ from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference
 from moe_tune.kernels.fused_moe.triton import FusedTritonConfig, TritonFusedMoe
 from moe_tune.kernels.ragged_dot.metadata import select_shard
-from moe_tune.quant import dequantize_host, quantize
+from moe_tune.core.quant import dequantize_host, quantize
 from fused_moe_base import FusedMoeBackendTests
 from ragged_dot_base.lowering import assert_one_kernel_call, export_for
 

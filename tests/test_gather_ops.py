@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import guard
 from moe_tune.kernels.gather import op as gather_op
 from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
@@ -365,6 +365,6 @@ def test_shape_a_backend_cannot_serve_runs_on_the_plain_path(data, caplog):
     assert close(out, ragged_gather_reference(data["x"], data["gather_indices"], 0, ROWS))
     assert backends_used(caplog) == [("ragged_gather", "jax")]
     assert "pallas_tpu cannot run it" in caplog.records[0].getMessage()
-    with pytest.raises(moe_tune.errors.InvalidConfigError):  # a caller's config is never silently replaced
+    with pytest.raises(moe_tune.core.errors.InvalidConfigError):  # a caller's config is never silently replaced
         moe_tune.ragged_gather(data["x"], data["gather_indices"], 0, ROWS, backend="pallas_tpu",
                                config={"block_rows": 8, "dmas_in_flight": 4})

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gather_backend_tests import GatherBackendTests, GatherReduceBackendTests
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.triton import (
     TritonGatherConfig,

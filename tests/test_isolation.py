@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from faulty_backend import FaultyConfig, FaultyRaggedDot
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.tuner import SweepRequest, run_sweep, shared_payload, workers
 from moe_tune.tuner.compile_count import backend_compiles

@@ -16,8 +16,8 @@ import moe_tune
 from moe_tune.campaign import engine, runner
 from moe_tune.campaign.plan import Case
 from moe_tune.cli import cli
-from moe_tune.errors import UsageError
-from moe_tune.models import get_preset, layer_runs
+from moe_tune.core.errors import UsageError
+from moe_tune.layer.models import get_preset, layer_runs
 
 
 

@@ -12,7 +12,7 @@ The ragged_dot backends' lowering (float, mixed-dtype, group_offset and quantize
 is a test each backend inherits from `ragged_dot_base.RaggedDotBackendTests`, with the helpers used
 here.
 
-Kernels pick compiled vs interpret mode from `moe_tune.devices.platform()` at trace time; the `on_chip`
+Kernels pick compiled vs interpret mode from `moe_tune.core.devices.platform()` at trace time; the `on_chip`
 fixture (conftest) patches that one function. Each backend is called through its public method (`gather`,
 `gather_reduce`) with its default config and the smallest and largest configs of its search space. Each
 exported module must target the chip and hold exactly one call of the compiled kernel (`tpu_custom_call` for

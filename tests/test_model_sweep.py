@@ -11,8 +11,8 @@ from tiny_layer import FAST, TINY, layer_inputs
 import moe_tune
 from moe_tune.campaign import engine, runner
 from moe_tune.campaign.plan import Case
-from moe_tune.errors import UsageError
-from moe_tune.models import ModelPreset, layer_cases
+from moe_tune.core.errors import UsageError
+from moe_tune.layer.models import ModelPreset, layer_cases
 
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.models import ModelPreset, get_preset, kernel_problems, presets
+from moe_tune.layer.models import ModelPreset, get_preset, kernel_problems, presets
 
 # The published expert-layer shapes the package must ship: a copy, kept in the repository, of the project's
 # shared models.json (so that the check runs, and fails, wherever the suite runs).

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 
 TOKENS, HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 24, 32, 16, 8, 2
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from moe_tune import moe_mlp
-from moe_tune.kernels.fused_moe import choice
-from moe_tune.kernels.fused_moe.choice import (MOE_FUSION, FusionConfig, FusionProblem, LayerChoice,
-                                               memory_parts, training_check)
-from moe_tune.kernels.fused_moe.layer_reference import check_size, training_reference
+from moe_tune.layer import fusion_choice as choice
+from moe_tune.layer.fusion_choice import FusionConfig, FusionProblem, LayerChoice, memory_parts, training_check
+from moe_tune.layer.fusion_op import MOE_FUSION
+from moe_tune.layer.reference import check_size, training_reference
 from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.profiles import key_fields, write_entries
 from moe_tune.profiles.key import key_from_fields
@@ -142,7 +142,7 @@ def test_fused_none_under_grad_follows_the_tables_bwd_entry(isolated_profiles, c
 def test_the_sweeps_memory_check_counts_its_compile_workers(monkeypatch):
     """A training-step sweep of deepseek-v2-lite's prefill layer fits with one process but not with two
     compile workers each holding the layer: the refusal says so before anything is allocated."""
-    from moe_tune.errors import UsageError
+    from moe_tune.core.errors import UsageError
     from moe_tune.tuner import memory
 
     problem = FusionProblem(tokens=4096, hidden=2048, intermediate=1408, experts=64, top_k=6, direction="bwd")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune.errors import TableError
+from moe_tune.core.errors import TableError
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig
@@ -173,5 +173,5 @@ def test_runtime_assumes_balanced_groups_unless_the_environment_names_another(is
     assert found.source == "exact" and found.config.tm == 64 and found.entry.fields["distribution"] == "skewed"
     assert traced_tm() == 64
     monkeypatch.setenv("MOE_TUNE_DISTRIBUTION", "lopsided")
-    with pytest.raises(moe_tune.errors.UsageError, match="lopsided"):
+    with pytest.raises(moe_tune.core.errors.UsageError, match="lopsided"):
         get_op("ragged_dot").lookup(PROBLEM)

@@ -1,4 +1,4 @@
-"""`moe_tune.quant`: QArray, quantize, dequantize and the layout helpers the kernels use."""
+"""`moe_tune.core.quant`: QArray, quantize, dequantize and the layout helpers the kernels use."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import moe_tune
-from moe_tune.errors import UsageError
-from moe_tune.quant import QMAX, QArray, check_operand, dequantize, quantize, scale_layout
+from moe_tune.core.errors import UsageError
+from moe_tune.core.quant import QMAX, QArray, check_operand, dequantize, quantize, scale_layout
 
 DTYPES = ("int8", "float8_e4m3fn")
 # Worst rounding error of one value: int8, half a step (absmax / 127) of its run; float8_e4m3fn, half an ulp

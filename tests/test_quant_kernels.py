@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.loop_dtypes import e4m3fn_to_float32
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, vmem_bytes
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
-from moe_tune.quant import QArray, quantize
+from moe_tune.core.quant import QArray, quantize
 
 # the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the quantized kernel tests
 # (tests/test_quant_op.py imports these names from here)

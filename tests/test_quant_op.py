@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.ragged_dot.reference import (
     ragged_dot_dlhs_reference,
     ragged_dot_drhs_reference,
     ragged_dot_reference,
 )
-from moe_tune.quant import AsQArray, QArray, dequantize, dequantize_host, quantize
+from moe_tune.core.quant import AsQArray, QArray, dequantize, dequantize_host, quantize
 
 from ragged_dot_base.quantized import assert_quantized_vjp  # noqa: E402
 # the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the kernel tests

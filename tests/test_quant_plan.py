@@ -22,7 +22,7 @@ from moe_tune.kernels.ragged_dot.reference import (ragged_dot_dlhs_reference, ra
                                                    ragged_dot_reference)
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig, tiled_ragged_dot
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
-from moe_tune.quant import QArray, dequantize, quantize, split
+from moe_tune.core.quant import QArray, dequantize, quantize, split
 
 M, K, N, G = 40, 32, 24, 4
 SIZES = [9, 0, 23, 3]

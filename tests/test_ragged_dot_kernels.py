@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune import distributions
-from moe_tune.errors import InvalidConfigError
+from moe_tune.core import distributions
+from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
 from moe_tune.kernels.ragged_dot.reference import ragged_dot_drhs_reference
@@ -261,12 +261,12 @@ class TestTriton(RaggedDotBackendTests):
         problem = self.problem(4096, 4096, 4096, 8, "float32")
         impl = self.impl
         space = impl.search_space(problem)
-        assert all(impl.shared_memory_bytes(c, problem) <= moe_tune.devices.gpu_shared_memory_bytes() for c in space)
+        assert all(impl.shared_memory_bytes(c, problem) <= moe_tune.core.devices.gpu_shared_memory_bytes() for c in space)
         grid = impl.candidate_values(problem)
         assert len(space) < np.prod([len(v) for v in grid.values()])  # some were pruned
         big = TritonConfig(block_m=128, block_k=128, block_n=256, num_warps=8, num_stages=4)
         assert "shared memory" in impl.config_error(big, problem)
-        assert moe_tune.devices.gpu_shared_memory_bytes("nvidia_h100_80gb_hbm3") > moe_tune.devices.gpu_shared_memory_bytes("cpu")
+        assert moe_tune.core.devices.gpu_shared_memory_bytes("nvidia_h100_80gb_hbm3") > moe_tune.core.devices.gpu_shared_memory_bytes("cpu")
 
 
 def test_min_bytes_counts_each_array_once_in_its_dtype():

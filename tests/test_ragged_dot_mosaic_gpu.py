@@ -23,8 +23,8 @@ from ragged_dot_base.helpers import DIRECTIONS, GRAD_TOLERANCE, assert_matches_r
 from test_moe import TOP_K, dense_moe_float64, relative
 
 import moe_tune
-from moe_tune import devices
-from moe_tune.errors import UsageError
+from moe_tune.core import devices
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot import mosaic_gpu_tgmm_sm100
 from moe_tune.kernels.ragged_dot.mosaic_gpu import MosaicGpuConfig, MosaicGpuRaggedDot

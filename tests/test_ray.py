@@ -16,7 +16,7 @@ import pytest
 
 from conftest import FAKE_GPUS
 from moe_tune.campaign.plan import Case, plan, split_done
-from moe_tune.models import ModelPreset, layer_cases
+from moe_tune.layer.models import ModelPreset, layer_cases
 from moe_tune.tuner import SweepSettings
 
 # gate/up and down have the same problems (hidden == expert width): 5 sweeps for the layer's 8 kernel cases
@@ -210,7 +210,7 @@ def test_progress_shows_one_line_per_running_sweep_and_the_count():
     from rich.progress import Progress
 
     from moe_tune.campaign.outcome import SweepOutcome
-    from moe_tune.cli_render import CampaignProgress
+    from moe_tune.commands.render import CampaignProgress
 
     sweeps = plan(tiny_cases(), platform="cpu", distribution="balanced")
     bars = Progress(console=Console(file=open(os.devnull, "w")))

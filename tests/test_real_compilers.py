@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
-from moe_tune.models import get_preset, kernel_problems
+from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.targets import TARGETS, get_target
 from moe_tune.targets import wheels
 from moe_tune.targets.compile import CRASHED, OK, REJECTED

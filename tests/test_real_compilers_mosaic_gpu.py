@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_tune.models import get_preset, kernel_problems
+from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.targets import get_target, wheels
 from moe_tune.targets.compile import REJECTED
 from moe_tune.targets.compile import acting_as

@@ -6,10 +6,10 @@ from __future__ import annotations
 import matplotlib.image
 import pytest
 
-from moe_tune import bench, report
-from moe_tune.errors import UsageError
+from moe_tune.commands import bench, report
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.plots import plot_entries
+from moe_tune.commands.plots import plot_entries
 from moe_tune.tuner import SweepRequest, run_sweep
 
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)

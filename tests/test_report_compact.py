@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from moe_tune import cli_render, report
+from moe_tune.commands import render as cli_render, report
 from moe_tune.cli import cli
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs

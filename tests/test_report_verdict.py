@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_tune import report
+from moe_tune.commands import report
 from moe_tune.kernels import get_op
-from moe_tune.plots import plot_entries
+from moe_tune.commands.plots import plot_entries
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import (
     BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE, RULES, WITHIN_NOISE,

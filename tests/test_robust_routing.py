@@ -8,7 +8,9 @@ import dataclasses
 
 from click.testing import CliRunner
 
-from moe_tune import cli, distributions
+from moe_tune import cli
+
+from moe_tune.core import distributions
 from moe_tune.campaign import robust
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem

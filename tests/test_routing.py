@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import moe_tune
-from moe_tune import routing
-from moe_tune.errors import UsageError
+from moe_tune.core import routing
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot import RaggedDotProblem

@@ -64,7 +64,7 @@ def test_shipped_entries_were_tuned_with_the_current_kernels():
 def test_fresh_install_uses_the_shipped_tables(tmp_path):
     code = """
 import json, sys
-from moe_tune import models
+from moe_tune.layer import models
 from moe_tune.kernels import get_op
 out = []
 for name, tokens, ep in json.loads(sys.argv[1]):

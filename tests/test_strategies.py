@@ -8,7 +8,7 @@ import math
 import pytest
 
 from moe_tune.cli import sweep as sweep_command
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.tuner import STRATEGIES, SweepRequest, run_sweep
 from moe_tune.tuner import strategies as S

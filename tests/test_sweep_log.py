@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from moe_tune.cli import cli
-from moe_tune.errors import MoeTuneError
+from moe_tune.core.errors import MoeTuneError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.profiles import read_table
 from moe_tune.tuner import Reporter, SweepInterrupted, SweepRequest, log_path_for, run_sweep

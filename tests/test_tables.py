@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune.errors import TableError, UsageError
+from moe_tune.core.errors import TableError, UsageError
 from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig, TiledRaggedDot

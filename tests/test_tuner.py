@@ -12,7 +12,7 @@ import pytest
 from faulty_backend import FaultyConfig, FaultyRaggedDot
 
 import moe_tune
-from moe_tune import distributions
+from moe_tune.core import distributions
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels import get_op
 from moe_tune.profiles import entry_key, read_table, use_profiles
@@ -258,7 +258,7 @@ def test_a_sweep_times_raced_out_candidates_once_and_the_finalists_fully(tmp_pat
 
 
 def test_race_must_be_above_one():
-    with pytest.raises(moe_tune.errors.UsageError, match="race must be > 1"):
+    with pytest.raises(moe_tune.core.errors.UsageError, match="race must be > 1"):
         SweepSettings(race=1.0)
     assert SweepSettings(race=None).race is None
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.models import ModelPreset
+from moe_tune.layer.models import ModelPreset
 from moe_tune.tuner import SweepSettings
 
 TINY = ModelPreset(name="tiny", hidden=128, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)

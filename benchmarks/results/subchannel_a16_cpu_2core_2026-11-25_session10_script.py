@@ -2,7 +2,8 @@
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from unittest import mock
-from moe_tune import bench, quantize
+from moe_tune import quantize
+from moe_tune.commands import bench
 from moe_tune.kernels.ragged_dot import tiled as T
 
 groups, m, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -3,7 +3,8 @@ and fp8 loaded by XLA's convert vs the bit-built one (loop_dtypes.e4m3fn_to_floa
 import contextlib, sys
 import jax, jax.numpy as jnp, numpy as np
 from unittest import mock
-from moe_tune import bench, quantize
+from moe_tune import quantize
+from moe_tune.commands import bench
 from moe_tune.kernels import loop_dtypes
 from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot, TiledConfig
 

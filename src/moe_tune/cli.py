@@ -9,14 +9,14 @@ from pathlib import Path
 
 import click
 
-from moe_tune import cli_render as render
-from moe_tune import devices, distributions, settings
-from moe_tune import models as presets
-from moe_tune.cli_options import (DTYPES, INT_LIST, handle_errors, one, problems, quant_flags, quant_options,
+from moe_tune.commands import render as render
+from moe_tune.core import devices, distributions, settings
+from moe_tune.layer import models as presets
+from moe_tune.commands.options import (DTYPES, INT_LIST, handle_errors, one, problems, quant_flags, quant_options,
                                   shape_options, sweep_cases, sweep_options)
-from moe_tune.cli_options import directions as all_directions
-from moe_tune.cli_render import console
-from moe_tune.coverage_cli import coverage
+from moe_tune.commands.options import directions as all_directions
+from moe_tune.commands.render import console
+from moe_tune.commands.coverage import coverage
 from moe_tune.kernels import get_op, op_names
 
 
@@ -44,7 +44,7 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
     elsewhere = campaign.ray_address is not None or campaign.share is not None
     asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=elsewhere, ladder=campaign.ladder)
     if campaign.target is not None:  # compile for a chip this machine does not have (moe_tune/targets)
-        from moe_tune.targets import sweep_cli
+        from moe_tune.commands import target_sweep as sweep_cli
 
         sweep_cli.run(asked.cases, settings, campaign.target, backend=asked.backend, campaign=campaign,
                       print_line=_say)
@@ -130,8 +130,8 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
            columns, all_columns, breakdown, via, runs, top, keep_trace):
     """Show the tuned tables (or one sweep's candidates, with --sweep LOG; or where one entry's time goes, with
     --breakdown)."""
-    from moe_tune import report as reports
-    from moe_tune.errors import UsageError
+    from moe_tune.commands import report as reports
+    from moe_tune.core.errors import UsageError
 
     if sweep_log is not None:
         return render.sweep_log(sweep_log, *reports.sweep_log_frame(sweep_log), fmt, shown=list(reports.LOG_COLUMNS))
@@ -144,7 +144,7 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
         return _breakdown(reports.selected_entries(frame, profile_dir, op), fmt, via=via, runs=runs, top=top,
                           keep_trace=keep_trace)
     if plot is not None:
-        from moe_tune.plots import plot_entries
+        from moe_tune.commands.plots import plot_entries
 
         path = plot_entries(reports.selected_entries(frame, profile_dir, op), plot)
         console.print(f"plot written to {path}", highlight=False)
@@ -156,10 +156,10 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
 
 def _breakdown(entries, fmt: str, *, via, runs: int, top: int, keep_trace) -> None:
     """`report --breakdown`: the first selected entry's winner and default, per op."""
-    from moe_tune.breakdown import profile_entry
-    from moe_tune.errors import UsageError
+    from moe_tune.commands.breakdown import profile_entry
+    from moe_tune.core.errors import UsageError
     from moe_tune.profiles.verdict import verdict_of
-    from moe_tune.report import breakdown_check
+    from moe_tune.commands.report import breakdown_check
 
     if not entries:
         raise UsageError("nothing to break down: no tuned entry matches (run `moe-tune sweep`, or loosen the filters)")
@@ -269,7 +269,7 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
 
     ragged_dot: vs jax.lax.ragged_dot and a dense matmul of the same FLOPs; dispatch / combine: vs the
     plain-JAX fallback and a copy of the same bytes."""
-    from moe_tune import bench as benches
+    from moe_tune.commands import bench as benches
 
     if model is not None:
         cases = [(case.op, case.problem) for _, case in presets.layer_cases(

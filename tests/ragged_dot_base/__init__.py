@@ -21,7 +21,7 @@ mode off their chip), one mixin per concern:
   problem the backend cannot run (its default config's `config_error`) is skipped with that reason, as the op
   falls back;
 - lowering for its native chips (`platforms`; cpu only when it has no other), through `jax.export` with
-  `moe_tune.devices.platform` patched (`lowering.LoweringTests`): float, mixed-dtype, group_offset and
+  `moe_tune.core.devices.platform` patched (`lowering.LoweringTests`): float, mixed-dtype, group_offset and
   quantized problems in every direction; where `kernel_calls` names the chip's custom call, exactly one such
   call, holding the 1-byte operand for quantized problems;
 - bad inputs and configs (`bad_inputs.BadInputTests`).

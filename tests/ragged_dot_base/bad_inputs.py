@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import moe_tune
-from moe_tune.errors import InvalidConfigError, UsageError
+from moe_tune.core.errors import InvalidConfigError, UsageError
 from moe_tune.kernels.ragged_dot import BACKENDS
 
 from .helpers import make_operands

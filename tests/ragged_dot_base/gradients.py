@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import moe_tune
-from moe_tune.errors import InvalidConfigError
+from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference

@@ -1,5 +1,5 @@
 """`LoweringTests`: the backend lowers for its native chips (`platforms`; cpu only when it has no other)
-through `jax.export` with `moe_tune.devices.platform` patched, float, mixed-dtype, group_offset and quantized
+through `jax.export` with `moe_tune.core.devices.platform` patched, float, mixed-dtype, group_offset and quantized
 problems in every direction; where `kernel_calls` names the chip's custom call, exactly one such call,
 holding the 1-byte operand for quantized problems. Also the export helpers tests/test_lowering.py uses."""
 
@@ -18,7 +18,7 @@ import pytest
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
-from moe_tune.quant import QArray, quantize
+from moe_tune.core.quant import QArray, quantize
 
 from .helpers import DIRECTIONS
 from .hooks import BackendHooks

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.campaign import estimate as costs
 from moe_tune.campaign.plan import PlannedSweep, model_campaign_cases
 from moe_tune.kernels import get_op

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from moe_tune.campaign.plan import Case, PlannedSweep, plan, shard, split_done
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.evidence import weaker_than
@@ -70,7 +70,7 @@ def prepare(cases: Sequence[Case], settings: SweepSettings, *, backend: str | No
         device = ray_runner.probe(accelerator)
         platform, device_kind = device["platform"], device["device_kind"]
     else:
-        from moe_tune import devices
+        from moe_tune.core import devices
 
         platform, device_kind = devices.platform(), devices.device_kind()
     planned = plan(cases, platform=platform, distribution=settings.distribution, backend=backend)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_tune.campaign.plan import PlannedSweep
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
 from moe_tune.profiles import intervals as iv
@@ -192,7 +192,7 @@ def _known_boundaries(table: Path, ladder: Ladder) -> dict[tuple, dict[str, Any]
 
 def _family_intervals(table: Path, ladder: Ladder) -> list[dict[str, Any]]:
     """The intervals `table` holds for this ladder's family (none when it is missing or unreadable)."""
-    from moe_tune.errors import TableError
+    from moe_tune.core.errors import TableError
     from moe_tune.profiles.table import read_table
 
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_tune.campaign.plan import PlannedSweep
-from moe_tune.errors import MoeTuneError
+from moe_tune.core.errors import MoeTuneError
 from moe_tune.profiles.entry import Entry
 from moe_tune.tuner.result import SweepResult
 
@@ -44,7 +44,7 @@ def local_device() -> dict[str, Any]:
     """This process's device record (the first JAX device: the one a sweep here tunes)."""
     import jax
 
-    from moe_tune import devices
+    from moe_tune.core import devices
 
     return {"host": socket.gethostname(), "device": str(jax.devices()[0]), "device_kind": devices.device_kind(),
             "platform": devices.platform()}

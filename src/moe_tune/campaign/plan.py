@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.models import KernelCase, get_preset, layer_cases, presets
+from moe_tune.layer.models import KernelCase, get_preset, layer_cases, presets
 from moe_tune.profiles import dirs
 from moe_tune.profiles.key import entry_key
 from moe_tune.profiles.table import is_complete, table_entries

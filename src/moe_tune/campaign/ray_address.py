@@ -10,8 +10,8 @@ from __future__ import annotations
 import socket
 import time
 
-from moe_tune import settings
-from moe_tune.errors import MoeTuneError
+from moe_tune.core import settings
+from moe_tune.core.errors import MoeTuneError
 
 RETRY_S = 0.5  # between connection attempts
 

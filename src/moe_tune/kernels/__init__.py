@@ -7,17 +7,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import backend_choice
 from moe_tune.kernels.gather.definition import DENSE_GATHER_REDUCE, RAGGED_GATHER, RAGGED_GATHER_REDUCE
 from moe_tune.kernels.kernel_op import KernelOp, Resolved
 from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
-from moe_tune.kernels.fused_moe.choice import MOE_FUSION  # noqa: I001 (after the ops they build on)
 from moe_tune.kernels.fused_moe.definition import FUSED_MOE
 
 _OPS: dict[str, KernelOp] = {op.name: op for op in (RAGGED_DOT, RAGGED_GATHER, RAGGED_GATHER_REDUCE, DENSE_GATHER_REDUCE,
-                                                    FUSED_MOE, MOE_FUSION)}
+                                                    FUSED_MOE)}
+
+
+def register_op(op: KernelOp) -> None:
+    """Add an op built above the kernels (the layer's `moe_fusion`) to the registry; the package's import
+    does it, so every `get_op` sees it. Registering the same op again is a no-op; another op of a taken name is
+    an error."""
+    if _OPS.setdefault(op.name, op) is not op:
+        raise ValueError(f"op {op.name!r} is registered already")
 
 
 def op_names() -> list[str]:
@@ -42,4 +49,4 @@ def use_backend(op: str, name: str) -> Iterator[str]:
         yield name
 
 
-__all__ = ["KernelOp", "Resolved", "ShapeOption", "get_op", "op_names", "use_backend"]
+__all__ = ["KernelOp", "Resolved", "ShapeOption", "get_op", "op_names", "register_op", "use_backend"]

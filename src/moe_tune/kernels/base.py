@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
-from moe_tune.errors import InvalidConfigError, UsageError
+from moe_tune.core.errors import InvalidConfigError, UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
         return None
 
     def chip_error(self, problem: ProblemT) -> str | None:
-        """Why the chip this process compiles for (`moe_tune.devices`) cannot run `problem` on this backend with
+        """Why the chip this process compiles for (`moe_tune.core.devices`) cannot run `problem` on this backend with
         any config (an instruction the chip lacks, say), or None. The op then runs on its fallback with one
         warning (`guard.chip_guard`); `config_error` refuses every config of such a problem too."""
         return None

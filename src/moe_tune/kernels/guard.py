@@ -14,7 +14,7 @@ import jax
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from moe_tune.errors import warn_caller
+from moe_tune.core.errors import warn_caller
 from moe_tune.kernels.base import Backend
 
 

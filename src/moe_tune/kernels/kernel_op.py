@@ -19,9 +19,11 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from moe_tune import devices, profiles
+from moe_tune import profiles
+
+from moe_tune.core import devices
 from moe_tune.kernels import backend_choice
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.guard import chip_guard, guard
 from moe_tune.kernels.options import ShapeOption
@@ -113,7 +115,7 @@ class KernelOp(abc.ABC):
         - `given` (a config, or its fields as a dict or `freeze_config` tuple): used as is, validated by
           `coerce_config`; a config the caller passed is never silently replaced (InvalidConfigError).
         - Else the tables (`lookup`: exact, nearest, heuristic default) for the routing `distribution` (None:
-          the `moe_tune.routing` block around the call, else the environment's). A looked-up config the
+          the `moe_tune.core.routing` block around the call, else the environment's). A looked-up config the
           backend cannot run for this problem (`config_error`, e.g. pallas_tpu with a hidden size that is not
           a multiple of 128) runs on the plain-JAX fallback with its default config instead.
         """

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
-from moe_tune.quant import FOUR_BIT, QDTYPES, QUANT_NAMES
+from moe_tune.core.quant import FOUR_BIT, QDTYPES, QUANT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)

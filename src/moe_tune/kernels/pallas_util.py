@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune.core import devices
 
 
 def round_up(value: int, multiple: int) -> int:

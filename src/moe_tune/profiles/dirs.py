@@ -11,8 +11,8 @@ from pathlib import Path
 
 import platformdirs
 
-from moe_tune import paths, settings
-from moe_tune.errors import UsageError
+from moe_tune.core import paths, settings
+from moe_tune.core.errors import UsageError
 
 ENV_PROFILE_DIR = settings.PROFILE_DIR
 _overlays: list[Path] = []

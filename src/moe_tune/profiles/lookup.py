@@ -29,8 +29,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moe_tune import devices, distributions, routing, settings
-from moe_tune.errors import TableError, warn_caller
+from moe_tune.core import devices, distributions, routing, settings
+from moe_tune.core.errors import TableError, warn_caller
 from moe_tune.profiles import dirs
 from moe_tune.profiles import intervals as _intervals
 from moe_tune.profiles import versions as _versions

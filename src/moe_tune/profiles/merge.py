@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from moe_tune.errors import TableError, UsageError, path_error
+from moe_tune.core.errors import TableError, UsageError, path_error
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.intervals import INTERVALS, ROBUST
 from moe_tune.profiles.table import read_table, update_table

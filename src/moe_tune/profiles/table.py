@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import filelock
 
-from moe_tune.errors import TableError
+from moe_tune.core.errors import TableError
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.intervals import INTERVALS, ROBUST
 from moe_tune.profiles.locks import lock_path, shared_mode

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ContextManager
 
-from moe_tune import distributions, settings
-from moe_tune.errors import TableError
+from moe_tune.core import distributions, settings
+from moe_tune.core.errors import TableError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import record_problems
 from moe_tune.profiles.key import key_fields, key_from_fields

@@ -29,8 +29,8 @@ from collections.abc import Iterator, Mapping
 from importlib import metadata
 from typing import Any
 
-from moe_tune import settings
-from moe_tune.errors import TableError, UsageError
+from moe_tune.core import settings
+from moe_tune.core.errors import TableError, UsageError
 from moe_tune.profiles.entry import Entry
 
 ENV_STALE_POLICY = settings.STALE_POLICY

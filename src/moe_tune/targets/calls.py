@@ -14,7 +14,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.gather.problem import GATHER_OPS, GatherProblem
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.quant import DynamicQuant, QArray
+from moe_tune.core.quant import DynamicQuant, QArray
 
 # direction -> (the two operands of its matmul), as the ragged_dot op passes them (`a`, `b`)
 _OPERANDS = {"fwd": ("lhs", "rhs"), "dlhs": ("dout", "rhs"), "drhs": ("lhs", "dout")}

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from moe_tune.targets.chips import Target, for_device_kind
+from moe_tune.core.chips import Target, for_device_kind
 from moe_tune.targets.gpu_config import target_config_text
 
 OK, REJECTED, CRASHED, ERROR = "ok", "rejected", "crashed", "error"
@@ -87,7 +87,7 @@ def acting_as(target: Target) -> Iterator[None]:
     """Inside, moe-tune behaves as on the target chip: `devices.platform()` and `devices.device_kind()` report
     it, so kernels traced take their compiled path (`pallas_util.interpreted` reads the platform at trace
     time) and the backends' rules (`config_error`, `search_space`) prune with the chip's budgets."""
-    from moe_tune import devices
+    from moe_tune.core import devices
 
     saved = devices.platform, devices.device_kind
     devices.platform, devices.device_kind = (lambda: target.platform), (lambda: target.device_kind)

@@ -12,7 +12,7 @@ from typing import Any
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.targets import wheels
-from moe_tune.targets.chips import Target
+from moe_tune.core.chips import Target
 from moe_tune.targets.compile import CompileResult
 from moe_tune.targets.jobs import search_space
 from moe_tune.targets.pool import CompileJob, CompilePool

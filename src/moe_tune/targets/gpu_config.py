@@ -3,7 +3,7 @@ from (`get_topology_desc(platform="cuda", target_config=TEXT)`), with no GPU att
 
 from __future__ import annotations
 
-from moe_tune.targets.chips import GpuFacts, Target
+from moe_tune.core.chips import GpuFacts, Target
 
 # The proto's text format, filled from `GpuFacts` (field names are those of xla/stream_executor's
 # GpuDeviceInfoProto). dnn_version_info names a cuDNN recent enough for XLA's passes to consider it.

@@ -9,7 +9,7 @@ from typing import Any
 
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.targets.chips import Target
+from moe_tune.core.chips import Target
 from moe_tune.targets.compile import acting_as
 from moe_tune.targets.pool import CompileJob
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.targets import wheels
-from moe_tune.targets.chips import get_target
+from moe_tune.core.chips import get_target
 from moe_tune.targets.compile import CRASHED, CompileResult
 from moe_tune.targets.worker import RESULT_PREFIX
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_tune.errors import MoeTuneError
+from moe_tune.core.errors import MoeTuneError
 
 
 def compile_wheels() -> dict[str, tuple[str, ...]]:

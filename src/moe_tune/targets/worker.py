@@ -27,7 +27,7 @@ def _protocol_stream():
 def run_job(job) -> dict:
     """Compile one job; a result dict (`CompileResult.to_dict()`)."""
     from moe_tune.targets.calls import abstract_inputs, kernel_call
-    from moe_tune.targets.chips import get_target
+    from moe_tune.core.chips import get_target
     from moe_tune.targets.compile import ERROR, CompileResult, compile_call, first_line
 
     target = get_target(job.target)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import jax
 
-from moe_tune import settings
-from moe_tune.paths import writable_dir
+from moe_tune.core import settings
+from moe_tune.core.paths import writable_dir
 
 
 def cache_dir() -> Path | None:

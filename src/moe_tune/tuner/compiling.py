@@ -38,7 +38,7 @@ from typing import Any
 import jax
 from jax.experimental import serialize_executable
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.tuner import workers as workers_module
 from moe_tune.tuner.candidate import OK, Candidate, short
 from moe_tune.tuner.gate import Reference

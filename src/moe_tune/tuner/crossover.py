@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.profiles.verdict import paired_ratios

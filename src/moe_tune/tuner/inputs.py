@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.tuner.gate import Reference
 from moe_tune.targets.calls import DESCRIBED_OPS, abstract_inputs
 from moe_tune.tuner.shared_inputs import shared_inputs

@@ -35,7 +35,7 @@ from typing import Any
 
 import filelock
 
-from moe_tune.errors import MoeTuneError
+from moe_tune.core.errors import MoeTuneError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.profiles.locks import lock_path
 from moe_tune.tuner.candidate import FAILED, OK, WRONG, Candidate

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 
 
 def available_bytes() -> int | None:

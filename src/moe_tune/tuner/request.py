@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moe_tune import devices
-from moe_tune.errors import UsageError
+from moe_tune.core import devices
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.kernel_op import KernelOp

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moe_tune.errors import MoeTuneError
+from moe_tune.core.errors import MoeTuneError
 from moe_tune.profiles.entry import Entry
 from moe_tune.tuner.candidate import OK, Candidate
 from moe_tune.tuner.request import SweepRequest

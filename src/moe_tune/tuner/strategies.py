@@ -43,7 +43,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.profiles.verdict import PAIRED_MIN_NOISE, paired_ratios
 from moe_tune.tuner.candidate import OK, Candidate, same_rounds

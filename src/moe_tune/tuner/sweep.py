@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from moe_tune import paths
-from moe_tune import settings as env
-from moe_tune.errors import warn_caller
+from moe_tune.core import paths
+from moe_tune.core import settings as env
+from moe_tune.core.errors import warn_caller
 from moe_tune.profiles.dirs import writable_dir
 from moe_tune.tuner import compile_cache, finals, memory, record, search, strategies, warm_start
 from moe_tune.tuner.compiling import start_workers, uses_workers

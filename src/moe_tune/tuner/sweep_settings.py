@@ -11,8 +11,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from moe_tune import distributions
-from moe_tune.errors import UsageError
+from moe_tune.core import distributions
+from moe_tune.core.errors import UsageError
 from moe_tune.tuner import strategies
 
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.errors import TableError
+from moe_tune.core.errors import TableError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.profiles import read_table, search_dirs, table_path
 

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
-from moe_tune import settings
+from moe_tune.core import settings
 from moe_tune.tuner import shared_payload
 
 _HEADER = struct.Struct("<Q")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.quant import QArray, split
+from moe_tune.core.quant import QArray, split
 
 
 Weights = Union[jax.Array, QArray, tuple]  # one array / QArray, or a tuple of parts (`split_weights`)

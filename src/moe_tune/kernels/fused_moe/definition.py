@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import distributions
+from moe_tune.core import distributions
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
@@ -20,7 +20,7 @@ from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combi
 from moe_tune.kernels.fused_moe.registry import BACKENDS, FALLBACK
 from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.kernels.options import ShapeOption
-from moe_tune.quant import QArray, dequantize_host, quantize
+from moe_tune.core.quant import QArray, dequantize_host, quantize
 
 STAGE = ShapeOption("stage", STAGES, "fused_moe: the fused dispatch (gather + gate/up matmul) or combine (down "
                     "matmul + weighted sum).")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
 from moe_tune.kernels.fused_moe.base import weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.definition import FUSED_MOE
@@ -36,7 +36,7 @@ from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.op import given_configs, shard_groups
 from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, RaggedDotProblem, dtype_name
-from moe_tune.quant import QArray, check_operand
+from moe_tune.core.quant import QArray, check_operand
 
 
 @dataclasses.dataclass(frozen=True)

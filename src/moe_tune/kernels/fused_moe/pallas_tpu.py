@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu_kernels import packs_halves, pallas_gather_gmm, pallas_gmm_combine

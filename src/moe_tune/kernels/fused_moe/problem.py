@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
-from moe_tune.quant import QDTYPES
+from moe_tune.core.quant import QDTYPES
 
 DIRECTIONS = ("fwd", "bwd")
 STAGES = ("dispatch", "combine")

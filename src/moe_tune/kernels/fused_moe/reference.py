@@ -1,6 +1,6 @@
 """Float64 NumPy references for the fused dispatch and combine (what every backend and every tuning
 candidate is checked against). Concrete inputs only; a QArray is dequantized by the caller
-(`moe_tune.quant.dequantize_host`)."""
+(`moe_tune.core.quant.dequantize_host`)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weigh
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.loop_dtypes import as_bits, load, per_iteration, update_slice
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
-from moe_tune.quant import QArray, dequantize
+from moe_tune.core.quant import QArray, dequantize
 
 # 192 and 384 (multiples of 64 between the powers of two) and tails of 64, for groups of about 384 rows
 # (deepseek-v2-lite prefill): there 192:64 or 256:64 led three of the four fused calls in a loaded run

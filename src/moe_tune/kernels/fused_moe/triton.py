@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.base import (FusedMoeBackend, kernel_operands, kernel_parts, weight_refs,

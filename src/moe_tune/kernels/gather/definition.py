@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from moe_tune import distributions
+from moe_tune.core import distributions
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_tune import routing, settings
-from moe_tune.errors import UsageError
+from moe_tune.core import routing, settings
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.plain_jax import row_range_mask
 from moe_tune.kernels.gather.problem import GatherProblem
@@ -41,7 +41,7 @@ class _Kernel:
     op: str
     backend: str
     given: Any = None  # a config, or its `freeze_config` tuple; None asks the tables
-    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.routing`)
+    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.core.routing`)
 
     def gather(self, x, indices, start, end, weights):
         problem = GatherProblem(tokens=x.shape[0], rows=indices.shape[0], hidden=x.shape[1],

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.ragged_dot.problem import check_positive, supported_dtype
 
 GATHER_OPS = ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.quant import QArray
+from moe_tune.core.quant import QArray
 
 
 class RaggedDotBackend(Backend[Any, RaggedDotProblem]):

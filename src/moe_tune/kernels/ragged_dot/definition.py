@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import devices, distributions
-from moe_tune.errors import UsageError
+from moe_tune.core import devices, distributions
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DEQUANTIZED_DTYPE, DIRECTIONS, RaggedDotProblem
@@ -22,7 +22,7 @@ from moe_tune.kernels.ragged_dot.reference import (
 )
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
 from moe_tune.kernels.kernel_op import KernelOp, relative_error
-from moe_tune.quant import DynamicQuant, QArray, dequantize_host, qdtype_name, quantize
+from moe_tune.core.quant import DynamicQuant, QArray, dequantize_host, qdtype_name, quantize
 
 # Above this many FLOPs an accelerator's reference runs on the device (float32, highest precision) instead
 # of in float64 NumPy on the host, which would take minutes at real model sizes.

@@ -16,7 +16,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.pallas_util import interpreted, pad_to, sublanes
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups

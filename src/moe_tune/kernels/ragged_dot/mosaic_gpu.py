@@ -32,14 +32,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import mosaic_gpu_kernels as kernels
 from moe_tune.kernels.ragged_dot import mosaic_gpu_smem as smem
 from moe_tune.kernels.ragged_dot import mosaic_gpu_tgmm_sm100 as tgmm_sm100
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.quant import QArray
+from moe_tune.core.quant import QArray
 
 HOPPER, BLACKWELL = "hopper", "blackwell"
 LOW_PRECISION = ("bfloat16", "float16")

@@ -29,10 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.pallas_util import pad_to
 from moe_tune.kernels.ragged_dot.metadata import select_shard
-from moe_tune.targets.chips import for_device_kind
+from moe_tune.core.chips import for_device_kind
 
 # SMs the interpreter simulates for the kernels that size their grid by the device (each SM is a thread of
 # the interpreter: few keep interpret mode fast; the Hopper gmm fixes its own 132).

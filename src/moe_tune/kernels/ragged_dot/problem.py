@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import positive_int_error
-from moe_tune.quant import FOUR_BIT, QDTYPES, DynamicQuant, QArray, block_rule, check_operand
+from moe_tune.core.quant import FOUR_BIT, QDTYPES, DynamicQuant, QArray, block_rule, check_operand
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")
 # The two operands each direction's kernel reads, `a` and `b` (`RaggedDotBackend.run`), by forward name.

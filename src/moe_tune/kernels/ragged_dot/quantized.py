@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, LhsQuant, QuantPlan, gmm_plan, tgmm_plan
-from moe_tune.quant import DynamicQuant, QArray, dequantize, split
+from moe_tune.core.quant import DynamicQuant, QArray, dequantize, split
 
 
 class GmmOperands(NamedTuple):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moe_tune.quant import QMAX
+from moe_tune.core.quant import QMAX
 
 def decode_e2m1(bits: jax.Array) -> jax.Array:
     """float32 values of e2m1 codes held as int4 (the same 4 bits: sign, 2 exponent bits, 1 mantissa bit).

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from moe_tune.kernels.loop_dtypes import load, load_nibbles
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan
 from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk
-from moe_tune.quant import quantize_tile
+from moe_tune.core.quant import quantize_tile
 
 
 def _blocks(size: int, block: int) -> list[tuple[int, int]]:

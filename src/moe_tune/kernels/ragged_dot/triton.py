@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_tune import devices
+from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, pad_to
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups

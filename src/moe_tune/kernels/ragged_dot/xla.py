@@ -14,7 +14,7 @@ from jax import lax
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.quant import DynamicQuant, QArray, dequantize
+from moe_tune.core.quant import DynamicQuant, QArray, dequantize
 
 # lhs [m, k] x rhs [g, k, n] (or [g, n, k]): ragged rows of lhs select a group of rhs.
 _GMM = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 
 DATA_FILE = "data/models.json"
@@ -169,7 +169,7 @@ def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str
     - ragged_dot, roles `gate/up` (lhs [m, hidden] x rhs [groups, hidden, expert_intermediate]; gate and up
       have the same shape, so one case) and `down` (lhs [m, expert_intermediate] x rhs [groups,
       expert_intermediate, hidden]), each in directions fwd, dlhs and drhs. m = tokens * top_k: it is the
-      static row count of the expert-ordered buffer in `moe_tune.moe.moe_mlp` (every (token, k) entry gets a
+      static row count of the expert-ordered buffer in `moe_tune.layer.moe.moe_mlp` (every (token, k) entry gets a
       row; a shard only multiplies the rows of its own experts, about m / ep of them, but the kernel and its
       table key see the static m), and it is also the average number of rows a shard receives after an
       all-to-all dispatch (ep shards each send tokens * top_k rows, spread over ep shards).

@@ -1,4 +1,4 @@
-"""`python -m moe_tune.demo_check`: the last step of `make demo`, in a fresh process.
+"""`python -m moe_tune.commands.demo_check`: the last step of `make demo`, in a fresh process.
 
 Calls `moe_tune.ragged_dot` under jit at the default sweep shape and shows which config it traced with
 (an exact tuned entry after the demo's sweep) and that the result matches the float64 reference.
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 import moe_tune
-from moe_tune import distributions
+from moe_tune.core import distributions
 from moe_tune.kernels import get_op
 
 

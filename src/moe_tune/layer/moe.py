@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import routing
-from moe_tune.errors import UsageError
+from moe_tune.core import routing
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
-from moe_tune.kernels.fused_moe.choice import register_layer, use_fused
-from moe_tune.kernels.fused_moe.layer import fused_experts, serve_or_train
+from moe_tune.layer.fusion_choice import use_fused
+from moe_tune.layer.fused_layer import fused_experts, serve_or_train
 from moe_tune.kernels.gather.op import dense_gather_reduce, ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
 from moe_tune.kernels.ragged_dot.problem import int_scalar
-from moe_tune.quant import AsQArray, QArray
+from moe_tune.core.quant import AsQArray, QArray
 
 
 def route(router_logits: jax.Array, top_k: int, *, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
@@ -150,6 +150,3 @@ def _experts(fused: bool, x, weights, w_gate, w_up, w_down, entry_of_row, row_of
         valid = (row_of_entry >= start) & (row_of_entry < end)
         out = ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k, **combine)
     return out.astype(x.dtype)  # as the fused path: float32 weights would promote a bfloat16 x's expert outputs
-
-
-register_layer(moe_mlp)  # what `moe_fusion` sweeps time, fused and unfused

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from moe_tune.errors import MoeTuneError, path_error
+from moe_tune.core.errors import MoeTuneError, path_error
 
 
 def writable_dir(directory: str | os.PathLike, what: str, hint: str = "") -> Path:

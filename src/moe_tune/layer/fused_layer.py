@@ -13,10 +13,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import activation_name
 from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine, parts_error
-from moe_tune.quant import AsQArray, QArray
+from moe_tune.core.quant import AsQArray, QArray
 
 
 def can_fuse(w_gate, w_up, w_down) -> str | None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pandas as pd
 
-from moe_tune.breakdown.ops import Breakdown
-from moe_tune.errors import UsageError, warn_caller
+from moe_tune.commands.breakdown.ops import Breakdown
+from moe_tune.core.errors import UsageError, warn_caller
 from moe_tune.profiles import dirs, evidence
 from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.intervals import describe_interval, interval_of_entry
@@ -210,7 +210,7 @@ def select(frame: pd.DataFrame, *, sort: str | None = None, descending: bool = F
     column of COLUMNS if asked. Without a device or source filter, the shipped tables of other device kinds
     (what a lent H100 tuned, on a CPU) are left out: this machine never uses them."""
     if filters.get("device") is None and filters.get("source") is None:
-        from moe_tune import devices  # here: the report's other paths never touch JAX's backends
+        from moe_tune.core import devices  # here: the report's other paths never touch JAX's backends
 
         frame = frame[(frame["source"] != SOURCES["shipped"]) | (frame["device_kind"] == devices.device_kind())]
     for name, value in filters.items():
@@ -244,7 +244,7 @@ def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, lis
     median_ms / spread: the candidate's sweep round; final_ms / final_spread: a finalist's final round (from
     the last `final` line; NaN for the others, and the spread for logs written before it was recorded);
     winner: the config that last `final` line chose."""
-    from moe_tune.errors import MoeTuneError
+    from moe_tune.core.errors import MoeTuneError
     from moe_tune.tuner.log import read_log
 
     path = Path(path)
@@ -294,7 +294,7 @@ BREAKDOWN_COLUMNS = ["label", "config", "source", "rank", "op", "group", "ms_per
 
 
 def breakdown_frame(breakdowns: Sequence[Breakdown], top: int | None = None) -> pd.DataFrame:
-    """One row per op of each breakdown (`moe_tune.breakdown`), largest first, with its share and the
+    """One row per op of each breakdown (`moe_tune.commands.breakdown`), largest first, with its share and the
     cumulative share; `top`: only each one's first `top` ops, the rest summed into one `other (N ops)` row."""
     rows = []
     for breakdown in breakdowns:

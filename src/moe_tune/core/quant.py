@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 
 # Largest magnitude each quantized dtype stores; the one place these numbers live.
 QMAX: dict[str, float] = {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0, "float4_e2m1fn": 6.0}

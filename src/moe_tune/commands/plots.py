@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.errors import UsageError, path_error
+from moe_tune.core.errors import UsageError, path_error
 from moe_tune.profiles import evidence
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict, verdict_of
-from moe_tune.report import entry_words
+from moe_tune.commands.report import entry_words
 
 WINNER, DEFAULT, OTHER, FINAL, BAND = "tab:green", "tab:orange", "tab:blue", "black", "0.85"
 _LABEL_WIDTH = 40  # characters per line of a y label

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-from moe_tune import distributions
+from moe_tune.core import distributions
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_tune_distribution", default=None)
 

@@ -21,14 +21,14 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from moe_tune import devices, distributions
+from moe_tune.core import devices, distributions
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.registry import FALLBACK
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.profiles import evidence
-from moe_tune.quant import as_float
+from moe_tune.core.quant import as_float
 from moe_tune.tuner.memory import check_fits
 from moe_tune.tuner.timing import time_candidates, traceable
 

@@ -14,21 +14,19 @@ is only evaluated, the `bwd` one where it is differentiated (`layer.serve_or_tra
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune import devices, distributions
-from moe_tune.errors import UsageError
-from moe_tune.kernels import options as opt
+from moe_tune.core import devices, distributions
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
-from moe_tune.kernels.fused_moe.layer import can_fuse
-from moe_tune.kernels.fused_moe.layer_reference import (SEEDED_CHECKED, check_parts, check_size, check_vector,
-                                                          checked_experts, layer_reference, training_reference)
-from moe_tune.kernels.kernel_op import KernelOp
+from moe_tune.layer.fused_layer import can_fuse
+from moe_tune.kernels import get_op
+from moe_tune.layer.reference import SEEDED_CHECKED, check_parts, check_size, check_vector, checked_experts
 from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
 
@@ -114,14 +112,6 @@ class LayerChoice(Backend[FusionConfig, FusionProblem]):
 
 BACKENDS = BackendRegistry("moe_fusion", platform_defaults={"cpu": "layer"})
 
-# The layer the choice times, `moe_tune.moe.moe_mlp`: it registers itself here when imported (`register_layer`),
-# since kernels never import the layer built on them (no import circle: tests/test_structure.py).
-_LAYER: list[Callable[..., jax.Array]] = []
-
-
-def register_layer(layer: Callable[..., jax.Array]) -> None:
-    """Make `layer` (moe_mlp's signature) what `moe_fusion` sweeps time."""
-    _LAYER[:] = [layer]
 BACKENDS.register(LayerChoice())
 
 
@@ -158,74 +148,6 @@ def training_check(grads: Sequence[jax.Array], checked: jax.Array) -> jax.Array:
     return check_vector(check_parts([g.astype(jnp.float32) for g in (dx, dlogits, *taken)]), jnp)
 
 
-class MoeFusionOp(KernelOp):
-    name = "moe_fusion"
-    directions = DIRECTIONS
-    backends = BACKENDS
-    fallback = "layer"
-    description = "moe_mlp's experts fused or unfused: a measured choice per layer shape"
-    problem_class = FusionProblem
-    options = (opt.TOKENS, opt.HIDDEN, INTERMEDIATE, opt.EXPERTS, opt.TOP_K, opt.EP, opt.DTYPE)
-
-    def problem(self, *, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, ep: int = 1,
-                dtype: str = "float32", direction: str = "fwd", **_: Any) -> FusionProblem:
-        return FusionProblem(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                             ep=ep, dtype=dtype, direction=direction)
-
-    def default_problem_options(self) -> dict[str, Any]:
-        return dict(DEFAULT_OPTIONS)
-
-    def make_inputs(self, problem: FusionProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
-        return layer_inputs(problem, distribution, seed)
-
-    def distribution_record(self, problem, distribution, seed, inputs) -> dict[str, Any]:
-        return {"experts": problem.experts, "ep": problem.ep}
-
-    def reference(self, problem: FusionProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        if problem.direction == "bwd":
-            return check_vector(check_parts(training_reference(problem, inputs)), np)
-        return layer_reference(problem, inputs)
-
-    def run(self, backend: Backend, config: KernelConfig, problem: FusionProblem,
-            inputs: Mapping[str, jax.Array]) -> jax.Array:
-        if not _LAYER:
-            raise RuntimeError("moe_fusion runs moe_tune.moe.moe_mlp: import moe_tune first")
-        layer = lambda *operands: _LAYER[0](*operands, problem.top_k, expert_offset=0 if problem.ep > 1 else None,
-                                            fused=config.fused)
-        operands = tuple(inputs[name] for name in LAYER_OPERANDS)
-        if problem.direction == "fwd":
-            return layer(*operands)
-        # the training step: every gradient of sum(out * cotangent) is computed; the checked part returned
-        # (`layer_reference`): dx, d(router logits), and the checked experts' weight gradients, taken by traced
-        # indices (an input), so that no weight gradient can be dropped as unused (tests/test_moe_fusion_check.py)
-        _, pullback = jax.vjp(layer, *operands)
-        return training_check(pullback(inputs["cotangent"]), inputs["checked_experts"])
-
-    def memory_estimate(self, problem: FusionProblem) -> int:
-        """What a sweep of `problem` holds at least, compiling in its own process (`--workers 1`):
-        `sweep_memory(problem, workers=1)`. Each compile worker adds its share (`memory_parts`)."""
-        return sweep_memory(problem, workers=1)
-
-    def sweep_memory(self, problem: FusionProblem, workers: int) -> int:
-        return sweep_memory(problem, workers)
-
-    def tolerance(self, problem: FusionProblem) -> float:
-        """The dtype's (`kernel_op.TOLERANCE`); a bf16/f16 training step's twice that: its gradients pass
-        through more roundings in the layer's dtype than the forward (dh, the activation's derivative), and
-        each part is checked at its own scale, so a few-row expert's gradient shows its own rounding
-        (measured: up to 1.8e-2 at qwen3-30b-a3b 256 tokens ep 4 bf16, the fewest-loaded expert's dw_up,
-        both ways; wrong gradients give 0.1-1, tests/test_moe_fusion_check.py). float32 errors are ~2e-6."""
-        base = super().tolerance(problem)
-        return 2 * base if problem.direction == "bwd" and problem.dtype != "float32" else base
-
-    def describe(self, problem: FusionProblem) -> str:
-        p = problem
-        ep = f" ep={p.ep}" if p.ep > 1 else ""
-        return (f"moe_fusion {p.direction} tokens={p.tokens} hidden={p.hidden} intermediate={p.intermediate} experts={p.experts} "
-                f"top_k={p.top_k} {p.dtype}{ep}")
-
-
-MOE_FUSION = MoeFusionOp()
 
 
 def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int, experts: int, local: int,
@@ -244,7 +166,8 @@ def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int
                             ep=experts // local if experts % local == 0 else 1, dtype=dtype_name(dtype),
                             direction=direction)
     options = {} if distribution is None else {"distribution": distribution}
-    return bool(MOE_FUSION.resolve_config(None, problem, **options).config.fused)
+    # the op object is the layer room's (`layer.fusion_op`), registered with the kernels' ops
+    return bool(get_op("moe_fusion").resolve_config(None, problem, **options).config.fused)
 
 
 # A sweep process beyond its arrays (JAX, moe_tune, compiled programs, the profiler): the peak PSS of a whole

@@ -8,9 +8,9 @@ import re
 import jax
 
 
-from moe_tune.targets.chips import GPU_TARGETS, TPU_TARGETS, for_device_kind
+from moe_tune.core.chips import GPU_TARGETS, TPU_TARGETS, for_device_kind
 
-# The chips' budgets come from the compile-target table (`moe_tune.targets.chips`), which the real compilers
+# The chips' budgets come from the compile-target table (`moe_tune.core.chips`), which the real compilers
 # check (tests/test_real_compilers.py): one source of truth for the pruning rules and the compilers.
 
 # Scoped VMEM a Pallas TPU kernel may use by default on every TPU generation (the smallest of the chips'

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 
 DEFAULT = "balanced"
 

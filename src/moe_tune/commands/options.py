@@ -17,9 +17,9 @@ from typing import Any
 
 import click
 
-from moe_tune import distributions
-from moe_tune import models as presets
-from moe_tune.errors import MoeTuneError, UsageError
+from moe_tune.core import distributions
+from moe_tune.layer import models as presets
+from moe_tune.core.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.options import QUANT, ShapeOption, names
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES

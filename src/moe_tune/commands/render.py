@@ -22,8 +22,8 @@ from moe_tune.profiles.verdict import verdict_of
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from moe_tune.bench import Comparison
-    from moe_tune.breakdown import Breakdown
+    from moe_tune.commands.bench import Comparison
+    from moe_tune.commands.breakdown import Breakdown
     from moe_tune.campaign.engine import Campaign
     from moe_tune.campaign.outcome import SweepOutcome
     from moe_tune.campaign.plan import PlannedSweep
@@ -309,7 +309,7 @@ def frame(data, fmt: str, *, title: str, empty: str, shown: list[str], compact: 
     elif data.empty:
         out.print(empty)
     else:
-        from moe_tune.report import HEADERS
+        from moe_tune.commands.report import HEADERS
 
         table(title, [HEADERS.get(c, c) for c in shown], [[_cell(row[c]) for c in shown] for _, row in data.iterrows()],
               right=[HEADERS.get(c, c) for c in shown if data[c].dtype.kind in "if"], compact=compact, console=console)
@@ -321,7 +321,7 @@ UNTRACED_NOTE = 0.2  # a breakdown whose op events miss this share of its wall t
 def breakdowns(found: Sequence[Breakdown], fmt: str, *, top: int) -> None:
     """`report --breakdown`: a table per config of its largest `top` ops, or every op of every config as one
     csv / json / markdown frame."""
-    from moe_tune.report import breakdown_frame
+    from moe_tune.commands.report import breakdown_frame
 
     if fmt != "table":
         return frame(breakdown_frame(found), fmt, title="", empty="", shown=[])

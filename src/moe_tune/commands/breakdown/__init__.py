@@ -6,7 +6,7 @@ GPU kernel), largest first, with the share of the total (`moe-tune report --brea
 - `run`: re-running an entry's configs under `jax.profiler.trace` and reading the traces.
 """
 
-from moe_tune.breakdown.ops import Breakdown, OpTime
-from moe_tune.breakdown.run import SOURCES, profile_entry
+from moe_tune.commands.breakdown.ops import Breakdown, OpTime
+from moe_tune.commands.breakdown.run import SOURCES, profile_entry
 
 __all__ = ["SOURCES", "Breakdown", "OpTime", "profile_entry"]

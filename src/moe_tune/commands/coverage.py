@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 
-from moe_tune import cli_render as render
-from moe_tune import distributions
-from moe_tune import models as presets
-from moe_tune.cli_options import DTYPES, INT_LIST, handle_errors, quant_flags, quant_options
+from moe_tune.commands import render as render
+from moe_tune.core import distributions
+from moe_tune.layer import models as presets
+from moe_tune.commands.options import DTYPES, INT_LIST, handle_errors, quant_flags, quant_options
 
 
 @click.command()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
 from moe_tune.targets import wheels
 from moe_tune.targets.calls import DESCRIBED_OPS
-from moe_tune.targets.chips import get_target
+from moe_tune.core.chips import get_target
 from moe_tune.targets.compile_sweep import TargetSweep, compile_sweeps
 from moe_tune.targets.records import records_path
 

@@ -3,7 +3,7 @@
 One table, `TARGETS`, holds every fact a backend prunes a search space with (a TPU's scoped VMEM budget,
 a GPU's shared memory per block and compute capability), and what the compile-only topology is built from
 (a TPU topology name; a GPU's `GpuTargetConfigProto`, rendered by `gpu_config.py` from the facts here).
-`moe_tune.devices` reads its budgets from this table, so the pruning rules and the compilers see the same
+`moe_tune.core.devices` reads its budgets from this table, so the pruning rules and the compilers see the same
 chip. Numbers are the chips' published figures (CUDA device attributes for the GPUs); where a rule and the
 compiler disagreed, the compiler's limit is what is written here.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 
 MIB = 1024 * 1024
 

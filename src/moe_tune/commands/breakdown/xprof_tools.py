@@ -21,8 +21,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from moe_tune.breakdown.ops import OpEvent, OpTime, ranked
-from moe_tune.errors import MoeTuneError
+from moe_tune.commands.breakdown.ops import OpEvent, OpTime, ranked
+from moe_tune.core.errors import MoeTuneError
 
 
 def tool_data(xplane: Path, tool: str) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import platformdirs
 
-from moe_tune.errors import UsageError
+from moe_tune.core.errors import UsageError
 
 PROFILE_DIR = "MOE_TUNE_PROFILE_DIR"
 DISTRIBUTION = "MOE_TUNE_DISTRIBUTION"
