@@ -1,13 +1,14 @@
-"""The finals' verdict, paired per round against two medians apart, on repeated final rounds (issue 32, s15).
+"""The finals' verdict, paired per round against two medians apart, on repeated final rounds
+(FINDINGS.md: paired finals).
 
     flock /work/coord/bench.lock .venv/bin/python benchmarks/finals_paired_cpu.py --m 1024 --k 7168 --n 2048 \
         --groups 4 --dtype bfloat16 --other tm=128,tk=512,tail=64 [--repeat 20] [--json OUT]
 
 Compiles the default, a copy of the default (compiled apart) and the `--other` configs once (each checked
 against the reference), then runs `--repeat` final rounds as the tuner's finals run them (`time_candidates`,
-every config once per round, shuffled, `finals.final_samples` samples from the configs' first-call times),
+every config once per round, shuffled, `measure.final_samples` samples from the configs' first-call times),
 and for each round applies both rules to every config against the default: the two medians with their MADs
-(`verdict.noise_threshold`, the rule before session 15) and the paired rule (`verdict.paired`). A win of the
+(`verdict.noise_threshold`, the rule the paired one replaced) and the paired rule (`verdict.paired`). A win of the
 copy is a false win; the others' wins are counted against their long-run median ratio over the default (all
 the rounds' samples pooled). Nothing is asserted (a shared machine).
 """
@@ -29,9 +30,9 @@ from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.profiles.verdict import noise_threshold, paired
-from moe_tune.tuner import finals
-from moe_tune.tuner.kernel import Kernel
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner import measure
+from moe_tune.tuner.compiling import Kernel
+from moe_tune.tuner.request import SweepSettings
 from moe_tune.tuner.timing import time_candidates
 
 
@@ -77,7 +78,7 @@ def main() -> int:
             return 1
         calls[index] = lambda compiled=compiled: compiled(inputs)
         print(f"  {name}: {impl.config_cls(**config).label()} first call {first_s * 1e3:.1f} ms", flush=True)
-    samples = finals.final_samples(SweepSettings(samples=3, workers=1), first_s)
+    samples = measure.final_samples(SweepSettings(samples=3, workers=1), first_s)
     print(f"m={args.m} k={args.k} n={args.n} groups={args.groups} {args.dtype}: {args.repeat} final rounds of "
           f"{samples} samples, {len(named)} configs; load: {load()}", flush=True)
     names = list(named)

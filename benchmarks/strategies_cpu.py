@@ -29,7 +29,6 @@ import time
 import jax
 
 from moe_tune.commands import bench
-
 from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.tuner import SweepRequest, run_sweep

@@ -41,7 +41,6 @@ from pathlib import Path
 import jax
 
 from moe_tune.commands import bench
-
 from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.profiles import Entry, read_table, write_entries

@@ -9,14 +9,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ragged_dot_base import RaggedDotBackendTests
 
 import moe_tune
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.tuner import SweepRequest, run_sweep
-
-from ragged_dot_base import RaggedDotBackendTests
 
 
 # --- the recipe: a frozen config, a backend subclass (gmm, tgmm, a default, a search space) --------------

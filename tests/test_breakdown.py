@@ -12,11 +12,11 @@ import jax
 import pytest
 from click.testing import CliRunner
 
+from moe_tune.cli import cli
 from moe_tune.commands.breakdown import profile_entry
 from moe_tune.commands.breakdown.ops import OpEvent, self_times
 from moe_tune.commands.breakdown.run import program, read_ops
 from moe_tune.commands.breakdown.xprof_tools import datatable_rows, hlo_stats_ops, kernel_stats_ops
-from moe_tune.cli import cli
 from moe_tune.kernels import get_op
 from moe_tune.tuner import SweepRequest, run_sweep
 from moe_tune.tuner.timing import traceable

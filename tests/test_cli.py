@@ -7,11 +7,10 @@ import os
 
 import pytest
 from click.testing import CliRunner
-
-from moe_tune.core import settings
-from moe_tune.cli import cli
-
 from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
+
+from moe_tune.cli import cli
+from moe_tune.core import settings
 
 TINY = ["--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--samples", "2", "--max-candidates", "3"]
 
@@ -361,13 +360,13 @@ def test_a_problem_too_big_for_memory_is_refused_before_allocating(run, command,
 def test_available_memory_and_the_check(monkeypatch):
     from moe_tune.core.errors import UsageError
     from moe_tune.kernels import get_op
-    from moe_tune.tuner import memory
+    from moe_tune.tuner import request
 
-    assert memory.available_bytes() > 0
+    assert request.available_bytes() > 0
     op = get_op("ragged_dot")
     problem = op.problem(m=256, k=128, n=128, groups=4)
-    monkeypatch.setattr(memory, "available_bytes", lambda: op.memory_estimate(problem) - 1)
+    monkeypatch.setattr(request, "available_bytes", lambda: op.memory_estimate(problem) - 1)
     with pytest.raises(UsageError, match="needs about"):
-        memory.check_fits(op, problem)
-    monkeypatch.setattr(memory, "available_bytes", lambda: op.memory_estimate(problem))
-    memory.check_fits(op, problem)
+        request.check_fits(op, problem)
+    monkeypatch.setattr(request, "available_bytes", lambda: op.memory_estimate(problem))
+    request.check_fits(op, problem)

@@ -8,8 +8,8 @@ import json
 
 from click.testing import CliRunner
 
-from moe_tune.cli import cli
 from moe_tune.campaign.plan import model_campaign_cases
+from moe_tune.cli import cli
 from moe_tune.kernels import get_op
 from moe_tune.profiles import key_fields, write_entries
 from moe_tune.profiles.key import key_from_fields

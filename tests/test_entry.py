@@ -12,7 +12,6 @@ from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import migrate, read_table
 from moe_tune.profiles.validate import table_files
 
-
 # Captured at import, before the autouse fixture points `dirs.shipped_dir` at an empty temporary dir.
 SHIPPED = dirs.shipped_dir()
 

@@ -10,11 +10,17 @@ from moe_tune.kernels import get_op
 from moe_tune.profiles import evidence
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import (
-    BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, UNVERIFIED, WITHIN_NOISE, Verdict,
+    BEAT_DEFAULT,
+    DEFAULT_FAILED,
+    DEFAULT_FASTEST,
+    MIN_FINAL_SAMPLES,
+    UNVERIFIED,
+    WITHIN_NOISE,
+    Verdict,
 )
-from moe_tune.tuner import finals
+from moe_tune.tuner import measure
 from moe_tune.tuner.candidate import Candidate
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 from moe_tune.tuner.timing import summarize
 
 CONFIGS = get_op("ragged_dot").backends.get("tiled").search_space(get_op("ragged_dot").problem(
@@ -30,7 +36,7 @@ def _cand(index: int, samples: list[float], *, default: bool = False, ok: bool =
 
 def test_a_clear_win_with_enough_samples_beats_the_default():
     best, default = _cand(1, [1.0, 1.01, 0.99, 1.0, 1.0]), _cand(0, [2.0, 2.02, 1.98, 2.0, 2.0], default=True)
-    winner, verdict = finals.decide(best, default, [best, default])
+    winner, verdict = measure.decide(best, default, [best, default])
     assert winner is best and verdict.rule == BEAT_DEFAULT and verdict.evidence_problem is None
     assert verdict.text.startswith("beat default by 100%") and verdict.gain == pytest.approx(1.0)
 
@@ -38,7 +44,7 @@ def test_a_clear_win_with_enough_samples_beats_the_default():
 def test_too_few_samples_keep_the_default_unverified():
     """`--samples 1` before issue 26: two samples per finalist, no noise estimate can come from them."""
     best, default = _cand(1, [1.0, 1.0]), _cand(0, [2.0, 2.0], default=True)
-    winner, verdict = finals.decide(best, default, [best, default])
+    winner, verdict = measure.decide(best, default, [best, default])
     assert winner is default and verdict.rule == UNVERIFIED
     assert verdict.reason == f"2 samples per finalist, fewer than {MIN_FINAL_SAMPLES}"
     assert verdict.text == f"unverified: {verdict.reason}; kept default"
@@ -47,27 +53,27 @@ def test_too_few_samples_keep_the_default_unverified():
 
 def test_a_gap_within_the_noise_keeps_the_default():
     best, default = _cand(1, [1.0, 1.5, 0.6, 1.0, 1.4]), _cand(0, [1.1, 1.1, 1.1, 1.1, 1.1], default=True)
-    winner, verdict = finals.decide(best, default, [best, default])
+    winner, verdict = measure.decide(best, default, [best, default])
     assert winner is default and verdict.rule == WITHIN_NOISE and verdict.noise > 0.1
 
 
 def test_the_default_fastest_and_the_default_failed_are_told_apart():
     default = _cand(0, [1.0] * 5, default=True)
-    assert finals.decide(default, default, [default])[1].rule == DEFAULT_FASTEST
+    assert measure.decide(default, default, [default])[1].rule == DEFAULT_FASTEST
     broken, best = _cand(0, [1.0] * 5, default=True, ok=False), _cand(1, [1.0] * 5)
-    winner, verdict = finals.decide(best, broken, [best])
+    winner, verdict = measure.decide(best, broken, [best])
     assert winner is best and verdict.rule == DEFAULT_FAILED
 
 
 def test_an_interrupt_before_the_final_round_is_unverified():
     best, default = _cand(1, [1.0] * 9), _cand(0, [3.0] * 9, default=True)
-    winner, verdict = finals.decide(best, default, [best, default], unverified="interrupted before the final round")
+    winner, verdict = measure.decide(best, default, [best, default], unverified="interrupted before the final round")
     assert winner is default and verdict.rule == UNVERIFIED and "interrupted" in verdict.text
 
 
 def test_the_final_round_has_at_least_the_minimum_whatever_samples_says():
-    assert finals.final_samples(SweepSettings(samples=1, workers=1)) == MIN_FINAL_SAMPLES
-    assert finals.final_samples(SweepSettings(samples=4, workers=1)) == 8
+    assert measure.final_samples(SweepSettings(samples=1, workers=1)) == MIN_FINAL_SAMPLES
+    assert measure.final_samples(SweepSettings(samples=4, workers=1)) == 8
 
 
 def test_an_old_win_on_two_samples_is_marked_weak():

@@ -9,19 +9,29 @@ from __future__ import annotations
 import math
 
 import pytest
+from test_evidence import CONFIGS
 
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles.verdict import (
-    MIN_FINAL_SAMPLES, MIN_NOISE_SCALE, NOISE_FACTOR, NOISE_SAMPLES, BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE,
-    PAIRED_MIN_NOISE, Verdict, noise_threshold, paired, relative_mad,
+    BEAT_DEFAULT,
+    DEFAULT_FASTEST,
+    MIN_FINAL_SAMPLES,
+    MIN_NOISE_SCALE,
+    NOISE_FACTOR,
+    NOISE_SAMPLES,
+    PAIRED_MIN_NOISE,
+    WITHIN_NOISE,
+    Verdict,
+    noise_threshold,
+    paired,
+    relative_mad,
 )
-from moe_tune.tuner import Reporter, finals
+from moe_tune.tuner import Reporter, measure
 from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.crossover import SideBySide
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 from moe_tune.tuner.timing import summarize
-from test_evidence import CONFIGS
 
 
 def _noisy(median: float, n: int, mad: float) -> list[float]:
@@ -36,12 +46,12 @@ def _cand(index: int, samples: list[float], *, default: bool = False) -> Candida
 
 def test_short_calls_get_about_the_time_budget_in_samples_capped():
     settings = SweepSettings(samples=3, workers=1, final_time_s=0.3)
-    assert finals.final_samples(settings, 0.010) == 30  # 0.3 s of 10 ms calls
-    assert finals.final_samples(settings, 1e-6) == finals.MAX_FINAL_SAMPLES
-    assert finals.final_samples(settings, 0.2) == 6  # a long call: twice the sweep round's, as before
-    assert finals.final_samples(settings) == 6  # no median known: the samples alone
-    assert finals.final_samples(SweepSettings(samples=3, workers=1, final_time_s=0), 0.001) == 6
-    assert finals.final_samples(SweepSettings(samples=1, workers=1, final_time_s=0), 1e-6) == MIN_FINAL_SAMPLES
+    assert measure.final_samples(settings, 0.010) == 30  # 0.3 s of 10 ms calls
+    assert measure.final_samples(settings, 1e-6) == measure.MAX_FINAL_SAMPLES
+    assert measure.final_samples(settings, 0.2) == 6  # a long call: twice the sweep round's, as before
+    assert measure.final_samples(settings) == 6  # no median known: the samples alone
+    assert measure.final_samples(SweepSettings(samples=3, workers=1, final_time_s=0), 0.001) == 6
+    assert measure.final_samples(SweepSettings(samples=1, workers=1, final_time_s=0), 1e-6) == MIN_FINAL_SAMPLES
     with pytest.raises(UsageError, match="final_time_s"):
         SweepSettings(final_time_s=-1)
 
@@ -59,14 +69,14 @@ def test_the_noise_of_a_median_narrows_with_samples_down_to_one_mad():
 def test_a_gap_six_samples_call_noise_is_a_win_with_forty(n, rule):
     """12% faster with 8% noise per sample: within 6 samples' threshold (16%), beyond 40's (8%)."""
     best, default = _cand(1, _noisy(1.0, n, 0.08)), _cand(0, _noisy(1.12, n, 0.08), default=True)
-    assert finals.decide(best, default, [best, default])[1].rule == rule
+    assert measure.decide(best, default, [best, default])[1].rule == rule
 
 
 def test_a_copy_of_the_default_does_not_beat_it_however_many_samples():
     """Two timings of one config differ by their noise alone: a gap of half a MAD is no win at any count."""
     for n in (6, 24, 40):
         best, default = _cand(1, _noisy(1.0, n, 0.1)), _cand(0, _noisy(1.05, n, 0.1), default=True)
-        assert finals.decide(best, default, [best, default])[1].rule == WITHIN_NOISE
+        assert measure.decide(best, default, [best, default])[1].rule == WITHIN_NOISE
 
 
 def test_the_final_round_times_short_finalists_for_the_budget(monkeypatch):
@@ -77,10 +87,10 @@ def test_the_final_round_times_short_finalists_for_the_budget(monkeypatch):
         return {i: summarize(_noisy(t, samples, 0.01), "trace", [t]) for i, t in ((0, 0.012), (1, 0.010))
                 if i in calls}, None
 
-    monkeypatch.setattr(finals, "time_candidates", fake)
+    monkeypatch.setattr(measure, "time_candidates", fake)
     default, other = _cand(0, [0.012] * 3, default=True), _cand(1, [0.010] * 3)
     settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0.3)
-    winner, verdict, _ = finals.final_round(settings, [default, other], default, {}, "cpu", Reporter())
+    winner, verdict, _ = measure.final_round(settings, [default, other], default, {}, "cpu", Reporter())
     assert sum(asked) == 25  # 0.3 s over the slower finalist's 12 ms sweep-round median (in chunks: `settled`)
     assert winner is other and verdict.rule == BEAT_DEFAULT
     assert {f["samples"] for f in verdict.finalists} == {25}
@@ -103,8 +113,8 @@ def test_side_by_side_gives_short_calls_the_time_budget_too():
     budget = time_side_by_side("ragged_dot", "tiled", problem, configs, distribution="balanced", samples=2,
                                time_s=1.0)
     assert plain.samples == 2 and {len(s) for s in plain.samples_s.values()} == {2}
-    assert budget.samples == finals.MAX_FINAL_SAMPLES  # microsecond calls: the cap
-    assert {len(s) for s in budget.samples_s.values()} == {finals.MAX_FINAL_SAMPLES}
+    assert budget.samples == measure.MAX_FINAL_SAMPLES  # microsecond calls: the cap
+    assert {len(s) for s in budget.samples_s.values()} == {measure.MAX_FINAL_SAMPLES}
 
 
 # Per-round load on a shared machine: each round's calls all run slower or faster together (made up, 1x-2x).
@@ -115,8 +125,8 @@ def test_a_clear_win_under_shared_load_is_a_win_paired_and_noise_apart():
     """1.2x faster in every round while the load doubles some rounds: two medians with their MADs call it
     noise (the session 14 m=1024 case); the per-round ratios are all 1.2 and it wins."""
     best, default = _cand(1, list(LOAD)), _cand(0, [1.2 * x for x in LOAD], default=True)
-    assert finals.decide(best, default, [best, default])[1].rule == WITHIN_NOISE
-    winner, verdict = finals.decide(best, default, [best, default], pair=True)
+    assert measure.decide(best, default, [best, default])[1].rule == WITHIN_NOISE
+    winner, verdict = measure.decide(best, default, [best, default], pair=True)
     assert winner is best and verdict.rule == BEAT_DEFAULT
     assert verdict.gain == pytest.approx(0.2) and verdict.paired_gain == pytest.approx(0.2)
     assert Verdict.from_json(verdict.to_json()).paired_gain == pytest.approx(0.2)
@@ -129,10 +139,10 @@ def test_a_copy_of_the_default_under_shared_load_does_not_win_paired():
     default = _cand(0, [x * (1 - j / 2) for x, j in zip(LOAD, jitter)], default=True)
     gain, noise = paired(default.timing.samples_s, copy.timing.samples_s)
     assert abs(gain) <= noise
-    assert finals.decide(copy, default, [copy, default], pair=True)[1].rule == WITHIN_NOISE
+    assert measure.decide(copy, default, [copy, default], pair=True)[1].rule == WITHIN_NOISE
     # two compiles of one config can differ by a few percent in every round: below the floor, no win
     steady = _cand(1, [x / (1 + 0.9 * PAIRED_MIN_NOISE) for x in LOAD])
-    _, verdict = finals.decide(steady, _cand(0, list(LOAD), default=True), pair=True)
+    _, verdict = measure.decide(steady, _cand(0, list(LOAD), default=True), pair=True)
     assert verdict.rule == WITHIN_NOISE and verdict.noise == PAIRED_MIN_NOISE
 
 
@@ -143,14 +153,14 @@ def test_the_final_round_picks_by_paired_gain(monkeypatch):
              1: summarize([x / 1.0 for x in LOAD], "trace", LOAD),  # 1.2x faster in every round
              # 1.05x slower than 1 in six rounds, 2-3x faster in two: a lower median, a smaller median gain
              2: summarize([1.05 * x for x in LOAD[:4]] + [0.5, 0.5] + [1.05 * x for x in LOAD[6:]], "trace", LOAD)}
-    monkeypatch.setattr(finals, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
+    monkeypatch.setattr(measure, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
     default, a, b = _cand(0, [1.2] * 3, default=True), _cand(1, [1.0] * 3), _cand(2, [1.0] * 3)
     assert final[2].median_s < final[1].median_s
     settings = SweepSettings(samples=3, workers=1, finalists=2, final_time_s=0)
-    winner, verdict, _ = finals.final_round(settings, [default, a, b], default, {}, "cpu", Reporter())
+    winner, verdict, _ = measure.final_round(settings, [default, a, b], default, {}, "cpu", Reporter())
     assert winner is a and verdict.rule == BEAT_DEFAULT and verdict.paired_gain == pytest.approx(0.2)
     final[1] = final[2] = final[0]
-    winner, verdict, _ = finals.final_round(settings, [default, a, b], default, {}, "cpu", Reporter())
+    winner, verdict, _ = measure.final_round(settings, [default, a, b], default, {}, "cpu", Reporter())
     assert winner is default and verdict.rule == DEFAULT_FASTEST
 
 
@@ -164,16 +174,16 @@ def test_finalists_timed_in_one_batch_keep_its_rounds_as_the_first_final_rounds(
         asked.append(samples)
         return {i: summarize([t] * samples, "trace", [t]) for i, t in ((0, 1.2), (1, 1.0)) if i in calls}, None
 
-    monkeypatch.setattr(finals, "time_candidates", fake)
+    monkeypatch.setattr(measure, "time_candidates", fake)
     settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0)
     for batches, reused in (((0, 0), True), ((0, 1), False), ((None, None), False)):
         default, seed = _cand(0, [1.2, 2.4, 1.2], default=True), _cand(1, [1.0, 2.0, 1.0])
         default.batch, seed.batch = batches
-        winner, verdict, _ = finals.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
-        assert sum(asked) == (finals.final_samples(settings) - 3 if reused else finals.final_samples(settings))
+        winner, verdict, _ = measure.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
+        assert sum(asked) == (measure.final_samples(settings) - 3 if reused else measure.final_samples(settings))
         asked.clear()
         assert winner is seed and verdict.rule == BEAT_DEFAULT and verdict.paired_gain == pytest.approx(0.2)
-        assert {f["samples"] for f in verdict.finalists} == {finals.final_samples(settings)}
+        assert {f["samples"] for f in verdict.finalists} == {measure.final_samples(settings)}
         assert seed.first_timing.samples_s == (1.0, 2.0, 1.0)  # the sweep round, as recorded before
         assert (seed.timing.samples_s[:3] == (1.0, 2.0, 1.0)) == reused
 
@@ -200,19 +210,19 @@ def test_the_final_round_stops_once_no_finalist_can_beat_the_default(monkeypatch
         asked.append(samples)
         return {i: summarize([per_round[i]] * samples, "trace", [per_round[i]]) for i in calls}, None
 
-    monkeypatch.setattr(finals, "time_candidates", fake)
+    monkeypatch.setattr(measure, "time_candidates", fake)
     settings = SweepSettings(samples=3, workers=1, finalists=2, final_time_s=0.3)  # 0.3 s of 20 ms calls: 15 rounds
     default, slower = _cand(0, [0.02] * 3, default=True), _cand(1, [0.02] * 3)
-    winner, verdict, _ = finals.final_round(settings, [default, slower], default, {}, "cpu", Reporter())
+    winner, verdict, _ = measure.final_round(settings, [default, slower], default, {}, "cpu", Reporter())
     assert asked == [15 // 2 + 1] and winner is default and verdict.rule == DEFAULT_FASTEST
     asked.clear()
     default, faster = _cand(0, [0.02] * 3, default=True), _cand(2, [0.016] * 3)
-    winner, verdict, _ = finals.final_round(settings, [default, faster], default, {}, "cpu", Reporter())
+    winner, verdict, _ = measure.final_round(settings, [default, faster], default, {}, "cpu", Reporter())
     assert sum(asked) == 15 and winner is faster and verdict.rule == BEAT_DEFAULT
     # settled after 4 of 6 rounds: 4 ratios at or below 1.1 (more than 3) can no longer give a median above it;
     # 3 can (the median of 6 is the mean of the 3rd and 4th)
     d = _cand(0, [1.0] * 4, default=True)
-    at = lambda samples: finals.settled({0: d.timing, 1: _cand(1, samples).timing}, d, [d, _cand(1, [1.0])], 6)
+    at = lambda samples: measure.settled({0: d.timing, 1: _cand(1, samples).timing}, d, [d, _cand(1, [1.0])], 6)
     assert at([1.0, 1.0, 1.0, 0.95]) and not at([1.0, 1.0, 1.0, 0.5]) and not at([1.0, 1.0, 0.5, 0.5])
 
 
@@ -228,9 +238,9 @@ def test_a_final_round_whose_clock_keeps_switching_ends(monkeypatch):
         return ({i: summarize([t] * samples, method, [t]) for i, t in ((0, 1.2), (1, 1.0)) if i in timed_calls},
                 "cross-check refused" if method == "wall" else None)
 
-    monkeypatch.setattr(finals, "time_candidates", fake)
+    monkeypatch.setattr(measure, "time_candidates", fake)
     settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0)
     default, seed = _cand(0, [1.2] * 3, default=True), _cand(1, [1.0] * 3)
-    winner, verdict, fallback = finals.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
-    assert len(calls) == finals.final_samples(settings) and fallback == "cross-check refused"
+    winner, verdict, fallback = measure.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
+    assert len(calls) == measure.final_samples(settings) and fallback == "cross-check refused"
     assert winner.timing.method == ("trace", "wall")[(len(calls) - 1) % 2]

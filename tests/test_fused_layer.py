@@ -12,10 +12,10 @@ import pytest
 
 from moe_tune import AsQArray, moe_mlp, quantize
 from moe_tune.core.errors import UsageError
+from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine
+from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.layer.fusion_choice import FusionConfig, FusionProblem, LayerChoice
 from moe_tune.layer.fusion_op import MOE_FUSION
-from moe_tune.kernels.kernel_op import relative_error
-from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine
 
 TOKENS, HIDDEN, WIDTH, EXPERTS, TOP_K = 16, 32, 12, 8, 2
 

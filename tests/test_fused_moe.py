@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 from fused_moe_base import FusedMoeBackendTests
 
-from moe_tune import quantize
-from moe_tune.core.errors import UsageError
-from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine
+from moe_tune.kernels.fused_moe.op import gmm_combine
 from moe_tune.kernels.fused_moe.tiled import TiledFusedConfig
 
 

@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fused_moe_base import FusedMoeBackendTests
+from ragged_dot_base.lowering import assert_one_kernel_call, export_for
 
+from moe_tune.core.quant import dequantize_host, quantize
 from moe_tune.kernels.fused_moe.pallas_tpu import FusedPallasTpuConfig, PallasTpuFusedMoe
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference
 from moe_tune.kernels.fused_moe.triton import FusedTritonConfig, TritonFusedMoe
 from moe_tune.kernels.ragged_dot.metadata import select_shard
-from moe_tune.core.quant import dequantize_host, quantize
-from fused_moe_base import FusedMoeBackendTests
-from ragged_dot_base.lowering import assert_one_kernel_call, export_for
 
 T, TOP_K, TOTAL = 16, 2, 4  # tokens, experts per token, experts
 M = T * TOP_K

@@ -11,19 +11,18 @@ compiler."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fused_moe_base import assert_lowered_without_concatenated_weights, assert_parts_vjp_matches_float64
+from ragged_dot_base.lowering import MOSAIC_CALL
+from test_fused_moe_pallas import TOTAL, K, M, T, close, rounded, routing, shard
 
+from moe_tune.core.quant import QArray, dequantize_host, quantize
 from moe_tune.kernels.fused_moe.pallas_tpu import FusedPallasTpuConfig, PallasTpuFusedMoe
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, weight_views
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference
-from moe_tune.core.quant import QArray, dequantize_host, quantize
-from fused_moe_base import assert_parts_vjp_matches_float64, assert_lowered_without_concatenated_weights
-from ragged_dot_base.lowering import MOSAIC_CALL
-from test_fused_moe_pallas import K, M, T, TOTAL, close, rounded, routing, shard
 
 F = 256  # each of gate and up: two column blocks of 128
 H = 128  # a hidden size of one block where the test is about f (interpret mode's time)

@@ -7,16 +7,15 @@ test_weight_parts_stand_for_their_concatenation runs each kernel direction on pa
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fused_moe_base import assert_lowered_without_concatenated_weights, assert_parts_vjp_matches_float64
+from test_fused_moe_pallas import TOTAL, F, K, M, T, routing, shard
 
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.fused_moe.reference import gmm_combine_reference
 from moe_tune.kernels.fused_moe.triton import FusedTritonConfig, TritonFusedMoe
-from fused_moe_base import assert_parts_vjp_matches_float64, assert_lowered_without_concatenated_weights
-from test_fused_moe_pallas import F, K, M, T, TOTAL, routing, shard
 
 CONFIG = FusedTritonConfig(block_m=16, block_k=32, block_n=32)
 LOCAL = 2  # local groups 1..2 of TOTAL

@@ -10,18 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gather_backend_tests import routing
 
 import moe_tune
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import guard
 from moe_tune.kernels.gather import op as gather_op
-from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
 from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.plain_jax import PlainGather, PlainGatherReduce
+from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
 from moe_tune.kernels.gather.tiled import TiledGather, TiledGatherReduce
 from moe_tune.tuner import SweepRequest, run_sweep
-
-from gather_backend_tests import routing
 
 TOKENS, TOP_K, HIDDEN = 16, 4, 32
 ROWS = TOKENS * TOP_K

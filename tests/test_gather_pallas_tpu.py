@@ -4,10 +4,15 @@ off TPU (DMAs and semaphores simulated on the CPU; fresh VMEM is NaN, out-of-bou
 from __future__ import annotations
 
 import pytest
-
 from gather_backend_tests import GatherBackendTests, GatherReduceBackendTests
+
 from moe_tune.kernels.gather.pallas_tpu import (
-    MAX_DMAS_IN_FLIGHT, PallasTpuGather, PallasTpuGatherConfig, PallasTpuGatherReduce, PallasTpuGatherReduceConfig)
+    MAX_DMAS_IN_FLIGHT,
+    PallasTpuGather,
+    PallasTpuGatherConfig,
+    PallasTpuGatherReduce,
+    PallasTpuGatherReduceConfig,
+)
 from moe_tune.kernels.gather.problem import GatherProblem
 
 # Interpret mode is slow, so small shapes: 96 rows / 24 tokens, and 21 rows / 7 tokens (a partial last block),

@@ -3,11 +3,10 @@ here) against the float64 references, plus its validity rules."""
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import numpy as np
-
 from gather_backend_tests import GatherBackendTests, GatherReduceBackendTests
+
 from moe_tune.core import devices
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.triton import (

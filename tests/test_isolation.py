@@ -12,8 +12,8 @@ from faulty_backend import FaultyConfig, FaultyRaggedDot
 
 from moe_tune.core import devices
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.tuner import SweepRequest, run_sweep, shared_payload, workers
-from moe_tune.tuner.compile_count import backend_compiles
+from moe_tune.tuner import SweepRequest, inputs, run_sweep, workers
+from moe_tune.tuner.compiling import backend_compiles
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
 # Per-candidate deadline (compile + first run). A tiny good candidate takes about a second (several on a loaded
@@ -105,7 +105,7 @@ def test_every_kind_of_failure_in_one_sweep(faulty, monkeypatch, tmp_path):
 
 
 def _shares_sent(monkeypatch) -> list:
-    """The shared payloads the requests sent from now on carry (a `shared_payload.Stored`, or None)."""
+    """The shared payloads the requests sent from now on carry (a `inputs.Stored`, or None)."""
     sent = []
     pack = workers._pack
     monkeypatch.setattr(workers, "_pack", lambda obj: (sent.append(obj[2]), pack(obj))[1])
@@ -123,7 +123,7 @@ def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monk
     assert all(status == "ok" and np.array_equal(value, payload) for status, value in answers.values())
     shares = [s for s in sent if s is not None]
     assert 1 <= len(shares) <= 2  # once per worker, not once per request; written to one file, once
-    assert len({s[1] for s in shares}) == 1 and all(isinstance(s[1], shared_payload.Stored) for s in shares)
+    assert len({s[1] for s in shares}) == 1 and all(isinstance(s[1], inputs.Stored) for s in shares)
 
     pids = {w.proc.pid for w in pool._idle.queue}
     pool.map("moe_tune.tuner.workers:shared", [(0, ("no such token",))],
@@ -139,10 +139,8 @@ def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):
     import jax
 
     from moe_tune.kernels import get_op
-    from moe_tune.tuner.candidate import Candidate
-    from moe_tune.tuner.compiling import compile_all
-    from moe_tune.tuner.gate import Reference, check_all
-    from moe_tune.tuner.kernel import Kernel
+    from moe_tune.tuner.candidate import Candidate, Reference, check_all
+    from moe_tune.tuner.compiling import Kernel, compile_all
 
     sent = _shares_sent(monkeypatch)
     op, backend = get_op("ragged_dot"), BACKENDS.get("tiled")
@@ -166,10 +164,8 @@ def test_with_a_reference_the_worker_compares_and_only_the_error_comes_back():
 
     from moe_tune.kernels import get_op
     from moe_tune.kernels.kernel_op import relative_error
-    from moe_tune.tuner.candidate import Candidate
-    from moe_tune.tuner.compiling import compile_all
-    from moe_tune.tuner.gate import Reference, check_all
-    from moe_tune.tuner.kernel import Kernel
+    from moe_tune.tuner.candidate import Candidate, Reference, check_all
+    from moe_tune.tuner.compiling import Kernel, compile_all
 
     op, backend = get_op("ragged_dot"), BACKENDS.get("tiled")
     host = op.make_inputs(TINY, "balanced", 0)

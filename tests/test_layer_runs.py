@@ -20,7 +20,6 @@ from moe_tune.core.errors import UsageError
 from moe_tune.layer.models import get_preset, layer_runs
 
 
-
 def _calls(cases) -> list[tuple[str, str, str]]:
     return [(c.op, c.role, getattr(c.problem, "direction", "fwd")) for c in cases]
 

@@ -8,10 +8,8 @@ import numpy as np
 
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.tuner.candidate import Candidate
-from moe_tune.tuner.gate import Reference, check_all
-from moe_tune.tuner.kernel import Kernel
-from moe_tune.tuner.local_compile import compile_here
+from moe_tune.tuner.candidate import Candidate, Reference, check_all
+from moe_tune.tuner.compiling import Kernel, compile_here
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
 

@@ -29,6 +29,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from ragged_dot_base.lowering import (
+    MOSAIC_CALL,
+    TRITON_CALL,
+    S,
+    assert_one_kernel_call,
+    assert_triton_params,
+    configs_to_lower,
+    export_for,
+)
 
 from moe_tune.kernels.gather.pallas_tpu import (
     PallasTpuGather,
@@ -38,9 +47,6 @@ from moe_tune.kernels.gather.pallas_tpu import (
 )
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.triton import TritonGather, TritonGatherConfig, TritonGatherReduce
-
-from ragged_dot_base.lowering import (MOSAIC_CALL, TRITON_CALL, S, assert_one_kernel_call, assert_triton_params,
-                                      configs_to_lower, export_for)
 
 # gather shapes: rows = 384 (the largest blocks leave a partial last block), hidden = 256.
 TOKENS, TOP_K, HIDDEN = 96, 4, 256

@@ -20,8 +20,6 @@ from hypothesis import strategies as st
 
 from moe_tune.kernels.ragged_dot.metadata import GroupMetadata, make_group_metadata, max_visits
 
-
-
 # --------------------------------------------------------------------------------------------------------
 # Strategies and the plain-Python model
 

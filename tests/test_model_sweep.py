@@ -15,7 +15,6 @@ from moe_tune.core.errors import UsageError
 from moe_tune.layer.models import ModelPreset, layer_cases
 
 
-
 def sweep_layer(preset: ModelPreset, tokens: int, ep: int) -> list:
     """Every kernel case of one layer of `preset`, planned and run here as `sweep --model` runs them."""
     cases = [Case(c.op, c.problem, f"{c.role} tokens={count}")

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from moe_tune import moe_mlp
+from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.layer import fusion_choice as choice
 from moe_tune.layer.fusion_choice import FusionConfig, FusionProblem, LayerChoice, memory_parts, training_check
 from moe_tune.layer.fusion_op import MOE_FUSION
 from moe_tune.layer.reference import check_size, training_reference
-from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.profiles import key_fields, write_entries
 from moe_tune.profiles.key import key_from_fields
 
@@ -143,12 +143,12 @@ def test_the_sweeps_memory_check_counts_its_compile_workers(monkeypatch):
     """A training-step sweep of deepseek-v2-lite's prefill layer fits with one process but not with two
     compile workers each holding the layer: the refusal says so before anything is allocated."""
     from moe_tune.core.errors import UsageError
-    from moe_tune.tuner import memory
+    from moe_tune.tuner import request
 
     problem = FusionProblem(tokens=4096, hidden=2048, intermediate=1408, experts=64, top_k=6, direction="bwd")
     alone, with_two = MOE_FUSION.sweep_memory(problem, 1), MOE_FUSION.sweep_memory(problem, 2)
     assert alone == MOE_FUSION.memory_estimate(problem) < with_two
-    monkeypatch.setattr(memory, "available_bytes", lambda: (alone + with_two) // 2)
-    memory.check_fits(MOE_FUSION, problem, workers=1)
+    monkeypatch.setattr(request, "available_bytes", lambda: (alone + with_two) // 2)
+    request.check_fits(MOE_FUSION, problem, workers=1)
     with pytest.raises(UsageError, match=r"--workers 2; .*fewer --workers need less"):
-        memory.check_fits(MOE_FUSION, problem, workers=2)
+        request.check_fits(MOE_FUSION, problem, workers=2)

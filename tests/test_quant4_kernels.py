@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_tune.core.quant import DynamicQuant, QArray, dequantize_host, quantize
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
 from moe_tune.kernels.ragged_dot.tile_quant import block_scale, decode_e2m1, quantize_with
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
-from moe_tune.core.quant import DynamicQuant, QArray, dequantize_host, quantize
 
 SIZES = [21, 0, 30, 9]  # an empty group; rows 60..63 past sum(group_sizes)
 M, K, N = 64, 256, 64

@@ -14,20 +14,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the quantized kernel tests
+# (tests/test_quant_op.py imports these names from here)
+from ragged_dot_base.quantized import QK as K  # noqa: F401
+from ragged_dot_base.quantized import QM as M
+from ragged_dot_base.quantized import QN as N
+from ragged_dot_base.quantized import QSIZES as SIZES
+from ragged_dot_base.quantized import QuantMode, make_quant_case
+from ragged_dot_base.quantized import assert_quant_close as assert_close
+from ragged_dot_base.quantized import direction_reference as reference
+
 from moe_tune.core.errors import UsageError
+from moe_tune.core.quant import QArray, quantize
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.loop_dtypes import e4m3fn_to_float32
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, vmem_bytes
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
-from moe_tune.core.quant import QArray, quantize
-
-# the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the quantized kernel tests
-# (tests/test_quant_op.py imports these names from here)
-from ragged_dot_base.quantized import QK as K, QM as M, QN as N, QSIZES as SIZES  # noqa: F401
-from ragged_dot_base.quantized import QuantMode, assert_quant_close as assert_close, direction_reference as reference
-from ragged_dot_base.quantized import make_quant_case
 
 WEIGHT_SUB_CHANNEL = QuantMode("fwd", None, 8)  # float activations, rhs scale blocks of 8 along k
 

@@ -10,19 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ragged_dot_base.quantized import assert_quantized_vjp  # noqa: E402
+
+# the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the kernel tests
+from test_quant_kernels import SIZES, K, M, N, assert_close  # noqa: E402
 
 import moe_tune
 from moe_tune.core.errors import UsageError
+from moe_tune.core.quant import AsQArray, QArray, dequantize, dequantize_host, quantize
 from moe_tune.kernels.ragged_dot.reference import (
     ragged_dot_dlhs_reference,
     ragged_dot_drhs_reference,
     ragged_dot_reference,
 )
-from moe_tune.core.quant import AsQArray, QArray, dequantize, dequantize_host, quantize
-
-from ragged_dot_base.quantized import assert_quantized_vjp  # noqa: E402
-# the shapes (an empty group, rows past sum(group_sizes)) and float32 tolerance of the kernel tests
-from test_quant_kernels import SIZES, K, M, N, assert_close  # noqa: E402
 
 # name: (lhs quantization, rhs quantization), each None (float) or (qdtype, block_size; None = per row/channel)
 MODES = {

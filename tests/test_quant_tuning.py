@@ -17,11 +17,11 @@ import moe_tune
 from moe_tune.cli import cli
 from moe_tune.commands.options import model_only, quant_options
 from moe_tune.core.errors import UsageError
+from moe_tune.core.quant import QArray, dequantize_host
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.profiles.entry import Entry
-from moe_tune.core.quant import QArray, dequantize_host
 
 OP = get_op("ragged_dot")
 SHAPE = ["--m", "64", "--k", "64", "--n", "32", "--groups", "4"]

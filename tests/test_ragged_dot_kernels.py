@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ragged_dot_base import MOSAIC_CALL, TRITON_CALL, RaggedDotBackendTests
 
 import moe_tune
 from moe_tune.core import distributions
@@ -22,12 +23,15 @@ from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
 from moe_tune.kernels.ragged_dot.reference import ragged_dot_drhs_reference
-from moe_tune.kernels.ragged_dot.tiled import (MAX_BLOCKS_PER_VISIT, TiledConfig, drhs_window,
-                                               tiled_ragged_dot, tiled_transposed_ragged_dot)
+from moe_tune.kernels.ragged_dot.tiled import (
+    MAX_BLOCKS_PER_VISIT,
+    TiledConfig,
+    drhs_window,
+    tiled_ragged_dot,
+    tiled_transposed_ragged_dot,
+)
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.kernels.ragged_dot.xla import XlaConfig
-
-from ragged_dot_base import MOSAIC_CALL, TRITON_CALL, RaggedDotBackendTests
 
 # --------------------------------------------------------------------------------------------------------
 # One subclass per backend
@@ -281,8 +285,8 @@ def test_min_bytes_counts_each_array_once_in_its_dtype():
 def test_reference_paths_agree_and_cpu_always_uses_the_host_one(direction, monkeypatch):
     """The tuner's two references (float64 NumPy; XLA in float32 at highest precision, for big problems on
     an accelerator) agree, and on CPU a problem past the FLOPs limit still gets the NumPy one."""
-    from moe_tune.kernels.ragged_dot import definition as definition_module
     from moe_tune.kernels.kernel_op import relative_error
+    from moe_tune.kernels.ragged_dot import definition as definition_module
 
     op = definition_module.RAGGED_DOT
     problem = op.problem(m=96, k=24, n=40, groups=5, dtype="float32", direction=direction)

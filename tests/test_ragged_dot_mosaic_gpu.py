@@ -25,8 +25,7 @@ from test_moe import TOP_K, dense_moe_float64, relative
 import moe_tune
 from moe_tune.core import devices
 from moe_tune.core.errors import UsageError
-from moe_tune.kernels.ragged_dot import RaggedDotProblem
-from moe_tune.kernels.ragged_dot import mosaic_gpu_tgmm_sm100
+from moe_tune.kernels.ragged_dot import RaggedDotProblem, mosaic_gpu_tgmm_sm100
 from moe_tune.kernels.ragged_dot.mosaic_gpu import MosaicGpuConfig, MosaicGpuRaggedDot
 from moe_tune.targets import get_target
 from moe_tune.targets.compile import acting_as

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import replace
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from conftest import FAKE_GPUS
+
 from moe_tune.campaign.plan import Case, plan, split_done
 from moe_tune.layer.models import ModelPreset, layer_cases
 from moe_tune.tuner import SweepSettings

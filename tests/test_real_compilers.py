@@ -23,8 +23,7 @@ import pytest
 from moe_tune.core import devices
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.layer.models import get_preset, kernel_problems
-from moe_tune.targets import TARGETS, get_target
-from moe_tune.targets import wheels
+from moe_tune.targets import TARGETS, get_target, wheels
 from moe_tune.targets.compile import CRASHED, OK, REJECTED
 from moe_tune.targets.gpu_config import target_config_text
 from moe_tune.targets.jobs import jobs_for, representative, search_space

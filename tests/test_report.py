@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import matplotlib.image
 import pytest
+from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
 
 from moe_tune.commands import bench, report
+from moe_tune.commands.plots import plot_entries
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.commands.plots import plot_entries
 from moe_tune.tuner import SweepRequest, run_sweep
-
-from plot_checks import check_plot, drawn  # noqa: F401 (a fixture)
 
 FAST = {"samples": 1, "max_candidates": 3, "workers": 1}
 
@@ -111,6 +110,7 @@ def test_bench_case_times_and_looks_up_the_distribution_it_is_given(tables, monk
 def test_sweep_log_shows_every_candidate_with_reasons(isolated_profiles, monkeypatch):
     """A sweep with a wrong and a failing candidate: the log report lists all of them, reasons included."""
     from faulty_backend import FaultyRaggedDot
+
     from moe_tune.kernels.ragged_dot import BACKENDS
 
     BACKENDS.register(FaultyRaggedDot())

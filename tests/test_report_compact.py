@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from moe_tune.commands import render as cli_render, report
 from moe_tune.cli import cli
+from moe_tune.commands import render as cli_render
+from moe_tune.commands import report
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
 from moe_tune.profiles.key import key_fields, key_from_fields

@@ -9,9 +9,8 @@ import dataclasses
 from click.testing import CliRunner
 
 from moe_tune import cli
-
-from moe_tune.core import distributions
 from moe_tune.campaign import robust
+from moe_tune.core import distributions
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.profiles.key import entry_key

@@ -12,7 +12,8 @@ from moe_tune.core.errors import UsageError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.tuner import STRATEGIES, SweepRequest, run_sweep
 from moe_tune.tuner import strategies as S
-from moe_tune.tuner.candidate import OK, Candidate
+from moe_tune.tuner.candidate import Candidate
+from moe_tune.tuner.compiling import OK
 from moe_tune.tuner.timing import Timing
 
 TILED = BACKENDS.get("tiled")

@@ -14,7 +14,7 @@ import pytest
 
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
-from moe_tune.tuner import shared_payload, workers
+from moe_tune.tuner import inputs, workers
 from moe_tune.tuner.inputs import SweepInputs
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
@@ -47,7 +47,7 @@ def test_a_deferred_payload_reaches_workers_that_started_before_it_was_made(monk
     pool, token, answers = workers.pool(2), uuid.uuid4().hex, {}
     pool.map("moe_tune.tuner.workers:progress", [(i, (None,)) for i in range(2)], lambda *a: None)  # started
     sent = _requests_sent(monkeypatch, first_request)
-    deferred = shared_payload.Deferred(lambda: (made.wait(60), payload)[1], made.is_set)
+    deferred = inputs.Deferred(lambda: (made.wait(60), payload)[1], made.is_set)
     pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(4)],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=1.0,
              shared=(token, deferred))
@@ -55,7 +55,7 @@ def test_a_deferred_payload_reaches_workers_that_started_before_it_was_made(monk
     assert all(status == "ok" and np.array_equal(value, payload) for status, value in answers.values())
     requests = [s for s in sent if isinstance(s, tuple) and len(s) == 3 and isinstance(s[0], str)]
     assert requests[0][2] == (token, workers.DEFERRED)
-    stored = [s for s in sent if isinstance(s, shared_payload.Stored)]
+    stored = [s for s in sent if isinstance(s, inputs.Stored)]
     assert 1 <= len(stored) <= 2 and len(set(stored)) == 1  # once per worker that asked; one file
 
 
@@ -67,7 +67,7 @@ def test_a_payload_that_cannot_be_made_fails_the_request_and_keeps_the_worker(mo
     pool = workers.pool(2)
     pool.map("moe_tune.tuner.workers:shared", [(0, (token,))],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=30,
-             shared=(token, shared_payload.Deferred(fail, lambda: False)))
+             shared=(token, inputs.Deferred(fail, lambda: False)))
     status, failure = answers[0]
     assert status == "failed" and failure.kind == "error" and "could not be made" in failure.message
     pids = {w.proc.pid for w in pool._idle.queue}

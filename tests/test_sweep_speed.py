@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moe_tune.kernels.kernel_op import error_scale, relative_error
-from moe_tune.tuner.gate import Reference
+from moe_tune.tuner.candidate import Reference
 
 
 def _by_definition(out: np.ndarray, expected: np.ndarray) -> float:
@@ -46,22 +46,22 @@ def test_a_shared_payload_comes_back_from_its_file_as_read_only_views(tmp_path, 
     next `store`."""
     import os
 
-    from moe_tune.tuner import shared_payload
+    from moe_tune.tuner import inputs
 
-    monkeypatch.setattr(shared_payload, "_directory", lambda: str(tmp_path))
+    monkeypatch.setattr(inputs, "_directory", lambda: str(tmp_path))
     stale = tmp_path / "moe_tune_shared_999999999_x"  # a pid no process has
     stale.write_bytes(b"old")
     expected = np.arange(12.0).reshape(3, 4)
     payload = {"a": np.ones((5, 3), ml_dtypes.bfloat16), "b": np.arange(10, dtype=np.int8)[::2],
                "empty": np.zeros(0, np.float32), "reference": Reference.of(expected)}
-    stored = shared_payload.store(payload)
+    stored = inputs.store(payload)
     assert not stale.exists() and os.path.dirname(stored.path) == str(tmp_path)
-    back = shared_payload.load(stored)
+    back = inputs.load(stored)
     for name in ("a", "b", "empty"):
         assert back[name].dtype == payload[name].dtype and np.array_equal(back[name], payload[name])
     assert np.array_equal(back["reference"].expected, expected) and back["reference"].scale == 11.0
     assert not back["reference"].expected.flags.writeable
-    shared_payload.remove(stored)
+    inputs.remove(stored)
     assert not os.path.exists(stored.path)
     assert np.array_equal(back["reference"].expected, expected)  # the mapping outlives the file
 

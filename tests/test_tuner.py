@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 
 import jax
 import numpy as np
@@ -13,12 +13,12 @@ from faulty_backend import FaultyConfig, FaultyRaggedDot
 
 import moe_tune
 from moe_tune.core import distributions
-from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels import get_op
+from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.profiles import entry_key, read_table, use_profiles
 from moe_tune.profiles.table import SCHEMA_VERSION
-from moe_tune.tuner import SweepError, SweepRequest, SweepSettings, finals, run_sweep
-from moe_tune.tuner.compile_count import backend_compiles
+from moe_tune.tuner import SweepError, SweepRequest, SweepSettings, measure, run_sweep
+from moe_tune.tuner.compiling import backend_compiles
 from moe_tune.tuner.timing import _race, cross_check, time_candidates
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)
@@ -153,8 +153,8 @@ def test_entry_records_what_design_requires(tmp_path):
     assert entry["distribution"]["group_sizes"] == distributions.group_sizes("skewed", 256, 4, 3).tolist()
     timing = entry["timing"]  # from the finalists' round: twice the samples, more for short calls (final_time_s)
     slowest = max(f["first_median_s"] for f in entry["verdict"]["finalists"])
-    planned = finals.final_samples(SweepSettings(samples=3), slowest)  # fewer once the default is settled
-    assert planned >= 6 and (timing["samples"] == planned or finals.earliest_stop(planned) <= timing["samples"] <
+    planned = measure.final_samples(SweepSettings(samples=3), slowest)  # fewer once the default is settled
+    assert planned >= 6 and (timing["samples"] == planned or measure.earliest_stop(planned) <= timing["samples"] <
                              planned and entry["verdict"]["rule"] != "beat_default")
     assert len(timing["samples_s"]) == timing["samples"]
     assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
@@ -249,8 +249,8 @@ def test_a_sweep_times_raced_out_candidates_once_and_the_finalists_fully(tmp_pat
                                          workers=1, profile_dir=tmp_path))
     final = result.entry.timing["samples"]  # twice the samples, more for short calls (final_time_s)
     slowest = max(f["first_median_s"] for f in result.entry.verdict["finalists"])
-    planned = finals.final_samples(SweepSettings(samples=3), slowest)  # or fewer once the default is settled
-    assert planned >= 6 and (final == planned or finals.earliest_stop(planned) <= final < planned and
+    planned = measure.final_samples(SweepSettings(samples=3), slowest)  # or fewer once the default is settled
+    assert planned >= 6 and (final == planned or measure.earliest_stop(planned) <= final < planned and
                              result.entry.verdict["rule"] != "beat_default")
     assert {c.timing.samples for c in result.candidates if c.status == "ok"} <= {1, 3, final}
     header = json.loads(next((tmp_path / "cpu" / "sweeps").rglob("*.jsonl")).read_text().splitlines()[0])
@@ -358,7 +358,7 @@ def _timing(samples):
 ])
 def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, best_samples, kept_default):
     from moe_tune.profiles.verdict import PAIRED_MIN_NOISE
-    from moe_tune.tuner import Reporter, finals
+    from moe_tune.tuner import Reporter, measure
     from moe_tune.tuner.candidate import Candidate
 
     default = Candidate(0, FaultyConfig("good", 64), is_default=True)
@@ -367,9 +367,9 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
     for c, t in ((default, 1.0), (other, 0.9), (slow, 3.0)):
         c.timing = _timing([t] * 3)
     final = {0: _timing([1.02, 0.98, 1.0, 1.05, 0.96, 1.01]), 1: _timing(best_samples), 2: _timing([3.0] * 6)}
-    monkeypatch.setattr(finals, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
+    monkeypatch.setattr(measure, "time_candidates", lambda calls, **kw: ({i: final[i] for i in calls}, None))
     settings = SweepSettings(finalists=1)
-    winner, verdict, _ = finals.final_round(settings, [default, other, slow], default, {}, "cpu", Reporter())
+    winner, verdict, _ = measure.final_round(settings, [default, other, slow], default, {}, "cpu", Reporter())
     assert (verdict.rule == "within_noise") is kept_default
     assert winner is (default if kept_default else other)
     # the verdict records the noise rule's threshold and both finalists' rounds, the winner first

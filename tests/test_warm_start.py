@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_strategies import BIG, SPACE, TILED, _run, bowl
 
-from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
+from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.profiles import evidence, key_fields, write_entries
 from moe_tune.profiles.key import key_from_fields
 from moe_tune.profiles.verdict import PAIRED_MIN_NOISE
@@ -18,7 +19,6 @@ from moe_tune.tuner import SweepRequest, run_sweep, warm_start
 from moe_tune.tuner import strategies as S
 from moe_tune.tuner.candidate import Candidate, same_rounds
 from moe_tune.tuner.timing import summarize
-from test_strategies import BIG, SPACE, TILED, _run, bowl
 
 OPTIMUM = {"tm": 256, "tk": 2048, "tn": 512, "tail": 32}
 

@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.core import devices
 from moe_tune.campaign import estimate as costs
 from moe_tune.campaign.plan import PlannedSweep, model_campaign_cases
+from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.profiles.key import entry_key
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 
 COVERED = ("exact", "interval")
 

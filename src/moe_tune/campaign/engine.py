@@ -17,7 +17,7 @@ from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.evidence import weaker_than
 from moe_tune.profiles.table import table_entries
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 
 
 @dataclasses.dataclass

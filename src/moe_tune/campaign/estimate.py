@@ -15,7 +15,7 @@ from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import table_entries
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 
 
 @dataclasses.dataclass(frozen=True)

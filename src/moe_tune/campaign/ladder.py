@@ -37,7 +37,7 @@ from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
 from moe_tune.profiles import intervals as iv
 from moe_tune.profiles.table import is_complete, table_entries, update_table
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 
 STEPS = 2  # bisection steps per boundary: each times both winners at one count between the brackets' ends
 

@@ -11,7 +11,7 @@ from typing import Any
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.core.errors import MoeTuneError
 from moe_tune.profiles.entry import Entry
-from moe_tune.tuner.result import SweepResult
+from moe_tune.tuner.state import SweepResult
 
 
 @dataclasses.dataclass

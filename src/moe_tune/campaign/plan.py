@@ -23,8 +23,7 @@ from moe_tune.layer.models import KernelCase, get_preset, layer_cases, presets
 from moe_tune.profiles import dirs
 from moe_tune.profiles.key import entry_key
 from moe_tune.profiles.table import is_complete, table_entries
-from moe_tune.tuner.request import SweepRequest
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepRequest, SweepSettings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,15 +33,15 @@ from typing import Any, Protocol
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from moe_tune.core.settings import COMPILE_CACHE_DIR
 from moe_tune.campaign.outcome import SweepOutcome, error_text, local_device
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.core.errors import MoeTuneError
+from moe_tune.core.settings import COMPILE_CACHE_DIR
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import write_entries
 from moe_tune.profiles.versions import recorded_revision
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 
 # A task whose process or node dies is run again this many times (an exception it raises is not retried:
 # it would raise again).

@@ -10,7 +10,7 @@ from typing import Any
 from moe_tune.campaign.engine import Campaign
 from moe_tune.campaign.outcome import SweepOutcome, error_text, local_device
 from moe_tune.campaign.plan import PlannedSweep
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 from moe_tune.tuner.sweep import run_sweep
 
 OnSweep = Callable[[int, PlannedSweep], Any]

@@ -29,7 +29,7 @@ class MoeFusionOp(KernelOp):
     options = (opt.TOKENS, opt.HIDDEN, INTERMEDIATE, opt.EXPERTS, opt.TOP_K, opt.EP, opt.DTYPE)
 
     def problem(self, *, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, ep: int = 1,
-                dtype: str = "float32", direction: str = "fwd", **_: Any) -> FusionProblem:
+                dtype: str = "float32", direction: str = "fwd") -> FusionProblem:
         return FusionProblem(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                              ep=ep, dtype=dtype, direction=direction)
 

@@ -2,9 +2,8 @@
 -> sweep log and tables. One sweep is a `SweepRequest` (op, problem, backend, `SweepSettings`) run by
 `run_sweep`; many sweeps are a campaign (`moe_tune.campaign`)."""
 
-from moe_tune.tuner.request import SweepRequest
-from moe_tune.tuner.result import Reporter, SweepError, SweepInterrupted, SweepResult
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepRequest, SweepSettings
+from moe_tune.tuner.state import Reporter, SweepError, SweepInterrupted, SweepResult
 from moe_tune.tuner.strategies import STRATEGIES, Strategy
 from moe_tune.tuner.sweep import log_path_for, preflight, run_sweep
 

@@ -1,51 +1,115 @@
-"""Compile candidates ahead of time, once each, and run each once: in worker processes, or in this process.
+"""Compiling candidates ahead of time, once each, and running each once: in worker processes or here.
 
-What runs where:
+- With workers (`workers > 1` on CPU), each candidate is compiled and run once on the sweep's real inputs in a
+  worker subprocess (`workers.py` running `worker_side.compile_and_run`), under one per-candidate timeout. The
+  worker sends back the serialized executable and the output's relative error against the sweep's `Reference`;
+  the inputs and the reference reach each worker once per sweep through a shared-memory file (`tuner.inputs`).
+  Isolation is the point: a candidate that segfaults, aborts, hangs or runs out of memory takes down only its
+  worker and is recorded as failed (stage "compile" or "run", with the reason); the worker is restarted and
+  the sweep goes on. The executable compiled in the worker is the one timed; a candidate whose executable
+  cannot be serialized (a Python host callback) is compiled again here for timing, only after it ran
+  correctly there.
+- With one worker, and on TPU (one process per chip), candidates compile here one at a time without a
+  timeout (`compile_here`); on GPU they compile here on several threads, since XLA's GPU compile releases the
+  GIL and worker processes cannot share a GPU (each would open its own CUDA context, and a Mosaic GPU
+  executable does not survive serialization).
 
-* With workers (`workers > 1` on CPU and GPU), each candidate is compiled AND run once, on the sweep's
-  real inputs, in a worker subprocess (`workers.py`, running `worker_side.compile_and_run`), under one
-  per-candidate timeout for both. The worker sends back the serialized executable and the output's relative
-  error against the sweep's reference (`gate.Reference`), computed there. The inputs and the reference go to
-  each worker once per sweep (`SweepInputs.token`), not with every request, through one shared-memory file
-  (`shared_payload`). A sweep's requests go out before its reference is made (`tuner/inputs.py`): a worker
-  compiles, then asks for them. `gate.check_all` then judges the candidate here by that error, without running it in
-  this process. (Sending the output back cost a copy through the pipe and a comparison here per candidate, ~1.6 s
-  of this process's time in a 64-candidate sweep, on the cores the workers compile on: NOTES.md, issue 32,
-  session 15.) The reason is isolation: a candidate that segfaults, aborts, hangs or runs out of memory
-  when run takes down (or stalls) only its worker; it is recorded as failed at stage "run" with the reason
-  -- "worker died (SIGABRT, signal 6) running the candidate", "worker hung: timed out after N s running the
-  candidate", "out of memory: ..." (XLA's RESOURCE_EXHAUSTED, a MemoryError, or the worker SIGKILLed, which
-  on Linux usually means the OOM killer) -- the worker is restarted and the sweep goes on. The same failures
-  during the compile are recorded at stage "compile". The executable compiled in the worker is the one that
-  is timed: nothing is compiled twice, with one exception: a candidate whose executable cannot be
-  serialized (a Python host callback) is still compiled and checked in the worker, and only if it ran there
-  correctly is it compiled a second time here, for timing (its `compiles` counts both). A candidate that
-  crashed or hung in a worker is never run in this process.
-* With one worker, and on TPU (one process per chip), candidates compile here (`local_compile`), one at a
-  time, without a timeout, and `check_all` runs each once here: a crashing candidate then takes the sweep
-  down with it. On GPU they compile here too, on `workers` threads (`local_compile` says why not in
-  worker processes).
-
-Timing (`timing.py`) always runs in this process, on the executables compiled as above.
+`Kernel` binds one op, one of its backends and one problem (it travels to workers by the op's name).
+`backend_compiles` counts this thread's real XLA compilations from JAX's monitoring events (compile events
+minus persistent-cache hits). Timing (`tuner.timing`) always runs in this process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
 
 from moe_tune.core import devices
+from moe_tune.kernels import get_op
+from moe_tune.kernels.base import Backend, KernelConfig
+from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.tuner import workers as workers_module
-from moe_tune.tuner.candidate import OK, Candidate, short
-from moe_tune.tuner.gate import Reference
-from moe_tune.tuner.kernel import Kernel
-from moe_tune.tuner.inputs import SweepInputs
-from moe_tune.tuner.local_compile import compile_here
-from moe_tune.tuner.shared_payload import Deferred
+from moe_tune.tuner.candidate import Candidate, Reference, failure_reason, short
+from moe_tune.tuner.inputs import Deferred, SweepInputs
+from moe_tune.tuner.timing import traceable
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    op: KernelOp
+    backend: Backend
+    problem: Any  # the op's problem object (RaggedDotProblem, GatherProblem)
+
+    def __reduce__(self) -> tuple[Callable, tuple[str, Backend, Any]]:
+        return _by_name, (self.op.name, self.backend, self.problem)
+
+    def function(self, config: KernelConfig, index: int) -> Callable:
+        """The jitted candidate `index`: inputs -> output, named for the profiler trace (`timing.traceable`)."""
+        return traceable(lambda inputs: self.op.run(self.backend, config, self.problem, inputs), index)
+
+    def compile(self, config: KernelConfig, index: int, args: Any) -> tuple[Any, int]:
+        """(executable for `args` (arrays or ShapeDtypeStructs), how many XLA compilations building it took:
+        one, or zero on a persistent-cache hit)."""
+        before = backend_compiles()
+        compiled = self.function(config, index).lower(args).compile()
+        return compiled, backend_compiles() - before
+
+
+def _by_name(op: str, backend: Backend, problem: Any) -> Kernel:
+    return Kernel(get_op(op), backend, problem)
+
+
+OK, WRONG, FAILED = "ok", "wrong", "failed"
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def compile_here(kernel: Kernel, candidates: Sequence[Candidate], inputs: Any,
+                 on_done: Callable[[Candidate], None] | None = None, threads: int = 1) -> None:
+    """Compile each candidate for `inputs`; a failure is recorded at stage "compile" with its reason.
+    `on_done(candidate)` is called on this thread as each is done."""
+    if threads <= 1 or len(candidates) <= 1:
+        for cand in candidates:
+            _compile_one(kernel, cand, inputs)
+            if on_done is not None:
+                on_done(cand)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe-tune-compile") as pool:
+        futures = [pool.submit(_compile_one, kernel, cand, inputs) for cand in candidates]
+        for future in as_completed(futures):
+            cand = future.result()
+            if on_done is not None:
+                on_done(cand)
+
+
+def _compile_one(kernel: Kernel, cand: Candidate, inputs: Any) -> Candidate:
+    start = time.perf_counter()
+    try:
+        cand.executable, compiles = kernel.compile(cand.config, cand.index, inputs)
+        cand.compiles += compiles
+    except Exception as e:  # noqa: BLE001 - any failure is recorded as the candidate's reason
+        cand.fail("compile", failure_reason(e))
+    cand.compile_s = time.perf_counter() - start
+    return cand
+
 
 OnDone = Callable[[Candidate], None]
 
@@ -150,3 +214,32 @@ def _record_worker_failure(cand: Candidate, failure: workers_module.WorkerFailur
     else:
         reason = f"{failure.describe()} {doing}"
     cand.fail(stage, reason)
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_per_thread = threading.local()
+
+
+def _add(n: int) -> None:
+    _per_thread.compiles = getattr(_per_thread, "compiles", 0) + n
+
+
+def _count_compiles(event: str, seconds: float, **_: Any) -> None:
+    if event == _COMPILE_EVENT:
+        _add(1)
+
+
+def _count_cache_hits(event: str, **_: Any) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _add(-1)
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+jax.monitoring.register_event_listener(_count_cache_hits)
+
+
+def backend_compiles() -> int:
+    """XLA compilations this thread has run so far (persistent-cache hits are loads, not compilations, and do
+    not count)."""
+    return getattr(_per_thread, "compiles", 0)

@@ -22,8 +22,8 @@ from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.kernel_op import relative_error
 from moe_tune.profiles.verdict import paired_ratios
-from moe_tune.tuner.finals import samples_for_time
-from moe_tune.tuner.kernel import Kernel
+from moe_tune.tuner.compiling import Kernel
+from moe_tune.tuner.measure import samples_for_time
 from moe_tune.tuner.timing import time_candidates
 
 # Samples per config: the finalists' floor (`profiles.verdict.MIN_FINAL_SAMPLES` is 5) and a little more,

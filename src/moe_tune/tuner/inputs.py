@@ -1,29 +1,30 @@
-"""A sweep's inputs, their float64 reference, the device copy and the host views of it that the compile workers
-get, made on a background thread while the first candidates compile.
+"""A sweep's inputs and float64 reference, and how compile workers receive them.
 
-Compiling a candidate needs only the inputs' shapes; its first run (the check) needs the inputs and the
-reference. The shapes come from `targets.calls.abstract_inputs` (what the compile-only targets compile for)
-for the ops it describes, so the seeded inputs too are made on the thread (the op's RNG: 0.25 s of a 1.3 s
-warm sweep at the `strategies_cpu.py` shape), and checked against those shapes there (a mismatch is a bug,
-raised where the inputs are needed); for other ops the inputs are made here first. A compile worker asks for
-the payload once it has compiled (`shared_payload.Deferred`).
+`SweepInputs` makes the inputs, their device copy and the reference on a background thread while the first
+candidates compile (compiling needs only the shapes, from the op's abstract inputs; the first run needs the
+arrays). The reference runs on one BLAS thread: the compile workers hold the cores, and OpenBLAS threads wait
+for each other beside such load (benchmarks/reference_threads_cpu.py). On CPU the host arrays are views of
+the device copy, so a sweep holds its inputs once.
 
-The float64 reference runs on one BLAS thread (`threadpoolctl`): the compile workers hold the cores, and
-OpenBLAS's threads wait for each other when another process keeps a core busy. Beside such load the
-`strategies_cpu.py` shape's reference took a median 0.42 s (m=256) and 0.88 s (m=2048) on 2 threads, 0.07 and
-0.21 s on one; alone 2 threads are faster (results/warm_phases_cpu_2core_2026-11-26_session17_C.txt,
-`benchmarks/reference_threads_cpu.py`). That most likely was session 16's unexplained 1.2-1.3 s "inputs and
-reference" phase in warm sweeps at m=256: the phase follows the other cores' load, not warm or cold.
-
-On CPU the host arrays the op made are dropped once the device copy exists: `host` is a view of that copy
-(there `np.asarray` of a device array does not copy), so a sweep holds its inputs once, not twice (at deepseek-v2-lite
-prefill they are 2.1-2.3 GiB; NOTES.md, issue 32, session 17 (C)).
+The payload many worker requests share (inputs and reference) is pickled once (protocol 5) into one file in
+shared memory (/dev/shm, else the temp dir); workers map it and read the arrays as read-only views without a
+copy. A payload still being made is a `Deferred`, written when a worker first asks for it. Files of
+processes that no longer run are removed the next time one is stored. `shared_inputs` gives arrays passed to
+`compile_all` directly the same token-once treatment.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import mmap
+import os
+import pickle
+import tempfile
 import threading
 import uuid
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,9 +32,34 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from moe_tune.core import devices
-from moe_tune.tuner.gate import Reference
 from moe_tune.targets.calls import DESCRIBED_OPS, abstract_inputs
-from moe_tune.tuner.shared_inputs import shared_inputs
+from moe_tune.tuner.candidate import Reference
+
+_sent: tuple[Any, list[weakref.ref], str, Any] | None = None  # (treedef, leaves, token, host inputs)
+
+
+def shared_inputs(inputs: Any) -> tuple[str, Any]:
+    """(token, host copy) of `inputs` (a pytree of arrays)."""
+    global _sent
+    leaves, treedef = jax.tree.flatten(inputs)
+    if (_sent is not None and _sent[0] == treedef and len(_sent[1]) == len(leaves)
+            and all(ref() is leaf for ref, leaf in zip(_sent[1], leaves))):
+        return _sent[2], _sent[3]
+    token, host = uuid.uuid4().hex, jax.tree.map(np.asarray, inputs)
+    try:
+        refs = [weakref.ref(leaf) for leaf in leaves]
+    except TypeError:  # a leaf that cannot be referenced weakly (a Python scalar): no reuse across calls
+        return token, host
+    _sent = (treedef, refs, token, host)
+    if leaves:
+        weakref.finalize(leaves[0], _forget, token)
+    return token, host
+
+
+def _forget(token: str) -> None:
+    global _sent
+    if _sent is not None and _sent[2] == token:
+        _sent = None
 
 
 class SweepInputs:
@@ -147,3 +173,96 @@ def _shapes(inputs: Any) -> Any:
     """ShapeDtypeStructs of host or device arrays, the dtype as the device copy has it (int64 is int32
     there unless x64 is on)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), inputs)
+
+
+_PREFIX = "moe_tune_shared_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """Where a payload is: the pickle without its large buffers, and each buffer's (offset, size) in `path`."""
+
+    path: str
+    head: bytes
+    spans: tuple[tuple[int, int], ...]
+
+
+class Deferred:
+    """A shared payload still being made: `get()` waits for it and makes it once (`make()`), whichever thread
+    asks first; `ready()` says whether `get` would not wait for the producer."""
+
+    def __init__(self, make: Callable[[], Any], ready: Callable[[], bool]) -> None:
+        self._make, self.ready = make, ready
+        self._lock = threading.Lock()
+        self._made = False
+        self._value: Any = None
+
+    def get(self) -> Any:
+        with self._lock:
+            if not self._made:
+                self._value, self._made = self._make(), True
+        return self._value
+
+
+def _directory() -> str:
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def store(payload: Any) -> Stored:
+    """Write `payload`'s large buffers to a new file; what a worker needs to `load` it."""
+    _remove_stale()
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(payload, protocol=5, buffer_callback=buffers.append)
+    fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}_", dir=_directory())
+    spans, offset = [], 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for buffer in buffers:
+                raw = buffer.raw()
+                f.write(raw)
+                spans.append((offset, raw.nbytes))
+                offset += raw.nbytes
+    except BaseException:
+        os.unlink(path)
+        raise
+    return Stored(path, head, tuple(spans))
+
+
+def load(stored: Stored) -> Any:
+    """The payload, its arrays read-only views of the mapped file (valid after the file is removed)."""
+    views = [memoryview(b"")] * len(stored.spans)
+    if any(size for _, size in stored.spans):  # (an empty file cannot be mapped)
+        with open(stored.path, "rb") as f:
+            mapped = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        views = [mapped[offset:offset + size] for offset, size in stored.spans]
+    return pickle.loads(stored.head, buffers=views)
+
+
+def remove(stored: Stored) -> None:
+    try:
+        os.unlink(stored.path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_stale() -> None:
+    """Remove the payload files of processes that no longer run."""
+    for path in glob.glob(os.path.join(_directory(), f"{_PREFIX}*")):
+        pid = os.path.basename(path)[len(_PREFIX):].split("_", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -18,8 +18,7 @@ from moe_tune.profiles.versions import entry_versions
 from moe_tune.tuner import log as sweep_log
 from moe_tune.tuner.candidate import FAILED, OK, WRONG, Candidate
 from moe_tune.tuner.request import SweepPlan
-from moe_tune.tuner.state import SweepState
-from moe_tune.tuner.step import Step
+from moe_tune.tuner.state import Step, SweepState
 
 # -- the sweep log ---------------------------------------------------------------------------------------------
 

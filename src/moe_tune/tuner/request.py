@@ -1,9 +1,11 @@
-"""What one sweep is asked to do (`SweepRequest`: op, problem, backend, settings) and the plan resolved from
-it once (`SweepPlan`: the op object, the backend, the kernel bound from them, the key, the search space,
-the settings as they are recorded, the sweep's identity, the log's and the table's paths).
+"""What a sweep is asked to do, and the plan resolved from it once.
 
-The settings are serialized in one place (`SweepPlan.settings_json`): the sweep log's header, the log's name
-(through `identity`) and the entry's `search` record all take their fields from it.
+`SweepSettings`: one typed, frozen record of every setting that is not the op, the problem or the backend
+(the CLI builds one from its flags; a Ray task overrides what differs there with `dataclasses.replace`, which
+validates again). `SweepRequest`: op, problem, backend, settings. `SweepPlan`: the op object, the backend, the
+kernel bound from them, the key, the search space, the recorded settings, the sweep's identity, the log's and
+the table's paths. `check_fits`: a sweep that would not fit this machine's memory is refused before it
+starts, with what it needs and what is available.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from moe_tune.core import devices
+from moe_tune.core import devices, distributions
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import Backend, KernelConfig
@@ -23,9 +26,52 @@ from moe_tune.profiles import dirs
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.targets.records import uncompilable
 from moe_tune.tuner import log as sweep_log
-from moe_tune.tuner import sampling
-from moe_tune.tuner.kernel import Kernel
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner import strategies
+from moe_tune.tuner.compiling import Kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSettings:
+    """Validated on construction: UsageError (one line) for a bad value."""
+
+    distribution: str = distributions.DEFAULT  # of the rows (tokens) over groups (experts)
+    seed: int = 0  # of the inputs, the group sizes and the random strategy
+    # first-round samples per candidate: enough to rank them roughly; the finalists are re-timed side by side
+    # with twice as many (at least profiles.verdict.MIN_FINAL_SAMPLES), which is where the winner is decided
+    samples: int = 3
+    # racing: after the first round, a candidate slower than this factor times the best known gets no more
+    # samples, nor does one whose median can no longer make it a finalist (see timing.time_candidates);
+    # None times every candidate `samples` times
+    race: float | None = 1.5
+    strategy: str = "grid"  # see tuner.strategies
+    budget: int | None = None  # at most this many candidates
+    time_budget_s: float | None = None  # start no new chunk of candidates after this many seconds
+    max_candidates: int | None = None  # the default and a seeded sample spread across the space (tuner.sampling)
+    workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
+    keep_trace_dir: Path | None = None  # keep the profiler traces (xplane) here
+    fresh: bool = False  # delete the sweep log first (no resume)
+    finalists: int = 4  # the fastest N (and the default) are re-timed together before the winner is chosen
+    # the final round gives each finalist about this many seconds of calls (short calls get more than the
+    # samples above, up to tuner.finals.MAX_FINAL_SAMPLES); 0 for the samples alone
+    final_time_s: float = 0.3
+    batch_size: int = 8  # candidates timed together (interleaved); a kill loses at most one batch
+    compile_timeout_s: float = 600.0  # per candidate, compile + first run in a worker (not its start-up)
+    cold: bool = False  # no warm start: do not seed the search with the nearest tuned shapes' winners
+
+    def __post_init__(self) -> None:
+        distributions.check_name(self.distribution)
+        for name in ("samples", "workers", "finalists", "batch_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:  # NumPy's seeds are unsigned 32-bit
+            raise UsageError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if not self.final_time_s >= 0:
+            raise UsageError(f"final_time_s must be >= 0, got {self.final_time_s}")
+        if self.race is not None and not self.race > 1:
+            raise UsageError(f"race must be > 1 (or None, no racing), got {self.race}")
+        strategies.check(self.strategy, self.budget, self.time_budget_s)
+
 
 # The settings that decide which candidates a sweep has and how they are measured: two sweeps that differ in
 # one of them are different sweeps (another log file; never resumed from each other's log).
@@ -91,9 +137,9 @@ class SweepPlan:
     @functools.cached_property
     def space(self) -> list[KernelConfig]:
         """`full_space`, or with max_candidates the default and a seeded sample spread across it
-        (`sampling.spread`: the same candidates for the same seed, so a resumed sweep gets them again)."""
+        (`strategies.spread`: the same candidates for the same seed, so a resumed sweep gets them again)."""
         limit = self.request.settings.max_candidates
-        return self.full_space if limit is None else sampling.spread(self.full_space, limit,
+        return self.full_space if limit is None else strategies.spread(self.full_space, limit,
                                                                      self.request.settings.seed)
 
     @functools.cached_property
@@ -129,3 +175,37 @@ class SweepPlan:
     @property
     def table_path(self) -> Path:
         return dirs.table_path(self.directory, self.device_kind, self.request.op)
+
+
+def available_bytes() -> int | None:
+    """Memory available to a new allocation: /proc/meminfo's MemAvailable on Linux, else free physical pages
+    (os.sysconf); None when neither can be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the value is in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_fits(op: Any, problem: Any, workers: int = 1) -> None:
+    """UsageError (one line) when `problem`'s inputs, reference and output, with `workers` compile worker
+    processes (1: none), need more memory than is available (an op that cannot estimate its need says 0:
+    not checked)."""
+    need, have = op.sweep_memory(problem, workers), available_bytes()
+    if have is not None and need > have:
+        fewer = " (fewer --workers need less)" if workers > 1 and op.sweep_memory(problem, 1) < need else ""
+        raise UsageError(f"{op.describe(problem)} needs about {_size(need)} of memory for its inputs, reference "
+                         f"and output with --workers {workers}; this machine has {_size(have)} available{fewer}")

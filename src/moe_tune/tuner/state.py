@@ -1,9 +1,12 @@
-"""What one run of a sweep holds while its stages run: the plan, the log, the inputs and the reference, the
-finished candidates (restored from the log or measured now), and the wall time per stage.
+"""What one run of a sweep holds while its stages run, what a stage yields, and how a sweep ends.
 
-The stages read it; what they did (batches, fallbacks, recompiles, why the search stopped) they yield as
-`step.Step`s. `finished` is the one way a candidate becomes finished: its line is appended to the sweep log
-first (`log.candidate_line`), so nothing finished is lost.
+`SweepState`: the plan, the log, the inputs and the reference, the finished candidates (restored from the log
+or measured now), and the wall time per stage; `finished` is the one way a candidate becomes finished (its line
+is appended to the sweep log first, so nothing finished is lost). `Step`: what a stage did (a batch timed, a
+timing fallback, compilations spent again, candidates restored, why the search stopped), yielded by the
+search, measure and finals generators and summed by `Tally`, so that what they did up to a KeyboardInterrupt
+is still known. `Reporter` receives progress; `SweepResult`, `SweepError` (no winner) and `SweepInterrupted`
+(with what was kept) are how a sweep ends.
 """
 
 from __future__ import annotations
@@ -12,19 +15,66 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
 
+from moe_tune.core.errors import MoeTuneError
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.tuner.candidate import OK, Candidate
-from moe_tune.tuner.gate import Reference
+from moe_tune.profiles.entry import Entry
+from moe_tune.tuner.candidate import Candidate, Reference
+from moe_tune.tuner.compiling import OK, Kernel
 from moe_tune.tuner.inputs import SweepInputs
-from moe_tune.tuner.kernel import Kernel
 from moe_tune.tuner.log import SweepLog, candidate_line
-from moe_tune.tuner.request import SweepPlan
-from moe_tune.tuner.result import Reporter
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepPlan, SweepRequest, SweepSettings
 from moe_tune.tuner.warm_start import WarmStart
+
+
+class SweepError(MoeTuneError):
+    """The sweep could not produce a winner (every candidate failed or was wrong)."""
+
+
+class Reporter:
+    """Progress callbacks; the CLI draws them with rich, the library default ignores them."""
+
+    def stage(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, name: str, amount: float = 1) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class SweepResult:
+    request: SweepRequest
+    key: str
+    entry: Entry  # the table entry, as written
+    candidates: list[Candidate]
+    table_path: Path | None
+    wall_s: float
+    log_path: Path | None = None
+    resumed: int = 0  # candidates restored from the sweep log
+    interrupted: bool = False
+
+    @property
+    def best(self) -> Candidate:
+        return next(c for c in self.candidates if c.config.to_dict() == self.entry.config and c.status == OK)
+
+    @property
+    def default(self) -> Candidate:
+        return next(c for c in self.candidates if c.is_default)
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt stopped a sweep. The finished candidates are in the log (`log_path`); `result` is
+    the entry written from them, or None when too little had finished. str() says what was kept."""
+
+    def __init__(self, message: str, *, log_path: Path, kept: int, result: SweepResult | None):
+        super().__init__(message)
+        self.log_path, self.kept, self.result = log_path, kept, result
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 @dataclasses.dataclass
@@ -124,3 +174,38 @@ class SweepState:
     def best_median(self) -> float | None:
         """The fastest median among the candidates timed so far (restored ones included), or None."""
         return min((c.timing.median_s for c in self.done if c.status == OK and c.timing is not None), default=None)
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    batches: int = 0  # timing batches timed
+    fallback: str | None = None  # why a batch was timed by the wall clock, if one was
+    recompiled: int = 0  # XLA compilations spent again (finalists restored from the log, warm-up failures)
+    resumed: int = 0  # candidates restored from the sweep log
+    stopped: str | None = None  # why the search stopped
+
+    def __add__(self, other: Step) -> Step:
+        """Counts add up; the first fallback and the last stop reason are kept."""
+        return Step(self.batches + other.batches, self.fallback or other.fallback,
+                    self.recompiled + other.recompiled, self.resumed + other.resumed,
+                    other.stopped or self.stopped)
+
+
+class Tally:
+    """The runner's sum of the steps its stages yielded."""
+
+    def __init__(self) -> None:
+        self.total = Step()
+
+    def run(self, stage: Generator[Step, None, T]) -> T:
+        """Run a stage to its end, adding up its steps; returns what the stage returns."""
+        while True:
+            try:
+                step = next(stage)
+            except StopIteration as done:
+                return done.value
+            self.total += step
+

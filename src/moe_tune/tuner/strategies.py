@@ -1,38 +1,9 @@
-"""Search strategies: which configs of a backend's search space a sweep measures, round by round.
+"""Search strategies: which candidates a sweep measures, round by round.
 
-A strategy proposes rounds of configs (the default config always first, in the first round, then the warm
-start's seeds, `tuner/warm_start.py`: the winners of the nearest tuned shapes, mapped onto this space); the sweep
-measures each round (compile, check, time) and passes everything measured so far to `next_round`. A
-strategy never proposes a config twice, never one outside the space (valid configs only), and never more
-than `budget` configs in all. Proposals depend only on the space, the budget, the seed and the measured
-results, so a resumed sweep, whose results come from its log, replays the same proposals.
-
-- `grid`: the whole space in order; `budget` keeps its first N. With seeds (a warm start) it runs the warm
-  local search below instead (`--cold` asks for the whole grid).
-- `random`: the default, the seeds, then a seeded random sample of the rest, `budget` configs in all.
-- `coordinate`: coordinate descent from the heuristic default: the first round is the default and its
-  neighbours, each later round the unmeasured neighbours of the best config so far (along each tunable, the
-  nearest smaller and larger value among the configs of the space that differ from it in that tunable
-  only). It moves to the best measured config and stops when a round finds nothing faster (or the budget
-  is spent). With seeds it runs the warm local search.
-- The warm local search (`grid` and `coordinate` with seeds; `Strategy.local`): the first round is the
-  default, the seeds and the configs bracketed by the seeds (`bracket`: between two seeds that differ in one
-  tunable, as a ladder implies: m/2 won tm=32 and 2m won tm=128, so tm=64 is tried), timed side by side; then
-  coordinate descent from the best of them along the OPEN tunables only (`open_tunables`: those on which the
-  default and the seeds do not all agree; never empty, a seed differs from the default), moving only to a
-  neighbour faster by more than `NOISE` (`speedup`: paired round by round when the two ran in the same
-  rounds; a smaller gain is within the run-to-run noise of a 3-sample median,
-  and chasing it walks the space). A tunable that the default and every tuned neighbour's winner agree on is
-  not walked: walking every tunable made the warm descent's confirming round cost as much as a cold round
-  (NOTES 11). With ONE seed (the neighbours agree, or all kept their defaults: `warm_start`) the descent
-  starts only when the seed beat the default in the first round by the least gain the final round can call
-  a win (`verdict.PAIRED_MIN_NOISE`, 10%; round by round when they ran in the same rounds): otherwise the
-  evidence and the measurement agree on the default, and the search stops at two candidates (a 3% gate on
-  3 rounds let noise start a descent in 3 of 8 such sweeps, none of which found anything: NOTES.md issue 32
-  session 16). The default stays the first
-  candidate, and a warm search measures at least the default and one seed (no seed: the cold walk).
-
-The sweep itself stops asking for rounds when its time budget is spent.
+`Grid` (every candidate, default first), `RandomSearch` (a seeded sample of `budget`), `CoordinateDescent`
+(one tunable at a time from the best so far, moving only past the noise); `make` builds one by name; warm
+starts begin from seeds (`tuner.warm_start`). `spread` picks `n` candidates spread across a space (used by
+`--max-candidates`), deterministically.
 """
 
 from __future__ import annotations
@@ -46,10 +17,12 @@ from typing import Any, ClassVar
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.profiles.verdict import PAIRED_MIN_NOISE, paired_ratios
-from moe_tune.tuner.candidate import OK, Candidate, same_rounds
-
+from moe_tune.tuner.candidate import Candidate, same_rounds
+from moe_tune.tuner.compiling import OK
 
 NOISE = 0.03  # the warm local search moves to a neighbour only when it is this much faster than the best
+
+
 BRACKET = 8  # at most this many configs between the seeds are tried in the warm first round
 
 
@@ -264,3 +237,40 @@ def check(name: str, budget: int | None, time_budget_s: float | None) -> None:
 def make(name: str, space: Sequence[KernelConfig], *, backend: Backend | None = None, problem: Any = None,
          budget: int | None = None, seed: int = 0, seeds: Sequence[KernelConfig] = ()) -> Strategy:
     return STRATEGIES[name](space, backend=backend, problem=problem, budget=budget, seed=seed, seeds=seeds)
+
+
+def _pairs(config: KernelConfig) -> set[tuple[str, str]]:
+    """(tunable, value) pairs of a config (values as text: hashable whatever their type)."""
+    return {(name, repr(value)) for name, value in config.to_dict().items()}
+
+
+def spread(space: Sequence[KernelConfig], n: int, seed: int = 0) -> list[KernelConfig]:
+    """The default (`space[0]`) and n - 1 more configs of `space`, in space order after the default: first,
+    greedily, the config that shows the most (tunable, value) pairs not yet shown (each tunable weighing the
+    same; ties broken by a seeded shuffle), so that every value of every tunable appears once n allows it;
+    then, with room left, a seeded random sample of the rest. The whole space when n >= len(space)."""
+    if n >= len(space):
+        return list(space)
+    n = max(1, n)
+    rest = list(range(1, len(space)))
+    random.Random(seed).shuffle(rest)  # the tie-break order
+    chosen = [0]
+    every = set().union(*(_pairs(c) for c in space))
+    # each tunable weighs the same: one of its values counts 1 / (its number of values), so that a flag's other
+    # value (`single_pass=True`) comes before the seventh tile size
+    weight = {pair: 1 / sum(p[0] == pair[0] for p in every) for pair in every}
+    missing = every - _pairs(space[0])
+
+    def gain(i: int) -> float:
+        return sum(weight[p] for p in _pairs(space[i]) & missing)
+
+    while len(chosen) < n and missing:
+        best = max(rest, key=gain)  # max keeps the first of equals: the seeded order breaks ties
+        if not gain(best):
+            break
+        chosen.append(best)
+        rest.remove(best)
+        missing -= _pairs(space[best])
+    chosen += rest[: n - len(chosen)]  # seeded: `rest` was shuffled
+    return [space[0], *(space[i] for i in sorted(chosen[1:]))]
+

@@ -1,4 +1,21 @@
-"""One sweep: the candidates a search strategy picks from one backend's search space for one problem,
+"""How a sweep reports progress (`Reporter`) and how it ends: `SweepResult`, `SweepError` (no winner),
+`SweepInterrupted` (a KeyboardInterrupt, with what was kept).
+
+What one run of a sweep holds while its stages run: the plan, the log, the inputs and the reference, the
+finished candidates (restored from the log or measured now), and the wall time per stage.
+
+The stages read it; what they did (batches, fallbacks, recompiles, why the search stopped) they yield as
+`step.Step`s. `finished` is the one way a candidate becomes finished: its line is appended to the sweep log
+first (`log.candidate_line`), so nothing finished is lost.
+
+What a stage of a sweep did, returned (yielded) by the stage rather than written onto shared state.
+
+The search, measure and finals stages are generators: each yields a `Step` when it has done something the
+entry records (a batch timed, a timing fallback, compilations spent again, candidates restored from the
+log, why the search stopped) and returns its result. The sweep's runner sums the steps (`Tally`), so that
+what the stages did up to a KeyboardInterrupt is still known when it writes the interrupted entry.
+
+One sweep: the candidates a search strategy picks from one backend's search space for one problem,
 compiled in parallel, checked against the reference, timed from the profiler trace; the winner (and
 everything about how it won) becomes a table entry.
 
@@ -30,13 +47,11 @@ from moe_tune.core import paths
 from moe_tune.core import settings as env
 from moe_tune.core.errors import warn_caller
 from moe_tune.profiles.dirs import writable_dir
-from moe_tune.tuner import compile_cache, finals, memory, record, search, strategies, warm_start
+from moe_tune.tuner import compile_cache, measure, record, search, strategies, warm_start
 from moe_tune.tuner.compiling import start_workers, uses_workers
 from moe_tune.tuner.log import SweepLog
-from moe_tune.tuner.request import SweepPlan, SweepRequest
-from moe_tune.tuner.result import Reporter, SweepError, SweepInterrupted, SweepResult
-from moe_tune.tuner.state import SweepState
-from moe_tune.tuner.step import Tally
+from moe_tune.tuner.request import SweepPlan, SweepRequest, check_fits
+from moe_tune.tuner.state import Reporter, SweepError, SweepInterrupted, SweepResult, SweepState, Tally
 
 
 def log_path_for(request: SweepRequest) -> Path:
@@ -53,7 +68,7 @@ def preflight(request: SweepRequest) -> SweepPlan:
     plan = SweepPlan(request)
     plan.check_runs_here()
     workers = request.settings.workers
-    memory.check_fits(plan.op, request.problem, workers if uses_workers(workers) else 1)
+    check_fits(plan.op, request.problem, workers if uses_workers(workers) else 1)
     _check_environment(request.settings.workers)
     if request.settings.keep_trace_dir is not None:
         paths.writable_dir(request.settings.keep_trace_dir, "cannot write traces to")
@@ -109,10 +124,10 @@ def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
         start_workers(state.settings.workers)  # they start while the inputs and the reference are computed
         state.prepare_inputs()
         tally.run(search.search(state, strategy))
-        best, verdict = tally.run(finals.run_finals(state))
+        best, verdict = tally.run(measure.run_finals(state))
     except KeyboardInterrupt:
         interrupted = True
-        best, verdict = finals.interrupted_winner(state)
+        best, verdict = measure.interrupted_winner(state)
     except SweepError as e:
         record.log_final(state, tally.total, None, None, interrupted=False, table=None, error=str(e))
         raise

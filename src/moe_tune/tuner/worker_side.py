@@ -16,9 +16,8 @@ from jax.experimental import serialize_executable
 
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner import workers
-from moe_tune.tuner.candidate import FAILED, OK, failure_reason, short
-from moe_tune.tuner.gate import Reference
-from moe_tune.tuner.kernel import Kernel
+from moe_tune.tuner.candidate import Reference, failure_reason, short
+from moe_tune.tuner.compiling import FAILED, OK, Kernel
 
 _inputs: dict[str, Any] = {}
 

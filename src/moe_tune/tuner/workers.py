@@ -22,7 +22,7 @@ raised; the worker stays usable). `shared` is `None` or `(token, payload)`: data
 (the tuner's inputs) goes to each worker once, with its first request that needs it, and is read there
 with `shared(token)`; a worker holds one payload at a time. `WorkerPool.map` writes the payload's arrays once
 to a shared-memory file (`shared_payload`) and sends only where they are. A payload still being made (a
-`shared_payload.Deferred`: the tuner's reference is computed while the first compiles run) goes as
+`inputs.Deferred`: the tuner's reference is computed while the first compiles run) goes as
 `(token, DEFERRED)`: the worker's `shared(token)` then answers `("need", token)` and reads the payload from
 its stdin, which the pool sends once it is made; the request's deadline stops while it waits. The worker
 moves its own stdout to stderr first, so stray prints cannot corrupt the stream.
@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
 from moe_tune.core import settings
-from moe_tune.tuner import shared_payload
+from moe_tune.tuner import inputs
 
 _HEADER = struct.Struct("<Q")
 _CRASHED = "crashed"  # a `map` thread's own failure (not a request's), raised in the caller
@@ -165,11 +165,11 @@ class Worker:
              on_progress: Callable[[Any], None] | None = None) -> Any:
         """Run one request and return its value; raise WorkerFailure when the worker died doing it, raised,
         or did not answer within `timeout` seconds (it is then killed). `shared` (token, payload) is sent
-        only if this worker does not hold that token yet; a `shared_payload.Deferred` not ready yet is sent
+        only if this worker does not hold that token yet; a `inputs.Deferred` not ready yet is sent
         when the worker asks for it (the deadline stops while the payload is made)."""
         progress: list = []
         send = shared if shared is not None and shared[0] != self.shared_token else None
-        if send is not None and isinstance(send[1], shared_payload.Deferred):
+        if send is not None and isinstance(send[1], inputs.Deferred):
             send = (send[0], DEFERRED) if not send[1].ready() else (send[0], send[1].get())
         try:
             _write_all(self.proc.stdin.fileno(), _pack((fn, args, send)))
@@ -202,7 +202,7 @@ class Worker:
         except (EOFError, OSError):  # BrokenPipeError included
             raise WorkerFailure("died", progress, returncode=self._reap()) from None
 
-    def _send_deferred(self, token: str, payload: shared_payload.Deferred) -> str | None:
+    def _send_deferred(self, token: str, payload: inputs.Deferred) -> str | None:
         """Send the payload a worker asked for; the token it now holds (None: the payload could not be made,
         and the worker's `shared` raises)."""
         try:
@@ -238,7 +238,7 @@ class WorkerPool:
         self._idle: queue.Queue[Worker] = queue.Queue()
         for _ in range(size):
             self._idle.put(Worker())
-        self._stored: tuple[str, shared_payload.Stored] | None = None  # the shared payload's file, by token
+        self._stored: tuple[str, inputs.Stored] | None = None  # the shared payload's file, by token
         self._storing = threading.Lock()  # a deferred payload is stored on a thread of its own (`map`)
 
     def map(self, fn: str, requests: Iterable[tuple[Any, tuple]],
@@ -248,16 +248,16 @@ class WorkerPool:
 
         A request that takes longer than `timeout` seconds has its worker killed. A worker that died or was
         killed is replaced before its next request. `shared` is (token, payload): see `Worker.call`; a
-        `shared_payload.Deferred` is written to its file as soon as it is made, while the workers compile.
+        `inputs.Deferred` is written to its file as soon as it is made, while the workers compile.
         Callbacks run one at a time, on the caller's thread, while the workers go on with the next requests
         (the tuner's callback loads the executable and checks the output: had it run on the thread that
         feeds a worker, that worker would idle meanwhile). An exception from `on_result` (or an interrupt)
         stops the requests not yet started and is raised; those in flight finish in the background.
         """
-        deferred = shared is not None and isinstance(shared[1], shared_payload.Deferred)
+        deferred = shared is not None and isinstance(shared[1], inputs.Deferred)
         if deferred and not shared[1].ready():
             token, made = shared  # stored once made, on a thread, while the workers compile
-            shared = (token, shared_payload.Deferred(lambda: self._store(token, made.get()), made.ready))
+            shared = (token, inputs.Deferred(lambda: self._store(token, made.get()), made.ready))
             threading.Thread(target=_quietly, args=(shared[1].get,), daemon=True).start()
         elif shared is not None:
             shared = (shared[0], self._store(shared[0], shared[1].get() if deferred else shared[1]))
@@ -318,10 +318,10 @@ class WorkerPool:
         with self._storing:
             if self._stored is None or self._stored[0] != token:
                 if self._stored is not None:
-                    shared_payload.remove(self._stored[1])
+                    inputs.remove(self._stored[1])
                     self._stored = None
                 try:
-                    self._stored = (token, shared_payload.store(payload))
+                    self._stored = (token, inputs.store(payload))
                 except OSError:  # e.g. a full /dev/shm
                     return payload
             return self._stored[1]
@@ -330,7 +330,7 @@ class WorkerPool:
         while not self._idle.empty():
             self._idle.get_nowait().close()
         if self._stored is not None:
-            shared_payload.remove(self._stored[1])
+            inputs.remove(self._stored[1])
             self._stored = None
 
 
@@ -390,8 +390,8 @@ def shared(token: str) -> Any:
 
 def _hold(token: str, payload: Any) -> None:
     _shared.clear()  # one payload at a time: a new token means the previous one is done with
-    if isinstance(payload, shared_payload.Stored):  # written to a file by `WorkerPool.map`
-        payload = shared_payload.load(payload)
+    if isinstance(payload, inputs.Stored):  # written to a file by `WorkerPool.map`
+        payload = inputs.load(payload)
     _shared[token] = payload
 
 
