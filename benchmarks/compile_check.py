@@ -1,5 +1,5 @@
-"""The search spaces held to the real compilers (issue 28): for each Pallas backend and compile-only target,
-the kernels of four model presets at two token counts are compiled for configs the rules keep and configs
+"""The search spaces held to the real compilers (FINDINGS.md: search spaces vs compilers): for each Pallas
+backend and compile-only target, the kernels of four model presets at two token counts are compiled for configs the rules keep and configs
 they refuse, and the verdicts compared.
 
     PYTHONPATH=src .venv/bin/python benchmarks/compile_check.py [--targets v5e,h100,...] [--workers 2]
@@ -19,7 +19,7 @@ configs (verdicts come from `--cache`, which holds every compile by target, prob
 - false accept: the rules keep it, the compiler rejects it (or dies compiling it);
 - false reject: the rules refuse it, the compiler takes it.
 
-Writes benchmarks/results/compile_check_cpu_2core_2026-11-25_<label>.{json,txt}. Nothing is asserted.
+Writes benchmarks/results/compile_check_cpu_2core_<date>_<label>.{json,txt}. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "qwen3-235b-a22b")  #
 TOKENS = (512, 4096)
 QUANT_MODES = {"bf16": None, "int8": {"rhs_quant": "int8"},
                "fp8/128": {"rhs_quant": "float8_e4m3fn", "quant_block": 128},
-               # issue 31: 4-bit weights, activations quantized in the kernel (`--modes` picks some)
+               # 4-bit weights, activations quantized in the kernel (`--modes` picks some)
                "int4/128": {"rhs_quant": "int4", "quant_block": 128}, "mxfp4": {"rhs_quant": "mxfp4"},
                "w8a8 dynamic": {"rhs_quant": "int8", "quant_block": 128, "lhs_quant": "int8", "lhs_dynamic": True}}
 GATHER_DTYPES = ("float32", "bfloat16")
@@ -268,7 +268,7 @@ def main() -> None:
     else:
         judged = run(args.targets.split(","), args.workers, args.grid, args.seed, args.cache, args.kept,
                      args.refused, presets, tokens)
-    stem = RESULTS / f"compile_check_cpu_2core_2026-11-25_{args.label}"
+    stem = RESULTS / f"compile_check_cpu_2core_{time.strftime('%Y-%m-%d')}_{args.label}"
     stem.with_suffix(".json").write_text(json.dumps({"targets": args.targets, "presets": presets, "tokens": tokens,
                                                      "kept": args.kept, "refused": args.refused,
                                                      "grid": args.grid, "seed": args.seed,

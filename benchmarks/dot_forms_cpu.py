@@ -2,7 +2,7 @@
 `fused_moe/tiled.py` forms it with transpose_rhs) against the pre-transposed weight ("NN"), whole or in 4
 column blocks, at tm 128/256/384, in bfloat16 and float32, at deepseek-v2-lite's f=1408, d=2048 (one
 24576-row pass over 4 groups). Prints min-of-3 time and GFLOP/s per form. Why: the breakdown of deepseek
-bf16 prefill fwd+bwd showed the fused dx dots at ~223 GFLOP/s (benchmarks/NOTES.md, session 15).
+bf16 prefill fwd+bwd showed the fused dx dots at ~223 GFLOP/s (FINDINGS.md: fused layer prefill).
 
     flock /work/coord/bench.lock .venv/bin/python benchmarks/dot_forms_cpu.py
 """

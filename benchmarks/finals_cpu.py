@@ -1,4 +1,5 @@
-"""What a ladder rung's sweep decides, against a long side-by-side run of the same configs (issue 32).
+"""What a ladder rung's sweep decides, against a long side-by-side run of the same configs
+(FINDINGS.md: final round budget).
 
     flock /work/coord/bench.lock .venv/bin/python benchmarks/finals_cpu.py --kernel "deepseek-v2-lite down fwd
         bfloat16" --m 32,43,64 [--samples 61] [--repeat 1] [--json OUT]
@@ -33,7 +34,7 @@ from moe_tune.kernels import get_op
 
 def sweep_once(problem: Any, final_time_s: float) -> dict[str, Any]:
     """The tuner's cold grid sweep of `problem` in a fresh profile dir, its final round given `final_time_s`
-    seconds of calls per finalist (0: the samples alone, as before session 14): its verdict and wall time."""
+    seconds of calls per finalist (0: the samples alone, without the time budget): its verdict and wall time."""
     from moe_tune.core import devices
     from moe_tune.profiles import dirs
     from moe_tune.profiles.table import read_table

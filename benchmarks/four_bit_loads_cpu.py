@@ -1,4 +1,4 @@
-"""How the tiled kernel should load 4-bit weight blocks on XLA CPU (issue 31; benchmarks/NOTES.md 18).
+"""How the tiled kernel should load 4-bit weight blocks on XLA CPU (FINDINGS.md: 4-bit on XLA CPU).
 
 A loop over groups, each iteration a [4, k] x [k, n] dot of one group's weights (the decode shape of
 quant_cpu.py: 4 rows a group), the weights loaded five ways, timed interleaved in one run:

@@ -1,4 +1,5 @@
-"""Fused vs unfused MoE layer on CPU (issue 30's measured targets): `moe_mlp(..., fused=True)` against
+"""Fused vs unfused MoE layer on CPU (FINDINGS.md: fused layer prefill, fused layer decode):
+`moe_mlp(..., fused=True)` against
 `moe_mlp(..., fused=False)` (today's layer: gather, three ragged_dots, gather-reduce), both with the kernels'
 tables (shipped or yours) and defaults, compiled once each and timed interleaved in the same trace rounds
 (`bench.time_variants`), forward and forward+backward (the gradient in x, the router logits and the three
@@ -146,7 +147,7 @@ def show(results: dict) -> None:
             print(line(case, mode))
             for name, ops in (case["modes"][mode].get("breakdown") or {}).items():
                 print(f"    {name} top ops (ms): " + ", ".join(f"{op[0]} {op[1]}" for op in ops))
-                for op in ops:  # runs before session 14 saved (name, ms) only
+                for op in ops:  # older result files saved (name, ms) only
                     if len(op) > 2 and op[2]:
                         print(f"      {op[0]:<28} {op[1]:9.2f}  {op[2]}")
 

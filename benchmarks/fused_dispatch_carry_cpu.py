@@ -1,4 +1,4 @@
-"""The tiled fused dispatch (gate and up, gated) before and after session 14 (F)'s change, timed interleaved:
+"""The tiled fused dispatch (gate and up, gated) of a given file against the installed one, timed interleaved:
 `old` = the kernel of a given file (the committed one before: the output carried as uint16 bits in bf16 and
 bitcast after the loop, tail tiles read-modify-write, a group's weights held whole), `new` = the installed
 kernel (the output only written, in column chunks where a group's weights outweigh the output). (More files: more variants.) Same config

@@ -1,4 +1,4 @@
-"""Temp memory of the fused vs unfused MoE layer on CPU, compile only (issue 30's memory target): each case of
+"""Temp memory of the fused vs unfused MoE layer on CPU, compile only (FINDINGS.md: fused layer memory): each case of
 `fused_cpu.py`'s matrix (presets x tokens x ep x dtypes, forward and forward+backward) lowered from abstract
 inputs (`jax.ShapeDtypeStruct`: no weights allocated) and compiled; XLA's buffer assignment
 (`compiled.memory_analysis().temp_size_in_bytes`) printed for both, with the [tokens x top_k, hidden] buffers

@@ -1,7 +1,8 @@
-"""The fused MoE Pallas backends' budget rules held to the real compilers (issue 30): pallas_tpu for a TPU v5e
+"""The fused MoE Pallas backends' budget rules held to the real compilers (FINDINGS.md: fused kernel rules vs
+compilers): pallas_tpu for a TPU v5e
 (scoped VMEM), triton for an H100 (shared memory).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/fused_moe_compile_probe.py [--per 2] [--label session12]
+    PYTHONPATH=src .venv/bin/python benchmarks/fused_moe_compile_probe.py [--per 2] [--label float]
         [--quant int8 | --quant fp8] [--backends pallas_tpu,triton] [--dtypes bfloat16,float32]
 
 For one Qwen3-30B-A3B layer (hidden 2048, expert width 768, 128 experts, top-8) at 512 and 4096 tokens, in
@@ -14,7 +15,7 @@ is the backend's `candidate_values` widened to tm 1024 (pallas_tpu) and 5 pipeli
 - false accept: the rules keep it, the compiler rejects it;
 - false reject: the rules refuse it, the compiler takes it.
 
-Writes benchmarks/results/fused_moe_compile_cpu_2core_2026-11-25_<label>.{json,txt}. Nothing is asserted.
+Writes benchmarks/results/fused_moe_compile_cpu_2core_<date>_<label>.{json,txt}. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def pick(backend, problem, per: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--per", type=int, default=2)
-    parser.add_argument("--label", default="session12")
+    parser.add_argument("--label", default="float")
     parser.add_argument("--quant", choices=["int8", "fp8"], default=None)
     parser.add_argument("--backends", default="pallas_tpu,triton", help="comma-separated subset")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated subset (float runs)")
@@ -111,7 +112,7 @@ def main() -> None:
     text = (tabulate(rows, header) + f"\n\n{len(records)} compiles in {time.time() - start:.0f} s; "
             f"false accepts: {summary['false accept']}, false rejects: {summary['false reject']}\n")
     print(text)
-    stem = RESULTS / f"fused_moe_compile_cpu_2core_2026-11-25_{args.label}"
+    stem = RESULTS / f"fused_moe_compile_cpu_2core_{time.strftime('%Y-%m-%d')}_{args.label}"
     stem.with_suffix(".txt").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps({"summary": summary, "records": records}, indent=1))
 

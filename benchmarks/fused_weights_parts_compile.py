@@ -1,21 +1,22 @@
 """The fused MoE layer on a fused_moe kernel backend that reads gate and up as two arrays (`split_weights`),
 compiled for its chip on this CPU-only machine (`moe_tune.targets`' compile-only wheels): `triton` for an H100
 (`--chip h100`, the CUDA plugin), `pallas_tpu` for a TPU v5e (`--chip v5e`, libtpu's Mosaic). XLA's temp memory
-with gate and up as two arrays against the op concatenating them first (the backend before session 18: the same
+with gate and up as two arrays against the op concatenating them first (the same
 kernels given one [groups, hidden, 2f] array), and whether the compiled program still holds a concatenate of
 that shape. Then the dispatch's kernels alone near the chip's budget (shared memory / scoped VMEM), on one
 array and on (gate, up) (`_kernel_verdicts`): whether the rules still say what the compiler does.
 
     PYTHONPATH=src .venv/bin/python benchmarks/fused_weights_parts_compile.py [--chip h100|v5e]
-        [--cases qwen3-30b-a3b:4096:1,...] [--label session18] [--no-kernels]
+        [--cases qwen3-30b-a3b:4096:1,...] [--label L] [--no-kernels]
 
 For each case (preset:tokens:ep, bfloat16, `moe_mlp(..., fused=True)` under `use_backend("fused_moe",
 backend)`, the forward and the forward+backward (gradients in every input)), `compiled.memory_analysis()`
 of the chip's program, before and after, and the gate+up weights' bytes (what "after" should save). The
-GPU measurement this answers: benchmarks/results/gpu_check_nvidia_h100_2026-11-26_layer*.json (fused_triton
+GPU measurement this answers (FINDINGS.md: H100 MoE layer, gate and up as two parts):
+benchmarks/results/gpu_check_nvidia_h100_2026-11-26_layer*.json (fused_triton
 temp 856 MB at qwen3-30b-a3b 4096 tokens, 808 MB at 256, 2.0 GB at deepseek-v3 ep 8; unfused 235 / 15 / 738
 MB). Configs are the defaults (and the shipped tables for the other ops), the same in both variants.
-Writes benchmarks/results/fused_<backend>_weights_<chip>_compile_2026-11-26_<label>.txt. Nothing is asserted.
+Writes benchmarks/results/fused_<backend>_weights_<chip>_compile_<date>[_<label>].txt. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--chip", choices=sorted(CHIPS), default="h100")
     parser.add_argument("--cases", default=CASES, help="comma-separated preset:tokens:ep")
-    parser.add_argument("--label", default="session18")
+    parser.add_argument("--label", default="")
     parser.add_argument("--no-kernels", dest="kernels", action="store_false",
                         help="skip the kernels' compiles near the chip's budget")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -196,7 +197,7 @@ def main() -> None:
                  + f"\nfalse accepts: {sum(v['verdict'] == 'false accept' for v in verdicts)}, false rejects: "
                  f"{sum(v['verdict'] == 'false reject' for v in verdicts)} of {len(verdicts)} compiles\n")
     print(text)
-    out = RESULTS / f"fused_{backend}_weights_{args.chip}_compile_2026-11-26_{args.label}.txt"
+    out = RESULTS / f"fused_{backend}_weights_{args.chip}_compile_{time.strftime('%Y-%m-%d')}{'_' + args.label if args.label else ''}.txt"
     out.write_text(text)
     print(f"wrote {out}")
 

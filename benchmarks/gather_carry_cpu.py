@@ -1,4 +1,4 @@
-"""The tiled dispatch gather (`ragged_gather`'s loop) before and after session 15 (A)'s carry change, and its
+"""The tiled dispatch gather (`ragged_gather`'s loop) of a given file against the installed one, and its
 single pass, timed interleaved: `old` = the loop of a given file (the committed one before the change: the
 output carried as uint16 bits from a zero init and bitcast after the loop), `new` = the installed loop (carried
 in its own dtype, updated through its bits), `single` = the installed single pass. Same rows, chunk and inputs;

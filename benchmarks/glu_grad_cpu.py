@@ -1,7 +1,7 @@
-"""The fused dispatch's gated-epilogue gradient, two ways, in the fused layer's training step (issue 30, session
-14): `slice` = the VJP of `activations.apply` through its two slices (a zero-padded [m, 2f] pair summed),
+"""The fused dispatch's gated-epilogue gradient, two ways, in the fused layer's training step (FINDINGS.md:
+gated gradient per half): `slice` = the VJP of `activations.apply` through its two slices (a zero-padded [m, 2f] pair summed),
 `half` = `op._glu_grad` (each half on its own, concatenated, bf16 through its bits, behind an optimization
-barrier), `half_nobarrier` (session 13's `_glu_grad`: a float32 concatenate, no barrier). Each variant is
+barrier), `half_nobarrier` (the `_glu_grad` of commit 040b874: a float32 concatenate, no barrier). Each variant is
 `fused_cpu.py`'s forward+backward program with `op._glu_grad` replaced while it is traced; compiled once, timed interleaved in the same trace rounds (`fused_cpu.timed`: A B C A B C ...),
 with its temp memory from that compile.
 
@@ -28,7 +28,7 @@ from fused_cpu import layer_inputs, timed, variants  # noqa: E402
 
 
 def glu_grad_nobarrier(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
-    """Session 13's `_glu_grad` (commit 040b874), for the comparison: halves concatenated in float32."""
+    """The `_glu_grad` of commit 040b874, for the comparison: halves concatenated in float32."""
     f = h.shape[1] // 2
     gate, up, d = h[:, :f].astype(jnp.float32), h[:, f:].astype(jnp.float32), dout.astype(jnp.float32)
     act, act_pullback = jax.vjp(ACTIVATIONS[glu][0], gate)
@@ -36,7 +36,7 @@ def glu_grad_nobarrier(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
 
 
 def glu_grad_slices(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
-    """The VJP of `apply` through its slices (session 13's bf16 / f16 path)."""
+    """The VJP of `apply` through its slices (the bf16 / f16 path of commit 040b874)."""
     _, pullback = jax.vjp(lambda v: apply(glu, v), h.astype(jnp.float32))
     return pullback(dout.astype(jnp.float32))[0].astype(h.dtype)
 

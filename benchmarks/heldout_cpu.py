@@ -10,7 +10,7 @@ and of deepseek-v2-lite (k=1408, n=2048, 8 groups) at ep=8, each in float32 and 
 
 Every sweep here searches the same small space, in full (`small_space`: what the tiled backend's sweep
 searches, cut to tn = n, tm <= 512 and, per tm, the default's tail rule: at most 10 configs), so that the
-held-out comparison measures lookup, not which configs two random samples happened to hold (session 12 sampled
+held-out comparison measures lookup, not which configs two random samples happened to hold (a sample of
 12 of ~68 per sweep, and a "best" outside the ladder's samples could not be looked up at all).
 
 1. `sweeps`: the ladder m = 16, 32, ..., 8192 of each kernel, cold grid sweeps over the small space (the
@@ -54,7 +54,7 @@ EP = 8
 LADDER = [2**i for i in range(4, 14)]  # 16 .. 8192
 HELDOUT_SEED = 32
 MAX_SAMPLES = 61  # of one config in the comparison (short calls: see compare)
-TM_MAX = 512  # the small space's largest row tile (the default's cap; session 12's winners never took 1024)
+TM_MAX = 512  # the small space's largest row tile (the default's cap; sampled sweeps' winners never took 1024)
 
 
 SMALL_LADDER = [8, 16]  # --small (tests/test_heldout_benchmark.py): a toy kernel, one held-out count

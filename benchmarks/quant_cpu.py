@@ -1,4 +1,4 @@
-"""Quantized expert weights on CPU (issue 14's benchmark): each quantization mode of ragged_dot, tuned on the
+"""Quantized expert weights on CPU (FINDINGS.md: int8 decode bound, sub-channel dequantize, 4-bit on XLA CPU): each quantization mode of ragged_dot, tuned on the
 tiled backend, against the tuned float32 and bfloat16 kernels and against "dequantize, then the tuned float32
 kernel", all timed side by side in one set of interleaved rounds per shape, with the weight bytes read and
 the quantization error.
@@ -19,7 +19,7 @@ each mode is its least bytes moved at the read bandwidth). Errors: max-abs relat
 of each mode's output against the float64 reference of the unquantized operands and against that of its own
 dequantized operands.
 Targets (CPU, at m=256): int8 weight-only per channel (with float32 activations, and with bfloat16 ones) >= 1.5x
-faster than the tuned float32 kernel; 4-bit weights (issue 31) at least as fast as the 1-byte mode they replace,
+faster than the tuned float32 kernel; 4-bit weights at least as fast as the 1-byte mode they replace,
 each tuned, with the same activations: int4/128 vs int8 per channel, mxfp4 vs fp8/128 (`PAIR_TARGETS`). Each case also says which floor bounds the float32 kernel on this machine
 (its weight bytes at the read rate or its FLOPs at the dense rate): 1-byte weights cut only the first.
 Nothing is asserted; the machine is shared and noisy, only the ratios of one run count.
@@ -65,7 +65,7 @@ MODES = {
     "int8 a16": dict(dtype="bfloat16", rhs_quant="int8"),
     "fp8 a16": dict(dtype="bfloat16", rhs_quant="float8_e4m3fn", quant_block=128),
     # 4-bit weights (AWQ/GPTQ-style int4 in blocks of 128; OCP mxfp4, blocks of 32) and activations quantized
-    # inside the kernel (dynamic w8a8: per row, the scale from each tile), issue 31
+    # inside the kernel (dynamic w8a8: per row, the scale from each tile)
     "int4/128": dict(rhs_quant="int4", quant_block=128),
     "mxfp4": dict(rhs_quant="mxfp4"),
     "w8a8 dynamic": dict(rhs_quant="int8", lhs_quant="int8", lhs_dynamic=True),

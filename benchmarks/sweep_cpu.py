@@ -71,7 +71,7 @@ def _instrument(clock: _Clock) -> None:
     from moe_tune.tuner import compiling, finals, measure, record, state, timing, workers
 
     clock.wrap(state.SweepState, "prepare_inputs", "inputs and reference")
-    try:  # since session 17 the reference and device copy are made on a thread while the first compiles run
+    try:  # the reference and device copy are made on a thread while the first compiles run
         from moe_tune.tuner import inputs
 
         clock.wrap(inputs.SweepInputs, "wait", WAITED)
@@ -192,7 +192,7 @@ def _print_phases(run: dict) -> None:
     final = p.get("finalists: final round", 0.0)
     rows = [
         ("process start and imports", p.get("process start and imports (before the sweep)", 0.0)),
-        ("inputs and reference before compiling (on a thread since s17)", p.get("inputs and reference", 0.0)),
+        ("inputs and reference before compiling (made on a thread)", p.get("inputs and reference", 0.0)),
         ("waited for the reference and device copy (sum over threads)", p.get(WAITED, 0.0)),
         (f"compile stage: worker compiles (sum / {w} workers)", p.get("worker compile (sum over workers)", 0) / w),
         (f"compile stage: worker first runs, for the check (sum / {w})", p.get("worker first run (sum over workers)",

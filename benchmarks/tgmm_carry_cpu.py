@@ -1,4 +1,4 @@
-"""The tiled drhs (tgmm, per-group schedule) before and after session 14's carry change, timed interleaved:
+"""The tiled drhs (tgmm, per-group schedule) of a given file against the installed one, timed interleaved:
 `old` = the kernel of a given file (the committed one before the change: the output carried as uint16 bits
 from a zero init, bitcast to bfloat16 after the loop), `new` = the installed kernel (carried in its own dtype,
 updated through its bits, started from group 0's result). Same config (the backend's default for the

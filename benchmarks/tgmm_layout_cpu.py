@@ -1,4 +1,4 @@
-"""The tiled drhs (tgmm, per-group schedule) before and after session 16's transposed-lhs windows, timed
+"""The tiled drhs (tgmm, per-group schedule) of a given file against the installed transposed-lhs windows, timed
 interleaved: `old` = the kernel of a given file (each bf16 window's dot contracts the rows of both operands,
 [window, k]^T @ [window, n], which XLA CPU runs in float32), `new` = the installed kernel (lhs transposed once
 to [k, m]; each window's dot is [k, window] @ [window, n] in bf16, XLA CPU's `__ynn_fusion`). Same config

@@ -6,13 +6,13 @@ instructions (`wgmma.mma_async`) and of scalar float32 FMAs (`fma.rn.f32`).
     PYTHONPATH=src .venv/bin/python benchmarks/triton_mxfp4_compile.py [--chip h100|a100] [--weights int4:128]
         [--label L]
 
-Why: on a real H100 (results/gpu_check_nvidia_h100_2026-11-26_*) the tuned mxfp4 kernel took 3.55x the bf16
+Why (FINDINGS.md: mxfp4 block_k 32): on a real H100 (results/gpu_check_nvidia_h100_2026-11-26_quant_4bit.*) the tuned mxfp4 kernel took 3.55x the bf16
 kernel's time at DeepSeek-V3's ep-8 gate/up (m 4096, k 7168, n 2048, 32 groups), with block_k 32: one MX scale
 block a k step. A longer step dequantizes its weights in the kernel; this shows what the compiler makes of it.
 The problem is that shape; the configs every combination of block_m 64/128, block_n 64/128/256, block_k
 32/64/128 and 2-4 stages, 8 warps. Nothing runs on a GPU and nothing is timed.
 `--weights int4:128` compiles int4 weights in blocks of 128 instead (a step of at most 128 holds one block, so
-none is dequantized in the kernel). Writes results/triton_mxfp4_compile_<chip>[_<weights>]_2026-11-26_<label>.jsonl,
+none is dequantized in the kernel). Writes results/triton_mxfp4_compile_<chip>[_<weights>]_<date>[_<label>].jsonl,
 one line per config.
 """
 
@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -79,7 +80,7 @@ def _compile_all(chip: str, dump: str, qdtype: str, qblock: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chip", default="h100", choices=["h100", "a100", "b200"])
-    parser.add_argument("--label", default="session19")
+    parser.add_argument("--label", default="")
     parser.add_argument("--weights", default="float4_e2m1fn:32", help="the weights' stored dtype and block along k "
                         "(int4:128 compares int4, whose block of 128 a step of at most 128 holds whole)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -98,7 +99,8 @@ def main() -> None:
     if proc.returncode or len(rows) != len(CONFIGS):
         sys.exit(f"the compile worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     weights = "" if args.weights == "float4_e2m1fn:32" else "_" + args.weights.replace(":", "_")
-    out = RESULTS / f"triton_mxfp4_compile_{args.chip}{weights}_2026-11-26_{args.label}.jsonl"
+    label = f"_{args.label}" if args.label else ""
+    out = RESULTS / f"triton_mxfp4_compile_{args.chip}{weights}_{time.strftime('%Y-%m-%d')}{label}.jsonl"
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     compiled = [r for r in rows if "compiler_bytes" in r]
     under = [r for r in rows if r["rule_bytes"] < r.get("compiler_bytes", r.get("refused_bytes") or 0)]

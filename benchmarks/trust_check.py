@@ -6,10 +6,10 @@ side by side in 15 interleaved rounds.
         [--json OUT.json] [--text OUT.txt]
 
 The shapes are small (a few ms or less per call): near-equal candidates whose sweep-round medians are mostly
-noise on a shared machine, the case issue 26 met (`ragged_gather` at 512 tokens: a "win" of 2.3x at
+noise on a shared machine, the case that started it (`ragged_gather` at 512 tokens: a "win" of 2.3x at
 `--samples 1` whose re-timed winner was slower than its default).
 
-The check (issue 26's done-when): no entry claims a win (`beat_default`) whose re-timed winner is slower
+The check (FINDINGS.md: timing trust): no entry claims a win (`beat_default`) whose re-timed winner is slower
 than its default beyond the noise of the re-timing (`profiles.verdict.noise_threshold` of the two re-timed
 sample sets). Each row also shows what a kept default gave up: the fastest other finalist re-timed against
 the default (a "missed" win would be one beyond the noise there). Exit status 1 when the check fails.

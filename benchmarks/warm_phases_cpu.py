@@ -1,4 +1,5 @@
-"""Where a warm sweep's wall goes, against a cold one: `sweep_cpu.py`'s phase clock around `run_sweep` (issue 32).
+"""Where a warm sweep's wall goes, against a cold one: `sweep_cpu.py`'s phase clock around `run_sweep`
+(FINDINGS.md: warm start).
 
     flock /work/coord/bench.lock .venv/bin/python benchmarks/warm_phases_cpu.py --m 1024 --tables DIR \
         [--k 2048 --n 768 --groups 16 --dtype float32] [--runs warm,cold,warm]
