@@ -13,8 +13,6 @@ from moe_tune.profiles import dirs, table
 from moe_tune.profiles.locks import LOCK_DIR
 from moe_tune.profiles.validate import table_files, validate_table
 from moe_tune.profiles.versions import staleness
-from moe_tune.targets.compile import acting_as_kind
-
 # Captured at import, before the autouse fixture points `dirs.shipped_dir` at an empty temporary dir.
 SHIPPED = dirs.shipped_dir()
 
@@ -46,7 +44,7 @@ def test_shipped_tables_exist_and_validate():
     assert {f.stem for f in cpu_tables()} >= {"ragged_dot", "ragged_gather", "ragged_gather_reduce"}
     assert {f.parent.name for f in shipped_tables()} == {"cpu", "nvidia_h100_80gb_hbm3"}
     for path in shipped_tables():
-        problems = validate_table(path, get_op=get_op, acting_as=acting_as_kind)
+        problems = validate_table(path, get_op=get_op, on_its_device=True)
         if path.parent.name != "cpu":
             problems = [p for p in problems if not (p.severity == "warning" and "tuned with jax" in p.message)]
         assert problems == [], path

@@ -390,8 +390,6 @@ def test_valid_tables_have_no_problems(isolated_profiles):
 def test_validate_judges_configs_as_on_the_tables_device(isolated_profiles):
     """A Triton tile that fits an H100's 227 KiB of shared memory is valid in the H100's table, though it is
     over this machine's (unknown GPU) budget; one over the H100's is an error there too."""
-    from moe_tune.targets.compile import acting_as_kind
-
     kind, triton = "nvidia_h100_80gb_hbm3", get_op("ragged_dot").backends.get("triton")
     problem = RaggedDotProblem(m=4096, k=768, n=2048, groups=8, lhs_dtype="bfloat16", rhs_dtype="bfloat16",
                                out_dtype="bfloat16")
@@ -401,7 +399,7 @@ def test_validate_judges_configs_as_on_the_tables_device(isolated_profiles):
                _entry(problem.with_m(8192), over, backend="triton", revision=triton.revision, device_kind=kind)]
     path = _write(isolated_profiles, *entries, device_kind=kind)
     as_here = validate_table(path, get_op=get_op)
-    as_h100 = validate_table(path, get_op=get_op, acting_as=acting_as_kind)
+    as_h100 = validate_table(path, get_op=get_op, on_its_device=True)
     assert {p.key for p in as_here} == {e["key"] for e in entries} and "99 KiB" in str(as_here[0])
     assert [p.key for p in as_h100] == [entries[1]["key"]] and "227 KiB budget" in str(as_h100[0]), as_h100
 

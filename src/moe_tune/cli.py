@@ -238,9 +238,7 @@ def models(name, tokens, ep, dtype, direction, **quant):
 def validate(paths):
     """Check tables (files or dirs; default: every profile dir): schema, keys, configs. Exit 1 on any error."""
     from moe_tune.profiles import validate_paths
-    from moe_tune.targets.compile import acting_as_kind
-
-    result = validate_paths(list(paths) or None, get_op=get_op, acting_as=acting_as_kind)
+    result = validate_paths(list(paths) or None, get_op=get_op, on_its_device=True)
     for line in result.lines():
         click.echo(line)
     if not result.ok:

@@ -1,12 +1,23 @@
-"""What machine we are on: the platform (cpu/gpu/tpu) and the normalized device kind that names tables."""
+"""The device a rule is judged for: this machine's by default, or a chip named by `judging(...)`.
+
+A `Device` is a platform (`cpu`, `gpu`, `tpu`) and a normalized device kind (the name of its tables). Every
+rule that depends on the chip (a Pallas kernel's compiled or interpret path, a backend's VMEM or shared-memory
+budget, which backend is the platform's default) reads `platform()` / `device_kind()` here, which answer for
+the innermost `judging(device)` block and else for this machine. Compiling for a chip this machine does not
+have (`targets/`) and judging a table tuned elsewhere (`moe-tune validate`) pass the chip's `Device` to
+`judging`; nothing patches a module attribute. Like the tables, it is read at trace time.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import re
+from collections.abc import Iterator
 
 import jax
-
 
 from moe_tune.core.chips import GPU_TARGETS, TPU_TARGETS, for_device_kind
 
@@ -58,14 +69,56 @@ def normalize_device_kind(kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "unknown"
 
 
-@functools.cache
-def device_kind() -> str:
-    """The table directory name of the default device, e.g. `cpu`, `nvidia_h100_80gb_hbm3`, `tpu_v5_lite`."""
-    return normalize_device_kind(jax.devices()[0].device_kind)
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A chip as the rules see it: `platform` (`cpu`, `gpu`, `tpu`) and normalized `kind` (`tpu_v5_lite`)."""
+
+    platform: str
+    kind: str
+
+
+_judged: contextvars.ContextVar[Device | None] = contextvars.ContextVar("moe_tune_judged_device", default=None)
 
 
 @functools.cache
-def platform() -> str:
-    """`cpu`, `gpu` or `tpu` (ROCm and CUDA both report `gpu`)."""
+def this_machine() -> Device:
+    """The default JAX device of this process (ROCm and CUDA both report platform `gpu`)."""
     name = jax.default_backend()
-    return "gpu" if name in ("cuda", "rocm") else name
+    return Device("gpu" if name in ("cuda", "rocm") else name, normalize_device_kind(jax.devices()[0].device_kind))
+
+
+def current() -> Device:
+    """The device rules are judged for now: the innermost `judging` block's, else this machine's."""
+    judged = _judged.get()
+    return judged if judged is not None else this_machine()
+
+
+@contextlib.contextmanager
+def judging(device: Device | None) -> Iterator[Device]:
+    """Inside, `platform()` and `device_kind()` report `device` (None: this machine), so kernels traced take
+    that chip's compiled path and the backends' rules prune with its budgets. Blocks nest."""
+    token = _judged.set(device)
+    try:
+        yield current()
+    finally:
+        _judged.reset(token)
+
+
+@contextlib.contextmanager
+def judging_kind(kind: str) -> Iterator[Device]:
+    """`judging` the chip whose tables lie under device kind `kind` (`chips.for_device_kind`), or this machine
+    where moe-tune knows no such chip (cpu, an unlisted GPU): how a table tuned elsewhere is validated (a Triton
+    tile that fits an H100's 227 KiB of shared memory, not this machine's)."""
+    found = for_device_kind(kind)
+    with judging(None if found is None else Device(found.platform, found.device_kind)) as device:
+        yield device
+
+
+def device_kind() -> str:
+    """The table directory name of the judged device, e.g. `cpu`, `nvidia_h100_80gb_hbm3`, `tpu_v5_lite`."""
+    return current().kind
+
+
+def platform() -> str:
+    """`cpu`, `gpu` or `tpu` of the judged device: the one switch between compiled and interpret mode."""
+    return current().platform

@@ -22,15 +22,20 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
-from moe_tune.core import distributions, settings
+from moe_tune.core import devices, distributions, settings
 from moe_tune.core.errors import TableError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import record_problems
+from moe_tune.profiles.intervals import (
+    INTERVALS,
+    ROBUST,
+    interval_problems,
+    robust_problems,
+)
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.protocols import OpLike
-from moe_tune.profiles.intervals import INTERVALS, ROBUST, interval_problems, robust_problems
 from moe_tune.profiles.table import SCHEMA_VERSION, entry_problems, parse_table
 from moe_tune.profiles.versions import staleness
 
@@ -84,14 +89,12 @@ def _without_path(path: Path, message: str) -> str:
 
 
 GetOp = Callable[[str], OpLike]  # op name -> op object; raises (naming the choices) for an unknown op
-# device kind -> a context in which the backends' rules judge configs as on that device
-# (`targets.compile.acting_as_kind`); profiles/ imports neither kernels/ nor targets/, so the caller passes it.
-ActingAs = Callable[[str], ContextManager[None]]
 
 
-def validate_table(path: str | os.PathLike, *, get_op: GetOp, acting_as: ActingAs | None = None) -> list[Problem]:
-    """Every problem with the table at `path` (empty when it is fine). `get_op`: `kernels.get_op`; `acting_as`:
-    how to judge configs as on the table's device kind (None: as on this machine)."""
+def validate_table(path: str | os.PathLike, *, get_op: GetOp, on_its_device: bool = False) -> list[Problem]:
+    """Every problem with the table at `path` (empty when it is fine). `get_op`: `kernels.get_op`;
+    `on_its_device`: judge configs as on the table's device kind (`devices.judging_kind`), else as on this
+    machine."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -126,7 +129,7 @@ def validate_table(path: str | os.PathLike, *, get_op: GetOp, acting_as: ActingA
             kernel_op = get_op(op)
         except Exception as e:
             problems.append(Problem(path, str(e)))
-    judged_as = acting_as(device_kind) if acting_as is not None and device_kind else contextlib.nullcontext()
+    judged_as = devices.judging_kind(device_kind) if on_its_device and device_kind else contextlib.nullcontext()
     with judged_as:
         for key, entry in table["entries"].items():
             problems += _entry_problems_stale(path, key, entry, op, device_kind, kernel_op)
@@ -216,7 +219,7 @@ def _not_a_dir(path: Path) -> str:
 
 
 def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: GetOp,
-                   acting_as: ActingAs | None = None) -> ValidationReport:
+                   on_its_device: bool = False) -> ValidationReport:
     """Validate table files and every table under directories; no paths: every profile dir that exists
     (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables).
     `get_op`: `kernels.get_op`."""
@@ -250,5 +253,5 @@ def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: 
             seen.add(real)
             unique.append(path)
     for path in unique:
-        problems += validate_table(path, get_op=get_op, acting_as=acting_as)
+        problems += validate_table(path, get_op=get_op, on_its_device=on_its_device)
     return ValidationReport(unique, problems)

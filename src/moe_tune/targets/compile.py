@@ -12,10 +12,11 @@ import dataclasses
 import functools
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from moe_tune.core.chips import Target, for_device_kind
+from moe_tune.core import devices
+from moe_tune.core.chips import Target
 from moe_tune.targets.gpu_config import target_config_text
 
 OK, REJECTED, CRASHED, ERROR = "ok", "rejected", "crashed", "error"
@@ -82,29 +83,10 @@ def topology_device(target: Target) -> Any:
     return topology.devices[0]
 
 
-@contextlib.contextmanager
-def acting_as(target: Target) -> Iterator[None]:
-    """Inside, moe-tune behaves as on the target chip: `devices.platform()` and `devices.device_kind()` report
-    it, so kernels traced take their compiled path (`pallas_util.interpreted` reads the platform at trace
-    time) and the backends' rules (`config_error`, `search_space`) prune with the chip's budgets."""
-    from moe_tune.core import devices
-
-    saved = devices.platform, devices.device_kind
-    devices.platform, devices.device_kind = (lambda: target.platform), (lambda: target.device_kind)
-    try:
-        yield
-    finally:
-        devices.platform, devices.device_kind = saved
-
-
-@contextlib.contextmanager
-def acting_as_kind(device_kind: str) -> Iterator[None]:
-    """`acting_as` the chip whose tables lie under `device_kind` (`chips.for_device_kind`), or as this machine
-    where moe-tune knows no such chip (cpu, an unlisted GPU): how `moe-tune validate` judges the configs of a
-    table tuned elsewhere (a Triton tile that fits an H100's 227 KiB of shared memory, not this machine's)."""
-    target = for_device_kind(device_kind)
-    with acting_as(target) if target is not None else contextlib.nullcontext():
-        yield
+def acting_as(target: Target) -> contextlib.AbstractContextManager[devices.Device]:
+    """Inside, moe-tune judges every rule for the target chip (`devices.judging`): kernels traced take their
+    compiled path and the backends' rules (`config_error`, `search_space`) prune with the chip's budgets."""
+    return devices.judging(devices.Device(target.platform, target.device_kind))
 
 
 def _memory(compiled: Any) -> dict[str, int]:
