@@ -153,7 +153,10 @@ class LogRelay:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists() and json.loads(data.split(b"\n", 1)[0]).get("type") == "header":
             path.replace(path.with_suffix(".stale.jsonl"))
-        with open(path, "ab") as f:
+        with open(path, "ab+") as f:
+            if f.seek(0, os.SEEK_END):  # end a last line cut by a kill: it stays one line that read_log skips
+                f.seek(-1, os.SEEK_END)
+                data = data if f.read(1) == b"\n" else b"\n" + data
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

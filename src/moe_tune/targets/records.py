@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -77,12 +78,18 @@ def read_records(path: Path | str, op: str, backend: str) -> dict[tuple[str, str
 
 
 def append_records(path: Path | str, records: Iterable[CompileRecord]) -> None:
-    """Append records under the file's lock (every writer on this file system takes the same one)."""
+    """Append records under the file's lock (every writer on this file system takes the same one). A last
+    line cut by a kill is ended first, so it stays one line that `read_records` skips and the first new
+    record is a line of its own."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(lock_path(path))), path.open("a", encoding="utf-8") as out:
-        for record in records:
-            out.write(json.dumps(record.to_json()) + "\n")
+    data = "".join(json.dumps(record.to_json()) + "\n" for record in records).encode()
+    with filelock.FileLock(str(lock_path(path))), path.open("ab+") as out:
+        if out.seek(0, os.SEEK_END):
+            out.seek(-1, os.SEEK_END)
+            if out.read(1) != b"\n":
+                data = b"\n" + data
+        out.write(data)
 
 
 def uncompilable(profile_dir: Path | str, device_kind: str, op: str, backend: str, problem: Any) -> dict[str, str]:
