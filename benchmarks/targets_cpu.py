@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.commands import bench
-
 from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
@@ -189,7 +188,8 @@ def gather_targets(args, profile_dir: str, summary: list, results: list, save, d
         full = None
         for ep in eps:
             shape = SMALL_GATHER_SHAPE if args.small else GATHER_SHAPE
-            problems = {d: spec.problem(**shape, ep=ep, dtype=d) for d in dtypes}
+            sharded = {"ep": ep} if "ep" in spec.option_names else {}  # an op's declared options only
+            problems = {d: spec.problem(**shape, **sharded, dtype=d) for d in dtypes}
             sweeps = {d: tuned_config(op, p, profile_dir, args.strategy) for d, p in problems.items()}
             configs = {d: sweep.best.config for d, (sweep, _) in sweeps.items()}
             times = gather_dtype_round(op, problems, configs, args.samples)

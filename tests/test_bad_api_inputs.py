@@ -252,3 +252,74 @@ def test_moe_mlp_gives_x_dtype_and_takes_an_activation_by_name_on_both_paths():
     x = _layer()[0].astype(jnp.bfloat16)
     assert _mlp(x=x, fused=False).dtype == _mlp(x=x, fused=True).dtype == jnp.bfloat16
     np.testing.assert_array_equal(_mlp(activation="gelu", fused=False), _mlp(activation=jax.nn.gelu, fused=False))
+
+
+# Quantization and the ops' problem(): what used to end in a NumPy ValueError, a ZeroDivisionError, a
+# message about the wrong thing, or a keyword silently dropped.
+
+_W = np.ones((TOTAL, K, N), np.float32)
+_RAGGED = dict(m=M, k=K, n=N, groups=TOTAL)
+_QUANT_AND_OPTION_CALLS = {
+    "quantize a QArray": (lambda: moe_tune.quantize(moe_tune.quantize(_W, "int8", axis=1), "int8", axis=1),
+                          "quantize takes a float array, got a QArray: x is already quantized"),
+    "quantize an empty axis": (lambda: moe_tune.quantize(np.zeros((2, 0, 3), np.float32), "int8", axis=1),
+                               "nothing to quantize along axis 1: its length is 0"),
+    "quantize a float block": (lambda: moe_tune.quantize(_W, "int8", axis=1, block_size=16.0),
+                               r"block_size must be a positive integer .* got 16.0 \(float\)"),
+    "quantize a bool block": (lambda: moe_tune.quantize(_W, "int8", axis=1, block_size=True),
+                              r"block_size must be a positive integer .* got True \(bool\)"),
+    "problem quant_blok": (lambda: get_op("ragged_dot").problem(**_RAGGED, rhs_quant="int4", quant_blok=8),
+                           r"ragged_dot.problem\(\) takes no option 'quant_blok' \(did you mean 'quant_block'\?\)"),
+    "problem dtyp": (lambda: get_op("ragged_dot").problem(**_RAGGED, dtyp="bfloat16"),
+                     r"takes no option 'dtyp' \(did you mean 'dtype'\?\)"),
+    "problem rhs_qdtype": (lambda: get_op("ragged_dot").problem(**_RAGGED, rhs_qdtype="int8"),
+                           "takes no option 'rhs_qdtype' .*a field of RaggedDotProblem"),
+    "problem rhs_qblock": (lambda: get_op("ragged_dot").problem(**_RAGGED, rhs_quant="int8", rhs_qblock=8),
+                           "takes no option 'rhs_qblock'"),
+    "problem lhs_qdynamic": (lambda: get_op("ragged_dot").problem(**_RAGGED, lhs_quant="int8", lhs_qdynamic=True),
+                             r"takes no option 'lhs_qdynamic' .*; its options are .*lhs_dynamic"),
+    "fused problem quant_blok": (lambda: get_op("fused_moe").problem(tokens=8, top_k=2, k=64, n=64, groups=4,
+                                                                    rhs_quant="int8", quant_blok=32),
+                                 r"fused_moe.problem\(\) takes no option 'quant_blok'"),
+    "problem positional": (lambda: get_op("ragged_dot").problem(M, k=K, n=N, groups=TOTAL),
+                           r"ragged_dot.problem\(\) takes keyword arguments only"),
+    "problem without m": (lambda: get_op("ragged_dot").problem(k=K, n=N, groups=TOTAL),
+                          r"ragged_dot.problem\(\) needs m"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_QUANT_AND_OPTION_CALLS))
+def test_quantization_and_problem_option_mistakes_are_one_line_usage_errors(case):
+    call, message = _QUANT_AND_OPTION_CALLS[case]
+    with pytest.raises(UsageError, match=message) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+
+
+def _every_op() -> list[str]:
+    from moe_tune.kernels import op_names
+
+    return op_names()
+
+
+@pytest.mark.parametrize("name", _every_op())
+def test_every_ops_problem_refuses_a_keyword_it_does_not_declare(name):
+    """`problem(**_)` swallowed any keyword; each op now takes its declared options (and direction) only, and
+    its own defaults are among them."""
+    op = get_op(name)
+    defaults = op.default_problem_options()
+    op.problem(**defaults)
+    with pytest.raises(UsageError, match=rf"{name}.problem\(\) takes no option 'bogus'; its options are"):
+        op.problem(**defaults, bogus=1)
+
+
+@pytest.mark.parametrize("name", _every_op())
+def test_every_ops_problem_takes_the_keywords_it_declares(name):
+    """Every declared option (`options`: what the CLI offers and `check_options` admits) is a keyword of the
+    op's problem(), so none is refused by Python, and every keyword it requires is declared."""
+    import inspect
+
+    op = get_op(name)
+    params = inspect.signature(op.problem).parameters
+    assert {*op.option_names, "direction"} <= set(params)
+    assert {p for p, param in params.items() if param.default is inspect.Parameter.empty} <= set(op.option_names)

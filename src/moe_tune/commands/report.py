@@ -11,6 +11,7 @@ import pandas as pd
 
 from moe_tune.commands.breakdown.ops import Breakdown
 from moe_tune.core.errors import UsageError, warn_caller
+from moe_tune.core.quant_format import QuantFormat
 from moe_tune.profiles import dirs, evidence
 from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.intervals import describe_interval, interval_of_entry
@@ -94,9 +95,10 @@ def _quantized(fields: dict[str, Any], side: str) -> str | None:
     if qdtype is None:
         return None
     dynamic = " dynamic" if fields.get(f"{side}_qdynamic") else ""
-    if qdtype == "float4_e2m1fn" and block == 32:
-        return "mxfp4" + dynamic
-    return (f"{qdtype}/{block}" if block not in (None, fields.get("k")) else str(qdtype)) + dynamic
+    try:
+        return QuantFormat(qdtype, block).label(fields.get("k")) + dynamic
+    except UsageError:  # a table's entry no problem produces (validate says so): shown as stored
+        return f"{qdtype}/{block}{dynamic}"
 
 
 def quant_label(fields: dict[str, Any]) -> str:

@@ -7,6 +7,9 @@ there is one scale per element. So `scale.shape` is `qvalue.shape` with the scal
 `qvalue.shape[axis] // block_size`, and `dequantize(q) = qvalue * scale` with the scale repeated
 `block_size` times along that axis.
 
+What a valid format is (the dtype, its alias mxfp4, the block and its rule) is `quant_format.QuantFormat`'s
+to say; this module quantizes with one.
+
 The layout is not stored: it is read off the shapes (`scale_layout`). The scaled axis is the one axis whose
 scale dim differs from the value dim. When none differs (a block of 1, or an axis of length 1) every
 element has its own scale, the array is valid for any expected axis, and its block size is 1.
@@ -22,16 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.core.errors import UsageError
+from moe_tune.core.quant_format import (ACTIVATION_QDTYPES, ALIASES, FOUR_BIT, MX_BLOCK,  # noqa: F401
+                                        QDTYPES, QMAX, QUANT_NAMES, QuantFormat, qdtype_name)
 
-# Largest magnitude each quantized dtype stores; the one place these numbers live.
-QMAX: dict[str, float] = {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0, "float4_e2m1fn": 6.0}
-QDTYPES = tuple(QMAX)  # stored dtype names (what keys say)
-FOUR_BIT = ("int4", "float4_e2m1fn")
-# Names users may give for a stored dtype: "mxfp4" (OCP Microscaling FP4) is float4_e2m1fn values with the MX
-# power-of-two scales, the only rule this module quantizes float4_e2m1fn with.
-ALIASES = {"mxfp4": "float4_e2m1fn"}
-QUANT_NAMES = (*QDTYPES, *ALIASES)  # what --rhs-quant accepts
-MX_BLOCK = 32  # OCP MX: elements along the scaled axis per scale
 MX_EMAX = 2  # e2m1's largest exponent: the MX scale is 2**(floor(log2(max|x|)) - MX_EMAX)
 SCALE_DTYPES = {"float32": QDTYPES, "float8_e8m0fnu": ("float4_e2m1fn",)}  # scale dtype -> value dtypes
 
@@ -63,44 +59,9 @@ class QArray:
         return QArray(self.qvalue[index], self.scale[index])
 
 
-def qdtype_name(dtype) -> str:
-    """The stored dtype name of a quantized dtype or its alias ("mxfp4" -> "float4_e2m1fn"); UsageError for
-    any other dtype."""
-    if isinstance(dtype, str) and dtype in ALIASES:
-        return ALIASES[dtype]
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = str(dtype)
-    if name not in QMAX:
-        raise UsageError(f"cannot quantize to {name}; use one of {', '.join(QUANT_NAMES)}")
-    return name
-
-
 def qmax(dtype) -> float:
     """Largest representable magnitude of a quantized dtype; UsageError for any other dtype."""
-    return QMAX[qdtype_name(dtype)]
-
-
-def default_block(dtype, size: int | None) -> int | None:
-    """The block a quantized dtype takes when none is given: MX_BLOCK for mxfp4 (its only block), else
-    `size` (None: the whole axis)."""
-    return MX_BLOCK if qdtype_name(dtype) == "float4_e2m1fn" and size is None else size
-
-
-def block_rule(dtype, block: int | None, size: int, axis: int = 1) -> str | None:
-    """Why `block` elements per scale cannot quantize an axis of `size` to `dtype` (None: they can); the
-    rule in one line. mxfp4 takes blocks of MX_BLOCK only."""
-    name = qdtype_name(dtype)
-    if name == "float4_e2m1fn" and block not in (None, MX_BLOCK):
-        return f"mxfp4 (float4_e2m1fn) takes blocks of {MX_BLOCK} along k (OCP MX), got block_size {block!r}"
-    block = default_block(name, block)
-    what = f"{'mxfp4' if name == 'float4_e2m1fn' else name} quantizes blocks of {block} along axis {axis}"
-    if block is None:
-        return None
-    if not isinstance(block, (int, np.integer)) or block <= 0 or size % block:
-        return f"{what}: block_size {block!r} does not divide its length {size}"
-    return None
+    return QuantFormat.parse(dtype).qmax
 
 
 def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None) -> QArray:
@@ -115,17 +76,18 @@ def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None) -
       normal range); values rounded to the nearest e2m1 value (ties to even) and clamped to +-6.
 
     Returns QArray(qvalue [x.shape] in the stored dtype, scale float32 [x.shape with axis ->
-    x.shape[axis] // block_size]). A block that does not divide the axis is a one-line UsageError naming the
-    rule.
+    x.shape[axis] // block_size]). One-line UsageError naming the argument for: an `x` that is already
+    quantized (a QArray, AsQArray or DynamicQuant), a dtype that is not quantized, a `block_size` that is not a
+    positive integer or does not divide the axis (`QuantFormat.along`'s rule), an empty axis.
     """
-    name = qdtype_name(dtype)  # a UsageError for other dtypes
+    if isinstance(x, (QArray, AsQArray, DynamicQuant)):
+        raise UsageError(f"quantize takes a float array, got a {type(x).__name__}: x is already quantized "
+                         "(pass its float values, or dequantize(x) first)")
+    form = QuantFormat.parse(dtype, block_size)  # a UsageError for other dtypes and blocks
     ndim = np.ndim(x)
     _check_axis(axis, ndim, "axis")
-    size = np.shape(x)[axis]
-    if (error := block_rule(name, block_size, size, axis % ndim)) is not None:
-        raise UsageError(error)
-    block = default_block(name, block_size) or size
-    return _quantize(x, name, axis % ndim, int(block))
+    form = form.along(np.shape(x)[axis], axis=f"axis {axis % ndim}")
+    return _quantize(x, form.dtype, axis % ndim, form.block)
 
 
 def _check_axis(axis, ndim: int, name: str) -> None:
@@ -323,10 +285,11 @@ class DynamicQuant:
     block_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
-        name = qdtype_name(self.qdtype)
-        if name in FOUR_BIT:
-            raise UsageError(f"activations are quantized in the kernel to int8 or float8_e4m3fn, not {name}")
-        object.__setattr__(self, "qdtype", name)
+        form = QuantFormat.parse(self.qdtype, dtype_arg="lhs_quant")
+        if not form.activations:
+            raise UsageError(f"activations are quantized in the kernel to {' or '.join(ACTIVATION_QDTYPES)}, not "
+                             f"{form.name}")
+        object.__setattr__(self, "qdtype", form.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -344,10 +307,10 @@ class DynamicQuant:
     def block(self) -> int:
         """Elements along k per scale (k for one scale per row); UsageError naming the rule when it does not
         divide k."""
-        k = self.value.shape[1]
-        if (error := block_rule(self.qdtype, self.block_size, k)) is not None:
-            raise UsageError(f"lhs_quant: {error}")
-        return self.block_size or k
+        try:
+            return QuantFormat.parse(self.qdtype, self.block_size).along(self.value.shape[1]).block
+        except UsageError as error:
+            raise UsageError(f"lhs_quant: {error}") from None
 
     def quantize(self) -> QArray:
         """The QArray a kernel computes tile by tile (the reference's operand)."""

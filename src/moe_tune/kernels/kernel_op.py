@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import difflib
 import functools
+import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -63,6 +65,34 @@ class KernelOp(abc.ABC):
     problem_class: ClassVar[type]  # the op's problem (a frozen dataclass, `profiles.protocols.ProblemLike`)
     directions: ClassVar[tuple[str, ...]] = ("fwd",)  # separately tuned passes (e.g. fwd and gradients)
     options: ClassVar[tuple[ShapeOption, ...]] = ()  # the shape options `problem()` takes (CLI flags, model presets)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """An op's own `problem()` is wrapped by `checked_options`: every op refuses a keyword it does not
+        declare the same way."""
+        super().__init_subclass__(**kwargs)
+        if "problem" in cls.__dict__ and not getattr(cls.__dict__["problem"], "checks_options", False):
+            cls.problem = checked_options(cls.__dict__["problem"])
+
+    def check_options(self, given: Mapping[str, Any], required: tuple[str, ...] = ()) -> None:
+        """UsageError naming the first keyword of `given` that is not one of this op's declared shape options
+        (`options`, plus `direction`), with the close match if any (a misspelled `quant_blok`, a problem
+        field such as `rhs_qblock`), or the first of `required` not given. Callers holding options meant
+        for several ops keep this op's own first (`option_names`, as `commands.options.problems` and
+        `layer.models` do)."""
+        accepted = (*self.option_names, "direction")
+        fields = {field.name for field in dataclasses.fields(self.problem_class)} \
+            if dataclasses.is_dataclass(getattr(self, "problem_class", None)) else set()
+        for name in given:
+            if name not in accepted:
+                close = difflib.get_close_matches(str(name), accepted, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                if name in fields:  # the problem's own field: its constructor takes it, not the options
+                    hint = f" ({name!r} is a field of {self.problem_class.__name__}, which takes it)"
+                raise UsageError(f"{self.name}.problem() takes no option {name!r}{hint}; its options are "
+                                 f"{', '.join(accepted)}")
+        missing = [name for name in required if name not in given]
+        if missing:
+            raise UsageError(f"{self.name}.problem() needs {', '.join(missing)}; its options are {', '.join(accepted)}")
 
     @functools.cached_property
     def key_field_names(self) -> tuple[str, ...]:
@@ -142,7 +172,8 @@ class KernelOp(abc.ABC):
 
     @abc.abstractmethod
     def problem(self, **options: Any) -> Any:
-        """Build (and validate) a problem from CLI-style options; raise UsageError on bad input."""
+        """Build (and validate) a problem from CLI-style options (keywords only: the declared `options` and
+        `direction`); raise UsageError on bad input, an unknown keyword included (`check_options`)."""
 
     @abc.abstractmethod
     def default_problem_options(self) -> dict[str, Any]:
@@ -189,6 +220,24 @@ class KernelOp(abc.ABC):
 
     def flops(self, problem: Any) -> int:
         return getattr(problem, "flops", 0)
+
+
+def checked_options(build: Callable[..., Any]) -> Callable[..., Any]:
+    """`build` (an op's `problem(self, *, ...)`) behind `KernelOp.check_options`: keywords only, each one
+    the op declares, the ones without a default given."""
+    required = tuple(name for name, param in inspect.signature(build).parameters.items()
+                     if param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is inspect.Parameter.empty)
+
+    @functools.wraps(build)
+    def problem(self: KernelOp, *args: Any, **options: Any) -> Any:
+        if args:
+            raise UsageError(f"{self.name}.problem() takes keyword arguments only ({', '.join(self.option_names)}), "
+                             f"got {len(args)} positional")
+        self.check_options(options, required)
+        return build(self, **options)
+
+    problem.checks_options = True
+    return problem
 
 
 # Elements per block of `relative_error`: its float64 temporaries stay at tens of MB. Whole-array ones took

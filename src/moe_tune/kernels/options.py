@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
-from moe_tune.core.quant import FOUR_BIT, QDTYPES, QUANT_NAMES
+from moe_tune.core.quant_format import ACTIVATION_QDTYPES, QUANT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +56,10 @@ M = ShapeOption("m", int, "ragged_dot: rows of lhs (tokens x top_k on this shard
 K = ShapeOption("k", int, "ragged_dot: contracting dim (hidden size for gate/up).", listable=True)
 N = ShapeOption("n", int, "ragged_dot: output dim (expert width for gate/up).", listable=True)
 GROUPS = ShapeOption("groups", int, "ragged_dot: experts on this shard.", aliases=("--g",), listable=True)
-RHS_QUANT = ShapeOption("rhs_quant", QUANT_NAMES, "ragged_dot: quantize the weights (rhs) to this dtype, one scale "
-                        "per channel (or per --quant-block along k; int4 usually 128; mxfp4: blocks of 32, OCP MX); "
-                        "its key gains the quantization fields.")
-LHS_QUANT = ShapeOption("lhs_quant", tuple(q for q in QDTYPES if q not in FOUR_BIT),
+RHS_QUANT = ShapeOption("rhs_quant", QUANT_NAMES, "ragged_dot, fused_moe: quantize the weights (rhs) to this dtype, "
+                        "one scale per channel (or per --quant-block along k; int4 usually 128; mxfp4: blocks of 32, "
+                        "OCP MX); its key gains the quantization fields.")
+LHS_QUANT = ShapeOption("lhs_quant", ACTIVATION_QDTYPES,
                         "ragged_dot: quantize the activations (lhs) too (w8a8), one scale per row (or per "
                         "--quant-block along k).")
 LHS_DYNAMIC = ShapeOption("lhs_dynamic", bool, "ragged_dot: with --lhs-quant, the kernel quantizes the float "

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.core import distributions
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
@@ -19,6 +20,7 @@ from moe_tune.kernels.fused_moe.problem import DIRECTIONS, STAGES, FusedMoeProbl
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range
 from moe_tune.kernels.fused_moe.registry import BACKENDS, FALLBACK
 from moe_tune.kernels.kernel_op import KernelOp
+from moe_tune.kernels.ragged_dot.definition import quant_format
 from moe_tune.kernels.options import ShapeOption
 from moe_tune.core.quant import QArray, dequantize_host, quantize
 
@@ -58,12 +60,16 @@ class FusedMoeOp(KernelOp):
 
     def problem(self, *, tokens: int, top_k: int, k: int, n: int, groups: int, stage: str = "dispatch",
                 glu: str | None = None, dtype: str = "float32", ep: int = 1, rhs_quant: str | None = None,
-                quant_block: int | None = None, direction: str = "fwd", **_: Any) -> FusedMoeProblem:
+                quant_block: int | None = None, direction: str = "fwd") -> FusedMoeProblem:
         """`groups`: experts on this shard; with `ep` > 1 the router has groups x ep experts and the shard's
-        rows are about 1/ep of the tokens x top_k."""
+        rows are about 1/ep of the tokens x top_k. `rhs_quant` / `quant_block`: quantized weights, as
+        ragged_dot's (`QuantFormat`: mxfp4 in its blocks of 32, None: one scale per channel)."""
+        if quant_block is not None and rhs_quant is None:
+            raise UsageError("quant_block (--quant-block) needs rhs_quant (--rhs-quant)")
+        rhs = quant_format(rhs_quant, quant_block, k, "rhs_quant")
         return FusedMoeProblem(tokens=tokens, m=tokens * top_k, k=k, n=n, groups=groups, dtype=dtype, stage=stage,
                                direction=direction, glu=glu if stage == "dispatch" and glu != NO_GLU else None,
-                               rhs_qdtype=rhs_quant, rhs_qblock=quant_block if rhs_quant else None,
+                               rhs_qdtype=rhs and rhs.dtype, rhs_qblock=rhs and rhs.block,
                                total_groups=groups * ep if ep > 1 else None, ep=ep)
 
     def default_problem_options(self) -> dict[str, Any]:
@@ -119,15 +125,18 @@ class FusedMoeOp(KernelOp):
         p, size = problem, problem.itemsize()
         a = (p.tokens if (p.stage == "dispatch") == (p.direction == "fwd") else p.m) * \
             (p.k if p.direction == "fwd" else p.n) * size
-        rhs = p.groups * p.k * p.n * (1 if p.rhs_qdtype else size)
+        # the weights' two copies: float, or quantized values and their float32 scales (4-bit values take a
+        # byte each in NumPy, two a byte on the device)
+        weights, form = p.groups * p.k * p.n, p.rhs_format
+        rhs = 2 * weights * size if form is None else form.stored_bytes(weights, host=True) + form.stored_bytes(weights)
         out_rows = p.m if p.kernel == "gather_gmm" else p.tokens
         out_cols = p.k if p.direction == "bwd" else (p.out_n if p.stage == "dispatch" else p.n)
-        return 2 * (a + rhs + 12 * p.m) + out_rows * out_cols * (8 + size)
+        return 2 * (a + 12 * p.m) + rhs + out_rows * out_cols * (8 + size)
 
     def describe(self, problem: FusedMoeProblem) -> str:
         p = problem
         glu = f" glu={p.glu}" if p.glu else ""
-        quant = f" rhs {p.rhs_qdtype}" if p.rhs_qdtype else ""
+        quant = f" rhs {p.rhs_format.label(p.k)}" if p.rhs_format else ""
         ep = f" ep={p.ep}" if p.ep > 1 else ""
         return (f"fused_moe {p.stage} {p.direction} tokens={p.tokens} m={p.m} k={p.k} n={p.n} g={p.groups}{glu} "
                 f"{p.dtype}{quant}{ep}")

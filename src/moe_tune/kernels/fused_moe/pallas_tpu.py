@@ -36,7 +36,6 @@ from moe_tune.kernels.ragged_dot.metadata import max_visits
 
 LANES = 128
 SUPPORTED = ("float32", "bfloat16")
-QUANTIZED = ("int8", "float8_e4m3fn")  # weight dtypes the kernels dequantize (4-bit ones run the jax backend)
 # Rows of a 1-byte block's native tile ((32, 128)): a dequantized sub-block starts and ends on one.
 BYTE_SUBLANES = 32
 # The scalar-prefetch tables (rows, weights, the visit schedule) sit in SMEM, whose scoped budget is 1 MiB
@@ -140,9 +139,8 @@ def shape_error(problem: FusedMoeProblem) -> str | None:
     """Why no config can serve `problem` (independent of the tunables), or None."""
     if problem.dtype not in SUPPORTED:
         return f"pallas_tpu supports {'/'.join(SUPPORTED)}, not dtype={problem.dtype}"
-    if problem.rhs_qdtype is not None and problem.rhs_qdtype not in QUANTIZED:
-        return (f"pallas_tpu dequantizes {'/'.join(QUANTIZED)} weights, not {problem.rhs_qdtype} (it runs the "
-                f"jax backend)")
+    if problem.rhs_format is not None and problem.rhs_format.four_bit:  # 1-byte weights only
+        return f"pallas_tpu dequantizes 1-byte weights, not {problem.rhs_format.name} (it runs the jax backend)"
     d = dims(problem)
     if d.gathers and d.kc % LANES:
         return (f"the gathered rows ({d.kc} wide) are not a multiple of {LANES} lanes: Mosaic copies whole "

@@ -24,8 +24,8 @@ import numpy as np
 
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
-from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
-from moe_tune.core.quant import QDTYPES
+from moe_tune.kernels.ragged_dot.problem import check_positive, checked_quant_fields, supported_dtype
+from moe_tune.core.quant_format import QuantFormat
 
 DIRECTIONS = ("fwd", "bwd")
 STAGES = ("dispatch", "combine")
@@ -43,8 +43,9 @@ class FusedMoeProblem:
     (tokens x top_k). k, n: the forward weights [groups, k, n] (dispatch with `glu`: n = 2 x the expert
     width, gate and up concatenated). groups: local experts. dtype: of the activations, the output, and the
     weights when float. glu: the activation name of dispatch's gated epilogue (`activations.ACTIVATIONS`),
-    None for none (combine: always None). rhs_qdtype / rhs_qblock: quantized weights (QArray scaled along k),
-    key fields only when set. `total_groups`, `experts`, `ep` shape the sweep's inputs only (not the key).
+    None for none (combine: always None). rhs_qdtype / rhs_qblock: quantized weights (QArray scaled along k;
+    `rhs_format`, ragged_dot's rule: mxfp4 in blocks of 32, None: k), key fields only when set.
+    `total_groups`, `experts`, `ep` shape the sweep's inputs only (not the key).
     """
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("tokens", "m")  # what `nearest` lookup may vary
@@ -80,18 +81,12 @@ class FusedMoeProblem:
                 raise UsageError(f"with glu, n (gate and up concatenated) must be even, got {self.n}")
         if self.total_groups is not None and self.total_groups < self.groups:
             raise UsageError(f"total_groups ({self.total_groups}) < groups ({self.groups})")
-        if self.rhs_qdtype is None:
-            if self.rhs_qblock is not None:
-                raise UsageError("rhs_qblock given without rhs_qdtype")
-            return
-        qdtype = dtype_name(self.rhs_qdtype)
-        if qdtype not in QDTYPES:
-            raise UsageError(f"rhs_qdtype {qdtype} is not supported; use one of {', '.join(QDTYPES)}")
-        qblock = self.k if self.rhs_qblock is None else self.rhs_qblock
-        if not isinstance(qblock, (int, np.integer)) or qblock <= 0 or self.k % qblock:
-            raise UsageError(f"rhs_qblock {qblock!r} must be a positive divisor of k={self.k}")
-        object.__setattr__(self, "rhs_qdtype", qdtype)
-        object.__setattr__(self, "rhs_qblock", int(qblock))
+        checked_quant_fields(self, "rhs")  # ragged_dot's rule for its weights: QuantFormat along k
+
+    @property
+    def rhs_format(self) -> QuantFormat | None:
+        """The weights' quantization (its block concrete), None for float weights."""
+        return None if self.rhs_qdtype is None else QuantFormat(self.rhs_qdtype, self.rhs_qblock)
 
     @property
     def kernel(self) -> str:

@@ -51,7 +51,6 @@ from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 
 BLOCKS = (16, 32, 64, 128, 256)
 SUPPORTED = ("float32", "bfloat16", "float16")
-QUANTIZED = ("int8", "float8_e4m3fn")  # weight dtypes the kernels dequantize (4-bit ones run the jax backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +258,9 @@ class TritonFusedMoe(FusedMoeBackend):
     def config_error(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> str | None:
         if problem.dtype not in SUPPORTED:
             return f"triton supports {'/'.join(SUPPORTED)}, not dtype={problem.dtype}"
-        if problem.rhs_qdtype is not None and problem.rhs_qdtype not in QUANTIZED:
-            return (f"the fused triton kernels dequantize {'/'.join(QUANTIZED)} weights, not {problem.rhs_qdtype} "
-                    f"(it runs the jax backend)")
+        if problem.rhs_format is not None and problem.rhs_format.four_bit:  # 1-byte weights only
+            return (f"the fused triton kernels dequantize 1-byte weights, not {problem.rhs_format.name} (it runs "
+                    "the jax backend)")
         if (reason := self.chip_error(problem)) is not None:
             return reason
         for name in ("block_m", "block_k", "block_n"):

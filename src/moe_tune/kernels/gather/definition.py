@@ -51,13 +51,13 @@ class _GatherOp(KernelOp):
     problem_class = GatherProblem
 
     def problem(self, *, tokens: int, hidden: int, top_k: int, dtype: str = "float32", experts: int | None = None,
-                ep: int = 1, weighted: bool | None = None, direction: str = "fwd", **_: Any) -> GatherProblem:
+                ep: int = 1, weighted: bool | None = None, direction: str = "fwd") -> GatherProblem:
         return GatherProblem(tokens=tokens, rows=tokens * top_k, hidden=hidden, dtype=dtype, experts=experts,
                              ep=ep, weighted=self.default_weighted if weighted is None else weighted,
                              direction=direction)
 
     def default_problem_options(self) -> dict[str, Any]:
-        return dict(DEFAULT_OPTIONS)
+        return {name: value for name, value in DEFAULT_OPTIONS.items() if name in self.option_names}
 
     def distribution_record(self, problem: GatherProblem, distribution: str, seed: int,
                             inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:

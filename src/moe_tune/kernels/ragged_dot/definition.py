@@ -13,7 +13,7 @@ import numpy as np
 from moe_tune.core import devices, distributions
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import options as opt
-from moe_tune.kernels.base import Backend, KernelConfig
+from moe_tune.kernels.base import Backend, KernelConfig, positive_int_error
 from moe_tune.kernels.ragged_dot.problem import DEQUANTIZED_DTYPE, DIRECTIONS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.reference import (
     ragged_dot_dlhs_reference,
@@ -22,7 +22,8 @@ from moe_tune.kernels.ragged_dot.reference import (
 )
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
 from moe_tune.kernels.kernel_op import KernelOp, relative_error
-from moe_tune.core.quant import DynamicQuant, QArray, dequantize_host, qdtype_name, quantize
+from moe_tune.core.quant import DynamicQuant, QArray, dequantize_host, quantize
+from moe_tune.core.quant_format import QuantFormat
 
 # Above this many FLOPs an accelerator's reference runs on the device (float32, highest precision) instead
 # of in float64 NumPy on the host, which would take minutes at real model sizes.
@@ -48,30 +49,28 @@ class RaggedDotOp(KernelOp):
     def problem(
         self, *, m: int, k: int, n: int, groups: int, dtype: str = "float32", out_dtype: str | None = None,
         direction: str = "fwd", rhs_quant: str | None = None, lhs_quant: str | None = None,
-        quant_block: int | None = None, lhs_dynamic: bool | None = None, **_: Any,
+        quant_block: int | None = None, lhs_dynamic: bool | None = None,
     ) -> RaggedDotProblem:
         """`dtype`: of the float operands (a quantized one counts as float32, what it dequantizes to, as
         `RaggedDotProblem.from_arrays` says) and of the output unless `out_dtype`. `rhs_quant` / `lhs_quant`:
         quantize that operand (int8, float8_e4m3fn; rhs also int4, mxfp4) with `quant_block` elements along k
-        per scale (None: one scale per channel / row; mxfp4: 32). `lhs_dynamic`: the kernel quantizes the
-        float activations tile by tile (`moe_tune.ragged_dot(..., lhs_quant=...)`), in `quant_block`s, else
-        the weights' own blocks, as the op does."""
+        per scale (None: one scale per channel / row; mxfp4: 32), `QuantFormat`'s rule. `lhs_dynamic`: the
+        kernel quantizes the float activations tile by tile (`moe_tune.ragged_dot(..., lhs_quant=...)`), in
+        `quant_block`s, else the weights' own blocks, as the op does."""
         if quant_block is not None and rhs_quant is None and lhs_quant is None:
             raise UsageError("quant_block (--quant-block) needs rhs_quant or lhs_quant (--rhs-quant / --lhs-quant)")
         if lhs_dynamic and lhs_quant is None:
             raise UsageError("lhs_dynamic (--lhs-dynamic) needs lhs_quant (--lhs-quant int8)")
-        rhs_quant = None if rhs_quant is None else qdtype_name(rhs_quant)
-        side = lambda quant: dict(dtype=DEQUANTIZED_DTYPE if quant else dtype, qdtype=quant,
-                                  qblock=quant_block if quant else None)
-        lhs, rhs = side(lhs_quant), side(rhs_quant)
-        if rhs_quant == "float4_e2m1fn" and quant_block is None:
-            rhs["qblock"] = 32  # mxfp4's only block (OCP MX)
-        if lhs_dynamic:  # float activations in memory, in the weights' blocks unless --quant-block says
-            lhs.update(dtype=dtype, qblock=quant_block if quant_block is not None else rhs["qblock"])
+        rhs = quant_format(rhs_quant, quant_block, k, "rhs_quant")
+        # activations quantized in the kernel take the weights' blocks unless --quant-block says
+        lhs_block = rhs.block if lhs_dynamic and quant_block is None and rhs is not None else quant_block
+        lhs = quant_format(lhs_quant, lhs_block, k, "lhs_quant")
+        floats = dict(lhs_dtype=dtype if lhs is None or lhs_dynamic else DEQUANTIZED_DTYPE,
+                      rhs_dtype=dtype if rhs is None else DEQUANTIZED_DTYPE)
         return RaggedDotProblem(
-            m=m, k=k, n=n, groups=groups, lhs_dtype=lhs["dtype"], rhs_dtype=rhs["dtype"],
-            out_dtype=out_dtype or dtype, direction=direction, lhs_qdtype=lhs["qdtype"], lhs_qblock=lhs["qblock"],
-            rhs_qdtype=rhs["qdtype"], rhs_qblock=rhs["qblock"], lhs_qdynamic=bool(lhs_dynamic),
+            m=m, k=k, n=n, groups=groups, **floats, out_dtype=out_dtype or dtype, direction=direction,
+            lhs_qdtype=lhs and lhs.dtype, lhs_qblock=lhs and lhs.block, rhs_qdtype=rhs and rhs.dtype,
+            rhs_qblock=rhs and rhs.block, lhs_qdynamic=bool(lhs_dynamic),
         )
 
     def default_problem_options(self) -> dict[str, Any]:
@@ -165,11 +164,20 @@ class RaggedDotOp(KernelOp):
 
     def describe(self, problem: RaggedDotProblem) -> str:
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"
-        quant = "".join(f" {side} {getattr(problem, side + '_qdtype')}" + (
-            f"/{getattr(problem, side + '_qblock')}" if getattr(problem, side + "_qblock") < problem.k else "")
-            + (" dynamic" if side == "lhs" and problem.lhs_qdynamic else "")
-            for side in ("lhs", "rhs") if getattr(problem, side + "_qdtype") is not None)
+        quant = "".join(f" {side} {problem.quant_format(side).label(problem.k)}"
+                        + (" dynamic" if side == "lhs" and problem.lhs_qdynamic else "")
+                        for side in ("lhs", "rhs") if problem.quant_format(side) is not None)
         return f"ragged_dot {problem.direction} m={problem.m} k={problem.k} n={problem.n} g={problem.groups} {dt}{quant}"
+
+
+def quant_format(quant: str | None, block: int | None, k: int, arg: str) -> QuantFormat | None:
+    """The format `--rhs-quant` / `--lhs-quant` (`arg`) and `--quant-block` ask for on an axis of `k`
+    (None: not quantized): `QuantFormat.parse`, then its rule along k when k is a valid size (else the
+    problem refuses k first). UsageError naming the argument."""
+    if quant is None:
+        return None
+    form = QuantFormat.parse(quant, block, dtype_arg=arg, block_arg="quant_block")
+    return form if positive_int_error("k", k) is not None else form.along(k, axis="k", block_arg="quant_block")
 
 
 def _scaled(x: np.ndarray, divisor: np.float64, dtype: str) -> np.ndarray:

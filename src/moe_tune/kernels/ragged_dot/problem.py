@@ -10,7 +10,8 @@ import numpy as np
 
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import positive_int_error
-from moe_tune.core.quant import FOUR_BIT, QDTYPES, DynamicQuant, QArray, block_rule, check_operand
+from moe_tune.core.quant import DynamicQuant, QArray, check_operand
+from moe_tune.core.quant_format import ACTIVATION_QDTYPES, QuantFormat
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")
 # The two operands each direction's kernel reads, `a` and `b` (`RaggedDotBackend.run`), by forward name.
@@ -58,6 +59,21 @@ def int_scalar(value: Any, name: str) -> Any:
         got = f"a {dtype} array of shape {tuple(shape)}" if shape is not None else repr(value)
         raise UsageError(f"{name} must be an integer scalar (a Python int or a 0-d integer array), got {got}")
     return jnp.asarray(value, jnp.int32)
+
+
+def checked_quant_fields(problem: Any, side: str) -> None:
+    """Check and canonicalize a problem's `{side}_qdtype` / `{side}_qblock` (its key fields) by the one
+    rule, `QuantFormat`'s, along the problem's `k`: the stored dtype name ("mxfp4" -> float4_e2m1fn), the
+    block concrete (None: k; mxfp4: 32). UsageError naming the field."""
+    qdtype, qblock = getattr(problem, f"{side}_qdtype"), getattr(problem, f"{side}_qblock")
+    if qdtype is None:
+        if qblock is not None:
+            raise UsageError(f"{side}_qblock given without {side}_qdtype")
+        return
+    form = QuantFormat.parse(qdtype, qblock, dtype_arg=f"{side}_qdtype", block_arg=f"{side}_qblock")
+    form = form.along(problem.k, axis="k", block_arg=f"{side}_qblock")
+    object.__setattr__(problem, f"{side}_qdtype", form.dtype)
+    object.__setattr__(problem, f"{side}_qblock", form.block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,31 +127,18 @@ class RaggedDotProblem:
         for name in ("lhs_dtype", "rhs_dtype", "out_dtype"):
             object.__setattr__(self, name, supported_dtype(getattr(self, name), name))
         for side in ("lhs", "rhs"):
-            self._check_quantization(side)
+            checked_quant_fields(self, side)
         if self.lhs_qdynamic:
-            if self.lhs_qdtype is None or self.lhs_qdtype in FOUR_BIT:
-                raise UsageError("lhs_qdynamic quantizes the activations in the kernel to lhs_qdtype int8 or "
-                                 f"float8_e4m3fn, got {self.lhs_qdtype}")
+            if self.lhs_qdtype is None or not self.quant_format("lhs").activations:
+                raise UsageError("lhs_qdynamic quantizes the activations in the kernel to lhs_qdtype "
+                                 f"{' or '.join(ACTIVATION_QDTYPES)}, got {self.lhs_qdtype}")
             if self.rhs_qdtype is None:
                 raise UsageError("activations quantized in the kernel (lhs_quant) need quantized weights (rhs)")
 
-    def _check_quantization(self, side: str) -> None:
-        qdtype, qblock = getattr(self, f"{side}_qdtype"), getattr(self, f"{side}_qblock")
-        if qdtype is None:
-            if qblock is not None:
-                raise UsageError(f"{side}_qblock given without {side}_qdtype")
-            return
-        qdtype = "float4_e2m1fn" if qdtype == "mxfp4" else dtype_name(qdtype)
-        if qdtype not in QDTYPES:
-            raise UsageError(f"{side}_qdtype {qdtype} is not supported; use one of {', '.join(QDTYPES)}")
-        if (rule := block_rule(qdtype, qblock, self.k)) is not None:  # mxfp4: 32 (None too)
-            rule = rule.replace("axis 1", "k")
-            if qdtype == "float4_e2m1fn" and qblock not in (None, 32):
-                raise UsageError(f"{side}_qblock: {rule}")
-            raise UsageError(f"{side}_qblock {qblock or 32!r} must be a positive divisor of k={self.k}: {rule}")
-        qblock = self.k if qblock is None and qdtype != "float4_e2m1fn" else qblock or 32
-        object.__setattr__(self, f"{side}_qdtype", qdtype)
-        object.__setattr__(self, f"{side}_qblock", int(qblock))
+    def quant_format(self, side: str) -> QuantFormat | None:
+        """The quantization of operand `side` (lhs, rhs; its block concrete), None for a float operand."""
+        qdtype = getattr(self, f"{side}_qdtype")
+        return None if qdtype is None else QuantFormat(qdtype, getattr(self, f"{side}_qblock"))
 
     @property
     def quantized(self) -> bool:
@@ -176,15 +179,13 @@ class RaggedDotProblem:
         size = lambda dtype: np.dtype(jnp.dtype(dtype)).itemsize
         lhs, rhs = self.m * self.k, self.groups * self.k * self.n
 
-        def stored(elements: int, dtype: str, qdtype: str | None, qblock: int | None) -> int:
-            # a quantized operand: its values (4-bit: two a byte) and float32 scales (one per qblock along k)
-            if qdtype is None:
-                return elements * size(dtype)
-            return elements // (2 if qdtype in FOUR_BIT else 1) + 4 * elements // qblock
+        def stored(elements: int, side: str) -> int:
+            # a quantized operand: its values (4-bit: two a byte) and float32 scales (one per qblock along k);
+            # activations quantized in the kernel are read as the floats they are
+            form = None if side == "lhs" and self.lhs_qdynamic else self.quant_format(side)
+            return elements * size(getattr(self, f"{side}_dtype")) if form is None else form.stored_bytes(elements)
 
-        # activations quantized in the kernel are read as the floats they are
-        lhs = stored(lhs, self.lhs_dtype, None if self.lhs_qdynamic else self.lhs_qdtype, self.lhs_qblock)
-        rhs = stored(rhs, self.rhs_dtype, self.rhs_qdtype, self.rhs_qblock)
+        lhs, rhs = stored(lhs, "lhs"), stored(rhs, "rhs")
         return lhs + rhs + self.m * self.n * size(self.out_dtype)
 
     def key_fields(self) -> dict[str, Any]:

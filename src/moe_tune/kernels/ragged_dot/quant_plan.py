@@ -47,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_tune.core.quant_format import FOUR_BIT, QDTYPES
 from moe_tune.kernels.ragged_dot.problem import OPERANDS, RaggedDotProblem
 
 FLOAT32 = "float32"  # the dtype of an operand a scale was folded into, or one dequantized before the kernel
@@ -91,12 +92,12 @@ class OperandPlan:
     @property
     def low_bit(self) -> bool:
         """Whether the kernel loads quantized values (int8, float8, int4, float4) of this operand."""
-        return jnp.dtype(self.dtype).itemsize == 1  # ml_dtypes' 4-bit dtypes take a byte as NumPy elements
+        return jnp.dtype(self.dtype).name in QDTYPES
 
     @property
     def four_bit(self) -> bool:
         """Whether the kernel loads 4-bit values (int4, float4_e2m1fn) of this operand."""
-        return jnp.dtype(self.dtype).name in ("int4", "float4_e2m1fn")
+        return jnp.dtype(self.dtype).name in FOUR_BIT
 
     @property
     def dot_dtype(self) -> str:
