@@ -1,4 +1,4 @@
-"""Issue 27, the Python API's share: group sizes and offsets out of range (items 1, 2) give one answer on
+"""Bad inputs, the Python API's share: group sizes and offsets out of range (items 1, 2) give one answer on
 every registered backend (xla, tiled, and the Pallas ones in interpret mode) and a one-line UsageError when
 their values are known; config mistakes (item 15) name what the caller got wrong."""
 
@@ -116,7 +116,7 @@ def test_a_config_that_breaks_a_rule_with_a_default_says_the_default_was_not_giv
     assert "tail=32 is the default (not given)" in message
 
 
-# Session 19: the API added since issue 27 (moe_mlp fused and unfused, 4-bit and in-kernel quantization, the
+# The rest of the API (moe_mlp fused and unfused, 4-bit and in-kernel quantization, the
 # fused ops), probed with user mistakes that used to end in a traceback from inside JAX or NumPy, a message
 # naming another argument, or a silently wrong answer.
 

@@ -1,4 +1,4 @@
-"""Issue 27: every bad input gets one clear line and a non-zero exit (2 for usage, 1 for a runtime or table
+"""Every bad input gets one clear line and a non-zero exit (2 for usage, 1 for a runtime or table
 problem), never a traceback, a hang or a silently wrong answer.
 
 One table, `CASES`: each row is an issue item's CLI call (argv, environment, the files it needs) and what

@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end (at toy sizes) and write the JSON they promise. No timing is
-asserted: these only keep the scripts from rotting between the sessions that have a machine to run them."""
+asserted: these only keep the scripts runnable for whoever has a machine to measure on."""
 
 from __future__ import annotations
 

@@ -267,7 +267,7 @@ def test_sweep_model_runs_every_kernel_of_a_layer(run, isolated_profiles):
     assert run("lookup", "--op", "ragged_gather", "--tokens", "8,16").exit_code == 2  # one shape (sweep: a campaign)
     bad_race = run("sweep", "--m", "64", "--k", "32", "--n", "32", "--groups", "2", "--race", "0.5")
     assert bad_race.exit_code == 2 and "Traceback" not in bad_race.output
-    assert "0.5 is not 0 (no racing) or a factor > 1" in bad_race.output  # the rule the help states (issue 27.12)
+    assert "0.5 is not 0 (no racing) or a factor > 1" in bad_race.output  # the rule the help states
 
 
 def test_sweep_options_reach_the_sweep(run, tmp_path, isolated_profiles):

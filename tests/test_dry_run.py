@@ -1,4 +1,4 @@
-"""The dry run is the run (issue 26.3): `sweep ... --dry-run` prints the plan that the same command without
+"""The dry run is the run: `sweep ... --dry-run` prints the plan that the same command without
 it runs, the same sweeps in the same order, with the same skip rules: a complete entry tuned with at least
 the budget asked is skipped, one tuned with less is swept again (and the plan says why)."""
 

@@ -1,4 +1,4 @@
-"""One dtype default (issue 26.7): `lookup`, `sweep --op` and `sweep --model` (and `models`) ask for the same
+"""One dtype default: `lookup`, `sweep --op` and `sweep --model` (and `models`) ask for the same
 dtype when none is given, and `lookup` says when the shape is tuned in another dtype only."""
 
 from __future__ import annotations

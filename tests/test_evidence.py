@@ -1,4 +1,4 @@
-"""Issue 26's evidence rules: a win needs at least MIN_FINAL_SAMPLES samples per finalist and a gap beyond
+"""The evidence rules: a win needs at least MIN_FINAL_SAMPLES samples per finalist and a gap beyond
 the noise; a sweep that cannot apply the rule keeps the default and says `unverified` and why; verdict words
 tell the default fastest from a candidate that beat it; the marks readers see (`profiles.evidence`)."""
 
@@ -42,7 +42,7 @@ def test_a_clear_win_with_enough_samples_beats_the_default():
 
 
 def test_too_few_samples_keep_the_default_unverified():
-    """`--samples 1` before issue 26: two samples per finalist, no noise estimate can come from them."""
+    """`--samples 1` without the evidence rules: two samples per finalist, no noise estimate can come from them."""
     best, default = _cand(1, [1.0, 1.0]), _cand(0, [2.0, 2.0], default=True)
     winner, verdict = measure.decide(best, default, [best, default])
     assert winner is default and verdict.rule == UNVERIFIED
@@ -115,7 +115,7 @@ def test_an_entry_tuned_with_less_than_asked_is_weaker():
 
 
 def test_the_breakdown_says_when_it_contradicts_a_claimed_win():
-    """Issue 26: a `ragged_gather` "win" of 2.3x whose breakdown measured the winner at 14.9 ms of op time
+    """A `ragged_gather` "win" of 2.3x whose breakdown measured the winner at 14.9 ms of op time
     per run against the default's 6.7 ms, without pointing at the contradiction."""
     from moe_tune.commands.breakdown import Breakdown, OpTime
     from moe_tune.commands.report import breakdown_check, breakdown_frame
@@ -138,7 +138,7 @@ def test_the_breakdown_says_when_it_contradicts_a_claimed_win():
 
 
 def test_bench_flags_the_default_as_tuned_and_a_faster_fallback_with_the_next_step():
-    """Issue 26: `bench` showed tuned 18.78 vs default 20.12 ms for the identical config, and `fallback/tuned
+    """`bench` showed tuned 18.78 vs default 20.12 ms for the identical config, and `fallback/tuned
     0.39` (the plain path 2.5x faster), with no flag and no advice."""
     from moe_tune.commands.bench import GatherComparison
 

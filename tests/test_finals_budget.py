@@ -1,8 +1,8 @@
-"""The final round's time budget (issue 32, session 14): a short call's finalists get about `final_time_s`
+"""The final round's time budget (FINDINGS.md: final round budget): a short call's finalists get about `final_time_s`
 seconds of calls each (at most MAX_FINAL_SAMPLES samples), and the noise rule holds a median of many samples to
 its standard error (sqrt(6 / n) of the 6-sample threshold, never below one MAD), so that a gap six samples
 call noise can be a win once the samples resolve it; a copy of the default still never wins. The final round
-compares the finalists paired, round by round (session 15): load both calls of a round share cancels."""
+compares the finalists paired, round by round (FINDINGS.md: paired finals): load both calls of a round share cancels."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ LOAD = [1.0, 1.7, 1.1, 2.0, 1.3, 1.6, 1.05, 1.9]
 
 def test_a_clear_win_under_shared_load_is_a_win_paired_and_noise_apart():
     """1.2x faster in every round while the load doubles some rounds: two medians with their MADs call it
-    noise (the session 14 m=1024 case); the per-round ratios are all 1.2 and it wins."""
+    noise (the k=7168 m=1024 case of FINDINGS.md: paired finals); the per-round ratios are all 1.2 and it wins."""
     best, default = _cand(1, list(LOAD)), _cand(0, [1.2 * x for x in LOAD], default=True)
     assert measure.decide(best, default, [best, default])[1].rule == WITHIN_NOISE
     winner, verdict = measure.decide(best, default, [best, default], pair=True)

@@ -69,7 +69,7 @@ def test_fused_temp_memory_is_smaller_by_the_removed_buffers(dtype):
     test_fused_moe.py, test_tiled_dispatch_temp_holds_no_second_output.) top_k is deepseek-v2-lite's: the fused
     combine's float32 [tokens, hidden] accumulator is 2 / top_k of a bf16 [tokens x top_k, hidden] buffer, half
     of one at top_k 4, which the margin no longer covers once the unfused bf16 dispatch gather lost its copy of
-    its output (session 15 (A); benchmarks/fused_memory_cpu.py checks the presets' shapes)."""
+    its output (FINDINGS.md: gather loop carry; benchmarks/fused_memory_cpu.py checks the presets' shapes)."""
     tokens, hidden, top_k = 128, 256, 6
     args = _layer(2, dtype, tokens=tokens, hidden=hidden, width=64)
     temp = {fused: jax.jit(lambda *a, fused=fused: moe_mlp(*a, top_k, fused=fused)).lower(*args).compile()
@@ -84,9 +84,10 @@ def test_fused_training_temp_memory_is_smaller_by_the_removed_buffers(dtype):
     least the two [tokens x top_k, hidden] buffers (x's dtype) that only the unfused step writes: the expert
     outputs (kept for the combine's weight gradient) and d(rows) (the gate and up dlhs, scattered into dx by
     the gather's VJP). Both steps still write two: the gathered rows and the weighted d(out) rows that the
-    weights' drhs read. The shape is decode-like (weights 6x one such buffer): before session 14 every
-    bf16 drhs loop carried its result as uint16 bits and copied it out, and the fused step's gate and up
-    drhs held two weight-sized carries at once (temp above the unfused step's)."""
+    weights' drhs read. The shape is decode-like (weights 6x one such buffer). A bf16 drhs loop that
+    carried its result as uint16 bits and copied it out left the fused step's gate and up
+    drhs holding two weight-sized carries at once (temp above the unfused step's; FINDINGS.md: drhs carry in its
+    output)."""
     tokens, hidden, width, top_k = 64, 256, 96, 2
     args = _layer(2, dtype, tokens=tokens, hidden=hidden, width=width)
 

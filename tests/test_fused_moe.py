@@ -42,8 +42,8 @@ def test_the_cli_names_a_dispatch_without_activation_none():
 def test_the_tiled_default_is_one_for_the_sweep_and_for_the_layer_at_every_ep():
     """The tiled default (tiles of half an average group on the shard) is the same for the problem a sweep
     builds (`ep` set, total_groups = groups x ep) and for the one the op builds in an expert-parallel layer
-    (total_groups from group_sizes, `ep` left at 1): before session 14 the layer's got a whole average
-    group's tiles at ep > 1 (qwen3-30b-a3b prefill ep 4: tm 256 / tail 64 against the sweep's 128 / 32)."""
+    (total_groups from group_sizes, `ep` left at 1). Dividing by the shard's groups alone gave the layer a whole
+    average group's tiles at ep > 1 (qwen3-30b-a3b prefill ep 4: tm 256 / tail 64 against the sweep's 128 / 32)."""
     from moe_tune.kernels import get_op
     from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
     from moe_tune.kernels.fused_moe.tiled import TiledFusedMoe
@@ -95,7 +95,7 @@ def test_tiled_dispatch_rows_near_the_end_and_outside_the_groups(dtype):
 def test_tiled_dispatch_temp_holds_no_second_output(dtype):
     """XLA CPU runs the tiled dispatch in its output buffer: its compiled temp memory is smaller than one
     [m, n] output. (Carried as uint16 bits, a bf16 output was copied once more after the loop: temp 0.35 MiB
-    for this 0.25 MiB output before session 14 (F).)"""
+    for this 0.25 MiB output; FINDINGS.md: fused layer memory.)"""
     from moe_tune.kernels.fused_moe.tiled import tiled_gather_gmm
 
     tokens, top_k, k, n, groups = 128, 4, 64, 256, 8
@@ -110,7 +110,7 @@ def test_tiled_dispatch_temp_holds_no_second_output(dtype):
 def test_combine_backward_holds_one_float32_product_buffer():
     """The bf16 combine's backward computes d(row_weights) from h and g = d(out) rows @ rhs^T as masked
     products summed per row: one float32 [m, k] buffer. (As a row dot, `einsum("rf,rf->r")`, XLA CPU's dot
-    read float32 copies of both: two, before session 15 (A); 1444 -> 929 KiB temp at this shape.)"""
+    read float32 copies of both: two; 1444 -> 929 KiB temp at this shape.)"""
     tokens, top_k, k, n, groups = 128, 4, 256, 64, 8
     m, s = tokens * top_k, jax.ShapeDtypeStruct
     config = {"fwd": TiledFusedConfig(tm=32, tail=8), "bwd": TiledFusedConfig(tm=32, tail=8)}
@@ -129,7 +129,7 @@ def test_tiled_dispatch_holds_one_weight_part_at_decode(dtype):
     """Where an average group fits one tile (decode), the dispatch reads the gate and up weights of a group
     one after the other, each right before its dot: its temp holds one part's [k, n] slice (the dot's
     operand is a copy on XLA CPU), not both. (Read once per group, both were live across the group's tiles:
-    temp over 2 slices here, session 14 (F).) Outputs as with the weights read per group."""
+    temp over 2 slices here; FINDINGS.md: fused layer decode.) Outputs as with the weights read per group."""
     from moe_tune.kernels.fused_moe.tiled import sequenced_weights, tiled_gather_gmm
 
     tokens, top_k, k, n, groups, tm = 16, 2, 256, 256, 4, 16

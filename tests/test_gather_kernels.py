@@ -83,7 +83,8 @@ TILED_KERNELS = {  # name: (kernel, bfloat16 x's shape, the other arguments)
 @pytest.mark.parametrize("name", TILED_KERNELS)
 def test_tiled_kernels_convert_only_the_rows_they_gather(name):
     """No op on the whole bfloat16 x outside the loop (XLA CPU's f32 convert, or a uint16 copy of it, made
-    the bf16 combine a pass over all of x at any valid fraction: NOTES 15): the loop reads x itself."""
+    the bf16 combine a pass over all of x at any valid fraction; FINDINGS.md: bf16 gathers on CPU): the loop
+    reads x itself."""
     kernel, x_shape, rest = TILED_KERNELS[name]
     hlo = jax.jit(kernel).lower(S(x_shape, jnp.bfloat16), *rest).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):]
@@ -97,7 +98,7 @@ def test_tiled_kernels_convert_only_the_rows_they_gather(name):
 def test_tiled_dispatch_runs_in_its_output_buffer(dtype, weighted):
     """The dispatch loop carries its output in its own dtype: compiled, its temp memory is smaller than one
     [rows, hidden] output. (Carried as uint16 bits, a bf16 output was copied once more after the loop: temp
-    = the output's size, and 52 ms of deepseek-v2-lite's bf16 prefill training step, before session 15 (A).)"""
+    = the output's size, and 52 ms of deepseek-v2-lite's bf16 prefill training step; FINDINGS.md: gather loop carry.)"""
     kernel = lambda x, i, s, e, w: tiled_gather(x, i, s, e, w, rows_per_chunk=16)  # noqa: E731
     memory = jax.jit(kernel).lower(S((TOKENS, HIDDEN), dtype), INT_ROWS, S((), jnp.int32), S((), jnp.int32),
                                    F32_ROWS if weighted else None).compile().memory_analysis()
@@ -110,7 +111,7 @@ def test_tiled_dispatch_runs_in_its_output_buffer(dtype, weighted):
 def test_two_byte_combine_writes_its_output_in_the_pass_that_reads_x(dtype, tokens):
     """Every fusion that makes the bf16 / f16 [tokens, hidden] output also reads x (the tokens' first
     entries): none converts a float32 accumulator of the whole output alone, the pass over all tokens
-    that made the 2-byte combine slower than float32 at low valid fractions (NOTES 15, 16)."""
+    that made the 2-byte combine slower than float32 at low valid fractions (FINDINGS.md: bf16 gathers on CPU)."""
     rows = tokens * TOP_K
     kernel = lambda x, i, w, v: tiled_gather_reduce(x, i, w, v, TOP_K, rows_per_chunk=16)  # noqa: E731
     hlo = jax.jit(kernel).lower(S((rows, HIDDEN), dtype), S((rows,), jnp.int32), S((rows,), jnp.float32),

@@ -1,4 +1,4 @@
-"""Token-count ladders (issue 32.1): table schema 3 (intervals, robust records), lookup order exact, interval,
+"""Token-count ladders: table schema 3 (intervals, robust records), lookup order exact, interval,
 robust, nearest, default, the ladder's boundary bisection and intervals, the CLI's `--m A:B`, the report's
 interval column. Most tests write tables by hand or time with a stand-in; one times two real configs."""
 

@@ -1,4 +1,4 @@
-"""Tune what the layer runs (issue 26.5): `sweep --model --direction fwd` tunes what serving runs, `all` (the
+"""Tune what the layer runs: `sweep --model --direction fwd` tunes what serving runs, `all` (the
 default) what training runs: the ragged_dot gradients of float operands only (a QArray is a constant: no
 drhs for quantized weights) and the backward's gathers (the combine's gradient is a weighted ragged_gather).
 A training step of a layer swept this way finds an exact entry for every kernel it traces."""

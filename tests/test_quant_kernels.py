@@ -147,7 +147,8 @@ def test_tiled_tries_small_tails_in_small_groups():
 
 def test_tiled_default_tail_fits_small_groups():
     """The default tail is about an average group's size when groups hold a few rows (4 rows: tail 4, 5-8
-    rows: tail 8), so that a sweep starts where NOTES 14.1 measured the decode time to be; bigger groups
+    rows: tail 8), so that a sweep starts where the decode time was measured to be (FINDINGS.md: small
+    tails at decode); bigger groups
     keep the 1/8-of-tm rule (at least 16)."""
     tiled = BACKENDS.get("tiled")
     tail = lambda groups, m=256: tiled.default_config(RaggedDotProblem(m=m, k=64, n=32, groups=groups)).tail
@@ -158,7 +159,8 @@ def test_tiled_default_tail_fits_small_groups():
 def test_tiled_bfloat16_activations_dot_in_float32_when_tails_hold_at_most_4_rows(tail, dot_dtype):
     """int8 weights with bf16 activations (w8a16 at decode): a kernel whose tail tiles hold at most 4 rows
     converts each group's weights to f32 only, for f32 dots (a bf16 dot of a few rows costs more than an f32
-    one on XLA CPU: NOTES 14.4); bigger tails keep bf16 dots. Both match the reference to bf16's rounding."""
+    one on XLA CPU; FINDINGS.md: small tails at decode); bigger tails keep bf16 dots. Both match the reference to
+    bf16's rounding."""
     rng = np.random.default_rng(5)
     lhs = jnp.asarray(rng.standard_normal((M, K), np.float32)).astype(jnp.bfloat16)
     rhs = quantize(jnp.asarray(rng.standard_normal((4, K, N), np.float32)), "int8", axis=1)

@@ -126,7 +126,7 @@ def test_tiled_drhs_windows_cover_long_groups_empty_groups_and_shards(tm, group_
 def test_tiled_bfloat16_drhs_windows_read_lhs_transposed_into_the_bf16_dot(groups):
     """bf16 tgmm per group: every window's dot inside the loops is x^T [k, window] @ dout [window, n]
     (lhs_contracting_dims={1}, a `__ynn_fusion`: XLA CPU's bf16 dot; the rows-contracted form it runs in
-    float32, 1.6-1.7x slower at deepseek-v2-lite's prefill drhs, benchmarks/NOTES.md session 16 (A)); only
+    float32, 1.6-1.7x slower at deepseek-v2-lite's prefill drhs, FINDINGS.md: bf16 drhs transposed lhs); only
     group 0's first window, outside every loop, keeps that form. With 1 or 2 groups (the group loop inlined
     by XLA) every dot keeps it: there the transposed form compiled to a dot XLA CPU cannot run. Results
     against float64 at every group count."""
@@ -154,7 +154,7 @@ def test_tiled_bfloat16_drhs_windows_read_lhs_transposed_into_the_bf16_dot(group
 def test_tiled_default_drhs_window_holds_balanced_groups_with_little_padding(m, groups):
     """The default drhs window holds the largest group of a typical draw of balanced routing whole (the
     median over 10 draws), and pads the average group by less than a fifth (a 5/4 window, kept within noise
-    by sweeps, made bf16 drhs up to 20% slower than one that fits: NOTES 17)."""
+    by sweeps, made bf16 drhs up to 20% slower than one that fits: FINDINGS.md: bf16 ragged_dot on CPU)."""
     problem = RaggedDotProblem(m=m, k=64, n=32, groups=groups, direction="drhs")
     window = BACKENDS.get("tiled").default_config(problem).tm
     largest = np.median([distributions.group_sizes("balanced", m, groups, seed).max() for seed in range(10)])
@@ -181,7 +181,7 @@ TILED_BF16_KERNELS = {
 def test_tiled_bfloat16_operands_are_viewed_per_block_not_copied_whole(name):
     """No op on a whole bf16 operand outside the loops: its uint16 view (`loop_dtypes.as_bits`) fuses into
     each block's slice. A view made before the loop was a copy of the whole operand per call, the size of
-    all the expert weights at a decode shape (NOTES 13, 17)."""
+    all the expert weights at a decode shape (FINDINGS.md: bf16 ragged_dot on CPU)."""
     kernel, operands = TILED_BF16_KERNELS[name]
     hlo = jax.jit(kernel).lower(*operands, _S((4,), jnp.int32)).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):]

@@ -1,4 +1,4 @@
-"""The report a person reads (issue 26.6): a compact default table that fits 160 columns for the demo's
+"""The report a person reads: a compact default table that fits 160 columns for the demo's
 entries (the shipped ragged_dot tables and the demo's own sweep), one line per row; dtypes as people name
 them (int8 weights as `int8`, not `rhs_dtype=float32`); the source of each entry and a filter for the user's
 own; `--columns` and `--all` for the rest."""

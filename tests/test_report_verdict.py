@@ -31,7 +31,7 @@ from moe_tune.tuner import SweepRequest, SweepSettings, run_sweep
 from moe_tune.tuner.measure import earliest_stop, final_samples
 
 SHIPPED = Path(report.__file__).parent / "profiles" / "data"
-ISSUE_CASE = {"direction": "dlhs", "m": 1024, "k": 2880, "n": 2880, "groups": 8}  # issue 16's example
+ISSUE_CASE = {"direction": "dlhs", "m": 1024, "k": 2880, "n": 2880, "groups": 8}  # default kept within noise
 
 
 def shipped_entries() -> list[dict]:
@@ -41,7 +41,7 @@ def shipped_entries() -> list[dict]:
 
 def test_every_shipped_entry_records_its_verdict_and_still_round_trips():
     entries = shipped_entries()
-    assert len(entries) >= 45  # 45 ragged_dot and gather entries (session 9) and the fused_moe ones since
+    assert len(entries) >= 45  # 45 ragged_dot and gather entries and the fused_moe ones
     for data in entries:
         entry = Entry.from_json(data)
         assert entry.to_json() == data
@@ -49,7 +49,7 @@ def test_every_shipped_entry_records_its_verdict_and_still_round_trips():
         assert not verdict.derived and verdict.rule in RULES and verdict.finalists
         assert (verdict.rule == WITHIN_NOISE) == data["within_noise_of_default"]
         assert [f["config"] for f in verdict.finalists][0] == data["config"]  # the winner first
-        # `fastest` (recorded before issue 26) reads as what it meant: the default fastest, or a win
+        # `fastest` (what older entries recorded) reads as what it meant: the default fastest, or a win
         is_default = data["config"] == data["default"]["config"]
         if data["verdict"]["rule"] == FASTEST:
             assert verdict.rule == (DEFAULT_FASTEST if is_default else BEAT_DEFAULT)
@@ -60,7 +60,7 @@ def test_every_shipped_entry_records_its_verdict_and_still_round_trips():
 
 
 def test_the_issue_case_is_a_default_kept_within_noise(drawn, tmp_path):
-    """ragged_dot dlhs m=1024 k=2880 n=2880 (issue 16's example), as session 7 shipped it (a fixed copy: the
+    """ragged_dot dlhs m=1024 k=2880 n=2880 (ISSUE_CASE), as an older shipped table held it (a fixed copy: the
     shipped tables are re-swept, and their verdicts change with the machine's noise): the final round
     re-timed the fastest three and the default; the fastest beat the default by less than the noise
     threshold, so the default was kept, and the plot shows that band and the re-timed medians."""
@@ -81,7 +81,7 @@ def test_the_issue_case_is_a_default_kept_within_noise(drawn, tmp_path):
 
 
 def test_an_entry_written_before_verdicts_gets_a_derived_one():
-    """The issue case as the tables held it before verdicts were recorded (session 6): the verdict is derived
+    """The issue case as the tables held it before verdicts were recorded: the verdict is derived
     from the kept default's re-timed samples, a lower bound of the sweep's threshold (+-31% here), and the
     fastest recorded median (255 ms against the default's 328 ms) lies within it."""
     data = json.loads((Path(__file__).parent / "data" / "entry_before_verdicts.json").read_text())
@@ -138,7 +138,7 @@ def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
     assert sum(f["is_default"] for f in finalists) == 1
     expected = final_samples(SweepSettings(samples=2), max(f["first_median_s"] for f in finalists))
     assert expected >= max(4, MIN_FINAL_SAMPLES) and len({f["samples"] for f in finalists}) == 1
-    # all of them, or fewer once no finalist could beat the default (`finals.settled`, session 16), or, where the
+    # all of them, or fewer once no finalist could beat the default (`finals.settled`), or, where the
     # clock switched between the trace and the wall (a loaded machine: `timing_fallback` says why), fewer: each
     # switch drops the other clock's rounds, and the round ends after as many calls as it would have made
     assert finalists[0]["samples"] == expected or (verdict.rule != BEAT_DEFAULT and

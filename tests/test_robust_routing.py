@@ -1,4 +1,4 @@
-"""The config robust across routing distributions (issue 32.3): `campaign.robust` picks the winner with the
+"""The config robust across routing distributions: `campaign.robust` picks the winner with the
 lowest worst-case slowdown against each distribution's own winner, `sweep --distribution all` plans every
 distribution, lookup answers with the record when the distribution asked for has no entry."""
 

@@ -1,4 +1,4 @@
-"""`--max-candidates N` (issue 26.4): the default and a seeded sample spread across the space, every value of
+"""`--max-candidates N`: the default and a seeded sample spread across the space, every value of
 each tunable shown once N allows it, the same for the same seed (a resumed sweep gets the same candidates)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A sweep's inputs made while its first compiles run (issue 32, session 17): the compile workers get requests
+"""A sweep's inputs made while its first compiles run (FINDINGS.md: warm start): the compile workers get requests
 before the payload (inputs, reference) exists and ask for it once they need it; the inputs and reference are
 the op's, with one host copy (views of the device copy); the reference runs on one BLAS thread."""
 

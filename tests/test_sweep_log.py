@@ -268,10 +268,10 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "sweep_log_v1")
     ({"m": 64, "k": 64, "n": 64, "groups": 4}, {"max_candidates": 3}),  # its table is in DATA too
 ])
 def test_a_log_written_before_the_tuner_was_reshaped_resumes_unchanged(tmp_path, shape, settings):
-    """tests/data/sweep_log_v1: finished sweeps' logs (and one table), written by the code before issue 25 (the
-    typed settings and request, the stages' steps). The same sweep asked now finds its log by the same name
+    """tests/data/sweep_log_v1: finished sweeps' logs (and one table), written by the code before the typed
+    settings and request and the stages' steps. The same sweep asked now finds its log by the same name
     (the identity hashes the same), restores every candidate of the log it still has (all of them, unless
-    `max_candidates` now picks others: issue 26.4), and runs none of them again; the table reads."""
+    `max_candidates` now picks others), and runs none of them again; the table reads."""
     from pathlib import Path
 
     from moe_tune.kernels import get_op

@@ -1,4 +1,4 @@
-"""The tuner's speed (issue 32 item 5, sessions 15-16): the check's relative error computed once per output against
+"""The tuner's speed (FINDINGS.md: sweep speed): the check's relative error computed once per output against
 a reference whose scale is computed once; the shared payload (inputs, reference) handed to the compile workers
 through a file; seeded inputs and references without whole float64 copies (the same bits); the trace's runs
 read with fewer stats (the same spans)."""
@@ -80,7 +80,7 @@ def test_seeded_inputs_and_references_are_the_float64_formulas_bit_for_bit():
         problem = op.problem(m=m, k=k, n=n, groups=g, dtype=dtype, direction=direction)
         inputs = op.make_inputs(problem, distribution, 3)
         rng, want_dtype = np.random.default_rng(3), np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-        for name, operand in zip(("a", "b"), OPERANDS[direction]):  # the formulas, as before session 16
+        for name, operand in zip(("a", "b"), OPERANDS[direction]):  # the formulas before in-place scaling
             shape, divisor = shapes[operand]
             x = rng.standard_normal(shape, np.float32)
             want = (x if operand == "lhs" else x / divisor).astype(want_dtype)

@@ -373,7 +373,7 @@ def test_finalists_decide_and_a_win_within_noise_keeps_the_default(monkeypatch, 
     assert (verdict.rule == "within_noise") is kept_default
     assert winner is (default if kept_default else other)
     # the verdict records the noise rule's threshold and both finalists' rounds, the winner first
-    # the paired rule (issue 32 session 15): per round the default's time over the other's
+    # the paired rule (FINDINGS.md: paired finals): per round the default's time over the other's
     ratios = np.array(final[0].samples_s) / np.array(best_samples)
     assert verdict.noise == pytest.approx(max(PAIRED_MIN_NOISE, 2 * float(
         np.median(np.abs(ratios - np.median(ratios))) / np.median(ratios))))
