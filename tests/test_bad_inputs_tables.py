@@ -61,3 +61,36 @@ def test_the_ray_drivers_sweep_log_append_after_a_cut_line_keeps_the_new_lines(t
     relay.append("s.jsonl", (json.dumps({"type": "candidate", "index": 1}) + "\n").encode())
     lines, _ = read_log(tmp_path / "s.jsonl")
     assert [line.get("index") for line in lines] == [None, 1]
+
+
+# -- merge: an interval standing on an entry another table replaced ----------------------------------------
+
+def test_merge_drops_the_intervals_that_stand_on_a_replaced_entry(isolated_profiles, tmp_path):
+    import dataclasses
+
+    from moe_tune.campaign import ladder as ladders
+    from moe_tune.profiles import merge_tables
+    from moe_tune.profiles.table import read_table, write_entries
+    from moe_tune.tuner import SweepSettings
+    from tests.test_ladder import A, B, C, SMALL, _entry, _fake_timer, _ladder
+
+    laddered = isolated_profiles / "cpu" / "ragged_dot.json"  # A3: m=8 won by A, m=16 by B, a ladder between
+    write_entries(laddered, "ragged_dot", "cpu", [_entry(dataclasses.replace(SMALL, m=8), A),
+                                                  _entry(dataclasses.replace(SMALL, m=16), B)])
+    _, (ladder,) = _ladder([8, 16])
+    ladders.measure(ladder, SweepSettings(), "cpu", timer=_fake_timer(12, []))  # [8, 12) A, [12, 17) B
+    other = tmp_path / "a2" / "cpu" / "ragged_dot.json"  # A2: m=16 faster with C
+    write_entries(other, "ragged_dot", "cpu", [_entry(dataclasses.replace(SMALL, m=16), C, median=5e-4)])
+    untouched = tmp_path / "a4" / "cpu" / "ragged_dot.json"  # A4: the same m=16 winner, also faster
+    write_entries(untouched, "ragged_dot", "cpu", [_entry(dataclasses.replace(SMALL, m=16), B, median=5e-4)])
+
+    out = tmp_path / "out" / "cpu" / "ragged_dot.json"
+    report = merge_tables(out, [laddered, other])
+    merged = read_table(out)
+    assert merged["entries"][_entry(dataclasses.replace(SMALL, m=16), C)["key"]]["config"] == C
+    assert merged["intervals"] == {}  # both ends of [8, 12) and all of [12, 17) were measured against B at m=16
+    assert sum("dropped interval" in line for line in report.lines()) == 2
+
+    same = merge_tables(tmp_path / "same" / "cpu" / "ragged_dot.json", [laddered, untouched])
+    assert len(read_table(same.out)["intervals"]) == 2  # the kept entry has the config the intervals recorded
+    assert not any("dropped" in line for line in same.lines())

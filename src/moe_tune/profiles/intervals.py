@@ -139,3 +139,48 @@ def replace_intervals(table: dict[str, Any], new: Sequence[JSON]) -> None:
         del held[key]
     for record in new:
         held[record["key"]] = record
+
+
+
+def _boundary_claims(record: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """(entry key, config) of the two winners an interval's lower end was measured between."""
+    below = (record.get("evidence") or {}).get("below")
+    if not isinstance(below, Mapping):
+        return []
+    return [(side.get("entry"), side.get("config")) for side in (below.get("lower"), below.get("upper"))
+            if isinstance(side, Mapping)]
+
+
+def _claims(section: str, record: Mapping[str, Any], held: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """(entry key, the config the record says that entry won with) for every entry `record` stands on: an
+    interval's `entries` and the winners each of its ends was measured between (its upper end is the lower
+    end of the family's next interval); a robust record's `entry`."""
+    if section == ROBUST:
+        return [(record.get("entry"), record.get("config"))]
+    claims = [(key, record.get("config")) for key in record.get("entries") or []] + _boundary_claims(record)
+    for other in held.values():
+        if isinstance(other, Mapping) and other.get("lo") == record.get("hi") and all(
+                other.get(name) == record.get(name) for name in ("field", "fields", "scale")):
+            claims += _boundary_claims(other)
+    return claims
+
+
+def drop_contradicted(table: dict[str, Any]) -> list[str]:
+    """Remove from `table`, in place, the intervals and robust records that stand on an entry whose config is
+    no longer the one they recorded (a merge kept another machine's faster entry for that key): their ends
+    or choice were measured against a winner the table does not hold. One line per record removed."""
+    dropped = []
+    for section in (INTERVALS, ROBUST):
+        held = table.get(section) or {}
+        claims = {key: _claims(section, record, held) for key, record in held.items() if isinstance(record, Mapping)}
+        for key, found in claims.items():
+            for entry_key, config in found:
+                entry = table["entries"].get(entry_key) if isinstance(entry_key, str) else None
+                if isinstance(entry, Mapping) and isinstance(config, Mapping) and \
+                        dict(entry.get("config") or {}) != dict(config):
+                    del held[key]
+                    kind = "interval" if section == INTERVALS else "robust record"
+                    dropped.append(f"dropped {kind} {key}: it stands on {entry_key}, whose entry now has another "
+                                   "config (re-run its ladder or `--distribution all` sweep to measure it again)")
+                    break
+    return dropped

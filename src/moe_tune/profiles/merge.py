@@ -12,7 +12,8 @@ The kept entry records `provenance`: one record per candidate seen, in this and 
 merges' records are carried over, duplicates dropped) -
 `{"source": absolute input path, "hostname": the entry's, "median_s", "tuned_at", "backend_revision", "won"}`,
 exactly one with `won: true`. Entries only OUT had are left untouched. Token-count intervals and robust
-records (`intervals.py`) are merged by key, the most recently measured kept.
+records (`intervals.py`) are merged by key, the most recently measured kept; then those that stand on an entry
+whose kept config is not the one they recorded are dropped (a note names each).
 
 OUT is rewritten atomically under the same file lock sweeps take, so a sweep writing OUT at the same time
 loses nothing, and neither does the merge.
@@ -28,7 +29,7 @@ from typing import Any
 
 from moe_tune.core.errors import TableError, UsageError, path_error
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.intervals import INTERVALS, ROBUST
+from moe_tune.profiles.intervals import INTERVALS, ROBUST, drop_contradicted
 from moe_tune.profiles.table import read_table, update_table
 from moe_tune.profiles.versions import recorded_revision
 
@@ -158,6 +159,7 @@ def merge_tables(out_path: str | os.PathLike, in_paths: Iterable[str | os.PathLi
                                  f"{value!r}; merge only tables of one op and one device kind")
 
     out_existed: list[bool] = []
+    dropped: list[str] = []
 
     def merge(table: dict[str, Any]) -> list[MergeDecision]:
         # `table` is OUT as it is now, under its lock (empty when OUT does not exist).
@@ -182,13 +184,14 @@ def merge_tables(out_path: str | os.PathLike, in_paths: Iterable[str | os.PathLi
                     mine = held.get(key)
                     if not isinstance(mine, dict) or str(record.get("tuned_at")) > str(mine.get("tuned_at")):
                         held[key] = record
+        dropped[:] = drop_contradicted(table)
         return decisions
 
     try:
         decisions = update_table(out, expected["op"], expected["device_kind"], merge)
     except OSError as e:  # an unwritable dir or file, a parent that is a file: nothing was written
         raise path_error("cannot write the merged table", out, e, TableError) from None
-    notes = []
+    notes = [f"note: {line}" for line in dropped]
     if out.parent.name != expected["device_kind"] or out.name != f"{expected['op']}.json":
         notes.append(f"note: lookup reads <profile dir>/{expected['device_kind']}/{expected['op']}.json; "
                      f"{out} is not at such a path")
