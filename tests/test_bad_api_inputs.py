@@ -1,6 +1,6 @@
-"""Bad inputs, the Python API's share: group sizes and offsets out of range (items 1, 2) give one answer on
+"""Bad inputs, the Python API's share: group sizes and offsets out of range give one answer on
 every registered backend (xla, tiled, and the Pallas ones in interpret mode) and a one-line UsageError when
-their values are known; config mistakes (item 15) name what the caller got wrong."""
+their values are known; config mistakes name what the caller got wrong."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def _expected(lhs, rhs, sizes, offset: int | None) -> np.ndarray:
 @pytest.mark.slow  # the Pallas kernels' gradients in interpret mode
 @pytest.mark.parametrize("offset", [-1, 1, 3, 7])
 def test_a_traced_offset_out_of_range_selects_no_group_on_every_backend(operands, offset):
-    """Item 1: a shard of 2 groups out of 4 at offset 3 or 7 (or -1) used to give 32, 16 or 0 rows,
-    depending on the backend; now every backend (and every gradient) gives zeros, and 1 stays a real shard."""
+    """A shard of 2 groups out of 4 at a traced offset of 3 or 7 (or -1) selects no group: every backend (and
+    every gradient) gives zeros, and 1 stays a real shard."""
     lhs, rhs = operands
     sizes = jnp.full((TOTAL,), M // TOTAL, jnp.int32)
     want = _expected(lhs, rhs[:2], sizes, offset)
@@ -71,8 +71,7 @@ def test_a_traced_offset_out_of_range_selects_no_group_on_every_backend(operands
 
 @pytest.mark.parametrize("sizes", [[20, -5, 30, 10], [-3, -3, 70, 0], [40, 30, 20, 10], [10, 10, 10, 50]])
 def test_traced_negative_sizes_and_rows_past_m_agree_on_every_backend(operands, sizes):
-    """Item 2: negatives count as 0 and rows past m are dropped, the same on every backend (tiled and xla
-    used to differ by up to 40)."""
+    """Negatives count as 0 and rows past m are dropped, the same on every backend."""
     lhs, rhs = operands
     want = _expected(lhs, rhs, sizes, None)
     for backend in BACKENDS:
@@ -88,7 +87,7 @@ def test_traced_negative_sizes_and_rows_past_m_agree_on_every_backend(operands, 
 ])
 @pytest.mark.parametrize("as_array", [False, True])
 def test_known_bad_sizes_and_offsets_are_one_line_usage_errors(operands, sizes, offset, message, as_array):
-    """Items 1 and 2 with concrete values (a Python int, a NumPy or a JAX array): a one-line UsageError."""
+    """Out-of-range sizes and offsets with concrete values (a Python int, a NumPy or a JAX array): a one-line UsageError."""
     lhs, rhs = operands
     rhs = rhs[:2] if offset is not None else rhs
     wrap = jnp.asarray if as_array else np.asarray
@@ -99,7 +98,7 @@ def test_known_bad_sizes_and_offsets_are_one_line_usage_errors(operands, sizes, 
 
 
 def test_a_per_direction_config_with_an_unknown_direction_names_the_valid_ones(operands):
-    """Item 15: `{"fwd": ..., "bwd": ...}` said `TiledConfig has no field(s) ['bwd', 'fwd']`."""
+    """`{"fwd": ..., "bwd": ...}` names the valid directions, not `TiledConfig`'s fields."""
     lhs, rhs = operands
     with pytest.raises(UsageError, match=r"config keys \['bwd'\] are not directions: .* fwd, dlhs, drhs"):
         moe_tune.ragged_dot(lhs, rhs, jnp.full((TOTAL,), 16, jnp.int32), backend="tiled",
@@ -107,7 +106,7 @@ def test_a_per_direction_config_with_an_unknown_direction_names_the_valid_ones(o
 
 
 def test_a_config_that_breaks_a_rule_with_a_default_says_the_default_was_not_given(operands):
-    """Item 15: `{"tm": 16}` blamed `tail (32)`, a value the caller never passed."""
+    """`{"tm": 16}`, whose default tail (32) breaks a rule, says that tail is the default, not the caller's."""
     lhs, rhs = operands
     with pytest.raises(InvalidConfigError) as raised:
         moe_tune.ragged_dot(lhs, rhs, jnp.full((TOTAL,), 16, jnp.int32), backend="tiled", config={"tm": 16})

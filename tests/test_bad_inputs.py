@@ -269,15 +269,15 @@ def test_bad_input_is_one_line(case: Case, tmp_path: Path):
 
 
 def test_race_help_and_error_agree():
-    """Item 12: the help said `x>=0` and the error `race must be > 1`."""
+    """The help and the error of `--race` state one rule."""
     result = CliRunner().invoke(cli, ["sweep", "--help"], terminal_width=200)
     assert "x>=0" not in result.output
     assert "0 (no racing) or a factor > 1" in " ".join(result.output.split())
 
 
 def test_workers_1_says_that_candidates_run_in_this_process():
-    """Item 17: the README said the main process never runs a candidate, while `--workers 1` compiles and runs
-    them in it. The help and the README now say what `--workers 1` means."""
+    """The help and the README say what `--workers 1` means: candidates compile and run once in the main
+    process."""
     result = CliRunner().invoke(cli, ["sweep", "--help"], terminal_width=200)
     assert "1: candidates compile and run once in this process" in " ".join(result.output.split())
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
@@ -286,8 +286,8 @@ def test_workers_1_says_that_candidates_run_in_this_process():
 
 @pytest.mark.slow
 def test_a_resumed_sweep_says_how_to_retry_its_failed_candidates(tmp_path):
-    """Item 9: a failure the environment caused (a memory limit since fixed) was replayed from the sweep log on
-    every rerun, with no hint of --fresh."""
+    """A resumed sweep replays its logged failures (say, a memory limit since raised) and says how to retry
+    them (--fresh)."""
     argv = ["sweep", *S, "--profile-dir", str(tmp_path / "p")]
     assert CliRunner().invoke(cli, argv, catch_exceptions=False).exit_code == 0
     (log,) = (tmp_path / "p" / "cpu" / "sweeps" / "ragged_dot").glob("*.jsonl")
@@ -304,7 +304,7 @@ def test_a_resumed_sweep_says_how_to_retry_its_failed_candidates(tmp_path):
 
 
 def test_the_ray_wait_applies_to_host_port_addresses_only():
-    """Item 3: `HOST:PORT` and `ray://HOST:PORT` are probed within the bounded wait; addresses Ray resolves
+    """`HOST:PORT` and `ray://HOST:PORT` are probed within the bounded wait; addresses Ray resolves
     itself (`auto`) are left to Ray."""
     from moe_tune.campaign.ray_address import host_port
 

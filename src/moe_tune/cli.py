@@ -1,5 +1,6 @@
 """`moe-tune`: sweep, report, lookup, bench, ops, models, validate, merge. Thin: parses options (generated in
-`cli_options` from the ops, strategies and dtypes), calls the tuner and profiles, renders (`cli_render`)."""
+`commands.options` from the ops, strategies and dtypes), calls the campaign runner, the tuner and profiles, renders
+(`commands.render`)."""
 
 from __future__ import annotations
 

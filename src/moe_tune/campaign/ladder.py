@@ -1,5 +1,6 @@
 """Token-count ladders: a shape tuned at a ladder of token counts (`--m 1:16384`: powers of two), and the
-intervals between them measured, not guessed (DESIGN.md "Token counts").
+intervals between them measured, not guessed (docs/ARCHITECTURE.md, "Tables and the shared key"; FINDINGS.md:
+held-out token counts).
 
 After the ladder's sweeps (an ordinary campaign: one sweep per count, resumed and skipped as any), each pair
 of neighbouring counts a < b whose winners A and B differ gets a boundary: A and B are checked and timed side

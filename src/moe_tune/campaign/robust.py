@@ -1,4 +1,4 @@
-"""The config robust across routing distributions (`sweep --distribution all`, issue 32.3).
+"""The config robust across routing distributions (`sweep --distribution all`).
 
 After one campaign per distribution (each shape swept with group sizes drawn from `balanced`, `skewed`, ...),
 each shape's winners are checked and timed side by side under every distribution (`tuner.crossover`), and the

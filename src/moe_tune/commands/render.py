@@ -233,7 +233,7 @@ def sweep_summary(result: SweepResult) -> None:
                                    f"time budget {search['time_budget_s']:g} s" if search["time_budget_s"] else "") if x)
     shown.add_row("search", f"{search['strategy']}{f' ({limits})' if limits else ''}: {entry.count('tried')} of "
                             f"{search['space']} candidates, stopped: {search['stopped']}")
-    if search.get("start"):  # entries before issue 32 do not say
+    if search.get("start"):  # older entries do not say
         shown.add_row("start", search["start"])
     recompiled = f", {search['recompiled_finalists']} finalist compiles" if search["recompiled_finalists"] else ""
     shown.add_row("resumed", f"{search['resumed']} candidates from the sweep log{recompiled}")

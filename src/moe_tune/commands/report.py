@@ -18,13 +18,13 @@ from moe_tune.profiles.intervals import describe_interval, interval_of_entry
 from moe_tune.profiles.table import read_table
 from moe_tune.profiles.verdict import BEAT_DEFAULT, verdict_of
 
-# (the columns issue 26 added come last: scripts that read the csv by position keep working)
+# (newer columns come last: scripts that read the csv by position keep working)
 COLUMNS = [
     "device_kind", "op", "direction", "backend", "shape", "dtype", "quant", "quant_error", "distribution", "config",
     "time_ms", "default_ms", "speedup", "verdict", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
     "kernel", "verdict_detail", "budget", "config_short", "interval",
 ]
-# The default rich table: what a person reads first, narrow enough for 160 columns (issue 26). `--all` shows
+# The default rich table: what a person reads first, narrow enough for 160 columns. `--all` shows
 # ALL_TABLE_COLUMNS, `--columns` any of COLUMNS.
 COMPACT_COLUMNS = ["kernel", "shape", "interval", "dtype", "backend", "config_short", "speedup", "verdict",
                    "source"]

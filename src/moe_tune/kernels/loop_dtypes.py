@@ -1,21 +1,20 @@
 """How the pure-JAX CPU kernels hold low-precision arrays inside their loops, and load blocks of them.
 
-XLA CPU computes bfloat16 elementwise ops in float32: a bfloat16 array that a loop slices is converted
-whole to float32 before the loop (the convert is hoisted), sliced there and converted back to bfloat16
-per block for the dot, and a bfloat16 output updated in a loop is converted to float32 and back around
-every update. (float16 is sliced and updated in place: it needs none of this.) Measured in
-benchmarks/NOTES.md (13): that, not the dot, made the bf16 tiled ragged_dot 2.2-2.5x slower than its
-float32 path. XLA does not touch integers, so the kernels carry bfloat16 arrays as their uint16 bits
-(`as_bits`), which loops slice and update in place at 2 bytes per element, and convert a block only where
-they use it (`load`): the one mechanism for bf16 blocks and for 1-byte quantized ones (int8, fp8), which
-stay 1-byte in memory the same way.
+XLA CPU computes bfloat16 elementwise ops in float32: a bfloat16 array that a loop slices is converted whole to
+float32 before the loop (the convert is hoisted), sliced there and converted back to bfloat16 per block for the
+dot, and a bfloat16 output updated in a loop is converted to float32 and back around every update. (float16 is
+sliced and updated in place: it needs none of this.) That, not the dot, made the bf16 tiled ragged_dot 2.2-2.5x
+slower than its float32 path (FINDINGS.md: bf16 ragged_dot on CPU). XLA does not touch integers, so the kernels
+carry bfloat16 arrays as their uint16 bits (`as_bits`), which loops slice and update in place at 2 bytes per
+element, and convert a block only where they use it (`load`): the one mechanism for bf16 blocks and for 1-byte
+quantized ones (int8, fp8), which stay 1-byte in memory the same way.
 
 `as_bits` itself is a copy on XLA CPU (a bitcast-convert is a loop over the elements, not a free
 reinterpretation): applied to an array a loop only reads, it costs a pass over the whole array before
-the loop (NOTES 13). `per_iteration` avoids that pass for a loop that reads only some blocks of an input
+the loop. `per_iteration` avoids that pass for a loop that reads only some blocks of an input
 (the gathers' rows): the input seen through it is not loop-invariant, so XLA cannot hoist a convert or
-bitcast of it out of the loop; it stays fused into the gather or slice that reads each block (NOTES 15 for
-the gathers, 17 for the tiled ragged_dot: bf16 2.3x faster at 128 groups, where the weights' whole-array
+bitcast of it out of the loop; it stays fused into the gather or slice that reads each block (FINDINGS.md:
+bf16 gathers on CPU, bf16 ragged_dot on CPU: bf16 2.3x faster at 128 groups, where the weights' whole-array
 copy had been a third of the time).
 """
 
@@ -42,8 +41,8 @@ def update_slice(out: jax.Array, block: jax.Array, starts: tuple) -> jax.Array:
     that dtype too): a bfloat16 one is updated through its bits (bitcast to uint16, update, bitcast back).
     XLA CPU fuses the three into one in-place update of the carried buffer, where a bfloat16 update is
     converted whole to float32 and back (13) and a uint16 carry needs a final bitcast, a copy: a second
-    output-sized buffer in temp (benchmarks/NOTES.md, session 14 (A): a [64, 1024, 512] output, temp
-    68 -> 8 MiB)."""
+    output-sized buffer in temp (a [64, 1024, 512] output: temp 68 -> 8 MiB; FINDINGS.md: drhs carry in its
+    output)."""
     if out.dtype != jnp.bfloat16:
         return jax.lax.dynamic_update_slice(out, block, starts)
     return from_bits(jax.lax.dynamic_update_slice(as_bits(out), as_bits(block), starts), out.dtype)
@@ -53,7 +52,7 @@ def e4m3fn_to_float32(x: jax.Array) -> jax.Array:
     """float8_e4m3fn -> float32, exact (NaN included), built from the bits with integer ops and one select.
 
     XLA CPU's own convert of this dtype runs about 2x slower (an fp8 weight block loaded per group: 20.9 ms
-    against 11.2 for 64 x [2048, 768], benchmarks/NOTES.md 14.5). e4m3fn: 1 sign bit, 4 exponent bits
+    against 11.2 for 64 x [2048, 768]; FINDINGS.md: sub-channel dequantize). e4m3fn: 1 sign bit, 4 exponent bits
     (bias 7), 3 mantissa bits, no infinities, NaN at magnitude 0x7F."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
     magnitude, sign = bits & 0x7F, (bits & 0x80) << 24
@@ -78,11 +77,11 @@ def load(block: jax.Array, dtype, compute, scale: jax.Array | float | None = Non
 
 # 4-bit values (int4, float4_e2m1fn). XLA CPU stores them packed, two a byte along the last axis (the even
 # element in the low nibble), but reads them element by element: a dynamic slice and convert of an int4
-# block inside a loop ran at 0.27x the int8 one's speed (benchmarks/NOTES.md 18). The kernels instead carry
+# block inside a loop ran at 0.27x the int8 one's speed (FINDINGS.md: 4-bit on XLA CPU). The kernels instead carry
 # the array's bytes (`packed_bytes`), slice those, and unpack each loaded block with integer ops
 # (`load_nibbles`): the even and the odd elements as two arrays, which the kernels multiply separately (no
 # interleave of the weights). The bitcast to bytes is not free either: XLA CPU expands it into one pass over
-# the weights per call (40% of the int4/128 decode kernel's time in its breakdown, NOTES 18), still faster in
+# the weights per call (40% of the int4/128 decode kernel's time in its breakdown), still faster in
 # the loop benchmark than converting int4 blocks in the loop.
 
 
@@ -106,7 +105,7 @@ def e2m1_to_float32(code: jax.Array) -> jax.Array:
 def load_nibbles(block: jax.Array, odd: bool, dtype, compute, scale: jax.Array | float | None = None) -> jax.Array:
     """The even (`odd` False) or odd elements of a `packed_bytes` block (uint8 [..., c/2]) of 4-bit `dtype`
     values, in the `compute` dtype, times `scale` (float32). The bytes are widened to 32 bits first: XLA
-    CPU's shifts and masks on 8-bit lanes measured slower in one noisy run (NOTES 18)."""
+    CPU's shifts and masks on 8-bit lanes measured slower in one noisy run."""
     word = block.astype(jnp.int32)
     if jnp.dtype(dtype) == jnp.int4:  # the nibble moved to the top, then sign-extended by an arithmetic shift
         values = jax.lax.shift_right_arithmetic(jax.lax.shift_left(word, 24 if odd else 28), 28)

@@ -94,9 +94,9 @@ class LayerChoice(Backend[FusionConfig, FusionProblem]):
     def default_config(self, problem: FusionProblem) -> FusionConfig:
         """Fused where it was measured faster or not measured; a sweep measures your shape.
 
-        - CPU (benchmarks/results/fused_cpu_2core_2026-11-25_session12): the fused forward 1.17-2.11x faster at
+        - CPU (FINDINGS.md: fused layer prefill, fused layer decode): the fused forward 1.17-2.11x faster at
           prefill (4096 tokens, ep 4), at decode within that loaded run's noise.
-        - GPU (H100, benchmarks/results/gpu_check_nvidia_h100_2026-11-26_layer*): unfused, whose forward was
+        - GPU (FINDINGS.md: H100 MoE layer): unfused, whose forward was
           1.17x (qwen3-30b-a3b 4096 tokens), 1.93x (256 tokens) and 1.17x (deepseek-v3 ep 8) faster than the
           fused triton kernels'; forward+backward: fused 1.07x faster (4096 tokens, a 20% spread), unfused 1.13x
           (256) and 1.01x (deepseek-v3) faster.
@@ -176,7 +176,7 @@ PROCESS_BYTES = 360 << 20
 
 
 def memory_parts(problem: FusionProblem) -> dict[str, int]:
-    """Bytes a `moe_fusion` sweep of `problem` holds, by holder (benchmarks/NOTES.md "Session 16 (B)" compares
+    """Bytes a `moe_fusion` sweep of `problem` holds, by holder (FINDINGS.md: moe_fusion choices compares
     `sweep_memory` with measured peaks):
     - host: the inputs (`layer_inputs`);
     - device: their copy that the candidates run on (`jax.device_put` copies on CPU too);

@@ -1,4 +1,5 @@
-"""Which config the runtime uses for a call, and why, in this order (DESIGN.md "Token counts"):
+"""Which config the runtime uses for a call, and why, in this order (docs/ARCHITECTURE.md, "Tables and the shared
+key"):
 
 1. `exact`: the entry of this key;
 2. `interval`: a token-count interval a ladder sweep measured that holds this count (`intervals.py`);

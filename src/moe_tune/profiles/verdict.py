@@ -24,11 +24,11 @@ says: fewer cannot estimate the noise. The verdict is one of
 
 New entries record it as `verdict` = {rule, noise, reason, paired_gain, finalists: [{config, is_default, median_s,
 spread, min_s, max_s, samples, first_median_s, first_spread}]}: the final round's timings (and each finalist's
-sweep-round median and spread), the winner first; `paired_gain` (from issue 32, session 15): the median
+sweep-round median and spread), the winner first; `paired_gain` (FINDINGS.md: paired finals): the median
 per-round gain of the fastest finalist over the default that the paired rule held to `noise` (absent: the
 two medians were compared).
 
-Older entries stay readable. Entries written before issue 26 recorded `fastest` for any winner: it is read as
+Older entries stay readable. Older entries recorded `fastest` for any winner: it is read as
 `default_fastest` when the winner was the default, `default_failed` when the default was no finalist, and
 `beat_default` otherwise, with the evidence it holds (`evidence_problem` says when its finalists had fewer
 than `MIN_FINAL_SAMPLES` samples or no noise estimate). Entries written before the verdict was recorded get
@@ -49,7 +49,7 @@ from moe_tune.profiles.entry import Entry
 
 BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE = "beat_default", "default_fastest", "within_noise"
 UNVERIFIED, DEFAULT_FAILED, ONLY_CANDIDATE = "unverified", "default_failed", "only_candidate"
-FASTEST = "fastest"  # recorded before issue 26 for any winner; read as one of the three rules it stood for
+FASTEST = "fastest"  # what older entries recorded for any winner; read as one of the three rules it stood for
 RULES = (BEAT_DEFAULT, DEFAULT_FASTEST, WITHIN_NOISE, UNVERIFIED, DEFAULT_FAILED, ONLY_CANDIDATE)
 SHORT = {BEAT_DEFAULT: "beat default", DEFAULT_FASTEST: "default fastest", WITHIN_NOISE: "default (noise)",
          UNVERIFIED: "unverified", DEFAULT_FAILED: "default failed", ONLY_CANDIDATE: "only candidate"}
@@ -59,15 +59,15 @@ NOISE_FACTOR = 2
 MIN_FINAL_SAMPLES = 5
 # Up to this many samples per timing the threshold is NOISE_FACTOR relative MADs; beyond, it shrinks as the
 # standard error of a median does (`noise_threshold`): a finalist of a short call gets many more samples
-# (`tuner.finals.final_samples`), and a gap its median resolves is then not "noise" for want of samples.
+# (`tuner.measure.final_samples`), and a gap its median resolves is then not "noise" for want of samples.
 NOISE_SAMPLES = 6
 # ... but never below this fraction of it (one MAD, from 24 samples on): a shared machine's samples are not
 # independent, and a copy of the default, 41 samples each side by side, timed 8.7% faster than the default
-# where sqrt(6 / 41) would have set 7.3% (benchmarks/finals_cpu.py, NOTES.md issue 32, session 14).
+# where sqrt(6 / 41) would have set 7.3% (FINDINGS.md: final round budget).
 MIN_NOISE_SCALE = 0.5
 # The paired rule's threshold never falls below this gain: a copy of the default compiled apart, timed with
 # it in the same rounds, was 5% and 8% faster in 2 of 32 final rounds with per-round ratios as tight as 4-5%
-# (benchmarks/finals_paired_cpu.py, NOTES.md issue 32 session 15; session 14: 8.7% over 41 samples). Two
+# (FINDINGS.md: paired finals; with 41 samples each apart: 8.7%, FINDINGS.md: final round budget). Two
 # executables of one config differ by that much: a smaller gain is not a config's.
 PAIRED_MIN_NOISE = 0.10
 
@@ -85,7 +85,7 @@ def noise_threshold(*samples: Sequence[float]) -> float:
     NOISE_FACTOR times the larger relative MAD, and where every timing has n > NOISE_SAMPLES samples, that
     times sqrt(NOISE_SAMPLES / n) (n: the fewest): the MAD is the noise of one sample, and the standard error
     of a median of n samples falls as 1 / sqrt(n); never below MIN_NOISE_SCALE of the 6-sample threshold (one
-    MAD). Up to NOISE_SAMPLES samples the rule is the one issue 26 set (the final round's usual 6 samples)."""
+    MAD). Up to NOISE_SAMPLES samples (the final round's usual 6) it is NOISE_FACTOR relative MADs."""
     fewest = min(len(s) for s in samples)
     scale = max(MIN_NOISE_SCALE, math.sqrt(NOISE_SAMPLES / fewest)) if fewest > NOISE_SAMPLES else 1.0
     return NOISE_FACTOR * scale * max(relative_mad(s) for s in samples)

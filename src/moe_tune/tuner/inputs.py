@@ -3,7 +3,7 @@
 `SweepInputs` makes the inputs, their device copy and the reference on a background thread while the first
 candidates compile (compiling needs only the shapes, from the op's abstract inputs; the first run needs the
 arrays). The reference runs on one BLAS thread: the compile workers hold the cores, and OpenBLAS threads wait
-for each other beside such load (benchmarks/reference_threads_cpu.py). On CPU the host arrays are views of
+for each other beside such load (FINDINGS.md: warm start). On CPU the host arrays are views of
 the device copy, so a sweep holds its inputs once.
 
 The payload many worker requests share (inputs and reference) is pickled once (protocol 5) into one file in

@@ -183,7 +183,7 @@ def final_samples(settings: SweepSettings, median_s: float | None = None) -> int
     """Samples per finalist in the final round: twice the sweep round's, at least MIN_FINAL_SAMPLES, and for
     short calls about `settings.final_time_s` seconds of calls per finalist (`median_s`: the slowest
     finalist's sweep-round median), at most MAX_FINAL_SAMPLES: six samples of a 5 ms call on a shared machine
-    kept the default against a measured 15% gain (benchmarks/finals_cpu.py, NOTES.md issue 32 session 14)."""
+    kept the default against a measured 15% gain (FINDINGS.md: final round budget)."""
     return samples_for_time(max(2 * settings.samples, MIN_FINAL_SAMPLES), settings.final_time_s, median_s)
 
 
@@ -305,7 +305,7 @@ def run_finals(state: SweepState) -> Generator[Step, None, tuple[Candidate, Verd
     """Compile the finalists restored from the log (they have no executable), run each of those once, then
     `final_round`; yields the compilations spent again and the timing fallback, returns (winner, verdict).
     A finalist timed in this process ran here already (its sweep round): it gets no untimed run (0.2-0.3 s
-    of a 3-candidate warm sweep's 6 s, NOTES.md issue 32 session 15). Raises SweepError when no candidate
+    of a 3-candidate warm sweep's 6 s; FINDINGS.md: warm start). Raises SweepError when no candidate
     survived."""
     survivors = [c for c in state.done if c.status == OK]
     default = state.default()

@@ -24,12 +24,12 @@ results, so a resumed sweep, whose results come from its log, replays the same p
   rounds; a smaller gain is within the run-to-run noise of a 3-sample median,
   and chasing it walks the space). A tunable that the default and every tuned neighbour's winner agree on is
   not walked: walking every tunable made the warm descent's confirming round cost as much as a cold round
-  (NOTES 11). With ONE seed (the neighbours agree, or all kept their defaults: `warm_start`) the descent
+  (FINDINGS.md: warm start). With ONE seed (the neighbours agree, or all kept their defaults: `warm_start`) the descent
   starts only when the seed beat the default in the first round by the least gain the final round can call
   a win (`verdict.PAIRED_MIN_NOISE`, 10%; round by round when they ran in the same rounds): otherwise the
   evidence and the measurement agree on the default, and the search stops at two candidates (a 3% gate on
-  3 rounds let noise start a descent in 3 of 8 such sweeps, none of which found anything: NOTES.md issue 32
-  session 16). The default stays the first
+  3 rounds let noise start a descent in 3 of 8 such sweeps, none of which found anything). The default stays
+  the first
   candidate, and a warm search measures at least the default and one seed (no seed: the cold walk).
 
 The sweep itself stops asking for rounds when its time budget is spent.

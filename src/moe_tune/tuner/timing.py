@@ -100,7 +100,7 @@ def _spans_by_run(plane) -> dict[int, list[float]]:
 
     The same events as `plane_events` (bookkeeping skipped unread), but each event's stats are read only up
     to its run id and module: a CPU thunk has 9 stats and these are its 2nd and 4th, and reading stats is
-    most of the parse (8 tiled calls, 13,400 events read: 64 -> 45 ms; NOTES.md, issue 32, session 16).
+    most of the parse (8 tiled calls, 13,400 events read: 64 -> 45 ms; FINDINGS.md: sweep speed).
     """
     spans: dict[int, list[int]] = {}
     modules: dict[int, str] = {}
@@ -205,14 +205,15 @@ def cross_check(trace: list[float], wall: list[float], expected: int) -> str | N
 def first_call_is_warm(platform: str) -> bool:
     """Whether an executable's first call here costs what later calls cost, so that a separate untimed
     warm-up call is a waste. On CPU it is: a 64-candidate sweep's warm-up calls took 4.4 s where the same
-    candidates' medians summed to 4.3 s (benchmarks/NOTES.md). Elsewhere a first call may load modules."""
+    candidates' medians summed to 4.3 s. Elsewhere a first call may load modules."""
     return platform == "cpu"
 
 
 def _profile_options(keep_trace_dir: Path | None) -> jax.profiler.ProfileOptions:
     """The profiler's options: without the HLO protos of the programs run (the parse reads only the events'
     run ids and module names) unless the traces are kept for xprof, whose views use them. Writing them made
-    stopping a trace of 6 tiled candidates 19% slower (2.65 vs 2.15 s, loaded machine; NOTES.md, issue 32)."""
+    stopping a trace of 6 tiled candidates 19% slower (2.65 vs 2.15 s, loaded machine; FINDINGS.md: profiler
+    cost)."""
     options = jax.profiler.ProfileOptions()
     options.enable_hlo_proto = keep_trace_dir is not None
     return options
@@ -240,8 +241,8 @@ def collect(run: Callable[[], None], platform: str, keep_dir: Path | None = None
     trace (`parse_profile`).
 
     The trace is read in memory: writing the xplane and reading it back cost more than collecting it (6
-    tiled candidates: stopping 0.125 s with the file, 0.044 s in memory; parse 0.044 vs 0.035 s; NOTES.md,
-    issue 32, session 14). With `keep_dir` (`--keep-trace`, for xprof) it is written there, with the HLO
+    tiled candidates: stopping 0.125 s with the file, 0.044 s in memory; parse 0.044 vs 0.035 s; FINDINGS.md:
+    sweep speed). With `keep_dir` (`--keep-trace`, for xprof) it is written there, with the HLO
     protos xprof's views use (`_profile_options`).
     """
     session_type = None if keep_dir is not None else _session_type()

@@ -15,8 +15,8 @@ neighbour, `WarmStart.defaults_held`), their winners are evidence for the heuris
 the seeds are cut to the nearest one (`find`), and with one seed the warm search stops after its first round
 unless the seed beat the default there by the least gain a final round calls a win
 (`strategies.CoordinateDescent`). On the strategies
-ladder every neighbour kept its default and the two seeds (the neighbours' own defaults) never won (NOTES.md
-issue 32, session 16).
+ladder every neighbour kept its default and the two seeds (the neighbours' own defaults) never won (FINDINGS.md:
+warm start).
 
 The seeds depend on the tables when the sweep starts; a resumed sweep restores every candidate its log holds
 whatever order they are proposed in. `--cold` (`SweepSettings.cold`) turns it off.

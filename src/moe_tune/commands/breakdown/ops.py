@@ -65,8 +65,9 @@ class Breakdown:
     def untraced_share(self) -> float:
         """The share of the wall time per run that no op event covers (0 when the ops cover it all or the wall
         time was not measured). On CPU it is not noise: XLA runs its large dots on its own threads, and the
-        dot's event covers only handing the work over (seen in session 16: a tgmm whose bf16 windows XLA ran
-        on float32 copies spent most of its time there), so read an op table whose share is large with care."""
+        dot's event covers only handing the work over (a tgmm whose bf16 windows XLA ran on float32 copies
+        spent most of its time there: FINDINGS.md: bf16 drhs transposed lhs), so read an op table whose share is
+        large with care."""
         if not self.wall_s:
             return 0.0
         return max(0.0, 1.0 - self.total_s / self.wall_s)

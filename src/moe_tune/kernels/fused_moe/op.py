@@ -126,12 +126,12 @@ def _glu_grad(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
     """d(act(gate) * up) / d[gate, up] for the pre-activation product h = [gate, up] ([m, 2f]) and dout [m, f]
     -> [m, 2f] in h.dtype, computed in float32 and rounded once: each half on its own, concatenated (bf16
     through its bits). Against the VJP of `apply` (its two slices transposed into two zero-padded [m, 2f]
-    arrays and summed: a 190 ms pad+add at deepseek prefill ep 4 f32, session 13): no pad, and no more temp,
+    arrays and summed: a 190 ms pad+add at deepseek prefill ep 4 f32): no pad, and no more temp,
     because (a) the concatenate runs on bits (XLA CPU converts a bf16 concatenate to float32: both halves
     and the result in f32) and (b) an optimization barrier keeps the result one buffer (without it XLA
     folds the drhs' column slices of dh into the halves, which then live beside the concatenated copy).
     deepseek-v2-lite prefill ep 4 fused fwd+bwd temp: f32 1596 MiB (slices) / 1736 (halves, no barrier) ->
-    1456, bf16 839 -> 733 (benchmarks/results/glu_grad_cpu_2core_2026-11-25_session14.txt)."""
+    1456, bf16 839 -> 733 (FINDINGS.md: gated gradient per half)."""
     f = h.shape[1] // 2
     gate, up, d = h[:, :f].astype(jnp.float32), h[:, f:].astype(jnp.float32), dout.astype(jnp.float32)
     act, act_pullback = jax.vjp(ACTIVATIONS[glu][0], gate)
@@ -204,7 +204,7 @@ def _gmm_combine_bwd(skip_zero_weights, call: _Call, residuals, dout):
     # the products masked, then summed per row: XLA CPU computes them in one pass over h and g in their dtype
     # and sums them (one float32 [m, k] buffer). As a row dot (an einsum, or a sum of the unmasked product,
     # which XLA rewrites into one) its operands were float32 copies of safe_h and g, two [m, k] buffers
-    # (deepseek-v2-lite bf16 prefill ep 4: temp 702 -> 636 MiB; benchmarks/NOTES.md session 15 (A)).
+    # (deepseek-v2-lite bf16 prefill ep 4: temp 702 -> 636 MiB; FINDINGS.md: fused layer memory).
     dweights = jnp.sum(jnp.where(valid[:, None], h.astype(jnp.float32) * g, 0.0), axis=1).astype(weights.dtype)
     drhs = _no_grad(rhs)
     if not _constant(rhs):  # the weighted d(out) rows gathered for it: the drhs kernel reads them

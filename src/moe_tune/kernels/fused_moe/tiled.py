@@ -37,8 +37,8 @@ from moe_tune.core.quant import QArray, dequantize
 
 # 192 and 384 (multiples of 64 between the powers of two) and tails of 64, for groups of about 384 rows
 # (deepseek-v2-lite prefill): there 192:64 or 256:64 led three of the four fused calls in a loaded run
-# (spreads up to 76%, results/fused_tiles_cpu_2core_2026-11-25_session14); the sweeps then kept 128:32
-# within noise (benchmarks/NOTES.md, session 14 (B))
+# (spreads up to 76%, results/fused_tiles_cpu_2core_2026-11-25_deepseek_prefill); the sweeps then kept 128:32
+# within noise (FINDINGS.md: fused tiles)
 TM = (16, 32, 64, 128, 192, 256, 384, 512)
 TAILS = (4, 8, 16, 32, 64)
 # Groups of at most this many rows on average (decode: qwen3-30b-a3b 16, deepseek-v2-lite 24 at 256 tokens)
@@ -57,7 +57,7 @@ class TiledFusedConfig(KernelConfig):
 
 def _dot_dtype(dtype) -> jnp.dtype:
     """The operand dtype of the kernels' dots: bf16 stays bf16 (XLA CPU runs it natively), f16 runs in f32
-    (as the tiled ragged_dot measured, benchmarks/NOTES.md 13)."""
+    (as the tiled ragged_dot measured: FINDINGS.md: bf16 ragged_dot on CPU)."""
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
@@ -147,8 +147,8 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     The output is carried in out_dtype and only written, never read back (`loop_dtypes.update_slice`), so
     XLA CPU updates it in place and returns the carried buffer: no second [m, n] buffer in temp. A read of
     the carry (a tail tile's masked read-modify-write) made XLA CPU copy the carry, once per tail tile for a
-    bf16 carry, and a uint16 carry costs an [m, n] copy after the loop (its bitcast; benchmarks/NOTES.md,
-    session 14 (F)). So a tail tile writes 0 on its rows past the group (a later group rewrites them; rows
+    bf16 carry, and a uint16 carry costs an [m, n] copy after the loop (its bitcast; FINDINGS.md: fused layer
+    memory). So a tail tile writes 0 on its rows past the group (a later group rewrites them; rows
     outside every group stay 0), and the tiles that would be shifted back over earlier rows are skipped:
     the last `tail` rows are written instead by each group that holds one of them, after its tiles, all of
     them from a [tail, n] block that merges those groups' rows (0 for the groups still to come). That write
@@ -253,7 +253,7 @@ def default_tm(problem: FusedMoeProblem) -> int:
     """Half an average group's rows (on this shard) rounded down to a power of two, in [16, 256]: nearly every
     group runs a full tile. Tiles of a whole average group left the groups below it all in tails; measured
     at qwen3-30b-a3b prefill bf16 (256 rows a group), tm 128 / tail 32 beat tm 256 / tail 16 in each of the
-    four fused calls by 5-15% (benchmarks/results/fused_tiles_cpu_2core_2026-11-25_session13).
+    four fused calls by 5-15% (FINDINGS.md: fused tiles).
     Where an average group holds at most `DECODE_ROWS` rows (decode), a whole average group rounded up to a
     power of two (at least 16) instead, with tails as large (`default_tail`): one tile for most groups, and so
     the dispatch reads the gate and up weights per tile, one at a time (`sequenced_weights`).

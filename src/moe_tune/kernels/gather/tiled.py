@@ -115,7 +115,7 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
 
     # The output is carried in its own dtype (a bf16 one updated through its bits, in place): a uint16 carry
     # needed a bitcast after the loop, an output-sized copy (52 ms of deepseek-v2-lite's bf16 prefill
-    # training step, benchmarks/NOTES.md session 15 (A)).
+    # training step; FINDINGS.md: gather loop carry).
     return jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, jnp.zeros((rows, hidden), dtype))
 
 
@@ -190,13 +190,13 @@ def _first_entries_in_output(x: jax.Array, indices: jax.Array, weights: jax.Arra
                              chunk: int) -> jax.Array:
     """The masked combine for a 2-byte x (bf16, f16) without a float32 [tokens, hidden] pass at the end.
 
-    A float32 accumulator of the whole output would have to be converted to x.dtype after the loop: a pass
-    over all tokens (4 bytes read, 2 written per element) that the float32 kernel does not make, and that
-    dominated at low valid fractions (NOTES 15, 16). Instead, each token's first valid entry is read by the
-    one pass that writes the output (each row once, in x.dtype; a token with no valid entry reads row 0 of x,
-    cached, and stores zeros), and only its later valid entries are summed in float32 by the loop, into an
-    accumulator with one row per token that has any (at valid fraction 1/16, one token in 20: NOTES 16).
-    Its row count is dynamic, so `lax.switch` picks the smallest of `accumulator_sizes` that holds it."""
+    A float32 accumulator of the whole output would have to be converted to x.dtype after the loop: a pass over all
+    tokens (4 bytes read, 2 written per element) that the float32 kernel does not make, and that dominated at low
+    valid fractions (FINDINGS.md: bf16 gathers on CPU). Instead, each token's first valid entry is read by the one
+    pass that writes the output (each row once, in x.dtype; a token with no valid entry reads row 0 of x, cached,
+    and stores zeros), and only its later valid entries are summed in float32 by the loop, into an accumulator
+    with one row per token that has any (at valid fraction 1/16, one token in 20). Its row count is dynamic, so
+    `lax.switch` picks the smallest of `accumulator_sizes` that holds it."""
     rows, hidden = indices.shape[0], x.shape[1]
     tokens = rows // r
     by_token = valid.reshape(tokens, r)

@@ -183,7 +183,7 @@ def quant_format(quant: str | None, block: int | None, k: int, arg: str) -> Quan
 def _scaled(x: np.ndarray, divisor: np.float64, dtype: str) -> np.ndarray:
     """`(x / divisor).astype(dtype)` for float32 `x`: the float64 quotient rounded once to `dtype`. For float32
     it is computed in place, in blocks (the same values without a float64 copy of `x`: 0.4 s of a sweep's
-    start at the default shape's [16, 2048, 768] rhs; NOTES.md, issue 32, session 16)."""
+    start at the default shape's [16, 2048, 768] rhs; FINDINGS.md: sweep memory)."""
     if jnp.dtype(dtype) == np.float32:
         return np.divide(x, divisor, out=x, casting="same_kind")
     return (x / divisor).astype(jnp.dtype(dtype))  # bf16/f16: rounded from float64 directly, as always

@@ -214,8 +214,8 @@ def ragged_dot(
         local groups `[group_offset, group_offset + groups)` (an expert-parallel shard); other rows are zero.
         It must lie in `[0, total_groups - groups]`: a known value outside is a UsageError, a traced one
         selects no group (every row, and drhs's result, zero).
-      backend: `xla`, `tiled`, `megablox`, `triton`; None picks by platform (cpu: tiled, gpu: xla, tpu:
-        megablox).
+      backend: `xla`, `tiled`, `megablox`, `triton`, `mosaic_gpu`; None picks by platform (the registry's
+        `platform_defaults`: cpu tiled, gpu triton, tpu megablox).
       config: the backend's config (or a dict of its fields) for the forward pass, or a mapping
         `{"fwd": ..., "dlhs": ..., "drhs": ...}`; directions left out are looked up in the tables (exact,
         nearest m, else the backend's heuristic default) when they are traced.

@@ -3,7 +3,7 @@ candidate is checked against.
 
 Each group's operand rows are converted to float64 as that group is multiplied (`_f64`), not whole operands
 first: the same values and products, without a float64 copy of the whole rhs (200 MB at the default sweep
-shape, and groups with no rows are never converted; NOTES.md, issue 32, session 16).
+shape, and groups with no rows are never converted; FINDINGS.md: sweep memory).
 """
 
 from __future__ import annotations

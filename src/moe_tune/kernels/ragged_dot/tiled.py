@@ -5,7 +5,7 @@ and then `tail`-row tiles for the rest (masked, small), so a group wastes fewer 
 k x n plane is split into `tk` x `tn` blocks (one dot each). tgmm (drhs) cuts each group's rows into windows
 of `tm` rows and writes each group's [k, n] result once, either from one batched dot over every group's
 first window or from a loop over groups with a 2-D dot per window (`batched`); it ignores `tail`, `tk` and
-`tn`. See benchmarks/NOTES.md for what was measured to choose this design.
+`tn`. What was measured to choose this design: benchmarks/FINDINGS.md, "CPU ragged_dot".
 
 bfloat16 operands and outputs are carried through the loops as their uint16 bits (an operand viewed so per
 block, by `loop_dtypes.per_iteration`, never copied whole) and quantized operands (see `quantized.py`) as
@@ -166,7 +166,7 @@ def tiled_transposed_ragged_dot(
     row, rows past the group masked to zero; a `tm` at about the largest group size makes one dot per
     group, written once: the [k, n] results are what costs when groups are small (g x k x n output for
     2 x m x k x n FLOPs), and a schedule that adds every tile into its group's result reads and writes
-    them per tile. Two schedules (benchmarks/NOTES.md 8 and 17):
+    them per tile. Two schedules (FINDINGS.md: bf16 ragged_dot on CPU):
     - batched: every group's first window gathered into [num_groups, tm, k] and [num_groups, tm, n], one
       batched dot for all of them, then a loop adds the further windows of longer groups. No loop over
       groups: the faster schedule for many small groups in float32.
@@ -186,7 +186,7 @@ def tiled_transposed_ragged_dot(
     # bf16 windows in the per-group schedule read lhs transposed, [k, m], made once (one pass over lhs): the
     # window's dot is then x^T [k, window] @ dout [window, n], a form XLA CPU runs in its bf16 dot library
     # (a `__ynn_fusion`); the contraction over the rows of both operands (the form of the f32 path) it runs
-    # in float32 instead, 1.8x slower at deepseek-v2-lite's prefill drhs (benchmarks/NOTES.md, session 16 (A)).
+    # in float32 instead, 1.6-1.7x slower at deepseek-v2-lite's prefill drhs (FINDINGS.md: bf16 drhs transposed lhs).
     # A transpose made per window is folded back into the dot by XLA, so the whole of lhs is transposed, and
     # only for more than 2 groups: with 2 the group loop runs once, XLA inlines it, folds the transpose into
     # the dot as well and then fails to run the bf16 dot it made ("Unsupported element type for
@@ -210,7 +210,7 @@ def tiled_transposed_ragged_dot(
             d = load(jax.lax.dynamic_slice_in_dim(d_bits, row0[0], window, axis=0), d_dtype, operand)
             product = jax.lax.dot_general(x, d, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)
             return product.reshape(1, k, n)
-        if len(first) == 1:  # a slice and a 2-D dot: XLA CPU's gather and batched dot are slower (NOTES 17)
+        if len(first) == 1:  # a slice and a 2-D dot: XLA CPU's gather and batched dot are slower
             take = lambda a: jax.lax.dynamic_slice_in_dim(a, row0[0], window, axis=0)
             keep, dims = keep[0], (((0,), (0,)), ((), ()))
         else:
@@ -247,7 +247,7 @@ def tiled_transposed_ragged_dot(
     # bfloat16 one through its bits), so the loop runs in the output's buffer. It starts as group 0's
     # result repeated, not as zeros: every group's block is written (an empty group's with zeros), and a
     # constant init is one XLA CSEs between two drhs of one shape (gate and up), after which neither loop
-    # runs in its own buffer (a weight-sized copy each; NOTES session 14 (A)).
+    # runs in its own buffer (a weight-sized copy each; FINDINGS.md: drhs carry in its output).
     return jax.lax.fori_loop(1, num_groups, lambda g, out: update_slice(out, result(g), (g, 0, 0)),
                              jnp.broadcast_to(result(jnp.int32(0), False), (num_groups, k, n)))
 
@@ -266,8 +266,8 @@ TAIL_SIZES = (16, 32, 64)
 
 # Also tried when an average group holds no more rows than the smallest of TAIL_SIZES (decode: m=256 over
 # 64 groups is 4 rows a group): a 16-row tail computes up to 4x a group's rows, and those wasted dot FLOPs,
-# not the weight bytes, were most of the time, for 1-byte and float weights alike (benchmarks/NOTES.md 14.1:
-# f32 74.6 -> 43.6 ms at 64 groups of 4 rows). No shipped table has groups that small.
+# not the weight bytes, were most of the time, for 1-byte and float weights alike (FINDINGS.md: small
+# tails at decode: f32 74.6 -> 43.6 ms at 64 groups of 4 rows). No shipped table has groups that small.
 SMALL_GROUP_TAIL_SIZES = (4, 8)
 
 
@@ -323,17 +323,17 @@ class TiledRaggedDot(RaggedDotBackend):
         if _is_gmm(problem):
             # Full tiles as big as an average group (up to 512 rows), so that most rows go through big dots;
             # tails of 1/8 of that keep the waste per group small, and groups of a few rows (decode) get a
-            # tail about their size: wasted tail rows were most of the time there (NOTES 14.1).
+            # tail about their size: wasted tail rows were most of the time there (FINDINGS.md: small tails at decode).
             tm = min(max(32, 1 << rows_per_group.bit_length() - 1), 512, m)
             small = [t for t in SMALL_GROUP_TAIL_SIZES if t >= rows_per_group]
             tail = small[0] if small else max(16, tm // 8)
-            # dequantized sub-channel weights won at every shape measured (NOTES 14.5)
+            # dequantized sub-channel weights won at every shape measured (FINDINGS.md: sub-channel dequantize)
             dequantize = problem_plan(problem).dequantizable
             return TiledConfig(tm=tm, tk=k, tn=n, tail=min(tail, tm), dequantize=dequantize)
         # drhs: a window 2.5 standard deviations above an average group holds the groups of balanced
         # routing (multinomial) whole and pads little: a longer default window, kept by sweeps whose faster
-        # candidates lay within noise of it, cost up to 20% (NOTES 17). A bf16 dot runs per group (XLA
-        # CPU's batched bf16 dot is slow: NOTES 17), any other batched.
+        # candidates lay within noise of it, cost up to 20%. A bf16 dot runs per group (XLA CPU's batched
+        # bf16 dot is slow: FINDINGS.md: bf16 ragged_dot on CPU), any other batched.
         p = 1 / max(problem.groups, 1)
         window = round_up(math.ceil(m * p + 2.5 * math.sqrt(m * p * (1 - p))), 16)
         bf16_dot = _dot_dtypes(problem.lhs_dtype, problem.out_dtype)[0] == jnp.bfloat16

@@ -30,14 +30,14 @@ def _blocks(size: int, block: int) -> list[tuple[int, int]]:
 
 # A kernel whose smallest tiles hold at most this many rows runs its bf16 dots in float32: XLA CPU's bf16 dot
 # costs more per call than the f32 one, which a dot of a few rows does not amortize (64 dots of 4 rows: bf16
-# 16.5 ms, f32 12.5; of 8 rows: 17.7 against 18.9; NOTES 14.3, 14.4).
+# 16.5 ms, f32 12.5; of 8 rows: 17.7 against 18.9; FINDINGS.md: small tails at decode).
 F32_DOT_MAX_ROWS = 4
 
 
 def cpu_dot_dtypes(a_dtype, b_dtype, min_rows: int | None = None) -> tuple[jnp.dtype, jnp.dtype]:
     """(operand, accumulator) dtypes of a dot: `quantized.dot_dtypes` (every backend's rule: bf16 stays bf16,
     which the CPU dot runs natively), except float16, which runs in float32 here as XLA CPU's own dot does
-    (an f16 dot measured slower, benchmarks/NOTES.md 13), and bf16 in a kernel whose smallest tiles hold
+    (an f16 dot measured slower: FINDINGS.md: bf16 ragged_dot on CPU), and bf16 in a kernel whose smallest tiles hold
     `min_rows` <= F32_DOT_MAX_ROWS rows (every dot of the kernel then runs in f32: a group's weights are
     converted once, for one dtype, before its tiles)."""
     operand, acc = dot_dtypes(jax.ShapeDtypeStruct((), a_dtype), jax.ShapeDtypeStruct((), b_dtype))
