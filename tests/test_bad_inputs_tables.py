@@ -94,3 +94,60 @@ def test_merge_drops_the_intervals_that_stand_on_a_replaced_entry(isolated_profi
     same = merge_tables(tmp_path / "same" / "cpu" / "ragged_dot.json", [laddered, untouched])
     assert len(read_table(same.out)["intervals"]) == 2  # the kept entry has the config the intervals recorded
     assert not any("dropped" in line for line in same.lines())
+
+
+# -- the final round after the trace failed the wall-clock cross-check -------------------------------------
+
+def _finalist(index: int, samples: list[float], *, default: bool = False):
+    from moe_tune.tuner.candidate import Candidate
+    from moe_tune.tuner.timing import summarize
+    from tests.test_evidence import CONFIGS
+
+    return Candidate(index, CONFIGS[index], is_default=default, timing=summarize(samples, "trace", samples))
+
+
+@pytest.mark.parametrize("refused", [1, 2, 4], ids=lambda n: f"refused from chunk {n}")
+def test_a_final_round_that_falls_back_to_the_wall_clock_keeps_the_minimum_samples(monkeypatch, refused):
+    """A faked timer: its trace passes the cross-check until chunk `refused`, then fails it (a 1-round chunk
+    on a loaded machine): the rest of the round is timed by the wall clock, and every finalist ends with at
+    least the rounds the round stops after, never 1."""
+    from moe_tune.profiles.verdict import BEAT_DEFAULT, MIN_FINAL_SAMPLES
+    from moe_tune.tuner import Reporter, measure
+    from moe_tune.tuner.request import SweepSettings
+    from moe_tune.tuner.timing import summarize
+
+    asked = []
+
+    def fake(calls, *, samples, wall_only=False, **kw):
+        asked.append((samples, wall_only))
+        method = "wall" if wall_only or len(asked) >= refused else "trace"
+        why = None if wall_only or method == "trace" else "trace time exceeds wall time"
+        return {i: summarize([t] * samples, method, [t]) for i, t in ((0, 1.2), (1, 1.0)) if i in calls}, why
+
+    monkeypatch.setattr(measure, "time_candidates", fake)
+    settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0.3)
+    default, seed = _finalist(0, [0.012] * 3, default=True), _finalist(1, [0.010] * 3)
+    default.batch = seed.batch = 0  # timed in one batch: its rounds are the first final rounds
+    winner, verdict, fallback = measure.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
+    assert fallback == "trace time exceeds wall time"
+    assert all(wall for _, wall in asked[refused:])  # after the refusal, the wall clock only
+    assert default.timing.method == seed.timing.method == "wall"
+    assert min(default.timing.samples, seed.timing.samples) >= measure.earliest_stop(measure.final_samples(
+        settings, 0.012)) >= MIN_FINAL_SAMPLES
+    assert winner is seed and verdict.rule == BEAT_DEFAULT
+
+
+def test_wall_only_timing_runs_no_profiler(monkeypatch):
+    import jax.numpy as jnp
+
+    from moe_tune.tuner import timing
+
+    def no_profiler(*args, **kwargs):
+        raise AssertionError("the profiler ran")
+
+    monkeypatch.setattr(timing, "collect", no_profiler)
+    x = jnp.ones(8)
+    timings, why = timing.time_candidates({0: lambda: x + 1, 1: lambda: x * 2}, samples=5, platform="cpu",
+                                          wall_only=True)
+    assert why is None and {t.method for t in timings.values()} == {"wall"}
+    assert {t.samples for t in timings.values()} == {5}

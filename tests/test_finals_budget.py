@@ -228,8 +228,8 @@ def test_the_final_round_stops_once_no_finalist_can_beat_the_default(monkeypatch
 
 def test_a_final_round_whose_clock_keeps_switching_ends(monkeypatch):
     """Each switch between the trace and the wall clock drops the other clock's rounds; a round whose every
-    chunk switches (a trace parse refused every other call) still ends, after as many chunks as its rounds, and
-    reports the wall clock's reason."""
+    chunk switches (a timer that refuses every other trace, whatever `wall_only` asks) still ends, after twice as
+    many chunks as its rounds, and reports the wall clock's reason."""
     calls = []
 
     def fake(timed_calls, *, samples, **kw):
@@ -242,5 +242,5 @@ def test_a_final_round_whose_clock_keeps_switching_ends(monkeypatch):
     settings = SweepSettings(samples=3, workers=1, finalists=1, final_time_s=0)
     default, seed = _cand(0, [1.2] * 3, default=True), _cand(1, [1.0] * 3)
     winner, verdict, fallback = measure.final_round(settings, [default, seed], default, {}, "cpu", Reporter())
-    assert len(calls) == measure.final_samples(settings) and fallback == "cross-check refused"
+    assert len(calls) == 2 * measure.final_samples(settings) and fallback == "cross-check refused"
     assert winner.timing.method == ("trace", "wall")[(len(calls) - 1) % 2]

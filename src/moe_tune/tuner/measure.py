@@ -254,14 +254,17 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
     reporter.stage("finalists", samples - _rounds(timed))
     first_stop = earliest_stop(samples)
     fallback, chunk = None, 0
-    # each chunk adds a round or more; `chunk < samples` ends a round whose clock keeps switching (each switch
-    # drops the other clock's rounds) after as many calls as the whole round would have made
-    while chunk < samples and _rounds(timed) < samples and not (
+    # each chunk adds a round or more. Once the trace failed the cross-check, the rest of the round is timed by
+    # the wall clock (`wall_only`): the clock switches (dropping the other clock's rounds) at most once, and the
+    # round still gets at least `first_stop` rounds of the clock it ends on. `2 * samples` chunks bound a timer
+    # whose clock keeps switching all the same.
+    while chunk < 2 * samples and _rounds(timed) < samples and not (
             _rounds(timed) >= first_stop and settled(timed, default, chosen, samples)):
         final, why = time_candidates(
             {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
             samples=max(1, first_stop - _rounds(timed)), platform=platform, seed=settings.seed + 1 + 7919 * chunk,
             on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
+            wall_only=fallback is not None,
         )
         chunk, fallback = chunk + 1, fallback or why
         if timed and {t.method for t in final.values()} != {t.method for t in timed.values()}:

@@ -280,6 +280,7 @@ def time_candidates(
     race: float | None = None,
     best_s: float | None = None,
     cutoff_s: float | None = None,
+    wall_only: bool = False,
 ) -> tuple[dict[int, Timing], str | None]:
     """Time each zero-argument call `samples` times, after `warmup` untimed calls each (the first call of
     an executable pays one-off costs: loading, first allocations, cold caches; with compile workers the
@@ -294,7 +295,8 @@ def time_candidates(
     be above it whatever its samples left (`_median_floor`: for 3 samples, both of its first two above) is
     not timed again; its median, of the samples it has, is above the cutoff too, so it ranks where it would
     have. `on_round(units)`: after each round, how many of the `len(calls) * samples` call-samples are done
-    (timed, or skipped by racing or the cutoff).
+    (timed, or skipped by racing or the cutoff). `wall_only`: no profiler, every call timed by the wall clock
+    (for the rest of a final round whose trace failed the cross-check); the reason returned is then None.
     """
     rng = random.Random(seed)
     trace: dict[int, list[float]] = defaultdict(list)
@@ -313,7 +315,9 @@ def time_candidates(
                 wall[i].append(time.perf_counter() - start)
 
         keep = None if keep_trace_dir is None else Path(keep_trace_dir) / f"round_{round_index}"
-        for i, durations in collect(one_round, platform, keep).items():
+        if wall_only:
+            one_round()
+        for i, durations in ({} if wall_only else collect(one_round, platform, keep)).items():
             if i in calls:
                 trace[i].extend(durations)
         done, kept = len(active), active
@@ -327,6 +331,8 @@ def time_candidates(
         if on_round is not None:
             on_round(done)
 
+    if wall_only:
+        return {i: summarize(wall[i], "wall", wall[i]) for i in calls}, None
     problems = {i: why for i in calls if (why := cross_check(trace.get(i, []), wall[i], len(wall[i])))}
     if problems:
         i, why = next(iter(problems.items()))
