@@ -165,7 +165,7 @@ def test_the_final_round_picks_by_paired_gain(monkeypatch):
 
 
 def test_finalists_timed_in_one_batch_keep_its_rounds_as_the_first_final_rounds(monkeypatch):
-    """Session 16: the default and a seed timed in the same batch rounds (a warm sweep's first round): the final
+    """The default and a seed timed in the same batch rounds (a warm sweep's first round): the final
     round times only the rounds still missing and decides paired over all of them; finalists of different
     batches (or restored from the log: no batch) get the whole final round."""
     asked = []

@@ -67,7 +67,7 @@ def test_a_shared_payload_comes_back_from_its_file_as_read_only_views(tmp_path, 
 
 
 def test_seeded_inputs_and_references_are_the_float64_formulas_bit_for_bit():
-    """Session 16: the inputs scaled in place in float32 and the references converting each group's rows to
+    """The inputs scaled in place in float32 and the references converting each group's rows to
     float64 as it is multiplied give the same bits as the whole-array float64 formulas they replaced (so
     every seed's inputs, and every stored entry's evidence, stay what they were)."""
     from moe_tune.kernels import get_op
@@ -102,7 +102,7 @@ def test_seeded_inputs_and_references_are_the_float64_formulas_bit_for_bit():
 
 
 def test_spans_by_run_read_early_equal_the_spans_over_every_stat():
-    """Session 16: `_spans_by_run` reads each event's stats only up to its run id and module; on a real CPU
+    """`_spans_by_run` reads each event's stats only up to its run id and module; on a real CPU
     trace of two programs run twice each it finds what grouping `plane_events` (every stat read) finds."""
     import collections
 

@@ -180,8 +180,8 @@ def _kept(problem, config, default):
 
 
 def test_neighbours_that_all_kept_their_defaults_seed_the_nearest_one_only(isolated_profiles):
-    """Session 16: every tuned neighbour's winner was its own default (the heuristic held there): one seed,
-    the nearest; one neighbour that beat its default: every seed, as before."""
+    """Every tuned neighbour's winner was its own default (the heuristic held there): one seed,
+    the nearest; one neighbour that beat its default: every seed."""
     m = lambda m: RaggedDotProblem(m=m, k=2048, n=768, groups=16)
     here = key_fields(BIG, "tiled", "balanced")
     table = isolated_profiles / "cpu" / "ragged_dot.json"
