@@ -253,8 +253,8 @@ def test_moe_mlp_gives_x_dtype_and_takes_an_activation_by_name_on_both_paths():
     np.testing.assert_array_equal(_mlp(activation="gelu", fused=False), _mlp(activation=jax.nn.gelu, fused=False))
 
 
-# Quantization and the ops' problem(): what used to end in a NumPy ValueError, a ZeroDivisionError, a
-# message about the wrong thing, or a keyword silently dropped.
+# Quantization and the ops' problem(): an already quantized x, an empty axis, a block that is not an int, a
+# keyword an op does not declare: each one UsageError naming the argument.
 
 _W = np.ones((TOTAL, K, N), np.float32)
 _RAGGED = dict(m=M, k=K, n=N, groups=TOTAL)
@@ -303,8 +303,8 @@ def _every_op() -> list[str]:
 
 @pytest.mark.parametrize("name", _every_op())
 def test_every_ops_problem_refuses_a_keyword_it_does_not_declare(name):
-    """`problem(**_)` swallowed any keyword; each op now takes its declared options (and direction) only, and
-    its own defaults are among them."""
+    """Each op's problem() takes its declared options (and direction) only, and its own defaults are among
+    them."""
     op = get_op(name)
     defaults = op.default_problem_options()
     op.problem(**defaults)

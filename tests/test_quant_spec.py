@@ -80,8 +80,8 @@ def test_a_block_that_does_not_divide_the_axis_names_the_rule():
 
 @pytest.mark.parametrize("rhs_quant", ["mxfp4", "float4_e2m1fn"])
 def test_fused_moe_takes_mxfp4_in_the_blocks_a_runtime_call_has(rhs_quant):
-    """fused_moe's problem refused "mxfp4" (unknown dtype) and gave float4_e2m1fn one scale per channel
-    (rhs_qblock = k = 64), a key no runtime call makes: a runtime mxfp4 QArray has blocks of 32."""
+    """fused_moe's problem takes "mxfp4" and float4_e2m1fn alike, in blocks of 32 (not one scale per channel,
+    rhs_qblock = k): the key a runtime call with an mxfp4 QArray makes."""
     tuned = get_op("fused_moe").problem(**FUSED, rhs_quant=rhs_quant)
     assert (tuned.rhs_qdtype, tuned.rhs_qblock) == ("float4_e2m1fn", 32)
     assert tuned.rhs_format == QuantFormat("mxfp4")
@@ -112,7 +112,7 @@ def test_the_problems_hold_the_format_of_their_key_fields():
 
 
 def test_fused_moe_counts_4_bit_weights_at_half_a_byte_on_the_device():
-    """Its memory estimate took a byte per 4-bit value on the device too."""
+    """Its memory estimate counts a 4-bit value at half a byte on the device, a byte in NumPy."""
     op = get_op("fused_moe")
     int8, int4 = (op.memory_estimate(op.problem(**FUSED, rhs_quant=q, quant_block=32)) for q in ("int8", "int4"))
     assert int8 - int4 == 4 * 64 * 64 // 2  # the host copies are a byte a value either way
@@ -137,7 +137,7 @@ def run():
      "fused gate/up fwd"),
 ])
 def test_rhs_quant_mxfp4_works_wherever_it_is_offered(run, args, shown):
-    """Each refused it: "unknown dtype 'mxfp4'" from the fused_moe kernel calls of the model's layer."""
+    """A model's layer with mxfp4 weights has fused_moe kernel calls too; each command builds them."""
     result = run(*args)
     assert result.exit_code == 0, result.output
     assert shown in result.output
@@ -150,8 +150,8 @@ def test_models_show_the_fused_calls_in_mxfp4(run):
 
 
 def test_a_fused_sweep_of_float4_e2m1fn_runs_and_is_keyed_in_blocks_of_32(run, isolated_profiles):
-    """It printed the sweep header, then exited 1: "mxfp4 (float4_e2m1fn) takes blocks of 32 along k (OCP MX),
-    got block_size 64" (the problem had taken k=64 as its block)."""
+    """A float4_e2m1fn sweep of fused_moe (k=64) quantizes in mxfp4's blocks of 32 and stores that block in
+    its key, not k."""
     result = run("sweep", "--op", "fused_moe", "--tokens", "8", "--top-k", "2", "--k", "64", "--n", "64",
                  "--groups", "4", "--rhs-quant", "float4_e2m1fn", "--max-candidates", "2", "--samples", "1",
                  "--workers", "1", "--cold")
