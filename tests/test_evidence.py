@@ -1,23 +1,15 @@
 """The evidence rules: a win needs at least MIN_FINAL_SAMPLES samples per finalist and a gap beyond
 the noise; a sweep that cannot apply the rule keeps the default and says `unverified` and why; verdict words
-tell the default fastest from a candidate that beat it; the marks readers see (`profiles.evidence`)."""
+tell the default fastest from a candidate that beat it; the marks readers see (`profiles.verdict`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from moe_tune.kernels import get_op
-from moe_tune.profiles import evidence
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.verdict import (
-    BEAT_DEFAULT,
-    DEFAULT_FAILED,
-    DEFAULT_FASTEST,
-    MIN_FINAL_SAMPLES,
-    UNVERIFIED,
-    WITHIN_NOISE,
-    Verdict,
-)
+from moe_tune.profiles.verdict import (BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, UNVERIFIED,
+                                       WITHIN_NOISE, Verdict, low_budget, marks, weaker_than)
 from moe_tune.tuner import measure
 from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.request import SweepSettings
@@ -88,8 +80,8 @@ def test_an_old_win_on_two_samples_is_marked_weak():
                              "search": {"strategy": "grid", "max_candidates": 3, "space": 3, "full_space": 68,
                                         "stopped": "exhausted", "samples": 1},
                              "candidates": {"tried": 3}})
-    assert evidence.marks(entry) == ["weak evidence", "low budget"]
-    assert evidence.low_budget(entry) == "low budget: grid, 3 of 68 candidates (--max-candidates 3)"
+    assert marks(entry) == ["weak evidence", "low budget"]
+    assert low_budget(entry) == "low budget: grid, 3 of 68 candidates (--max-candidates 3)"
 
 
 def _searched(tried: int | None = None, **search) -> Entry:
@@ -101,17 +93,17 @@ def _searched(tried: int | None = None, **search) -> Entry:
 
 def test_an_entry_tuned_with_less_than_asked_is_weaker():
     full = {"strategy": "grid", "budget": None, "time_budget_s": None, "max_candidates": None, "samples": 3}
-    assert evidence.weaker_than(_searched(), full) is None
+    assert weaker_than(_searched(), full) is None
     smoke = _searched(max_candidates=3, space=3)
-    assert evidence.weaker_than(smoke, full) == "tuned with grid, 3 of 68 candidates (--max-candidates 3)"
-    assert evidence.weaker_than(smoke, {**full, "max_candidates": 3}) is None  # asked the same
-    assert evidence.weaker_than(smoke, {**full, "max_candidates": 8}) is not None
-    assert evidence.weaker_than(_searched(samples=1), full) == "tuned with --samples 1 (asked 3)"
-    assert evidence.weaker_than(_searched(stopped="time budget", space=68), full) is not None
+    assert weaker_than(smoke, full) == "tuned with grid, 3 of 68 candidates (--max-candidates 3)"
+    assert weaker_than(smoke, {**full, "max_candidates": 3}) is None  # asked the same
+    assert weaker_than(smoke, {**full, "max_candidates": 8}) is not None
+    assert weaker_than(_searched(samples=1), full) == "tuned with --samples 1 (asked 3)"
+    assert weaker_than(_searched(stopped="time budget", space=68), full) is not None
     descent = _searched(16, strategy="coordinate", stopped="converged")
-    assert evidence.weaker_than(descent, {**full, "strategy": "coordinate"}) is None  # whole by its own rule
-    assert evidence.weaker_than(descent, full) == "tuned with coordinate, 16 of 68 candidates"  # a grid asks all
-    assert evidence.weaker_than(Entry.from_json({"key": "k", "fields": {}, "config": {}}), full) is None
+    assert weaker_than(descent, {**full, "strategy": "coordinate"}) is None  # whole by its own rule
+    assert weaker_than(descent, full) == "tuned with coordinate, 16 of 68 candidates"  # a grid asks all
+    assert weaker_than(Entry.from_json({"key": "k", "fields": {}, "config": {}}), full) is None
 
 
 def test_the_breakdown_says_when_it_contradicts_a_claimed_win():

@@ -15,22 +15,12 @@ from moe_tune.commands import report
 from moe_tune.commands.plots import plot_entries
 from moe_tune.kernels import get_op
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.verdict import (
-    BEAT_DEFAULT,
-    DEFAULT_FAILED,
-    DEFAULT_FASTEST,
-    FASTEST,
-    MIN_FINAL_SAMPLES,
-    ONLY_CANDIDATE,
-    RULES,
-    WITHIN_NOISE,
-    Verdict,
-    verdict_of,
-)
+from moe_tune.profiles.verdict import (BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, FASTEST, MIN_FINAL_SAMPLES,
+                                       ONLY_CANDIDATE, RULES, WITHIN_NOISE, Verdict, verdict_of)
 from moe_tune.tuner import SweepRequest, SweepSettings, run_sweep
 from moe_tune.tuner.measure import earliest_stop, final_samples
 
-SHIPPED = Path(report.__file__).parent / "profiles" / "data"
+SHIPPED = Path(report.__file__).parents[1] / "profiles" / "data"
 ISSUE_CASE = {"direction": "dlhs", "m": 1024, "k": 2880, "n": 2880, "groups": 8}  # default kept within noise
 
 

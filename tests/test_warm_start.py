@@ -12,9 +12,9 @@ import pytest
 from test_strategies import BIG, SPACE, TILED, _run, bowl
 
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
-from moe_tune.profiles import evidence, key_fields, write_entries
+from moe_tune.profiles import key_fields, write_entries
 from moe_tune.profiles.key import key_from_fields
-from moe_tune.profiles.verdict import PAIRED_MIN_NOISE
+from moe_tune.profiles.verdict import PAIRED_MIN_NOISE, budget_text
 from moe_tune.tuner import SweepRequest, run_sweep, warm_start
 from moe_tune.tuner import strategies as S
 from moe_tune.tuner.candidate import Candidate, same_rounds
@@ -162,7 +162,7 @@ def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
         [] if expected == space[0] else [expected.to_dict()])
     if expected != space[0]:  # seeds: a local search, which the entry and the report's budget column say
         assert warm.entry.search["local"] and warm.entry.search["start"].startswith("warm local search from 1")
-        assert evidence.budget_text(warm.entry.search, 2).endswith(", warm local search")
+        assert budget_text(warm.entry.search, 2).endswith(", warm local search")
     lines = [json.loads(line) for line in warm.log_path.read_text().splitlines()]
     (final,) = [line for line in lines if line["type"] == "final"]  # the run's last line says where it started
     assert final["sources"][0]["config"] == first_winner.to_dict() and not final["cold"]
@@ -171,7 +171,7 @@ def test_a_sweep_starts_from_the_nearest_winner_and_says_so(isolated_profiles):
     cold = run_sweep(SweepRequest.make("ragged_dot", other, strategy="coordinate", budget=2, cold=True, fresh=True,
                                        **quick))
     assert cold.entry.search["start"] == "cold start (--cold)" and cold.entry.search["seeds"] == []
-    assert not cold.entry.search["local"] and "warm" not in evidence.budget_text(cold.entry.search, 2)
+    assert not cold.entry.search["local"] and "warm" not in budget_text(cold.entry.search, 2)
 
 
 def _kept(problem, config, default):

@@ -15,7 +15,7 @@ from moe_tune.campaign.plan import Case, PlannedSweep, plan, shard, split_done
 from moe_tune.core.errors import UsageError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.evidence import weaker_than
+from moe_tune.profiles.verdict import weaker_than
 from moe_tune.profiles.table import table_entries
 from moe_tune.tuner.request import SweepSettings
 
@@ -87,7 +87,7 @@ def prepare(cases: Sequence[Case], settings: SweepSettings, *, backend: str | No
 
 def weaker_entries(done: Sequence[PlannedSweep], settings: SweepSettings, device_kind: str) -> dict[str, str]:
     """key -> why, for each sweep in `done` whose entry was tuned with less than `settings` ask (fewer
-    candidates, fewer samples: `profiles.evidence.weaker_than`): a smoke test's entries do not count as done
+    candidates, fewer samples: `profiles.verdict.weaker_than`): a smoke test's entries do not count as done
     for a full campaign."""
     asked = dataclasses.asdict(settings)
     tables = {op: table_entries(dirs.table_path(dirs.write_dir(settings.profile_dir), device_kind, op))

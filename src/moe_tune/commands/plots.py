@@ -17,11 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.core.errors import UsageError, path_error
-from moe_tune.profiles import evidence
-from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict, verdict_of
 from moe_tune.commands.report import entry_words
+from moe_tune.core.errors import UsageError, path_error
+from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict, low_budget, marks, verdict_of
 
 WINNER, DEFAULT, OTHER, FINAL, BAND = "tab:green", "tab:orange", "tab:blue", "black", "0.85"
 _LABEL_WIDTH = 40  # characters per line of a y label
@@ -112,11 +111,11 @@ def _candidates(ax, entry: Entry, results: list[dict[str, Any]]) -> None:
     ax.set_xlim(left=0)
     ax.set_xlabel("median time (ms)")
     _legend_below(ax, handles, ncol=3)
-    marks = evidence.marks(entry)
-    lines = [f"verdict: {verdict.label}" + (f" [{', '.join(marks).upper()}]" if marks else ""),
+    found = marks(entry)
+    lines = [f"verdict: {verdict.label}" + (f" [{', '.join(found).upper()}]" if found else ""),
              *textwrap.wrap(entry_words(entry), _TITLE_WIDTH),
              f"{len(results)} correct candidates, {len(entry.failures)} failed or wrong"
-             + (f"; {evidence.low_budget(entry)}" if evidence.low_budget(entry) else "")]
+             + (f"; {low_budget(entry)}" if low_budget(entry) else "")]
     if verdict.derived:
         lines += textwrap.wrap("derived: the entry predates recorded verdicts, so the noise is from the default's "
                                "samples alone and a finalist's bar may be its re-timed median", _TITLE_WIDTH + 20)
@@ -157,7 +156,7 @@ def _speedups(ax, entries: Sequence[Entry]) -> None:
     kept = [e.default_config is not None and dict(e.config) == dict(e.default_config) for e in entries]
     bars = ax.barh(range(len(entries)), [e.speedup_over_default or 0.0 for e in entries],
                    color=["0.6" if k else "tab:purple" for k in kept])
-    doubtful = [bool(evidence.marks(e)) for e in entries]  # unverified, weak evidence, low budget: hatched
+    doubtful = [bool(marks(e)) for e in entries]  # unverified, weak evidence, low budget: hatched
     for bar, flagged in zip(bars, doubtful):
         if flagged:
             bar.set_hatch("//")

@@ -5,7 +5,7 @@ import os
 import sys
 import warnings
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # moe-tune's own frames
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # moe-tune's own frames (core/ is one down)
 
 
 class MoeTuneError(Exception):

@@ -9,9 +9,8 @@ from moe_tune.profiles.lookup import LookupResult, lookup
 from moe_tune.profiles.merge import MergeDecision, MergeReport, merge_tables
 from moe_tune.profiles.table import SCHEMA_VERSION, migrate, read_table, write_entries
 from moe_tune.profiles.validate import Problem, ValidationReport, validate_paths, validate_table
-from moe_tune.profiles.versions import (
-    ENV_STALE_POLICY, STALE_POLICIES, StaleEntryError, entry_versions, staleness, use_stale_policy,
-)
+from moe_tune.profiles.versions import (ENV_STALE_POLICY, STALE_POLICIES, StaleEntryError, entry_versions, staleness,
+                                        use_stale_policy)
 
 __all__ = [
     "ENV_PROFILE_DIR", "ENV_STALE_POLICY", "Entry", "LookupResult", "MergeDecision", "MergeReport", "Problem",

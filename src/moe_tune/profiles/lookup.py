@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
-from moe_tune.core import devices, distributions, routing, settings
-from moe_tune.core.errors import TableError, warn_caller
+from moe_tune.core import chips, devices, distributions, routing, settings
+from moe_tune.core.errors import TableError, UsageError, warn_caller
 from moe_tune.profiles import dirs
 from moe_tune.profiles import intervals as _intervals
 from moe_tune.profiles import versions as _versions
@@ -91,6 +92,44 @@ def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, tuple, 
     return found
 
 
+_KIND = re.compile(r"[a-z0-9]+(_[a-z0-9]+)*")
+
+
+def known_device_kinds() -> list[str]:
+    """The device kinds lookup answers for: this machine's, `cpu`, the chips moe-tune knows (`core.chips`), and
+    every directory of tables in a profile dir (shipped, user, environment, overlays)."""
+    kinds = {devices.device_kind(), "cpu", *(t.device_kind for t in chips.TARGETS.values())}
+    for _, directory in dirs.search_dirs():
+        try:
+            kinds.update(p.name for p in Path(directory).iterdir() if _KIND.fullmatch(p.name) and p.is_dir())
+        except OSError:  # a profile dir that does not exist (yet)
+            continue
+    return sorted(kinds)
+
+
+def device_of_kind(kind: str | None) -> devices.Device:
+    """The device whose platform and rules lookups for device kind `kind` answer with (None, or the judged
+    device's own kind: the judged device): a chip of `core.chips` is itself; `cpu` is the CPU; another kind
+    with tables (a GPU moe-tune has no facts for) takes the platform its name says, else this machine's.
+    UsageError, one line, for a kind with characters a normalized device kind never has (a path) or one that
+    is neither a known chip nor a directory of tables."""
+    if kind is None or kind == devices.device_kind():
+        return devices.current()
+    if not isinstance(kind, str) or not _KIND.fullmatch(kind):
+        raise UsageError(f"device kind {kind!r} is not a device kind: lowercase letters, digits and single '_' "
+                         "only, as `jax.devices()[0].device_kind` normalizes (cpu, nvidia_h100_80gb_hbm3, tpu_v5_lite)")
+    known = known_device_kinds()
+    if kind not in known:
+        raise UsageError(f"unknown device kind {kind!r}; known: {', '.join(known)} (the chips moe-tune knows and "
+                         "the device kinds of the tables found)")
+    target = chips.for_device_kind(kind)
+    if target is not None:
+        return devices.Device(target.platform, kind)
+    platform = ("cpu" if kind == "cpu" else "tpu" if kind.startswith("tpu") else
+                "gpu" if kind.startswith(("nvidia", "amd")) else devices.platform())
+    return devices.Device(platform, kind)
+
+
 _memo: dict[tuple, LookupResult] = {}
 
 
@@ -105,7 +144,8 @@ def lookup(
     stale_policy: str | None = None,
 ) -> LookupResult:
     """The config `moe_tune.<op>` would use for `problem` with `backend` (a backend instance, e.g.
-    `kernels.get_op(op).backends.get("tiled")`) on `device_kind` (default: this machine).
+    `kernels.get_op(op).backends.get("tiled")`) on `device_kind` (default: this machine; another kind must be
+    one `device_of_kind` knows, else UsageError).
 
     `strict=True` raises TableError for an unreadable table instead of warning and skipping it.
     `stale_policy` (`use`, `skip`, `error`; default: `use_stale_policy` blocks, then `$MOE_TUNE_STALE_POLICY`,
@@ -117,7 +157,7 @@ def lookup(
                         f"kernels.get_op({op!r}).lookup(problem, backend=NAME) picks it by name")
     impl = backend
     distribution = distributions.check_name(distribution or runtime_distribution())
-    device_kind = device_kind or devices.device_kind()
+    device_kind = device_of_kind(device_kind).kind
     policy = _versions.stale_policy(stale_policy)
     jax_version = _versions.installed_jax()
     fields = key_fields(problem, impl.name, distribution)

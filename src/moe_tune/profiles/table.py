@@ -1,4 +1,11 @@
-"""The JSON table format: one file per device kind and op, `<dir>/<device_kind>/<op>.json`.
+"""Where the lock of a file under a profile dir lives, and the file mode of what is written for sharing.
+
+Locks sit in one hidden folder beside the files they guard, `<dir>/.locks/<name>.lock` (a table
+`cpu/ragged_dot.json` is locked by `cpu/.locks/ragged_dot.json.lock`), so that a table directory a user
+shares or copies holds only tables. Every writer of a file takes its lock through `lock_path`, so they all
+agree on it: the one mapping is the guarantee that two writers exclude each other.
+
+The JSON table format: one file per device kind and op, `<dir>/<device_kind>/<op>.json`.
 
     {"schema_version": 3, "op": "ragged_dot", "device_kind": "cpu", "entries": {KEY: ENTRY, ...},
      "intervals": {KEY: INTERVAL, ...}, "robust": {KEY: ROBUST, ...}}
@@ -37,8 +44,39 @@ import filelock
 from moe_tune.core.errors import TableError
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.intervals import INTERVALS, ROBUST
-from moe_tune.profiles.locks import lock_path, shared_mode
 from moe_tune.profiles.versions import recorded_revision
+
+LOCK_DIR = ".locks"
+
+
+def lock_path(path: Path | str) -> Path:
+    """The lock file of `path` (its folder is created): `<path's dir>/.locks/<path's name>.lock`."""
+    path = Path(path)
+    folder = path.parent / LOCK_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{path.name}.lock"
+
+
+def shared_mode() -> int:
+    """The mode a new file gets from `open()`: 0666 less the process umask (0644 under the usual 022).
+
+    `tempfile.mkstemp`, which atomic writes use, creates files 0600 whatever the umask; a table written
+    that way could not be read by the people it is shared with."""
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process umask, read from /proc where it can be (setting it to read it is not thread-safe)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
 
 SCHEMA_VERSION = 3
 

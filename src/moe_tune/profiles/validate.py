@@ -28,12 +28,7 @@ from moe_tune.core import devices, distributions, settings
 from moe_tune.core.errors import TableError
 from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import record_problems
-from moe_tune.profiles.intervals import (
-    INTERVALS,
-    ROBUST,
-    interval_problems,
-    robust_problems,
-)
+from moe_tune.profiles.intervals import INTERVALS, ROBUST, interval_problems, robust_problems
 from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.protocols import OpLike
 from moe_tune.profiles.table import SCHEMA_VERSION, entry_problems, parse_table

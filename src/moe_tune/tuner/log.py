@@ -18,7 +18,7 @@ Lines, each one JSON object with a `type`:
 
 Each append is one `os.write` followed by `os.fsync`. A process killed mid-write leaves at most a torn last
 line; reading ignores it and opening the log again cuts it off before anything is appended. The log is
-locked while a sweep writes it (`profiles.locks.lock_path`: `.locks/<name>.jsonl.lock` beside it), so two
+locked while a sweep writes it (`profiles.table.lock_path`: `.locks/<name>.jsonl.lock` beside it), so two
 sweeps of the same thing cannot interleave their lines.
 """
 
@@ -37,7 +37,7 @@ import filelock
 
 from moe_tune.core.errors import MoeTuneError
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.profiles.locks import lock_path
+from moe_tune.profiles.table import lock_path
 from moe_tune.tuner.candidate import FAILED, OK, WRONG, Candidate
 from moe_tune.tuner.timing import Timing
 

@@ -78,7 +78,7 @@ class SweepSettings:
 IDENTITY_FIELDS = ("seed", "samples", "race", "strategy", "budget", "max_candidates")
 # The settings an entry's `search` record repeats (with how the search went).
 # (`space`: the candidates the strategy chose from, after --max-candidates; `full_space`: the backend's whole
-# search space; `samples`: of the sweep round. `profiles.evidence` reads them as the entry's budget.)
+# search space; `samples`: of the sweep round. `profiles.verdict` reads them as the entry's budget.)
 SEARCH_FIELDS = ("strategy", "budget", "time_budget_s", "max_candidates", "space", "full_space", "samples",
                  "batch_size")
 
