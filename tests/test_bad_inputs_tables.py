@@ -151,3 +151,79 @@ def test_wall_only_timing_runs_no_profiler(monkeypatch):
                                           wall_only=True)
     assert why is None and {t.method for t in timings.values()} == {"wall"}
     assert {t.samples for t in timings.values()} == {5}
+
+
+# -- lookup and coverage: another device kind, --backend, --profile-dir -------------------------------------
+
+H100_CALL = ("--m", "4096", "--k", "7168", "--n", "2048", "--groups", "32", "--dtype", "bfloat16")
+LAYER = ("coverage", "--model", "qwen3-30b-a3b", "--tokens", "512", "--ep", "8", "--dtype", "bfloat16",
+         "--direction", "fwd")
+
+
+def user_gpu_table(tmp: Path) -> None:
+    """A table of a GPU moe-tune has no chip facts for, in the profile dir."""
+    from tests.test_bad_inputs import entry, write_table
+
+    path = write_table(tmp / "p", entry())
+    path.parent.rename(tmp / "p" / "nvidia_rtx_4090")
+
+
+def h100_table(tmp: Path) -> None:
+    """The shipped H100 ragged_dot table (the tests' shipped dir is empty), in the profile dir."""
+    import shutil
+
+    import moe_tune.profiles
+
+    kind = "nvidia_h100_80gb_hbm3"
+    (tmp / "p" / kind).mkdir(parents=True)
+    shutil.copy(Path(moe_tune.profiles.__file__).parent / "data" / kind / "ragged_dot.json", tmp / "p" / kind)
+
+
+LOOKUP_CASES = [
+    Case("lookup of another device kind asks its platform's default backend",
+         ("lookup", *H100_CALL, "--device-kind", "nvidia_h100_80gb_hbm3"), 0, "source: exact", setup=h100_table),
+    Case("... and names it", ("lookup", *H100_CALL, "--device-kind", "nvidia_h100_80gb_hbm3"), 0,
+         "on nvidia_h100_80gb_hbm3, backend triton"),
+    Case("lookup of a device kind with tables only", ("lookup", *H100_CALL, "--device-kind", "nvidia_rtx_4090"), 0,
+         "on nvidia_rtx_4090, backend triton", setup=user_gpu_table),
+    Case("lookup of an unknown device kind", ("lookup", *H100_CALL, "--device-kind", "tpu_v9"), 2,
+         "unknown device kind 'tpu_v9'; known: cpu,"),
+    Case("lookup of a path as device kind", ("lookup", *H100_CALL, "--device-kind", "../../etc"), 2,
+         "device kind '../../etc' is not a device kind"),
+    Case("lookup of an absolute path as device kind", ("lookup", *H100_CALL, "--device-kind", "/tmp"), 2,
+         "device kind '/tmp' is not a device kind"),
+    Case("coverage of another device kind asks its platform's default backend",
+         (*LAYER, "--device-kind", "nvidia_h100_80gb_hbm3", "--format", "json"), 0, '"backend": "triton"'),
+    Case("coverage --backend applies to the ops that have it",
+         (*LAYER, "--device-kind", "nvidia_h100_80gb_hbm3", "--backend", "triton"), 0,
+         "note: --backend triton applies to fused_moe, ragged_dot, ragged_gather, ragged_gather_reduce; moe_fusion "
+         "asks about its default backend"),
+    Case("coverage --backend no op has", (*LAYER, "--backend", "nope"), 2,
+         "--backend 'nope' is no backend of any op of the layer"),
+    Case("coverage of an unknown device kind", (*LAYER, "--device-kind", "tpu_v9"), 2, "unknown device kind 'tpu_v9'"),
+    Case("coverage of a path as device kind", (*LAYER, "--device-kind", "../../etc"), 2,
+         "device kind '../../etc' is not a device kind"),
+    Case("coverage --profile-dir that does not exist", (*LAYER, "--profile-dir", "{tmp}/nonexistent/dir"), 2,
+         "--profile-dir {tmp}/nonexistent/dir is not a directory"),
+]
+
+
+@pytest.mark.parametrize("case", LOOKUP_CASES, ids=lambda c: c.item)
+def test_lookup_and_coverage_answer_for_the_device_kind_asked(case: Case, tmp_path: Path):
+    if case.setup is not None:
+        case.setup(tmp_path)
+    code, output = _run(case, tmp_path)
+    assert "Traceback" not in output, output
+    assert code == case.code, output
+    assert any(_fill(case.message, tmp_path) in line for line in output.splitlines()), output
+    if code:
+        assert len([line for line in output.splitlines() if line.startswith(("error:", "Error:"))]) == 1, output
+
+
+def test_the_api_refuses_a_path_as_device_kind():
+    from moe_tune.core.errors import UsageError
+    from moe_tune.kernels import get_op
+
+    op = get_op("ragged_dot")
+    with pytest.raises(UsageError, match="is not a device kind"):
+        op.lookup(op.problem(m=64, k=64, n=64, groups=4), device_kind="../cpu")

@@ -17,9 +17,10 @@ from typing import Any
 
 from moe_tune.campaign import estimate as costs
 from moe_tune.campaign.plan import PlannedSweep, model_campaign_cases
-from moe_tune.core import devices
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.lookup import device_of_kind
 from moe_tune.tuner.request import SweepSettings
 
 COVERED = ("exact", "interval")
@@ -89,17 +90,23 @@ def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *
              settings: SweepSettings | None = None) -> Coverage:
     """What lookup answers for each kernel call of one layer of each of `models` at each of `tokens` and
     `eps` (`direction`: `all` training, `fwd` serving), for `distribution` (None: as the runtime assumes),
-    on `device_kind` (None: this machine's), with `backend` (None: each op's default on this platform); and
+    on `device_kind` (None: this machine's; another must be a known one, `profiles.lookup.device_of_kind`), with
+    `backend` (None: each op's default on that device; applied to the ops that have it); and
     the estimated cost of tuning the calls not covered with `settings` (default: a grid sweep)."""
     settings = settings or SweepSettings()
-    device_kind = device_kind or devices.device_kind()
+    device_kind = device_of_kind(device_kind).kind  # a known kind, never a path
+    if profile_dir is not None and not Path(profile_dir).is_dir():
+        raise UsageError(f"--profile-dir {profile_dir} is not a directory (coverage reads the sweep times recorded "
+                         "there; lookups read every profile dir without it)")
     cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant, direction=direction)
+    backends = _backend_per_op(backend, sorted({c.op for c in cases}), notes)
     history = costs.recorded(device_kind, sorted({c.op for c in cases}), profile_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     rows, asked = [], distribution
     for case in cases:
         kernel_op = get_op(case.op)
-        found = kernel_op.lookup(case.problem, backend=backend, distribution=distribution, device_kind=device_kind)
+        found = kernel_op.lookup(case.problem, backend=backends[case.op], distribution=distribution,
+                                 device_kind=device_kind)
         asked = found.key.rsplit("distribution=", 1)[-1]
         entry = found.entry if found.source != "default" else None
         to_tune = found.source not in COVERED or bool(found.stale)
@@ -115,6 +122,22 @@ def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *
             age_days=None if tuned_at is None else _age_days(tuned_at, now), stale=found.stale, to_tune=to_tune,
             estimate=None if cost is None else cost.text, estimate_s=None if cost is None else cost.seconds))
     return Coverage(tuple(rows), tuple(notes), device_kind, str(asked))
+
+
+def _backend_per_op(backend: str | None, ops: Sequence[str], notes: list[str]) -> dict[str, str | None]:
+    """`backend` for the ops that have it, None (the device's default) for the others, with a note naming
+    those; UsageError when no op of the layer has it."""
+    having = [op for op in ops if backend is None or backend in get_op(op).backends.names()]
+    if not having:
+        known = sorted({name for op in ops for name in get_op(op).backends.names()})
+        raise UsageError(f"--backend {backend!r} is no backend of any op of the layer ({', '.join(ops)}); "
+                         f"choose from {', '.join(known)}")
+    others = [op for op in ops if op not in having]
+    if others:
+        notes.append(f"--backend {backend} applies to {', '.join(having)}; {', '.join(others)} "
+                     f"ask{'s' if len(others) == 1 else ''} about {'its' if len(others) == 1 else 'their'} default "
+                     "backend")
+    return {op: backend if op in having else None for op in ops}
 
 
 def age_text(days: float | None) -> str:

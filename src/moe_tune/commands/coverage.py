@@ -26,8 +26,10 @@ from moe_tune.commands.options import DTYPES, INT_LIST, handle_errors, quant_fla
 @click.option("--distribution", type=click.Choice(list(distributions.DISTRIBUTIONS)), default=None,
               help="The routing lookups assume (default: as the runtime does: $MOE_TUNE_DISTRIBUTION, else "
                    f"{distributions.DEFAULT}).")
-@click.option("--backend", default=None, help="Ask about this backend's entries (default: each op's on this platform).")
-@click.option("--device-kind", default=None, help="Ask about another device kind's tables (default: this one).")
+@click.option("--backend", default=None, help="Ask about this backend's entries, for the ops that have it (default: "
+              "each op's default on the device kind asked).")
+@click.option("--device-kind", default=None, help="Ask about another device kind's tables (default: this one): a chip "
+              "moe-tune knows or a device kind with tables.")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also read the sweep times recorded here (the estimate); lookups read every profile dir.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)

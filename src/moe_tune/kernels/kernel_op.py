@@ -131,7 +131,10 @@ class KernelOp(abc.ABC):
         if not callable(getattr(problem, "key_fields", None)):
             raise UsageError(f"{self.name}.lookup takes the op's problem (op.problem(...)), got "
                              f"{type(problem).__name__}")
-        return profiles.lookup(self.name, problem, backend=self.backend(backend), **options)
+        from moe_tune.profiles.lookup import device_of_kind  # another kind: its platform's default backend, rules
+
+        with devices.judging(device_of_kind(options.get("device_kind"))):
+            return profiles.lookup(self.name, problem, backend=self.backend(backend), **options)
 
     def resolve_config(self, backend: str | Backend, problem: Any, given: Any = None, *,
                        distribution: str | None = None) -> Resolved:
