@@ -227,3 +227,37 @@ def test_the_api_refuses_a_path_as_device_kind():
     op = get_op("ragged_dot")
     with pytest.raises(UsageError, match="is not a device kind"):
         op.lookup(op.problem(m=64, k=64, n=64, groups=4), device_kind="../cpu")
+
+
+# -- warm start: only from entries of the same dtypes and quantization -------------------------------------
+
+def test_a_float32_sweep_is_not_seeded_by_bfloat16_or_quantized_entries(isolated_profiles):
+    from moe_tune.kernels import get_op
+    from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+    from moe_tune.profiles.key import key_fields, key_from_fields
+    from moe_tune.profiles.table import write_entries
+    from moe_tune.tuner import warm_start
+
+    tiled = get_op("ragged_dot").backends.get("tiled")
+    here = RaggedDotProblem(m=4096, k=1024, n=1024, groups=8)
+    space = tiled.search_space(here)
+    winner = space[-1].to_dict()
+
+    def tuned(problem):
+        fields = key_fields(problem, "tiled", "balanced")
+        return {"key": key_from_fields("ragged_dot", fields), "fields": fields, "config": winner,
+                "timing": {"median_s": 1e-3}}
+
+    bf16 = dict(lhs_dtype="bfloat16", rhs_dtype="bfloat16", out_dtype="bfloat16")
+    int8 = dict(rhs_qdtype="int8", rhs_qblock=None)
+    neighbours = [RaggedDotProblem(m=m, k=1024, n=1024, groups=8, **bf16) for m in (2048, 4096, 8192)]
+    neighbours.append(RaggedDotProblem(m=4096, k=1024, n=1024, groups=8, **int8))
+    table = isolated_profiles / "cpu" / "ragged_dot.json"
+    write_entries(table, "ragged_dot", "cpu", [tuned(p) for p in neighbours])
+    fields = key_fields(here, "tiled", "balanced")
+    found = warm_start.find("ragged_dot", "cpu", fields, key_from_fields("ragged_dot", fields), space)
+    assert found.sources == () and found.describe().startswith("cold start")
+
+    write_entries(table, "ragged_dot", "cpu", [tuned(RaggedDotProblem(m=2048, k=1024, n=1024, groups=8))])
+    found = warm_start.find("ragged_dot", "cpu", fields, key_from_fields("ragged_dot", fields), space)
+    assert [s["key"].split("|")[2] for s in found.sources] == ["m=2048"]  # the float32 one only

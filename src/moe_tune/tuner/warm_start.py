@@ -1,10 +1,11 @@
 """Warm start: a sweep of a new shape first measures the winners of the nearest shapes already tuned.
 
-Neighbouring shapes (another token count, another hidden size, another dtype or direction of the same op and
-backend) are often won by the same or a nearby config. `find(plan)` reads the tables (every profile dir, in
-lookup order, and the sweep's own), keeps the entries of the same op, backend and device kind with the same
-key fields except sizes, dtypes, direction and distribution (and not this sweep's own key), ranks them by
-`distance`, and maps the winners of the nearest `limit` onto this sweep's space (`project`: the config of the
+Neighbouring shapes (another token count, another hidden size, another direction of the same op, backend,
+dtypes and quantization) are often won by the same or a nearby config. `find(plan)` reads the tables (every
+profile dir, in lookup order, and the sweep's own), keeps the entries of the same op, backend and device kind
+with the same dtypes and quantization (`same_numerics`: a bfloat16 winner says little about a float32 sweep,
+whose tiles cost twice the bytes and whose dot runs another path) and the same key fields except sizes,
+direction and distribution (and not this sweep's own key), ranks them by `distance`, and maps the winners of the nearest `limit` onto this sweep's space (`project`: the config of the
 space nearest to each winner, so a seed is always a valid candidate here). The strategies measure those seeds
 right after the default (`strategies.Strategy`'s `seeds`); `grid` and `coordinate` then run a warm local
 search (the seeds, the configs between them, and a descent from the best; `WarmStart.local`) instead of
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ LIMIT = 4  # winners of this many nearest entries are seeds
 # What a difference of one non-size key field weighs, in units of |log(size ratio)| (a factor e in one size):
 # a config tuned for the other direction of the same shape is a weaker guess than one tuned for 2x the tokens.
 FIELD_WEIGHT = {"direction": 3.0, "distribution": 0.5}
-OTHER_FIELD_WEIGHT = 1.0  # dtypes, quantization fields, weighted, ...
+OTHER_FIELD_WEIGHT = 1.0  # weighted, glu, ... (dtypes and quantization must match: `same_numerics`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,24 +78,33 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+# Key fields of the numerics: the dtypes (`dtype`, `lhs_dtype`, `rhs_qdtype`, ...) and the quantization
+# (`rhs_qblock`, `lhs_qdynamic`, ...). A seed comes only from an entry where all of them are the same.
+_NUMERICS = re.compile(r"(^|_)(\w*dtype|q[a-z]+)$")
+
+
+def same_numerics(fields: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether two entries' key fields have the same dtypes and quantization (a field only one has differs)."""
+    return all(fields.get(name) == other.get(name) for name in dict.fromkeys([*fields, *other])
+               if _NUMERICS.search(name))
+
+
 def distance(fields: Mapping[str, Any], other: Mapping[str, Any]) -> float | None:
     """How far a tuned entry's key fields are from this sweep's: the sum of |log ratio| of the positive integer
     fields (sizes, token counts), and a weight per other field that differs (`FIELD_WEIGHT`); None when the
-    backend differs (another backend's configs mean nothing here)."""
-    if other.get("backend") != fields.get("backend"):
+    backend, a dtype or the quantization differs (`same_numerics`: such configs are no guess here)."""
+    if other.get("backend") != fields.get("backend") or not same_numerics(fields, other):
         return None
-    total, dtypes_differ = 0.0, False
+    total = 0.0
     for name in dict.fromkeys([*fields, *other]):
         mine, theirs = fields.get(name), other.get(name)
         if mine == theirs:
             continue
         if _is_size(mine) and _is_size(theirs):
             total += abs(math.log(mine / theirs))
-        elif name.endswith("dtype"):  # lhs, rhs and out dtype are one choice (`--dtype`): counted once
-            dtypes_differ = True
         else:
             total += FIELD_WEIGHT.get(name, OTHER_FIELD_WEIGHT)
-    return total + (OTHER_FIELD_WEIGHT if dtypes_differ else 0.0)
+    return total
 
 
 def _config_distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
