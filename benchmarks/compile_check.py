@@ -38,8 +38,7 @@ from tabulate import tabulate
 from moe_tune.kernels import get_op
 from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.targets import get_target
-from moe_tune.targets.jobs import config_error, search_space
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool, config_error, search_space
 
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "qwen3-235b-a22b")  # k, n: multiples of 128
 TOKENS = (512, 4096)

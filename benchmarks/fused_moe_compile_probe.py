@@ -33,7 +33,7 @@ from moe_tune.kernels.fused_moe import pallas_tpu
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.targets import get_target
 from moe_tune.targets.compile import acting_as
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool
 
 RESULTS = Path(__file__).parent / "results"
 BUDGET_WORDS = {"pallas_tpu": "VMEM", "triton": "shared memory"}

@@ -15,8 +15,7 @@ import itertools
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.mosaic_gpu import MosaicGpuConfig
 from moe_tune.targets import get_target
-from moe_tune.targets.jobs import config_error
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool, config_error
 
 SMEM_REASON, COMPILER_REASON = "bytes of shared memory", "exceeds available shared memory"
 

@@ -22,8 +22,7 @@ from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.fused_moe.triton import FusedTritonConfig
 from moe_tune.targets import get_target, wheels
 from moe_tune.targets.compile import REJECTED
-from moe_tune.targets.jobs import config_error, search_space
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool, config_error, search_space
 
 needs_tpu = pytest.mark.skipif(not wheels.available("tpu"),
                                reason="libtpu is missing: pip install 'moe-tune[tpu-compile]'")

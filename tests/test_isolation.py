@@ -14,6 +14,7 @@ from moe_tune.core import devices
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.tuner import SweepRequest, inputs, run_sweep, workers
 from moe_tune.tuner.compiling import backend_compiles
+from moe_tune.workers import protocol
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
 # Per-candidate deadline (compile + first run). A tiny good candidate takes about a second (several on a loaded
@@ -107,8 +108,8 @@ def test_every_kind_of_failure_in_one_sweep(faulty, monkeypatch, tmp_path):
 def _shares_sent(monkeypatch) -> list:
     """The shared payloads the requests sent from now on carry (a `inputs.Stored`, or None)."""
     sent = []
-    pack = workers._pack
-    monkeypatch.setattr(workers, "_pack", lambda obj: (sent.append(obj[2]), pack(obj))[1])
+    pack = protocol.pack
+    monkeypatch.setattr(protocol, "pack", lambda obj: (sent.append(obj[2]), pack(obj))[1])
     return sent
 
 
@@ -125,12 +126,12 @@ def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monk
     assert 1 <= len(shares) <= 2  # once per worker, not once per request; written to one file, once
     assert len({s[1] for s in shares}) == 1 and all(isinstance(s[1], inputs.Stored) for s in shares)
 
-    pids = {w.proc.pid for w in pool._idle.queue}
+    pids = pool.pids()
     pool.map("moe_tune.tuner.workers:shared", [(0, ("no such token",))],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=60)
     status, failure = answers[0]
     assert status == "failed" and failure.kind == "error" and "KeyError" in failure.message
-    assert {w.proc.pid for w in pool._idle.queue} == pids  # a function that raised does not cost its worker
+    assert pool.pids() == pids  # a function that raised does not cost its worker
 
 
 def test_a_sweep_in_chunks_sends_its_inputs_to_each_worker_once(monkeypatch):

@@ -14,8 +14,7 @@ import pytest
 
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.targets import get_target, wheels
-from moe_tune.targets.jobs import config_error, search_space
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool, config_error, search_space
 
 BASE = dict(m=512, k=512, n=256, groups=8, lhs_dtype="bfloat16", out_dtype="bfloat16")
 PROBLEMS = {

@@ -26,8 +26,7 @@ from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.targets import TARGETS, get_target, wheels
 from moe_tune.targets.compile import CRASHED, OK, REJECTED
 from moe_tune.targets.gpu_config import target_config_text
-from moe_tune.targets.jobs import jobs_for, representative, search_space
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool, jobs_for, representative, search_space
 
 PRESET, TOKENS = "qwen3-30b-a3b", 512  # m = 4096 rows, k = 2048, n = 768, 128 experts
 MODES = {"bf16": None, "int8": {"rhs_quant": "int8"}, "fp8/128": {"rhs_quant": "float8_e4m3fn", "quant_block": 128}}

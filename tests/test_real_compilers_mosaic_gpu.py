@@ -18,8 +18,7 @@ from moe_tune.kernels.ragged_dot.mosaic_gpu import MosaicGpuConfig, MosaicGpuRag
 from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.targets import get_target, wheels
 from moe_tune.targets.compile import REJECTED, acting_as
-from moe_tune.targets.jobs import config_error, jobs_for, search_space
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool, config_error, jobs_for, search_space
 
 pytestmark = pytest.mark.skipif(not wheels.available("gpu"),
                                 reason="the CUDA plugin is missing: pip install 'moe-tune[gpu-compile]'")

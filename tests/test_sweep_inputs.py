@@ -16,13 +16,14 @@ from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.tuner import inputs, workers
 from moe_tune.tuner.inputs import SweepInputs
+from moe_tune.workers import protocol
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
 
 
 def _requests_sent(monkeypatch, on_request=None) -> list:
     """What the pool writes to its workers: requests (fn, args, share) and deferred payloads."""
-    sent, pack = [], workers._pack
+    sent, pack = [], protocol.pack
 
     def spy(obj):
         sent.append(obj)
@@ -30,7 +31,7 @@ def _requests_sent(monkeypatch, on_request=None) -> list:
             on_request(obj)
         return pack(obj)
 
-    monkeypatch.setattr(workers, "_pack", spy)
+    monkeypatch.setattr(protocol, "pack", spy)
     return sent
 
 
@@ -41,7 +42,7 @@ def test_a_deferred_payload_reaches_workers_that_started_before_it_was_made(monk
     made = threading.Event()
 
     def first_request(request):  # made only after a worker holds a request without it
-        if request[2] is not None and request[2][1] == workers.DEFERRED and not made.is_set():
+        if request[2] is not None and request[2][1] == protocol.DEFERRED and not made.is_set():
             threading.Timer(1.5, made.set).start()
 
     pool, token, answers = workers.pool(2), uuid.uuid4().hex, {}
@@ -54,7 +55,7 @@ def test_a_deferred_payload_reaches_workers_that_started_before_it_was_made(monk
     assert sorted(answers) == [0, 1, 2, 3]
     assert all(status == "ok" and np.array_equal(value, payload) for status, value in answers.values())
     requests = [s for s in sent if isinstance(s, tuple) and len(s) == 3 and isinstance(s[0], str)]
-    assert requests[0][2] == (token, workers.DEFERRED)
+    assert requests[0][2] == (token, protocol.DEFERRED)
     stored = [s for s in sent if isinstance(s, inputs.Stored)]
     assert 1 <= len(stored) <= 2 and len(set(stored)) == 1  # once per worker that asked; one file
 

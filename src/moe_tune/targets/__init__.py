@@ -4,9 +4,10 @@
   `moe_tune.core.chips` (re-exported here); `moe_tune.core.devices` reads its budgets from it.
 - `wheels`: where the compile-only compilers (libtpu, the CUDA plugin) are, and the one-line error without.
 - `compile`: one call compiled for a target, as a `CompileResult`; `calls`: a kernel call's abstract inputs.
-- `pool`: many calls compiled in worker processes (`CompilePool`, `CompileJob`).
+- `jobs`: which configs to compile for a target, and many calls compiled in worker processes (`CompileJob`,
+  `CompilePool`, on the `moe_tune.workers` pool).
 
-This package (and all of it but the worker) loads neither libtpu nor the CUDA plugin: only the worker
+This package (all of it but what its workers run) loads neither libtpu nor the CUDA plugin: only the worker
 processes do.
 """
 

@@ -1,6 +1,6 @@
 """Compile one traced call for a target chip with its real compiler, on a machine without the chip.
 
-Runs in a process that can see the compile-only wheels (`wheels.worker_env`; `pool.py` starts such
+Runs in a process that can see the compile-only wheels (`wheels.worker_env`; `jobs.CompilePool` starts such
 processes): `get_topology_desc` gives compile-only devices of the target, the call's abstract arguments are
 committed to one of them, and `jax.jit(fn).lower(...).compile()` runs Mosaic TPU / Triton / XLA to the end.
 """

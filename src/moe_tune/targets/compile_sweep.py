@@ -14,8 +14,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.targets import wheels
 from moe_tune.core.chips import Target
 from moe_tune.targets.compile import CompileResult
-from moe_tune.targets.jobs import search_space
-from moe_tune.targets.pool import CompileJob, CompilePool
+from moe_tune.targets.jobs import CompileJob, CompilePool, search_space
 from moe_tune.targets.records import (CompileRecord, append_records, read_records, record_key, record_versions,
                                       records_path)
 

@@ -5,7 +5,7 @@ They are the pinned wheels of the extras `moe-tune[tpu-compile]` and `moe-tune[g
 finds them on every `import jax`: on a machine without the chips the CUDA plugin then logs "Could not find
 cuda drivers" several times per import, and libtpu probes for a TPU and takes a host-wide lock file. So
 `make test` installs them apart, under `<venv>/compile-only` (`python -m moe_tune.targets.wheels` prints
-the pip arguments), and only the compile worker processes (`targets/pool.py`) put that folder on their path.
+the pip arguments), and only the compile worker processes (`targets/jobs.py`) put that folder on their path.
 Wheels installed into site-packages by the extras work too.
 """
 

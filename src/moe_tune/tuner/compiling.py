@@ -40,6 +40,7 @@ from moe_tune.tuner import workers as workers_module
 from moe_tune.tuner.candidate import Candidate, Reference, failure_reason, short
 from moe_tune.tuner.inputs import Deferred, SweepInputs
 from moe_tune.tuner.timing import traceable
+from moe_tune.workers import WorkerFailure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +198,7 @@ def _take_result(cand: Candidate, value: dict[str, Any]) -> bool:
     return True
 
 
-def _record_worker_failure(cand: Candidate, failure: workers_module.WorkerFailure) -> None:
+def _record_worker_failure(cand: Candidate, failure: WorkerFailure) -> None:
     """Record a request whose worker died, hung or raised; the stage is the one it had reached."""
     compiled = next((p for p in failure.progress if isinstance(p, dict) and p.get("compiled")), None)
     if compiled is not None:

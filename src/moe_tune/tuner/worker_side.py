@@ -1,7 +1,7 @@
-"""What a compile worker (`tuner/workers.py`) runs for one candidate: compile it, then run it once on the
-sweep's inputs, and send back the serialized executable and the output's relative error against the sweep's
-reference. It runs in the worker process, so a
-candidate that crashes, hangs or runs out of memory there takes down only the worker.
+"""What a tuner worker (`tuner/workers.py`, a `moe_tune.workers` pool) runs: `prepare` once when it starts,
+then for each candidate `compile_and_run`: compile it, run it once on the sweep's inputs, and send back the
+serialized executable and the output's relative error against the sweep's reference. It runs in the worker
+process, so a candidate that crashes, hangs or runs out of memory there takes down only the worker.
 """
 
 from __future__ import annotations
@@ -14,12 +14,23 @@ import jax
 import numpy as np
 from jax.experimental import serialize_executable
 
+from moe_tune.core import settings
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.tuner import workers
 from moe_tune.tuner.candidate import Reference, failure_reason, short
 from moe_tune.tuner.compiling import FAILED, OK, Kernel
+from moe_tune.workers import progress
 
 _inputs: dict[str, Any] = {}
+
+
+def prepare() -> None:
+    """Run by each worker before it serves: the persistent compile cache shared with the sweep's process,
+    when that turned it on (the sweep's process trimmed it)."""
+    if settings.compile_cache_dir_set():
+        from moe_tune.tuner import compile_cache
+
+        compile_cache.enable(trim_to_size=False)
 
 
 def _inputs_here(token: str) -> Any:
@@ -63,7 +74,7 @@ def compile_and_run(kernel: Kernel, config: KernelConfig, index: int, shapes: An
         result["executable"] = payload
     except Exception as e:  # noqa: BLE001
         result["local_reason"] = short(e)
-    workers.progress({"compiled": True, "compile_s": compile_s, "compiles": compiles})
+    progress({"compiled": True, "compile_s": compile_s, "compiles": compiles})
     start, cpu = time.perf_counter(), time.process_time()
     try:
         inputs = _inputs_here(token)  # put on the device once per sweep, outside the run's clocks
