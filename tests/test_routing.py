@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import moe_tune
-from moe_tune.core import routing
+from moe_tune.core import contexts
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.kernels.gather.problem import GatherProblem
@@ -130,13 +130,13 @@ def test_unknown_distribution_is_a_usage_error(tables):
     with pytest.raises(UsageError, match="unknown distribution"):
         moe_tune.moe_mlp(jnp.ones((16, 8)), jnp.ones((16, 4)), jnp.ones((4, 8, 4)), jnp.ones((4, 8, 4)),
                          jnp.ones((4, 4, 8)), 2, distribution="lopsided")
-    assert routing.current() is None  # a failed block leaves nothing behind
+    assert contexts.current_distribution() is None  # a failed block leaves nothing behind
 
 
 def test_blocks_nest_and_restore():
-    assert routing.current() is None
+    assert contexts.current_distribution() is None
     with moe_tune.use_distribution("skewed"):
         with moe_tune.use_distribution("single"):
-            assert routing.for_call(None) == "single" and routing.for_call("uniform") == "uniform"
-        assert routing.current() == "skewed"
-    assert routing.current() is None and routing.for_call(None) is None
+            assert contexts.distribution_for_call(None) == "single" and contexts.distribution_for_call("uniform") == "uniform"
+        assert contexts.current_distribution() == "skewed"
+    assert contexts.current_distribution() is None and contexts.distribution_for_call(None) is None

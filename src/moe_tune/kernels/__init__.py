@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Iterator
 
 from moe_tune.core.errors import UsageError
-from moe_tune.kernels import backend_choice
+from moe_tune.core import contexts
 from moe_tune.kernels.gather.definition import DENSE_GATHER_REDUCE, RAGGED_GATHER, RAGGED_GATHER_REDUCE
 from moe_tune.kernels.kernel_op import KernelOp, Resolved
 from moe_tune.kernels.options import ShapeOption
@@ -45,7 +45,7 @@ def use_backend(op: str, name: str) -> Iterator[str]:
     say). Blocks nest; a UsageError (one line) for an unknown op or backend. Read at trace time, as the tables
     are: a function jitted outside the block keeps the backend it was traced with."""
     get_op(op).backends.get(name)
-    with backend_choice.choose(op, name):
+    with contexts.choose_backend(op, name):
         yield name
 
 

@@ -22,12 +22,11 @@ import jax
 import numpy as np
 
 from moe_tune import profiles
-
-from moe_tune.core import devices
-from moe_tune.kernels import backend_choice
+from moe_tune.core import contexts, devices
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.guard import chip_guard, guard
+from moe_tune.kernels.layer_shape import LayerShape
 from moe_tune.kernels.options import ShapeOption
 
 logger = logging.getLogger("moe_tune")
@@ -45,6 +44,34 @@ class Resolved:
     backend: Backend
     config: KernelConfig
     source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchPlan:
+    """What `moe-tune bench` times beside a backend's tuned and default configs (`KernelOp.bench_plan`), all
+    compiled once and timed interleaved in the same trace rounds.
+
+    - `baseline`: the variant the tuned config is compared with (`<baseline>_vs_tuned`); `advice`: how to run
+      it instead where it is faster.
+    - `variants`: name -> function of the inputs (the op's, with `inputs` added), timed besides `tuned` and
+      `default`; `same_as`: `tuned` / `default` when one of `variants` runs it (timed once, e.g. a choice).
+    - `copy_bytes`: time an elementwise copy of this many bytes too (`copy`: the copy bandwidth); `least_bytes`:
+      the bytes any kernel moves at least, at that bandwidth the memory roofline; `compute_bound`: the
+      variant whose time bounds the compute (a dense matmul of the same FLOPs). 0 / None: no such bound.
+    - `ratios`: extra name -> (numerator, denominator) variant ratios; `shown`: the variants named in the
+      comparison's reference column; `details`: recorded with the result (the valid fraction, ...)."""
+
+    baseline: str
+    advice: str
+    variants: Mapping[str, Callable[[Mapping[str, Any]], Any]]
+    inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    same_as: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    copy_bytes: int = 0
+    least_bytes: int = 0
+    compute_bound: str | None = None
+    ratios: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    shown: tuple[str, ...] = ()
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def freeze_config(config: Any) -> Any:
@@ -122,7 +149,7 @@ class KernelOp(abc.ABC):
         if isinstance(name, Backend):
             return name
         if name is None:  # a `use_backend` block's choice, else the platform's default
-            name = backend_choice.current(self.name)
+            name = contexts.chosen_backend(self.name)
         return self.backends.resolve(name, devices.platform())
 
     def lookup(self, problem: Any, *, backend: str | Backend | None = None, **options: Any) -> profiles.LookupResult:
@@ -148,7 +175,7 @@ class KernelOp(abc.ABC):
         - `given` (a config, or its fields as a dict or `freeze_config` tuple): used as is, validated by
           `coerce_config`; a config the caller passed is never silently replaced (InvalidConfigError).
         - Else the tables (`lookup`: exact, nearest, heuristic default) for the routing `distribution` (None:
-          the `moe_tune.core.routing` block around the call, else the environment's). A looked-up config the
+          the `moe_tune.core.contexts` block around the call, else the environment's). A looked-up config the
           backend cannot run for this problem (`config_error`, e.g. pallas_tpu with a hidden size that is not
           a multiple of 128) runs on the plain-JAX fallback with its default config instead.
         """
@@ -223,6 +250,51 @@ class KernelOp(abc.ABC):
 
     def flops(self, problem: Any) -> int:
         return getattr(problem, "flops", 0)
+
+    # -- what generic code asks of an op (targets, the tuner's inputs thread, bench, report, the layer) ------
+
+    def input_shapes(self, problem: Any, place: Callable[[tuple[int, ...], Any], Any]) -> dict[str, Any] | None:
+        """The inputs `make_inputs` makes for `problem`, each array as `place(shape, dtype)` gives it (the same
+        pytree: QArrays, DynamicQuant), so that a kernel call compiles before (or without) its inputs. None:
+        the op's inputs are not known without making them."""
+        return None
+
+    @property
+    def has_input_shapes(self) -> bool:
+        """Whether the op describes its inputs' shapes (`input_shapes`)."""
+        return type(self).input_shapes is not KernelOp.input_shapes
+
+    def abstract_inputs(self, problem: Any, device: Any = None) -> dict[str, Any]:
+        """The inputs `run` takes, as `jax.ShapeDtypeStruct`s committed to `device` (None: uncommitted), at any
+        size (nothing is allocated); ValueError for an op that does not describe them (`has_input_shapes`)."""
+        sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+        place = lambda shape, dtype: jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype), sharding=sharding)
+        shapes = self.input_shapes(problem, place)
+        if shapes is None:
+            raise ValueError(f"no abstract inputs for op {self.name!r}: its inputs are known only once made")
+        return shapes
+
+    def bench_plan(self, problem: Any, backend: Backend, tuned: KernelConfig, inputs: Mapping[str, Any], *,
+                   distribution: str, seed: int) -> BenchPlan:
+        """What `moe-tune bench` times beside `backend`'s `tuned` and default configs, on the op's `inputs`
+        (host arrays): by default the op's plain-JAX fallback, as `fallback`."""
+        plain = self.backends.get(self.fallback)
+        config = plain.default_config(problem)
+        return BenchPlan(baseline="fallback", advice=f"pass backend={self.fallback!r} for this shape",
+                         variants={"fallback": lambda x: self.run(plain, config, problem, x)})
+
+    def kernel_label(self, direction: str | None) -> str:
+        """The op and direction as a report's `kernel` column names them: the direction shown when the op
+        has several (or for one other than fwd)."""
+        shown = direction and (len(self.directions) > 1 or direction != "fwd")
+        return f"{self.name} {direction}" if shown else self.name
+
+    def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, Any]]:
+        """(role, problem) of each call of this op one `moe_mlp` layer of `layer`'s shape looks up: `runs`
+        `fwd` what serving runs (the layer evaluated), `all` what training runs (a training step, and the
+        evaluation between steps), None every tunable call of the unfused layer in every direction of its
+        ops (what is compiled for a chip). By default none."""
+        return []
 
 
 def checked_options(build: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.core import routing
+from moe_tune.core import contexts
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.layer.fusion_choice import use_fused
@@ -101,7 +101,7 @@ def moe_mlp(
         raise UsageError(f"activation must be a callable or one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if expert_offset is None and local != experts:
         raise UsageError(f"the weights hold {local} experts but the router {experts}: pass expert_offset")
-    distribution = routing.for_call(distribution)  # checked now, and the same for every kernel
+    distribution = contexts.distribution_for_call(distribution)  # checked now, and the same for every kernel
     flags = {"ragged_gather_fallback": ragged_gather_fallback,
              "ragged_gather_reduce_fallback": ragged_gather_reduce_fallback, "distribution": distribution}
 

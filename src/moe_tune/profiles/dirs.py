@@ -4,18 +4,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import platformdirs
 
-from moe_tune.core import paths, settings
-from moe_tune.core.errors import UsageError
+from moe_tune.core import contexts, paths, settings
+from moe_tune.core.contexts import use_profiles  # noqa: F401  (the public name's home for `profiles`)
 
 ENV_PROFILE_DIR = settings.PROFILE_DIR
-_overlays: list[Path] = []
 
 
 def user_dir() -> Path:
@@ -28,7 +25,7 @@ def shipped_dir() -> Path:
 
 def search_dirs() -> list[tuple[str, Path]]:
     """(origin, dir) pairs in lookup order: overlay, env, user, shipped."""
-    found = [("use_profiles", p) for p in reversed(_overlays)]
+    found = [("use_profiles", p) for p in contexts.profile_overlays()]
     env = settings.profile_dir()
     if env is not None:
         found.append(("env", env))
@@ -44,23 +41,6 @@ def write_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 def table_path(directory: Path, device_kind: str, op: str) -> Path:
     return Path(directory) / device_kind / f"{op}.json"
-
-
-@contextlib.contextmanager
-def use_profiles(path: str | os.PathLike) -> Iterator[Path]:
-    """Within the block, tables under `path` take precedence over every other profile dir.
-
-    Lookups happen when a function is traced: a function jitted before entering the block keeps the
-    configs it was traced with.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise UsageError(f"use_profiles takes a directory path (str or os.PathLike), got {type(path).__name__}")
-    directory = Path(path).expanduser()
-    _overlays.append(directory)
-    try:
-        yield directory
-    finally:
-        _overlays.remove(directory)
 
 
 def writable_dir(directory: str | os.PathLike) -> Path:

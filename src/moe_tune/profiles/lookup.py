@@ -31,7 +31,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moe_tune.core import chips, devices, distributions, routing, settings
 from moe_tune.core.errors import TableError, UsageError, warn_caller
 from moe_tune.profiles import dirs
 from moe_tune.profiles import intervals as _intervals
@@ -41,6 +40,7 @@ from moe_tune.profiles.key import key_fields, key_from_fields
 from moe_tune.profiles.protocols import BackendLike, ProblemLike
 from moe_tune.profiles.table import read_table_cached
 from moe_tune.profiles.versions import StaleEntryError
+from moe_tune.core import chips, contexts, devices, distributions, settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class LookupResult:
 def runtime_distribution() -> str:
     """The group-size distribution the runtime assumes when it looks entries up and no call says one: the
     innermost `moe_tune.use_distribution` block's, else $MOE_TUNE_DISTRIBUTION's, else `balanced`."""
-    return distributions.check_name(routing.current() or settings.distribution() or distributions.DEFAULT)
+    return distributions.check_name(contexts.current_distribution() or settings.distribution() or distributions.DEFAULT)
 
 
 _warned: set[Any] = set()

@@ -23,19 +23,17 @@ and what differs). Set by, highest first: `lookup(..., stale_policy=...)`, `use_
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from moe_tune.core import settings
-from moe_tune.core.errors import TableError, UsageError
+from moe_tune.core import contexts, settings
+from moe_tune.core.contexts import DEFAULT_STALE_POLICY, STALE_POLICIES, check_policy, use_stale_policy  # noqa: F401
+from moe_tune.core.errors import TableError
 from moe_tune.profiles.entry import Entry
 
 ENV_STALE_POLICY = settings.STALE_POLICY
-STALE_POLICIES = ("use", "skip", "error")
-DEFAULT_STALE_POLICY = "use"
 DISTRIBUTIONS = ("jax", "jaxlib", "moe-tune", "tune-jax")
 UNRECORDED_REVISION = 1  # what an entry without `backend_revision` is taken to have been tuned with
 
@@ -67,39 +65,17 @@ def entry_versions(backend: Any) -> dict[str, Any]:
     return {**installed_versions(), "backend_revision": int(getattr(backend, "revision", UNRECORDED_REVISION))}
 
 
-def check_policy(policy: str, source: str = "stale policy") -> str:
-    if policy not in STALE_POLICIES:
-        raise UsageError(f"unknown {source} {policy!r}; choose from {', '.join(STALE_POLICIES)}")
-    return policy
-
-
-_policy_stack: list[str] = []
-
-
 def stale_policy(explicit: str | None = None) -> str:
     """The policy in force: `explicit`, else the innermost `use_stale_policy` block, else the environment."""
     if explicit is not None:
         return check_policy(explicit)
-    if _policy_stack:
-        return _policy_stack[-1]
+    block = contexts.block_stale_policy()
+    if block is not None:
+        return block
     env = settings.stale_policy()
     if env is None:
         return DEFAULT_STALE_POLICY
     return check_policy(env, f"${ENV_STALE_POLICY}")
-
-
-@contextlib.contextmanager
-def use_stale_policy(policy: str) -> Iterator[str]:
-    """Within the block, lookups treat stale entries by `policy` (`use`, `skip` or `error`).
-
-    Like `use_profiles`, this acts when a function is traced: a function jitted before the block keeps the
-    configs it was traced with.
-    """
-    _policy_stack.append(check_policy(policy))
-    try:
-        yield policy
-    finally:
-        _policy_stack.pop()
 
 
 def _minor(version: Any) -> tuple[int, int] | None:

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_tune.core import routing, settings
+from moe_tune.core import contexts, settings
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.plain_jax import row_range_mask
@@ -41,7 +41,7 @@ class _Kernel:
     op: str
     backend: str
     given: Any = None  # a config, or its `freeze_config` tuple; None asks the tables
-    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.core.routing`)
+    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.core.contexts`)
 
     def gather(self, x, indices, start, end, weights):
         problem = GatherProblem(tokens=x.shape[0], rows=indices.shape[0], hidden=x.shape[1],
@@ -71,7 +71,7 @@ def _kernels(forward_op: str, backward_op: str, backend: str | None, config: Any
     `distribution` (None: the `moe_tune.use_distribution` block, else the environment) is what both look up."""
     gather_fb = settings.ragged_gather_fallback() if gather_fallback is None else bool(gather_fallback)
     reduce_fb = settings.ragged_gather_reduce_fallback() if reduce_fallback is None else bool(reduce_fallback)
-    distribution = routing.for_call(distribution)
+    distribution = contexts.distribution_for_call(distribution)
     kernel = lambda op, given=None: _Kernel(op, OPS[op].backend(
         backend, force_fallback=gather_fb if op == "ragged_gather" else reduce_fb).name, given, distribution)
     return _Kernels(kernel(forward_op, freeze_config(config)), kernel(backward_op))

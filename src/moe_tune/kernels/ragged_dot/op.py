@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.core import routing
+from moe_tune.core import contexts
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem, int_scalar
@@ -32,7 +32,7 @@ class _Call:
     problem: RaggedDotProblem
     given: tuple[tuple[str, Any], ...]  # (direction, config or `freeze_config` tuple)
     ste: tuple[AsQArray | None, AsQArray | None] = (None, None)
-    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.core.routing`)
+    distribution: str | None = None  # the routing the tables are asked for (`moe_tune.core.contexts`)
     lhs_quant: tuple[str, int] | None = None  # (qdtype, block) of activations the fwd kernel quantizes
 
     def fwd_lhs(self, lhs):
@@ -221,7 +221,7 @@ def ragged_dot(
         nearest m, else the backend's heuristic default) when they are traced.
       distribution: the routing (group-size distribution: `balanced`, `skewed`, ...) the table lookups assume,
         for every direction; None: the `moe_tune.use_distribution` block around the call, else
-        $MOE_TUNE_DISTRIBUTION, else `balanced` (`moe_tune.core.routing`).
+        $MOE_TUNE_DISTRIBUTION, else `balanced` (`moe_tune.core.contexts`).
       lhs_quant: "int8" (or "float8_e4m3fn"): dynamic w8a8, with quantized weights. The forward kernel
         quantizes each lhs tile where it loads it, symmetric absmax per row and `lhs_quant_block` elements
         along k (default: rhs's scale block; k for per-channel weights), the scale from the tile itself (no
@@ -243,5 +243,5 @@ def ragged_dot(
     impl = RAGGED_DOT.backend(backend)
     group_sizes, group_offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
     call = _Call(impl.name, problem, given_configs(config), (_ste_template(lhs), _ste_template(rhs)),
-                 routing.for_call(distribution), lhs_quant=dynamic)
+                 contexts.distribution_for_call(distribution), lhs_quant=dynamic)
     return _ragged_dot(lhs, rhs, group_sizes, group_offset, call)
