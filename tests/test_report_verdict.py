@@ -124,7 +124,7 @@ def test_a_new_sweep_records_its_verdict_and_the_final_round(isolated_profiles):
     finalists = verdict.finalists
     assert finalists[0]["config"] == entry.config and finalists[0]["median_s"] == entry.median_s
     # --samples 2: the final round takes twice as many, never fewer than the rule's minimum, and for short calls
-    # about final_time_s of calls each (tuner.finals.final_samples, from the slowest finalist's sweep round)
+    # about final_time_s of calls each (tuner.measure.final_samples, from the slowest finalist's sweep round)
     assert sum(f["is_default"] for f in finalists) == 1
     expected = final_samples(SweepSettings(samples=2), max(f["first_median_s"] for f in finalists))
     assert expected >= max(4, MIN_FINAL_SAMPLES) and len({f["samples"] for f in finalists}) == 1

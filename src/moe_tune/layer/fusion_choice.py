@@ -188,7 +188,7 @@ def memory_parts(problem: FusionProblem) -> dict[str, int]:
     - worker: what each compile worker process adds (`--workers` >= 2): its own device copy of the inputs, one
       candidate's run, and the process itself (the shared file is mapped, not copied);
     - shared: with workers, the inputs and the reference written once to a shared-memory file
-      (`tuner/shared_payload.py`);
+      (`tuner/inputs.py`);
     - process: the sweep's own Python process with JAX."""
     p, size = problem, jnp.dtype(problem.dtype).itemsize
     weights = 3 * p.local_experts * p.hidden * p.intermediate

@@ -2,7 +2,7 @@
 win needs.
 
 A sweep times every candidate once (its sweep round), then re-times the fastest few and the default side by
-side (the final round, `tuner.finals`), each with at least `MIN_FINAL_SAMPLES` samples whatever `--samples`
+side (the final round, `tuner.measure`), each with at least `MIN_FINAL_SAMPLES` samples whatever `--samples`
 says: fewer cannot estimate the noise. The verdict is one of
 
 - `beat_default`: the fastest finalist beat the default by more than the noise, every finalist with at least

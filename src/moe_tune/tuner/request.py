@@ -46,14 +46,14 @@ class SweepSettings:
     strategy: str = "grid"  # see tuner.strategies
     budget: int | None = None  # at most this many candidates
     time_budget_s: float | None = None  # start no new chunk of candidates after this many seconds
-    max_candidates: int | None = None  # the default and a seeded sample spread across the space (tuner.sampling)
+    max_candidates: int | None = None  # the default and a seeded sample spread across the space (strategies.spread)
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
     keep_trace_dir: Path | None = None  # keep the profiler traces (xplane) here
     fresh: bool = False  # delete the sweep log first (no resume)
     finalists: int = 4  # the fastest N (and the default) are re-timed together before the winner is chosen
     # the final round gives each finalist about this many seconds of calls (short calls get more than the
-    # samples above, up to tuner.finals.MAX_FINAL_SAMPLES); 0 for the samples alone
+    # samples above, up to tuner.measure.MAX_FINAL_SAMPLES); 0 for the samples alone
     final_time_s: float = 0.3
     batch_size: int = 8  # candidates timed together (interleaved); a kill loses at most one batch
     compile_timeout_s: float = 600.0  # per candidate, compile + first run in a worker (not its start-up)
