@@ -267,16 +267,15 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
     """Time the config the runtime would use against the default and the baselines, on this device.
 
     ragged_dot: vs jax.lax.ragged_dot and a dense matmul of the same FLOPs; dispatch / combine: vs the
-    plain-JAX fallback and a copy of the same bytes."""
+    plain-JAX fallback and a copy of the same bytes; each op's baselines are its own. --model: every kernel
+    call the layer runs (training's unless --direction fwd; --op: that op's)."""
     from moe_tune.commands import bench as benches
 
-    if model is not None:
-        cases = [(case.op, case.problem) for _, case in presets.layer_cases(
-            presets.get_preset(model), shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
-            quant=quant_options(shape))]
-        cases += [(case.op, case.problem) for _, case in presets.layer_cases(  # the layer fused vs unfused
-            presets.get_preset(model), shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
-            quant=quant_options(shape), direction="fwd") if case.op == "moe_fusion"]
+    if model is not None:  # what the layer runs: --op and --direction (fwd: serving, all: training) as given
+        given = lambda name: click.get_current_context().get_parameter_source(name).name != "DEFAULT"
+        cases = benches.model_cases(model, shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
+                                    quant=quant_options(shape), op=op if given("op") else None,
+                                    direction=direction if given("direction") else None)
     else:
         cases = [(op, problem) for problem in problems(op, direction, shape)]
     distribution = distribution or distributions.DEFAULT

@@ -12,11 +12,12 @@ import pandas as pd
 from moe_tune.commands.breakdown.ops import Breakdown
 from moe_tune.core.errors import UsageError, warn_caller
 from moe_tune.core.quant_format import QuantFormat
-from moe_tune.profiles import dirs, evidence
+from moe_tune.kernels import get_op
+from moe_tune.profiles import dirs
 from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.intervals import describe_interval, interval_of_entry
 from moe_tune.profiles.table import read_table
-from moe_tune.profiles.verdict import BEAT_DEFAULT, verdict_of
+from moe_tune.profiles.verdict import BEAT_DEFAULT, budget_text, verdict_of, verdict_words
 
 # (newer columns come last: scripts that read the csv by position keep working)
 COLUMNS = [
@@ -24,10 +25,12 @@ COLUMNS = [
     "time_ms", "default_ms", "speedup", "verdict", "tried", "failed", "wrong", "timing", "source", "tuned_at", "key",
     "kernel", "verdict_detail", "budget", "config_short", "interval",
 ]
-# The default rich table: what a person reads first, narrow enough for 160 columns. `--all` shows
-# ALL_TABLE_COLUMNS, `--columns` any of COLUMNS.
+# The default rich table: what a person reads first, one line per entry where it fits (the shipped tables' rows
+# need about 230 columns: fused shapes and GPU configs are the longest); on a narrower terminal the
+# WRAP_COLUMNS wrap, nothing is cut. `--all` shows ALL_TABLE_COLUMNS, `--columns` any of COLUMNS.
 COMPACT_COLUMNS = ["kernel", "shape", "interval", "dtype", "backend", "config_short", "speedup", "verdict",
                    "source"]
+WRAP_COLUMNS = ("shape", "config", "config_short", "verdict", "verdict_detail", "budget", "quant")
 # Column headers that differ from the frame's column names.
 HEADERS = {"config_short": "config"}
 ALL_TABLE_COLUMNS = ["device_kind", "kernel", "backend", "shape", "interval", "dtype", "quant", "quant_error", "distribution",
@@ -163,7 +166,7 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "device_kind": table.get("device_kind"),
         "op": op,
         "direction": direction,
-        "kernel": f"{op} {direction}" if direction and direction != "fwd" or op == "ragged_dot" else op,
+        "kernel": _kernel_label(op, direction),
         "backend": fields.get("backend"),
         "shape": shape_label(fields),
         "dtype": dtype_label(fields),
@@ -175,9 +178,9 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "time_ms": _ms(median),
         "default_ms": _ms(entry.default_median_s),
         "speedup": entry.speedup or float("nan"),
-        "verdict": evidence.verdict_words(entry),
+        "verdict": verdict_words(entry),
         "verdict_detail": verdict.label,
-        "budget": evidence.budget_text(entry.search, entry.count("tried")) if isinstance(entry.search, dict) else "-",
+        "budget": budget_text(entry.search, entry.count("tried")) if isinstance(entry.search, dict) else "-",
         "tried": entry.count("tried"), "failed": entry.count("failed"), "wrong": entry.count("wrong"),
         "timing": entry.timing_method,
         "source": SOURCES.get(origin, origin),
@@ -185,6 +188,15 @@ def _row(entry: Entry, table: dict[str, Any], origin: str) -> dict[str, Any]:
         "key": entry.key,
         "interval": _interval_text(table, entry.key),
     }
+
+
+def _kernel_label(op: str | None, direction: str | None) -> str:
+    """The `kernel` column: the op's own label (`KernelOp.kernel_label`); for a table of an op this package
+    does not know, its name and any direction but fwd."""
+    try:
+        return get_op(op).kernel_label(direction)
+    except UsageError:
+        return f"{op} {direction}" if direction and direction != "fwd" else str(op)
 
 
 def _interval_text(table: dict[str, Any], key: str) -> str:

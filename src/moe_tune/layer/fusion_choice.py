@@ -28,7 +28,9 @@ from moe_tune.layer.fused_layer import can_fuse
 from moe_tune.kernels import get_op
 from moe_tune.layer.reference import SEEDED_CHECKED, check_parts, check_size, check_vector, checked_experts
 from moe_tune.kernels.options import ShapeOption
-from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
+from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, check_positive, dtype_name, supported_dtype
+from moe_tune.core.quant import QArray, check_operand, quantize
+from moe_tune.core.quant_format import QuantFormat
 
 INTERMEDIATE = ShapeOption("intermediate", int, "moe_fusion: one expert's FFN width.", listable=True)
 DIRECTIONS = ("fwd", "bwd")
@@ -42,6 +44,7 @@ class FusionProblem:
     expert-parallel size (the shard holds experts / ep experts), dtype of activations and weights."""
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("tokens",)
+    OPTIONAL_KEY_FIELDS: ClassVar[tuple[str, ...]] = ("rhs_qdtype", "rhs_qblock")
 
     tokens: int
     hidden: int
@@ -51,6 +54,10 @@ class FusionProblem:
     ep: int = 1
     dtype: str = "float32"
     direction: str = "fwd"  # fwd: the forward timed; bwd: forward and backward timed together
+    # quantized expert weights (all three QArrays scaled along their k: hidden for gate and up, intermediate
+    # for down), `QuantFormat`'s rule: rhs_qblock elements per scale, None one scale per channel (mxfp4: 32)
+    rhs_qdtype: str | None = None
+    rhs_qblock: int | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, ("tokens", "hidden", "intermediate", "experts", "top_k", "ep"))
@@ -61,15 +68,32 @@ class FusionProblem:
             raise UsageError(f"moe_fusion's directions are {' and '.join(DIRECTIONS)} (forward+backward); got "
                              f"{self.direction!r}")
         object.__setattr__(self, "dtype", supported_dtype(self.dtype))
+        if self.rhs_qdtype is None:
+            if self.rhs_qblock is not None:
+                raise UsageError("rhs_qblock given without rhs_qdtype")
+            return
+        form = QuantFormat.parse(self.rhs_qdtype, self.rhs_qblock, dtype_arg="rhs_qdtype", block_arg="rhs_qblock")
+        for axis, size in (("hidden", self.hidden), ("intermediate", self.intermediate)):
+            form.along(size, axis=axis, block_arg="rhs_qblock")  # gate and up along hidden, down along intermediate
+        object.__setattr__(self, "rhs_qdtype", form.dtype)
+        object.__setattr__(self, "rhs_qblock", form.block)
+
+    @property
+    def rhs_format(self) -> QuantFormat | None:
+        """The expert weights' quantization (block None: one scale per channel), None for float weights."""
+        return None if self.rhs_qdtype is None else QuantFormat(self.rhs_qdtype, self.rhs_qblock)
 
     @property
     def local_experts(self) -> int:
         return self.experts // self.ep
 
     def key_fields(self) -> dict[str, Any]:
-        return {"direction": self.direction, "tokens": self.tokens, "hidden": self.hidden,
-                "intermediate": self.intermediate, "experts": self.experts, "top_k": self.top_k, "ep": self.ep,
-                "dtype": self.dtype}
+        fields = {"direction": self.direction, "tokens": self.tokens, "hidden": self.hidden,
+                  "intermediate": self.intermediate, "experts": self.experts, "top_k": self.top_k, "ep": self.ep,
+                  "dtype": self.dtype}
+        if self.rhs_qdtype is not None:  # only when quantized: the float layers' keys stay what they were
+            fields.update(rhs_qdtype=self.rhs_qdtype, rhs_qblock=self.rhs_qblock)
+        return fields
 
     @classmethod
     def from_key_fields(cls, fields: dict[str, Any]) -> "FusionProblem":
@@ -130,13 +154,36 @@ def layer_inputs(problem: FusionProblem, distribution: str, seed: int) -> dict[s
               "w_gate": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
               "w_up": normal(local, p.hidden, p.intermediate, fan_in=p.hidden),
               "w_down": normal(local, p.intermediate, p.hidden, fan_in=p.intermediate)}
+    if p.rhs_qdtype is not None:  # QArrays of NumPy arrays, scaled along each weight's k (axis 1)
+        for name in WEIGHTS:
+            q = quantize(inputs[name].astype(np.float32), p.rhs_qdtype, axis=1, block_size=p.rhs_qblock)
+            inputs[name] = jax.tree.map(np.asarray, q)
     if p.direction == "bwd":
         inputs["cotangent"] = normal(p.tokens, p.hidden, fan_in=1)
-        inputs["checked_experts"] = checked_experts(p, logits, rng)
+        # quantized weights are constants: no weight gradient to check
+        inputs["checked_experts"] = (checked_experts(p, logits, rng) if p.rhs_qdtype is None
+                                     else np.zeros((0,), np.int32))
     return inputs
 
 
+def weights_quant(weights: tuple) -> dict[str, Any] | None:
+    """The `FusionProblem` quantization fields of `moe_mlp`'s (w_gate, w_up, w_down): {} for float weights,
+    rhs_qdtype / rhs_qblock when all three are QArrays of one dtype in one block (None: one scale per channel,
+    each along its k), None for weights no problem describes (mixed float and quantized, two dtypes or
+    blocks): the choice's default."""
+    if not any(isinstance(w, QArray) for w in weights):
+        return {}
+    if not all(isinstance(w, QArray) for w in weights) or len({w.dtype.name for w in weights}) != 1:
+        return None
+    blocks = [check_operand(w, name=name, layout=RHS_LAYOUT) for name, w in zip(WEIGHTS, weights)]
+    per_channel = all(block == w.shape[1] for block, w in zip(blocks, weights))
+    if not per_channel and len(set(blocks)) != 1:
+        return None
+    return {"rhs_qdtype": weights[0].dtype.name, "rhs_qblock": None if per_channel else blocks[0]}
+
+
 LAYER_OPERANDS = ("x", "router_logits", "w_gate", "w_up", "w_down")
+WEIGHTS = LAYER_OPERANDS[2:]
 
 
 def training_check(grads: Sequence[jax.Array], checked: jax.Array) -> jax.Array:
@@ -162,9 +209,12 @@ def use_fused(fused: bool | None, *, tokens: int, hidden: int, intermediate: int
         return bool(fused)
     if can_fuse(*weights) is not None:
         return False
+    quant = weights_quant(weights)
+    if quant is None:  # weights no problem describes: the choice's default
+        return bool(BACKENDS.get("layer").default_config(None).fused)
     problem = FusionProblem(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                             ep=experts // local if experts % local == 0 else 1, dtype=dtype_name(dtype),
-                            direction=direction)
+                            direction=direction, **quant)
     options = {} if distribution is None else {"distribution": distribution}
     # the op object is the layer room's (`layer.fusion_op`), registered with the kernels' ops
     return bool(get_op("moe_fusion").resolve_config(None, problem, **options).config.fused)

@@ -15,7 +15,8 @@ from importlib import resources
 from typing import Any
 
 from moe_tune.core.errors import UsageError
-from moe_tune.kernels import get_op
+from moe_tune.kernels import get_op, op_names
+from moe_tune.kernels.layer_shape import LayerShape
 
 DATA_FILE = "data/models.json"
 # What one layer of a preset is swept, benched and listed at unless told otherwise (the one place these live).
@@ -98,69 +99,50 @@ def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, e
 
 def layer_runs(preset: ModelPreset, tokens: int, *, dtype: str, ep: int = 1, quant: Mapping[str, Any] | None = None,
                direction: str = "all") -> list[KernelCase]:
-    """The kernel calls one layer of `moe_tune.moe_mlp` runs, to tune: serving (`fwd`) runs the forward
-    ragged_dots, dispatch and combine; training (`all`) also runs the ragged_dot gradients of its float
-    operands (a `QArray` is a constant: quantized weights have no drhs, quantized activations no dlhs) and
-    the backward's gathers: the combine's gradient is a weighted `ragged_gather` of d(out) rows (role
-    `combine bwd`), the dispatch's a `ragged_gather_reduce` (role `dispatch bwd`; with ep > 1 the combine's own
-    key). UsageError for another direction."""
+    """The kernel calls one layer of `moe_tune.moe_mlp` looks up, to tune, each op's answer
+    (`KernelOp.layer_calls`, in the ops' order: the choice between the fused and unfused paths, timed with both
+    paths' kernels tuned, last): serving (`fwd`) evaluates the layer, training (`all`) differentiates it and
+    evaluates it between steps. E.g. training runs the ragged_dot gradients of the float operands only (a
+    `QArray` is a constant), the backward's gathers, and the fused dispatch both with its activation
+    (evaluated) and without it (differentiated: its backward needs the pre-activation product). UsageError
+    for another direction."""
     if direction not in LAYER_DIRECTIONS:
         raise UsageError(f"a model's layer is tuned for serving (--direction fwd) or training (--direction all), "
                          f"not {direction!r}")
-    quant = quant or {}
-    constant = {d for d, side in (("drhs", "rhs_quant"), ("dlhs", "lhs_quant")) if quant.get(side) is not None}
-    constant -= {"dlhs"} if quant.get("lhs_dynamic") else set()  # activations quantized in the kernel: float x
-    wanted = {"fwd"} if direction == "fwd" else set(get_op("ragged_dot").directions) - constant
-    cases = [c for c in kernel_problems(preset, tokens, ep=ep, dtype=dtype, quant=quant)
-             if c.op != "ragged_dot" or c.problem.direction in wanted]
-    if direction == "all":
-        gather = _gather_options(preset, tokens, ep, dtype)
-        cases += [_build("ragged_gather", "combine bwd", {**gather, "weighted": True}),
-                  _build("ragged_gather_reduce", "dispatch bwd", gather)]
-    return cases + fused_runs(preset, tokens, ep=ep, dtype=dtype, quant=quant, direction=direction)
+    return _calls(layer_shape(preset, tokens, ep=ep, dtype=dtype, quant=quant), direction)
 
 
 def fused_runs(preset: ModelPreset, tokens: int, *, ep: int, dtype: str, quant: Mapping[str, Any],
                direction: str) -> list[KernelCase]:
-    """The fused path's kernel calls (`kernels/fused_moe/`, SiLU-gated experts), then the choice between the
-    two paths (`moe_fusion`, timed with both paths' kernels tuned, so last; training also times the layer's
-    forward+backward, direction bwd). Serving runs the gated dispatch (`fused gate/up`) and the combine
-    (`fused down`) forward; training runs the dispatch forward without the
-    activation (its backward needs the pre-activation product), both stages' backward, and the combine.
-    Quantized weights (rhs) are fused too; quantized activations are not (then no fused cases), and the
-    choice is not keyed on quantization (a quantized layer gets moe_fusion's default)."""
-    if quant.get("lhs_quant") is not None or quant.get("lhs_dynamic"):
-        return []
-    weights = {k: quant[k] for k in ("rhs_quant", "quant_block") if quant.get(k) is not None}
-    layer = {"tokens": tokens, "top_k": preset.top_k, "groups": preset.experts // ep, "ep": ep, "dtype": dtype,
-             **weights}
-    gate_up = {**layer, "stage": "dispatch", "k": preset.hidden, "n": 2 * preset.expert_intermediate}
-    down = {**layer, "stage": "combine", "k": preset.expert_intermediate, "n": preset.hidden}
-    if direction == "fwd":
-        cases = [_build("fused_moe", "fused gate/up", {**gate_up, "glu": "silu"}),
-                 _build("fused_moe", "fused down", down)]
-    else:
-        cases = [_build("fused_moe", "fused gate/up", gate_up),
-                 _build("fused_moe", "fused gate/up", {**gate_up, "glu": "silu"}, "bwd"),
-                 _build("fused_moe", "fused down", down), _build("fused_moe", "fused down", down, "bwd")]
-    if not weights:  # training: the forward's choice (evaluation) and the one timed forward+backward
-        choice = {"tokens": tokens, "hidden": preset.hidden, "intermediate": preset.expert_intermediate,
-                  "experts": preset.experts, "top_k": preset.top_k, "ep": ep, "dtype": dtype}
-        cases += [_build("moe_fusion", "fused or not", choice, d) for d in (("fwd",) if direction == "fwd" else
-                                                                             ("fwd", "bwd"))]
-    return cases
+    """The fused path's calls of `layer_runs` (`fused_moe`), then the choice between the two paths
+    (`moe_fusion`)."""
+    layer = layer_shape(preset, tokens, ep=ep, dtype=dtype, quant=quant)
+    return _calls(layer, direction, ops=("fused_moe", "moe_fusion"))
 
 
-def _build(op: str, role: str, options: dict[str, Any], direction: str = "fwd") -> KernelCase:
-    """A case built by the op object from the options it takes (`KernelOp.option_names`)."""
-    kernel_op = get_op(op)
-    taken = {key: value for key, value in options.items() if key in kernel_op.option_names}
-    return KernelCase(op=op, role=role, problem=kernel_op.problem(**taken, direction=direction))
+def layer_shape(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16",
+                quant: Mapping[str, Any] | None = None) -> LayerShape:
+    """One shard's layer of `preset` for `tokens` tokens (checked: UsageError for a bad count or ep)."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise UsageError(f"tokens must be a positive integer, got {tokens!r}")
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise UsageError(f"ep must be a positive integer, got {ep!r}")
+    if preset.experts % ep:
+        raise UsageError(f"ep ({ep}) must divide {preset.name}'s {preset.experts} experts")
+    return LayerShape(tokens=tokens, hidden=preset.hidden, intermediate=preset.expert_intermediate,
+                      experts=preset.experts, top_k=preset.top_k, ep=ep, dtype=dtype, quant=dict(quant or {}))
+
+
+def _calls(layer: LayerShape, runs: str | None, ops: tuple[str, ...] | None = None) -> list[KernelCase]:
+    """Every op's calls in `layer` for `runs` (`KernelOp.layer_calls`), in the ops' order."""
+    return [KernelCase(op=name, role=role, problem=problem) for name in (ops or op_names())
+            for role, problem in get_op(name).layer_calls(layer, runs)]
 
 
 def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "bfloat16",
                     quant: Mapping[str, Any] | None = None) -> list[KernelCase]:
-    """Every tunable kernel call of one MoE layer of `preset`, for `tokens` tokens per expert-parallel shard.
+    """Every tunable kernel call of one unfused MoE layer of `preset` in every direction of its ops, for
+    `tokens` tokens per expert-parallel shard (each op's `layer_calls(layer, None)`).
 
     Convention: `tokens` is the number of tokens one shard routes (x [tokens, hidden] on that shard); with
     `ep` shards there are `ep * tokens` tokens in the layer. Each shard holds `groups = experts / ep` experts
@@ -181,25 +163,4 @@ def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str
     options (`rhs_quant`, `lhs_quant`, `quant_block`; kernels/options.py `QUANT`) for a quantized layer:
     only the ragged_dot cases take them, the gathers stay float.
     """
-    if not isinstance(tokens, int) or tokens < 1:
-        raise UsageError(f"tokens must be a positive integer, got {tokens!r}")
-    if not isinstance(ep, int) or ep < 1:
-        raise UsageError(f"ep must be a positive integer, got {ep!r}")
-    if preset.experts % ep:
-        raise UsageError(f"ep ({ep}) must divide {preset.name}'s {preset.experts} experts")
-    m, groups = tokens * preset.top_k, preset.experts // ep
-    matmuls = [("gate/up", preset.hidden, preset.expert_intermediate),
-               ("down", preset.expert_intermediate, preset.hidden)]
-    cases = [_build("ragged_dot", role, {"m": m, "k": k, "n": n, "groups": groups, "dtype": dtype, **(quant or {})},
-                    direction)
-             for role, k, n in matmuls for direction in get_op("ragged_dot").directions]
-    gather = _gather_options(preset, tokens, ep, dtype)
-    cases.append(_build("ragged_gather", "dispatch", gather))
-    cases.append(_build("ragged_gather_reduce" if ep > 1 else "dense_gather_reduce", "combine", gather))
-    return cases
-
-
-def _gather_options(preset: ModelPreset, tokens: int, ep: int, dtype: str) -> dict[str, Any]:
-    """The gather ops' options of one layer (dispatch, combine and their gradients)."""
-    return {"tokens": tokens, "hidden": preset.hidden, "top_k": preset.top_k, "experts": preset.experts, "ep": ep,
-            "dtype": dtype}
+    return _calls(layer_shape(preset, tokens, ep=ep, dtype=dtype, quant=quant), None)

@@ -32,7 +32,6 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from moe_tune.core import devices
-from moe_tune.targets.calls import DESCRIBED_OPS, abstract_inputs
 from moe_tune.tuner.candidate import Reference
 
 _sent: tuple[Any, list[weakref.ref], str, Any] | None = None  # (treedef, leaves, token, host inputs)
@@ -84,7 +83,8 @@ class SweepInputs:
     def prepare(cls, op: Any, problem: Any, distribution: str, seed: int) -> SweepInputs:
         """`op.make_inputs(problem, distribution, seed)`, its reference and device copy on a thread (the
         inputs here first when their shapes cannot be known without them)."""
-        abstract = _shapes(abstract_inputs(op.name, problem)) if getattr(op, "name", None) in DESCRIBED_OPS else None
+        abstract = abstract_inputs(op, problem)
+        abstract = None if abstract is None else _shapes(abstract)
         host = op.make_inputs(problem, distribution, seed) if abstract is None else None
         made = cls(_shapes(host) if abstract is None else abstract, uuid.uuid4().hex)
 
@@ -95,7 +95,7 @@ class SweepInputs:
                     host = op.make_inputs(problem, distribution, seed)
                     if _shapes(host) != made.shapes:
                         raise RuntimeError(f"moe-tune bug: {op.name}'s inputs {_shapes(host)} are not the shapes "
-                                           f"targets/calls.py gives ({made.shapes})")
+                                           f"its input_shapes give ({made.shapes})")
                 with threadpool_limits(limits=1, user_api="blas"):
                     reference = Reference.of(op.reference(problem, host))
                 made._payload = (host, reference)
@@ -167,6 +167,12 @@ class SweepInputs:
         if self._payload is None:
             self.wait()  # raises what making them raised
         return self._payload
+
+
+def abstract_inputs(op: Any, problem: Any) -> Any:
+    """The op's inputs as shapes before they are made (`KernelOp.abstract_inputs`), None for an op that knows
+    them only once made (`has_input_shapes`)."""
+    return op.abstract_inputs(problem) if getattr(op, "has_input_shapes", False) else None
 
 
 def _shapes(inputs: Any) -> Any:

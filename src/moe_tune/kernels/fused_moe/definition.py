@@ -3,6 +3,7 @@ inputs, the float64 references."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from moe_tune.kernels.fused_moe.problem import DIRECTIONS, STAGES, FusedMoeProbl
 from moe_tune.kernels.fused_moe.reference import gather_gmm_reference, gmm_combine_reference, local_row_range
 from moe_tune.kernels.fused_moe.registry import BACKENDS, FALLBACK
 from moe_tune.kernels.kernel_op import KernelOp
+from moe_tune.kernels.layer_shape import LayerShape
 from moe_tune.kernels.ragged_dot.definition import requested_format
 from moe_tune.kernels.options import ShapeOption
 from moe_tune.core.quant import QArray, dequantize_host, quantize
@@ -30,6 +32,16 @@ NO_GLU = "none"
 GLU = ShapeOption("glu", (*ACTIVATIONS, NO_GLU), "fused_moe: the gated activation of the dispatch's epilogue "
                   "(default: silu; none: no activation, n is then gate and up concatenated, as a training "
                   "layer's forward dispatch keeps them for its backward).")
+
+# The activation of the layer's gated experts (`moe_mlp`'s default, the presets' models'): its dispatch's epilogue.
+LAYER_GLU = "silu"
+
+
+def forward_glu(glu: str | None, *, differentiated: bool) -> str | None:
+    """The glu a dispatch's forward kernel runs and is looked up with: a differentiated one runs none and keeps
+    the pre-activation product, on which its backward differentiates the activation (`op.gather_gmm`)."""
+    return None if differentiated else glu
+
 
 # The default sweep: the gate/up dispatch of one Qwen3-30B-A3B MoE layer (hidden 2048, expert width 768, 128
 # experts, top-8) for 512 tokens: 4096 rows, [2048, 1536] concatenated weights, SiLU.
@@ -132,6 +144,52 @@ class FusedMoeOp(KernelOp):
         out_rows = p.m if p.kernel == "gather_gmm" else p.tokens
         out_cols = p.k if p.direction == "bwd" else (p.out_n if p.stage == "dispatch" else p.n)
         return 2 * (a + 12 * p.m) + rhs + out_rows * out_cols * (8 + size)
+
+    def input_shapes(self, problem: FusedMoeProblem, place) -> dict[str, Any]:
+        """`make_inputs`' arrays (`a`, rows, rhs, group sizes, weights) as `place` gives them."""
+        p = problem
+        token_side = (p.stage == "dispatch") == (p.direction == "fwd")  # x of dispatch, dout of combine's bwd
+        a_cols = p.k if p.direction == "fwd" else p.n
+
+        def weights(n: int):
+            if p.rhs_qdtype is None:
+                return place((p.groups, p.k, n), p.dtype)
+            return QArray(place((p.groups, p.k, n), p.rhs_qdtype),  # scaled along k: [g, k / qblock, n] float32
+                          place((p.groups, p.k // p.rhs_qblock, n), jnp.float32))
+
+        rhs = (weights(p.n // 2), weights(p.n // 2)) if p.rhs_parts == 2 else weights(p.n)  # gate and up parts
+        inputs = {"a": place((p.tokens if token_side else p.m, a_cols), p.dtype), "rows": place((p.m,), jnp.int32),
+                  "rhs": rhs, "group_sizes": place((p.num_group_sizes,), jnp.int32),
+                  "weights": place((p.m,), jnp.float32)}
+        if p.total_groups:
+            inputs["group_offset"] = place((), jnp.int32)
+        return inputs
+
+    def looked_up(self, problem: FusedMoeProblem, *, differentiated: bool) -> list[FusedMoeProblem]:
+        """The problems one call of a stage (its forward `problem`) looks up: the forward (a dispatch's with
+        `forward_glu`) and, where the call is differentiated, the backward (keyed on the stage's glu)."""
+        forward = dataclasses.replace(problem, direction="fwd",
+                                      glu=forward_glu(problem.glu, differentiated=differentiated))
+        return [forward, problem.with_direction("bwd")] if differentiated else [forward]
+
+    def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, FusedMoeProblem]]:
+        """The fused path's calls (SiLU-gated experts, quantized weights too; none with quantized activations,
+        which run unfused, nor for None, the unfused layer): the gated dispatch (`fused gate/up`, gate and up
+        one grouped matmul) and the combine (`fused down`), as `looked_up` says: serving evaluates them,
+        training differentiates them (and evaluates between steps)."""
+        if runs is None or layer.quantized_activations:
+            return []
+        common = dict(tokens=layer.tokens, top_k=layer.top_k, groups=layer.groups, ep=layer.ep, dtype=layer.dtype,
+                      **layer.weight_quant())
+        stages = (("fused gate/up", dict(stage="dispatch", k=layer.hidden, n=2 * layer.intermediate, glu=LAYER_GLU)),
+                  ("fused down", dict(stage="combine", k=layer.intermediate, n=layer.hidden)))
+        calls: dict[tuple, tuple[str, FusedMoeProblem]] = {}
+        for role, stage in stages:
+            problem = self.problem(**common, **stage)
+            for differentiated in ((False,) if runs == "fwd" else (False, True)):
+                for looked in self.looked_up(problem, differentiated=differentiated):
+                    calls.setdefault(tuple(looked.key_fields().items()), (role, looked))
+        return list(calls.values())
 
     def describe(self, problem: FusedMoeProblem) -> str:
         p = problem

@@ -26,7 +26,7 @@ import numpy as np
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
 from moe_tune.kernels.fused_moe.base import weight_parts, weights_shape
-from moe_tune.kernels.fused_moe.definition import FUSED_MOE
+from moe_tune.kernels.fused_moe.definition import FUSED_MOE, forward_glu
 from moe_tune.kernels.fused_moe.plain_jax import local_rows
 from moe_tune.kernels.fused_moe.problem import DIRECTIONS, FusedMoeProblem
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits
@@ -145,14 +145,15 @@ def _glu_grad(glu: str, h: jax.Array, dout: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _gather_gmm(x, rows, rhs, group_sizes, group_offset, call: _Call):
-    return call.gather_gmm("fwd", x, rows, rhs, group_sizes, group_offset, glu=call.problem.glu)
+    return call.gather_gmm("fwd", x, rows, rhs, group_sizes, group_offset,
+                           glu=forward_glu(call.problem.glu, differentiated=False))
 
 
 def _gather_gmm_fwd(x, rows, rhs, group_sizes, group_offset, call: _Call):
     glu = call.problem.glu
     # with glu, keep the pre-activation product (the unfused layer keeps gate and up): the backward
     # differentiates the activation on it
-    h = call.gather_gmm("fwd", x, rows, rhs, group_sizes, group_offset, glu=None)
+    h = call.gather_gmm("fwd", x, rows, rhs, group_sizes, group_offset, glu=forward_glu(glu, differentiated=True))
     out = h if glu is None else apply(glu, h.astype(jnp.float32)).astype(h.dtype)
     return out, (x, rows, rhs, group_sizes, group_offset, h)
 

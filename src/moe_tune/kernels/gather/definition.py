@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.core import distributions
@@ -18,7 +19,8 @@ from moe_tune.kernels.gather.registry import (
     DENSE_GATHER_REDUCE_BACKENDS, FALLBACK, GATHER_BACKENDS, GATHER_REDUCE_BACKENDS,
 )
 from moe_tune.kernels.options import ShapeOption
-from moe_tune.kernels.kernel_op import KernelOp
+from moe_tune.kernels.kernel_op import BenchPlan, KernelOp
+from moe_tune.kernels.layer_shape import LayerShape
 
 # The default sweep: dispatch / combine of one Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts, top-8) for
 # 1024 tokens; a 64 MiB expert-ordered buffer that a 2-core CPU sweeps in well under a minute.
@@ -85,6 +87,34 @@ class _GatherOp(KernelOp):
         return (2 * (self.input_rows(problem) * problem.row_bytes() + small)
                 + out_rows * problem.hidden * 8 + out_rows * problem.row_bytes())
 
+    def bench_plan(self, problem: GatherProblem, backend: Backend, tuned: KernelConfig, inputs: Mapping[str, Any],
+                   *, distribution: str, seed: int) -> BenchPlan:
+        """Beside the tuned and default configs: the plain-JAX fallback (the baseline), a copy of the op's larger
+        side ([rows, hidden]: dispatch's output, combine's input, so that it streams from memory as the op
+        does: the copy bandwidth, and with the least bytes moved at the valid fraction, the roofline), and
+        `output_write`, a fresh array of the output's shape filled with a constant: no kernel can return its
+        output faster, whatever the valid fraction."""
+        plain = self.backends.get(self.fallback)
+        config = plain.default_config(problem)
+        valid_fraction = self.distribution_record(problem, distribution, seed, inputs)["valid_fraction"]
+        output_shape = (self.output_rows(problem), problem.hidden)
+        least = self.bytes_moved(problem, valid_fraction)
+        flag = self.fallback_flag
+        return BenchPlan(
+            baseline="fallback",
+            advice=f"pass {flag}=True for this shape (or set MOE_TUNE_{flag.upper()}=1 for a whole run)",
+            variants={"fallback": lambda x: self.run(plain, config, problem, x),
+                      "output_write": lambda x: jnp.full(output_shape, x["fill"])},
+            inputs={"fill": np.zeros((), jnp.dtype(problem.dtype))},  # an input: XLA cannot fold the fill
+            copy_bytes=problem.rows * problem.row_bytes(), least_bytes=least,
+            ratios={"tuned_vs_output_write": ("tuned", "output_write")}, shown=("output_write",),
+            details={"valid_fraction": valid_fraction, "least_bytes": least})
+
+    def _layer_call(self, role: str, layer: LayerShape, **extra: Any) -> tuple[str, GatherProblem]:
+        """This op's call of `role` in `layer`, from the layer's gather options this op takes."""
+        given = {**layer.gather_options(), **extra}
+        return role, self.problem(**{k: v for k, v in given.items() if k in self.option_names})
+
     def describe(self, problem: GatherProblem) -> str:
         weights = "" if problem.weighted else " unweighted"
         ep = f" (ep={problem.ep})" if "ep" in self.option_names else ""
@@ -98,6 +128,20 @@ class RaggedGatherOp(_GatherOp):
     description = "dispatch: x[tokens,d] -> [tokens*top_k,d] in expert order, rows in [start,end) only"
     options = (*_GatherOp.options, opt.WEIGHTED)
     default_weighted = False  # MoE dispatch copies tokens; the top-k weights are applied at combine
+    fallback_flag = "ragged_gather_fallback"
+
+    def input_shapes(self, problem: GatherProblem, place) -> dict[str, Any]:
+        inputs = {"x": place((problem.tokens, problem.hidden), problem.dtype), "indices": place((problem.rows,), jnp.int32),
+                  "start": place((), jnp.int32), "end": place((), jnp.int32)}
+        if problem.weighted:
+            inputs["weights"] = place((problem.rows,), jnp.float32)
+        return inputs
+
+    def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, GatherProblem]]:
+        """The dispatch (unweighted: the top-k weights are applied at combine); training also the combine's
+        gradient, a weighted gather of d(out) rows (`combine bwd`)."""
+        calls = [self._layer_call("dispatch", layer)]
+        return calls + [self._layer_call("combine bwd", layer, weighted=True)] if runs == "all" else calls
 
     def make_inputs(self, problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
         routed = routed_rows(problem, distribution, seed)
@@ -121,6 +165,15 @@ class RaggedGatherOp(_GatherOp):
 
 class _GatherReduceOp(_GatherOp):
     masked: ClassVar[bool]
+    fallback_flag = "ragged_gather_reduce_fallback"
+
+    def input_shapes(self, problem: GatherProblem, place) -> dict[str, Any]:
+        rows = problem.rows
+        inputs = {"x": place((rows, problem.hidden), problem.dtype), "indices": place((rows,), jnp.int32),
+                  "weights": place((rows,), jnp.float32)}
+        if self.masked:
+            inputs["valid"] = place((rows,), jnp.bool_)
+        return inputs
 
     def make_inputs(self, problem: GatherProblem, distribution: str, seed: int) -> dict[str, np.ndarray]:
         """Expert outputs x [rows, hidden] in expert order; with a mask, rows past the shard's range are
@@ -153,6 +206,12 @@ class RaggedGatherReduceOp(_GatherReduceOp):
     description = "combine: [tokens*top_k,d] -> [tokens,d], weighted sum of each token's valid rows"
     masked = True
 
+    def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, GatherProblem]]:
+        """The combine of an expert-parallel shard (rows masked to its experts: ep > 1); training also the
+        dispatch's gradient (`dispatch bwd`, at ep > 1 the combine's own key)."""
+        calls = [self._layer_call("combine", layer)] if layer.ep > 1 else []
+        return calls + [self._layer_call("dispatch bwd", layer)] if runs == "all" else calls
+
 
 class DenseGatherReduceOp(_GatherReduceOp):
     name = "dense_gather_reduce"
@@ -160,6 +219,10 @@ class DenseGatherReduceOp(_GatherReduceOp):
     description = "combine without a mask (pure tensor parallelism): weighted sum of each token's rows"
     masked = False
     options = (opt.TOKENS, opt.HIDDEN, opt.TOP_K, opt.EXPERTS, opt.DTYPE)
+
+    def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, GatherProblem]]:
+        """The combine where every expert is local (ep 1: no mask)."""
+        return [self._layer_call("combine", layer)] if layer.ep == 1 else []
 
 
 RAGGED_GATHER = RaggedGatherOp()

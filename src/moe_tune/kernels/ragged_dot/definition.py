@@ -14,15 +14,13 @@ from moe_tune.core import devices, distributions
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import options as opt
 from moe_tune.kernels.base import Backend, KernelConfig, positive_int_error
-from moe_tune.kernels.ragged_dot.problem import DEQUANTIZED_DTYPE, DIRECTIONS, RaggedDotProblem
-from moe_tune.kernels.ragged_dot.reference import (
-    ragged_dot_dlhs_reference,
-    ragged_dot_drhs_reference,
-    ragged_dot_reference,
-)
+from moe_tune.kernels.ragged_dot.problem import DEQUANTIZED_DTYPE, DIRECTIONS, OPERANDS, RaggedDotProblem
+from moe_tune.kernels.ragged_dot.reference import (ragged_dot_dlhs_reference, ragged_dot_drhs_reference,
+                                                   ragged_dot_reference)
 from moe_tune.kernels.ragged_dot.registry import BACKENDS
-from moe_tune.kernels.kernel_op import KernelOp, relative_error
-from moe_tune.core.quant import DynamicQuant, QArray, dequantize_host, quantize
+from moe_tune.kernels.kernel_op import BenchPlan, KernelOp, relative_error
+from moe_tune.kernels.layer_shape import LayerShape
+from moe_tune.core.quant import DynamicQuant, QArray, as_float, dequantize_host, quantize
 from moe_tune.core.quant_format import QuantFormat
 
 # Above this many FLOPs an accelerator's reference runs on the device (float32, highest precision) instead
@@ -33,8 +31,15 @@ HOST_REFERENCE_MAX_FLOPS = 2 * 10**10
 # 128 experts, top-8) for 2048 tokens on an expert-parallel shard of 16 experts: m = 2048 * 8 * 16/128 = 2048
 # rows. It is a real expert shape that a 2-core CPU sweeps in about a minute.
 DEFAULT_OPTIONS = {"m": 2048, "k": 2048, "n": 768, "groups": 16, "dtype": "float32"}
-# The operands of each direction's matmul, `a` and `b` of the inputs (dout: the forward output's gradient).
-OPERANDS = {"fwd": ("lhs", "rhs"), "dlhs": ("dout", "rhs"), "drhs": ("lhs", "dout")}
+# A dense matmul with the FLOPs of each direction, of its `a` and `b` (`OPERANDS`): [m,k]x[k,n], [m,n]x[n,k],
+# [k,m]x[m,n] (bench's compute roofline).
+DENSE = {
+    "fwd": lambda a, b: a @ b[0],
+    "dlhs": lambda a, b: a @ b[0].T,
+    "drhs": lambda a, b: a.T @ b,
+}
+# The layer's two matmul roles: (role, k, n) of a layer's (hidden, expert width).
+MATMULS = (("gate/up", "hidden", "intermediate"), ("down", "intermediate", "hidden"))
 
 
 class RaggedDotOp(KernelOp):
@@ -161,6 +166,63 @@ class RaggedDotOp(KernelOp):
         out_elements = {"fwd": m * n, "dlhs": m * k, "drhs": g * k * n}[problem.direction]
         out_dtype = problem.operand_dtypes()[2]
         return 2 * (a + b + 4 * problem.num_group_sizes) + out_elements * (8 + size(out_dtype))
+
+    def input_shapes(self, problem: RaggedDotProblem, place) -> dict[str, Any]:
+        """`make_inputs`' arrays as `place` gives them: the direction's `a` and `b` (`OPERANDS`; a quantized
+        one a QArray scaled along k, scale [.., k / qblock, ..] float32; activations the fwd kernel quantizes
+        a DynamicQuant) and `group_sizes`."""
+        m, k, n, g = problem.m, problem.k, problem.n, problem.groups
+        shapes = {"lhs": ((m, k), problem.lhs_dtype), "rhs": ((g, k, n), problem.rhs_dtype),
+                  "dout": ((m, n), problem.out_dtype)}
+        inputs: dict[str, Any] = {"group_sizes": place((problem.num_group_sizes,), jnp.int32)}
+        for name, operand in zip(("a", "b"), OPERANDS[problem.direction]):
+            shape, dtype = shapes[operand]
+            qdtype = getattr(problem, f"{operand}_qdtype", None)
+            if qdtype is None:
+                inputs[name] = place(shape, dtype)
+            elif operand == "lhs" and problem.lhs_qdynamic:  # float activations the fwd kernel quantizes
+                value = place(shape, dtype)
+                inputs[name] = DynamicQuant(value, qdtype, problem.lhs_qblock) if problem.direction == "fwd" else value
+            else:
+                block = getattr(problem, f"{operand}_qblock")
+                scale = tuple(d // block if i == 1 else d for i, d in enumerate(shape))
+                inputs[name] = QArray(place(shape, qdtype), place(scale, jnp.float32))
+        return inputs
+
+    def bench_plan(self, problem: RaggedDotProblem, backend: Backend, tuned: KernelConfig, inputs: Mapping[str, Any],
+                   *, distribution: str, seed: int) -> BenchPlan:
+        """Beside the tuned and default configs: XLA's ragged dot (`xla`, the baseline), a dense matmul of the
+        same FLOPs (`dense`, of the dequantized operands: the compute roofline), the tuned config on skewed
+        group sizes (`skewed`), and a copy of the largest operand's size in float32 (the copy bandwidth; with
+        the least bytes moved, `min_bytes`, the memory roofline)."""
+        xla = BACKENDS.get("xla")
+        run = lambda b, config, sizes="group_sizes": lambda x: b.run(problem, config, x["a"], x["b"], x[sizes])
+        largest = max(problem.m * problem.k, problem.m * problem.n, problem.groups * problem.k * problem.n)
+        return BenchPlan(
+            baseline="xla", advice="pass backend='xla' for this shape",
+            variants={"xla": run(xla, xla.default_config(problem)),
+                      "dense": lambda x: DENSE[problem.direction](*map(as_float, (x["a"], x["b"]))),
+                      "skewed": run(backend, tuned, "skewed_sizes")},
+            inputs={"skewed_sizes": distributions.group_sizes("skewed", problem.m, problem.num_group_sizes, seed)},
+            copy_bytes=4 * largest, least_bytes=problem.min_bytes, compute_bound="dense",
+            ratios={"tuned_vs_dense": ("tuned", "dense"), "default_vs_dense": ("default", "dense"),
+                    "xla_vs_dense": ("xla", "dense"), "skewed_vs_balanced": ("skewed", "tuned")},
+            shown=("dense",))
+
+    def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, RaggedDotProblem]]:
+        """gate/up (lhs [m, hidden] x rhs [groups, hidden, intermediate]; gate and up have one shape: one call)
+        and down (lhs [m, intermediate] x [groups, intermediate, hidden]), quantized as `layer.quant` says.
+        Serving runs the forward; training also the gradients of the float operands (a QArray is a constant:
+        quantized weights have no drhs, stored quantized activations no dlhs; activations quantized in the
+        kernel are float); None: every direction."""
+        constant = {d for d, side in (("drhs", "rhs_quant"), ("dlhs", "lhs_quant")) if layer.quant.get(side) is not None}
+        constant -= {"dlhs"} if layer.quant.get("lhs_dynamic") else set()
+        wanted = {None: self.directions, "fwd": ("fwd",)}.get(runs) or tuple(d for d in self.directions
+                                                                              if d not in constant)
+        sizes = {"hidden": layer.hidden, "intermediate": layer.intermediate}
+        return [(role, self.problem(m=layer.m, k=sizes[k], n=sizes[n], groups=layer.groups, dtype=layer.dtype,
+                                    **layer.given_quant(), direction=direction))
+                for role, k, n in MATMULS for direction in wanted]
 
     def describe(self, problem: RaggedDotProblem) -> str:
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"
