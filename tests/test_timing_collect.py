@@ -44,7 +44,7 @@ def test_a_kept_trace_goes_through_a_file_and_reads_the_same_events(tmp_path, mo
     assert timing.xplane_file(tmp_path / "kept") is not None
 
 
-def test_another_profiler_session_is_an_error_not_an_empty_trace(tmp_path):
+def test_a_profiler_already_running_is_an_error_not_an_empty_trace(tmp_path):
     calls = _calls()
     jax.profiler.start_trace(str(tmp_path))
     try:
