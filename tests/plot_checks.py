@@ -7,9 +7,9 @@ import matplotlib.colors
 import pytest
 from matplotlib.container import BarContainer, ErrorbarContainer
 
+from moe_tune.commands.report import entry_words
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import verdict_of
-from moe_tune.commands.report import entry_words
 
 
 @pytest.fixture
@@ -26,13 +26,16 @@ def drawn(monkeypatch):
 
 
 def check_plot(fig, entries) -> None:
-    """The plot's two axes hold the data of `entries`: the first entry's correct candidates as bars of their
-    median time in ms, fastest first, labelled by config, the winner green, its finalists' re-timed medians
-    as markers, its verdict in the title; every entry's speedup in order."""
+    """The plot's two axes hold the data of `entries`: the correct candidates of the entry worth explaining
+    (`plots.worth_explaining`) as bars of their median time in ms, fastest first, labelled by config, the
+    winner green, its finalists' re-timed medians as markers, its verdict in the title; every entry's speedup
+    in order, the explained one's label in bold."""
+    from moe_tune.commands.plots import worth_explaining
+
     entries = [Entry.from_json(e) if isinstance(e, dict) else e for e in entries]  # `Entry`s or their JSON
     left, right = fig.axes
     assert left.get_xlabel() == "median time (ms)" and right.get_xlabel() == "speedup over the default config"
-    first = entries[0]
+    first = worth_explaining(entries)
     results = sorted((r for r in first.results if r.get("median_s")), key=lambda r: r["median_s"])
     assert len(results) >= 2
     bars = _bars(left)
@@ -56,6 +59,7 @@ def check_plot(fig, entries) -> None:
     assert grey == [e.default_config is not None and dict(e.config) == dict(e.default_config) for e in entries]
     right_labels = [t.get_text() for t in right.get_yticklabels()]
     assert len(right_labels) == len(entries)
+    assert [t.get_fontweight() == "bold" for t in right.get_yticklabels()] == [e is first for e in entries]
     for label, entry in zip(right_labels, entries):  # each bar is labelled by its own entry's shape
         sizes = {k: v for k, v in entry.fields.items() if k in ("m", "k", "n", "groups", "tokens", "hidden")}
         assert sizes and all(f"{k}={v}" in label.split() for k, v in sizes.items()), (label, entry.fields)

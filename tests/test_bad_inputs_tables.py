@@ -261,3 +261,86 @@ def test_a_float32_sweep_is_not_seeded_by_bfloat16_or_quantized_entries(isolated
     write_entries(table, "ragged_dot", "cpu", [tuned(RaggedDotProblem(m=2048, k=1024, n=1024, groups=8))])
     found = warm_start.find("ragged_dot", "cpu", fields, key_from_fields("ragged_dot", fields), space)
     assert [s["key"].split("|")[2] for s in found.sources] == ["m=2048"]  # the float32 one only
+
+
+# -- report: width, the plot's labels and entry, quantized fused entries ------------------------------------
+
+def _shipped(monkeypatch) -> None:
+    import moe_tune.profiles
+
+    monkeypatch.setattr("moe_tune.profiles.dirs.shipped_dir", lambda: Path(moe_tune.profiles.__file__).parent / "data")
+
+
+def test_the_default_report_cuts_no_cell_short(monkeypatch):
+    """Piped (not a terminal), every row is one line however wide; on a 160-column terminal the long cells
+    wrap instead; neither cuts a cell short (rich's `…`)."""
+    import io
+
+    from click.testing import CliRunner
+    from rich.console import Console
+
+    from moe_tune.cli import cli
+    from moe_tune.commands import render
+
+    _shipped(monkeypatch)
+    result = CliRunner().invoke(cli, ["report", "--source", "shipped"], catch_exceptions=False)
+    assert result.exit_code == 0 and "…" not in result.stdout, result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.lstrip().startswith(("ragged_dot", "fused_moe"))]
+    assert rows and all(line.rstrip().endswith("shipped") for line in rows)  # one line each: the source last
+
+    terminal = Console(file=io.StringIO(), width=160, force_terminal=True, color_system=None)
+    monkeypatch.setattr(render, "out", terminal)
+    result = CliRunner().invoke(cli, ["report", "--source", "shipped"], catch_exceptions=False)
+    shown = terminal.file.getvalue()
+    assert result.exit_code == 0 and "…" not in shown and shown.count("shipped") >= len(rows)
+    assert max(len(line) for line in shown.splitlines()) <= 160
+
+
+def test_a_quantized_fused_entry_shows_its_weights_dtype():
+    from moe_tune.commands import report
+
+    fields = {"stage": "dispatch", "tokens": 512, "m": 4096, "k": 2048, "n": 1536, "groups": 64,
+              "dtype": "bfloat16", "rhs_qdtype": "int8", "rhs_qblock": None}
+    assert report.dtype_label(fields) == "bfloat16 x int8"
+    assert report.dtype_label({**fields, "rhs_qblock": 128}) == "bfloat16 x int8/128"
+    assert report.dtype_label({"dtype": "bfloat16"}) == "bfloat16"
+
+
+def _plotted(op: str, fields: dict, *, speedup: float, tried: int, rule: str, search: dict | None = None):
+    from moe_tune.profiles.entry import Entry
+
+    configs = [{"tm": 2 ** (i + 3)} for i in range(tried)]
+    return Entry.from_json({
+        "key": op + "|" + "|".join(f"{k}={v}" for k, v in fields.items()), "op": op, "fields": fields,
+        "config": configs[-1] if rule == "beat_default" else configs[0], "timing": {"median_s": 1e-3 / speedup},
+        "default": {"config": configs[0], "status": "ok", "median_s": 1e-3}, "speedup_over_default": speedup,
+        "candidates": {"tried": tried, "ok": tried, "failed": 0, "wrong": 0},
+        "results": [{"config": c, "status": "ok", "median_s": 1e-3 / (1 + i / 10)} for i, c in enumerate(configs)],
+        "verdict": {"rule": rule, "noise": 0.05, "finalists": []},
+        "search": search or {"strategy": "grid", "space": tried, "budget": None, "time_budget_s": None}})
+
+
+def test_the_plot_labels_every_key_field_and_explains_the_largest_clean_win():
+    from moe_tune.commands import plots
+
+    gather = {"direction": "fwd", "tokens": 512, "rows": 4096, "hidden": 2048, "backend": "tiled",
+              "distribution": "balanced"}
+    fused = _plotted("moe_fusion", {"direction": "fwd", "tokens": 512, "hidden": 2048, "dtype": "float32",
+                                    "backend": "layer", "distribution": "balanced"},
+                     speedup=1.0, tried=2, rule="default_fastest")
+    plain = _plotted("ragged_gather", {**gather, "dtype": "float32", "weighted": False}, speedup=1.0, tried=6,
+                     rule="within_noise")
+    weighted = _plotted("ragged_gather", {**gather, "dtype": "bfloat16", "weighted": True}, speedup=1.37,
+                        tried=6, rule="beat_default")
+    cut = _plotted("ragged_gather", {**gather, "dtype": "float32", "weighted": True}, speedup=1.6, tried=3,
+                   rule="beat_default", search={"strategy": "grid", "space": 12, "budget": None,
+                                                "time_budget_s": None, "max_candidates": 3})
+    entries = [fused, plain, weighted, cut]
+    labels = plots.speedup_labels(entries)
+    assert len(set(labels)) == len(labels), labels
+    assert "float32" in labels[1] and "weighted=False" in labels[1]
+    assert "bfloat16" in labels[2] and "weighted=True" in labels[2]
+    assert "low budget" in plots.marks(cut)
+    assert plots.worth_explaining(entries) is weighted  # the largest win with nothing to doubt, not the first
+    assert plots.worth_explaining([fused, plain]) is plain  # no clean win: the most candidates measured
+    assert plots.worth_explaining([fused]) is fused

@@ -1,7 +1,8 @@
 """`moe-tune report --plot FILE.png`: what a sweep measured and why it chose its winner, drawn with matplotlib
 (headless).
 
-Left, one entry (the first selected): every correct candidate's sweep-round median as a bar, fastest first,
+Left, one entry (`worth_explaining`: of the selected entries, the largest clean win; one entry selected,
+e.g. with `--key`: that one): every correct candidate's sweep-round median as a bar, fastest first,
 its spread as a whisker; the finalists' re-timed medians of the final round as diamonds beside them; the
 winner and the default coloured; when the default was kept for being within noise, the band of times a
 candidate had to beat to count as a win; the verdict (and its marks: unverified, weak evidence, low budget)
@@ -17,15 +18,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.commands.report import entry_words
+from moe_tune.commands.report import dtype_label, entry_words, shape_label
 from moe_tune.core.errors import UsageError, path_error
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict, low_budget, marks, verdict_of
+from moe_tune.profiles.verdict import BEAT_DEFAULT, WITHIN_NOISE, Verdict, low_budget, marks, verdict_of
 
 WINNER, DEFAULT, OTHER, FINAL, BAND = "tab:green", "tab:orange", "tab:blue", "black", "0.85"
 _LABEL_WIDTH = 40  # characters per line of a y label
 _TITLE_WIDTH = 90  # characters per line of a wrapped key
-_SIZES = ("m", "k", "n", "groups", "tokens", "hidden")
+_VARYING = ("backend", "distribution")  # named in a speedup label when the entries plotted differ in them
 
 
 def config_label(config: Mapping[str, Any]) -> str:
@@ -33,9 +34,31 @@ def config_label(config: Mapping[str, Any]) -> str:
     return "\n".join(textwrap.wrap(" ".join(f"{k}={v}" for k, v in config.items()), _LABEL_WIDTH)) or "-"
 
 
+def worth_explaining(entries: Sequence[Entry]) -> Entry:
+    """The entry whose candidates the left panel explains: of the wins over the default with nothing to doubt
+    (no mark: verified, strong evidence, the whole search space or budget measured), the largest speedup;
+    else the entry with the most correct candidates measured (then the largest speedup); ties: the first."""
+    def speedup(e: Entry) -> float:
+        return e.speedup_over_default or 0.0
+
+    clean = [e for e in entries if verdict_of(e).rule == BEAT_DEFAULT and not marks(e)]
+    if clean:
+        return max(clean, key=speedup)
+    return max(entries, key=lambda e: (sum(1 for r in e.results if r.get("median_s")), speedup(e)))
+
+
+def speedup_labels(entries: Sequence[Entry]) -> list[str]:
+    """One label per entry: kernel, shape (every key field but the dtypes, which follow as people name them),
+    and the backend or distribution where the entries differ in them, so that no two rows read alike."""
+    varying = [name for name in _VARYING if len({str(e.fields.get(name)) for e in entries}) > 1]
+    return [" ".join(part for part in (e.op or "", e.direction or "", shape_label(dict(e.fields)),
+                                        dtype_label(dict(e.fields)), *(str(e.fields.get(n)) for n in varying)) if part)
+            for e in entries]
+
+
 def plot_entries(entries: Sequence[Entry], path: str | Path, *, title: str | None = None) -> Path:
-    """Draw the candidates and verdict of `entries[0]` and the speedups of all `entries` into `path` (format
-    from its suffix: .png, .svg, .pdf)."""
+    """Draw the candidates and verdict of the entry `worth_explaining` and the speedups of all `entries` into
+    `path` (format from its suffix: .png, .svg, .pdf)."""
     if not entries:
         raise UsageError("nothing to plot: no tuned entry matches (run `moe-tune sweep`, or loosen the filters)")
     import matplotlib
@@ -46,13 +69,13 @@ def plot_entries(entries: Sequence[Entry], path: str | Path, *, title: str | Non
 
     _check_format(Path(path), FigureCanvasBase.get_supported_filetypes())
 
-    first = entries[0]
+    first = worth_explaining(entries)
     results = sorted((r for r in first.results if r.get("median_s")), key=lambda r: r["median_s"])
     rows = max(len(results), len(entries))
     fig, (left, right) = plt.subplots(1, 2, figsize=(16, max(4.5, 0.42 * rows + 2.5)),
                                       gridspec_kw={"width_ratios": [3, 2]})
     _candidates(left, first, results)
-    _speedups(right, entries)
+    _speedups(right, entries, explained=next(i for i, e in enumerate(entries) if e is first))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -146,12 +169,12 @@ def _noise_band(entry: Entry, verdict: Verdict) -> tuple[float, float] | None:
     return default_ms / (1 + verdict.noise), default_ms
 
 
-def _speedups(ax, entries: Sequence[Entry]) -> None:
-    """The right panel: each entry's speedup over its default, coloured by how its winner was chosen."""
+def _speedups(ax, entries: Sequence[Entry], explained: int = 0) -> None:
+    """The right panel: each entry's speedup over its default, coloured by how its winner was chosen; the
+    label of the entry the left panel explains (`explained`, its index) in bold."""
     from matplotlib.patches import Patch
 
-    labels = [f"{e.op or ''} {e.direction or ''} " + " ".join(f"{k}={v}" for k, v in e.fields.items() if k in _SIZES)
-              for e in entries]
+    labels = speedup_labels(entries)
     # grey where the default won: kept within noise, or the fastest itself (a speedup of 1, not a win)
     kept = [e.default_config is not None and dict(e.config) == dict(e.default_config) for e in entries]
     bars = ax.barh(range(len(entries)), [e.speedup_over_default or 0.0 for e in entries],
@@ -163,6 +186,7 @@ def _speedups(ax, entries: Sequence[Entry]) -> None:
             bar.set_edgecolor("tab:red")
     ax.set_yticks(range(len(entries)), ["\n".join(textwrap.wrap(label, 2 * _LABEL_WIDTH)) for label in labels],
                   fontsize=7)
+    ax.get_yticklabels()[explained].set_fontweight("bold")
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("speedup over the default config")

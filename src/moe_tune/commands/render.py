@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -191,17 +192,25 @@ def progress(*, transient: bool) -> Iterator[Progress]:
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[str] = (),
-          compact: bool = False, console: Console | None = None) -> None:
+          compact: bool = False, wrap: Sequence[str] = (), console: Console | None = None) -> None:
     """A rich table on stdout (or `console`); `right`: the columns to right-align (numbers). The first column
     names the row and is kept on one line; the others wrap when the table is too wide. `compact`: no
-    vertical rules and no row wraps (one line per row: the report's default columns are chosen to fit)."""
+    vertical rules, and one line per row wherever it fits: printed to a pipe or a file, the table is as wide
+    as its rows; on a terminal too narrow for them, only the `wrap` columns wrap (at spaces, or folded). A
+    cell is never cut short."""
     shown = Table(title=title, title_justify="left",
                   **(dict(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True) if compact else {}))
     for i, column in enumerate(columns):
-        shown.add_column(column, justify="right" if column in right else "left", no_wrap=compact or i == 0)
+        wraps = column in wrap if compact else i != 0
+        shown.add_column(column, justify="right" if column in right else "left", no_wrap=not wraps,
+                         overflow="fold" if wraps else "ellipsis")
     for row in rows:
         shown.add_row(*(str(cell) for cell in row))
-    (console or out).print(shown)
+    target = console or out
+    width = None
+    if compact and not target.is_terminal:  # a file or a pipe: every row on one line, whatever its width
+        width = max(target.width, Measurement.get(target, target.options, shown).maximum)
+    target.print(shown, width=width)
 
 
 def _ms(seconds: float) -> str:
@@ -309,10 +318,11 @@ def frame(data, fmt: str, *, title: str, empty: str, shown: list[str], compact: 
     elif data.empty:
         out.print(empty)
     else:
-        from moe_tune.commands.report import HEADERS
+        from moe_tune.commands.report import HEADERS, WRAP_COLUMNS
 
         table(title, [HEADERS.get(c, c) for c in shown], [[_cell(row[c]) for c in shown] for _, row in data.iterrows()],
-              right=[HEADERS.get(c, c) for c in shown if data[c].dtype.kind in "if"], compact=compact, console=console)
+              right=[HEADERS.get(c, c) for c in shown if data[c].dtype.kind in "if"], compact=compact,
+              wrap=[HEADERS.get(c, c) for c in shown if c in WRAP_COLUMNS], console=console)
 
 
 UNTRACED_NOTE = 0.2  # a breakdown whose op events miss this share of its wall time or more says so

@@ -114,8 +114,9 @@ def dtype_label(fields: dict[str, Any]) -> str:
     """The operands' dtypes as a person names them: `bfloat16`; `bfloat16 x int8` (int8 weights, float
     activations: the quantized side shows its stored dtype, not the float32 it counts as in the key);
     `int8 x int8/128 -> float32`; the output only when it differs from the lhs."""
-    if "lhs_dtype" not in fields:
-        return str(fields.get("dtype", "-"))
+    if "lhs_dtype" not in fields:  # one dtype for the op's floats; quantized weights show their own
+        weights = _quantized(fields, "rhs")
+        return str(fields.get("dtype", "-")) + (f" x {weights}" if weights else "")
     lhs, rhs = (_quantized(fields, side) or str(fields.get(f"{side}_dtype")) for side in ("lhs", "rhs"))
     out = str(fields.get("out_dtype", lhs))
     text = lhs if lhs == rhs else f"{lhs} x {rhs}"
