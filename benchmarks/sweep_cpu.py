@@ -68,7 +68,7 @@ def _instrument(clock: _Clock) -> None:
 
     import jax
 
-    from moe_tune.tuner import compiling, finals, measure, record, state, timing, workers
+    from moe_tune.tuner import compiling, measure, record, state, timing, workers
 
     clock.wrap(state.SweepState, "prepare_inputs", "inputs and reference")
     try:  # the reference and device copy are made on a thread while the first compiles run
@@ -82,7 +82,7 @@ def _instrument(clock: _Clock) -> None:
     clock.wrap(timing, "parse_profile", "trace parse")
     clock.wrap(timing, "stop_profiler", "profiler stop")  # the xplane, in memory
     clock.wrap(measure, "warm_up", "finalists: one untimed run each")
-    clock.wrap(finals, "final_round", "finalists: final round")
+    clock.wrap(measure, "final_round", "finalists: final round")
     clock.wrap(record, "write", "entry and table write")
     take = compiling._take_result
 
@@ -143,7 +143,7 @@ def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None
     imported = time.time()
     from moe_tune.kernels import get_op
     from moe_tune.tuner import SweepRequest, compile_cache, run_sweep
-    from moe_tune.tuner.compile_count import backend_compiles
+    from moe_tune.tuner.compiling import backend_compiles
 
     compile_cache.enable()  # the dir is fresh and empty: a cold cache, as a first sweep on a machine has
     clock = _Clock()
