@@ -3,7 +3,7 @@ that the fused path runs tuned configs as the unfused one runs ragged_dot's tune
 
 Per preset, tokens, ep and dtype: the calls `models.fused_runs` lists for training (dispatch forward without
 the activation, both backward directions, the combine forward) and for serving (the dispatch forward with
-SiLU), as one campaign (`campaign.engine`; a sweep the table already holds is skipped). Short sweeps:
+SiLU), as one campaign (`campaign.runner`; a sweep the table already holds is skipped). Short sweeps:
 coordinate descent from the default config, `--budget` candidates, `--samples` first-round samples.
 
     PYTHONPATH=src flock /work/coord/bench.lock .venv/bin/python benchmarks/fused_tables_cpu.py \
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_tune.campaign import engine, runner
+from moe_tune.campaign import runner
 from moe_tune.campaign.plan import Case
 from moe_tune.layer.models import fused_runs, get_preset
 from moe_tune.tuner import SweepSettings
@@ -51,11 +51,11 @@ def main() -> None:
                              profile_dir=Path(args.profile_dir) if args.profile_dir else None)
     uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print("load before:", uptime(), flush=True)
-    campaign = engine.prepare(cases(args.preset, args.tokens, args.ep, args.dtype), settings)
+    campaign = runner.prepare(cases(args.preset, args.tokens, args.ep, args.dtype), settings)
     print(f"{len(campaign.todo)} sweeps to run:", *(s.label for s in campaign.todo), sep="\n  ", flush=True)
     if args.dry_run:
         return
-    for outcome in runner.run(campaign):
+    for outcome in runner.run_sweeps(campaign):
         entry = outcome.entry
         print(outcome.sweep.key, "->", None if entry is None else entry.config,
               None if entry is None else entry.verdict, outcome.error or "", flush=True)

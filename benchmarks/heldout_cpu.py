@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_tune.layer import models
 from moe_tune.kernels import get_op
+from moe_tune.layer import models
 
 PRESETS = ("qwen3-30b-a3b", "deepseek-v2-lite")
 DTYPES = ("float32", "bfloat16")
@@ -126,12 +126,12 @@ def at(problem: Any, m: int) -> Any:
 def sweep_all(problems: list[Any], settings: Any, share: tuple[int, int] | None = None) -> None:
     """Sweep every problem not yet complete in the table (a finished sweep is skipped, a started one resumes);
     `share`: only the I-th of N disjoint shares of them (`--shard`: several processes at once)."""
-    from moe_tune.campaign import engine, runner
+    from moe_tune.campaign import runner
     from moe_tune.campaign.plan import op_cases
     from moe_tune.tuner import compile_cache
 
     compile_cache.enable()
-    planned = engine.prepare(op_cases("ragged_dot", problems), settings, share=share)
+    planned = runner.prepare(op_cases("ragged_dot", problems), settings, share=share)
     print(f"  {len(planned.todo)} sweeps to run, {len(planned.done)} done", flush=True)
     for i, outcome in enumerate(runner.run_here(planned.todo, settings)):
         state = outcome.error or f"{outcome.wall_s:.0f} s"
@@ -156,9 +156,9 @@ def ladder_view(profile_dir: Path, problems: list[Any]) -> Path:
 
 def measure_ladders(view: Path, problems: list[Any], settings: Any) -> list[dict[str, Any]]:
     """Every kernel's ladder boundaries, measured (or reused) into `view`; returns the intervals."""
-    from moe_tune.core import devices
     from moe_tune.campaign import ladder
-    from moe_tune.campaign.plan import plan, op_cases
+    from moe_tune.campaign.plan import op_cases, plan
+    from moe_tune.core import devices
 
     planned = plan(op_cases("ragged_dot", problems), platform=devices.platform(), distribution="balanced")
     found = []

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from tiny_layer import FAST, TINY, layer_inputs
 
 import moe_tune
-from moe_tune.campaign import engine, runner
+from moe_tune.campaign import runner
 from moe_tune.campaign.plan import Case
 from moe_tune.cli import cli
 from moe_tune.core.errors import UsageError
@@ -50,7 +50,8 @@ def test_sweep_and_models_take_the_direction_and_lists():
     serving = run(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "64", "--direction", "fwd", "--dry-run"])
     assert serving.exit_code == 0 and "7 kernel cases" in serving.output, serving.output
     training = run(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "64", "--dry-run"])
-    assert "16 kernel cases" in training.output and "combine bwd" in training.output
+    # the 16 a training step looks up, and the dispatch the evaluation between steps runs with its activation
+    assert "17 kernel cases" in training.output and "combine bwd" in training.output
     listed = run(cli, ["models", "qwen3-30b-a3b", "--tokens", "64,512", "--ep", "1,4", "--direction", "fwd"])
     assert listed.exit_code == 0, listed.output
     assert "tokens=512 ep=4" in listed.output and "dlhs" not in listed.output
@@ -62,7 +63,7 @@ def test_a_training_step_finds_every_kernel_tuned(ep, isolated_profiles, caplog)
     fused_too = ep == 1
     cases = [Case(c.op, c.problem, c.role) for c in layer_runs(TINY, 16, ep=ep, dtype="float32")
              if fused_too or c.op not in ("fused_moe", "moe_fusion")]
-    outcomes = runner.run(engine.prepare(cases, FAST))
+    outcomes = runner.run_sweeps(runner.prepare(cases, FAST))
     assert [o.error for o in outcomes] == [None] * len(outcomes)
 
     x, logits, w_gate, w_down = layer_inputs(TINY, 16, ep)

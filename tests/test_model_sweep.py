@@ -9,7 +9,7 @@ import pytest
 from tiny_layer import FAST, TINY, layer_inputs
 
 import moe_tune
-from moe_tune.campaign import engine, runner
+from moe_tune.campaign import runner
 from moe_tune.campaign.plan import Case
 from moe_tune.core.errors import UsageError
 from moe_tune.layer.models import ModelPreset, layer_cases
@@ -19,9 +19,9 @@ def sweep_layer(preset: ModelPreset, tokens: int, ep: int) -> list:
     """Every kernel case of one layer of `preset`, planned and run here as `sweep --model` runs them."""
     cases = [Case(c.op, c.problem, f"{c.role} tokens={count}")
              for count, c in layer_cases(preset, [tokens], ep=ep, dtype="float32")]
-    campaign = engine.prepare(cases, FAST, skip_done=False)
-    engine.preflight(campaign)
-    return runner.run(campaign)
+    planned = runner.prepare(cases, FAST, skip_done=False)
+    runner.preflight(planned)
+    return runner.run_sweeps(planned)
 
 
 @pytest.mark.parametrize("ep", [1, 2])

@@ -199,7 +199,7 @@ def test_local_never_attaches_to_another_cluster(monkeypatch):
 
 
 def test_importing_the_cli_does_not_import_ray():
-    code = "import sys, moe_tune, moe_tune.cli, moe_tune.campaign.engine; print('ray' in sys.modules)"
+    code = "import sys, moe_tune, moe_tune.cli, moe_tune.campaign.runner; print('ray' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.stdout.strip() == "False"
@@ -209,7 +209,7 @@ def test_progress_shows_one_line_per_running_sweep_and_the_count():
     from rich.console import Console
     from rich.progress import Progress
 
-    from moe_tune.campaign.outcome import SweepOutcome
+    from moe_tune.campaign.request import SweepOutcome
     from moe_tune.commands.render import CampaignProgress
 
     sweeps = plan(tiny_cases(), platform="cpu", distribution="balanced")

@@ -4,17 +4,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import click
 
 from moe_tune.commands import render as render
-from moe_tune.core import devices, distributions, settings
+from moe_tune.core import devices, distributions
+from moe_tune.core import settings as env
 from moe_tune.layer import models as presets
 from moe_tune.commands.options import (DTYPES, INT_LIST, handle_errors, one, problems, quant_flags, quant_options,
-                                  shape_options, sweep_cases, sweep_options)
+                                       shape_options, sweep_options)
 from moe_tune.commands.options import directions as all_directions
 from moe_tune.commands.render import console
 from moe_tune.commands.coverage import coverage
@@ -25,13 +25,13 @@ from moe_tune.kernels import get_op, op_names
 @click.version_option(package_name="moe-tune")
 def cli() -> None:
     """Tune the ragged kernels of MoE layers (tile sizes, block shapes) and store the best configs."""
-    settings.no_gpu_preallocation()  # before any command starts JAX's backend
+    env.no_gpu_preallocation()  # before any command starts JAX's backend
 
 
 @cli.command()
-@shape_options
+@shape_options(sweep=True)
 @sweep_options
-def sweep(op, backend, direction, model, settings, campaign, **shape):
+def sweep(campaign):
     """Sweep a kernel's configs for one shape (or a whole model's kernels) and store the fastest correct ones.
 
     Every finished candidate is appended to a sweep log beside the tables; running the same sweep again
@@ -41,53 +41,10 @@ def sweep(op, backend, direction, model, settings, campaign, **shape):
     the budget asked skipped unless --fresh, largest first). --dry-run prints the plan the same command runs.
     --target CHIP compiles every candidate for a chip this machine does not have, with its real compiler, and
     stores which compile where the chip's tables live."""
-    # --dry-run shows the plan the same command runs: it changes nothing else (not the skip rule, not the order)
-    elsewhere = campaign.ray_address is not None or campaign.share is not None
-    asked = sweep_cases(op, direction, backend, model, shape, campaign_flags=elsewhere, ladder=campaign.ladder)
-    if campaign.target is not None:  # compile for a chip this machine does not have (moe_tune/targets)
-        from moe_tune.commands import target_sweep as sweep_cli
+    from moe_tune.campaign import runner
 
-        sweep_cli.run(asked.cases, settings, campaign.target, backend=asked.backend, campaign=campaign,
-                      print_line=_say)
-        return
-    runs = {d: _run(asked, dataclasses.replace(settings, distribution=d), campaign)
-            for d in campaign.distributions or (settings.distribution,)}
-    if campaign.distributions and not campaign.dry_run:  # --distribution all: the config robust across them
-        from moe_tune.campaign import robust
-
-        robust.measure_campaigns({d: planned for d, (planned, _) in runs.items()}, print_line=_say)
-    if any(failed for _, failed in runs.values()):
+    if runner.run(campaign, render.CampaignView()):
         sys.exit(1)
-
-
-def _say(text: str) -> None:
-    console.print(text, markup=False, highlight=False)
-
-
-def _run(asked, settings, campaign):
-    """Plan, check and run one distribution's campaign (and its ladders); (the campaign, whether a sweep failed)."""
-    from moe_tune.campaign import engine, ladder, runner
-    from moe_tune.tuner import compile_cache
-
-    planned = engine.prepare(asked.cases, settings, backend=asked.backend, ray_address=campaign.ray_address,
-                             dry_run=campaign.dry_run,
-                             share=campaign.share, notes=asked.notes, skip_done=not asked.one_shape)
-    if not campaign.dry_run:
-        engine.preflight(planned)  # every sweep's backend, memory and profile dir, before anything is printed
-    if not asked.one_shape or campaign.dry_run:
-        render.campaign_plan(planned, listed=campaign.dry_run)
-    if campaign.dry_run or not (planned.todo or asked.ladder):
-        return planned, False
-    compile_cache.enable()
-    outcomes = []
-    if planned.todo:
-        with render.sweep_progress(planned, detailed=asked.one_shape) as hooks:
-            outcomes = runner.run(planned, **hooks)
-        render.sweep_outcomes(outcomes, title=asked.title(len(planned.todo), planned.device_kind),
-                              detailed=asked.one_shape)
-    if asked.ladder:  # the boundaries between the ladder's counts, measured here from the entries just written
-        ladder.measure_campaign(planned, print_line=_say)
-    return planned, any(o.error for o in outcomes)
 
 
 @cli.command()

@@ -288,14 +288,10 @@ def _known_challenges(table: Path, ladder: Ladder) -> dict[tuple, dict[str, Any]
 
 
 def measure_campaign(campaign: Any, *, print_line: Callable[[str], None] = print) -> list[LadderOutcome]:
-    """Measure the boundaries of every ladder of a prepared campaign (`engine.Campaign`), here, once its
+    """Measure the boundaries of every ladder of a planned campaign (`runner.Planned`), here, once its
     sweeps have run: the whole plan's ladders, so that a rerun whose sweeps were all done still measures
-    what is missing. A share of a plan (`--shard`) or a campaign on Ray measures nothing (the ladder's
-    entries are in other tables until they are merged): run the same command here afterwards."""
-    if campaign.share is not None or campaign.accelerator is not None:
-        print_line("note: ladder boundaries are measured in this process after the sweeps: rerun the command "
-                   "without --ray / --shard once the tables are merged")
-        return []
+    what is missing. Only for a whole plan run here (`request.Campaign.placed`: on Ray or as a share, the
+    ladder's entries are in other tables until they are merged)."""
     found = []
     for ladder in ladders(campaign.planned, campaign.settings.distribution):
         print_line(f"ladder {ladder.label()}: measuring the boundaries between neighbouring winners")

@@ -27,6 +27,15 @@ from moe_tune.tuner.request import SweepRequest, SweepSettings
 
 
 @dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel call to tune: op, problem, and a label saying where it came from."""
+
+    op: str
+    problem: Any
+    label: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PlannedSweep:
     """One sweep of a campaign. `problem`: the op's problem object (`RaggedDotProblem` / `GatherProblem`);
     `backend`: the backend's name on the campaign's platform; `key`: its table key (`profiles.key`);
@@ -37,6 +46,8 @@ class PlannedSweep:
     backend: str
     key: str
     label: str
+    # the other cases of the key whose problems differ in what the key does not hold (`represented`)
+    also: tuple[Case, ...] = ()
 
     @property
     def size(self) -> tuple[int, int]:
@@ -47,15 +58,6 @@ class PlannedSweep:
     def request(self, settings: SweepSettings) -> SweepRequest:
         """This sweep, run with `settings`."""
         return SweepRequest(self.op, self.problem, self.backend, settings)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One kernel call to tune: op, problem, and a label saying where it came from."""
-
-    op: str
-    problem: Any
-    label: str
 
 
 def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *, dtype: str,
@@ -96,8 +98,8 @@ def op_cases(op: str, problems: Iterable[Any]) -> list[Case]:
 
 def plan(cases: Iterable[Case], *, platform: str, distribution: str, backend: str | None = None,
          tunable: bool = False) -> list[PlannedSweep]:
-    """The campaign's sweeps on `platform`: one per table key (the first case of a key names it), largest
-    first, ties in the order given. `backend`: None takes each op's default backend on `platform`, or with
+    """The campaign's sweeps on `platform`: one per table key (the first case of a key names it; cases of
+    the key with another problem are its `also`), largest first, ties in the order given. `backend`: None takes each op's default backend on `platform`, or with
     `tunable` the backend a chip of `platform` tunes (`BackendRegistry.tunable_for`: compile-only checks)."""
     by_key: dict[str, PlannedSweep] = {}
     for case in cases:
@@ -105,7 +107,9 @@ def plan(cases: Iterable[Case], *, platform: str, distribution: str, backend: st
         chosen = registry.tunable_for(platform) if backend is None and tunable else registry.resolve(backend, platform)
         name = chosen.name
         key = entry_key(case.op, case.problem, name, distribution)
-        by_key.setdefault(key, PlannedSweep(case.op, case.problem, name, key, case.label))
+        first = by_key.setdefault(key, PlannedSweep(case.op, case.problem, name, key, case.label))
+        if case.problem != first.problem and all(case.problem != c.problem for c in first.also):
+            by_key[key] = dataclasses.replace(first, also=(*first.also, case))
     sweeps = list(by_key.values())
     sizes = [s.size for s in sweeps]
     order = sorted(range(len(sweeps)), key=lambda i: (-sizes[i][0], -sizes[i][1], i))
@@ -169,3 +173,46 @@ def split_done(sweeps: Sequence[PlannedSweep], *, profile_dir: Path | None, devi
 
     done = {s.key for s in sweeps if is_done(s)}
     return [s for s in sweeps if s.key not in done], [s for s in sweeps if s.key in done]
+
+
+def represented(sweeps: Sequence[PlannedSweep], held: Mapping[str, Mapping[str, Any]]
+                ) -> tuple[list[PlannedSweep], list[str]]:
+    """(`sweeps`, notes) with each sweep that stands for cases its key cannot tell apart (their problems differ
+    in fields the key does not hold: the gathers' ep, which the runtime cannot see, so one entry serves every
+    ep) swept as the case the table's entry (`held`, by key) records it was tuned for, else as its first: a
+    campaign over several such values keeps tuning the entry it holds, and a note says which cases share."""
+    found, shared = [], []
+    for sweep in sweeps:
+        if not sweep.also:
+            found.append(sweep)
+            continue
+        cases = [Case(sweep.op, sweep.problem, sweep.label), *sweep.also]
+        chosen = next((c for c in cases if _tuned_for(held.get(sweep.key), c.problem)), cases[0])
+        others = tuple(c for c in cases if c is not chosen)
+        found.append(dataclasses.replace(sweep, problem=chosen.problem, label=chosen.label, also=others))
+        shared.append((chosen, others))
+    if not shared:
+        return found, []
+    fields = sorted({name for chosen, others in shared for c in others for name in _unkeyed(chosen.problem)
+                     if getattr(c.problem, name) != getattr(chosen.problem, name)})
+    chosen, others = shared[0]
+    return found, [f"{len(shared)} sweep(s) each serve cases that differ only in {', '.join(fields)}, which the "
+                   f"key does not hold (the runtime cannot see it): one entry serves them all, tuned as the case "
+                   f"the table's entry was tuned for, else the first given (e.g. {chosen.label}, also serving "
+                   f"{'; '.join(c.label for c in others)})"]
+
+
+def _unkeyed(problem: Any) -> list[str]:
+    """The fields of `problem` (a dataclass) that its table key does not hold."""
+    keyed = problem.key_fields()
+    return [f.name for f in dataclasses.fields(problem) if f.name not in keyed]
+
+
+def _tuned_for(entry: Mapping[str, Any] | None, problem: Any) -> bool:
+    """Whether `entry` (JSON) records being tuned for `problem`'s values of the fields its key does not hold
+    (as its `distribution` record states them)."""
+    record = (entry or {}).get("distribution")
+    if not isinstance(record, Mapping):
+        return False
+    named = [name for name in _unkeyed(problem) if name in record]
+    return bool(named) and all(record[name] == getattr(problem, name) for name in named)

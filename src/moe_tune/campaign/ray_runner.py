@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from moe_tune.campaign.outcome import SweepOutcome, error_text, local_device
+from moe_tune.campaign.request import SweepOutcome, error_text, local_device
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.core.errors import MoeTuneError
 from moe_tune.core.settings import COMPILE_CACHE_DIR

@@ -67,15 +67,11 @@ def robust_record(op: str, backend: str, problem: Any, entries: Mapping[str, Map
 
 def measure_campaigns(campaigns: Mapping[str, Any], *, print_line: Callable[[str], None] = print,
                       timer: Timer | None = None) -> list[dict[str, Any]]:
-    """The robust records of every shape the campaigns (`engine.Campaign` by distribution) planned, written
-    to the write table of each op."""
+    """The robust records of every shape the campaigns (`runner.Planned` by distribution) planned, written
+    to the write table of each op. Only for whole plans run here (`request.Campaign.placed`)."""
     if timer is None:
         from moe_tune.tuner.crossover import time_side_by_side as timer
     first = next(iter(campaigns.values()))
-    if first.share is not None or first.accelerator is not None:
-        print_line("note: the robust choice is measured in this process: rerun without --ray / --shard once the "
-                   "tables are merged")
-        return []
     directory = dirs.write_dir(first.settings.profile_dir)
     written = []
     for sweep in first.planned:

@@ -21,13 +21,12 @@ from moe_tune.core import distributions
 from moe_tune.layer import models as presets
 from moe_tune.core.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op, op_names
-from moe_tune.kernels.options import QUANT, ShapeOption, names
-from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
+from moe_tune.kernels.options import DTYPE, QUANT, ShapeOption, names
 from moe_tune.targets import TARGETS
-from moe_tune.tuner.sweep_settings import SweepSettings
+from moe_tune.tuner.request import SweepSettings
 from moe_tune.tuner.strategies import STRATEGIES
 
-DTYPES = click.Choice(SUPPORTED_DTYPES)
+DTYPES = click.Choice(DTYPE.choices)
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -58,13 +57,18 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     click.echo(f"warning: {message}", err=True)
 
 
-class LadderCounts(list):
-    """The counts of a ladder range (`--m 1:16384`: `campaign.ladder.ladder_counts`): a list of ints that also
-    asks for the ladder's boundaries to be measured."""
+RANGES = "moe_tune.ranges"  # click's per-invocation `meta`: the names of the shape flags given as a range A:B
+
+
+def ranges_given() -> set[str]:
+    """The shape flags of this invocation given as a range (`--m 1:16384`): each asks for a ladder."""
+    ctx = click.get_current_context(silent=True)
+    return set() if ctx is None else set(ctx.meta.get(RANGES, ()))
 
 
 class _IntList(click.ParamType):
-    """`512` or `512,4096,16384` -> a list of positive ints; `A:B` -> a ladder (`LadderCounts`)."""
+    """`512` or `512,4096,16384` -> a list of positive ints; `A:B` -> the counts of a ladder
+    (`campaign.ladder.ladder_counts`), and the flag is recorded as a range (`ranges_given`)."""
 
     name = "N[,N...]|A:B"
 
@@ -72,7 +76,10 @@ class _IntList(click.ParamType):
         if isinstance(value, list):
             return value
         if ":" in str(value):
-            return self._ladder(str(value), param, ctx)
+            counts = self._ladder(str(value), param, ctx)
+            if ctx is not None and param is not None:
+                ctx.meta.setdefault(RANGES, set()).add(param.name)
+            return counts
         parts = str(value).split(",")
         if len(parts) > 1 and any(not part.strip() for part in parts):
             self.fail(f"{value!r} has an empty item (give N or N,N,... without empty items)", param, ctx)
@@ -84,8 +91,7 @@ class _IntList(click.ParamType):
             self.fail(f"{value!r}: the values must be positive integers", param, ctx)
         return counts
 
-
-    def _ladder(self, value: str, param, ctx) -> LadderCounts:
+    def _ladder(self, value: str, param, ctx) -> list[int]:
         from moe_tune.campaign.ladder import ladder_counts
 
         try:
@@ -93,7 +99,7 @@ class _IntList(click.ParamType):
         except ValueError:
             self.fail(f"{value!r} is not a ladder A:B of two integers (e.g. 1:16384)", param, ctx)
         try:
-            return LadderCounts(ladder_counts(lo, hi))
+            return ladder_counts(lo, hi)
         except UsageError as e:
             self.fail(str(e), param, ctx)
 
@@ -111,7 +117,7 @@ def _all_shape_options() -> list[ShapeOption]:
     for name in op_names():
         for option in get_op(name).options:
             seen.setdefault(option.name, option)
-    return sorted(seen.values(), key=lambda o: o.choices == SUPPORTED_DTYPES)
+    return sorted(seen.values(), key=lambda o: o.choices == DTYPE.choices)
 
 
 def _click_option(option: ShapeOption) -> Callable:
@@ -136,11 +142,24 @@ def backends() -> list[str]:
     return list(dict.fromkeys(b for name in op_names() for b in get_op(name).backends.names()))
 
 
-def shape_options(fn: Callable) -> Callable:
+DEFAULT_OP = op_names()[0]  # the first op the kernels register (the grouped matmul): a bare `sweep`'s
+DEFAULT_DIRECTION = "fwd"
+
+
+def shape_options(fn: Callable | None = None, *, sweep: bool = False) -> Callable:
     """--op, --backend, the ops' shape options, --distribution and --direction (shared by `sweep`, `lookup`
-    and `bench`); each op takes some of the shape options (`KernelOp.options`)."""
+    and `bench`); each op takes some of the shape options (`KernelOp.options`). `sweep`: --op and --direction
+    default to None, which `sweep_campaign` reads as ragged_dot and fwd, or with --model as every op of the
+    layer and what training runs."""
+    if fn is None:
+        return functools.partial(shape_options, sweep=sweep)
+    op_help = ("Op (default: ragged_dot; with --model: every op of the layer, or this one's kernels alone)."
+               if sweep else None)
+    direction_help = "The forward pass, a gradient, or all of the op's directions" + (
+        " (default: fwd; with --model: all, what training runs)." if sweep else ".")
     options = [
-        click.option("--op", type=click.Choice(op_names()), default="ragged_dot", show_default=True),
+        click.option("--op", type=click.Choice(op_names()), default=None if sweep else DEFAULT_OP,
+                     show_default=not sweep, help=op_help),
         click.option("--backend", default=None, help=f"Backend (default: the platform's): {', '.join(backends())}; "
                                                      "which op has which: `moe-tune ops`."),
         *(_click_option(option) for option in _all_shape_options()),
@@ -149,8 +168,8 @@ def shape_options(fn: Callable) -> Callable:
                           "for sweep; for lookup and bench the one the runtime assumes ($MOE_TUNE_DISTRIBUTION, "
                           f"else {distributions.DEFAULT}). sweep --distribution all: sweep each, then time each "
                           "winner under every distribution and record the config robust across them."),
-        click.option("--direction", type=click.Choice([*directions(), "all"]), default="fwd", show_default=True,
-                     help="The forward pass, a gradient, or all of the op's directions."),
+        click.option("--direction", type=click.Choice([*directions(), "all"]),
+                     default=None if sweep else DEFAULT_DIRECTION, show_default=not sweep, help=direction_help),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -174,8 +193,49 @@ def problems(op_name: str, direction: str, shape: dict[str, Any], *, grid: bool 
                          f"{' '.join(flag(o) for o in op.option_names)}")
     values = [v if grid and isinstance(v, list) else [one(given, k)] for k, v in given.items()]
     defaults = op.default_problem_options()
-    return [op.problem(**{**defaults, **dict(zip(given, combination))}, direction=d)
-            for combination in itertools.product(*values) for d in wanted]
+    found = []
+    for combination in itertools.product(*values):
+        chosen = dict(zip(given, combination))
+        for d in wanted:
+            found.append(op.problem(**{**defaults, **chosen}, direction=d))
+            _refuse_inert(op, {**defaults, **chosen}, chosen, d)
+    return found
+
+
+def _values(op: Any, name: str) -> tuple | None:
+    """The values a choice or on/off shape option of `op` takes (None for a number)."""
+    option = next(o for o in op.options if o.name == name)
+    return option.choices or ((True, False) if option.type is bool else None)
+
+
+def _matters(op: Any, options: dict[str, Any], name: str, direction: str) -> bool:
+    """Whether the choice option `name` changes the problem `options` make: some value of it gives another
+    problem than the others, or is refused there."""
+    made = []
+    for value in _values(op, name):
+        try:
+            made.append(op.problem(**{**options, name: value}, direction=direction))
+        except UsageError:
+            return True
+    return any(problem != made[0] for problem in made)
+
+
+def _refuse_inert(op: Any, options: dict[str, Any], chosen: dict[str, Any], direction: str) -> None:
+    """UsageError for a choice flag given (`chosen`) that changes nothing in the problem (`--glu` of a stage
+    without an activation): naming the other flag given that makes it so, where one does."""
+    defaults = op.default_problem_options()
+    for name in chosen:
+        if _values(op, name) is None or _matters(op, options, name, direction):
+            continue
+        for other in chosen:
+            if other == name or _values(op, other) is None:
+                continue
+            back = {k: v for k, v in options.items() if k != other}
+            if other in defaults:
+                back[other] = defaults[other]
+            if _matters(op, back, name, direction):
+                raise UsageError(f"{flag(name)} does not apply to {op.name} with {flag(other)} {chosen[other]}")
+        raise UsageError(f"{flag(name)} does not apply to {op.name} here: every value gives the same problem")
 
 
 def several(shape: dict[str, Any]) -> bool:
@@ -219,84 +279,42 @@ def quant_flags(fn: Callable) -> Callable:
     return fn
 
 
-@dataclasses.dataclass(frozen=True)
-class SweepCases:
-    """What `sweep` was asked to tune: the kernel cases (`campaign.plan.Case`), notes on what was left out,
-    the backend asked for (None: each op's default), and how it is shown: `one_shape` (one shape, no
-    campaign flag: each sweep's detailed summary) or `several` (a campaign: its plan is printed and the
-    sweeps the table holds are skipped); `layer`: (model, its ep and dtype) for one model's layer."""
-
-    cases: list[Any]
-    notes: list[str] = dataclasses.field(default_factory=list)
-    backend: str | None = None
-    several: bool = False
-    layer: tuple[str, str] | None = None
-    ladder: bool = False  # measure the boundaries between the token counts (`campaign.ladder`)
-
-    @property
-    def one_shape(self) -> bool:
-        return not self.several and self.layer is None
-
-    def title(self, sweeps: int, device_kind: str) -> str | None:
-        """The summary's title for one model's layer (None otherwise: the counts are the title)."""
-        if self.layer is None:
-            return None
-        return f"{self.layer[0]}: {sweeps} kernel sweeps on {device_kind} {self.layer[1]}"
-
-
 LADDER_NOTE = ("a ladder: after its sweeps, where neighbouring counts' winners differ, both are timed between "
                "them and the table gets intervals with measured boundaries")
 
 
-def sweep_cases(op: str, direction: str, backend: str | None, model: str | None, shape: dict[str, Any], *,
-                campaign_flags: bool, ladder: bool = False) -> SweepCases:
-    """The cases of `sweep`: one per direction (and per combination of listed shape values) of `op`, or every
-    kernel case of the layers of `model` (comma-separated presets, or `all`) at each --tokens and --ep (with
-    --op given: that op's cases alone). Several values, several models or a campaign flag make it a campaign.
+def sweep_campaign(op: str | None, direction: str | None, backend: str | None, model: str | None,
+                   shape: dict[str, Any], *, settings: SweepSettings, where: Any, passes: Any) -> Any:
+    """The campaign `sweep`'s flags ask for (`campaign.request.Campaign`): one sweep per direction (and per
+    combination of listed shape values) of `op` (None: ragged_dot), or every kernel case of the layers of
+    `model` (comma-separated presets, or `all`) at each --tokens and --ep (with --op: that op's cases alone;
+    --direction None: what training runs). Several values, several models or running elsewhere (--ray,
+    --shard) make it a campaign of many; else it is one shape (one model's layer: its summary titled so).
     UsageError for a flag that does not apply."""
     from moe_tune.campaign.plan import model_campaign_cases, op_cases
+    from moe_tune.campaign.request import Campaign
 
-    ladder = ladder or any(isinstance(v, LadderCounts) for v in shape.values())
-    said = [LADDER_NOTE] if ladder else []
+    notes = (LADDER_NOTE,) if passes.ladder else ()
     if model is None:
-        several_ = campaign_flags or several(shape)
-        return SweepCases(op_cases(op, problems(op, direction, shape, grid=several_)), said, backend,
-                          several=several_, ladder=ladder)
-    ctx = click.get_current_context()
-    one_op = ctx.get_parameter_source("op").name != "DEFAULT"
+        op = op or DEFAULT_OP
+        grid = where.elsewhere or several(shape)
+        cases = op_cases(op, problems(op, direction or DEFAULT_DIRECTION, shape, grid=grid))
+        return Campaign(tuple(cases), settings, passes, where, backend, notes, one_shape=not grid)
     model_only(shape, explicit=["backend"] if backend is not None else [])
     models, eps = model.split(","), shape.get("ep") or [presets.LAYER_DEFAULTS["ep"]]
     tokens, _, dtype = presets.layer_settings(shape.get("tokens"), None, shape.get("dtype"))
     # --direction fwd: what serving runs; all (the default with --model): what training runs (models.layer_runs)
-    runs = direction if ctx.get_parameter_source("direction").name != "DEFAULT" else presets.LAYER_DEFAULTS[
-        "direction"]
+    runs = direction or presets.LAYER_DEFAULTS["direction"]
     # only the ragged_dot kernels are quantized
-    cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape), direction=runs)
-    if one_op:  # e.g. re-measuring one op's shipped entries after its backend's revision bump
+    cases, left_out = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape),
+                                           direction=runs)
+    if op is not None:  # e.g. re-measuring one op's shipped entries after its backend's revision bump
         cases = [c for c in cases if c.op == op]
         if not cases:
             raise UsageError(f"the layer of {model} runs no {op} kernel (see `moe-tune models {models[0]}`)")
-    several_ = len(models) > 1 or len(eps) > 1 or models == ["all"] or campaign_flags
-    return SweepCases(cases, notes + said, None, several_, None if several_ else (model, f"(ep={eps[0]}, {dtype})"),
-                      ladder)
-
-
-@dataclasses.dataclass(frozen=True)
-class CampaignFlags:
-    """`sweep`'s campaign flags: where the sweeps run (`--ray`), the share this process takes (`--shard`, or
-    the SLURM job array's), `--dry-run`."""
-
-    ray_address: str | None = None
-    share: tuple[int, int] | None = None
-    dry_run: bool = False
-    target: str | None = None  # --target: compile the candidates for this chip instead of sweeping
-    ladder: bool = False  # --ladder: the token counts given are a ladder (measure the boundaries between them)
-    distributions: tuple[str, ...] = ()  # --distribution all: every distribution, then the robust choice
-
-    @property
-    def given(self) -> bool:
-        """Whether any was given (any makes a campaign)."""
-        return self.ray_address is not None or self.share is not None or self.dry_run
+    many = len(models) > 1 or len(eps) > 1 or models == ["all"] or where.elsewhere
+    return Campaign(tuple(cases), settings, passes, where, None, (*left_out, *notes),
+                    layer=None if many else (model, f"(ep={eps[0]}, {dtype})"))
 
 
 MAX_SEED = 2**32 - 1  # NumPy's seeds are unsigned 32-bit
@@ -310,9 +328,9 @@ def _check_race(ctx: click.Context, param: click.Parameter, value: float | None)
 
 
 def sweep_options(fn: Callable) -> Callable:
-    """`sweep`'s flags (the settings, --model, the campaign flags) on `fn`, which gets them as two values:
-    `settings` (a `SweepSettings`, built once here with --distribution of `shape_options`) and `campaign`
-    (`CampaignFlags`). A bad value is one line and exit 2 (`handle_errors`)."""
+    """`sweep`'s flags (the settings, --model, where it runs, its passes) on `fn` (under `shape_options(sweep=
+    True)`), which gets them, with the shape flags, as one value: the `campaign.request.Campaign` they ask for
+    (`sweep_campaign`). A bad value is one line and exit 2 (`handle_errors`)."""
     options = [
         click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True,
                      help="Seed of inputs and group sizes."),
@@ -369,17 +387,22 @@ def sweep_options(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     @handle_errors
-    def wrapper(*args, samples, race, ray_address, shard, dry_run, target, ladder, **kwargs):
+    def wrapper(*, op, backend, direction, model, distribution, samples, race, ray_address, shard, dry_run, target,
+                ladder, **kwargs):
+        from moe_tune.campaign.request import Passes, Where
+
         given = {name: kwargs.pop(name) for name in setting_names if name in kwargs}
-        every = given["distribution"] == "all"
-        given["distribution"] = distributions.DEFAULT if every else given["distribution"] or distributions.DEFAULT
+        every = distribution == "all"  # --distribution all: every distribution, then the robust choice
+        runs = tuple(distributions.DISTRIBUTIONS) if every else (distribution or distributions.DEFAULT,)
+        given["distribution"] = runs[0]
         if samples is not None:
             given["samples"] = samples
         if race is not None:
             given["race"] = race or None  # 0: no racing
-        campaign = CampaignFlags(ray_address, shard_of(shard), dry_run, target, ladder,
-                                 tuple(distributions.DISTRIBUTIONS) if every else ())
-        return fn(*args, settings=SweepSettings(**given), campaign=campaign, **kwargs)
+        passes = Passes(runs, ladder=ladder or bool(ranges_given()), target=target)
+        campaign = sweep_campaign(op, direction, backend, model, kwargs, settings=SweepSettings(**given),
+                                  where=Where(ray_address, shard_of(shard), dry_run), passes=passes)
+        return fn(campaign)
 
     for option in reversed(options):
         wrapper = option(wrapper)

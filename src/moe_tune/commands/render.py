@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from moe_tune.kernels import get_op
-from moe_tune.profiles.evidence import marks, verdict_words
+from moe_tune.profiles.verdict import marks, verdict_words
 from moe_tune.profiles.verdict import verdict_of
 
 if TYPE_CHECKING:
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
     from moe_tune.commands.bench import Comparison
     from moe_tune.commands.breakdown import Breakdown
-    from moe_tune.campaign.engine import Campaign
-    from moe_tune.campaign.outcome import SweepOutcome
     from moe_tune.campaign.plan import PlannedSweep
+    from moe_tune.campaign.request import Campaign, SweepOutcome
+    from moe_tune.campaign.runner import Planned
     from moe_tune.profiles import LookupResult
     from moe_tune.profiles.entry import Entry
     from moe_tune.tuner import SweepResult
@@ -47,7 +47,11 @@ class ProgressReporter:
         self.progress, self.tasks = progress, {}
 
     def stage(self, name: str, total: int) -> None:
-        self.tasks[name] = self.progress.add_task(STAGES.get(name, name), total=total)
+        """Start stage `name` with `total` steps; a stage started again starts its bar over."""
+        if name in self.tasks:
+            self.progress.reset(self.tasks[name], total=total)
+        else:
+            self.tasks[name] = self.progress.add_task(STAGES.get(name, name), total=total)
 
     def advance(self, name: str, amount: float = 1) -> None:
         self.progress.advance(self.tasks[name], amount)
@@ -81,8 +85,27 @@ class CampaignProgress:
         self.progress.console.print(outcome_line(outcome), highlight=False)
 
 
+class CampaignView:
+    """A campaign as the CLI shows it while it runs (a `campaign.runner.View`): its plan, its progress, how
+    its sweeps ended, each pass's lines."""
+
+    def plan(self, planned: Planned, campaign: Campaign, *, listed: bool) -> None:
+        campaign_plan(planned, listed=listed)
+
+    def progress(self, planned: Planned, campaign: Campaign):
+        return sweep_progress(planned, detailed=campaign.one_shape)
+
+    def outcomes(self, outcomes: Sequence[SweepOutcome], planned: Planned, campaign: Campaign) -> None:
+        title = None if campaign.layer is None else (
+            f"{campaign.layer[0]}: {len(planned.todo)} kernel sweeps on {planned.device_kind} {campaign.layer[1]}")
+        sweep_outcomes(outcomes, title=title, detailed=campaign.one_shape)
+
+    def line(self, text: str) -> None:  # unwrapped, on stderr: stdout stays the tables
+        click.echo(text, err=True)
+
+
 @contextmanager
-def sweep_progress(campaign: Campaign, *, detailed: bool) -> Iterator[dict[str, Any]]:
+def sweep_progress(campaign: Planned, *, detailed: bool) -> Iterator[dict[str, Any]]:
     """The progress display of a campaign's run, as the runner's hooks (`campaign.runner.run`): on Ray, a
     line per running sweep; here, a heading per sweep and its stages' bars (`detailed`: one shape, the
     heading says how it is swept and the bars stay)."""
@@ -121,10 +144,11 @@ def outcome_line(outcome: SweepOutcome) -> str:
             f"{_ms(entry.median_s)} ms, {entry.speedup_over_default or 0:.2f}x, on {where(outcome.device)}")
 
 
-def campaign_plan(campaign: Campaign, *, listed: bool) -> None:
+def campaign_plan(campaign: Planned, *, listed: bool) -> None:
     """What a campaign will do: its size, its share, what the table already holds and what it sweeps again
     (tuned with less than asked); `listed` (--dry-run): every sweep in the order it runs, with its shape,
-    candidate count and estimated time (`campaign.estimate`), then those it skips."""
+    candidate count and estimated time (`campaign.estimate`), and those the run would refuse, then those it
+    skips."""
     from moe_tune.campaign import estimate
 
     c = campaign
@@ -137,8 +161,9 @@ def campaign_plan(campaign: Campaign, *, listed: bool) -> None:
     known = [cost.seconds for cost in costs.values() if cost.seconds is not None]
     total = f", about {estimate.duration(sum(known))}" + (" for those with a recorded sweep of their kind" if len(
         known) < len(costs) else "") if known else ""
+    refused = f"; the run would refuse {len(c.refused)}" if c.refused else ""
     out.print(f"Campaign on {c.device_kind} ({c.platform}): {c.cases} kernel cases, {len(c.planned)} sweeps after "
-              f"removing duplicates{share}; {held}{len(c.todo)} to run{again}{total}", highlight=False)
+              f"removing duplicates{share}; {held}{len(c.todo)} to run{again}{total}{refused}", highlight=False)
     for note in c.notes:
         out.print(f"  note: {note}", highlight=False)
     for s in c.todo:
@@ -151,8 +176,12 @@ def campaign_plan(campaign: Campaign, *, listed: bool) -> None:
         def row(number: Any, s: PlannedSweep, cost: str, state: str) -> tuple:
             return (number, s.label, *([shapes[s.key]] if named else []), s.backend, cost, state)
 
-        rows = [row(i + 1, s, costs[s.key].text, f"again: {c.again[s.key]}" if s.key in c.again else "to run")
-                for i, s in enumerate(c.todo)]
+        def state(s: PlannedSweep) -> str:
+            if s.key in c.refused:  # the reason without the sweep's own shape, which the row shows
+                return f"refused: {c.refused[s.key].removeprefix(shapes[s.key] + ' ')}"
+            return f"again: {c.again[s.key]}" if s.key in c.again else "to run"
+
+        rows = [row(i + 1, s, costs[s.key].text, state(s)) for i, s in enumerate(c.todo)]
         rows += [row("-", s, "-", "done (--fresh sweeps it again)") for s in c.done]
         table("Plan, in the order it runs (largest first)",
               ("#", "sweep", *(["shape"] if named else []), "backend", "cost", "state"), rows, right=("#",))

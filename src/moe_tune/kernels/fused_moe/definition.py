@@ -78,6 +78,9 @@ class FusedMoeOp(KernelOp):
         ragged_dot's (`QuantFormat`: mxfp4 in its blocks of 32, None: one scale per channel)."""
         if quant_block is not None and rhs_quant is None:
             raise UsageError("quant_block (--quant-block) needs rhs_quant (--rhs-quant)")
+        if isinstance(top_k, int) and isinstance(groups, int) and isinstance(ep, int) and top_k > groups * ep:
+            raise UsageError(f"top_k ({top_k}) must not exceed experts ({groups * ep}: groups x ep): each token is "
+                             "routed to top_k distinct experts")
         rhs = requested_format(rhs_quant, quant_block, k, "rhs_quant")
         return FusedMoeProblem(tokens=tokens, m=tokens * top_k, k=k, n=n, groups=groups, dtype=dtype, stage=stage,
                                direction=direction, glu=glu if stage == "dispatch" and glu != NO_GLU else None,

@@ -1,10 +1,12 @@
-"""What `moe-tune sweep ... --target CHIP` does, between the CLI's parsing and `compile_sweep`: plan the sweeps
-for the chip's platform, compile their candidates with a line of progress per sweep, print the summary."""
+"""A campaign's compile pass (`moe-tune sweep ... --target CHIP`), instead of its sweeps: plan the sweeps for
+the chip's platform, compile their candidates (`targets.compile_sweep`) with a line per sweep as it ends."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
+from moe_tune.campaign.plan import plan, shard
+from moe_tune.campaign.request import Campaign
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs
@@ -15,15 +17,11 @@ from moe_tune.targets.compile_sweep import TargetSweep, compile_sweeps
 from moe_tune.targets.records import records_path
 
 
-def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | None, campaign: Any,
-        print_line=print) -> list[TargetSweep]:
-    """Compile the candidates of `cases` (`campaign.plan.Case`s) for the target; returns a summary per sweep.
-    UsageError for the campaign flags that do not apply (nothing runs on a device here)."""
-    from moe_tune.campaign.plan import plan, shard
-
-    if campaign.ray_address is not None:
-        raise UsageError("--target compiles on this machine; it does not take --ray")
-    target = get_target(target_name)
+def compile_pass(campaign: Campaign, *, print_line: Callable[[str], None] = print) -> list[TargetSweep]:
+    """Compile the candidates of the campaign's cases for its target chip (`Campaign.placed` has ruled out
+    --ray), its share of them with `--shard`; a dry run lists the sweeps. Returns a summary per sweep."""
+    cases, settings, backend, where = campaign.cases, campaign.settings, campaign.backend, campaign.where
+    target = get_target(campaign.passes.target)
     # a layer choice (moe_fusion) runs kernels of the described ops; a chip compiles those, not the choice
     layers = sorted({case.op for case in cases} - set(DESCRIBED_OPS))
     cases = [case for case in cases if case.op in DESCRIBED_OPS]
@@ -32,7 +30,7 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
                          f"layers of them: compile their kernels instead (e.g. `--model M --op ragged_dot`)")
     if layers:
         print_line(f"note: {', '.join(layers)} left out: a choice between layers, whose kernels are compiled here")
-    if not campaign.dry_run:
+    if not where.dry_run:
         wheels.require(target.platform)  # the one-line error before anything is printed
     # without --backend, what the chip would tune: its default, or its own kernel where that has no tunables
     sweeps = plan(cases, platform=target.platform, distribution=settings.distribution, backend=backend,
@@ -42,12 +40,12 @@ def run(cases: list[Any], settings: Any, target_name: str, *, backend: str | Non
         if sweep.backend not in native:
             raise UsageError(f"--backend {sweep.backend} is not a {target.platform.upper()} kernel; --target "
                              f"{target.name} compiles what the chip runs natively: {', '.join(native)}")
-    if campaign.share is not None:
-        sweeps = shard(sweeps, *campaign.share)
+    if where.share is not None:
+        sweeps = shard(sweeps, *where.share)
     directory = dirs.write_dir(settings.profile_dir)
     print_line(f"compiling the candidates of {len(sweeps)} sweep(s) for {target.name} ({target.description}) "
                f"with {settings.workers} worker(s); records in {records_path(directory, target.device_kind, '<op>')}")
-    if campaign.dry_run:
+    if where.dry_run:
         for sweep in sweeps:
             print_line(f"  {get_op(sweep.op).describe(sweep.problem)} [{sweep.backend}]")
         return []
