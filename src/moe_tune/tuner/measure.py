@@ -251,7 +251,7 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
         return chosen[0], Verdict(ONLY_CANDIDATE), None
     samples = final_samples(settings, max(c.timing.median_s for c in chosen))
     timed = {c.index: c.timing for c in chosen} if same_rounds(chosen) else {}  # the batch's rounds come first
-    reporter.stage("finalists", samples - _rounds(timed))
+    bar = _RoundsBar(reporter, samples, _rounds(timed))
     first_stop = earliest_stop(samples)
     fallback, chunk = None, 0
     # each chunk adds a round or more. Once the trace failed the cross-check, the rest of the round is timed by
@@ -263,17 +263,51 @@ def final_round(settings: SweepSettings, survivors: list[Candidate], default: Ca
         final, why = time_candidates(
             {c.index: (lambda c=c: c.executable(inputs)) for c in chosen},
             samples=max(1, first_stop - _rounds(timed)), platform=platform, seed=settings.seed + 1 + 7919 * chunk,
-            on_round=lambda r: reporter.advance("finalists"), warmup=0,  # `run_finals` ran each one already
+            on_round=lambda r: bar.tick(), warmup=0,  # `run_finals` ran each one already
             wall_only=fallback is not None,
         )
         chunk, fallback = chunk + 1, fallback or why
         if timed and {t.method for t in final.values()} != {t.method for t in timed.values()}:
             timed = {}  # one clock for all the samples compared: the other clock's rounds are dropped
         timed = {i: joined(timed[i], t) if i in timed else t for i, t in final.items()}
+        bar.show(_rounds(timed))
+    bar.finish()
     for c in chosen:
         c.first_timing, c.timing = c.timing, timed[c.index]
     winner, verdict = decide(paired_best(chosen, default), default, chosen, pair=True)
     return winner, verdict, fallback
+
+
+class _RoundsBar:
+    """The final round's progress stage (`finalists`): the rounds still to time of the `samples` compared, so
+    that it never runs past its total. Rounds a clock switch drops start it over (with every round to time
+    again); a round that stops early (`settled`) ends it complete."""
+
+    def __init__(self, reporter: Reporter, samples: int, timed: int):
+        self.reporter, self.samples, self.base = reporter, samples, timed
+        self.total, self.shown = samples - timed, 0
+        reporter.stage("finalists", self.total)
+
+    def tick(self) -> None:
+        """One more round timed."""
+        if self.shown < self.total:
+            self.shown += 1
+            self.reporter.advance("finalists")
+
+    def show(self, rounds: int) -> None:
+        """`rounds` of the samples are timed now (fewer than shown: a clock switch dropped some)."""
+        if rounds < self.base + self.shown:
+            self.base, self.total, self.shown = 0, self.samples, 0
+            self.reporter.stage("finalists", self.total)
+        self._advance(min(self.total, rounds - self.base))
+
+    def finish(self) -> None:
+        self._advance(self.total)
+
+    def _advance(self, to: int) -> None:
+        if to > self.shown:
+            self.reporter.advance("finalists", to - self.shown)
+            self.shown = to
 
 
 def earliest_stop(samples: int) -> int:
