@@ -35,8 +35,9 @@ def _results(pool, fn, requests, **kwargs) -> dict:
 
 
 def test_progress_comes_to_the_callers_thread_before_the_answer_and_an_error_keeps_the_worker(pool):
+    """(What a request prints goes to the worker's stderr, not into the answers.)"""
     seen = []
-    code = "from moe_tune.workers import progress\nfor step in range(3): progress(step)\n"
+    code = "from moe_tune.workers import progress\nfor step in range(3): print('stray'), progress(step)\n"
     pool.map("builtins:exec", [("a", (code, {}))],
              lambda tag, status, value: seen.append(("result", tag, status)),
              on_progress=lambda tag, obj: seen.append(("progress", tag, obj, threading.current_thread())))

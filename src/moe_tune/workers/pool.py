@@ -248,8 +248,8 @@ class WorkerPool:
             timeout: float | None = None, shared: tuple[str, Any] | None = None, *,
             affinity: Callable[[Any], str | None] | None = None,
             on_progress: Callable[[Any, Any], None] | None = None) -> None:
-        """For each (tag, args), in order: on_result(tag, "ok", value) or on_result(tag, "failed",
-        WorkerFailure); `on_progress(tag, obj)` for what a request reports as it goes.
+        """Start each (tag, args) in order; as each ends, on_result(tag, "ok", value) or on_result(tag,
+        "failed", WorkerFailure); `on_progress(tag, obj)` for what a request reports as it goes.
 
         A request that takes longer than `timeout` seconds has its worker killed. A worker that died or was
         killed is replaced before its next request. `affinity(tag)`: the request's key (see the module

@@ -6,8 +6,9 @@ others (one held at a time; a deferred one is asked for when first needed).
 
 Before serving, the worker caps its address space at `MOE_TUNE_WORKER_MEMORY_LIMIT` bytes when that is set
 (RLIMIT_AS: an allocation past it fails cleanly, MemoryError / RESOURCE_EXHAUSTED, instead of growing until
-the kernel's OOM killer steps in), runs the pool's `--setup` function once, and points its stdout (fd 1 and
-`sys.stdout`) at stderr, so that what the requests or C++ libraries print cannot corrupt the protocol stream.
+the kernel's OOM killer steps in), points its stdout (fd 1 and `sys.stdout`) at stderr, so that what the
+requests or C++ libraries print cannot corrupt the protocol stream, and runs the pool's `--setup` function
+once.
 """
 
 from __future__ import annotations
@@ -89,12 +90,12 @@ def _answer(frame: bytes) -> tuple[str, Any]:
 def serve(setup: str | None = None) -> None:
     global _out, _in
     _limit_memory()
-    if setup:
-        _function(setup)()
     _out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     _in = sys.stdin.buffer
+    if setup:
+        _function(setup)()
     while True:
         try:
             frame = protocol.read_frame(_in)
