@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # A real sweep of ragged_dot tile sizes at a realistic MoE expert shape on this machine, then the report,
-# then a fresh Python process that shows moe_tune.ragged_dot picking the tuned entry up.
+# then a fresh Python process that shows moe_tune.ragged_dot picking the tuned entry up. The sweep measures
+# its whole grid every time: --cold (no warm start from entries tuned nearby) and --fresh (no resuming an
+# earlier demo's log).
 demo: $(STAMP)
-	$(VENV)/bin/moe-tune sweep --op ragged_dot
+	$(VENV)/bin/moe-tune sweep --op ragged_dot --cold --fresh
 	$(VENV)/bin/moe-tune report --op ragged_dot
 	$(PY) -m moe_tune.commands.demo_check
 

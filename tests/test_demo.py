@@ -26,3 +26,36 @@ def test_make_demo_end_to_end(tmp_path):
     assert "Tuned configs" in output  # the report
     assert "lookup says: exact" in output  # the fresh process used the tuned entry
     assert (tmp_path / "profiles" / "cpu" / "ragged_dot.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_demo_sweep_measures_its_whole_grid_every_time(isolated_profiles):
+    """`make demo`'s own sweep command (read from `make -n demo`; a small shape appended, the last value of an
+    option wins): a second run, with a float32 entry tuned nearby and the first run's log in place, still
+    measures every candidate of its grid: no warm start, nothing resumed."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from moe_tune.cli import cli
+    from moe_tune.profiles.table import read_table
+
+    planned = subprocess.run(["make", "-n", "--no-print-directory", "demo"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    (line,) = [line for line in planned if "moe-tune sweep" in line]
+    argv = shlex.split(line)[1:] + ["--m", "64", "--k", "64", "--n", "64", "--groups", "4", "--samples", "1",
+                                    "--workers", "1"]
+    first = CliRunner().invoke(cli, argv, catch_exceptions=False)
+    assert first.exit_code == 0, first.output
+    table = isolated_profiles / "cpu" / "ragged_dot.json"
+    (entry,) = read_table(table)["entries"].values()
+    neighbour = {**entry, "key": entry["key"].replace("|m=64|", "|m=128|"), "fields": {**entry["fields"], "m": 128}}
+    from moe_tune.profiles.table import write_entries
+
+    write_entries(table, "ragged_dot", "cpu", [neighbour])
+    again = CliRunner().invoke(cli, argv, catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    tried = entry["candidates"]["tried"]
+    assert f"grid: {tried} of {tried} candidates" in again.output
+    assert "cold start (--cold)" in again.output and "0 candidates from the sweep log" in again.output
