@@ -64,3 +64,16 @@ def _describe(request) -> str:
     from moe_tune.kernels import get_op
 
     return get_op(request.op).describe(request.problem).removeprefix(request.op + " ")
+
+
+def test_the_dry_run_estimates_what_the_strategy_measures(isolated_profiles):
+    """A grid measures its whole space; coordinate descent its first round (the default and its neighbours)
+    and about one step more: fewer, and said as an estimate of the space."""
+    invoke = CliRunner().invoke
+    shape = ["--op", "ragged_dot", "--m", "256", "--k", "128", "--n", "128", "--groups", "4", "--dry-run"]
+    grid = invoke(cli, ["sweep", *shape], catch_exceptions=False)
+    walk = invoke(cli, ["sweep", *shape, "--strategy", "coordinate"], catch_exceptions=False)
+    assert grid.exit_code == walk.exit_code == 0, grid.output + walk.output
+    [space] = re.findall(r"│ (\d+) candidates", grid.output)
+    [(about, of)] = re.findall(r"│ ~(\d+) of (\d+) candidates", walk.output)
+    assert of == space and 1 < int(about) < int(space)

@@ -44,8 +44,8 @@ def profile_entry(entry: Entry, *, source: str | None = None, runs: int = 5,
         raise UsageError(f"unknown breakdown source {source!r}; sources are {', '.join(SOURCES)}")
     if source == "trace" and platform != "cpu":
         raise UsageError(f"the trace reader reads CPU traces; on {platform} use the xprof one")
-    if keep_trace is not None:  # before anything is compiled
-        writable_dir(keep_trace, "cannot write traces to")
+    if keep_trace is not None:  # before anything is compiled: where `keep` copies them
+        writable_dir(Path(keep_trace) / "plugins" / "profile", "cannot write traces to")
     spec = get_op(entry.op)
     backend, problem, configs = _runnable(entry, spec)
     if not backend.runs_on(platform):
