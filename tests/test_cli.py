@@ -250,10 +250,11 @@ def test_sweep_model_runs_every_kernel_of_a_layer(run, isolated_profiles):
                  "--max-candidates", "1", "--samples", "1", "--workers", "1")
     assert result.exit_code == 0, result.output
     # per count: 6 matmuls, dispatch, combine, the backward's weighted gather (training, the default; the
-    # dispatch's gradient is the combine's own kernel at ep=16), 4 fused kernels and the fused-or-not choice
-    # for the forward and for forward+backward
-    assert "deepseek-v2-lite: 30 kernel sweeps" in result.output
-    for op, count in (("fused_moe", 8), ("moe_fusion", 4)):  # 2 counts x (gate/up, down) x (fwd, bwd); 2 choices each
+    # dispatch's gradient is the combine's own kernel at ep=16), 5 fused kernels (each stage's forward and
+    # backward, and the dispatch's forward with its activation, which the evaluation runs) and the
+    # fused-or-not choice for the forward and for forward+backward
+    assert "deepseek-v2-lite: 32 kernel sweeps" in result.output
+    for op, count in (("fused_moe", 10), ("moe_fusion", 4)):  # 2 counts x 5 fused kernels; 2 choices each
         assert len(json.loads((isolated_profiles / "cpu" / f"{op}.json").read_text())["entries"]) == count
     entries = {op: json.loads((isolated_profiles / "cpu" / f"{op}.json").read_text())["entries"].values()
                for op in ("ragged_dot", "ragged_gather", "ragged_gather_reduce")}
@@ -331,8 +332,11 @@ def test_bench_model_covers_every_kernel_of_a_layer(run):
     result = run("bench", "--model", "deepseek-v2-lite", "--tokens", "8", "--ep", "16", "--dtype", "float32",
                  "--samples", "1")
     assert result.exit_code == 0, result.output
-    assert result.output.count("xla/tuned") == 6 and result.output.count("fallback/tuned") == 2
-    assert result.output.count("unfused/tuned") == 1  # the layer fused vs unfused (moe_fusion)
+    # what a training step and the evaluation run (the default with --model), once per key: 6 matmuls; the
+    # dispatch, the combine (at ep 16 also the dispatch's gradient) and the combine's gradient, and 5 fused
+    # kernels, each against its plain-JAX fallback; the layer fused vs unfused, forward and forward+backward
+    assert result.output.count("xla/tuned") == 6 and result.output.count("fallback/tuned") == 3 + 5
+    assert result.output.count("unfused/tuned") == 2
 
 
 def test_a_profile_dir_that_cannot_be_written_is_one_line_and_exit_1(run, tmp_path):

@@ -132,14 +132,18 @@ def test_the_breakdown_says_when_it_contradicts_a_claimed_win():
 def test_bench_flags_the_default_as_tuned_and_a_faster_fallback_with_the_next_step():
     """`bench` showed tuned 18.78 vs default 20.12 ms for the identical config, and `fallback/tuned
     0.39` (the plain path 2.5x faster), with no flag and no advice."""
-    from moe_tune.commands.bench import GatherComparison
+    from moe_tune.commands.bench import Comparison
+    from moe_tune.kernels import get_op
 
+    op = get_op("ragged_gather")
+    problem, backend = op.problem(tokens=32, hidden=128, top_k=4), op.backends.get("tiled")
+    plan = op.bench_plan(problem, backend, backend.default_config(problem), {}, distribution="balanced", seed=1)
     same = {"rows_per_chunk": 64}
-    c = GatherComparison(op="ragged_gather", backend="tiled", tuned_config=same, default_config=same,
-                         times_s={"tuned": 18.78e-3, "default": 20.12e-3, "fallback": 7.3e-3}, spread={},
-                         timing_method="trace", timing_fallback=None, copy_gbps=1.0, roofline_s=1e-3,
-                         ratios={"fallback_vs_tuned": 0.39}, valid_fraction=1.0, least_bytes=1,
-                         lookup_marks=("low budget",))
+    c = Comparison(op="ragged_gather", backend="tiled", tuned_config=same, default_config=same,
+                   times_s={"tuned": 18.78e-3, "default": 20.12e-3, "fallback": 7.3e-3}, spread={},
+                   timing_method="trace", timing_fallback=None, copy_gbps=1.0, roofline_s=1e-3,
+                   ratios={"fallback_vs_tuned": 0.39}, baseline=plan.baseline, advice=plan.advice,
+                   lookup_marks=("low budget",))
     same_note, fallback_note, marks_note = c.notes()
     assert same_note.startswith("tuned = default")
     assert fallback_note.startswith("fallback is 2.56x faster") and "ragged_gather_fallback=True" in fallback_note
