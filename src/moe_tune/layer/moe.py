@@ -53,6 +53,12 @@ def moe_mlp(
     ragged_gather_reduce_fallback: bool | None = None,
     distribution: str | None = None,
     fused: bool | None = None,
+    expert_axis: str | None = None,
+    tensor_axis: str | None = None,
+    ep_strategy: str | None = None,
+    capacity_factor: float | None = None,
+    tokens_replicated: bool = False,
+    return_stats: bool = False,
 ) -> jax.Array:
     """A gated-MLP MoE block: `out[t] = sum_k w[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t]))`, e = expert k
     of token t. Differentiable in x, router_logits and the three weights.
@@ -73,6 +79,13 @@ def moe_mlp(
       fused: run the experts on the fused kernels (`kernels/fused_moe/layer.py`: the dispatch gather inside
         the gate/up grouped matmul, the combine inside the down projection's epilogue; no [tokens x top_k,
         hidden] buffers) or unfused; None: the tables' measured choice for this layer's shape (`moe_fusion`).
+      expert_axis, tensor_axis: inside `jax.shard_map`, the mesh axes the experts and the intermediate
+        dimension are split over (`layer/sharded.py`): x is this device's tokens, the weights this device's
+        [experts / EP, ..., intermediate / TP] shard, and the result the whole layer's output for x.
+      ep_strategy, capacity_factor, tokens_replicated, return_stats: with `expert_axis` (`layer/sharded.py`):
+        `all_gather` or `all_to_all` (None: `sharded.resolve_strategy`), a cap of `ceil(c x tokens x top_k)`
+        entries per device (None: nothing dropped), tokens the same on every device of `expert_axis`
+        (decode), and `(out, {"dropped", "entries"})` returned instead of out.
 
     Returns:
       [tokens, hidden] in x.dtype: this shard's experts' contribution (all of it without expert_offset).
@@ -99,13 +112,26 @@ def moe_mlp(
         activation = ACTIVATIONS[activation][0]  # a known name: the fused kernels take it by name too
     elif not callable(activation):
         raise UsageError(f"activation must be a callable or one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    if expert_offset is None and local != experts:
+    across = expert_axis is not None or tensor_axis is not None
+    if across and expert_offset is not None:
+        raise UsageError("expert_offset is not taken with expert_axis or tensor_axis: the mesh axes place the experts")
+    if not across and (ep_strategy is not None or capacity_factor is not None or tokens_replicated or return_stats):
+        raise UsageError("ep_strategy, capacity_factor, tokens_replicated and return_stats need an expert_axis "
+                         "(moe_mlp inside jax.shard_map, or moe_tune.sharded_moe_mlp)")
+    if not across and expert_offset is None and local != experts:
         raise UsageError(f"the weights hold {local} experts but the router {experts}: pass expert_offset")
     distribution = contexts.distribution_for_call(distribution)  # checked now, and the same for every kernel
     flags = {"ragged_gather_fallback": ragged_gather_fallback,
              "ragged_gather_reduce_fallback": ragged_gather_reduce_fallback, "distribution": distribution}
 
     weights, chosen = route(router_logits, top_k, renormalize=renormalize)
+    if across:
+        from moe_tune.layer import sharded
+
+        return sharded.layer(x, weights, chosen, w_gate, w_up, w_down, experts=experts, expert_axis=expert_axis,
+                             tensor_axis=tensor_axis, ep_strategy=ep_strategy, capacity_factor=capacity_factor,
+                             tokens_replicated=tokens_replicated, return_stats=return_stats, fused=fused,
+                             activation=activation, skip_zero_weights=skip_zero_weights, flags=flags)
     entries = tokens * top_k
     flat_expert = chosen.reshape(entries)
     entry_of_row = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)  # expert-ordered row -> entry

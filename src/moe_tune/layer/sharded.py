@@ -1,0 +1,248 @@
+"""The MoE layer across devices: experts split over one mesh axis (expert parallelism, EP), the intermediate
+dimension over another (tensor parallelism, TP), with JAX's `shard_map` as the engine.
+
+`moe_mlp(..., expert_axis=, tensor_axis=)` inside the caller's `jax.shard_map` runs here (`layer`);
+`sharded_moe_mlp` wraps it in a `shard_map` for global arrays. Strategies (`ep_strategy`):
+
+- `all_gather`: every device gathers the tokens' rows and routing over `expert_axis`, runs its own experts'
+  rows (`ragged_gather` over their [start, end), the grouped matmuls or the fused kernels,
+  `ragged_gather_reduce`), and the partial outputs are reduce-scattered (`psum_scatter`) back to the tokens'
+  devices.
+- `all_to_all`: entries sent to their experts' devices and back (`exchange.py`).
+
+Tokens replicated over `expert_axis` (`tokens_replicated=True`: decode, where every device of the axis holds
+the same batch) are served without gathering: each device runs its experts' entries and the partial outputs
+are summed (`psum`). With `tensor_axis`, each device's down projection is a partial sum over its slice of the
+intermediate dimension; the outputs are summed (`psum`) over `tensor_axis`.
+
+`capacity_factor` c caps the entries one device receives at `ceil(c x t x top_k)` (t: the tokens one device
+holds); the rule (rank in (global token, k) order among the entries bound for that device) is
+`exchange.keep_mask`'s and the same under both strategies. `return_stats=True` returns `(out, stats)`,
+stats = {"dropped": int32, the entries dropped over the whole expert axis; "entries": their total}; with
+a capacity and the `moe_tune.layer.sharded` logger enabled for INFO when the layer is traced, each call also
+logs the count (from the first device of the mesh axes).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_tune.core import devices as _devices
+from moe_tune.core.errors import UsageError
+from moe_tune.core.quant import AsQArray, QArray
+from moe_tune.layer import exchange
+from moe_tune.layer.fused_layer import serve_or_train
+from moe_tune.layer.fusion_choice import use_fused
+
+STRATEGIES = ("all_gather", "all_to_all")
+RAGGED_ALL_TO_ALL_PLATFORMS = ("tpu", "gpu")  # XLA:CPU does not implement ragged_all_to_all
+_log = logging.getLogger(__name__)
+
+
+def resolve_strategy(ep_strategy: str | None, *, tokens: int, hidden: int, intermediate: int, experts: int,
+                     top_k: int, ep: int, tp: int, dtype: Any, tokens_replicated: bool, platform: str) -> str:
+    """The strategy one call runs: `ep_strategy` when given (checked), else the default: `all_to_all` where
+    the platform has a ragged all-to-all (only the routed rows travel), `all_gather` elsewhere (the
+    fixed-capacity all-to-all moves worst-case buffers). Tokens replicated over the expert axis need no
+    exchange: the answer then only names how the partial outputs are combined, and both serve alike.
+    The one place a measured choice per (layer, mesh) would answer from."""
+    del tokens, hidden, intermediate, experts, top_k, ep, tp, dtype, tokens_replicated
+    if ep_strategy is None:
+        return "all_to_all" if platform in RAGGED_ALL_TO_ALL_PLATFORMS else "all_gather"
+    if ep_strategy not in STRATEGIES:
+        raise UsageError(f"ep_strategy must be one of {', '.join(STRATEGIES)} or None, got {ep_strategy!r}")
+    return ep_strategy
+
+
+def axis_size(axis: str, role: str) -> int:
+    """The size of mesh axis `axis` bound by the surrounding shard_map; a UsageError naming `role` when no
+    such axis is bound here."""
+    if not isinstance(axis, str):
+        raise UsageError(f"{role} must be a mesh axis name (a str), got {axis!r}")
+    try:
+        return int(jax.lax.axis_size(axis))
+    except NameError:
+        raise UsageError(f"{role} {axis!r} is not a mesh axis bound here: call moe_mlp inside jax.shard_map over "
+                         f"a mesh with that axis, or call moe_tune.sharded_moe_mlp on global arrays") from None
+
+
+def capacity(capacity_factor: float | None, tokens: int, top_k: int) -> int | None:
+    """Entries one device may receive: `ceil(c x tokens x top_k)`; None (no cap) for None."""
+    if capacity_factor is None:
+        return None
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
+            math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise UsageError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
+    return math.ceil(capacity_factor * tokens * top_k)
+
+
+def layer(x, weights, chosen, w_gate, w_up, w_down, *, experts: int, expert_axis: str | None,
+          tensor_axis: str | None, ep_strategy: str | None, capacity_factor: float | None,
+          tokens_replicated: bool, return_stats: bool, fused: bool | None, activation, skip_zero_weights: bool,
+          flags: dict):
+    """`moe_mlp` across devices, after its checks and routing (weights float32 / chosen int32 [t, top_k] of
+    this device's tokens): the output [t, d] in x.dtype, with the stats when `return_stats`."""
+    from moe_tune.layer.moe import _experts  # the one-device experts, run on this device's expert shard
+
+    tokens, hidden = x.shape
+    top_k = chosen.shape[1]
+    local, intermediate = w_gate.shape[0], w_gate.shape[2]
+    ep = 1 if expert_axis is None else axis_size(expert_axis, "expert_axis")
+    tp = 1 if tensor_axis is None else axis_size(tensor_axis, "tensor_axis")
+    if tensor_axis is not None and tensor_axis == expert_axis:
+        raise UsageError(f"expert_axis and tensor_axis must be different mesh axes, got {expert_axis!r} twice")
+    if local * ep != experts:
+        raise UsageError(f"the weights hold {local} experts per device but the router has {experts} over "
+                         f"{ep} devices of expert_axis {expert_axis!r}: each device must hold experts / {ep}")
+    if expert_axis is None and (ep_strategy is not None or capacity_factor is not None or tokens_replicated):
+        raise UsageError("ep_strategy, capacity_factor and tokens_replicated need an expert_axis")
+    cap = capacity(capacity_factor, tokens, top_k)
+    strategy = resolve_strategy(ep_strategy, tokens=tokens, hidden=hidden, intermediate=intermediate,
+                                experts=experts, top_k=top_k, ep=ep, tp=tp, dtype=x.dtype,
+                                tokens_replicated=tokens_replicated, platform=_devices.platform())
+    me = jnp.int32(0) if expert_axis is None else jax.lax.axis_index(expert_axis)
+    # the same tokens meet other weights on each device of tensor_axis (and of expert_axis when replicated):
+    # typed as varying over both, so every kernel's gradient in them is per device, summed by the transpose
+    axes = tuple(axis for axis in (expert_axis, tensor_axis) if axis is not None)
+    x, weights = exchange.varying(x, axes), exchange.varying(weights, axes)
+    options = dict(activation=activation, skip_zero_weights=skip_zero_weights, flags=flags)
+    if strategy == "all_to_all" and not tokens_replicated and ep > 1:
+        if fused:
+            raise UsageError("fused=True runs the experts with the dispatch gather and the combine inside the "
+                             "kernels, which the all_to_all strategy does on other devices: pass "
+                             "ep_strategy='all_gather' or fused=None")
+        out, dropped = exchange.all_to_all_layer(
+            x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis, devices=ep, me=me, cap=cap,
+            ragged=_devices.platform() in RAGGED_ALL_TO_ALL_PLATFORMS, **options)
+        entries = tokens * top_k * ep
+    else:
+        out, dropped = _gathered(_experts, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
+                                 replicated=tokens_replicated, me=me, experts=experts, cap=cap, fused=fused,
+                                 **options)
+        entries = tokens * top_k * (1 if tokens_replicated else ep)
+    if tensor_axis is not None:
+        out = jax.lax.psum(out, tensor_axis)
+    if expert_axis is not None:
+        dropped = jax.lax.psum(dropped, expert_axis)
+    if cap is not None and _log.isEnabledFor(logging.INFO):
+        first = me == 0 if tensor_axis is None else (me == 0) & (jax.lax.axis_index(tensor_axis) == 0)
+        jax.debug.callback(_log_drops, dropped, first, entries=entries, factor=capacity_factor, cap=cap)
+    if not return_stats:
+        return out
+    return out, {"dropped": dropped, "entries": jnp.int32(entries)}
+
+
+def _log_drops(dropped, first, *, entries: int, factor: float, cap: int) -> None:
+    if bool(first):
+        _log.info("moe_mlp capacity_factor %s (%d entries per device): %d of %d (token, k) entries dropped",
+                  factor, cap, int(dropped), entries)
+
+
+def _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, axis, replicated: bool, me, experts: int,
+              cap: int | None, fused, activation, skip_zero_weights: bool, flags: dict):
+    """The all_gather strategy (and replicated tokens): every device runs its experts' entries of all the
+    axis's tokens; the partial outputs are reduce-scattered (summed, for replicated tokens) over `axis`."""
+    local = w_gate.shape[0]
+    if axis is not None and not replicated:
+        x, weights, chosen = (jax.lax.all_gather(a, axis, tiled=True) for a in (x, weights, chosen))
+    tokens, top_k = chosen.shape
+    entries = tokens * top_k
+    flat = chosen.reshape(entries)
+    offset = me * local
+    mine = (flat >= offset) & (flat < offset + local)
+    dropped = jnp.int32(0)
+    key = flat
+    if cap is not None:  # the same rule as exchange.keep_mask: rank in (global token, k) order
+        over = mine & (jnp.cumsum(mine.astype(jnp.int32)) > cap)
+        dropped = jnp.sum(over.astype(jnp.int32))
+        key = jnp.where(over, experts, flat)  # sorted past every expert: outside this device's rows
+    entry_of_row = jnp.argsort(key, stable=True).astype(jnp.int32)
+    row_of_entry = jnp.zeros((entries,), jnp.int32).at[entry_of_row].set(jnp.arange(entries, dtype=jnp.int32))
+    group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+    offset_arg = None if axis is None else offset.astype(jnp.int32)
+    serve, train = (use_fused(fused, tokens=tokens, hidden=x.shape[1], intermediate=w_gate.shape[2],
+                              experts=experts, local=local, top_k=top_k, dtype=x.dtype,
+                              weights=(w_gate, w_up, w_down), distribution=flags["distribution"],
+                              direction=direction) for direction in ("fwd", "bwd"))
+
+    def run(use, *operands):
+        return experts_fn(use, *operands, top_k=top_k, activation=activation,
+                          skip_zero_weights=skip_zero_weights, flags=flags)
+
+    out = serve_or_train(run, serve, train, x, weights, w_gate, w_up, w_down, entry_of_row, row_of_entry,
+                         group_sizes, offset_arg)
+    if axis is not None:
+        out = jax.lax.psum(out, axis) if replicated else jax.lax.psum_scatter(out, axis, scatter_dimension=0,
+                                                                              tiled=True)
+    return out, dropped
+
+
+def _weight_spec(w, name: str, spec: tuple, mesh) -> Any:
+    """The shard_map spec of one expert weight (`spec` for its values): a QArray's scale is split like its
+    values along an axis where it has one scale per value, kept whole where it has one scale for the whole
+    axis (the same for every slice), and split by blocks where whole blocks fall on each device."""
+    if isinstance(w, QArray):
+        scale_spec = []
+        for dim, (value, scale, axis) in enumerate(zip(w.qvalue.shape, w.scale.shape, spec)):
+            parts = 1 if axis is None else mesh.shape[axis]
+            if scale == value or scale % parts == 0:
+                scale_spec.append(axis)
+            elif scale == 1:
+                scale_spec.append(None)
+            else:
+                raise UsageError(f"{name}: its {scale} scale blocks along axis {dim} do not split over the "
+                                 f"{parts} devices of mesh axis {axis!r}")
+        return QArray(P(*spec), P(*scale_spec))
+    if isinstance(w, AsQArray):
+        return jax.tree_util.tree_map(lambda _: P(*spec), w)
+    return P(*spec)
+
+
+def sharded_moe_mlp(x, router_logits, w_gate, w_up, w_down, top_k: int, *, mesh, expert_axis: str = "expert",
+                    tensor_axis: str | None = None, tokens_replicated: bool = False, return_stats: bool = False,
+                    **moe_mlp_options):
+    """`moe_mlp` on global arrays over `mesh`: x [T, d] and router_logits [T, E] split by tokens over
+    `expert_axis` (whole on every device with `tokens_replicated=True`), w_gate / w_up [E, d, f] and w_down
+    [E, f, d] split by experts over `expert_axis` and by f over `tensor_axis` (QArrays with their scales).
+    Returns [T, d] split like x (and the stats, replicated, with `return_stats=True`). The other options are
+    `moe_mlp`'s (ep_strategy, capacity_factor, fused, activation, ...)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise UsageError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for role, axis in (("expert_axis", expert_axis), ("tensor_axis", tensor_axis)):
+        if axis is not None and axis not in mesh.shape:
+            raise UsageError(f"{role} {axis!r} is not an axis of the mesh (axes: {', '.join(mesh.axis_names)})")
+    if "expert_offset" in moe_mlp_options:
+        raise UsageError("sharded_moe_mlp places the experts itself: expert_offset is not taken")
+    ep = mesh.shape[expert_axis]
+    tp = 1 if tensor_axis is None else mesh.shape[tensor_axis]
+    tokens = getattr(x, "shape", (None,))[0]
+    if not tokens_replicated and tokens is not None and tokens % ep:
+        raise UsageError(f"x's {tokens} tokens do not split over the {ep} devices of expert_axis {expert_axis!r}")
+    experts = getattr(w_gate, "shape", (None,))[0]
+    if experts is not None and experts % ep:
+        raise UsageError(f"the {experts} experts do not split over the {ep} devices of expert_axis {expert_axis!r}")
+    intermediate = getattr(w_gate, "shape", (None,) * 3)[-1]
+    if intermediate is not None and intermediate % tp:
+        raise UsageError(f"the intermediate dimension {intermediate} does not split over the {tp} devices of "
+                         f"tensor_axis {tensor_axis!r}")
+    token_spec = P() if tokens_replicated else P(expert_axis)
+    in_specs = (token_spec, token_spec, _weight_spec(w_gate, "w_gate", (expert_axis, None, tensor_axis), mesh),
+                _weight_spec(w_up, "w_up", (expert_axis, None, tensor_axis), mesh),
+                _weight_spec(w_down, "w_down", (expert_axis, tensor_axis, None), mesh))
+    out_specs = (token_spec, {"dropped": P(), "entries": P()}) if return_stats else token_spec
+
+    def body(x, router_logits, w_gate, w_up, w_down):
+        from moe_tune.layer.moe import moe_mlp
+
+        return moe_mlp(x, router_logits, w_gate, w_up, w_down, top_k, expert_axis=expert_axis,
+                       tensor_axis=tensor_axis, tokens_replicated=tokens_replicated, return_stats=return_stats,
+                       **moe_mlp_options)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
+        x, router_logits, w_gate, w_up, w_down)

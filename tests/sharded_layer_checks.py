@@ -1,0 +1,190 @@
+"""Checks of the MoE layer across 8 host devices, run as one process (the device count is fixed when JAX
+starts): `python tests/sharded_layer_checks.py [CASE ...]` prints one JSON object, case name -> result.
+
+Each case runs the layer (inside its own `jax.shard_map` or through `sharded_moe_mlp`) under jit, forward
+and, where asked, the gradients in x, router_logits and the float weights, and compares them with a float64
+NumPy dense reference that applies the same capacity rule (rank in (global token, k) order among the entries
+bound for a device). A result holds the relative errors (max |got - want| / max |want|), the dropped counts
+(got and wanted) and the tolerance the dtype allows; tests/test_sharded_layer.py asserts on them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import moe_tune  # noqa: E402
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 8, 8, 2
+TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "int8": 2e-5}
+
+
+def plain_backends() -> contextlib.ExitStack:
+    """XLA's ragged dot and the plain-JAX gathers and fused path."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(moe_tune.use_backend("ragged_dot", "xla"))
+    for op in ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce", "fused_moe"):
+        stack.enter_context(moe_tune.use_backend(op, "jax"))
+    return stack
+
+
+def inputs(tokens: int, seed: int = 0, skew_to: int | None = None):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(tokens, HIDDEN))
+    logits = rng.normal(size=(tokens, EXPERTS))
+    if skew_to is not None:  # every token's top_k: experts [skew_to, skew_to + TOP_K), on one device
+        logits[:, skew_to:skew_to + TOP_K] += 20.0
+    w_gate = rng.normal(size=(EXPERTS, HIDDEN, INTERMEDIATE)) / math.sqrt(HIDDEN)
+    w_up = rng.normal(size=(EXPERTS, HIDDEN, INTERMEDIATE)) / math.sqrt(HIDDEN)
+    w_down = rng.normal(size=(EXPERTS, INTERMEDIATE, HIDDEN)) / math.sqrt(INTERMEDIATE)
+    cotangent = rng.normal(size=(tokens, HIDDEN))
+    return x, logits, w_gate, w_up, w_down, cotangent
+
+
+def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: int | None):
+    """float64: the layer's output, the gradients of sum(out * cotangent) in (x, logits, w_gate, w_up,
+    w_down) and the number of (token, k) entries dropped."""
+    tokens = x.shape[0]
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :TOP_K]
+    picked = np.take_along_axis(probs, chosen, 1)
+    total = picked.sum(1, keepdims=True)
+    weights = picked / total
+    keep = np.ones((tokens, TOP_K), bool)
+    if cap is not None:
+        seen = np.zeros(devices, int)
+        for t in range(tokens):
+            for k in range(TOP_K):
+                dest = chosen[t, k] // (EXPERTS // devices)
+                keep[t, k] = seen[dest] < cap
+                seen[dest] += 1
+    gate = np.einsum("td,tkdf->tkf", x, w_gate[chosen])
+    up = np.einsum("td,tkdf->tkf", x, w_up[chosen])
+    sig = 1 / (1 + np.exp(-gate))
+    act = gate * sig * up
+    y = np.einsum("tkf,tkfd->tkd", act, w_down[chosen])
+    mw = keep * weights
+    out = np.einsum("tk,tkd->td", mw, y)
+    dy = mw[:, :, None] * cotangent[:, None, :]
+    dweights = keep * np.einsum("tkd,td->tk", y, cotangent)
+    dact = np.einsum("tkd,tkfd->tkf", dy, w_down[chosen])
+    dup = dact * gate * sig
+    dgate = dact * up * (sig + gate * sig * (1 - sig))
+    dx = np.einsum("tkf,tkdf->td", dgate, w_gate[chosen]) + np.einsum("tkf,tkdf->td", dup, w_up[chosen])
+    grads_w = [np.zeros_like(w) for w in (w_gate, w_up, w_down)]
+    for k in range(TOP_K):
+        np.add.at(grads_w[0], chosen[:, k], np.einsum("td,tf->tdf", x, dgate[:, k]))
+        np.add.at(grads_w[1], chosen[:, k], np.einsum("td,tf->tdf", x, dup[:, k]))
+        np.add.at(grads_w[2], chosen[:, k], np.einsum("tf,td->tfd", act[:, k], dy[:, k]))
+    dpicked = (dweights - (dweights * weights).sum(1, keepdims=True)) / total
+    dprobs = np.zeros_like(probs)
+    np.put_along_axis(dprobs, chosen, dpicked, 1)
+    dlogits = probs * (dprobs - (dprobs * probs).sum(1, keepdims=True))
+    return out, (dx, dlogits, *grads_w), int((~keep).sum())
+
+
+def relative(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", replicated: bool = False,
+             grads: bool = True, capacity_factor: float | None = None, skew_to: int | None = None,
+             own_shard_map: bool = False, fused: bool | None = False, plain: bool = True) -> dict:
+    devices = np.array(jax.devices()[:ep * tp]).reshape(ep, tp)
+    mesh = jax.sharding.Mesh(devices, ("expert", "tensor"))
+    tensor_axis = "tensor" if tp > 1 else None
+    tokens_per_device = 4
+    tokens = tokens_per_device * (1 if replicated else ep)
+    x, logits, w_gate, w_up, w_down, cotangent = inputs(tokens, skew_to=skew_to)
+    cap = None if capacity_factor is None else math.ceil(capacity_factor * tokens_per_device * TOP_K)
+    weights64 = (w_gate, w_up, w_down)
+    float_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    if dtype == "int8":
+        quantized = [moe_tune.quantize(jnp.asarray(w, jnp.float32), "int8", axis=1) for w in weights64]
+        weights64 = tuple(np.asarray(moe_tune.dequantize(q), np.float64) for q in quantized)
+        weights = quantized
+    else:
+        weights = [jnp.asarray(w, float_dtype) for w in weights64]
+    want, want_grads, want_dropped = reference(x, logits, *weights64, cotangent, devices=ep, cap=cap)
+    options = dict(ep_strategy=strategy, capacity_factor=capacity_factor, fused=fused, return_stats=True,
+                   tokens_replicated=replicated)
+    if own_shard_map:
+        token = P() if replicated else P("expert")
+
+        def layer(x, logits, w_gate, w_up, w_down):
+            return jax.shard_map(
+                lambda *a: moe_tune.moe_mlp(*a, TOP_K, expert_axis="expert", tensor_axis=tensor_axis, **options),
+                mesh=mesh, in_specs=(token, token, P("expert", None, tensor_axis), P("expert", None, tensor_axis),
+                                     P("expert", tensor_axis, None)),
+                out_specs=(token, {"dropped": P(), "entries": P()}))(x, logits, w_gate, w_up, w_down)
+    else:
+        def layer(x, logits, w_gate, w_up, w_down):
+            return moe_tune.sharded_moe_mlp(x, logits, w_gate, w_up, w_down, TOP_K, mesh=mesh,
+                                            tensor_axis=tensor_axis, **options)
+
+    xs, ls = jnp.asarray(x, float_dtype), jnp.asarray(logits, jnp.float32)
+    cot = jnp.asarray(cotangent, jnp.float32)
+    with plain_backends() if plain else contextlib.nullcontext():
+        out, stats = jax.jit(layer)(xs, ls, *weights)
+        result = {"out": relative(out, want), "dtype_out": str(out.dtype), "dropped": int(stats["dropped"]),
+                  "want_dropped": want_dropped, "tolerance": TOLERANCE[dtype]}
+        if grads:
+            argnums = (0, 1) if dtype == "int8" else (0, 1, 2, 3, 4)
+
+            def loss(*a):
+                return jnp.sum(layer(*a)[0].astype(jnp.float32) * cot)
+
+            got = jax.jit(jax.grad(loss, argnums=argnums))(xs, ls, *weights)
+            names = ("dx", "dlogits", "dw_gate", "dw_up", "dw_down")
+            result.update({names[i]: relative(g, want_grads[i]) for i, g in zip(argnums, got)})
+    return result
+
+
+CASES = {
+    "ep8_all_gather_f32": dict(strategy="all_gather", ep=8),
+    "ep8_all_to_all_f32": dict(strategy="all_to_all", ep=8, own_shard_map=True),
+    "ep4_tp2_all_gather_f32": dict(strategy="all_gather", ep=4, tp=2, own_shard_map=True),
+    "ep4_tp2_all_to_all_f32": dict(strategy="all_to_all", ep=4, tp=2),
+    "ep8_all_gather_fused_f32": dict(strategy="all_gather", ep=8, fused=True, grads=False),
+    "replicated_ep4_tp2_f32": dict(strategy="all_gather", ep=4, tp=2, replicated=True),
+    "replicated_ep8_all_to_all_f32": dict(strategy="all_to_all", ep=8, replicated=True, own_shard_map=True,
+                                          grads=False),
+    "ep8_all_gather_bf16": dict(strategy="all_gather", ep=8, dtype="bfloat16"),
+    "ep4_tp2_all_to_all_bf16": dict(strategy="all_to_all", ep=4, tp=2, dtype="bfloat16"),
+    "ep4_tp2_all_gather_int8": dict(strategy="all_gather", ep=4, tp=2, dtype="int8"),
+    "ep8_all_to_all_int8": dict(strategy="all_to_all", ep=8, dtype="int8"),
+    "skew_all_gather": dict(strategy="all_gather", ep=8, skew_to=0, grads=False),
+    "skew_all_to_all": dict(strategy="all_to_all", ep=8, skew_to=0, grads=False),
+    "skew_all_gather_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=1.5),
+    "skew_all_to_all_capacity": dict(strategy="all_to_all", ep=8, skew_to=0, capacity_factor=1.5),
+    "skew_replicated_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=0.5,
+                                     replicated=True, grads=False),
+    "ep8_default_backends": dict(strategy=None, ep=8, fused=None, plain=False, grads=False),
+}
+
+
+def main(names: list[str]) -> None:
+    results = {}
+    for name in names or list(CASES):
+        try:
+            results[name] = run_case(**CASES[name])
+        except Exception as error:  # reported, so one failing case does not hide the others
+            results[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
