@@ -14,7 +14,6 @@ import pytest
 
 from tests.test_bad_inputs import Case, _fill, _run
 
-
 # -- JSONL appenders: a last line cut by a kill ------------------------------------------------------------
 
 def _record(n: int):
@@ -72,7 +71,7 @@ def test_merge_drops_the_intervals_that_stand_on_a_replaced_entry(isolated_profi
     from moe_tune.profiles import merge_tables
     from moe_tune.profiles.table import read_table, write_entries
     from moe_tune.tuner import SweepSettings
-    from tests.test_ladder import A, B, C, SMALL, _entry, _fake_timer, _ladder
+    from tests.test_ladder import SMALL, A, B, C, _entry, _fake_timer, _ladder
 
     laddered = isolated_profiles / "cpu" / "ragged_dot.json"  # A3: m=8 won by A, m=16 by B, a ladder between
     write_entries(laddered, "ragged_dot", "cpu", [_entry(dataclasses.replace(SMALL, m=8), A),
@@ -248,8 +247,8 @@ def test_a_float32_sweep_is_not_seeded_by_bfloat16_or_quantized_entries(isolated
         return {"key": key_from_fields("ragged_dot", fields), "fields": fields, "config": winner,
                 "timing": {"median_s": 1e-3}}
 
-    bf16 = dict(lhs_dtype="bfloat16", rhs_dtype="bfloat16", out_dtype="bfloat16")
-    int8 = dict(rhs_qdtype="int8", rhs_qblock=None)
+    bf16 = {"lhs_dtype": "bfloat16", "rhs_dtype": "bfloat16", "out_dtype": "bfloat16"}
+    int8 = {"rhs_qdtype": "int8", "rhs_qblock": None}
     neighbours = [RaggedDotProblem(m=m, k=1024, n=1024, groups=8, **bf16) for m in (2048, 4096, 8192)]
     neighbours.append(RaggedDotProblem(m=4096, k=1024, n=1024, groups=8, **int8))
     table = isolated_profiles / "cpu" / "ragged_dot.json"
