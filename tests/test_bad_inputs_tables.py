@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from tests.test_bad_inputs import Case, _fill, _run
+from test_bad_inputs import Case, _fill, _run
 
 # -- JSONL appenders: a last line cut by a kill ------------------------------------------------------------
 
@@ -67,11 +66,12 @@ def test_the_ray_drivers_sweep_log_append_after_a_cut_line_keeps_the_new_lines(t
 def test_merge_drops_the_intervals_that_stand_on_a_replaced_entry(isolated_profiles, tmp_path):
     import dataclasses
 
+    from test_ladder import SMALL, A, B, C, _entry, _fake_timer, _ladder
+
     from moe_tune.campaign import ladder as ladders
     from moe_tune.profiles import merge_tables
     from moe_tune.profiles.table import read_table, write_entries
     from moe_tune.tuner import SweepSettings
-    from tests.test_ladder import SMALL, A, B, C, _entry, _fake_timer, _ladder
 
     laddered = isolated_profiles / "cpu" / "ragged_dot.json"  # A3: m=8 won by A, m=16 by B, a ladder between
     write_entries(laddered, "ragged_dot", "cpu", [_entry(dataclasses.replace(SMALL, m=8), A),
@@ -98,9 +98,10 @@ def test_merge_drops_the_intervals_that_stand_on_a_replaced_entry(isolated_profi
 # -- the final round after the trace failed the wall-clock cross-check -------------------------------------
 
 def _finalist(index: int, samples: list[float], *, default: bool = False):
+    from test_evidence import CONFIGS
+
     from moe_tune.tuner.candidate import Candidate
     from moe_tune.tuner.timing import summarize
-    from tests.test_evidence import CONFIGS
 
     return Candidate(index, CONFIGS[index], is_default=default, timing=summarize(samples, "trace", samples))
 
@@ -161,7 +162,7 @@ LAYER = ("coverage", "--model", "qwen3-30b-a3b", "--tokens", "512", "--ep", "8",
 
 def user_gpu_table(tmp: Path) -> None:
     """A table of a GPU moe-tune has no chip facts for, in the profile dir."""
-    from tests.test_bad_inputs import entry, write_table
+    from test_bad_inputs import entry, write_table
 
     path = write_table(tmp / "p", entry())
     path.parent.rename(tmp / "p" / "nvidia_rtx_4090")
