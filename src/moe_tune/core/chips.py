@@ -40,6 +40,40 @@ class GpuFacts:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChipFacts:
+    """A chip's published budgets, for planning a layer on a slice of it (`targets/slice_plan.py`).
+
+    hbm_bytes: memory per chip; hbm_bandwidth: bytes per second; peak_bf16_flops: dense bfloat16 FLOP/s;
+    interconnect_bandwidth: the chip's inter-chip bandwidth in bytes per second, both directions together (as
+    TPU ICI and NVLink are published: a chip sends at half of it while it receives at the other half).
+    source: where the figures are published.
+    """
+
+    hbm_bytes: int
+    hbm_bandwidth: float
+    peak_bf16_flops: float
+    interconnect_bandwidth: float
+    source: str
+
+
+GB = 10**9
+GIB = 1024**3
+# Published per-chip figures. TPUs: the Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v5e,
+# /v5p, /v6e), key specifications table: peak compute per chip (bf16), HBM capacity and bandwidth per chip,
+# bidirectional inter-chip interconnect (ICI) bandwidth per chip. Where the page gives a capacity both in GB
+# and GiB the smaller is kept (v5e: 16 GB). H100: the NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 80 GB
+# HBM3 at 3.35 TB/s, NVLink 900 GB/s) and the NVIDIA H100 Tensor Core GPU Architecture whitepaper (dense
+# BF16 tensor 989.4 TFLOP/s for H100 SXM5; the datasheet's 1,979 is with sparsity).
+CHIP_FACTS = {
+    "v5e": ChipFacts(16 * GB, 819 * GB, 197e12, 400 * GB, "cloud.google.com/tpu/docs/v5e"),
+    "v5p": ChipFacts(95 * GIB, 2765 * GB, 459e12, 1200 * GB, "cloud.google.com/tpu/docs/v5p"),
+    "v6e": ChipFacts(32 * GB, 1600 * GB, 918e12, 800 * GB, "cloud.google.com/tpu/docs/v6e"),
+    "h100": ChipFacts(80 * GB, 3350 * GB, 989.4e12, 900 * GB,
+                      "NVIDIA H100 datasheet (SXM), H100 architecture whitepaper (dense BF16)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """One chip to compile for.
 
@@ -129,6 +163,47 @@ def get_target(name: str) -> Target:
     found = TARGETS.get(name.lower())
     if found is None:
         raise UsageError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """A multi-chip slice to plan a layer for: `chips` compile-only devices of the chip `target`.
+
+    topology: TPU: the `get_topology_desc` name (`v5e:8x8`); GPU: the `1xNx1` topology of N GPUs in one host.
+    """
+
+    name: str
+    target: str
+    topology: str
+    chips: int
+
+    @property
+    def chip(self) -> Target:
+        return TARGETS[self.target]
+
+    @property
+    def facts(self) -> ChipFacts:
+        return CHIP_FACTS[self.target]
+
+
+def _slices() -> dict[str, Slice]:
+    tpu = [("v5e", "2x2", 4), ("v5e", "4x4", 16), ("v5e", "8x8", 64), ("v6e", "4x4", 16), ("v5p", "2x2x2", 8),
+           ("v5p", "4x4x4", 64)]
+    found = [Slice(f"{chip}:{shape}", chip, f"{chip}:{shape}", chips) for chip, shape, chips in tpu]
+    found += [Slice(f"h100x{n}", "h100", f"1x{n}x1", n) for n in (4, 8)]
+    return {s.name: s for s in found}
+
+
+SLICES: dict[str, Slice] = _slices()
+
+
+def get_slice(name: str) -> Slice:
+    """The slice called `name` (`v5e:8x8`, `h100x8`; case-insensitive); a one-line UsageError naming the known
+    ones otherwise."""
+    found = SLICES.get(name.lower())
+    if found is None:
+        raise UsageError(f"unknown slice {name!r}; known slices: {', '.join(SLICES)}")
     return found
 
 

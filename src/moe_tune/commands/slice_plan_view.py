@@ -1,0 +1,81 @@
+"""`moe-tune plan`'s output: one slice plan (`targets/slice_plan.py`) as a table and its recommendation, or JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from moe_tune.commands.render import table
+from moe_tune.targets.slice_plan import SlicePlan, StrategyPlan
+
+COLUMNS = ("strategy", "compiled", "fits", "GB/chip", "sent GB/chip", "collectives", "floor ms", "bound",
+           "compiler ms", "compile s")
+_NUMBERS = ("GB/chip", "sent GB/chip", "floor ms", "compiler ms", "compile s")
+
+
+def _fits(p: StrategyPlan) -> str:
+    return "-" if p.fits is None else "yes" if p.fits else "no"
+
+
+def _gb(p: StrategyPlan) -> str:
+    if p.compiled.ok:
+        return f"{p.chip_bytes / 1e9:.2f}"
+    return f">{p.chip_bytes / 1e9:.1f}" if p.compiled.out_of_memory and p.chip_bytes else "-"
+
+
+def _collectives(p: StrategyPlan) -> str:
+    return ", ".join(f"{kind} x{c['count']}" for kind, c in p.collectives.items()) or "-"
+
+
+def _compiled(p: StrategyPlan) -> str:
+    c = p.compiled
+    if not c.ok:
+        return "out of HBM" if c.out_of_memory else "rejected"
+    return "xla backends" if c.backend == "xla" else "yes"
+
+
+def row(p: StrategyPlan) -> Sequence[Any]:
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.3g}"
+    return (p.strategy, _compiled(p), _fits(p), _gb(p), f"{p.collective_bytes / 1e9:.3g}" if p.compiled.ok else "-",
+            _collectives(p), ms(p.floor_s), p.bound or "-", ms(p.compiler_estimate_s), f"{p.compiled.compile_s:.1f}")
+
+
+def title(plan: SlicePlan) -> str:
+    mesh = f"expert {plan.expert}" + (f" x tensor {plan.tensor}" if plan.tensor > 1 else "")
+    capacity = "" if plan.capacity_factor is None else f", capacity factor {plan.capacity_factor:g}"
+    return (f"{plan.model}, {plan.tokens} tokens per expert shard, {plan.dtype}, on {plan.slice} ({plan.chips} "
+            f"{plan.chip} chips, {mesh}{capacity}): the layer's forward pass")
+
+
+def lines(plan: SlicePlan) -> list[str]:
+    """What follows the table: the rejections, the fallbacks, the chip's facts, the recommendation and the note."""
+    out = []
+    for p in plan.strategies:
+        if not p.compiled.ok:
+            out.append(f"{p.strategy}: {p.compiled.message}")
+        elif p.compiled.fallback_reason:
+            out.append(f"{p.strategy}: compiled on the XLA backends; the chip's kernels: {p.compiled.fallback_reason}")
+    f = plan.facts
+    out.append(f"{plan.chip} per chip: {f['hbm_bytes'] / 1e9:.1f} GB HBM at {f['hbm_bandwidth'] / 1e9:.0f} GB/s, "
+               f"{f['peak_bf16_flops'] / 1e12:.0f} TFLOP/s bf16, {f['interconnect_bandwidth'] / 1e9:.0f} GB/s "
+               f"interconnect (both directions) [{f['source']}]; the layer per chip: "
+               f"{plan.work.flops / 1e9:.1f} GFLOP, {plan.work.hbm_bytes / 1e9:.2f} GB of HBM traffic")
+    if plan.recommended is not None:
+        out.append(f"recommended: ep_strategy={plan.recommended!r}: {plan.reason}")
+    else:
+        out.append(plan.reason)
+    out.append(f"note: {plan.note}")
+    return out
+
+
+def show(plan: SlicePlan, fmt: str) -> None:
+    """The plan on stdout: a table and lines, or `--format json` (the plan's every field)."""
+    if fmt == "json":
+        click.echo(json.dumps(plan.to_dict(), indent=2))
+        return
+    table(title(plan), COLUMNS, [row(p) for p in plan.strategies], right=_NUMBERS, compact=True)
+    for line in lines(plan):
+        click.echo(line)
