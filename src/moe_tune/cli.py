@@ -13,8 +13,8 @@ from moe_tune.commands import render as render
 from moe_tune.core import devices, distributions
 from moe_tune.core import settings as env
 from moe_tune.layer import models as presets
-from moe_tune.commands.options import (DTYPES, INT_LIST, handle_errors, one, problems, quant_flags, quant_options,
-                                       shape_options, sweep_options)
+from moe_tune.commands.options import (DTYPES, INT_LIST, bench_cases, handle_errors, problems, quant_flags,
+                                       quant_options, shape_options, sweep_options)
 from moe_tune.commands.options import directions as all_directions
 from moe_tune.commands.render import console
 from moe_tune.commands.coverage import coverage
@@ -29,7 +29,7 @@ def cli() -> None:
 
 
 @cli.command()
-@shape_options(sweep=True)
+@shape_options(layer=True)
 @sweep_options
 def sweep(campaign):
     """Sweep a kernel's configs for one shape (or a whole model's kernels) and store the fastest correct ones.
@@ -99,8 +99,8 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
     if not breakdown and (via is not None or keep_trace is not None):
         raise UsageError("--via and --keep-trace apply to --breakdown")
     if breakdown:
-        return _breakdown(reports.selected_entries(frame, profile_dir, op), fmt, via=via, runs=runs, top=top,
-                          keep_trace=keep_trace)
+        return render.breakdown_report(reports.selected_entries(frame, profile_dir, op), fmt, via=via, runs=runs,
+                                       top=top, keep_trace=keep_trace)
     if plot is not None:
         from moe_tune.commands.plots import plot_entries
 
@@ -110,27 +110,6 @@ def report(op, direction, device, backend, dtype, sort, desc, fmt, plot, sweep_l
                  empty="No tuned entries match: run `moe-tune sweep`, or loosen the filters.",
                  shown=reports.table_columns(frame, columns=columns and columns.split(","), everything=all_columns),
                  compact=not (columns or all_columns))
-
-
-def _breakdown(entries, fmt: str, *, via, runs: int, top: int, keep_trace) -> None:
-    """`report --breakdown`: the first selected entry's winner and default, per op."""
-    from moe_tune.commands.breakdown import profile_entry
-    from moe_tune.core.errors import UsageError
-    from moe_tune.profiles.verdict import verdict_of
-    from moe_tune.commands.report import breakdown_check
-
-    if not entries:
-        raise UsageError("nothing to break down: no tuned entry matches (run `moe-tune sweep`, or loosen the filters)")
-    entry = entries[0]
-    more = f" (the first of {len(entries)} selected; pick one with --key)" if len(entries) > 1 else ""
-    # plain lines on stderr (unwrapped: the key is long; stdout stays the tables, or pure CSV / JSON)
-    click.echo(f"breakdown of {entry.key}{more}\n  verdict: {verdict_of(entry).label}", err=True)
-    found = profile_entry(entry, source=via, runs=runs, keep_trace=keep_trace)
-    render.breakdowns(found, fmt, top=top)
-    for line in breakdown_check(entry, found):  # the winner/default ratio, and whether it contradicts the verdict
-        click.echo(line, err=True)
-    if keep_trace is not None:
-        click.echo(f"traces kept in {keep_trace}: open them with `xprof --logdir {keep_trace}`", err=True)
 
 
 @cli.command()
@@ -149,16 +128,7 @@ def lookup(op, backend, distribution, direction, device_kind, **shape):
 @cli.command()
 def ops():
     """List ops, their backends and tunables."""
-    rows = []
-    for name in op_names():
-        registry = get_op(name).backends
-        for backend_name in registry.names():
-            impl = registry.get(backend_name)
-            defaults = [p for p in ("cpu", "gpu", "tpu") if registry.default_for(p).name == backend_name]
-            rows.append((name, backend_name, ",".join(defaults) or "-", ", ".join(impl.tunables()) or "-",
-                         impl.description))
-    render.table(f"Ops and backends (platform: {devices.platform()})",
-                 ("op", "backend", "default on", "tunables", "description"), rows)
+    render.ops_table()
 
 
 @cli.command()
@@ -177,17 +147,10 @@ def models(name, tokens, ep, dtype, direction, **quant):
     from moe_tune.campaign.plan import model_campaign_cases
 
     if name is None:
-        fields = ("hidden", "expert_intermediate", "experts", "top_k", "shared_experts")
-        return render.table("Model presets (routed-expert shapes)", ("model", *fields),
-                            [(p.name, *(getattr(p, f) for f in fields)) for p in presets.presets().values()],
-                            right=fields)
+        return render.presets_table(presets.presets().values())
     cases, notes = model_campaign_cases([name], tokens, ep, dtype=dtype, quant=quant_options(quant),
                                         direction=direction)
-    for note in notes:
-        click.echo(f"note: {note}", err=True)
-    what = "training: forward and backward" if direction == "all" else "serving: forward"
-    render.table(f"{name}: one MoE layer per shard ({what}), {dtype}", ("kernel call", "op", "problem"),
-                 [(case.label, case.op, get_op(case.op).describe(case.problem)) for case in cases])
+    render.layer_table(name, cases, notes, dtype=dtype, training=direction == "all")
 
 
 @cli.command()
@@ -216,7 +179,7 @@ def merge(out_path, in_paths):
 
 
 @cli.command()
-@shape_options
+@shape_options(layer=True)
 @click.option("--model", default=None, help="Bench every kernel of one layer of this preset instead of one op.")
 @click.option("--samples", type=click.IntRange(min=1), default=7, show_default=True)
 @handle_errors
@@ -228,13 +191,7 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
     call the layer runs (training's unless --direction fwd; --op: that op's)."""
     from moe_tune.commands import bench as benches
 
-    if model is not None:  # what the layer runs: --op and --direction (fwd: serving, all: training) as given
-        given = lambda name: click.get_current_context().get_parameter_source(name).name != "DEFAULT"
-        cases = benches.model_cases(model, shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
-                                    quant=quant_options(shape), op=op if given("op") else None,
-                                    direction=direction if given("direction") else None)
-    else:
-        cases = [(op, problem) for problem in problems(op, direction, shape)]
+    cases = bench_cases(op, direction, model, shape)  # --model: what the layer runs (--op, --direction as given)
     distribution = distribution or distributions.DEFAULT
     compared = [(get_op(case_op).describe(problem), benches.bench_case(
         case_op, problem, backend=backend, samples=samples, distribution=distribution)) for case_op, problem in cases]
@@ -243,35 +200,6 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
 
 
 cli.add_command(coverage)  # `moe-tune coverage`: its options in coverage_cli.py, its logic in campaign/coverage.py
-
-
-@cli.command()
-@click.option("--model", required=True, help="A model preset (`moe-tune models`).")
-@click.option("--tokens", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Tokens per expert-axis shard.")
-@click.option("--target", "slice_name", required=True, help="A slice: v5e:2x2, v5e:4x4, v5e:8x8, v6e:4x4, "
-              "v5p:2x2x2, v5p:4x4x4, h100x4, h100x8.")
-@click.option("--strategy", "strategies", type=click.Choice(["all_gather", "all_to_all"]), multiple=True,
-              help="Only these ep_strategy values (default: each).")
-@click.option("--tensor", type=click.IntRange(min=1), default=None,
-              help="Tensor-axis size (default: 1 where the experts split over every chip).")
-@click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None)
-@click.option("--backend", type=click.Choice(["xla"]), default=None, help="Compile on the ops' XLA backends only.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-@handle_errors
-def plan(model, tokens, slice_name, strategies, tensor, capacity_factor, backend, fmt):
-    """Plan the MoE layer across a slice this machine does not have: each ep_strategy compiled for the slice's
-    chips with their real compiler; fits, memory and collectives per chip, a floor from the chips' published
-    facts, the compiler's estimate, and a recommendation. Estimates, not times. Exit 1 when nothing fits."""
-    from moe_tune.commands.slice_plan_view import show
-    from moe_tune.targets.slice_plan import STRATEGIES
-    from moe_tune.targets.slice_plan import plan as plan_slice
-
-    found = plan_slice(model, tokens, slice_name, strategies=strategies or STRATEGIES, tensor=tensor,
-                       capacity_factor=capacity_factor, backend=backend)
-    show(found, fmt)
-    if not found.fits_any:
-        sys.exit(1)
 
 
 def main() -> None:
