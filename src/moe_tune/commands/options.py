@@ -146,13 +146,14 @@ DEFAULT_OP = op_names()[0]  # the first op the kernels register (the grouped mat
 DEFAULT_DIRECTION = "fwd"
 
 
-def shape_options(fn: Callable | None = None, *, sweep: bool = False) -> Callable:
+def shape_options(fn: Callable | None = None, *, layer: bool = False) -> Callable:
     """--op, --backend, the ops' shape options, --distribution and --direction (shared by `sweep`, `lookup`
-    and `bench`); each op takes some of the shape options (`KernelOp.options`). `sweep`: --op and --direction
-    default to None, which `sweep_campaign` reads as ragged_dot and fwd, or with --model as every op of the
-    layer and what training runs."""
+    and `bench`); each op takes some of the shape options (`KernelOp.options`). `layer` (the commands that
+    take --model): --op and --direction default to None, read as ragged_dot and fwd, or with --model as every
+    op of the layer and what training runs (`sweep_campaign`, `bench_cases`)."""
     if fn is None:
-        return functools.partial(shape_options, sweep=sweep)
+        return functools.partial(shape_options, layer=layer)
+    sweep = layer
     op_help = ("Op (default: ragged_dot; with --model: every op of the layer, or this one's kernels alone)."
                if sweep else None)
     direction_help = "The forward pass, a gradient, or all of the op's directions" + (
@@ -327,8 +328,21 @@ def _check_race(ctx: click.Context, param: click.Parameter, value: float | None)
     return value
 
 
+def bench_cases(op: str | None, direction: str | None, model: str | None, shape: dict[str, Any]
+                ) -> list[tuple[str, Any]]:
+    """(op, problem) of what `bench` compares: one per direction of `op` (None: ragged_dot; direction None:
+    fwd), or with `model` every kernel call its layer runs (--op: that op's; --direction None: training's)."""
+    if model is None:
+        op = op or DEFAULT_OP
+        return [(op, problem) for problem in problems(op, direction or DEFAULT_DIRECTION, shape)]
+    from moe_tune.commands import bench
+
+    return bench.model_cases(model, shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
+                             quant=quant_options(shape), op=op, direction=direction)
+
+
 def sweep_options(fn: Callable) -> Callable:
-    """`sweep`'s flags (the settings, --model, where it runs, its passes) on `fn` (under `shape_options(sweep=
+    """`sweep`'s flags (the settings, --model, where it runs, its passes) on `fn` (under `shape_options(layer=
     True)`), which gets them, with the shape flags, as one value: the `campaign.request.Campaign` they ask for
     (`sweep_campaign`). A bad value is one line and exit 2 (`handle_errors`)."""
     options = [
@@ -394,7 +408,7 @@ def sweep_options(fn: Callable) -> Callable:
         given = {name: kwargs.pop(name) for name in setting_names if name in kwargs}
         every = distribution == "all"  # --distribution all: every distribution, then the robust choice
         runs = tuple(distributions.DISTRIBUTIONS) if every else (distribution or distributions.DEFAULT,)
-        given["distribution"] = runs[0]
+        given["distribution"] = distributions.DEFAULT if every else runs[0]  # each pass sets its own
         if samples is not None:
             given["samples"] = samples
         if race is not None:

@@ -354,6 +354,60 @@ def frame(data, fmt: str, *, title: str, empty: str, shown: list[str], compact: 
               wrap=[HEADERS.get(c, c) for c in shown if c in WRAP_COLUMNS], console=console)
 
 
+def breakdown_report(entries: Sequence[Entry], fmt: str, *, via, runs: int, top: int, keep_trace) -> None:
+    """`report --breakdown`: the first selected entry's winner and default, per op."""
+    from moe_tune.commands.breakdown import profile_entry
+    from moe_tune.core.errors import UsageError
+    from moe_tune.profiles.verdict import verdict_of
+    from moe_tune.commands.report import breakdown_check
+
+    if not entries:
+        raise UsageError("nothing to break down: no tuned entry matches (run `moe-tune sweep`, or loosen the filters)")
+    entry = entries[0]
+    more = f" (the first of {len(entries)} selected; pick one with --key)" if len(entries) > 1 else ""
+    # plain lines on stderr (unwrapped: the key is long; stdout stays the tables, or pure CSV / JSON)
+    click.echo(f"breakdown of {entry.key}{more}\n  verdict: {verdict_of(entry).label}", err=True)
+    found = profile_entry(entry, source=via, runs=runs, keep_trace=keep_trace)
+    breakdowns(found, fmt, top=top)
+    for line in breakdown_check(entry, found):  # the winner/default ratio, and whether it contradicts the verdict
+        click.echo(line, err=True)
+    if keep_trace is not None:
+        click.echo(f"traces kept in {keep_trace}: open them with `xprof --logdir {keep_trace}`", err=True)
+
+
+def ops_table() -> None:
+    """`moe-tune ops`: every op's backends, the platforms each is the default on, their tunables."""
+    from moe_tune.core import devices
+    from moe_tune.kernels import op_names
+
+    rows = []
+    for name in op_names():
+        registry = get_op(name).backends
+        for backend_name in registry.names():
+            impl = registry.get(backend_name)
+            defaults = [p for p in ("cpu", "gpu", "tpu") if registry.default_for(p).name == backend_name]
+            rows.append((name, backend_name, ",".join(defaults) or "-", ", ".join(impl.tunables()) or "-",
+                         impl.description))
+    table(f"Ops and backends (platform: {devices.platform()})",
+          ("op", "backend", "default on", "tunables", "description"), rows)
+
+
+def presets_table(presets: Sequence[Any]) -> None:
+    """`moe-tune models`: the model presets' routed-expert shapes."""
+    fields = ("hidden", "expert_intermediate", "experts", "top_k", "shared_experts")
+    table("Model presets (routed-expert shapes)", ("model", *fields),
+          [(p.name, *(getattr(p, f) for f in fields)) for p in presets], right=fields)
+
+
+def layer_table(name: str, cases: Sequence[Any], notes: Sequence[str], *, dtype: str, training: bool) -> None:
+    """`moe-tune models NAME`: the kernel calls (`campaign.plan.Case`) one layer of NAME runs, after its notes."""
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    what = "training: forward and backward" if training else "serving: forward"
+    table(f"{name}: one MoE layer per shard ({what}), {dtype}", ("kernel call", "op", "problem"),
+          [(case.label, case.op, get_op(case.op).describe(case.problem)) for case in cases])
+
+
 UNTRACED_NOTE = 0.2  # a breakdown whose op events miss this share of its wall time or more says so
 
 
