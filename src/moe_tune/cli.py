@@ -202,6 +202,35 @@ def bench(op, backend, distribution, direction, model, samples, **shape):
 cli.add_command(coverage)  # `moe-tune coverage`: its options in coverage_cli.py, its logic in campaign/coverage.py
 
 
+@cli.command()
+@click.option("--model", required=True, help="A model preset (`moe-tune models`).")
+@click.option("--tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Tokens per expert-axis shard.")
+@click.option("--target", "slice_name", required=True, help="A slice: v5e:2x2, v5e:4x4, v5e:8x8, v6e:4x4, "
+              "v5p:2x2x2, v5p:4x4x4, h100x4, h100x8.")
+@click.option("--strategy", "strategies", type=click.Choice(["all_gather", "all_to_all"]), multiple=True,
+              help="Only these ep_strategy values (default: each).")
+@click.option("--tensor", type=click.IntRange(min=1), default=None,
+              help="Tensor-axis size (default: 1 where the experts split over every chip).")
+@click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None)
+@click.option("--backend", type=click.Choice(["xla"]), default=None, help="Compile on the ops' XLA backends only.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@handle_errors
+def plan(model, tokens, slice_name, strategies, tensor, capacity_factor, backend, fmt):
+    """Plan the MoE layer across a slice this machine does not have: each ep_strategy compiled for the slice's
+    chips with their real compiler; fits, memory and collectives per chip, a floor from the chips' published
+    facts, the compiler's estimate, and a recommendation. Estimates, not times. Exit 1 when nothing fits."""
+    from moe_tune.commands.slice_plan_view import show
+    from moe_tune.targets.slice_plan import STRATEGIES
+    from moe_tune.targets.slice_plan import plan as plan_slice
+
+    found = plan_slice(model, tokens, slice_name, strategies=strategies or STRATEGIES, tensor=tensor,
+                       capacity_factor=capacity_factor, backend=backend)
+    show(found, fmt)
+    if not found.fits_any:
+        sys.exit(1)
+
+
 def main() -> None:
     cli(prog_name="moe-tune")
 
