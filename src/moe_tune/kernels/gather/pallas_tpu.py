@@ -12,6 +12,9 @@ CPU), which is slow and only meant for tests at small shapes.
   hidden] (entry j of every token in one slab), then sums the r slabs in float32 with their weights;
   invalid entries get no DMA and are selected away, so their NaN rows never reach the sum.
 
+A bfloat16 x travels as 32-bit rows (`pallas_tpu_rows.py`: Mosaic copies single rows of 32-bit arrays
+only), landing in a 32-bit VMEM scratch, written out in bfloat16 after the float32 weighting / reduce.
+
 At most `dmas_in_flight` row DMAs are outstanding at once: a ring of that many DMA semaphores, where
 issuing the n-th copy first waits for copy n - dmas_in_flight (same semaphore). More in flight hides HBM
 latency for small rows; fewer keeps the DMA queues from being flooded. Validity rules (tile alignment,
@@ -30,10 +33,10 @@ from jax.experimental.pallas import tpu as pltpu
 from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
+from moe_tune.kernels.gather.pallas_tpu_rows import LANES, stage_rows, staged_row_bytes, staging, unstage_rows
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.pallas_util import interpreted, round_up, sublanes
 
-LANES = 128
 # Each in-flight DMA owns one semaphore of the ring; keep the ring modest.
 MAX_DMAS_IN_FLIGHT = 64
 # Scalar prefetch copies `indices` (int32 [rows]) into SMEM, whose scoped budget is 1 MiB up to v6e. Half of
@@ -78,30 +81,36 @@ def _lane_padded_bytes(rows: int, cols: int, itemsize: int = 4) -> int:
 
 
 def gather_vmem_bytes(config: PallasTpuGatherConfig, problem: GatherProblem) -> int:
-    """Double-buffered output block, the double-buffered [block_rows, 1] f32 weights block, and the f32
-    temporaries (scaled rows, row ids) of the weighting pass."""
+    """Double-buffered output block, the double-buffered [block_rows, 1] f32 weights block, the 32-bit
+    landing scratch of a bfloat16 x, and the f32 temporaries (scaled rows, row ids) of the weighting /
+    unstaging pass."""
     rows = min(config.block_rows, problem.rows)
     need = 2 * rows * problem.row_bytes()
+    stage = staging(problem.dtype, problem.hidden)
+    if stage is not None:
+        need += rows * staged_row_bytes(problem)
     if problem.weighted:
-        need += 2 * _lane_padded_bytes(rows, 1) + 2 * rows * problem.hidden * 4
+        need += 2 * _lane_padded_bytes(rows, 1)
+    if problem.weighted or stage is not None:
+        need += 2 * rows * problem.hidden * 4
     return need
 
 
 def gather_reduce_vmem_bytes(config: PallasTpuGatherReduceConfig, problem: GatherProblem) -> int:
-    """The [r, block_tokens, hidden] landing scratch, the double-buffered output block, the f32 accumulator
-    and one f32 slab temporary, and the double-buffered [block_tokens, r] weights and validity blocks."""
+    """The [r, block_tokens, hidden] landing scratch (32-bit rows for a bfloat16 x), the double-buffered output
+    block, the f32 accumulator and one f32 slab temporary, and the double-buffered [block_tokens, r] weights
+    and validity blocks."""
     tokens, r = min(config.block_tokens, problem.tokens), problem.top_k
-    return (r * tokens * problem.row_bytes() + 2 * tokens * problem.row_bytes()
+    return (r * tokens * staged_row_bytes(problem) + 2 * tokens * problem.row_bytes()
             + 2 * tokens * problem.hidden * 4 + 2 * 2 * _lane_padded_bytes(tokens, r))
 
 
 def _shape_error(problem: GatherProblem) -> str | None:
     """Why no config can serve `problem` at all (independent of the tunables)."""
-    if jnp.dtype(problem.dtype).itemsize != 4:
-        # The real compiler (libtpu 0.0.42, every generation; benchmarks/compile_check.py) refuses the one-row
-        # DMAs of a packed 16-bit array: "Slice sizes along tiled dimensions must be aligned to tiles".
-        return (f"dtype {problem.dtype}: Mosaic cannot copy single rows of a packed 16-bit array (its tiles "
-                f"hold row pairs); pallas_tpu serves float32 (use the jax or tiled backend)")
+    if jnp.dtype(problem.dtype) == jnp.float16:
+        # The real compiler (libtpu 0.0.42, v5e and v6e) fails to legalize the kernels' float16 vector stores.
+        return ("dtype float16: Mosaic cannot store float16 vectors ('failed to legalize operation tpu.store'); "
+                "pallas_tpu serves float32 and bfloat16 (use the jax or tiled backend)")
     if problem.hidden % LANES:
         return (f"hidden={problem.hidden} is not a multiple of {LANES} lanes: pallas_tpu copies whole "
                 f"lane-aligned rows and cannot serve it (use the jax or tiled backend)")
@@ -187,14 +196,14 @@ class _RowDmaRing:
         jax.lax.fori_loop(0, jnp.minimum(count, self.size), wait, 0)
 
 
-def _gather_kernel(idx_ref, bounds_ref, *refs, block_rows: int, rows: int, dmas: int, weighted: bool):
+def _gather_kernel(idx_ref, bounds_ref, *refs, block_rows: int, rows: int, dmas: int, weighted: bool,
+                   stage: str | None):
     """One block of dispatch. idx_ref int32 [rows] and bounds_ref int32 [2] (clipped start, end) in SMEM;
-    w_ref f32 [block_rows, 1] (weighted only); x_hbm [tokens, hidden] in HBM; o_ref [block_rows, hidden]."""
-    if weighted:
-        w_ref, x_hbm, o_ref, sems = refs
-    else:
-        x_hbm, o_ref, sems = refs
-        w_ref = None
+    w_ref f32 [block_rows, 1] (weighted only); x_hbm [tokens, hidden] (staged: 32-bit [tokens, width]) in
+    HBM; o_ref [block_rows, hidden]; buf [block_rows, width] 32-bit landing scratch (staged only)."""
+    w_ref = refs[0] if weighted else None
+    x_hbm, o_ref, *scratch, sems = refs[1:] if weighted else refs
+    dst = scratch[0] if stage else o_ref  # where the row DMAs land
     row0 = pl.program_id(0) * block_rows
     lo = jnp.maximum(bounds_ref[0], row0)
     hi = jnp.minimum(bounds_ref[1], row0 + block_rows)
@@ -205,17 +214,17 @@ def _gather_kernel(idx_ref, bounds_ref, *refs, block_rows: int, rows: int, dmas:
 
     @pl.when(lo < hi)
     def _():
-        if not weighted:
-            # Unweighted rows are a pure copy: zero the block first (only when the range leaves part of it
+        if not weighted and stage is None:
+            # Unweighted 32-bit rows are a pure copy: zero the block first (only when the range leaves part of it
             # uncovered) and let the DMAs overwrite the rows in range, so no vector pass touches them.
             @pl.when((lo > row0) | (hi < jnp.minimum(row0 + block_rows, rows)))
             def _():
                 o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-        ring = _RowDmaRing(x_hbm, o_ref.at[pl.ds(0, 1)], sems, dmas)
+        ring = _RowDmaRing(x_hbm, dst.at[pl.ds(0, 1)], sems, dmas)
 
         def issue(i, slot):
-            ring.start(idx_ref[i], o_ref.at[pl.ds(i - row0, 1)], i - lo, slot)
+            ring.start(idx_ref[i], dst.at[pl.ds(i - row0, 1)], i - lo, slot)
             return ring.next_slot(slot)
 
         # The loop runs over the rows in range only: rows outside it are never read, so their indices may
@@ -223,15 +232,17 @@ def _gather_kernel(idx_ref, bounds_ref, *refs, block_rows: int, rows: int, dmas:
         jax.lax.fori_loop(lo, hi, issue, jnp.int32(0))
         ring.drain(hi - lo)
 
-        if weighted:
-            row = row0 + jax.lax.broadcasted_iota(jnp.int32, o_ref.shape, 0)
-            scaled = o_ref[...].astype(jnp.float32) * w_ref[...]
-            # A select, not a multiply by a mask: rows out of range hold uninitialized VMEM (maybe NaN).
-            o_ref[...] = jnp.where((row >= lo) & (row < hi), scaled, 0.0).astype(o_ref.dtype)
+        if weighted or stage is not None:
+            for col, piece in unstage_rows(dst[...], stage):
+                row = row0 + jax.lax.broadcasted_iota(jnp.int32, piece.shape, 0)
+                scaled = piece * w_ref[...] if weighted else piece
+                # A select, not a multiply by a mask: rows out of range hold uninitialized VMEM (maybe NaN).
+                o_ref[:, col:col + piece.shape[1]] = jnp.where((row >= lo) & (row < hi), scaled,
+                                                               0.0).astype(o_ref.dtype)
 
 
 def pallas_tpu_gather(x, indices, start, end, weights, *, block_rows: int, dmas_in_flight: int) -> jax.Array:
-    """x [tokens, hidden] (f32/bf16/f16, hidden a multiple of 128), indices int32 [rows], start / end int32
+    """x [tokens, hidden] (f32/bf16, hidden a multiple of 128), indices int32 [rows], start / end int32
     scalars (traced), weights [rows] (any float) or None -> [rows, hidden] in x.dtype; out[i] =
     x[indices[i]] * weights[i] (in float32) for start <= i < end, zero elsewhere."""
     rows, hidden = indices.shape[0], x.shape[1]
@@ -239,36 +250,41 @@ def pallas_tpu_gather(x, indices, start, end, weights, *, block_rows: int, dmas_
     start = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows)
     end = jnp.clip(jnp.asarray(end, jnp.int32), start, rows)
     weighted = weights is not None
+    stage = staging(x.dtype, hidden)
+    xs = stage_rows(x, stage)
     in_specs = [pl.BlockSpec(memory_space=pl.ANY)]  # x: rows are fetched by hand, one DMA each
-    operands = [x]
+    operands = [xs]
     if weighted:
         in_specs.insert(0, pl.BlockSpec((block, 1), lambda b, idx, bounds: (b, 0)))
         operands.insert(0, weights.astype(jnp.float32).reshape(rows, 1))
     kernel = pl.pallas_call(
         lambda *refs: _gather_kernel(*refs, block_rows=block, rows=rows, dmas=dmas_in_flight,
-                                     weighted=weighted),
+                                     weighted=weighted, stage=stage),
         out_shape=jax.ShapeDtypeStruct((rows, hidden), x.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(pl.cdiv(rows, block),),  # a ragged last block is padded on read, clipped on write
             in_specs=in_specs,
             out_specs=pl.BlockSpec((block, hidden), lambda b, idx, bounds: (b, 0)),
-            scratch_shapes=[pltpu.SemaphoreType.DMA((dmas_in_flight,))],
+            scratch_shapes=[*([] if stage is None else [pltpu.VMEM((block, xs.shape[1]), xs.dtype)]),
+                            pltpu.SemaphoreType.DMA((dmas_in_flight,))],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         cost_estimate=pl.CostEstimate(
             flops=2 * rows * hidden if weighted else 0, transcendentals=0,
-            bytes_accessed=2 * rows * hidden * x.dtype.itemsize + 8 * rows),
+            bytes_accessed=rows * (xs.shape[1] * xs.dtype.itemsize + hidden * x.dtype.itemsize) + 8 * rows),
         interpret=_interpret(),
         name="moe_tune_ragged_gather",
     )
     return kernel(indices.astype(jnp.int32), jnp.stack([start, end]), *operands)
 
 
-def _gather_reduce_kernel(idx_ref, *refs, block_tokens: int, tokens: int, r: int, dmas: int, masked: bool):
+def _gather_reduce_kernel(idx_ref, *refs, block_tokens: int, tokens: int, r: int, dmas: int, masked: bool,
+                          stage: str | None):
     """One block of combine. idx_ref int32 [rows] in SMEM (-1 marks an invalid entry); w_ref f32
-    [block_tokens, r]; keep_ref int32 [block_tokens, r] (masked only); x_hbm [rows, hidden] in HBM; o_ref
-    [block_tokens, hidden]; buf [r, block_tokens, hidden] scratch in x.dtype."""
+    [block_tokens, r]; keep_ref int32 [block_tokens, r] (masked only); x_hbm [rows, hidden] (staged: 32-bit
+    [rows, width]) in HBM; o_ref [block_tokens, hidden]; buf [r, block_tokens, width] scratch in x_hbm's
+    dtype."""
     if masked:
         w_ref, keep_ref, x_hbm, o_ref, buf, sems = refs
     else:
@@ -304,20 +320,22 @@ def _gather_reduce_kernel(idx_ref, *refs, block_tokens: int, tokens: int, r: int
 
     @pl.when(count > 0)
     def _():
-        acc = jnp.zeros(o_ref.shape, jnp.float32)
+        accs = {}  # first column -> float32 sum of its piece
         for j in range(r):
-            term = buf[j].astype(jnp.float32) * w_ref[:, j:j + 1]
-            if masked:  # a select: slabs of invalid entries were never written and may hold NaN
-                # Broadcast the int32 column before comparing: lane-broadcasting a 32-bit value is the
-                # common Mosaic path, broadcasting a boolean mask less so.
-                term = jnp.where(jnp.broadcast_to(keep_ref[:, j:j + 1], term.shape) != 0, term, 0.0)
-            acc = acc + term
-        o_ref[...] = acc.astype(o_ref.dtype)
+            for col, piece in unstage_rows(buf[j], stage):
+                term = piece * w_ref[:, j:j + 1]
+                if masked:  # a select: slabs of invalid entries were never written and may hold NaN
+                    # Broadcast the int32 column before comparing: lane-broadcasting a 32-bit value is the
+                    # common Mosaic path, broadcasting a boolean mask less so.
+                    term = jnp.where(jnp.broadcast_to(keep_ref[:, j:j + 1], term.shape) != 0, term, 0.0)
+                accs[col] = accs[col] + term if col in accs else term
+        for col, acc in accs.items():
+            o_ref[:, col:col + acc.shape[1]] = acc.astype(o_ref.dtype)
 
 
 def pallas_tpu_gather_reduce(x, indices, weights, valid, reduce_group_size: int, *, block_tokens: int,
                              dmas_in_flight: int) -> jax.Array:
-    """x [rows, hidden] (f32/bf16/f16, hidden a multiple of 128), indices int32 [rows], weights [rows] (any
+    """x [rows, hidden] (f32/bf16, hidden a multiple of 128), indices int32 [rows], weights [rows] (any
     float), valid bool [rows] or None (all valid), r = reduce_group_size -> [rows // r, hidden] in x.dtype;
     out[t] = sum_j valid[i] * weights[i] * x[indices[i]], i = t * r + j, accumulated in float32. Invalid
     entries are never read."""
@@ -333,30 +351,32 @@ def pallas_tpu_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
         idx = jnp.where(valid, idx, -1)  # validity rides along in SMEM: one int32 per entry, not two
         operands.append(valid.astype(jnp.int32).reshape(tokens, r))
     table_spec = pl.BlockSpec((block, r), lambda b, idx: (b, 0))
+    stage = staging(x.dtype, hidden)
+    xs = stage_rows(x, stage)
     kernel = pl.pallas_call(
         lambda *refs: _gather_reduce_kernel(*refs, block_tokens=block, tokens=tokens, r=r, dmas=dmas_in_flight,
-                                            masked=masked),
+                                            masked=masked, stage=stage),
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), x.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(pl.cdiv(tokens, block),),
             in_specs=[table_spec] * len(operands) + [pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((block, hidden), lambda b, idx: (b, 0)),
-            scratch_shapes=[pltpu.VMEM((r, block, hidden), x.dtype), pltpu.SemaphoreType.DMA((dmas_in_flight,))],
+            scratch_shapes=[pltpu.VMEM((r, block, xs.shape[1]), xs.dtype), pltpu.SemaphoreType.DMA((dmas_in_flight,))],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         cost_estimate=pl.CostEstimate(
             flops=2 * rows * hidden, transcendentals=0,
-            bytes_accessed=(rows + tokens) * hidden * x.dtype.itemsize + 12 * rows),
+            bytes_accessed=rows * xs.shape[1] * xs.dtype.itemsize + tokens * hidden * x.dtype.itemsize + 12 * rows),
         interpret=_interpret(),
         name="moe_tune_gather_reduce",
     )
-    return kernel(idx, *operands, x)
+    return kernel(idx, *operands, xs)
 
 
 class _PallasTpuBackend:
     name = "pallas_tpu"
-    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 3  # bump on changes that can change the fastest or a valid config (Backend.revision)
     platforms = ("tpu",)
     # Uses PrefetchScalarGridSpec, pl.ANY, make_async_copy, SemaphoreType.DMA and pltpu.InterpretParams
     # (simulated DMAs in interpret mode) as of jax 0.10; Pallas TPU APIs move between minor releases.
