@@ -89,3 +89,22 @@ def test_a_gather_serving_several_ep_sizes_is_swept_as_the_tables_entry_was(tmp_
     assert code == 0, output
     assert "again: qwen3-30b-a3b dispatch tokens=64 ep=8: tuned with" in output, output
     assert "differ only in ep, which the key does not hold" in output, output
+
+
+def test_where_a_campaign_runs_decides_its_passes_once():
+    """`Campaign.placed`: compiling for a chip never runs on Ray; the ladder's boundaries and the robust choice
+    time the whole plan here, so on Ray or as a share they are left out, with how to measure them."""
+    from moe_tune.campaign.request import Campaign, Passes, Where
+    from moe_tune.core.errors import UsageError
+    from moe_tune.tuner import SweepSettings
+
+    both = Passes(("balanced", "skewed"), ladder=True)
+    here = Campaign((), SweepSettings(workers=1), both)
+    assert here.placed() == {}
+    for where in (Where(ray_address="local"), Where(share=(0, 2))):
+        left = Campaign((), SweepSettings(workers=1), both, where).placed()
+        assert sorted(left) == ["ladder", "robust"] and all("without --ray / --shard" in w for w in left.values())
+    chip = Passes(("balanced",), ladder=True, target="v5e")
+    assert list(Campaign((), SweepSettings(workers=1), chip).placed()) == ["ladder"]
+    with pytest.raises(UsageError, match="does not take --ray"):
+        Campaign((), SweepSettings(workers=1), chip, Where(ray_address="local")).placed()
