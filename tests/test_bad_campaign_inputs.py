@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_bad_inputs import KEY, S, Case, _fill, _run, entry, good_table, write_table
+from test_bad_inputs import S, Case, _fill, _run, entry, good_table, write_table
 
 
 def corrupt_table(tmp: Path) -> None:
