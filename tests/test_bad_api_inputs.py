@@ -4,6 +4,8 @@ their values are known; config mistakes name what the caller got wrong."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -322,3 +324,73 @@ def test_every_ops_problem_takes_the_keywords_it_declares(name):
     params = inspect.signature(op.problem).parameters
     assert {*op.option_names, "direction"} <= set(params)
     assert {p for p, param in params.items() if param.default is inspect.Parameter.empty} <= set(op.option_names)
+
+
+# The fused ops' token indices: a known one out of range among the shard's rows is refused like known group
+# sizes; traced ones read the same way on every backend (dispatch: clamped; combine: the row adds nothing).
+FUSED_BACKENDS = tuple(get_op("fused_moe").backends.names())
+_GROUP_SIZES = jnp.array([10, 10], jnp.int32)
+
+
+def _fused_operands(seed: int = 0):
+    """x [12, 128], the dispatch weights [2, 128, 128], h [20, 128], the combine weights, row weights, and token
+    indices that name each token at most once per group (as top-k routing does)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    rows = np.r_[rng.permutation(12)[:10], rng.permutation(12)[:10]].astype(np.int32)
+    return (normal(12, 128), normal(2, 128, 128), normal(20, 128), normal(2, 128, 128),
+            jnp.asarray(rng.random(20), jnp.float32), rows)
+
+
+@pytest.mark.parametrize("stage, bad, tokens, message", [
+    ("dispatch", 15, 12, "rows[0] = 15 is outside x's 12 tokens"),
+    ("dispatch", -1, 12, "rows[0] = -1 is outside x's 12 tokens"),
+    ("combine", -2, 12, "rows[0] = -2 is outside the output's 12 tokens"),
+    ("combine", None, 3, "is outside the output's 3 tokens"),  # rows up to token 11, 3 tokens asked
+])
+def test_known_token_indices_out_of_range_are_one_line_usage_errors(stage, bad, tokens, message):
+    x, w, h, w2, row_weights, rows = _fused_operands()
+    rows = jnp.asarray(rows if bad is None else np.r_[bad, rows[1:]])
+    with pytest.raises(UsageError, match=re.escape(message)):
+        if stage == "dispatch":
+            moe_tune.gather_gmm(x, rows, w, _GROUP_SIZES)
+        else:
+            moe_tune.gmm_combine(h, w2, _GROUP_SIZES, rows, row_weights, tokens=tokens)
+
+
+def test_a_row_outside_the_shard_may_hold_any_index_and_tokens_may_be_a_numpy_int():
+    x, w, h, w2, row_weights, rows = _fused_operands()
+    rows = jnp.asarray(np.r_[rows[:10], np.full(10, -7)])  # the second group is not this shard's
+    out = moe_tune.gmm_combine(h, w2[:1], _GROUP_SIZES, rows, row_weights, tokens=np.int64(12), group_offset=0)
+    assert out.shape == (12, 128)
+    assert moe_tune.gather_gmm(x, rows, w[:1], _GROUP_SIZES, group_offset=0).shape == (20, 128)
+
+
+@pytest.mark.slow  # the Pallas backends in interpret mode
+def test_traced_token_indices_out_of_range_read_the_same_on_every_backend():
+    x, w, h, w2, row_weights, rows = _fused_operands(1)
+    rows[0], rows[11] = -2, 15
+    rows = jnp.asarray(rows)
+    combine = {b: np.asarray(jax.jit(lambda h, r, b=b: moe_tune.gmm_combine(h, w2, _GROUP_SIZES, r, row_weights,
+                                                                              tokens=12, backend=b))(h, rows))
+               for b in FUSED_BACKENDS}
+    dispatch = {b: np.asarray(jax.jit(lambda x, r, b=b: moe_tune.gather_gmm(x, r, w, _GROUP_SIZES, backend=b))(x, rows))
+                for b in FUSED_BACKENDS}
+    # NumPy: the combine drops the two rows (they add nothing), the dispatch reads the clamped tokens
+    h64, w64, x64 = (np.asarray(a, np.float64) for a in (h, w2, x))
+    group = np.repeat([0, 1], 10)
+    expected = np.zeros((12, 128))
+    for i, t in enumerate(np.asarray(rows)):
+        if 0 <= t < 12:
+            expected[t] += float(row_weights[i]) * (h64[i] @ w64[group[i]])
+    gathered = x64[np.clip(np.asarray(rows), 0, 11)]
+    read = np.stack([gathered[i] @ np.asarray(w, np.float64)[group[i]] for i in range(20)])
+    for backend in FUSED_BACKENDS:
+        np.testing.assert_allclose(combine[backend], expected, rtol=1e-4, atol=1e-4, err_msg=backend)
+        np.testing.assert_allclose(dispatch[backend], read, rtol=1e-4, atol=1e-4, err_msg=backend)
+
+
+def test_lookup_of_another_ops_problem_names_the_problem_it_takes():
+    problem = get_op("fused_moe").problem(tokens=32, top_k=2, k=64, n=64, groups=4)
+    with pytest.raises(UsageError, match="ragged_dot.lookup takes the op's problem \\(RaggedDotProblem"):
+        get_op("ragged_dot").lookup(problem)

@@ -155,9 +155,9 @@ class KernelOp(abc.ABC):
     def lookup(self, problem: Any, *, backend: str | Backend | None = None, **options: Any) -> profiles.LookupResult:
         """The config the runtime would use for `problem` with `backend` (None: the platform's), and why.
         `options`: those of `moe_tune.profiles.lookup` (distribution, device_kind, strict, stale_policy)."""
-        if not callable(getattr(problem, "key_fields", None)):
-            raise UsageError(f"{self.name}.lookup takes the op's problem (op.problem(...)), got "
-                             f"{type(problem).__name__}")
+        if not isinstance(problem, self.problem_class):
+            raise UsageError(f"{self.name}.lookup takes the op's problem ({self.problem_class.__name__}, from "
+                             f"get_op({self.name!r}).problem(...)), got {type(problem).__name__}")
         from moe_tune.profiles.lookup import device_of_kind  # another kind: its platform's default backend, rules
 
         with devices.judging(device_of_kind(options.get("device_kind"))):

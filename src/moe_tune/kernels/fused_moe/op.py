@@ -34,7 +34,7 @@ from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
-from moe_tune.kernels.ragged_dot.op import given_configs, shard_groups
+from moe_tune.kernels.ragged_dot.op import _concrete, given_configs, shard_groups
 from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, RaggedDotProblem, dtype_name
 from moe_tune.core.quant import QArray, check_operand
 
@@ -278,6 +278,37 @@ def _problem(a, rows, rhs, group_sizes, group_offset, *, stage: str, tokens: int
                            total_groups=total if total != groups else None, **quant)
 
 
+def _check_rows(rows: Any, group_sizes: Any, group_offset: Any, *, tokens: int, groups: int, stage: str) -> None:
+    """One-line UsageError for a row index that is known now (rows and group sizes concrete, as `ragged_dot`
+    checks concrete group sizes) and lies outside `[0, tokens)` among the rows the local groups hold (the
+    others are never read). Traced indices cannot be checked: `normalized_rows` makes every backend read them
+    the same way."""
+    values, sizes = _concrete(rows), _concrete(group_sizes)
+    offset = 0 if group_offset is None else _concrete(group_offset)
+    if values is None or sizes is None or offset is None:
+        return
+    sizes = np.maximum(sizes.astype(np.int64), 0)
+    start = int(sizes[:int(offset)].sum())
+    end = min(start + int(sizes[int(offset):int(offset) + groups].sum()), values.shape[0])
+    local = values[start:end]
+    bad = np.flatnonzero((local < 0) | (local >= tokens))
+    if bad.size:
+        i = start + int(bad[0])
+        held = "x's" if stage == "dispatch" else "the output's"
+        raise UsageError(f"fused {stage}: rows[{i}] = {int(values[i])} is outside {held} {tokens} tokens "
+                         f"(rows [{start}, {end}) belong to the local groups and must index a token)")
+
+
+def normalized_rows(rows: jax.Array, tokens: int, stage: str) -> jax.Array:
+    """Token indices as every backend is given them, so that traced out-of-range values read the same way on
+    each: the dispatch clamps them into `[0, tokens)` (as JAX indexing does: the row reads the nearest token);
+    the combine sends them to `tokens`, the row past the output every backend drops (the row adds nothing)."""
+    rows = rows.astype(jnp.int32)
+    if stage == "dispatch":
+        return jnp.clip(rows, 0, tokens - 1)
+    return jnp.where((rows >= 0) & (rows < tokens), rows, tokens)
+
+
 def gather_gmm(
     x: jax.Array,
     rows: jax.Array,
@@ -296,6 +327,8 @@ def gather_gmm(
     Args:
       x: [tokens, k] float32 / bfloat16 / float16.
       rows: int [m]: the token each expert-ordered row reads (any value outside the shard's rows: never read).
+        A known index outside [0, tokens) among the shard's rows is a UsageError; a traced one is clamped
+        into it on every backend (`normalized_rows`).
       rhs: [groups, k, n] float or `QArray` (scaled along k), or a tuple of such parts standing for their
         concatenation along n (gate and up: no concatenated copy for backends that read parts).
       group_sizes: int [total_groups], rows per group in row order; group_offset: as `ragged_dot` (an
@@ -310,8 +343,9 @@ def gather_gmm(
     """
     problem = _problem(x, rows, rhs, group_sizes, group_offset, stage="dispatch", tokens=None, glu=glu)
     sizes, offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
+    _check_rows(rows, group_sizes, group_offset, tokens=problem.tokens, groups=problem.groups, stage="dispatch")
     call = _Call(FUSED_MOE.backend(backend).name, problem, given_configs(config, DIRECTIONS), distribution)
-    return _gather_gmm(x, rows.astype(jnp.int32), rhs, sizes, offset, call)
+    return _gather_gmm(x, normalized_rows(rows, problem.tokens, "dispatch"), rhs, sizes, offset, call)
 
 
 def gmm_combine(
@@ -337,18 +371,23 @@ def gmm_combine(
 
     Args:
       h: [m, k] expert activations in expert order; rhs: [groups, k, n] float or QArray; group_sizes,
-      group_offset: as `gather_gmm`; rows: int [m], the token of each row; row_weights: float [m], each row's
+      group_offset: as `gather_gmm`; rows: int [m], the token of each row (a known index outside
+      [0, tokens) among the shard's rows is a UsageError; a traced one adds nothing, on every backend);
+      row_weights: float [m], each row's
       top-k weight; tokens: the output's rows (static). backend, config, distribution: as `gather_gmm`.
 
     Returns:
       [tokens, n] in h.dtype. Differentiable in h, the float weights and row_weights.
     """
-    if not isinstance(tokens, int) or tokens <= 0:
+    if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens <= 0:
         raise UsageError(f"fused combine: tokens must be a positive int, got {tokens!r}")
+    tokens = int(tokens)
     problem = _problem(h, rows, rhs, group_sizes, group_offset, stage="combine", tokens=tokens, glu=None)
     if getattr(row_weights, "shape", None) != (problem.m,):
         raise UsageError(f"fused combine: row_weights must have shape ({problem.m},), got "
                          f"{getattr(row_weights, 'shape', None)}")
     sizes, offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
+    _check_rows(rows, group_sizes, group_offset, tokens=tokens, groups=problem.groups, stage="combine")
     call = _Call(FUSED_MOE.backend(backend).name, problem, given_configs(config, DIRECTIONS), distribution)
-    return _gmm_combine(h, rhs, sizes, rows.astype(jnp.int32), row_weights, offset, bool(skip_zero_weights), call)
+    return _gmm_combine(h, rhs, sizes, normalized_rows(rows, tokens, "combine"), row_weights, offset,
+                        bool(skip_zero_weights), call)

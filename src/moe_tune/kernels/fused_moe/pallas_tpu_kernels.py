@@ -51,7 +51,7 @@ from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.base import kernel_operands, weight_refs, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, serves, weight_views
 from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
-from moe_tune.kernels.pallas_util import interpreted, round_up
+from moe_tune.kernels.pallas_util import interpreted, out_struct, pallas_run, round_up
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 
 
@@ -219,9 +219,10 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
                                transpose_rhs=transpose_rhs, dot_dtype=dot_dtype, quant_block=block, packed=packed,
                                views=views)
     grid = (pl.cdiv(n_out, tn), visits, kc // tk)
+    args = (*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *kernel_operands(parts))
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),  # a ragged last row tile is clipped on write
+        out_shape=out_struct((m, n_out), out_dtype, *args),  # a ragged last row tile is clipped on write
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
@@ -242,7 +243,7 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
         interpret=_interpret(),
         name="moe_tune_gather_gmm",
     )
-    return call(*tables, jnp.pad(rows.astype(jnp.int32), (0, m_p - m)), staged, *kernel_operands(parts))
+    return pallas_run(call, *args, interpret=interpreted("tpu"))
 
 
 def _scale_layout(rhs, scale) -> tuple[int | None, int | None]:
@@ -283,14 +284,14 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, *
             def add(i, carry):
                 weight = w_smem[i]
 
+                t = rows_ref[i]
+
                 def accumulate():
-                    t = rows_ref[i]
                     slab[pl.ds(t, 1), :] += weight * acc[pl.ds(i - row0, 1), :]
 
-                if skip_zero:
-                    pl.when(weight != 0)(accumulate)
-                else:
-                    accumulate()
+                # a row sent past the tokens (`op.normalized_rows`: a token index out of range) adds nothing
+                inside = t < slab.shape[0]
+                pl.when(jnp.logical_and(inside, weight != 0) if skip_zero else inside)(accumulate)
                 return carry
 
             # Only the group's rows: the tile's other rows may be NaN (outside the shard) or another
@@ -326,9 +327,12 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
                                skip_zero=skip_zero_weights, transpose_rhs=transpose_rhs, dot_dtype=dot_dtype,
                                quant_block=block, views=views)
     grid = (n // tn, visits, kc // tk)
+    # h is not padded: a ragged last tile's rows are past m, never added.
+    args = (*tables, jnp.pad(rows.astype(jnp.int32), pad), jnp.pad(row_weights.astype(jnp.float32), pad), h,
+            *kernel_operands(parts))
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((tokens, n), jnp.float32),
+        out_shape=out_struct((tokens, n), jnp.float32, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=grid,
@@ -348,7 +352,4 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
         interpret=_interpret(),
         name="moe_tune_gmm_combine",
     )
-    # h is not padded: a ragged last tile's rows are past m, never added.
-    out = call(*tables, jnp.pad(rows.astype(jnp.int32), pad), jnp.pad(row_weights.astype(jnp.float32), pad),
-               h, *kernel_operands(parts))
-    return out.astype(out_dtype)
+    return pallas_run(call, *args, interpret=interpreted("tpu")).astype(out_dtype)
