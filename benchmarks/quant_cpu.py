@@ -44,6 +44,7 @@ from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
 from moe_tune.kernels.kernel_op import relative_error
+from moe_tune.kernels.ragged_dot.definition import DENSE
 from moe_tune.core.quant import FOUR_BIT, as_float
 from moe_tune.tuner import SweepRequest, run_sweep
 
@@ -113,7 +114,7 @@ def bench_case(args, spec, k, n, m, groups, direction, profile_dir):
     # gain is its weight format and how much its tiles (its search space can differ: tiled.candidate_values)
     for mode in (m for m in TARGETS if m in problems and sweeps[m].best.config != f32_config):
         variants[f"f32@tiles:{mode}"] = run("float32", f32, sweeps[mode].best.config)
-    variants["dense"] = lambda x: bench.DENSE[direction](x["float32"]["a"], x["float32"]["b"])
+    variants["dense"] = lambda x: DENSE[direction](x["float32"]["a"], x["float32"]["b"])
     variants["copy"] = lambda x: x["copy_source"] + 1  # the f32 weights' size, read and written
     variants["read"] = lambda x: jnp.sum(x["copy_source"])  # the same array read only: no fresh output
     device_inputs = jax.device_put(inputs)

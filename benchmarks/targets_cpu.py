@@ -44,6 +44,7 @@ from moe_tune.commands import bench
 from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS
+from moe_tune.kernels.ragged_dot.definition import DENSE
 from moe_tune.tuner import SweepRequest, SweepSettings, run_sweep
 
 # [m, k, n] of the ragged_dot cases: the square case and the gate/up expert shapes of two presets
@@ -104,7 +105,7 @@ def ragged_dot_dtype_round(problems: dict, configs: dict, samples: int) -> dict:
         inputs[dtype] = {"a": host["a"].astype(jnp.dtype(dtype)), "b": host["b"].astype(jnp.dtype(dtype))}
         variants[f"tuned {dtype}"] = lambda x, p=problem, c=configs[dtype], d=dtype: impl.run(
             p, c, x[d]["a"], x[d]["b"], x["group_sizes"])
-        variants[f"dense {dtype}"] = lambda x, d=dtype: bench.DENSE[first.direction](x[d]["a"], x[d]["b"])
+        variants[f"dense {dtype}"] = lambda x, d=dtype: DENSE[first.direction](x[d]["a"], x[d]["b"])
         variants[f"per-group {dtype}"] = lambda x, d=dtype: floor(x[d]["a"], x[d]["b"])
     return bench.time_variants(variants, jax.device_put(inputs), samples=samples)
 

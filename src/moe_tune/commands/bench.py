@@ -71,8 +71,10 @@ class Comparison:
     lookup_marks: tuple[str, ...] = ()  # the entry's marks (`profiles.verdict.marks`): unverified, low budget...
 
     def to_dict(self) -> dict[str, Any]:
-        """As the benchmarks' JSON holds it."""
-        return dataclasses.asdict(self)
+        """As the benchmarks' JSON holds it: the plan's details (the valid fraction, ...) beside the fields."""
+        fields = dataclasses.asdict(self)
+        details = fields.pop("details")
+        return {**fields, **details}
 
     def notes(self) -> list[str]:
         """What a reader should know, with the next step: the tuned config is the default (a difference
