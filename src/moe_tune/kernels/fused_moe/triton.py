@@ -23,6 +23,9 @@ block lies in one part (block_n divides f) and two `pl.when` branches pick it, e
 the parts split the contraction (the dispatch's backward, dh @ [gate | up]^T) the k loop runs over gate's
 f columns, then over up's, into the same accumulator (block_k divides f).
 
+Quantized weights (int8, float8_e4m3fn, int4; mxfp4 as the same bits in int4, `_loadable`, decoded by
+`tile_quant.decode_e2m1`) are loaded as they are stored and dequantized per block in float32.
+
 Loads use index vectors clipped to the array (never a block hanging past it), so x, h and the weights are
 never padded; `block_k` / `block_n` must divide the contraction / the output columns (`config_error`).
 Only the gather output is padded to whole row tiles (a copy only when m is not a multiple of block_m).
@@ -48,6 +51,7 @@ from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, round_up
 from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
+from moe_tune.kernels.ragged_dot.tile_quant import decode_e2m1
 
 BLOCKS = (16, 32, 64, 128, 256)
 SUPPORTED = ("float32", "bfloat16", "float16")
@@ -73,11 +77,11 @@ def _tile_rows(gid, tid, starts, ends, v, bm: int, m: int):
     return group, jnp.minimum(rows, m - 1), keep
 
 
-def _weight_block(w_ref, s_ref, group, row0, rows: int, col0, cols: int, block, dtype) -> jax.Array:
+def _weight_block(w_ref, s_ref, group, row0, rows: int, col0, cols: int, block, dtype, e2m1=False) -> jax.Array:
     """w[group][row0:row0 + rows, col0:col0 + cols] (rows along the forward k) in the dot's dtype; quantized
     (s_ref float32 [g, k / block, n]): dequantized in float32, by one row of scales when the block's rows lie
     in one scale block (per channel, or a tile no taller than the scale block), else by a gathered [rows,
-    cols] load of them."""
+    cols] load of them. `e2m1`: the values are mxfp4 codes held as int4 (`_loadable`), decoded here."""
     w = w_ref[group, pl.ds(row0, rows), pl.ds(col0, cols)]
     if s_ref is None:
         return w.astype(dtype)
@@ -87,10 +91,10 @@ def _weight_block(w_ref, s_ref, group, row0, rows: int, col0, cols: int, block, 
     else:
         scale_rows = (row0 + jnp.arange(rows, dtype=jnp.int32)) // block
         scale = s_ref[group, scale_rows[:, None], (col0 + jnp.arange(cols, dtype=jnp.int32))[None, :]]
-    return (w.astype(jnp.float32) * scale).astype(dtype)
+    return ((decode_e2m1(w) if e2m1 else w.astype(jnp.float32)) * scale).astype(dtype)
 
 
-def _product(a_ref, a_rows, keep, segments, group, col0, *, bk, bn, transpose_rhs, dtype, block):
+def _product(a_ref, a_rows, keep, segments, group, col0, *, bk, bn, transpose_rhs, dtype, block, e2m1=False):
     """f32 [bm, bn] accumulators of a[a_rows] @ w[group][:, col0:col0 + bn]: a's rows masked by keep (never
     read where False). `segments` (`_blocks`) run one after the other into the same accumulators, each a k
     loop in steps of bk over a's columns [a_col0, a_col0 + steps * bk) with one (weight ref, scale ref or None,
@@ -106,9 +110,9 @@ def _product(a_ref, a_rows, keep, segments, group, col0, *, bk, bn, transpose_rh
             out = []
             for acc, (w_ref, s_ref, offset) in zip(accs, views):
                 if transpose_rhs:  # rhs[g].T: the block [bn, bk] of [g, k, n], read transposed
-                    w = _weight_block(w_ref, s_ref, group, col0 + offset, bn, kk * bk, bk, block, dtype)
+                    w = _weight_block(w_ref, s_ref, group, col0 + offset, bn, kk * bk, bk, block, dtype, e2m1)
                 else:
-                    w = _weight_block(w_ref, s_ref, group, kk * bk, bk, col0 + offset, bn, block, dtype)
+                    w = _weight_block(w_ref, s_ref, group, kk * bk, bk, col0 + offset, bn, block, dtype, e2m1)
                 out.append(acc + plgpu.dot(a, w, trans_b=transpose_rhs, precision=exact_f32_precision(dtype)))
             return tuple(out)
 
@@ -158,7 +162,7 @@ def _each_block(blocks, run) -> None:
 
 
 def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, *refs, m, bm, bk, bn, k_steps, glu,
-                       transpose_rhs, dtype, block, parts):
+                       transpose_rhs, dtype, block, parts, e2m1=False):
     """Schedule tables (gid, tid [visits], starts, ends [groups], info [1] = real visits); rows int32 [m];
     x [tokens, kc]; the weight parts (`parts` of them: gate, up), each [g, k, n_p] (read as rhs[g].T when
     transposed, kc = sum of n_p) followed by its scale [g, k / block, n_p] when quantized -> out [m_p, n_out]."""
@@ -173,7 +177,7 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, *refs, m, 
 
         def run(col0, segments):
             accs = _product(x_ref, tokens, keep, segments, group, col0, bk=bk, bn=bn, transpose_rhs=transpose_rhs,
-                            dtype=dtype, block=block)
+                            dtype=dtype, block=block, e2m1=e2m1)
             out = ACTIVATIONS[glu][0](accs[0]) * accs[1] if glu else accs[0]
             plgpu.store(out_ref.at[pl.ds(tid[v] * bm, bm), pl.ds(j * bn, bn)], out.astype(out_ref.dtype),
                         mask=jnp.broadcast_to(keep[:, None], (bm, bn)))
@@ -183,7 +187,7 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_ref, *refs, m, 
 
 
 def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_ref, *refs, m, bm, bk, bn, k_steps,
-                        skip_zero, transpose_rhs, dtype, trash, masked_atomics, block, parts):
+                        skip_zero, transpose_rhs, dtype, trash, masked_atomics, block, parts, e2m1=False):
     """Schedule tables as in `_gather_gmm_kernel`; rows int32 [m]; weights float32 [m]; h [m, kc]; the weight
     parts (and their scales) as there; out float32 [tokens + 1, n] (aliased with the zero-filled input before
     it; row `trash` = tokens takes the invalid rows' adds)."""
@@ -199,7 +203,7 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, weights_ref, h_r
 
         def run(col0, segments):
             (acc,) = _product(h_ref, rows, valid, segments, group, col0, bk=bk, bn=bn, transpose_rhs=transpose_rhs,
-                              dtype=dtype, block=block)
+                              dtype=dtype, block=block, e2m1=e2m1)
             # A select: an invalid row's product may be NaN (h rows are masked to 0, but weights are anything).
             y = jnp.where(valid[:, None], acc * weights[:, None], 0.0)
             cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
@@ -217,6 +221,13 @@ def _weight_arrays(rhs, tile: int, glu: str | None) -> tuple[list[jax.Array], in
     parts = kernel_parts(rhs, tile=tile, glu=glu)
     values, scale = parts[0]
     return kernel_operands(parts), None if scale is None else values.shape[1] // scale.shape[1]
+
+
+def _loadable(weights: list[jax.Array]) -> tuple[list[jax.Array], bool]:
+    """The weight arrays as Triton loads them, and whether they hold mxfp4 codes: Triton loads no float4, so
+    float4_e2m1fn values travel as the same bits in int4 (an XLA bitcast, free), decoded in the kernel."""
+    e2m1 = any(w.dtype == jnp.float4_e2m1fn for w in weights)
+    return [jax.lax.bitcast_convert_type(w, jnp.int4) if w.dtype == jnp.float4_e2m1fn else w for w in weights], e2m1
 
 
 def _dot_dtype(a, values, block: int | None) -> jnp.dtype:
@@ -241,8 +252,9 @@ def _blocked_sizes(problem: FusedMoeProblem) -> tuple[int, int, str]:
 
 class TritonFusedMoe(FusedMoeBackend):
     name = "triton"
-    # 2: gate and up read as two parts (`split_weights`), and the rule that a block does not straddle them
-    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    # 2: gate and up read as two parts (`split_weights`), and the rule that a block does not straddle them;
+    # 3: 4-bit weights (int4, mxfp4 as its int4 bits) served
+    revision = 3  # bump on changes that can change the fastest or a valid config (Backend.revision)
     split_weights = True  # reads (gate, up) as two parts: no concatenated copy of the weights per call
     config_cls = FusedTritonConfig
     platforms = ("gpu",)
@@ -258,9 +270,6 @@ class TritonFusedMoe(FusedMoeBackend):
     def config_error(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> str | None:
         if problem.dtype not in SUPPORTED:
             return f"triton supports {'/'.join(SUPPORTED)}, not dtype={problem.dtype}"
-        if problem.rhs_format is not None and problem.rhs_format.four_bit:  # 1-byte weights only
-            return (f"the fused triton kernels dequantize 1-byte weights, not {problem.rhs_format.name} (it runs "
-                    "the jax backend)")
         if (reason := self.chip_error(problem)) is not None:
             return reason
         for name in ("block_m", "block_k", "block_n"):
@@ -295,7 +304,7 @@ class TritonFusedMoe(FusedMoeBackend):
 
     def shared_memory_bytes(self, config: FusedTritonConfig, problem: FusedMoeProblem) -> int:
         """Pipelined loads: num_stages copies of the lhs tile and of each weight tile (two with glu), as loaded
-        (1-byte quantized weights stay 1 byte). Weight parts add none: one part's tile is loaded at a time
+        (quantized weights at 1 byte, 4-bit too). Weight parts add none: one part's tile is loaded at a time
         (a `pl.when` branch or k loop per part), and the H100 compiler's verdicts near the budget are the
         same on parts as on one array (benchmarks/results/fused_triton_weights_h100_compile_*). Quantized
         weights add, as the H100 compiler requested them (benchmarks/results/fused_moe_compile_*): per stage and weight tile a row of float32 scales, or
@@ -332,12 +341,13 @@ class TritonFusedMoe(FusedMoeBackend):
         m, kc = rows.shape[0], x.shape[1]
         bm, bk, bn = config.block_m, config.block_k, config.block_n
         weights, block = _weight_arrays(rhs, bk if transpose_rhs else bn, glu)
+        weights, e2m1 = _loadable(weights)
         groups, k_w, n_w = weights_shape(rhs)
         n_out = k_w if transpose_rhs else n_w // 2 if glu else n_w
         m_p = round_up(m, bm)
         kernel = functools.partial(_gather_gmm_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, glu=glu,
                                    transpose_rhs=transpose_rhs, dtype=_dot_dtype(x, weights[0], block), block=block,
-                                   parts=len(weights) // (1 if block is None else 2))
+                                   parts=len(weights) // (1 if block is None else 2), e2m1=e2m1)
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
         out = pl.pallas_call(
             kernel,
@@ -356,6 +366,7 @@ class TritonFusedMoe(FusedMoeBackend):
         m, kc = h.shape
         bm, bk, bn = config.block_m, config.block_k, config.block_n
         weights, block = _weight_arrays(rhs, bk if transpose_rhs else bn, None)
+        weights, e2m1 = _loadable(weights)
         groups, k_w, n_w = weights_shape(rhs)
         n = k_w if transpose_rhs else n_w
         interpret = interpreted("gpu")
@@ -363,7 +374,7 @@ class TritonFusedMoe(FusedMoeBackend):
             _gmm_combine_kernel, m=m, bm=bm, bk=bk, bn=bn, k_steps=kc // bk, skip_zero=skip_zero_weights,
             transpose_rhs=transpose_rhs, dtype=_dot_dtype(h, weights[0], block), trash=tokens,
             # Interpret mode's atomics take no mask; there the invalid rows' adds all land on the trash row.
-            masked_atomics=not interpret, block=block, parts=len(weights) // (1 if block is None else 2))
+            masked_atomics=not interpret, block=block, parts=len(weights) // (1 if block is None else 2), e2m1=e2m1)
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
         out = pl.pallas_call(
             kernel,
