@@ -39,6 +39,39 @@ def plain_backends() -> contextlib.ExitStack:
     return stack
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """`jax.lax.ragged_all_to_all`'s documented semantics from all-gathers, gathers and a scatter (XLA:CPU
+    lacks the op), so the layer's segment offsets run here; NaN everywhere when `recv_sizes` is not what
+    the peers send."""
+    assert axis_index_groups is None
+    devices, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    per = input_offsets.shape[0] // devices
+    every = [jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes, output_offsets)]
+    peer_rows, starts, sizes, lands = every[0], *(jax.lax.dynamic_slice_in_dim(a, me * per, per, axis=1)
+                                                   for a in every[1:])
+    r = jnp.arange(operand.shape[0])
+    valid = r < sizes[:, :, None]  # [peers, segments, rows]
+    source = jnp.minimum(starts[:, :, None] + r, operand.shape[0] - 1)
+    values = peer_rows[jnp.arange(devices)[:, None, None], source]
+    target = jnp.where(valid, lands[:, :, None] + r, output.shape[0]).reshape(-1)
+    result = output.at[target].set(values.reshape((-1,) + operand.shape[1:]), mode="drop")
+    return jnp.where(jnp.all(recv_sizes == sizes.reshape(-1)), result, jnp.nan)
+
+
+@contextlib.contextmanager
+def emulated_ragged():
+    """The layer takes its ragged_all_to_all exchange, run by `emulated_ragged_all_to_all`."""
+    from moe_tune.layer import exchange
+
+    saved = jax.lax.ragged_all_to_all, exchange.has_ragged_all_to_all
+    jax.lax.ragged_all_to_all, exchange.has_ragged_all_to_all = emulated_ragged_all_to_all, lambda: True
+    try:
+        yield
+    finally:
+        jax.lax.ragged_all_to_all, exchange.has_ragged_all_to_all = saved
+
+
 def inputs(tokens: int, seed: int = 0, skew_to: int | None = None):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(tokens, HIDDEN))
@@ -102,7 +135,8 @@ def relative(got, want) -> float:
 
 def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", replicated: bool = False,
              grads: bool = True, capacity_factor: float | None = None, skew_to: int | None = None,
-             own_shard_map: bool = False, fused: bool | None = False, plain: bool = True) -> dict:
+             own_shard_map: bool = False, fused: bool | None = False, plain: bool = True,
+             ragged: bool = False) -> dict:
     devices = np.array(jax.devices()[:ep * tp]).reshape(ep, tp)
     mesh = jax.sharding.Mesh(devices, ("expert", "tensor"))
     tensor_axis = "tensor" if tp > 1 else None
@@ -137,19 +171,24 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
 
     xs, ls = jnp.asarray(x, float_dtype), jnp.asarray(logits, jnp.float32)
     cot = jnp.asarray(cotangent, jnp.float32)
-    with plain_backends() if plain else contextlib.nullcontext():
-        out, stats = jax.jit(layer)(xs, ls, *weights)
-        result = {"out": relative(out, want), "dtype_out": str(out.dtype), "dropped": int(stats["dropped"]),
-                  "want_dropped": want_dropped, "tolerance": TOLERANCE[dtype]}
-        if grads:
+    with plain_backends() if plain else contextlib.nullcontext(), (
+            emulated_ragged() if ragged else contextlib.nullcontext()):
+        if grads:  # the forward and the gradients of sum(out * cotangent) from one compile
             argnums = (0, 1) if dtype == "int8" else (0, 1, 2, 3, 4)
 
             def loss(*a):
-                return jnp.sum(layer(*a)[0].astype(jnp.float32) * cot)
+                out, stats = layer(*a)
+                return jnp.sum(out.astype(jnp.float32) * cot), (out, stats)
 
-            got = jax.jit(jax.grad(loss, argnums=argnums))(xs, ls, *weights)
+            (_, (out, stats)), got = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
+                xs, ls, *weights)
             names = ("dx", "dlogits", "dw_gate", "dw_up", "dw_down")
-            result.update({names[i]: relative(g, want_grads[i]) for i, g in zip(argnums, got)})
+            result = {names[i]: relative(g, want_grads[i]) for i, g in zip(argnums, got)}
+        else:
+            out, stats = jax.jit(layer)(xs, ls, *weights)
+            result = {}
+        result.update({"out": relative(out, want), "dtype_out": str(out.dtype), "dropped": int(stats["dropped"]),
+                       "want_dropped": want_dropped, "tolerance": TOLERANCE[dtype]})
     return result
 
 
@@ -157,7 +196,9 @@ CASES = {
     "ep8_all_gather_f32": dict(strategy="all_gather", ep=8),
     "ep8_all_to_all_f32": dict(strategy="all_to_all", ep=8, own_shard_map=True),
     "ep4_tp2_all_gather_f32": dict(strategy="all_gather", ep=4, tp=2, own_shard_map=True),
-    "ep4_tp2_all_to_all_f32": dict(strategy="all_to_all", ep=4, tp=2),
+    "ep8_all_to_all_ragged_f32": dict(strategy="all_to_all", ep=8, ragged=True),
+    "ep4_tp2_all_to_all_ragged_capacity": dict(strategy="all_to_all", ep=4, tp=2, ragged=True, skew_to=4,
+                                               capacity_factor=1.5),
     "ep8_all_gather_fused_f32": dict(strategy="all_gather", ep=8, fused=True, grads=False),
     "replicated_ep4_tp2_f32": dict(strategy="all_gather", ep=4, tp=2, replicated=True),
     "replicated_ep8_all_to_all_f32": dict(strategy="all_to_all", ep=8, replicated=True, own_shard_map=True,

@@ -23,8 +23,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_tune.core import devices
 from moe_tune.kernels.gather.op import ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
+
+RAGGED_ALL_TO_ALL_PLATFORMS = ("tpu", "gpu")  # XLA:CPU does not implement ragged_all_to_all
+
+
+def has_ragged_all_to_all() -> bool:
+    """Whether the judged platform runs `jax.lax.ragged_all_to_all` (else the fixed-capacity exchange)."""
+    return devices.platform() in RAGGED_ALL_TO_ALL_PLATFORMS
 
 
 def worst_rows(tokens: int, top_k: int, devices: int, local: int) -> int:
@@ -52,17 +60,31 @@ def keep_mask(dest: jax.Array, *, axis: str, devices: int, me: jax.Array, cap: i
     return before[dest] + rank < cap
 
 
+def _varies_over(value: jax.Array) -> frozenset:
+    """The manual mesh axes `value` varies over under shard_map's check_vma types (`vma`, or
+    `manual_axis_type.varying` in the JAX versions that name it so); empty outside shard_map."""
+    aval = jax.typeof(value)
+    axes = getattr(aval, "vma", None)
+    if axes is None:
+        axes = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return frozenset(axes)
+
+
 def varying(value: jax.Array, axes) -> jax.Array:
-    """`value` typed as varying over the mesh axes `axes` (shard_map's check_vma types; its transpose sums
-    the gradient over them). Unchanged where it varies over them already."""
-    missing = tuple(sorted(set(axes) - set(getattr(jax.typeof(value), "vma", frozenset()))))
-    return jax.lax.pcast(value, missing, to="varying") if missing else value
+    """`value` typed as varying over the mesh axes `axes` (its transpose sums the gradient over them).
+    Unchanged where it varies over them already."""
+    missing = tuple(sorted(set(axes) - _varies_over(value)))
+    if not missing:
+        return value
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(value, missing, to="varying")
+    return jax.lax.pvary(value, missing)
 
 
 def _varying_like(buffer: jax.Array, reference: jax.Array) -> jax.Array:
     """`buffer` typed as varying over the mesh axes `reference` varies over (a fresh zeros buffer is
     invariant; `ragged_all_to_all` wants its output argument typed like its operand under check_vma)."""
-    return varying(buffer, getattr(jax.typeof(reference), "vma", frozenset()))
+    return varying(buffer, _varies_over(reference))
 
 
 class _Plan:

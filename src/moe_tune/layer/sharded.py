@@ -41,7 +41,6 @@ from moe_tune.layer.fused_layer import serve_or_train
 from moe_tune.layer.fusion_choice import use_fused
 
 STRATEGIES = ("all_gather", "all_to_all")
-RAGGED_ALL_TO_ALL_PLATFORMS = ("tpu", "gpu")  # XLA:CPU does not implement ragged_all_to_all
 _log = logging.getLogger(__name__)
 
 
@@ -51,10 +50,16 @@ def resolve_strategy(ep_strategy: str | None, *, tokens: int, hidden: int, inter
     the platform has a ragged all-to-all (only the routed rows travel), `all_gather` elsewhere (the
     fixed-capacity all-to-all moves worst-case buffers). Tokens replicated over the expert axis need no
     exchange: the answer then only names how the partial outputs are combined, and both serve alike.
-    The one place a measured choice per (layer, mesh) would answer from."""
-    del tokens, hidden, intermediate, experts, top_k, ep, tp, dtype, tokens_replicated
+    The one place a measured choice per (layer, mesh) answers from: with tokens split over an expert axis
+    of 2 or more devices, the tables' `moe_sharding` entry for these local shapes and mesh
+    (`sharding_choice.strategy_for`), else the default."""
     if ep_strategy is None:
-        return "all_to_all" if platform in RAGGED_ALL_TO_ALL_PLATFORMS else "all_gather"
+        if tokens_replicated or ep < 2:
+            return "all_to_all" if platform in exchange.RAGGED_ALL_TO_ALL_PLATFORMS else "all_gather"
+        from moe_tune.layer.sharding_choice import strategy_for
+
+        return strategy_for(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                            ep=ep, tp=tp, dtype=dtype)
     if ep_strategy not in STRATEGIES:
         raise UsageError(f"ep_strategy must be one of {', '.join(STRATEGIES)} or None, got {ep_strategy!r}")
     return ep_strategy
@@ -119,7 +124,7 @@ def layer(x, weights, chosen, w_gate, w_up, w_down, *, experts: int, expert_axis
                              "ep_strategy='all_gather' or fused=None")
         out, dropped = exchange.all_to_all_layer(
             x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis, devices=ep, me=me, cap=cap,
-            ragged=_devices.platform() in RAGGED_ALL_TO_ALL_PLATFORMS, **options)
+            ragged=exchange.has_ragged_all_to_all(), **options)
         entries = tokens * top_k * ep
     else:
         out, dropped = _gathered(_experts, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,

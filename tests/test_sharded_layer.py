@@ -1,0 +1,157 @@
+"""The MoE layer across devices (`moe_mlp(expert_axis=, tensor_axis=)`, `sharded_moe_mlp`).
+
+The multi-device checks run in one subprocess on 8 host devices (`sharded_layer_checks.py`: XLA's device
+count is fixed when JAX starts) against a float64 NumPy dense reference; the tests here assert on its JSON.
+The argument checks run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import moe_tune
+from moe_tune.core.errors import UsageError
+from moe_tune.layer import exchange, sharded
+
+SCRIPT = Path(__file__).with_name("sharded_layer_checks.py")
+TOKENS_PER_DEVICE, TOP_K, EXPERTS = 4, 2, 16  # as the script's cases
+WITH_GRADS = ["ep8_all_gather_f32", "ep8_all_to_all_f32", "ep8_all_to_all_ragged_f32", "ep4_tp2_all_gather_f32",
+              "ep4_tp2_all_to_all_ragged_capacity", "replicated_ep4_tp2_f32",
+              "ep8_all_gather_bf16", "ep4_tp2_all_to_all_bf16", "skew_all_gather_capacity",
+              "skew_all_to_all_capacity"]
+WITH_INPUT_GRADS = ["ep4_tp2_all_gather_int8", "ep8_all_to_all_int8"]  # QArray weights: constants
+FORWARD = ["ep8_all_gather_fused_f32", "replicated_ep8_all_to_all_f32", "skew_all_gather", "skew_all_to_all",
+           "skew_replicated_capacity", "ep8_default_backends"]
+CASES = WITH_GRADS + WITH_INPUT_GRADS + FORWARD
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
+               MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
+    env.pop("MOE_TUNE_DISTRIBUTION", None)
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_case_ran(results):
+    """The script ran exactly the cases asserted on here."""
+    assert sorted(results) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_reference(results, case):
+    """Output (in x's dtype), gradients and dropped count equal the dense float64 reference's within the
+    dtype's tolerance."""
+    got = results[case]
+    assert "error" not in got, got.get("error")
+    tolerance = got["tolerance"]
+    assert got["out"] <= tolerance
+    assert got["dtype_out"] == ("bfloat16" if "bf16" in case else "float32")
+    assert got["dropped"] == got["want_dropped"]
+    grads = {"WITH_GRADS": ["dx", "dlogits", "dw_gate", "dw_up", "dw_down"], "WITH_INPUT_GRADS": ["dx", "dlogits"],
+             "FORWARD": []}
+    expected = grads["WITH_GRADS" if case in WITH_GRADS else "WITH_INPUT_GRADS" if case in WITH_INPUT_GRADS
+                     else "FORWARD"]
+    assert sorted(name for name in got if name.startswith("d") and name not in ("dropped", "dtype_out")) == sorted(
+        expected)
+    for name in expected:
+        assert got[name] <= tolerance, (name, got[name])
+
+
+def test_skewed_routing_drops_exactly_past_capacity(results):
+    """Every token routed to device 0's experts: without a capacity nothing is dropped; with capacity_factor
+    1.5 device 0 keeps ceil(1.5 x 4 x 2) = 12 of the 8 x 4 x 2 entries, under both strategies; replicated
+    tokens (4 in all) with 0.5 keep ceil(0.5 x 4 x 2) = 4 of 8."""
+    for case in ("skew_all_gather", "skew_all_to_all"):
+        assert results[case]["dropped"] == 0
+    entries = 8 * TOKENS_PER_DEVICE * TOP_K
+    for case in ("skew_all_gather_capacity", "skew_all_to_all_capacity"):
+        assert results[case]["dropped"] == entries - math.ceil(1.5 * TOKENS_PER_DEVICE * TOP_K) == 52
+    assert results["skew_replicated_capacity"]["dropped"] == TOKENS_PER_DEVICE * TOP_K - math.ceil(
+        0.5 * TOKENS_PER_DEVICE * TOP_K)
+    assert results["ep4_tp2_all_to_all_ragged_capacity"]["dropped"] > 0
+
+
+@pytest.mark.parametrize("tokens,top_k,devices,local", [(4, 2, 8, 2), (4, 2, 8, 1), (16, 8, 4, 32), (3, 4, 2, 3)])
+def test_worst_case_rows_is_maxtext_bound(tokens, top_k, devices, local):
+    """The receive buffer without a capacity holds local tokens x min(EP, E / top_k) x top_k rows."""
+    experts = devices * local
+    assert exchange.worst_rows(tokens, top_k, devices, local) == round(tokens * min(devices, experts / top_k) * top_k)
+
+
+def test_default_strategy():
+    """None: where nothing is exchanged (replicated tokens, one device on the axis) all_to_all where
+    ragged_all_to_all exists (TPU, GPU) and all_gather on CPU; with tokens split over the axis one of the
+    strategies (the tables' measured choice or the default); a named one stays; another name is refused."""
+    shape = dict(tokens=8, hidden=8, intermediate=8, experts=16, top_k=2, ep=8, tp=1, dtype=jnp.float32)
+    for platform, default in (("cpu", "all_gather"), ("tpu", "all_to_all"), ("gpu", "all_to_all")):
+        assert sharded.resolve_strategy(None, platform=platform, tokens_replicated=True, **shape) == default
+    assert sharded.resolve_strategy(None, platform="cpu", tokens_replicated=False, **shape) in sharded.STRATEGIES
+    for strategy in sharded.STRATEGIES:
+        assert sharded.resolve_strategy(strategy, platform="cpu", tokens_replicated=False, **shape) == strategy
+    with pytest.raises(UsageError, match="ep_strategy"):
+        sharded.resolve_strategy("ring", platform="cpu", tokens_replicated=False, **shape)
+
+
+def _operands(experts=4, local=4, tokens=4, hidden=8, intermediate=8):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(tokens, experts)), jnp.float32)
+    w_gate = jnp.asarray(rng.normal(size=(local, hidden, intermediate)), jnp.float32)
+    w_down = jnp.asarray(rng.normal(size=(local, intermediate, hidden)), jnp.float32)
+    return x, logits, w_gate, w_gate, w_down
+
+
+def _in_shard_map(**options):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    body = lambda *a: moe_tune.moe_mlp(*a, 2, **options)  # noqa: E731
+    return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(*_operands())
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(expert_axis="expert", expert_offset=0), "expert_offset is not taken"),
+    (dict(capacity_factor=1.0), "need an expert_axis"),
+    (dict(ep_strategy="all_gather"), "need an expert_axis"),
+    (dict(tokens_replicated=True), "need an expert_axis"),
+    (dict(expert_axis="expert"), "not a mesh axis bound here"),
+])
+def test_usage_errors_outside_shard_map(options, message):
+    """Sharded arguments without an expert axis, or an axis no shard_map binds, are one-line UsageErrors."""
+    with pytest.raises(UsageError, match=message):
+        moe_tune.moe_mlp(*_operands(), 2, **options)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(expert_axis="expert", ep_strategy="ring"), "ep_strategy must be one of"),
+    (dict(expert_axis="expert", capacity_factor=-1.0), "capacity_factor must be a positive"),
+    (dict(expert_axis="expert", tensor_axis="expert"), "must be different mesh axes"),
+    (dict(expert_axis="expert", tensor_axis="model"), "tensor_axis 'model' is not a mesh axis"),
+])
+def test_usage_errors_inside_shard_map(options, message):
+    with pytest.raises(UsageError, match=message):
+        _in_shard_map(**options)
+
+
+def test_sharded_moe_mlp_argument_errors():
+    """A mesh axis the mesh lacks, experts or tokens that do not split, expert_offset: one line each."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    operands = _operands()
+    with pytest.raises(UsageError, match="not an axis of the mesh"):
+        moe_tune.sharded_moe_mlp(*operands, 2, mesh=mesh, expert_axis="experts")
+    with pytest.raises(UsageError, match="expert_offset"):
+        moe_tune.sharded_moe_mlp(*operands, 2, mesh=mesh, expert_offset=0)
+    with pytest.raises(UsageError, match="jax.sharding.Mesh"):
+        moe_tune.sharded_moe_mlp(*operands, 2, mesh="expert")
