@@ -183,10 +183,10 @@ def recommend(plans: Sequence[StrategyPlan], piece: Slice, capacity_factor: floa
 
 
 def _capacity_hint(unfit: Sequence[StrategyPlan], capacity_factor: float | None) -> str:
-    """A note for an all-to-all that does not fit without a capacity factor: its receive buffers are sized
+    """A note for a layer that does not fit without a capacity factor: nothing dropped, its buffers are sized
     for the worst case (every entry to one chip)."""
-    if capacity_factor is None and any(p.strategy == "all_to_all" for p in unfit):
-        return " (all_to_all without --capacity-factor sizes its buffers for the worst case)"
+    if capacity_factor is None and unfit:
+        return " (without --capacity-factor the layer sizes its buffers for the worst case)"
     return ""
 
 
@@ -233,33 +233,67 @@ def _failed(failure: WorkerFailure) -> SliceCompile:
     return SliceCompile(REJECTED, f"the compiling process died: {said}".rstrip(": "))
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """One plan to make: a preset's name (or a preset), tokens per expert-axis shard, a slice, the strategies
+    and the layer's options (`plan`'s arguments)."""
+
+    model: str | ModelPreset
+    tokens: int
+    slice: str
+    strategies: Sequence[str] = STRATEGIES
+    dtype: str = "bfloat16"
+    tensor: int | None = None
+    capacity_factor: float | None = None
+    backend: str | None = None
+
+
+def _prepared(request: PlanRequest) -> tuple[Slice, ModelPreset, int, int, Work, list[SliceJob]]:
+    """The request checked (one-line UsageErrors), its mesh, its work per chip and its compile jobs."""
+    import numpy as np
+
+    piece = get_slice(request.slice)
+    preset = request.model if isinstance(request.model, ModelPreset) else get_preset(request.model)
+    unknown = [s for s in request.strategies if s not in STRATEGIES]
+    if unknown or not request.strategies:
+        raise UsageError(f"unknown strategy {unknown[0] if unknown else ''!r}; known: {', '.join(STRATEGIES)}")
+    if request.tokens < 1:
+        raise UsageError(f"--tokens must be at least 1, not {request.tokens}")
+    expert, tensor = mesh_shape(preset, piece, request.tensor)
+    dtype_bytes = 2 if request.dtype == "bfloat16" else np.dtype(request.dtype).itemsize
+    work = layer_work(preset, request.tokens, expert, tensor, dtype_bytes)
+    jobs = [SliceJob(piece.name, preset.hidden, preset.expert_intermediate, preset.experts, preset.top_k,
+                     request.tokens, expert, tensor, request.dtype, LAYER, s, request.capacity_factor,
+                     request.backend) for s in request.strategies]
+    return piece, preset, expert, tensor, work, jobs
+
+
+def plans(requests: Sequence[PlanRequest], pool: PlanPool | None = None) -> list[SlicePlan]:
+    """The plans of `requests`, every compile of them at once in `pool` (else in compile workers started for
+    them): each strategy of each request one compile."""
+    prepared = [_prepared(r) for r in requests]  # every mistake refused before a worker starts
+    own = pool is None
+    pool = pool or PlanPool()
+    try:
+        compiled = pool.compile([job for *_, jobs in prepared for job in jobs])
+    finally:
+        if own:
+            pool.close()
+    found, at = [], 0
+    for request, (piece, preset, expert, tensor, work, jobs) in zip(requests, prepared):
+        mine, at = compiled[at:at + len(jobs)], at + len(jobs)
+        strategy_plans = [strategy_plan(s, c, work, piece) for s, c in zip(request.strategies, mine)]
+        recommended, reason = recommend(strategy_plans, piece, request.capacity_factor)
+        found.append(SlicePlan(preset.name, request.tokens, piece.name, piece.target, piece.chips, expert, tensor,
+                               request.dtype, request.capacity_factor, work, dataclasses.asdict(piece.facts),
+                               strategy_plans, recommended, reason))
+    return found
+
+
 def plan(model: str | ModelPreset, tokens: int, slice_name: str, *, strategies: Sequence[str] = STRATEGIES,
          dtype: str = "bfloat16", tensor: int | None = None, capacity_factor: float | None = None,
          backend: str | None = None, pool: PlanPool | None = None) -> SlicePlan:
     """The plan of `model`'s layer (a preset's name, or a preset) at `tokens` per expert-axis shard on the
     slice: one compile per strategy, in `pool` (else in compile workers started for this plan)."""
-    import numpy as np
-
-    piece = get_slice(slice_name)
-    preset = model if isinstance(model, ModelPreset) else get_preset(model)
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise UsageError(f"unknown strategy {unknown[0]!r}; known: {', '.join(STRATEGIES)}")
-    if tokens < 1:
-        raise UsageError(f"--tokens must be at least 1, not {tokens}")
-    expert, tensor = mesh_shape(preset, piece, tensor)
-    work = layer_work(preset, tokens, expert, tensor, 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
-    jobs = [SliceJob(piece.name, preset.hidden, preset.expert_intermediate, preset.experts, preset.top_k, tokens,
-                     expert, tensor, dtype, LAYER, s, capacity_factor, backend) for s in strategies]
-    own = pool is None
-    pool = pool or PlanPool()
-    try:
-        compiled = pool.compile(jobs)
-    finally:
-        if own:
-            pool.close()
-    plans = [strategy_plan(s, c, work, piece) for s, c in zip(strategies, compiled)]
-    recommended, reason = recommend(plans, piece, capacity_factor)
-    facts = dataclasses.asdict(piece.facts)
-    return SlicePlan(preset.name, tokens, piece.name, piece.target, piece.chips, expert, tensor, dtype,
-                     capacity_factor, work, facts, plans, recommended, reason)
+    request = PlanRequest(model, tokens, slice_name, tuple(strategies), dtype, tensor, capacity_factor, backend)
+    return plans([request], pool)[0]
