@@ -5,6 +5,10 @@ that are not tuned for their own shape would cost (`estimate`, from the sweep ti
 
 A call counts as covered when lookup answers `exact` or `interval` (a ladder sweep measured its count's
 interval) from a fresh entry; `nearest`, `robust`, `default` and stale entries are to tune.
+
+With ep > 1 the layer is the one across devices (`models.sharded_runs`): its kernel calls under each strategy,
+the strategy's own lookup (`moe_sharding`), and the collectives it runs (`models.collectives`) as rows of
+op `collective`, with the bytes one device hands each; those are no tuned kernels and never to tune.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from moe_tune.profiles.lookup import device_of_kind
 from moe_tune.tuner.request import SweepSettings
 
 COVERED = ("exact", "interval")
+COLLECTIVE = "collective"  # the op and source of a collective's row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +61,11 @@ class Coverage:
     distribution: str
 
     @property
+    def kernel_calls(self) -> list[CallCoverage]:
+        """The rows of tuned kernels (the collectives left out)."""
+        return [c for c in self.calls if c.op != COLLECTIVE]
+
+    @property
     def to_tune(self) -> list[CallCoverage]:
         """The calls to tune, one per table key (two calls of one shape are one sweep)."""
         return list({c.key: c for c in self.calls if c.to_tune}.values())
@@ -67,7 +77,7 @@ class Coverage:
         when = ("nothing to tune" if not todo else f"~{costs.duration(sum(known))}" if len(known) == len(todo)
                 else f"~{costs.duration(sum(known))} for {len(known)} of them, the others' time unknown")
         calls = sum(c.to_tune for c in self.calls)
-        return f"{calls} of {len(self.calls)} kernel calls to tune ({len(todo)} sweeps): {when}"
+        return f"{calls} of {len(self.kernel_calls)} kernel calls to tune ({len(todo)} sweeps): {when}"
 
     def to_json(self) -> dict[str, Any]:
         return {"device_kind": self.device_kind, "distribution": self.distribution, "calls": [c.to_json() for c in
@@ -121,7 +131,29 @@ def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *
             reason=found.reason, config=found.config.label(), tuned_at=tuned_at,
             age_days=None if tuned_at is None else _age_days(tuned_at, now), stale=found.stale, to_tune=to_tune,
             estimate=None if cost is None else cost.text, estimate_s=None if cost is None else cost.seconds))
+    rows += _collective_rows(models, tokens, eps, dtype=dtype)
     return Coverage(tuple(rows), tuple(notes), device_kind, str(asked))
+
+
+def _collective_rows(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *,
+                     dtype: str) -> list[CallCoverage]:
+    """A row per collective of the sharded layer (`models.collectives`) of each model at each ep > 1 that
+    divides its experts and each token count."""
+    from moe_tune.layer.models import collectives, get_preset, presets
+
+    rows = []
+    for name in (list(presets()) if list(models) == ["all"] else models):
+        preset = get_preset(name)
+        for ep in eps:
+            if ep < 2 or preset.experts % ep:
+                continue
+            for count in tokens:
+                for what, size in collectives(preset, count, ep=ep, dtype=dtype):
+                    rows.append(CallCoverage(
+                        call=f"{name} {what} tokens={count} ep={ep}", op=COLLECTIVE, backend="-", key="-",
+                        source=COLLECTIVE, reason=f"{size} bytes per device (operand)", config="-", tuned_at=None,
+                        age_days=None, stale="", to_tune=False, estimate=None, estimate_s=None))
+    return rows
 
 
 def _backend_per_op(backend: str | None, ops: Sequence[str], notes: list[str]) -> dict[str, str | None]:

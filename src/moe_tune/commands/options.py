@@ -309,6 +309,8 @@ def sweep_campaign(op: str | None, direction: str | None, backend: str | None, m
     # only the ragged_dot kernels are quantized
     cases, left_out = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape),
                                            direction=runs)
+    cases, absent = presets.runnable_here(cases)  # a mesh larger than this process's devices: a note
+    left_out = [*left_out, *absent]
     if op is not None:  # e.g. re-measuring one op's shipped entries after its backend's revision bump
         cases = [c for c in cases if c.op == op]
         if not cases:

@@ -89,8 +89,12 @@ def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, e
                 direction: str | None = None) -> list[tuple[int, KernelCase]]:
     """(tokens, case) for every token count and every kernel call of one layer; every count is checked
     before anything runs. `quant`: see `kernel_problems`; `direction`: None, every tunable kernel call
-    (`kernel_problems`), else what serving (`fwd`) or training (`all`) runs (`layer_runs`)."""
+    (`kernel_problems`), else what serving (`fwd`) or training (`all`) runs (`layer_runs`). With ep > 1 the
+    layer across devices, `tokens` per device of the expert axis (`sharded_runs`)."""
     counts, ep, dtype = layer_settings(tokens, ep, dtype)
+    if ep > 1:  # the layer across devices: `tokens` per device of the expert axis
+        return [(t, case) for t in counts
+                for case in sharded_runs(preset, t, ep=ep, dtype=dtype, quant=quant, direction=direction)]
     if direction is None:
         return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype, quant=quant)]
     return [(t, case) for t in counts
@@ -131,6 +135,101 @@ def layer_shape(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str = "
         raise UsageError(f"ep ({ep}) must divide {preset.name}'s {preset.experts} experts")
     return LayerShape(tokens=tokens, hidden=preset.hidden, intermediate=preset.expert_intermediate,
                       experts=preset.experts, top_k=preset.top_k, ep=ep, dtype=dtype, quant=dict(quant or {}))
+
+
+# The kernels the all_to_all strategy runs on one device (`exchange.all_to_all_layer`): the dispatch and the
+# combine on its own tokens, the grouped matmuls on the rows it receives (never the fused path).
+EXCHANGE_GATHERS = ("ragged_gather", "ragged_gather_reduce")
+EXCHANGE_MATMULS = ("ragged_dot",)
+
+
+def sharded_runs(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtype: str,
+                 quant: Mapping[str, Any] | None = None, direction: str = "all") -> list[KernelCase]:
+    """The kernel calls one device of `moe_tune.sharded_moe_mlp` looks up, `tokens` per device of an expert
+    axis of `ep` devices (and `tp` of a tensor axis: each expert's width / tp), under every way the layer runs
+    (`layer/sharded.py`), each call once (by its op's key):
+
+    - `all_gather`: the shard layer (`layer_runs`) on every device's tokens, tokens x ep (x gathered tiled
+      over the expert axis), this device's experts;
+    - `all_to_all` (`exchange.all_to_all_layer`): the dispatch and combine on this device's `tokens`, the
+      grouped matmuls on the receive buffer, `exchange.worst_rows` rows in `experts / ep` groups;
+    - tokens replicated over the expert axis (decode): the shard layer on `tokens`;
+    - the strategy's own lookup (`moe_sharding`, `KernelOp.mesh_calls`).
+
+    The layer without a capacity (`capacity_factor=None`). `direction` as `layer_runs` (None: every
+    tunable kernel call, the strategy's lookup left out). UsageError for an ep or tp that does not divide."""
+    if direction is not None and direction not in LAYER_DIRECTIONS:
+        raise UsageError(f"a model's layer is tuned for serving (--direction fwd) or training (--direction all), "
+                         f"not {direction!r}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or preset.expert_intermediate % tp:
+        raise UsageError(f"tp ({tp!r}) must be a positive integer dividing {preset.name}'s expert width "
+                         f"{preset.expert_intermediate}")
+    from moe_tune.layer.exchange import worst_rows
+
+    shard = dataclasses.replace(layer_shape(preset, tokens, ep=ep, dtype=dtype, quant=quant),
+                                intermediate=preset.expert_intermediate // tp)
+    received = dataclasses.replace(shard, tokens=worst_rows(tokens, shard.top_k, ep, shard.groups), top_k=1)
+    cases = [*_labelled("all_gather", _calls(dataclasses.replace(shard, tokens=tokens * ep), direction)),
+             *_labelled("all_to_all", _calls(shard, direction, ops=EXCHANGE_GATHERS)
+                        + _calls(received, direction, ops=EXCHANGE_MATMULS)),
+             *_labelled("replicated", _calls(shard, direction)),
+             *(KernelCase(op=SHARDING_OP, role=role, problem=problem)
+               for role, problem in get_op(SHARDING_OP).mesh_calls(shard, tp, direction))]
+    unique: dict[tuple, KernelCase] = {}
+    for case in cases:
+        unique.setdefault((case.op, tuple(case.problem.key_fields().items())), case)
+    return list(unique.values())
+
+
+SHARDING_OP = "moe_sharding"
+
+
+def _labelled(strategy: str, cases: list[KernelCase]) -> list[KernelCase]:
+    return [dataclasses.replace(case, role=f"{strategy} {case.role}") for case in cases]
+
+
+def collectives(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtype: str) -> list[tuple[str, int]]:
+    """(name, operand bytes one device hands it) of each collective one forward of the sharded layer runs,
+    `tokens` per device (`layer/sharded.py`, `layer/exchange.py`; without a capacity; the backward runs their
+    transposes): under `all_gather` the gathers of x, the routing weights and the chosen experts and the
+    reduce-scatter of the partial outputs; under `all_to_all` the gather of every device's counts per expert
+    and the exchange there and back (`ragged` on TPU / GPU: the rows; `fixed` elsewhere: [ep, chunk, hidden]
+    buffers); with tp > 1 the sum of the outputs over the tensor axis. Not tuned kernels."""
+    import jax.numpy as jnp
+
+    from moe_tune.layer.exchange import worst_rows
+
+    size = jnp.dtype(dtype).itemsize
+    local, top_k, hidden = preset.experts // ep, preset.top_k, preset.hidden
+    entries, received = tokens * top_k, worst_rows(tokens, top_k, ep, local)
+    chunk = tokens * min(top_k, local)  # the fixed-capacity exchange's rows per peer
+    rows = [("all_gather: all_gather x", tokens * hidden * size),
+            ("all_gather: all_gather routing weights (float32)", entries * 4),
+            ("all_gather: all_gather chosen experts (int32)", entries * 4),
+            ("all_gather: psum_scatter partial outputs", tokens * ep * hidden * size),
+            ("all_to_all: all_gather counts per expert (int32)", preset.experts * 4),
+            ("all_to_all: ragged_all_to_all rows there", entries * hidden * size),
+            ("all_to_all: ragged_all_to_all rows back", received * hidden * size),
+            ("all_to_all: fixed all_to_all rows there", ep * chunk * hidden * size),
+            ("all_to_all: fixed all_to_all rows back", ep * chunk * hidden * size)]
+    if tp > 1:
+        rows.append(("psum outputs over the tensor axis", tokens * hidden * size))
+    return rows
+
+
+def runnable_here(cases: list[Any]) -> tuple[list[Any], list[str]]:
+    """(the cases this process can sweep, a note for each left out): the sharded layer's strategy needs as
+    many devices as its mesh (`sharding_op.left_out_here`); every other case runs on one."""
+    from moe_tune.layer.sharding_op import left_out_here
+
+    kept, notes = [], []
+    for case in cases:
+        why = left_out_here(case.problem) if case.op == SHARDING_OP else None
+        if why is None:
+            kept.append(case)
+        elif why not in notes:
+            notes.append(f"{why}: left out")
+    return kept, notes
 
 
 def _calls(layer: LayerShape, runs: str | None, ops: tuple[str, ...] | None = None) -> list[KernelCase]:

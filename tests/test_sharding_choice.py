@@ -1,0 +1,136 @@
+"""The sharded layer's strategy as a tuned choice (`moe_sharding`), and the kernel calls of the layer across
+devices: the problem, key and config rules here; a sweep of the tiny preset's sharded layer on 4 of 8 host
+devices, the layer's lookups after it and the coverage of the same layer in one subprocess
+(`sharding_sweep_checks.py`: the device count is fixed when JAX starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from tiny_layer import TINY
+
+from moe_tune.cli import cli
+from moe_tune.core.errors import UsageError
+from moe_tune.kernels import get_op
+from moe_tune.layer import models
+from moe_tune.layer.exchange import worst_rows
+from moe_tune.layer.sharded import resolve_strategy
+from moe_tune.layer.sharding_choice import ShardingConfig
+from moe_tune.layer.sharding_op import left_out_here
+
+SCRIPT = Path(__file__).with_name("sharding_sweep_checks.py")
+OP = get_op("moe_sharding")
+SHAPE = dict(tokens=8, hidden=16, intermediate=8, experts=8, top_k=2)
+
+
+def test_the_problem_is_keyed_by_layer_mesh_dtype_and_quantization():
+    p = OP.problem(**SHAPE, ep=4, tp=2)
+    assert p.key_fields() == {"direction": "fwd", "tokens": 8, "hidden": 16, "intermediate": 8, "experts": 8,
+                              "top_k": 2, "ep": 4, "tp": 2, "dtype": "float32"}
+    quantized = OP.problem(**SHAPE, ep=4, rhs_quant="int8", direction="bwd").key_fields()
+    assert quantized["rhs_qdtype"] == "int8" and quantized["rhs_qblock"] is None and quantized["direction"] == "bwd"
+    whole = p.whole_layer()  # the reference's layer: every device's tokens and experts on one device
+    assert (whole.tokens, whole.experts, whole.local_experts, whole.intermediate) == (32, 8, 8, 8)
+    for bad, match in ((dict(ep=1), "at least 2"), (dict(ep=3), "divide experts"), (dict(ep=2, tp=3), "tp"),
+                       (dict(ep=2, direction="dlhs"), "directions")):
+        with pytest.raises(UsageError, match=match):
+            OP.problem(**SHAPE, **bad)
+
+
+def test_the_candidates_are_the_strategies_with_the_layers_one_chunk_and_exchange():
+    p = OP.problem(**SHAPE, ep=4)
+    backend = OP.backends.get("mesh")
+    space = backend.search_space(p)
+    assert [c.strategy for c in space] == ["all_gather", "all_to_all"]  # the default first (CPU: all_gather)
+    assert {(c.token_chunks, c.exchange) for c in space} == {(1, "fixed")}  # XLA:CPU has no ragged all-to-all
+    assert backend.config_error(ShardingConfig(strategy="all_to_all", exchange="ragged"), p)
+    assert backend.config_error(ShardingConfig(token_chunks=2), p)
+    assert backend.config_error(ShardingConfig(strategy="in_kernel"), p)
+
+
+def test_resolve_strategy_asks_the_tables_for_split_tokens_only(isolated_profiles):
+    local = dict(tokens=8, hidden=16, intermediate=4, experts=8, top_k=2, tp=2, dtype="float32", platform="cpu")
+    # no entry: the default; given: as given; replicated tokens or one device: nothing travels, the default
+    assert resolve_strategy(None, ep=4, tokens_replicated=False, **local) == "all_gather"
+    assert resolve_strategy("all_to_all", ep=4, tokens_replicated=False, **local) == "all_to_all"
+    assert resolve_strategy(None, ep=4, tokens_replicated=True, **local) == "all_gather"
+    with pytest.raises(UsageError, match="ep_strategy"):
+        resolve_strategy("ring", ep=4, tokens_replicated=False, **local)
+    # the lookup's problem: the whole width (intermediate x tp) on the ep x tp mesh
+    found = OP.lookup(OP.problem(**SHAPE, ep=4, tp=2))
+    assert found.source == "default" and "tp=2" in found.key
+
+
+def test_the_sharded_layer_lists_each_strategys_calls_from_the_layers_own_rules():
+    cases = models.sharded_runs(TINY, 8, ep=4, dtype="float32", direction="fwd")
+    by_role = {c.role: c.problem for c in cases}
+    # all_gather: the shard layer on every device's tokens; all_to_all: the matmuls on the receive buffer
+    assert by_role["all_gather gate/up"].m == 8 * 4 * TINY.top_k
+    assert by_role["all_to_all gate/up"].m == worst_rows(8, TINY.top_k, 4, 1) == 32
+    assert by_role["all_to_all dispatch"].tokens == 8 and by_role["replicated gate/up"].m == 8 * TINY.top_k
+    assert by_role["ep strategy"] == OP.problem(tokens=8, hidden=128, intermediate=64, experts=4, top_k=2, ep=4)
+    keys = [(c.op, tuple(c.problem.key_fields().items())) for c in cases]
+    assert len(keys) == len(set(keys))  # each call once
+    # a tensor axis splits every expert's width; the strategy's key keeps the whole width
+    split = {c.role: c.problem for c in models.sharded_runs(TINY, 8, ep=2, tp=2, dtype="float32", direction="fwd")}
+    assert split["all_gather gate/up"].n == 32 and split["ep strategy"].intermediate == 64
+    with pytest.raises(UsageError, match="tp"):
+        models.sharded_runs(TINY, 8, ep=2, tp=3, dtype="float32")
+    assert models.layer_cases(TINY, [8], ep=4, dtype="float32", direction="fwd") == [(8, c) for c in cases]
+
+
+def test_collectives_are_sized_by_the_layers_buffers():
+    rows = dict(models.collectives(TINY, 8, ep=4, dtype="bfloat16"))
+    assert rows["all_gather: all_gather x"] == 8 * 128 * 2
+    assert rows["all_gather: psum_scatter partial outputs"] == 8 * 4 * 128 * 2
+    assert rows["all_to_all: ragged_all_to_all rows back"] == worst_rows(8, 2, 4, 1) * 128 * 2
+    assert "psum outputs over the tensor axis" in dict(models.collectives(TINY, 8, ep=2, tp=2, dtype="float32"))
+
+
+def test_a_sweep_with_fewer_devices_than_the_mesh_leaves_the_strategy_out_with_a_note():
+    assert "needs 8 devices" in left_out_here(OP.problem(**SHAPE, ep=8))
+    result = CliRunner().invoke(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "16", "--ep", "8",
+                                      "--direction", "fwd", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "xla_force_host_platform_device_count=8" in result.output and "left out" in result.output
+    assert "ep strategy" not in result.output and "all_to_all dispatch" in result.output
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("sharding")
+    env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(scratch / "profiles"), MOE_TUNE_COMPILE_CACHE_DIR="off",
+               JAX_PLATFORMS="cpu")
+    env.pop("MOE_TUNE_DISTRIBUTION", None)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(scratch)], capture_output=True, text=True, timeout=900,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_kernel_of_the_sharded_layer_is_exact_after_its_sweep(checked):
+    assert checked["sweep_exit"] == 0, checked["sweep_tail"]
+    looked = checked["looked_up"]
+    assert any(line.startswith("moe_sharding") for line in looked), looked  # ep_strategy=None asked the tables
+    assert any(line.startswith("ragged_dot") and "'m': 32," in line for line in looked), looked  # all_to_all's
+    # a forward-only sweep leaves the training step's fused-or-not choice (moe_fusion bwd) to its default
+    forward = [line for line in looked if "'direction': 'bwd'" not in line]
+    assert forward and all("(exact: tuned entry in" in line for line in forward), forward
+
+
+def test_coverage_lists_the_sharded_layers_calls_and_collectives(checked):
+    assert checked["coverage_exit"] == 0, checked["coverage"]
+    calls = checked["coverage"]["calls"]
+    kernels = [c for c in calls if c["op"] != "collective"]
+    assert kernels and all(c["source"] == "exact" for c in kernels), kernels
+    assert {"moe_sharding", "ragged_dot", "ragged_gather", "ragged_gather_reduce"} <= {c["op"] for c in kernels}
+    collectives = [c for c in calls if c["op"] == "collective"]
+    assert any("ragged_all_to_all" in c["call"] for c in collectives)
+    assert all(not c["to_tune"] and "bytes per device" in c["reason"] for c in collectives)
+    assert checked["coverage"]["summary"].startswith(f"0 of {len(kernels)} kernel calls to tune")
