@@ -5,6 +5,8 @@ kernels on 4-bit weights (mxfp4, int4) for an H100, with their interpret-mode re
 
 from __future__ import annotations
 
+import types
+
 import jax
 import pytest
 from fused_moe_base import relative_error
@@ -14,6 +16,7 @@ from moe_tune.kernels import get_op
 from moe_tune.kernels.gather.pallas_tpu_rows import staging
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.targets import wheels
+from moe_tune.targets.compile_sweep import compile_sweeps
 from moe_tune.targets.jobs import CompilePool, config_error, jobs_for, representative, search_space
 
 needs_tpu = pytest.mark.skipif(not wheels.available("tpu"),
@@ -102,3 +105,15 @@ def test_triton_fused_moe_on_4_bit_weights_compiles_for_h100(pool):
     failed = [f"{j.problem.key_fields()} {j.config.label()}: {r.status} {r.message}"
               for j, r in zip(jobs, results) if not r.ok]
     assert not failed, "\n".join(failed)
+
+
+@needs_tpu
+def test_a_sweep_the_rules_refuse_is_refused_with_their_reason_and_not_compiled(tmp_path):
+    """`sweep --target`: float16 for the pallas_tpu gather, whose rules refuse every config (its default still
+    leads the space), is one refusal naming the reason; nothing is compiled or stored."""
+    sweep = types.SimpleNamespace(op="ragged_gather", backend="pallas_tpu",
+                                  problem=GatherProblem(tokens=64, rows=128, hidden=256, dtype="float16"))
+    (summary,) = compile_sweeps([sweep], get_target("v5e"), profile_dir=tmp_path, workers=1)
+    assert (summary.candidates, summary.ok, summary.failed, summary.compile_s) == (1, 0, 1, 0.0)
+    assert summary.first_failure.startswith("rejected: refused: dtype float16: Mosaic cannot store float16")
+    assert not list(tmp_path.rglob("*.compile-records.jsonl"))

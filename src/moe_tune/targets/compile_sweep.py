@@ -13,8 +13,8 @@ from typing import Any
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.targets import wheels
 from moe_tune.core.chips import Target
-from moe_tune.targets.compile import CompileResult
-from moe_tune.targets.jobs import CompileJob, CompilePool, search_space
+from moe_tune.targets.compile import REJECTED, CompileResult
+from moe_tune.targets.jobs import CompileJob, CompilePool, config_error, search_space
 from moe_tune.targets.records import (CompileRecord, append_records, read_records, record_key, record_versions,
                                       records_path)
 
@@ -97,7 +97,15 @@ def compile_sweeps(sweeps: Sequence[Any], target: Target, *, profile_dir: Path |
                 if on_record:
                     on_record(summary, record, compiled)
 
-            compile_candidates(target, sweep.op, sweep.backend, sweep.problem, space, profile_dir=profile_dir,
-                               pool=pool, on_record=count)
+            # The default leads the space even where the rules refuse every config (a dtype the backend does not
+            # serve): that sweep is refused with the rules' reason, not compiled (nor stored).
+            refusal = config_error(target, sweep.op, sweep.backend, space[0], sweep.problem)
+            if refusal is not None:
+                result = CompileResult(target.name, REJECTED, f"refused: {refusal}", "rules")
+                count(CompileRecord(record_key(sweep.op, sweep.problem, sweep.backend), space[0].to_dict(), result,
+                                    record_versions(sweep.op, sweep.backend)), True)
+            else:
+                compile_candidates(target, sweep.op, sweep.backend, sweep.problem, space, profile_dir=profile_dir,
+                                   pool=pool, on_record=count)
             summaries.append(summary)
     return summaries
