@@ -16,6 +16,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import moe_tune  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 8, 8, 2
-TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "int8": 2e-5}
+TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "int8": 2e-5, "int8_qat": 2e-5}
 
 
 def plain_backends() -> contextlib.ExitStack:
@@ -70,6 +71,29 @@ def emulated_ragged():
         yield
     finally:
         jax.lax.ragged_all_to_all, exchange.has_ragged_all_to_all = saved
+
+
+class Collected(logging.Handler):
+    """The layer's INFO log lines (the dropped counts) while the block runs."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logger = logging.getLogger("moe_tune.layer.sharded")
+        self.saved = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logger = logging.getLogger("moe_tune.layer.sharded")
+        logger.removeHandler(self)
+        logger.setLevel(self.saved)
 
 
 def inputs(tokens: int, seed: int = 0, skew_to: int | None = None):
@@ -129,6 +153,7 @@ def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: 
 
 
 def relative(got, want) -> float:
+    got = getattr(got, "value", got)  # an AsQArray's gradient is an AsQArray of its value's
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
@@ -136,7 +161,7 @@ def relative(got, want) -> float:
 def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", replicated: bool = False,
              grads: bool = True, capacity_factor: float | None = None, skew_to: int | None = None,
              own_shard_map: bool = False, fused: bool | None = False, plain: bool = True,
-             ragged: bool = False) -> dict:
+             ragged: bool = False, quant_block: int | None = None) -> dict:
     devices = np.array(jax.devices()[:ep * tp]).reshape(ep, tp)
     mesh = jax.sharding.Mesh(devices, ("expert", "tensor"))
     tensor_axis = "tensor" if tp > 1 else None
@@ -146,10 +171,12 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
     cap = None if capacity_factor is None else math.ceil(capacity_factor * tokens_per_device * TOP_K)
     weights64 = (w_gate, w_up, w_down)
     float_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    if dtype == "int8":
-        quantized = [moe_tune.quantize(jnp.asarray(w, jnp.float32), "int8", axis=1) for w in weights64]
+    if dtype in ("int8", "int8_qat"):  # QArrays (constants) or AsQArrays (straight-through gradients)
+        quantized = [moe_tune.quantize(jnp.asarray(w, jnp.float32), "int8", axis=1, block_size=quant_block)
+                     for w in weights64]
         weights64 = tuple(np.asarray(moe_tune.dequantize(q), np.float64) for q in quantized)
-        weights = quantized
+        weights = quantized if dtype == "int8" else [
+            moe_tune.AsQArray(jnp.asarray(w, jnp.float32), "int8", block_size=quant_block) for w in weights64]
     else:
         weights = [jnp.asarray(w, float_dtype) for w in weights64]
     want, want_grads, want_dropped = reference(x, logits, *weights64, cotangent, devices=ep, cap=cap)
@@ -171,8 +198,9 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
 
     xs, ls = jnp.asarray(x, float_dtype), jnp.asarray(logits, jnp.float32)
     cot = jnp.asarray(cotangent, jnp.float32)
+    logged = Collected()
     with plain_backends() if plain else contextlib.nullcontext(), (
-            emulated_ragged() if ragged else contextlib.nullcontext()):
+            emulated_ragged() if ragged else contextlib.nullcontext()), logged:
         if grads:  # the forward and the gradients of sum(out * cotangent) from one compile
             argnums = (0, 1) if dtype == "int8" else (0, 1, 2, 3, 4)
 
@@ -189,6 +217,8 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
             result = {}
         result.update({"out": relative(out, want), "dtype_out": str(out.dtype), "dropped": int(stats["dropped"]),
                        "want_dropped": want_dropped, "tolerance": TOLERANCE[dtype]})
+        jax.effects_barrier()
+    result["logged"] = logged.messages
     return result
 
 
@@ -205,7 +235,9 @@ CASES = {
                                           grads=False),
     "ep8_all_gather_bf16": dict(strategy="all_gather", ep=8, dtype="bfloat16"),
     "ep4_tp2_all_to_all_bf16": dict(strategy="all_to_all", ep=4, tp=2, dtype="bfloat16"),
-    "ep4_tp2_all_gather_int8": dict(strategy="all_gather", ep=4, tp=2, dtype="int8"),
+    "ep4_tp2_all_gather_int8": dict(strategy="all_gather", ep=4, tp=2, dtype="int8", quant_block=4),
+    "ep8_all_to_all_int8_qat": dict(strategy="all_to_all", ep=8, dtype="int8_qat"),
+    "all_to_all_fused_refused": dict(strategy="all_to_all", ep=8, fused=True, grads=False),
     "ep8_all_to_all_int8": dict(strategy="all_to_all", ep=8, dtype="int8"),
     "skew_all_gather": dict(strategy="all_gather", ep=8, skew_to=0, grads=False),
     "skew_all_to_all": dict(strategy="all_to_all", ep=8, skew_to=0, grads=False),

@@ -29,10 +29,11 @@ TOKENS_PER_DEVICE, TOP_K, EXPERTS = 4, 2, 16  # as the script's cases
 WITH_GRADS = ["ep8_all_gather_f32", "ep8_all_to_all_f32", "ep8_all_to_all_ragged_f32", "ep4_tp2_all_gather_f32",
               "ep4_tp2_all_to_all_ragged_capacity", "replicated_ep4_tp2_f32",
               "ep8_all_gather_bf16", "ep4_tp2_all_to_all_bf16", "skew_all_gather_capacity",
-              "skew_all_to_all_capacity"]
+              "skew_all_to_all_capacity", "ep8_all_to_all_int8_qat"]
 WITH_INPUT_GRADS = ["ep4_tp2_all_gather_int8", "ep8_all_to_all_int8"]  # QArray weights: constants
 FORWARD = ["ep8_all_gather_fused_f32", "replicated_ep8_all_to_all_f32", "skew_all_gather", "skew_all_to_all",
            "skew_replicated_capacity", "ep8_default_backends"]
+REFUSED = ["all_to_all_fused_refused"]
 CASES = WITH_GRADS + WITH_INPUT_GRADS + FORWARD
 
 
@@ -48,7 +49,7 @@ def results(tmp_path_factory):
 
 def test_every_case_ran(results):
     """The script ran exactly the cases asserted on here."""
-    assert sorted(results) == sorted(CASES)
+    assert sorted(results) == sorted(CASES + REFUSED)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -60,6 +61,9 @@ def test_matches_float64_reference(results, case):
     tolerance = got["tolerance"]
     assert got["out"] <= tolerance
     assert got["dtype_out"] == ("bfloat16" if "bf16" in case else "float32")
+    assert got["logged"] == ([] if "capacity" not in case else [
+        f"moe_mlp capacity_factor {factor} ({cap} entries per device): {got['dropped']} of {entries} (token, k) "
+        "entries dropped" for factor, cap, entries in [_capacity_of(case)]])
     assert got["dropped"] == got["want_dropped"]
     grads = {"WITH_GRADS": ["dx", "dlogits", "dw_gate", "dw_up", "dw_down"], "WITH_INPUT_GRADS": ["dx", "dlogits"],
              "FORWARD": []}
@@ -69,6 +73,18 @@ def test_matches_float64_reference(results, case):
         expected)
     for name in expected:
         assert got[name] <= tolerance, (name, got[name])
+
+
+def _capacity_of(case: str) -> tuple[float, int, int]:
+    """(capacity_factor, entries per device, entries in all) of a capacity case of the script."""
+    factor = 0.5 if "replicated" in case else 1.5
+    devices = 1 if "replicated" in case else 4 if "ep4" in case else 8
+    return factor, math.ceil(factor * TOKENS_PER_DEVICE * TOP_K), devices * TOKENS_PER_DEVICE * TOP_K
+
+
+def test_all_to_all_refuses_fused(results):
+    """fused=True with all_to_all (the combine runs on another device than the experts) is one UsageError."""
+    assert results["all_to_all_fused_refused"]["error"].startswith("UsageError: fused=True")
 
 
 def test_skewed_routing_drops_exactly_past_capacity(results):
