@@ -15,6 +15,7 @@ from moe_tune.core.chips import get_target
 from moe_tune.kernels import get_op
 from moe_tune.kernels.gather.pallas_tpu_rows import staging
 from moe_tune.kernels.gather.problem import GatherProblem
+from moe_tune.layer.models import get_preset, kernel_problems
 from moe_tune.targets import wheels
 from moe_tune.targets.compile_sweep import compile_sweeps
 from moe_tune.targets.jobs import CompilePool, config_error, jobs_for, representative, search_space
@@ -49,6 +50,22 @@ def test_bfloat16_gathers_compile_for_tpu_v5e(pool, hidden):
               for j, r in zip(jobs, results) if not r.ok]
     assert not failed, "\n".join(failed)
     assert staging("bfloat16", hidden) == ("wide" if hidden == 128 else "halves")
+
+
+@needs_tpu
+def test_bfloat16_gathers_compile_for_tpu_v5e_at_a_layer(pool):
+    """Qwen3-30B-A3B at 512 tokens (hidden 2048, top-8): dispatch and combine on a shard of ep 4, the dense
+    combine; the default and the extremes the VMEM rule leaves."""
+    chip = get_target("v5e")
+    layer = lambda ep: kernel_problems(get_preset("qwen3-30b-a3b"), 512, ep=ep, dtype="bfloat16")
+    cases = [c for c in layer(4) if c.op != "ragged_dot"] + [c for c in layer(1) if c.role == "combine"]
+    assert {c.op for c in cases} == {"ragged_gather", "ragged_gather_reduce", "dense_gather_reduce"}
+    jobs = [job for c in cases for job in jobs_for(chip, c.op, "pallas_tpu", c.problem,
+                                                   representative(search_space(chip, c.op, "pallas_tpu", c.problem)))]
+    results = pool.compile(jobs)
+    failed = [f"{j.op} {j.problem.key_fields()} {j.config.label()}: {r.status} {r.message}"
+              for j, r in zip(jobs, results) if not r.ok]
+    assert not failed, "\n".join(failed)
 
 
 def test_float16_gathers_are_refused_with_the_reason():
