@@ -126,11 +126,10 @@ def test_every_kernel_of_the_sharded_layer_is_exact_after_its_sweep(checked):
 
 def test_coverage_lists_the_sharded_layers_calls_and_collectives(checked):
     assert checked["coverage_exit"] == 0, checked["coverage"]
-    calls = checked["coverage"]["calls"]
-    kernels = [c for c in calls if c["op"] != "collective"]
+    kernels, collectives = checked["coverage"]["calls"], checked["coverage"]["collectives"]
     assert kernels and all(c["source"] == "exact" for c in kernels), kernels
     assert {"moe_sharding", "ragged_dot", "ragged_gather", "ragged_gather_reduce"} <= {c["op"] for c in kernels}
-    collectives = [c for c in calls if c["op"] == "collective"]
+    assert {c["op"] for c in collectives} == {"collective"}
     assert any("ragged_all_to_all" in c["call"] for c in collectives)
     assert all(not c["to_tune"] and "bytes per device" in c["reason"] for c in collectives)
     assert checked["coverage"]["summary"].startswith(f"0 of {len(kernels)} kernel calls to tune")

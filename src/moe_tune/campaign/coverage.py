@@ -7,8 +7,9 @@ A call counts as covered when lookup answers `exact` or `interval` (a ladder swe
 interval) from a fresh entry; `nearest`, `robust`, `default` and stale entries are to tune.
 
 With ep > 1 the layer is the one across devices (`models.sharded_runs`): its kernel calls under each strategy,
-the strategy's own lookup (`moe_sharding`), and the collectives it runs (`models.collectives`) as rows of
-op `collective`, with the bytes one device hands each; those are no tuned kernels and never to tune.
+the strategy's own lookup (`moe_sharding`), and beside the calls the collectives it runs (`models.collectives`,
+`Coverage.collectives`: rows of op `collective` with the bytes one device hands each; no tuned kernels, never
+to tune).
 """
 
 from __future__ import annotations
@@ -59,11 +60,7 @@ class Coverage:
     notes: tuple[str, ...]
     device_kind: str
     distribution: str
-
-    @property
-    def kernel_calls(self) -> list[CallCoverage]:
-        """The rows of tuned kernels (the collectives left out)."""
-        return [c for c in self.calls if c.op != COLLECTIVE]
+    collectives: tuple[CallCoverage, ...] = ()  # the sharded layer's (ep > 1), after its kernel calls
 
     @property
     def to_tune(self) -> list[CallCoverage]:
@@ -77,11 +74,12 @@ class Coverage:
         when = ("nothing to tune" if not todo else f"~{costs.duration(sum(known))}" if len(known) == len(todo)
                 else f"~{costs.duration(sum(known))} for {len(known)} of them, the others' time unknown")
         calls = sum(c.to_tune for c in self.calls)
-        return f"{calls} of {len(self.kernel_calls)} kernel calls to tune ({len(todo)} sweeps): {when}"
+        return f"{calls} of {len(self.calls)} kernel calls to tune ({len(todo)} sweeps): {when}"
 
     def to_json(self) -> dict[str, Any]:
         return {"device_kind": self.device_kind, "distribution": self.distribution, "calls": [c.to_json() for c in
-                self.calls], "notes": list(self.notes), "to_tune": len(self.to_tune), "summary": self.total()}
+                self.calls], "collectives": [c.to_json() for c in self.collectives], "notes": list(self.notes),
+                "to_tune": len(self.to_tune), "summary": self.total()}
 
 
 def _age_days(tuned_at: str | None, now: datetime.datetime) -> float | None:
@@ -131,8 +129,8 @@ def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *
             reason=found.reason, config=found.config.label(), tuned_at=tuned_at,
             age_days=None if tuned_at is None else _age_days(tuned_at, now), stale=found.stale, to_tune=to_tune,
             estimate=None if cost is None else cost.text, estimate_s=None if cost is None else cost.seconds))
-    rows += _collective_rows(models, tokens, eps, dtype=dtype)
-    return Coverage(tuple(rows), tuple(notes), device_kind, str(asked))
+    return Coverage(tuple(rows), tuple(notes), device_kind, str(asked),
+                    tuple(_collective_rows(models, tokens, eps, dtype=dtype)))
 
 
 def _collective_rows(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *,

@@ -37,7 +37,8 @@ from moe_tune.commands.options import DTYPES, INT_LIST, handle_errors, quant_fla
 @handle_errors
 def coverage(model, tokens, ep, dtype, direction, distribution, backend, device_kind, profile_dir, fmt, **quant):
     """List every kernel call of one layer of MODEL and how lookup answers it (exact, interval, robust, nearest,
-    default), with the entry's age and staleness, and what tuning the others would take."""
+    default), with the entry's age and staleness, and what tuning the others would take. With --ep above 1 the
+    layer across devices (--tokens per device), its collectives listed after its kernels with their bytes."""
     from moe_tune.campaign.coverage import age_text
     from moe_tune.campaign.coverage import coverage as cover
 
@@ -51,5 +52,5 @@ def coverage(model, tokens, ep, dtype, direction, distribution, backend, device_
     render.table(f"coverage on {found.device_kind}, {found.distribution} routing",
                  ("kernel call", "op", "lookup", "config", "age", "stale", "to tune", "why"),
                  [(c.call, c.op, c.source, c.config, age_text(c.age_days), c.stale or "-",
-                   c.estimate or "-", c.reason) for c in found.calls])
+                   c.estimate or "-", c.reason) for c in (*found.calls, *found.collectives)])
     click.echo(found.total())

@@ -89,10 +89,11 @@ def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, e
                 direction: str | None = None) -> list[tuple[int, KernelCase]]:
     """(tokens, case) for every token count and every kernel call of one layer; every count is checked
     before anything runs. `quant`: see `kernel_problems`; `direction`: None, every tunable kernel call
-    (`kernel_problems`), else what serving (`fwd`) or training (`all`) runs (`layer_runs`). With ep > 1 the
-    layer across devices, `tokens` per device of the expert axis (`sharded_runs`)."""
+    (`kernel_problems`: the shard layer of `tokens` routed tokens), else what serving (`fwd`) or training
+    (`all`) runs (`layer_runs`), with ep > 1 the layer across devices, `tokens` per device of the expert axis
+    (`sharded_runs`)."""
     counts, ep, dtype = layer_settings(tokens, ep, dtype)
-    if ep > 1:  # the layer across devices: `tokens` per device of the expert axis
+    if ep > 1 and direction is not None:  # the layer across devices: `tokens` per device of the expert axis
         return [(t, case) for t in counts
                 for case in sharded_runs(preset, t, ep=ep, dtype=dtype, quant=quant, direction=direction)]
     if direction is None:
@@ -222,14 +223,14 @@ def runnable_here(cases: list[Any]) -> tuple[list[Any], list[str]]:
     many devices as its mesh (`sharding_op.left_out_here`); every other case runs on one."""
     from moe_tune.layer.sharding_op import left_out_here
 
-    kept, notes = [], []
+    kept, left = [], {}
     for case in cases:
         why = left_out_here(case.problem) if case.op == SHARDING_OP else None
         if why is None:
             kept.append(case)
-        elif why not in notes:
-            notes.append(f"{why}: left out")
-    return kept, notes
+        else:
+            left[why] = left.get(why, 0) + 1
+    return kept, [f"{why}: {count} sweep(s) left out" for why, count in left.items()]
 
 
 def _calls(layer: LayerShape, runs: str | None, ops: tuple[str, ...] | None = None) -> list[KernelCase]:

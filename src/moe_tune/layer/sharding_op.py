@@ -121,11 +121,12 @@ class MoeShardingOp(KernelOp):
 
     def mesh_calls(self, layer: LayerShape, tp: int, runs: str | None) -> list[tuple[str, ShardingProblem]]:
         """The sharded layer's lookup of its strategy (`sharded.resolve_strategy`: the forward's entry, for
-        serving and training alike) for `layer` (`tokens` per device, `ep`) on ep x `tp` devices; none for
-        None (the kernels compiled for a chip) or one device."""
-        if runs is None or layer.ep * tp < 2:
+        serving and training alike) for `layer` (one device's: `tokens` per device, `ep`, `intermediate` its
+        slice of the width) on ep x `tp` devices; none for None (the kernels compiled for a chip) or for an
+        expert axis of one device (no tokens travel)."""
+        if runs is None or layer.ep < 2:
             return []
-        return [("ep strategy", self.problem(tokens=layer.tokens, hidden=layer.hidden, intermediate=layer.intermediate,
+        return [("ep strategy", self.problem(tokens=layer.tokens, hidden=layer.hidden, intermediate=layer.intermediate * tp,
                                              experts=layer.experts, top_k=layer.top_k, ep=layer.ep, tp=tp,
                                              dtype=layer.dtype, **layer.weight_quant()))]
 
