@@ -40,6 +40,12 @@ def _table(found) -> list[str]:
     return [title(found), fmt(COLUMNS), *(fmt(row(p)) for p in found.strategies), *lines(found), ""]
 
 
+def _write(out: Path, header: dict, found: list, text: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**header, "plans": [p.to_dict() for p in found]}, indent=1))
+    out.with_suffix(".txt").write_text("\n".join(text) + f"\nwall {header['wall_s']} s\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -57,21 +63,20 @@ def main() -> None:
               "layer_uncommitted": [line.strip() for line in layer_edits if line.strip()],
               "machine": f"{platform.machine()} CPU, {len(os.sched_getaffinity(0))} cores",
               "runs": [{"strategies": list(s), "capacity_factor": c} for s, c in RUNS]}
-    requests = [PlanRequest(preset, args.tokens, slice_name, strategies, capacity_factor=capacity)
-                for slice_name in args.slices.split(",") for preset in args.presets.split(",")
-                for strategies, capacity in RUNS]
+    text, found = [json.dumps(header), ""], []
     start = time.perf_counter()
     with PlanPool(workers=args.workers, timeout=900) as pool:
-        found = plans(requests, pool)
-    text = [json.dumps(header), ""]
-    for one in found:
-        block = _table(one)
-        print("\n".join(block), flush=True)
-        text += block
-    header["wall_s"] = round(time.perf_counter() - start, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**header, "plans": [p.to_dict() for p in found]}, indent=1))
-    args.out.with_suffix(".txt").write_text("\n".join(text) + f"\nwall {header['wall_s']} s\n")
+        for slice_name in args.slices.split(","):
+            for preset in args.presets.split(","):  # one preset's plans at a time, the files rewritten after each
+                requests = [PlanRequest(preset, args.tokens, slice_name, strategies, capacity_factor=capacity)
+                            for strategies, capacity in RUNS]
+                for one in plans(requests, pool):
+                    found.append(one)
+                    block = _table(one)
+                    print("\n".join(block), flush=True)
+                    text += block
+                header["wall_s"] = round(time.perf_counter() - start, 1)
+                _write(args.out, header, found, text)
     print(f"wrote {args.out}.json and .txt ({header['wall_s']} s)")
 
 

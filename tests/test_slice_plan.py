@@ -19,8 +19,10 @@ from moe_tune.core.chips import CHIP_FACTS, SLICES, get_slice
 from moe_tune.core.errors import UsageError
 from moe_tune.layer.models import ModelPreset, get_preset
 from moe_tune.targets import collectives, wheels
-from moe_tune.targets.slice_compile import SliceJob
-from moe_tune.targets.slice_plan import PlanPool, Work, floor, layer_work, mesh_shape, plan
+from moe_tune.targets.compile import OK
+from moe_tune.targets.slice_compile import SliceCompile, SliceJob, rejected
+from moe_tune.targets.slice_plan import (PlanPool, Work, floor, layer_work, mesh_shape, plan, recommend,
+                                         strategy_plan)
 
 needs_tpu = pytest.mark.skipif(not wheels.available("tpu"),
                                reason="libtpu is missing: pip install 'moe-tune[tpu-compile]'")
@@ -102,6 +104,48 @@ def test_every_slice_is_a_known_chip_with_its_facts():
         assert piece.chip.platform in ("tpu", "gpu")
     with pytest.raises(UsageError, match="unknown slice 'v9:2x2'; known slices: v5e:2x2"):
         get_slice("v9:2x2")
+
+
+def _compiled(sent: int, held: int, estimate: float | None = None) -> SliceCompile:
+    """A compiled strategy as a worker reports it: `held` bytes per chip, one all-to-all sending `sent`."""
+    operand = sent * 4 // 3  # 3/4 of it leaves the chip in a group of 4
+    return SliceCompile(OK, memory={"argument_size_in_bytes": held}, collectives=[
+        collectives.Collective("all-to-all", "a2a", 4, operand, sent).to_dict()],
+        cost={} if estimate is None else {"optimal_seconds": estimate})
+
+
+def test_the_recommendation_takes_the_lowest_floor_and_breaks_ties_by_estimate_then_bytes_sent_then_held():
+    piece = get_slice("v5e:2x2")
+    work = Work(flops=197e12 * 1e-3, hbm_bytes=0)  # 1 ms of compute
+    second = int(piece.facts.interconnect_bandwidth / 2 * 1e-3)  # 1 ms on the interconnect
+
+    def best(*compiled):
+        plans = [strategy_plan(name, c, work, piece) for name, c in zip(("all_gather", "all_to_all"), compiled)]
+        return recommend(plans, piece)
+
+    assert best(_compiled(3 * second, 10), _compiled(second // 2, 10))[0] == "all_to_all"  # 3 ms against 1 ms
+    assert best(_compiled(0, 10, 2e-3), _compiled(0, 10, 1e-3))[0] == "all_to_all"  # compute-bound alike
+    assert best(_compiled(second // 2, 10), _compiled(second // 4, 20))[0] == "all_to_all"  # sends half
+    chosen, why = best(_compiled(second // 2, 10), _compiled(second // 2, 20))
+    assert chosen == "all_gather" and "holds the fewest bytes" in why
+
+
+def test_a_negative_compiler_estimate_is_no_estimate():
+    piece = get_slice("v5e:2x2")
+    found = strategy_plan("all_to_all", _compiled(0, 10, -3.7), Work(1.0, 1.0), piece)
+    assert found.compiler_estimate_s is None and found.compiled.cost["optimal_seconds"] == -3.7
+
+
+def test_a_program_the_compiler_refuses_for_hbm_does_not_fit():
+    refused = rejected(["JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                        "for HLO temporaries (28.44G) exceeds available HBM (15.75G)."], "platform", 1.0)
+    assert refused.out_of_memory and refused.required_bytes == int(28.44 * (1 << 30))
+    found = strategy_plan("all_to_all", refused, Work(1.0, 1.0), get_slice("v5e:8x8"))
+    assert found.fits is False and found.chip_bytes == refused.required_bytes
+    other = rejected(["JaxRuntimeError: INTERNAL: RET_CHECK failure Ragged all-to-all is currently not supported"],
+                     "platform", 1.0)
+    assert not other.out_of_memory
+    assert strategy_plan("all_to_all", other, Work(1.0, 1.0), get_slice("v5e:8x8")).fits is None
 
 
 @pytest.fixture(scope="module")

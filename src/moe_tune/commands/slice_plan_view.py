@@ -37,10 +37,17 @@ def _compiled(p: StrategyPlan) -> str:
     return "xla backends" if c.backend == "xla" else "yes"
 
 
+def _estimate(p: StrategyPlan) -> str:
+    """The compiler's estimate in ms; `<0` where it gave a value that is not a duration (`lines` says so)."""
+    if p.compiler_estimate_s is not None:
+        return f"{p.compiler_estimate_s * 1e3:.3g}"
+    return "<0" if p.compiled.cost.get("optimal_seconds", 0) < 0 else "-"
+
+
 def row(p: StrategyPlan) -> Sequence[Any]:
     ms = lambda s: "-" if s is None else f"{s * 1e3:.3g}"
     return (p.strategy, _compiled(p), _fits(p), _gb(p), f"{p.collective_bytes / 1e9:.3g}" if p.compiled.ok else "-",
-            _collectives(p), ms(p.floor_s), p.bound or "-", ms(p.compiler_estimate_s), f"{p.compiled.compile_s:.1f}")
+            _collectives(p), ms(p.floor_s), p.bound or "-", _estimate(p), f"{p.compiled.compile_s:.1f}")
 
 
 def title(plan: SlicePlan) -> str:
@@ -58,6 +65,9 @@ def lines(plan: SlicePlan) -> list[str]:
             out.append(f"{p.strategy}: {p.compiled.message}")
         elif p.compiled.fallback_reason:
             out.append(f"{p.strategy}: compiled on the XLA backends; the chip's kernels: {p.compiled.fallback_reason}")
+    negative = [p.strategy for p in plan.strategies if p.compiled.cost.get("optimal_seconds", 0) < 0]
+    if negative:
+        out.append(f"{', '.join(negative)}: the compiler's optimal_seconds is negative (not a duration; not used)")
     f = plan.facts
     out.append(f"{plan.chip} per chip: {f['hbm_bytes'] / 1e9:.1f} GB HBM at {f['hbm_bandwidth'] / 1e9:.0f} GB/s, "
                f"{f['peak_bf16_flops'] / 1e12:.0f} TFLOP/s bf16, {f['interconnect_bandwidth'] / 1e9:.0f} GB/s "

@@ -57,7 +57,7 @@ class StrategyPlan:
     collectives: dict[str, dict[str, int]]
     floor_s: float | None
     bound: str  # which term sets the floor: compute, hbm, interconnect
-    compiler_estimate_s: float | None
+    compiler_estimate_s: float | None  # the compiler's optimal_seconds; None where it gives none or one <= 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -141,8 +141,10 @@ def strategy_plan(strategy: str, compiled: SliceCompile, work: Work, piece: Slic
     found = [collectives.Collective(**c) for c in compiled.collectives]
     sent = sum(c.sent_bytes for c in found)
     seconds, bound = floor(work, sent, piece)
+    estimate = compiled.cost.get("optimal_seconds")
     return StrategyPlan(strategy, compiled, compiled.chip_bytes <= piece.facts.hbm_bytes, compiled.chip_bytes, sent,
-                        collectives.summary(found), seconds, bound, compiled.cost.get("optimal_seconds"))
+                        collectives.summary(found), seconds, bound,
+                        estimate if estimate is not None and estimate > 0 else None)
 
 
 def recommend(plans: Sequence[StrategyPlan], piece: Slice, capacity_factor: float | None = None
@@ -161,25 +163,41 @@ def recommend(plans: Sequence[StrategyPlan], piece: Slice, capacity_factor: floa
                       f"{_capacity_hint(unfit, capacity_factor)}")
     best = min(fitting, key=lambda p: p.floor_s)
     ties = [p for p in fitting if p.floor_s <= best.floor_s * (1 + TIE)]
-    estimated = [p for p in ties if p.compiler_estimate_s is not None]
-    if len(ties) > 1 and len(estimated) == len(ties):
-        best = min(ties, key=lambda p: p.compiler_estimate_s)
-        others = ", ".join(f"{p.strategy} {p.compiler_estimate_s * 1e3:.3g} ms" for p in ties if p is not best)
-        return best.strategy, (f"floors within {TIE:.0%} ({best.floor_s * 1e3:.3g} ms, {best.bound}-bound); the "
-                               f"compiler estimates {best.compiler_estimate_s * 1e3:.3g} ms against {others}")
-    rest = [p for p in fitting if p is not best]
-    reason = (f"lowest floor, {best.floor_s * 1e3:.3g} ms ({best.bound}-bound, "
-              f"{best.collective_bytes / 1e9:.3g} GB sent per chip)")
-    if rest:
-        reason += "; " + ", ".join(f"{p.strategy} {p.floor_s * 1e3:.3g} ms ({p.bound}-bound, "
-                                   f"{p.collective_bytes / 1e9:.3g} GB sent)" for p in rest)
+    if len(ties) > 1:
+        best, why = _tie_break(ties)
+        reason = f"floors within {TIE:.0%} ({best.floor_s * 1e3:.3g} ms, {best.bound}-bound); {why}"
+    else:
+        reason = (f"lowest floor, {best.floor_s * 1e3:.3g} ms ({best.bound}-bound, "
+                  f"{best.collective_bytes / 1e9:.3g} GB sent per chip)")
+        rest = [p for p in fitting if p is not best]
+        if rest:
+            reason += "; " + ", ".join(f"{p.strategy} {p.floor_s * 1e3:.3g} ms ({p.bound}-bound, "
+                                       f"{p.collective_bytes / 1e9:.3g} GB sent)" for p in rest)
     for p in plans:
         if p.fits is False:
-            reason += (f"; {p.strategy} does not fit ({p.chip_bytes / 1e9:.1f} GB per chip)"
+            least = "at least " if p.compiled.out_of_memory else ""
+            reason += (f"; {p.strategy} does not fit ({least}{p.chip_bytes / 1e9:.1f} GB per chip)"
                        f"{_capacity_hint([p], capacity_factor)}")
         elif p.fits is None:
             reason += f"; {p.strategy} did not compile ({p.compiled.message})"
     return best.strategy, reason
+
+
+def _tie_break(ties: Sequence[StrategyPlan]) -> tuple[StrategyPlan, str]:
+    """Among strategies whose floors tie: the lower compiler estimate where every one has one, else the one
+    that sends clearly fewer collective bytes (by more than TIE), else the one that holds fewer bytes."""
+    if all(p.compiler_estimate_s is not None for p in ties):
+        best = min(ties, key=lambda p: p.compiler_estimate_s)
+        others = ", ".join(f"{p.strategy} {p.compiler_estimate_s * 1e3:.3g} ms" for p in ties if p is not best)
+        return best, f"the compiler estimates {best.compiler_estimate_s * 1e3:.3g} ms against {others}"
+    least = min(ties, key=lambda p: p.collective_bytes)
+    if all(p is least or p.collective_bytes > least.collective_bytes * (1 + TIE) for p in ties):
+        others = ", ".join(f"{p.strategy} {p.collective_bytes / 1e9:.3g} GB" for p in ties if p is not least)
+        return least, f"it sends the fewest bytes, {least.collective_bytes / 1e9:.3g} GB per chip against {others}"
+    least = min(ties, key=lambda p: p.chip_bytes)
+    others = ", ".join(f"{p.strategy} {p.chip_bytes / 1e9:.3g} GB" for p in ties if p is not least)
+    return least, (f"they send alike; it holds the fewest bytes, {least.chip_bytes / 1e9:.3g} GB per chip "
+                   f"against {others}")
 
 
 def _capacity_hint(unfit: Sequence[StrategyPlan], capacity_factor: float | None) -> str:
