@@ -32,6 +32,7 @@ from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
 from moe_tune.kernels.loop_dtypes import as_bits, load, per_iteration, update_slice
+from moe_tune.kernels.pallas_util import vary_like
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.core.quant import QArray, dequantize
 
@@ -198,7 +199,9 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
 
         return jax.lax.cond(jnp.any(keep), last_rows, lambda carry: carry, (out, block))
 
-    init = (jnp.zeros((m, out_n), out_dtype), jnp.zeros((tail, out_n), jnp.float32))
+    # inside shard_map the carries vary as the operands do (`vary_like`: a loop's carry type is its body's)
+    init = vary_like((jnp.zeros((m, out_n), out_dtype), jnp.zeros((tail, out_n), jnp.float32)), x, rows, rhs,
+                     group_sizes, group_offset)
     return jax.lax.fori_loop(0, groups, group, init)[0]
 
 
@@ -233,7 +236,8 @@ def tiled_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, tm
 
         return _tiles(starts, ends, g, tm, tail, m, tile, acc)
 
-    acc = jax.lax.fori_loop(0, groups, group, jnp.zeros((tokens, n), jnp.float32))
+    acc = vary_like(jnp.zeros((tokens, n), jnp.float32), h, rhs, group_sizes, rows, row_weights, group_offset)
+    acc = jax.lax.fori_loop(0, groups, group, acc)
     return acc.astype(out_dtype)
 
 

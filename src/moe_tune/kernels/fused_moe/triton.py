@@ -48,7 +48,8 @@ from moe_tune.kernels.fused_moe.base import (FusedMoeBackend, kernel_operands, k
                                               weights_shape)
 from moe_tune.kernels.fused_moe.pallas_tpu import dims
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, round_up
+from moe_tune.kernels.pallas_util import (exact_f32_precision, interpreted, out_struct, pallas_run, round_up,
+                                         vary_like)
 from moe_tune.kernels.ragged_dot.base import rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.tile_quant import decode_e2m1
@@ -349,14 +350,15 @@ class TritonFusedMoe(FusedMoeBackend):
                                    transpose_rhs=transpose_rhs, dtype=_dot_dtype(x, weights[0], block), block=block,
                                    parts=len(weights) // (1 if block is None else 2), e2m1=e2m1)
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
-        out = pl.pallas_call(
+        args = (*tables, rows.astype(jnp.int32), x, *weights)
+        out = pallas_run(pl.pallas_call(
             kernel,
             grid=(tables[0].shape[0], n_out // bn),
-            out_shape=jax.ShapeDtypeStruct((m_p, n_out), out_dtype),
+            out_shape=out_struct((m_p, n_out), out_dtype, *args),
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=interpreted("gpu"),
             name="moe_tune_gather_gmm",
-        )(*tables, rows.astype(jnp.int32), x, *weights)
+        ), *args, interpret=interpreted("gpu"))
         # Rows no local group owns were never stored.
         keep = rows_in_local_groups(group_sizes, m, groups, group_offset)
         return jnp.where(keep, out[:m], jnp.zeros((), out.dtype))
@@ -376,15 +378,17 @@ class TritonFusedMoe(FusedMoeBackend):
             # Interpret mode's atomics take no mask; there the invalid rows' adds all land on the trash row.
             masked_atomics=not interpret, block=block, parts=len(weights) // (1 if block is None else 2), e2m1=e2m1)
         tables = _schedule(group_sizes, group_offset, m, bm, groups)
-        out = pl.pallas_call(
+        args = (*tables, rows.astype(jnp.int32), row_weights.astype(jnp.float32), h, *weights)
+        # the accumulator's type is the output's (aliased): varying as the operands do inside shard_map
+        args = (*args, vary_like(jnp.zeros((tokens + 1, n), jnp.float32), *args))
+        out = pallas_run(pl.pallas_call(
             kernel,
             grid=(tables[0].shape[0], n // bn),
-            out_shape=jax.ShapeDtypeStruct((tokens + 1, n), jnp.float32),
+            out_shape=out_struct((tokens + 1, n), jnp.float32, *args),
             # the zero-filled accumulator, after the 5 tables, rows, weights, h and the weight arrays
             input_output_aliases={8 + len(weights): 0},
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=interpret,
             name="moe_tune_gmm_combine",
-        )(*tables, rows.astype(jnp.int32), row_weights.astype(jnp.float32), h, *weights,
-          jnp.zeros((tokens + 1, n), jnp.float32))
+        ), *args, interpret=interpret)
         return out[:tokens].astype(out_dtype)

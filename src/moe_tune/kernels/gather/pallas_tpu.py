@@ -35,7 +35,7 @@ from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.pallas_tpu_rows import LANES, stage_rows, staged_row_bytes, staging, unstage_rows
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.pallas_util import interpreted, round_up, sublanes
+from moe_tune.kernels.pallas_util import interpreted, out_struct, pallas_run, round_up, sublanes
 
 # Each in-flight DMA owns one semaphore of the ring; keep the ring modest.
 MAX_DMAS_IN_FLIGHT = 64
@@ -257,10 +257,11 @@ def pallas_tpu_gather(x, indices, start, end, weights, *, block_rows: int, dmas_
     if weighted:
         in_specs.insert(0, pl.BlockSpec((block, 1), lambda b, idx, bounds: (b, 0)))
         operands.insert(0, weights.astype(jnp.float32).reshape(rows, 1))
+    args = (indices.astype(jnp.int32), jnp.stack([start, end]), *operands)
     kernel = pl.pallas_call(
         lambda *refs: _gather_kernel(*refs, block_rows=block, rows=rows, dmas=dmas_in_flight,
                                      weighted=weighted, stage=stage),
-        out_shape=jax.ShapeDtypeStruct((rows, hidden), x.dtype),
+        out_shape=out_struct((rows, hidden), x.dtype, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(pl.cdiv(rows, block),),  # a ragged last block is padded on read, clipped on write
@@ -276,7 +277,7 @@ def pallas_tpu_gather(x, indices, start, end, weights, *, block_rows: int, dmas_
         interpret=_interpret(),
         name="moe_tune_ragged_gather",
     )
-    return kernel(indices.astype(jnp.int32), jnp.stack([start, end]), *operands)
+    return pallas_run(kernel, *args, interpret=interpreted("tpu"))
 
 
 def _gather_reduce_kernel(idx_ref, *refs, block_tokens: int, tokens: int, r: int, dmas: int, masked: bool,
@@ -353,10 +354,11 @@ def pallas_tpu_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
     table_spec = pl.BlockSpec((block, r), lambda b, idx: (b, 0))
     stage = staging(x.dtype, hidden)
     xs = stage_rows(x, stage)
+    args = (idx, *operands, xs)
     kernel = pl.pallas_call(
         lambda *refs: _gather_reduce_kernel(*refs, block_tokens=block, tokens=tokens, r=r, dmas=dmas_in_flight,
                                             masked=masked, stage=stage),
-        out_shape=jax.ShapeDtypeStruct((tokens, hidden), x.dtype),
+        out_shape=out_struct((tokens, hidden), x.dtype, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(pl.cdiv(tokens, block),),
@@ -371,7 +373,7 @@ def pallas_tpu_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
         interpret=_interpret(),
         name="moe_tune_gather_reduce",
     )
-    return kernel(idx, *operands, xs)
+    return pallas_run(kernel, *args, interpret=interpreted("tpu"))
 
 
 class _PallasTpuBackend:

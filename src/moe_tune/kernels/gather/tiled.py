@@ -28,6 +28,7 @@ from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration, update_slice
+from moe_tune.kernels.pallas_util import vary_like
 
 CHUNKS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # The default chunk holds about this many bytes of rows: a few chunks fit in a core's L2 cache.
@@ -116,7 +117,9 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
     # The output is carried in its own dtype (a bf16 one updated through its bits, in place): a uint16 carry
     # needed a bitcast after the loop, an output-sized copy (52 ms of deepseek-v2-lite's bf16 prefill
     # training step; FINDINGS.md: gather loop carry).
-    return jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, jnp.zeros((rows, hidden), dtype))
+    # (inside shard_map it varies as the operands do: `vary_like`)
+    out = vary_like(jnp.zeros((rows, hidden), dtype), x, indices, start, end, weights)
+    return jax.lax.fori_loop(start // chunk, (end + chunk - 1) // chunk, body, out)
 
 
 def single_pass_gather(x, indices, start, end, weights) -> jax.Array:
@@ -173,6 +176,7 @@ def _add_entries(x: jax.Array, indices: jax.Array, weights: jax.Array, entries: 
         row = jnp.where(ok, row, acc.shape[0])
         return acc.at[row].add(contribution, mode="drop", indices_are_sorted=True)
 
+    acc = vary_like(acc, x, indices, weights, entries, acc_row)  # the loop's carry type (`vary_like`)
     return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, acc)
 
 
@@ -240,7 +244,7 @@ def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> ja
         block = as_bits(block.reshape(per_chunk, r, hidden).sum(axis=1).astype(dtype))
         return jax.lax.dynamic_update_slice_in_dim(out, block, token0, axis=0)
 
-    out = as_bits(jnp.zeros((tokens, hidden), dtype))
+    out = as_bits(vary_like(jnp.zeros((tokens, hidden), dtype), x, indices, weights))
     return from_bits(jax.lax.fori_loop(0, -(-tokens // per_chunk), body, out), dtype)
 
 

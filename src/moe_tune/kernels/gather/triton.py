@@ -35,7 +35,7 @@ from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.pallas_util import interpreted, pad_to
+from moe_tune.kernels.pallas_util import interpreted, out_struct, pad_to, pallas_run
 
 # Uses pl.program_id / pl.ds / pl.when and triton.load / store (masked, vector-index) / CompilerParams, as
 # in 0.10.2. JAX 0.11.0 deprecates the Pallas Triton backend (still shipped) and plans its removal, hence
@@ -241,14 +241,14 @@ class TritonGather(_TritonGatherCommon, GatherBackend):
         if weights is not None:
             operands.append(pad_to(weights, 0, br))
         kernel = functools.partial(_gather_kernel, block_rows=br, block_cols=bc, weighted=weights is not None)
-        out = pl.pallas_call(
+        out = pallas_run(pl.pallas_call(
             kernel,
             grid=(rows_p // br, hidden // bc),
-            out_shape=jax.ShapeDtypeStruct((rows_p, hidden), x.dtype),
+            out_shape=out_struct((rows_p, hidden), x.dtype, *operands),
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
             interpret=self.interpret,
             name="moe_tune_gather",
-        )(*operands)
+        ), *operands, interpret=self.interpret)
         return out if rows_p == rows else out[:rows]
 
 
@@ -283,12 +283,12 @@ class TritonGatherReduce(_TritonGatherCommon, GatherReduceBackend):
         w_t = pad_to(weights.astype(jnp.float32).reshape(tokens, r).T, 1, bt)
         tokens_p = idx_t.shape[1]
         kernel = functools.partial(_gather_reduce_kernel, block_tokens=bt, block_cols=bc, group=r)
-        out = pl.pallas_call(
+        out = pallas_run(pl.pallas_call(
             kernel,
             grid=(tokens_p // bt, hidden // bc),
-            out_shape=jax.ShapeDtypeStruct((tokens_p, hidden), x.dtype),
+            out_shape=out_struct((tokens_p, hidden), x.dtype, idx_t, w_t, x),
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
             interpret=self.interpret,
             name="moe_tune_gather_reduce",
-        )(idx_t, w_t, x)
+        ), idx_t, w_t, x, interpret=self.interpret)
         return out if tokens_p == tokens else out[:tokens]

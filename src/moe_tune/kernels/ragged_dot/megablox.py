@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.pallas_util import interpreted, pad_to, sublanes
+from moe_tune.kernels.pallas_util import interpreted, pad_to, sublanes, vma_unchecked
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.megablox_quant import quantized_gmm, quantized_tgmm
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
@@ -218,10 +218,11 @@ class MegabloxRaggedDot(RaggedDotBackend):
                                 out_dtype=jnp.dtype(out_dtype), group_offset=offset, transpose_rhs=transpose_rhs,
                                 interpret=interpreted("tpu"))
         else:
-            # Megablox needs tm | m; the padded rows are past sum(group_sizes), so no group visits them
-            out = _gmm_kernel.gmm(
-                pad_to(lhs, 0, config.tm), rhs, group_sizes.astype(jnp.int32), jnp.dtype(out_dtype),
-                (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
+            # Megablox needs tm | m; the padded rows are past sum(group_sizes), so no group visits them. Its
+            # out_shape carries no vma: `vma_unchecked` types its result inside shard_map.
+            out = vma_unchecked(
+                _gmm_kernel.gmm, pad_to(lhs, 0, config.tm), rhs, group_sizes.astype(jnp.int32),
+                jnp.dtype(out_dtype), (config.tm, config.tk, config.tn), offset, transpose_rhs=transpose_rhs,
                 interpret=interpreted("tpu"),
             )[:m]
         # gmm leaves rows that no group owns (past sum(group_sizes)) uninitialized on TPU.
@@ -235,8 +236,8 @@ class MegabloxRaggedDot(RaggedDotBackend):
             return quantized_tgmm(lhs, lhs_scale, dout, group_sizes.astype(jnp.int32),
                                   tiling=(config.tm, config.tk, config.tn), out_dtype=jnp.dtype(out_dtype),
                                   num_groups=num_groups, group_offset=offset, interpret=interpreted("tpu"))
-        return _gmm_kernel.tgmm(
-            pad_to(lhs, 0, config.tm).swapaxes(0, 1), pad_to(dout, 0, config.tm),
+        return vma_unchecked(
+            _gmm_kernel.tgmm, pad_to(lhs, 0, config.tm).swapaxes(0, 1), pad_to(dout, 0, config.tm),
             group_sizes.astype(jnp.int32), jnp.dtype(out_dtype), (config.tm, config.tk, config.tn), offset,
             num_actual_groups=num_groups, interpret=interpreted("tpu"),
         )

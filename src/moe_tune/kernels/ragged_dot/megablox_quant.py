@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from moe_tune.kernels.pallas_util import pad_to
+from moe_tune.kernels.pallas_util import out_struct, pad_to, pallas_run
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, LhsQuant, QuantPlan, gmm_plan, tgmm_plan
 from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk, with_absent_refs
@@ -190,9 +190,11 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
         functools.partial(_gmm_kernel, plan=plan, tm=tm, tk=tk, tn=tn, k_tiles=k // tk, chunk=chunk),
         5, [True, lhs_scale is not None, True, rhs_scale is not None])
     inputs = {"lhs": lhs, "lhs_scale": lhs_scale, "rhs": rhs, "rhs_scale": rhs_scale}
-    out = pl.pallas_call(
+    args = (meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+            *[inputs[name] for name in specs])
+    out = pallas_run(pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype),
+        out_shape=out_struct((lhs.shape[0], n), out_dtype, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             in_specs=list(specs.values()),
@@ -203,8 +205,7 @@ def quantized_gmm(lhs: jax.Array, lhs_scale: jax.Array | None, rhs: jax.Array, r
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="moe_tune_quantized_gmm",
-    )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
-      *[inputs[name] for name in specs])
+    ), *args, interpret=interpret)
     return out[:m]
 
 
@@ -257,9 +258,11 @@ def quantized_tgmm(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array,
     plan = tgmm_plan(lhs, lhs_scale, dout).kernel_plan()
     kernel = with_absent_refs(functools.partial(_tgmm_kernel, plan=plan, tm=tm, tk=tk),
                               5, [True, scale_t is not None, True])
-    out = pl.pallas_call(
+    args = (meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+            *[x for x in (lhs_t, scale_t, dout) if x is not None])
+    out = pallas_run(pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        out_shape=out_struct((num_groups, k, n), out_dtype, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             in_specs=specs,
@@ -270,8 +273,7 @@ def quantized_tgmm(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="moe_tune_quantized_tgmm",
-    )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
-      *[x for x in (lhs_t, scale_t, dout) if x is not None])
+    ), *args, interpret=interpret)
     # Groups without rows have no visit, so their blocks were never written.
     nonempty = meta.group_ends > meta.group_starts
     return jnp.where(nonempty[:, None, None], out, jnp.zeros((), out.dtype))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, packed_bytes, per_iteration, update_slice
-from moe_tune.kernels.pallas_util import round_up
+from moe_tune.kernels.pallas_util import round_up, vary_like
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
@@ -134,8 +134,10 @@ def tiled_ragged_dot(
         tails = (end - (start + full * tm) + tail - 1) // tail
         return jax.lax.fori_loop(0, jnp.maximum(tails, 0), tail_tile, out)
 
-    # a 2-byte output is carried as its bits too, so that every tile's update is in place
-    out = jax.lax.fori_loop(0, groups, group_rows, as_bits(jnp.zeros((m, n), out_dtype)))
+    # a 2-byte output is carried as its bits too, so that every tile's update is in place; inside shard_map it
+    # varies over the axes its operands vary over (`vary_like`: the carry's type must be the body's)
+    zeros = vary_like(jnp.zeros((m, n), out_dtype), lhs, rhs, group_sizes, group_offset, lhs_scale, rhs_scale)
+    out = jax.lax.fori_loop(0, groups, group_rows, as_bits(zeros))
     return from_bits(out, out_dtype)
 
 
@@ -234,12 +236,14 @@ def tiled_transposed_ragged_dot(
                 out, jax.lax.dynamic_slice_in_dim(out, g, 1) + product(w), g, axis=0)
             return jax.lax.fori_loop(0, count, add, out)
 
-        return jax.lax.fori_loop(0, num_groups, add_later, windows(0, starts, ends)).astype(out_dtype)
+        first = vary_like(windows(0, starts, ends), lhs, dout, group_sizes, group_offset, lhs_scale)
+        return jax.lax.fori_loop(0, num_groups, add_later, first).astype(out_dtype)
 
     def result(g, in_loop: bool = True):
         """[1, k, n] in out_dtype: group g's result."""
         count, product = later_windows(g)
-        first = windows(g, starts[g][None], ends[g][None], in_loop)
+        first = vary_like(windows(g, starts[g][None], ends[g][None], in_loop), lhs, dout, group_sizes, group_offset,
+                          lhs_scale)
         acc = jax.lax.fori_loop(0, count, lambda w, acc: acc + product(w), first)
         return acc.astype(out_dtype)
 
@@ -248,8 +252,9 @@ def tiled_transposed_ragged_dot(
     # result repeated, not as zeros: every group's block is written (an empty group's with zeros), and a
     # constant init is one XLA CSEs between two drhs of one shape (gate and up), after which neither loop
     # runs in its own buffer (a weight-sized copy each; FINDINGS.md: drhs carry in its output).
+    init = jnp.broadcast_to(result(jnp.int32(0), False), (num_groups, k, n))
     return jax.lax.fori_loop(1, num_groups, lambda g, out: update_slice(out, result(g), (g, 0, 0)),
-                             jnp.broadcast_to(result(jnp.int32(0), False), (num_groups, k, n)))
+                             vary_like(init, lhs, dout, group_sizes, group_offset, lhs_scale))
 
 
 def _pow2_up_to(limit: int, low: int) -> list[int]:

@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_tune.core import devices
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, pad_to
+from moe_tune.kernels.pallas_util import exact_f32_precision, interpreted, out_struct, pad_to, pallas_run
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend, rows_in_local_groups
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
@@ -372,15 +372,16 @@ class TritonRaggedDot(RaggedDotBackend):
         kernel = functools.partial(_gmm_kernel, plan=plan, block_m=bm, block_k=bk, block_n=bn, k_blocks=kp // bk,
                                    precision=exact_f32_precision(dtype), dtype=dtype, interpret=self.interpret)
         kernel = with_absent_refs(kernel, 5, [True, lhs_scale is not None, True, rhs_scale is not None])
-        out = pl.pallas_call(
+        args = (meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None], lhs_p,
+                *[x for x in (lhs_scale, rhs_p, rhs_scale) if x is not None])
+        out = pallas_run(pl.pallas_call(
             kernel,
             grid=(meta.group_ids.shape[0], np_ // bn),
-            out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+            out_shape=out_struct((mp, np_), out_dtype, *args),
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=self.interpret,
             name="moe_tune_gmm",
-        )(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None], lhs_p,
-          *[x for x in (lhs_scale, rhs_p, rhs_scale) if x is not None])
+        ), *args, interpret=self.interpret)
         out = out[:m, :n]
         # Rows no local group owns were never stored.
         return jnp.where(rows_in_local_groups(group_sizes, m, groups, group_offset), out, jnp.zeros((), out.dtype))
@@ -401,13 +402,14 @@ class TritonRaggedDot(RaggedDotBackend):
         kernel = with_absent_refs(kernel, 2, [True, lhs_scale is not None, True])
         lhs_scale = None if lhs_scale is None else pad_to(lhs_scale, 0, bm)
         kp, np_ = lhs_p.shape[1], dout_p.shape[1]
-        out = pl.pallas_call(
+        args = (meta.group_starts, meta.group_ends, lhs_p, *([] if lhs_scale is None else [lhs_scale]), dout_p)
+        out = pallas_run(pl.pallas_call(
             kernel,
             grid=(num_groups, kp // bk, np_ // bn),
             out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
-            out_shape=jax.ShapeDtypeStruct((num_groups, kp, np_), out_dtype),
+            out_shape=out_struct((num_groups, kp, np_), out_dtype, *args),
             compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=self.interpret,
             name="moe_tune_tgmm",
-        )(meta.group_starts, meta.group_ends, lhs_p, *([] if lhs_scale is None else [lhs_scale]), dout_p)
+        ), *args, interpret=self.interpret)
         return out[:, :k, :n]
