@@ -241,7 +241,7 @@ CASES = {
     "ep8_all_to_all_int8": dict(strategy="all_to_all", ep=8, dtype="int8"),
     "skew_all_gather": dict(strategy="all_gather", ep=8, skew_to=0, grads=False),
     "skew_all_to_all": dict(strategy="all_to_all", ep=8, skew_to=0, grads=False),
-    "skew_all_gather_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=1.5),
+    "skew_all_gather_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=1.5, fused=True),
     "skew_all_to_all_capacity": dict(strategy="all_to_all", ep=8, skew_to=0, capacity_factor=1.5),
     "skew_replicated_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=0.5,
                                      replicated=True, grads=False),
