@@ -168,8 +168,9 @@ def assert_lowered_without_concatenated_weights(platform: str, backend: str, con
     """The dispatch's forward and backward (glu silu, shard offset 1) on gate and up, bf16 [local, k, f] each,
     lowered for `platform` (the chip's kernels, not interpret mode): no [local, k, 2f] weights concatenate,
     and at least two calls of the chip's kernels (`kernel_call`, a text of the module)."""
-    from moe_tune.kernels.fused_moe.op import gather_gmm
     from ragged_dot_base.lowering import export_for
+
+    from moe_tune.kernels.fused_moe.op import gather_gmm
 
     S = jax.ShapeDtypeStruct
     part = S((local, k, f), jnp.bfloat16)

@@ -13,20 +13,9 @@ from test_evidence import CONFIGS
 
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.profiles.verdict import (
-    BEAT_DEFAULT,
-    DEFAULT_FASTEST,
-    MIN_FINAL_SAMPLES,
-    MIN_NOISE_SCALE,
-    NOISE_FACTOR,
-    NOISE_SAMPLES,
-    PAIRED_MIN_NOISE,
-    WITHIN_NOISE,
-    Verdict,
-    noise_threshold,
-    paired,
-    relative_mad,
-)
+from moe_tune.profiles.verdict import (BEAT_DEFAULT, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, MIN_NOISE_SCALE, NOISE_FACTOR,
+                                       NOISE_SAMPLES, PAIRED_MIN_NOISE, WITHIN_NOISE, Verdict, noise_threshold, paired,
+                                       relative_mad)
 from moe_tune.tuner import Reporter, measure
 from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.crossover import SideBySide

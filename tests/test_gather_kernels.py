@@ -8,14 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gather_backend_tests import (
-    GARBAGE_INDEX,
-    TOLERANCE,
-    GatherBackendTests,
-    GatherReduceBackendTests,
-    relative_error,
-    routing,
-)
+from gather_backend_tests import (GARBAGE_INDEX, TOLERANCE, GatherBackendTests, GatherReduceBackendTests,
+                                  relative_error, routing)
 
 from moe_tune.kernels.gather.reference import gather_reduce_reference
 from moe_tune.kernels.gather.tiled import accumulator_sizes, tiled_gather, tiled_gather_reduce

@@ -9,11 +9,7 @@ from gather_backend_tests import GatherBackendTests, GatherReduceBackendTests
 
 from moe_tune.core import devices
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.gather.triton import (
-    TritonGatherConfig,
-    TritonGatherReduce,
-    TritonGatherReduceConfig,
-)
+from moe_tune.kernels.gather.triton import TritonGatherConfig, TritonGatherReduce, TritonGatherReduceConfig
 
 # Interpret mode runs every program of the grid as a loop iteration: shapes stay small. Rows 21 and
 # tokens 7 are not multiples of any block (padding), and the first grid configs (block_cols=64) split

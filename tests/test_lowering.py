@@ -29,22 +29,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from ragged_dot_base.lowering import (
-    MOSAIC_CALL,
-    TRITON_CALL,
-    S,
-    assert_one_kernel_call,
-    assert_triton_params,
-    configs_to_lower,
-    export_for,
-)
+from ragged_dot_base.lowering import (MOSAIC_CALL, TRITON_CALL, S, assert_one_kernel_call, assert_triton_params,
+                                      configs_to_lower, export_for)
 
-from moe_tune.kernels.gather.pallas_tpu import (
-    PallasTpuGather,
-    PallasTpuGatherConfig,
-    PallasTpuGatherReduce,
-    pallas_tpu_gather,
-)
+from moe_tune.kernels.gather.pallas_tpu import (PallasTpuGather, PallasTpuGatherConfig, PallasTpuGatherReduce,
+                                                pallas_tpu_gather)
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.triton import TritonGather, TritonGatherConfig, TritonGatherReduce
 

@@ -9,14 +9,7 @@ import numpy as np
 import pytest
 
 from moe_tune.core.errors import UsageError
-from moe_tune.core.quant import (
-    DynamicQuant,
-    dequantize,
-    dequantize_host,
-    from_checkpoint,
-    quantize,
-    quantize_tile,
-)
+from moe_tune.core.quant import DynamicQuant, dequantize, dequantize_host, from_checkpoint, quantize, quantize_tile
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)  # e2m1's non-negative values, in code order
 

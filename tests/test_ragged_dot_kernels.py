@@ -23,13 +23,8 @@ from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
 from moe_tune.kernels.ragged_dot.reference import ragged_dot_drhs_reference
-from moe_tune.kernels.ragged_dot.tiled import (
-    MAX_BLOCKS_PER_VISIT,
-    TiledConfig,
-    drhs_window,
-    tiled_ragged_dot,
-    tiled_transposed_ragged_dot,
-)
+from moe_tune.kernels.ragged_dot.tiled import (MAX_BLOCKS_PER_VISIT, TiledConfig, drhs_window, tiled_ragged_dot,
+                                               tiled_transposed_ragged_dot)
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
 from moe_tune.kernels.ragged_dot.xla import XlaConfig
 

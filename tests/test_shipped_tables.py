@@ -10,7 +10,7 @@ import sys
 
 from moe_tune.kernels import get_op
 from moe_tune.profiles import dirs, table
-from moe_tune.profiles.locks import LOCK_DIR
+from moe_tune.profiles.table import LOCK_DIR
 from moe_tune.profiles.validate import table_files, validate_table
 from moe_tune.profiles.versions import staleness
 # Captured at import, before the autouse fixture points `dirs.shipped_dir` at an empty temporary dir.

@@ -9,7 +9,7 @@ import threading
 
 import filelock
 
-from moe_tune.profiles.locks import lock_path
+from moe_tune.profiles.table import lock_path
 from moe_tune.profiles.table import write_entries
 from moe_tune.tuner.log import SweepLog
 

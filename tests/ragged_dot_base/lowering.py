@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_tune.core.quant import QArray, quantize
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
-from moe_tune.core.quant import QArray, quantize
 
 from .helpers import DIRECTIONS
 from .hooks import BackendHooks

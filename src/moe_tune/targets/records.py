@@ -22,7 +22,7 @@ import filelock
 
 from moe_tune.kernels import get_op
 from moe_tune.profiles.key import key_from_fields
-from moe_tune.profiles.locks import lock_path
+from moe_tune.profiles.table import lock_path
 from moe_tune.targets.compile import CompileResult
 
 SUFFIX = ".compile-records.jsonl"
