@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_tune  # noqa: E402
+from moe_tune.core.errors import UsageError  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 8, 8, 2
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "int8": 2e-5, "int8_qat": 2e-5}
@@ -249,8 +250,33 @@ CASES = {
 }
 
 
+def refusals() -> dict:
+    """sharded_moe_mlp's one-line refusals of arrays that do not split over the mesh: name -> message."""
+    x, logits, w_gate, w_up, w_down, _ = inputs(24)
+    floats = [jnp.asarray(a, jnp.float32) for a in (x, logits, w_gate, w_up, w_down)]
+    blocked = [moe_tune.quantize(w, "int8", axis=1, block_size=4) for w in floats[2:]]
+    calls = {
+        "tokens": ((8, 1), lambda mesh: moe_tune.sharded_moe_mlp(floats[0][:20], floats[1][:20], *floats[2:],
+                                                                  TOP_K, mesh=mesh)),
+        "experts": ((3, 1), lambda mesh: moe_tune.sharded_moe_mlp(*floats, TOP_K, mesh=mesh)),
+        "intermediate": ((2, 3), lambda mesh: moe_tune.sharded_moe_mlp(*floats[:2], *floats[2:], TOP_K, mesh=mesh,
+                                                                        tensor_axis="tensor")),
+        "scale_blocks": ((2, 4), lambda mesh: moe_tune.sharded_moe_mlp(*floats[:2], *blocked, TOP_K, mesh=mesh,
+                                                                        tensor_axis="tensor")),
+    }
+    found = {}
+    for name, (shape, call) in calls.items():
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:shape[0] * shape[1]]).reshape(shape), ("expert", "tensor"))
+        try:
+            call(mesh)
+            found[name] = None
+        except UsageError as error:
+            found[name] = str(error)
+    return found
+
+
 def main(names: list[str]) -> None:
-    results = {}
+    results = {"refusals": refusals()} if not names else {}
     for name in names or list(CASES):
         try:
             results[name] = run_case(**CASES[name])

@@ -49,7 +49,18 @@ def results(tmp_path_factory):
 
 def test_every_case_ran(results):
     """The script ran exactly the cases asserted on here."""
-    assert sorted(results) == sorted(CASES + REFUSED)
+    assert sorted(results) == sorted(CASES + REFUSED + ["refusals"])
+
+
+def test_sharded_moe_mlp_refuses_what_does_not_split(results):
+    """Tokens, experts or the intermediate dimension that do not divide over their mesh axis, and QArray
+    scale blocks that would not fall whole on each device, are one-line UsageErrors naming the numbers."""
+    assert results["refusals"] == {
+        "tokens": "x's 20 tokens do not split over the 8 devices of expert_axis 'expert'",
+        "experts": "the 16 experts do not split over the 3 devices of expert_axis 'expert'",
+        "intermediate": "the intermediate dimension 8 does not split over the 3 devices of tensor_axis 'tensor'",
+        "scale_blocks": "w_down: its 2 scale blocks along axis 1 do not split over the 4 devices of mesh axis "
+                        "'tensor'"}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -72,7 +72,7 @@ def axis_size(axis: str, role: str) -> int:
         raise UsageError(f"{role} must be a mesh axis name (a str), got {axis!r}")
     try:
         return int(jax.lax.axis_size(axis))
-    except NameError:
+    except (NameError, KeyError, ValueError):  # JAX's unbound-axis error, by version
         raise UsageError(f"{role} {axis!r} is not a mesh axis bound here: call moe_mlp inside jax.shard_map over "
                          f"a mesh with that axis, or call moe_tune.sharded_moe_mlp on global arrays") from None
 
