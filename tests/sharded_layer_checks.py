@@ -97,12 +97,12 @@ class Collected(logging.Handler):
         logger.setLevel(self.saved)
 
 
-def inputs(tokens: int, seed: int = 0, skew_to: int | None = None):
+def inputs(tokens: int, seed: int = 0, skew_to: int | None = None, top_k: int = TOP_K):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(tokens, HIDDEN))
     logits = rng.normal(size=(tokens, EXPERTS))
-    if skew_to is not None:  # every token's top_k: experts [skew_to, skew_to + TOP_K), on one device
-        logits[:, skew_to:skew_to + TOP_K] += 20.0
+    if skew_to is not None:  # every token's top_k: experts [skew_to, skew_to + top_k)
+        logits[:, skew_to:skew_to + top_k] += 20.0
     w_gate = rng.normal(size=(EXPERTS, HIDDEN, INTERMEDIATE)) / math.sqrt(HIDDEN)
     w_up = rng.normal(size=(EXPERTS, HIDDEN, INTERMEDIATE)) / math.sqrt(HIDDEN)
     w_down = rng.normal(size=(EXPERTS, INTERMEDIATE, HIDDEN)) / math.sqrt(INTERMEDIATE)
@@ -110,21 +110,21 @@ def inputs(tokens: int, seed: int = 0, skew_to: int | None = None):
     return x, logits, w_gate, w_up, w_down, cotangent
 
 
-def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: int | None):
+def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: int | None, top_k: int = TOP_K):
     """float64: the layer's output, the gradients of sum(out * cotangent) in (x, logits, w_gate, w_up,
     w_down) and the number of (token, k) entries dropped."""
     tokens = x.shape[0]
     probs = np.exp(logits - logits.max(1, keepdims=True))
     probs /= probs.sum(1, keepdims=True)
-    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :TOP_K]
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
     picked = np.take_along_axis(probs, chosen, 1)
     total = picked.sum(1, keepdims=True)
     weights = picked / total
-    keep = np.ones((tokens, TOP_K), bool)
+    keep = np.ones((tokens, top_k), bool)
     if cap is not None:
         seen = np.zeros(devices, int)
         for t in range(tokens):
-            for k in range(TOP_K):
+            for k in range(top_k):
                 dest = chosen[t, k] // (EXPERTS // devices)
                 keep[t, k] = seen[dest] < cap
                 seen[dest] += 1
@@ -142,7 +142,7 @@ def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: 
     dgate = dact * up * (sig + gate * sig * (1 - sig))
     dx = np.einsum("tkf,tkdf->td", dgate, w_gate[chosen]) + np.einsum("tkf,tkdf->td", dup, w_up[chosen])
     grads_w = [np.zeros_like(w) for w in (w_gate, w_up, w_down)]
-    for k in range(TOP_K):
+    for k in range(top_k):
         np.add.at(grads_w[0], chosen[:, k], np.einsum("td,tf->tdf", x, dgate[:, k]))
         np.add.at(grads_w[1], chosen[:, k], np.einsum("td,tf->tdf", x, dup[:, k]))
         np.add.at(grads_w[2], chosen[:, k], np.einsum("tf,td->tfd", act[:, k], dy[:, k]))
@@ -162,14 +162,14 @@ def relative(got, want) -> float:
 def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", replicated: bool = False,
              grads: bool = True, capacity_factor: float | None = None, skew_to: int | None = None,
              own_shard_map: bool = False, fused: bool | None = False, plain: bool = True,
-             ragged: bool = False, quant_block: int | None = None) -> dict:
+             ragged: bool = False, quant_block: int | None = None, top_k: int = TOP_K) -> dict:
     devices = np.array(jax.devices()[:ep * tp]).reshape(ep, tp)
     mesh = jax.sharding.Mesh(devices, ("expert", "tensor"))
     tensor_axis = "tensor" if tp > 1 else None
     tokens_per_device = 4
     tokens = tokens_per_device * (1 if replicated else ep)
-    x, logits, w_gate, w_up, w_down, cotangent = inputs(tokens, skew_to=skew_to)
-    cap = None if capacity_factor is None else math.ceil(capacity_factor * tokens_per_device * TOP_K)
+    x, logits, w_gate, w_up, w_down, cotangent = inputs(tokens, skew_to=skew_to, top_k=top_k)
+    cap = None if capacity_factor is None else math.ceil(capacity_factor * tokens_per_device * top_k)
     weights64 = (w_gate, w_up, w_down)
     float_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     if dtype in ("int8", "int8_qat"):  # QArrays (constants) or AsQArrays (straight-through gradients)
@@ -180,7 +180,7 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
             moe_tune.AsQArray(jnp.asarray(w, jnp.float32), "int8", block_size=quant_block) for w in weights64]
     else:
         weights = [jnp.asarray(w, float_dtype) for w in weights64]
-    want, want_grads, want_dropped = reference(x, logits, *weights64, cotangent, devices=ep, cap=cap)
+    want, want_grads, want_dropped = reference(x, logits, *weights64, cotangent, devices=ep, cap=cap, top_k=top_k)
     options = dict(ep_strategy=strategy, capacity_factor=capacity_factor, fused=fused, return_stats=True,
                    tokens_replicated=replicated)
     if own_shard_map:
@@ -188,13 +188,13 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
 
         def layer(x, logits, w_gate, w_up, w_down):
             return jax.shard_map(
-                lambda *a: moe_tune.moe_mlp(*a, TOP_K, expert_axis="expert", tensor_axis=tensor_axis, **options),
+                lambda *a: moe_tune.moe_mlp(*a, top_k, expert_axis="expert", tensor_axis=tensor_axis, **options),
                 mesh=mesh, in_specs=(token, token, P("expert", None, tensor_axis), P("expert", None, tensor_axis),
                                      P("expert", tensor_axis, None)),
                 out_specs=(token, {"dropped": P(), "entries": P()}))(x, logits, w_gate, w_up, w_down)
     else:
         def layer(x, logits, w_gate, w_up, w_down):
-            return moe_tune.sharded_moe_mlp(x, logits, w_gate, w_up, w_down, TOP_K, mesh=mesh,
+            return moe_tune.sharded_moe_mlp(x, logits, w_gate, w_up, w_down, top_k, mesh=mesh,
                                             tensor_axis=tensor_axis, **options)
 
     xs, ls = jnp.asarray(x, float_dtype), jnp.asarray(logits, jnp.float32)
@@ -242,6 +242,8 @@ CASES = {
     "ep8_all_to_all_int8": dict(strategy="all_to_all", ep=8, dtype="int8"),
     "skew_all_gather": dict(strategy="all_gather", ep=8, skew_to=0, grads=False),
     "skew_all_to_all": dict(strategy="all_to_all", ep=8, skew_to=0, grads=False),
+    # top_k 3 over 2 experts per device, skewed to experts 0-2: device 0 receives the worst case, 2 per token
+    "skew_top3_all_to_all": dict(strategy="all_to_all", ep=8, skew_to=0, top_k=3),
     "skew_all_gather_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=1.5, fused=True),
     "skew_all_to_all_capacity": dict(strategy="all_to_all", ep=8, skew_to=0, capacity_factor=1.5),
     "skew_replicated_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=0.5,

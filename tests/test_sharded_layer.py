@@ -29,7 +29,7 @@ TOKENS_PER_DEVICE, TOP_K, EXPERTS = 4, 2, 16  # as the script's cases
 WITH_GRADS = ["ep8_all_gather_f32", "ep8_all_to_all_f32", "ep8_all_to_all_ragged_f32", "ep4_tp2_all_gather_f32",
               "ep4_tp2_all_to_all_ragged_capacity", "replicated_ep4_tp2_f32",
               "ep8_all_gather_bf16", "ep4_tp2_all_to_all_bf16", "skew_all_gather_capacity",
-              "skew_all_to_all_capacity", "ep8_all_to_all_int8_qat"]
+              "skew_all_to_all_capacity", "ep8_all_to_all_int8_qat", "skew_top3_all_to_all"]
 WITH_INPUT_GRADS = ["ep4_tp2_all_gather_int8", "ep8_all_to_all_int8"]  # QArray weights: constants
 FORWARD = ["ep8_all_gather_fused_f32", "replicated_ep8_all_to_all_f32", "skew_all_gather", "skew_all_to_all",
            "skew_replicated_capacity", "ep8_default_backends"]
@@ -91,6 +91,14 @@ def _capacity_of(case: str) -> tuple[float, int, int]:
     factor = 0.5 if "replicated" in case else 1.5
     devices = 1 if "replicated" in case else 4 if "ep4" in case else 8
     return factor, math.ceil(factor * TOKENS_PER_DEVICE * TOP_K), devices * TOKENS_PER_DEVICE * TOP_K
+
+
+def test_worst_case_buffer_is_filled(results):
+    """top_k 3 over 2 experts per device, every token's experts 0-2: device 0 receives 2 entries of every
+    token of the 8 devices, exactly the receive buffer's exchange.worst_rows(4, 3, 8, 2) = 64 rows; the
+    layer still equals the reference (one row fewer would lose an entry)."""
+    assert exchange.worst_rows(TOKENS_PER_DEVICE, 3, 8, 2) == 8 * TOKENS_PER_DEVICE * 2
+    assert results["skew_top3_all_to_all"]["dropped"] == 0
 
 
 def test_all_to_all_refuses_fused(results):
