@@ -21,8 +21,16 @@ from moe_tune.layer.models import ModelPreset, get_preset
 from moe_tune.targets import collectives, wheels
 from moe_tune.targets.compile import OK
 from moe_tune.targets.slice_compile import SliceCompile, SliceJob, rejected
-from moe_tune.targets.slice_plan import (PlanPool, Work, floor, layer_work, mesh_shape, plan, recommend,
-                                         strategy_plan)
+from moe_tune.targets.slice_plan import (
+    PlanPool,
+    Work,
+    floor,
+    layer_work,
+    mesh_shape,
+    plan,
+    recommend,
+    strategy_plan,
+)
 
 needs_tpu = pytest.mark.skipif(not wheels.available("tpu"),
                                reason="libtpu is missing: pip install 'moe-tune[tpu-compile]'")
@@ -137,8 +145,9 @@ def test_a_negative_compiler_estimate_is_no_estimate():
 
 
 def test_a_program_the_compiler_refuses_for_hbm_does_not_fit():
-    refused = rejected(["JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
-                        "for HLO temporaries (28.44G) exceeds available HBM (15.75G)."], "platform", 1.0)
+    message = ("JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+               "temporaries (28.44G) exceeds available HBM (15.75G).")
+    refused = rejected([message], "platform", 1.0)
     assert refused.out_of_memory and refused.required_bytes == int(28.44 * (1 << 30))
     found = strategy_plan("all_to_all", refused, Work(1.0, 1.0), get_slice("v5e:8x8"))
     assert found.fits is False and found.chip_bytes == refused.required_bytes
@@ -229,8 +238,8 @@ def test_the_cli_refuses_an_unknown_slice_or_model_in_one_line(run):
 
 @needs_tpu
 def test_the_cli_says_when_the_layer_does_not_fit(run):
-    """kimi-k2's 384 experts on 4 v5e chips hold 8.5 GB of weights per chip; gathering 4 x 16384 tokens
-    and their 8 entries each takes 7.5 GB more for the dispatched rows alone, beyond the chip's 16 GB."""
+    """kimi-k2 (384 experts, hidden 7168) at 16384 tokens per chip on 4 v5e chips: gathering every chip's tokens
+    and their entries needs more than the chip's 16 GB, and libtpu refuses the program for HBM."""
     result = run("plan", "--model", "kimi-k2", "--tokens", "16384", "--target", "v5e:2x2", "--strategy",
                  "all_gather", "--format", "json")
     assert result.exit_code == 1
