@@ -143,3 +143,19 @@ def pallas_run(call: Callable[..., Any], *args: Any, interpret: bool) -> Any:
     """`call(*args)` for the result of a `pl.pallas_call` (its out_shape from `out_struct`): compiled as is; in
     interpret mode through `vma_unchecked` (see there)."""
     return vma_unchecked(call, *args) if interpret else call(*args)
+
+
+def sum_like(cotangent: Any, primal: Any) -> Any:
+    """A custom VJP's `cotangent` (an array, a pytree of them, or None) for the operand `primal`, summed over
+    the manual axes it varies over and `primal` does not: inside shard_map the gradient of an operand that is
+    the same on every device is the sum of every device's, which JAX's own transpose of the implicit cast
+    computes, and a custom VJP must return it typed as the operand is."""
+    extra = varying_axes(cotangent) - varying_axes(primal)
+    if not extra:
+        return cotangent
+
+    def reduce(leaf):
+        axes = tuple(sorted(varying_axes(leaf) & extra, key=str))
+        return jax.lax.psum(leaf, axes) if axes else leaf
+
+    return jax.tree.map(reduce, cotangent)

@@ -30,6 +30,7 @@ from moe_tune.kernels.fused_moe.definition import FUSED_MOE, forward_glu
 from moe_tune.kernels.fused_moe.plain_jax import local_rows
 from moe_tune.kernels.fused_moe.problem import DIRECTIONS, FusedMoeProblem
 from moe_tune.kernels.loop_dtypes import as_bits, from_bits
+from moe_tune.kernels.pallas_util import sum_like
 from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
@@ -170,7 +171,7 @@ def _gather_gmm_bwd(call: _Call, residuals, dout):
                                 distribution=call.distribution)
         drhs = _weights_grad(rhs, gathered, dh, group_sizes, group_offset, groups=call.problem.groups,
                              distribution=call.distribution)
-    return dx.astype(x.dtype), None, drhs, None, None
+    return sum_like(dx.astype(x.dtype), x), None, sum_like(drhs, rhs), None, None  # summed for replicated ones
 
 
 _gather_gmm.defvjp(_gather_gmm_fwd, _gather_gmm_bwd)
@@ -213,7 +214,7 @@ def _gmm_combine_bwd(skip_zero_weights, call: _Call, residuals, dout):
                                  weights=jnp.where(valid, w32, 0.0), distribution=call.distribution)
         drhs = _weights_grad(rhs, safe_h.astype(h.dtype), dout_rows, group_sizes, group_offset,
                              groups=call.problem.groups, distribution=call.distribution)
-    return dh, drhs, None, None, dweights, None
+    return sum_like(dh, h), sum_like(drhs, rhs), None, None, sum_like(dweights, weights), None
 
 
 _gmm_combine.defvjp(_gmm_combine_fwd, _gmm_combine_bwd)

@@ -29,6 +29,7 @@ from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.definition import OPS
 from moe_tune.kernels.ragged_dot.problem import dtype_name, int_scalar
 from moe_tune.kernels.kernel_op import freeze_config
+from moe_tune.kernels.pallas_util import sum_like
 
 ENV_GATHER_FALLBACK = settings.RAGGED_GATHER_FALLBACK
 ENV_GATHER_REDUCE_FALLBACK = settings.RAGGED_GATHER_REDUCE_FALLBACK
@@ -102,7 +103,7 @@ def _ragged_gather_bwd(kernels: _Kernels, residuals, dout):
     if weights is not None:  # d out[i] / d w[i] = x[indices[i]] on the valid rows: a ragged gather again
         rows = kernels.forward.gather(x, indices, start, end, None)
         dweights = _row_dot(rows, dout).astype(weights.dtype)
-    return dx, None, None, None, dweights
+    return sum_like(dx, x), None, None, None, sum_like(dweights, weights)  # summed for replicated operands
 
 
 _ragged_gather.defvjp(_ragged_gather_fwd, _ragged_gather_bwd)
@@ -159,7 +160,7 @@ def _gather_reduce_bwd(reduce_group_size, kernels, residuals, dout):
     safe = jnp.where(entry_valid, indices, 0)
     rows_x = jnp.take(x, safe, axis=0, mode="clip")
     dweights = jnp.where(entry_valid, _row_dot(rows_x, jnp.take(dout, token, axis=0)), 0.0)
-    return dx.astype(x.dtype), None, dweights.astype(weights.dtype), None
+    return sum_like(dx.astype(x.dtype), x), None, sum_like(dweights.astype(weights.dtype), weights), None
 
 
 _gather_reduce.defvjp(_gather_reduce_fwd, _gather_reduce_bwd)

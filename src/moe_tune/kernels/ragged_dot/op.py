@@ -19,6 +19,7 @@ from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem, in
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, select_shard
 from moe_tune.kernels.kernel_op import freeze_config
+from moe_tune.kernels.pallas_util import sum_like
 from moe_tune.core.quant import AsQArray, DynamicQuant, QArray, scale_layout
 
 
@@ -85,7 +86,8 @@ def _ragged_dot_bwd(call: _Call, residuals, dout):
         dlhs = call.run("dlhs", dout, rhs, group_sizes, group_offset)  # dout @ rhs[g]^T per group
     if not isinstance(rhs, QArray) or rhs_ste is not None:
         drhs = call.run("drhs", lhs, dout, group_sizes, group_offset)  # lhs[rows]^T @ dout[rows] per group
-    return _cotangent(lhs_ste, lhs, dlhs), _cotangent(rhs_ste, rhs, drhs), None, None
+    # inside shard_map, the gradient of an operand replicated over the devices is the sum of theirs (`sum_like`)
+    return _cotangent(lhs_ste, lhs, sum_like(dlhs, lhs)), _cotangent(rhs_ste, rhs, sum_like(drhs, rhs)), None, None
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
