@@ -73,7 +73,7 @@ def test_the_sharded_layer_lists_each_strategys_calls_from_the_layers_own_rules(
     # all_gather: the shard layer on every device's tokens; all_to_all: the matmuls on the receive buffer
     assert by_role["all_gather gate/up"].m == 8 * 4 * TINY.top_k
     assert by_role["all_to_all gate/up"].m == worst_rows(8, TINY.top_k, 4, 1) == 32
-    assert by_role["all_to_all dispatch"].tokens == 8 and by_role["replicated gate/up"].m == 8 * TINY.top_k
+    assert by_role["dispatch"].tokens == 8 and by_role["gate/up"].m == 8 * TINY.top_k  # replicated tokens
     assert by_role["ep strategy"] == OP.problem(tokens=8, hidden=128, intermediate=64, experts=4, top_k=2, ep=4)
     keys = [(c.op, tuple(c.problem.key_fields().items())) for c in cases]
     assert len(keys) == len(set(keys))  # each call once
@@ -82,7 +82,10 @@ def test_the_sharded_layer_lists_each_strategys_calls_from_the_layers_own_rules(
     assert split["all_gather gate/up"].n == 32 and split["ep strategy"].intermediate == 64
     with pytest.raises(UsageError, match="tp"):
         models.sharded_runs(TINY, 8, ep=2, tp=3, dtype="float32")
-    assert models.layer_cases(TINY, [8], ep=4, dtype="float32", direction="fwd") == [(8, c) for c in cases]
+    # asked with a mesh (tp); without one, the shard layer of the routed tokens, as before
+    assert models.layer_cases(TINY, [8], ep=4, tp=1, dtype="float32", direction="fwd") == [(8, c) for c in cases]
+    assert models.layer_cases(TINY, [8], ep=4, dtype="float32", direction="fwd") == [
+        (8, c) for c in models.layer_runs(TINY, 8, ep=4, dtype="float32", direction="fwd")]
 
 
 def test_collectives_are_sized_by_the_layers_buffers():
@@ -95,11 +98,11 @@ def test_collectives_are_sized_by_the_layers_buffers():
 
 def test_a_sweep_with_fewer_devices_than_the_mesh_leaves_the_strategy_out_with_a_note():
     assert "needs 8 devices" in left_out_here(OP.problem(**SHAPE, ep=8))
-    result = CliRunner().invoke(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "16", "--ep", "8",
+    result = CliRunner().invoke(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "16", "--ep", "8", "--tp", "1",
                                       "--direction", "fwd", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "xla_force_host_platform_device_count=8" in result.output and "left out" in result.output
-    assert "ep strategy" not in result.output and "all_to_all dispatch" in result.output
+    assert "ep strategy" not in result.output and "all_gather dispatch" in result.output
 
 
 @pytest.fixture(scope="module")

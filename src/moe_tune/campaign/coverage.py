@@ -6,7 +6,7 @@ that are not tuned for their own shape would cost (`estimate`, from the sweep ti
 A call counts as covered when lookup answers `exact` or `interval` (a ladder sweep measured its count's
 interval) from a fresh entry; `nearest`, `robust`, `default` and stale entries are to tune.
 
-With ep > 1 the layer is the one across devices (`models.sharded_runs`): its kernel calls under each strategy,
+With a tensor-parallel size (`tp`) the layer is the one across an ep x tp mesh (`models.sharded_runs`): its kernel calls under each strategy,
 the strategy's own lookup (`moe_sharding`), and beside the calls the collectives it runs (`models.collectives`,
 `Coverage.collectives`: rows of op `collective` with the bytes one device hands each; no tuned kernels, never
 to tune).
@@ -95,18 +95,19 @@ def _age_days(tuned_at: str | None, now: datetime.datetime) -> float | None:
 def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *, dtype: str,
              quant: Mapping[str, Any] | None = None, direction: str = "all", distribution: str | None = None,
              backend: str | None = None, device_kind: str | None = None, profile_dir: Path | None = None,
-             settings: SweepSettings | None = None) -> Coverage:
+             settings: SweepSettings | None = None, tp: int | None = None) -> Coverage:
     """What lookup answers for each kernel call of one layer of each of `models` at each of `tokens` and
     `eps` (`direction`: `all` training, `fwd` serving), for `distribution` (None: as the runtime assumes),
     on `device_kind` (None: this machine's; another must be a known one, `profiles.lookup.device_of_kind`), with
     `backend` (None: each op's default on that device; applied to the ops that have it); and
-    the estimated cost of tuning the calls not covered with `settings` (default: a grid sweep)."""
+    the estimated cost of tuning the calls not covered with `settings` (default: a grid sweep). `tp` given: the
+    layer across an ep x tp mesh, its collectives beside its calls."""
     settings = settings or SweepSettings()
     device_kind = device_of_kind(device_kind).kind  # a known kind, never a path
     if profile_dir is not None and not Path(profile_dir).is_dir():
         raise UsageError(f"--profile-dir {profile_dir} is not a directory (coverage reads the sweep times recorded "
                          "there; lookups read every profile dir without it)")
-    cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant, direction=direction)
+    cases, notes = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant, direction=direction, tp=tp)
     backends = _backend_per_op(backend, sorted({c.op for c in cases}), notes)
     history = costs.recorded(device_kind, sorted({c.op for c in cases}), profile_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -130,10 +131,10 @@ def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *
             age_days=None if tuned_at is None else _age_days(tuned_at, now), stale=found.stale, to_tune=to_tune,
             estimate=None if cost is None else cost.text, estimate_s=None if cost is None else cost.seconds))
     return Coverage(tuple(rows), tuple(notes), device_kind, str(asked),
-                    tuple(_collective_rows(models, tokens, eps, dtype=dtype)))
+                    tuple(() if tp is None else _collective_rows(models, tokens, eps, tp, dtype=dtype)))
 
 
-def _collective_rows(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *,
+def _collective_rows(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], tp: int, *,
                      dtype: str) -> list[CallCoverage]:
     """A row per collective of the sharded layer (`models.collectives`) of each model at each ep > 1 that
     divides its experts and each token count."""
@@ -143,12 +144,12 @@ def _collective_rows(models: Sequence[str], tokens: Sequence[int], eps: Sequence
     for name in (list(presets()) if list(models) == ["all"] else models):
         preset = get_preset(name)
         for ep in eps:
-            if ep < 2 or preset.experts % ep:
+            if ep * tp < 2 or preset.experts % ep:
                 continue
             for count in tokens:
-                for what, size in collectives(preset, count, ep=ep, dtype=dtype):
+                for what, size in collectives(preset, count, ep=ep, tp=tp, dtype=dtype):
                     rows.append(CallCoverage(
-                        call=f"{name} {what} tokens={count} ep={ep}", op=COLLECTIVE, backend="-", key="-",
+                        call=f"{name} {what} tokens={count} ep={ep} tp={tp}", op=COLLECTIVE, backend="-", key="-",
                         source=COLLECTIVE, reason=f"{size} bytes per device (operand)", config="-", tuned_at=None,
                         age_days=None, stale="", to_tune=False, estimate=None, estimate_s=None))
     return rows

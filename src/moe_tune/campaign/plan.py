@@ -61,13 +61,13 @@ class PlannedSweep:
 
 
 def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *, dtype: str,
-                         quant: Mapping[str, Any] | None = None,
-                         direction: str = "all") -> tuple[list[Case], list[str]]:
+                         quant: Mapping[str, Any] | None = None, direction: str = "all",
+                         tp: int | None = None) -> tuple[list[Case], list[str]]:
     """(every kernel case one layer of each model runs at each token count and ep, notes): for training
     (`direction` all) or serving (fwd), `models.layer_runs`. `models`: preset names, or `["all"]` for every
     preset. A (model, ep) whose ep does not divide the model's experts is left out with a note (a campaign
     over several models and ep values usually has some); an unknown model or a bad token count is a
-    UsageError."""
+    UsageError. `tp` given: the layer across an ep x tp mesh (`models.sharded_runs`)."""
     names = list(presets()) if list(models) == ["all"] else list(models)
     cases, notes = [], []
     for name in names:
@@ -77,7 +77,7 @@ def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequ
                 notes.append(f"{name}: ep={ep} left out ({preset.experts} experts are not divisible by {ep})")
                 continue
             for count, case in layer_cases(preset, list(tokens), ep=ep, dtype=dtype, quant=quant,
-                                           direction=direction):
+                                           direction=direction, tp=tp):
                 cases.append(Case(case.op, case.problem, f"{name} {_role(case)} tokens={count} ep={ep}"))
     if not cases:
         raise UsageError("the campaign has no sweep: " + "; ".join(notes))

@@ -20,6 +20,9 @@ from moe_tune.commands.options import DTYPES, INT_LIST, handle_errors, quant_fla
               help="Tokens per expert-parallel shard, comma-separated.")
 @click.option("--ep", type=INT_LIST, default=str(presets.LAYER_DEFAULTS["ep"]), show_default=True,
               help="Expert-parallel sizes, comma-separated.")
+@click.option("--tp", type=click.IntRange(min=1), default=None,
+              help="The layer across an ep x tp mesh (sharded_moe_mlp): --tokens per device, its collectives listed "
+                   "with their bytes (default: the shard layer of --tokens routed tokens).")
 @click.option("--dtype", type=DTYPES, default=presets.LAYER_DEFAULTS["dtype"], show_default=True)
 @click.option("--direction", type=click.Choice(presets.LAYER_DIRECTIONS), default=presets.LAYER_DEFAULTS["direction"],
               show_default=True, help="What the layer runs: fwd (serving) or all (training: gradients too).")
@@ -35,15 +38,16 @@ from moe_tune.commands.options import DTYPES, INT_LIST, handle_errors, quant_fla
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @quant_flags
 @handle_errors
-def coverage(model, tokens, ep, dtype, direction, distribution, backend, device_kind, profile_dir, fmt, **quant):
+def coverage(model, tokens, ep, tp, dtype, direction, distribution, backend, device_kind, profile_dir, fmt, **quant):
     """List every kernel call of one layer of MODEL and how lookup answers it (exact, interval, robust, nearest,
-    default), with the entry's age and staleness, and what tuning the others would take. With --ep above 1 the
-    layer across devices (--tokens per device), its collectives listed after its kernels with their bytes."""
+    default), with the entry's age and staleness, and what tuning the others would take. With --tp the layer
+    across an ep x tp mesh (--tokens per device), its collectives listed after its kernels with their bytes."""
     from moe_tune.campaign.coverage import age_text
     from moe_tune.campaign.coverage import coverage as cover
 
     found = cover(model.split(","), tokens, ep, dtype=dtype, quant=quant_options(quant), direction=direction,
-                  distribution=distribution, backend=backend, device_kind=device_kind, profile_dir=profile_dir)
+                  distribution=distribution, backend=backend, device_kind=device_kind, profile_dir=profile_dir,
+                  tp=tp)
     if fmt == "json":
         click.echo(json.dumps(found.to_json(), indent=1))
         return

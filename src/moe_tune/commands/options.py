@@ -256,7 +256,7 @@ def one(shape: dict[str, Any], name: str) -> Any:
 
 
 # The shape flags a `--model` run takes: the layer's token counts, ep and dtype, and its quantization.
-MODEL_OPTIONS = ("tokens", "ep", "dtype", *names(QUANT))
+MODEL_OPTIONS = ("tokens", "ep", "tp", "dtype", *names(QUANT))
 
 
 def model_only(shape: dict[str, Any], *, explicit: list[str]) -> None:
@@ -307,8 +307,9 @@ def sweep_campaign(op: str | None, direction: str | None, backend: str | None, m
     # --direction fwd: what serving runs; all (the default with --model): what training runs (models.layer_runs)
     runs = direction or presets.LAYER_DEFAULTS["direction"]
     # only the ragged_dot kernels are quantized
+    # --tp: the layer across an ep x tp mesh (sharded_moe_mlp), --tokens per device (models.sharded_runs)
     cases, left_out = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape),
-                                           direction=runs)
+                                           direction=runs, tp=one(shape, "tp"))
     cases, absent = presets.runnable_here(cases)  # a mesh larger than this process's devices: a note
     left_out = [*left_out, *absent]
     if op is not None:  # e.g. re-measuring one op's shipped entries after its backend's revision bump
@@ -339,8 +340,9 @@ def bench_cases(op: str | None, direction: str | None, model: str | None, shape:
         return [(op, problem) for problem in problems(op, direction or DEFAULT_DIRECTION, shape)]
     from moe_tune.commands import bench
 
-    return bench.model_cases(model, shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
-                             quant=quant_options(shape), op=op, direction=direction)
+    cases = bench.model_cases(model, shape.get("tokens"), ep=one(shape, "ep"), dtype=shape.get("dtype"),
+                              quant=quant_options(shape), op=op, direction=direction)
+    return [(name, problem) for name, problem in cases if presets.left_out(name, problem) is None]
 
 
 def sweep_options(fn: Callable) -> Callable:

@@ -86,16 +86,16 @@ def layer_settings(tokens: int | list[int] | None = None, ep: int | None = None,
 
 def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, ep: int | None = None,
                 dtype: str | None = None, quant: Mapping[str, Any] | None = None,
-                direction: str | None = None) -> list[tuple[int, KernelCase]]:
+                direction: str | None = None, tp: int | None = None) -> list[tuple[int, KernelCase]]:
     """(tokens, case) for every token count and every kernel call of one layer; every count is checked
     before anything runs. `quant`: see `kernel_problems`; `direction`: None, every tunable kernel call
     (`kernel_problems`: the shard layer of `tokens` routed tokens), else what serving (`fwd`) or training
-    (`all`) runs (`layer_runs`), with ep > 1 the layer across devices, `tokens` per device of the expert axis
-    (`sharded_runs`)."""
+    (`all`) runs (`layer_runs`: the shard layer of `tokens` routed tokens). `tp` given (with a direction): the
+    layer across an ep x tp mesh, `tokens` per device of the expert axis (`sharded_runs`)."""
     counts, ep, dtype = layer_settings(tokens, ep, dtype)
-    if ep > 1 and direction is not None:  # the layer across devices: `tokens` per device of the expert axis
+    if tp is not None and direction is not None:  # the layer across devices: `tokens` per device
         return [(t, case) for t in counts
-                for case in sharded_runs(preset, t, ep=ep, dtype=dtype, quant=quant, direction=direction)]
+                for case in sharded_runs(preset, t, ep=ep, tp=tp, dtype=dtype, quant=quant, direction=direction)]
     if direction is None:
         return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype, quant=quant)]
     return [(t, case) for t in counts
@@ -154,7 +154,8 @@ def sharded_runs(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtyp
       over the expert axis), this device's experts;
     - `all_to_all` (`exchange.all_to_all_layer`): the dispatch and combine on this device's `tokens`, the
       grouped matmuls on the receive buffer, `exchange.worst_rows` rows in `experts / ep` groups;
-    - tokens replicated over the expert axis (decode): the shard layer on `tokens`;
+    - tokens replicated over the expert axis (decode): the shard layer on `tokens` (first, its roles
+      unprefixed: `layer_runs`'s calls at the same count);
     - the strategy's own lookup (`moe_sharding`, `KernelOp.mesh_calls`).
 
     The layer without a capacity (`capacity_factor=None`). `direction` as `layer_runs` (None: every
@@ -169,11 +170,13 @@ def sharded_runs(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtyp
 
     shard = dataclasses.replace(layer_shape(preset, tokens, ep=ep, dtype=dtype, quant=quant),
                                 intermediate=preset.expert_intermediate // tp)
+    if ep == 1:  # a tensor axis alone: the one-device layer on each device's slice of the width
+        return _calls(shard, direction)
     received = dataclasses.replace(shard, tokens=worst_rows(tokens, shard.top_k, ep, shard.groups), top_k=1)
-    cases = [*_labelled("all_gather", _calls(dataclasses.replace(shard, tokens=tokens * ep), direction)),
+    cases = [*_calls(shard, direction),  # named as the shard layer's calls: the one on these tokens
+             *_labelled("all_gather", _calls(dataclasses.replace(shard, tokens=tokens * ep), direction)),
              *_labelled("all_to_all", _calls(shard, direction, ops=EXCHANGE_GATHERS)
                         + _calls(received, direction, ops=EXCHANGE_MATMULS)),
-             *_labelled("replicated", _calls(shard, direction)),
              *(KernelCase(op=SHARDING_OP, role=role, problem=problem)
                for role, problem in get_op(SHARDING_OP).mesh_calls(shard, tp, direction))]
     unique: dict[tuple, KernelCase] = {}
@@ -218,14 +221,20 @@ def collectives(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtype
     return rows
 
 
+def left_out(op: str, problem: Any) -> str | None:
+    """Why this process cannot run `op`'s `problem` (the sharded layer's strategy on a mesh larger than its
+    devices: `sharding_op.left_out_here`), None when it can."""
+    from moe_tune.layer.sharding_op import left_out_here
+
+    return left_out_here(problem) if op == SHARDING_OP else None
+
+
 def runnable_here(cases: list[Any]) -> tuple[list[Any], list[str]]:
     """(the cases this process can sweep, a note for each left out): the sharded layer's strategy needs as
     many devices as its mesh (`sharding_op.left_out_here`); every other case runs on one."""
-    from moe_tune.layer.sharding_op import left_out_here
-
     kept, left = [], {}
     for case in cases:
-        why = left_out_here(case.problem) if case.op == SHARDING_OP else None
+        why = left_out(case.op, case.problem)
         if why is None:
             kept.append(case)
         else:
