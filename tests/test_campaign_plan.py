@@ -58,9 +58,10 @@ def test_model_campaign_leaves_out_ep_sizes_a_model_cannot_take():
     assert {c.label.split()[0] for c in cases if "ep=16" in c.label} == {"qwen3-30b-a3b"}
     assert notes == ["mixtral-8x7b: ep=16 left out (8 experts are not divisible by 16)"]
     # training (the default): 6 ragged_dots, dispatch, combine and their two backward gathers per layer, then the
-    # fused kernels (gate/up and down, forward and backward) and the fused-or-not choice, timed forward (serving)
-    # and forward+backward (training)
-    assert len(model_campaign_cases(["all"], [16], [1], dtype="float32")[0]) == 16 * 10
+    # fused kernels (gate/up and down, forward and backward, and the gate/up forward with the glu an evaluation
+    # between training steps runs) and the fused-or-not choice, timed forward (serving) and forward+backward
+    # (training)
+    assert len(model_campaign_cases(["all"], [16], [1], dtype="float32")[0]) == 17 * 10
     assert len(model_campaign_cases(["all"], [16], [1], dtype="float32", direction="fwd")[0]) == 7 * 10
     with pytest.raises(UsageError, match="no sweep"):
         model_campaign_cases(["mixtral-8x7b"], [16], [16], dtype="float32")
@@ -117,11 +118,11 @@ def run():
 def test_dry_run_prints_the_plan(run, monkeypatch):
     result = run("sweep", "--model", "gpt-oss-20b,gpt-oss-120b", "--tokens", "64,512", "--ep", "1,4", "--dry-run")
     assert result.exit_code == 0, result.output
-    # 2 models x 2 counts x 2 ep x 16 cases (training, fused kernels and both choices included); gpt-oss's down
+    # 2 models x 2 counts x 2 ep x 17 cases (training, fused kernels and both choices included); gpt-oss's down
     # matmuls are its gate/up ones, 20b at ep=1 has the matmuls of 120b at ep=4 (32 experts per shard), the
     # gathers' keys do not hold the model's experts, and the dispatch's gradient is the combine's own kernel at ep=4
-    assert "128 kernel cases, 66 sweeps after removing duplicates" in result.output
-    assert "66 to run" in result.output and "gpt-oss-20b gate/up drhs tokens=512 ep=1" in result.output
+    assert "136 kernel cases, 72 sweeps after removing duplicates" in result.output
+    assert "72 to run" in result.output and "gpt-oss-20b gate/up drhs tokens=512 ep=1" in result.output
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
     shared = run("sweep", "--model", "gpt-oss-20b", "--tokens", "64", "--dry-run")

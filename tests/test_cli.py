@@ -107,10 +107,12 @@ def test_models_lists_presets_and_one_layers_kernels(run):
                     "--quant-block", "128", "--dtype", "bfloat16")
     assert quantized.exit_code == 0, quantized.output
     assert "ragged_dot dlhs m=4096 k=2048 n=768 g=32 bfloat16 rhs int8/128" in quantized.output
-    # fwd and dlhs of both matmuls: int8 weights are constants (no drhs runs); the gathers are not quantized
-    assert quantized.output.count("int8/128") == 4 and "drhs" not in quantized.output
+    # fwd and dlhs of both matmuls (int8 weights are constants: no drhs runs), the fused kernels the layer runs
+    # with them (the gate/up forward with and without its glu, its backward, the down forward and backward) and
+    # both fused-or-not choices keyed by the weights' quantization; the gathers are not quantized
+    assert quantized.output.count("int8/128") == 4 + 5 + 2 and "drhs" not in quantized.output
     bad_block = run("models", "qwen3-30b-a3b", "--rhs-quant", "int8", "--quant-block", "100")
-    assert bad_block.exit_code == 2 and "divisor of k=2048" in bad_block.output
+    assert bad_block.exit_code == 2 and "quant_block 100 does not divide its length 2048" in bad_block.output
     typo = run("models", "qwen3-30b")
     assert typo.exit_code == 2 and "did you mean" in typo.output and "Traceback" not in typo.output
 
