@@ -126,7 +126,7 @@ def test_dry_run_prints_the_plan(run, monkeypatch):
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
     shared = run("sweep", "--model", "gpt-oss-20b", "--tokens", "64", "--dry-run")
-    assert "13 sweeps after removing duplicates; share 1/3: 4 sweeps" in shared.output
+    assert "14 sweeps after removing duplicates; share 1/3: 5 sweeps" in shared.output
 
 
 def test_a_list_of_shapes_is_a_campaign_of_every_combination(run):
