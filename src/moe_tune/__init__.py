@@ -15,7 +15,7 @@ from moe_tune.kernels.fused_moe.op import gather_gmm, gmm_combine  # noqa: E402
 from moe_tune.kernels.gather import dense_gather_reduce, ragged_gather, ragged_gather_reduce  # noqa: E402
 from moe_tune.kernels.ragged_dot import ragged_dot  # noqa: E402
 from moe_tune.layer.moe import moe_mlp  # noqa: E402
-from moe_tune.layer.sharded import sharded_moe_mlp  # noqa: E402
+from moe_tune.layer.moe import sharded_moe_mlp  # noqa: E402
 from moe_tune.profiles import use_profiles  # noqa: E402
 
 __all__ = ["AsQArray", "DynamicQuant", "QArray", "__version__", "dense_gather_reduce", "dequantize", "devices", "from_checkpoint",

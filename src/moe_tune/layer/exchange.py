@@ -27,6 +27,9 @@ from moe_tune.core import devices
 from moe_tune.kernels.gather.op import ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
 
+# The layer's ways of splitting experts over devices (`sharded.py`): all_gather there, all_to_all here.
+STRATEGIES = ("all_gather", "all_to_all")
+
 RAGGED_ALL_TO_ALL_PLATFORMS = ("tpu", "gpu")  # XLA:CPU does not implement ragged_all_to_all
 
 

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from moe_tune.core import contexts
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.layer.fusion_choice import use_fused
+from moe_tune.layer import sharded
 from moe_tune.layer.fused_layer import fused_experts, serve_or_train
 from moe_tune.kernels.gather.op import dense_gather_reduce, ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
@@ -126,9 +129,7 @@ def moe_mlp(
 
     weights, chosen = route(router_logits, top_k, renormalize=renormalize)
     if across:
-        from moe_tune.layer import sharded
-
-        return sharded.layer(x, weights, chosen, w_gate, w_up, w_down, experts=experts, expert_axis=expert_axis,
+        return sharded.layer(_experts, x, weights, chosen, w_gate, w_up, w_down, experts=experts, expert_axis=expert_axis,
                              tensor_axis=tensor_axis, ep_strategy=ep_strategy, capacity_factor=capacity_factor,
                              tokens_replicated=tokens_replicated, return_stats=return_stats, fused=fused,
                              activation=activation, skip_zero_weights=skip_zero_weights, flags=flags)
@@ -176,3 +177,66 @@ def _experts(fused: bool, x, weights, w_gate, w_up, w_down, entry_of_row, row_of
         valid = (row_of_entry >= start) & (row_of_entry < end)
         out = ragged_gather_reduce(expert_out, row_of_entry, weights.reshape(entries), valid, top_k, **combine)
     return out.astype(x.dtype)  # as the fused path: float32 weights would promote a bfloat16 x's expert outputs
+
+
+def _weight_spec(w, name: str, spec: tuple, mesh) -> Any:
+    """The shard_map spec of one expert weight (`spec` for its values): a QArray's scale is split like its
+    values along an axis where it has one scale per value, kept whole where it has one scale for the whole
+    axis (the same for every slice), and split by blocks where whole blocks fall on each device."""
+    if isinstance(w, QArray):
+        scale_spec = []
+        for dim, (value, scale, axis) in enumerate(zip(w.qvalue.shape, w.scale.shape, spec)):
+            parts = 1 if axis is None else mesh.shape[axis]
+            if scale == value or scale % parts == 0:
+                scale_spec.append(axis)
+            elif scale == 1:
+                scale_spec.append(None)
+            else:
+                raise UsageError(f"{name}: its {scale} scale blocks along axis {dim} do not split over the "
+                                 f"{parts} devices of mesh axis {axis!r}")
+        return QArray(P(*spec), P(*scale_spec))
+    if isinstance(w, AsQArray):
+        return jax.tree_util.tree_map(lambda _: P(*spec), w)
+    return P(*spec)
+
+
+def sharded_moe_mlp(x, router_logits, w_gate, w_up, w_down, top_k: int, *, mesh, expert_axis: str = "expert",
+                    tensor_axis: str | None = None, tokens_replicated: bool = False, return_stats: bool = False,
+                    **moe_mlp_options):
+    """`moe_mlp` on global arrays over `mesh`: x [T, d] and router_logits [T, E] split by tokens over
+    `expert_axis` (whole on every device with `tokens_replicated=True`), w_gate / w_up [E, d, f] and w_down
+    [E, f, d] split by experts over `expert_axis` and by f over `tensor_axis` (QArrays with their scales).
+    Returns [T, d] split like x (and the stats, replicated, with `return_stats=True`). The other options are
+    `moe_mlp`'s (ep_strategy, capacity_factor, fused, activation, ...)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise UsageError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for role, axis in (("expert_axis", expert_axis), ("tensor_axis", tensor_axis)):
+        if axis is not None and axis not in mesh.shape:
+            raise UsageError(f"{role} {axis!r} is not an axis of the mesh (axes: {', '.join(mesh.axis_names)})")
+    if "expert_offset" in moe_mlp_options:
+        raise UsageError("sharded_moe_mlp places the experts itself: expert_offset is not taken")
+    ep = mesh.shape[expert_axis]
+    tp = 1 if tensor_axis is None else mesh.shape[tensor_axis]
+    tokens = getattr(x, "shape", (None,))[0]
+    if not tokens_replicated and tokens is not None and tokens % ep:
+        raise UsageError(f"x's {tokens} tokens do not split over the {ep} devices of expert_axis {expert_axis!r}")
+    experts = getattr(w_gate, "shape", (None,))[0]
+    if experts is not None and experts % ep:
+        raise UsageError(f"the {experts} experts do not split over the {ep} devices of expert_axis {expert_axis!r}")
+    intermediate = getattr(w_gate, "shape", (None,) * 3)[-1]
+    if intermediate is not None and intermediate % tp:
+        raise UsageError(f"the intermediate dimension {intermediate} does not split over the {tp} devices of "
+                         f"tensor_axis {tensor_axis!r}")
+    token_spec = P() if tokens_replicated else P(expert_axis)
+    in_specs = (token_spec, token_spec, _weight_spec(w_gate, "w_gate", (expert_axis, None, tensor_axis), mesh),
+                _weight_spec(w_up, "w_up", (expert_axis, None, tensor_axis), mesh),
+                _weight_spec(w_down, "w_down", (expert_axis, tensor_axis, None), mesh))
+    out_specs = (token_spec, {"dropped": P(), "entries": P()}) if return_stats else token_spec
+
+    def body(x, router_logits, w_gate, w_up, w_down):
+        return moe_mlp(x, router_logits, w_gate, w_up, w_down, top_k, expert_axis=expert_axis,
+                       tensor_axis=tensor_axis, tokens_replicated=tokens_replicated, return_stats=return_stats,
+                       **moe_mlp_options)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
+        x, router_logits, w_gate, w_up, w_down)

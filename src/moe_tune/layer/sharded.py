@@ -2,7 +2,7 @@
 dimension over another (tensor parallelism, TP), with JAX's `shard_map` as the engine.
 
 `moe_mlp(..., expert_axis=, tensor_axis=)` inside the caller's `jax.shard_map` runs here (`layer`);
-`sharded_moe_mlp` wraps it in a `shard_map` for global arrays. Strategies (`ep_strategy`):
+`sharded_moe_mlp` (in `moe.py`, beside `moe_mlp`) wraps it in a `shard_map` for global arrays. Strategies (`ep_strategy`):
 
 - `all_gather`: every device gathers the tokens' rows and routing over `expert_axis`, runs its own experts'
   rows (`ragged_gather` over their [start, end), the grouped matmuls or the fused kernels,
@@ -31,16 +31,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from moe_tune.core import devices as _devices
 from moe_tune.core.errors import UsageError
-from moe_tune.core.quant import AsQArray, QArray
 from moe_tune.layer import exchange
+from moe_tune.layer.exchange import STRATEGIES
 from moe_tune.layer.fused_layer import serve_or_train
 from moe_tune.layer.fusion_choice import use_fused
+from moe_tune.layer.sharding_choice import strategy_for
 
-STRATEGIES = ("all_gather", "all_to_all")
 _log = logging.getLogger(__name__)
 
 
@@ -56,8 +55,6 @@ def resolve_strategy(ep_strategy: str | None, *, tokens: int, hidden: int, inter
     if ep_strategy is None:
         if tokens_replicated or ep < 2:
             return "all_to_all" if platform in exchange.RAGGED_ALL_TO_ALL_PLATFORMS else "all_gather"
-        from moe_tune.layer.sharding_choice import strategy_for
-
         return strategy_for(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                             ep=ep, tp=tp, dtype=dtype)
     if ep_strategy not in STRATEGIES:
@@ -87,14 +84,12 @@ def capacity(capacity_factor: float | None, tokens: int, top_k: int) -> int | No
     return math.ceil(capacity_factor * tokens * top_k)
 
 
-def layer(x, weights, chosen, w_gate, w_up, w_down, *, experts: int, expert_axis: str | None,
+def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int, expert_axis: str | None,
           tensor_axis: str | None, ep_strategy: str | None, capacity_factor: float | None,
           tokens_replicated: bool, return_stats: bool, fused: bool | None, activation, skip_zero_weights: bool,
           flags: dict):
     """`moe_mlp` across devices, after its checks and routing (weights float32 / chosen int32 [t, top_k] of
     this device's tokens): the output [t, d] in x.dtype, with the stats when `return_stats`."""
-    from moe_tune.layer.moe import _experts  # the one-device experts, run on this device's expert shard
-
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     local, intermediate = w_gate.shape[0], w_gate.shape[2]
@@ -127,7 +122,7 @@ def layer(x, weights, chosen, w_gate, w_up, w_down, *, experts: int, expert_axis
             ragged=exchange.has_ragged_all_to_all(), **options)
         entries = tokens * top_k * ep
     else:
-        out, dropped = _gathered(_experts, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
+        out, dropped = _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
                                  replicated=tokens_replicated, me=me, experts=experts, cap=cap, fused=fused,
                                  **options)
         entries = tokens * top_k * (1 if tokens_replicated else ep)
@@ -186,68 +181,3 @@ def _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, axis, rep
         out = jax.lax.psum(out, axis) if replicated else jax.lax.psum_scatter(out, axis, scatter_dimension=0,
                                                                               tiled=True)
     return out, dropped
-
-
-def _weight_spec(w, name: str, spec: tuple, mesh) -> Any:
-    """The shard_map spec of one expert weight (`spec` for its values): a QArray's scale is split like its
-    values along an axis where it has one scale per value, kept whole where it has one scale for the whole
-    axis (the same for every slice), and split by blocks where whole blocks fall on each device."""
-    if isinstance(w, QArray):
-        scale_spec = []
-        for dim, (value, scale, axis) in enumerate(zip(w.qvalue.shape, w.scale.shape, spec)):
-            parts = 1 if axis is None else mesh.shape[axis]
-            if scale == value or scale % parts == 0:
-                scale_spec.append(axis)
-            elif scale == 1:
-                scale_spec.append(None)
-            else:
-                raise UsageError(f"{name}: its {scale} scale blocks along axis {dim} do not split over the "
-                                 f"{parts} devices of mesh axis {axis!r}")
-        return QArray(P(*spec), P(*scale_spec))
-    if isinstance(w, AsQArray):
-        return jax.tree_util.tree_map(lambda _: P(*spec), w)
-    return P(*spec)
-
-
-def sharded_moe_mlp(x, router_logits, w_gate, w_up, w_down, top_k: int, *, mesh, expert_axis: str = "expert",
-                    tensor_axis: str | None = None, tokens_replicated: bool = False, return_stats: bool = False,
-                    **moe_mlp_options):
-    """`moe_mlp` on global arrays over `mesh`: x [T, d] and router_logits [T, E] split by tokens over
-    `expert_axis` (whole on every device with `tokens_replicated=True`), w_gate / w_up [E, d, f] and w_down
-    [E, f, d] split by experts over `expert_axis` and by f over `tensor_axis` (QArrays with their scales).
-    Returns [T, d] split like x (and the stats, replicated, with `return_stats=True`). The other options are
-    `moe_mlp`'s (ep_strategy, capacity_factor, fused, activation, ...)."""
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise UsageError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    for role, axis in (("expert_axis", expert_axis), ("tensor_axis", tensor_axis)):
-        if axis is not None and axis not in mesh.shape:
-            raise UsageError(f"{role} {axis!r} is not an axis of the mesh (axes: {', '.join(mesh.axis_names)})")
-    if "expert_offset" in moe_mlp_options:
-        raise UsageError("sharded_moe_mlp places the experts itself: expert_offset is not taken")
-    ep = mesh.shape[expert_axis]
-    tp = 1 if tensor_axis is None else mesh.shape[tensor_axis]
-    tokens = getattr(x, "shape", (None,))[0]
-    if not tokens_replicated and tokens is not None and tokens % ep:
-        raise UsageError(f"x's {tokens} tokens do not split over the {ep} devices of expert_axis {expert_axis!r}")
-    experts = getattr(w_gate, "shape", (None,))[0]
-    if experts is not None and experts % ep:
-        raise UsageError(f"the {experts} experts do not split over the {ep} devices of expert_axis {expert_axis!r}")
-    intermediate = getattr(w_gate, "shape", (None,) * 3)[-1]
-    if intermediate is not None and intermediate % tp:
-        raise UsageError(f"the intermediate dimension {intermediate} does not split over the {tp} devices of "
-                         f"tensor_axis {tensor_axis!r}")
-    token_spec = P() if tokens_replicated else P(expert_axis)
-    in_specs = (token_spec, token_spec, _weight_spec(w_gate, "w_gate", (expert_axis, None, tensor_axis), mesh),
-                _weight_spec(w_up, "w_up", (expert_axis, None, tensor_axis), mesh),
-                _weight_spec(w_down, "w_down", (expert_axis, tensor_axis, None), mesh))
-    out_specs = (token_spec, {"dropped": P(), "entries": P()}) if return_stats else token_spec
-
-    def body(x, router_logits, w_gate, w_up, w_down):
-        from moe_tune.layer.moe import moe_mlp
-
-        return moe_mlp(x, router_logits, w_gate, w_up, w_down, top_k, expert_axis=expert_axis,
-                       tensor_axis=tensor_axis, tokens_replicated=tokens_replicated, return_stats=return_stats,
-                       **moe_mlp_options)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
-        x, router_logits, w_gate, w_up, w_down)

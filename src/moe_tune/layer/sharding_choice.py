@@ -6,7 +6,7 @@ expert width, split over `tp`), the mesh (`ep` devices along the expert axis, `t
 dtype and the weights' quantization; the table's device kind is the rest of the key. Its one backend (`mesh`)
 has three tunables:
 
-- `strategy`: `all_gather` or `all_to_all` (`sharded.STRATEGIES`);
+- `strategy`: `all_gather` or `all_to_all` (`exchange.STRATEGIES`);
 - `token_chunks`: the token chunks that would let XLA overlap the collectives with the matmuls. The layer
   runs its tokens in one piece, so 1 is the only value and the only candidate;
 - `exchange`: the all-to-all's implementation, `ragged` (`jax.lax.ragged_all_to_all`) or `fixed` (a
@@ -32,7 +32,7 @@ from moe_tune.kernels.options import ShapeOption
 from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
 from moe_tune.layer import exchange
 from moe_tune.layer.fusion_choice import FusionProblem
-from moe_tune.layer.sharded import STRATEGIES  # sharded.resolve_strategy imports `strategy_for` when called
+from moe_tune.layer.exchange import STRATEGIES
 
 EXCHANGES = ("ragged", "fixed")
 DIRECTIONS = ("fwd", "bwd")

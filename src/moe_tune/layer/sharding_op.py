@@ -21,7 +21,7 @@ from moe_tune.kernels.kernel_op import BenchPlan, KernelOp
 from moe_tune.kernels.layer_shape import LayerShape
 from moe_tune.layer.fusion_choice import INTERMEDIATE, LAYER_OPERANDS, layer_inputs, sweep_memory, training_check
 from moe_tune.layer.fusion_op import MOE_FUSION
-from moe_tune.layer.sharded import sharded_moe_mlp
+from moe_tune.layer.moe import sharded_moe_mlp
 from moe_tune.layer.sharding_choice import (BACKENDS, DEFAULT_OPTIONS, DIRECTIONS, STRATEGIES, TP, ShardingProblem)
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"

@@ -177,7 +177,7 @@ def _probe(job: SliceJob, mesh: Any) -> Any:
 
 
 def _layer(job: SliceJob, mesh: Any) -> Any:
-    from moe_tune.layer.sharded import sharded_moe_mlp
+    from moe_tune.layer.moe import sharded_moe_mlp
 
     def call(x, logits, w_gate, w_up, w_down):
         return sharded_moe_mlp(x, logits, w_gate, w_up, w_down, job.top_k, mesh=mesh, expert_axis="expert",
