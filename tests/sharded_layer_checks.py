@@ -248,7 +248,11 @@ CASES = {
     "skew_all_to_all_capacity": dict(strategy="all_to_all", ep=8, skew_to=0, capacity_factor=1.5),
     "skew_replicated_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=0.5,
                                      replicated=True, grads=False),
-    "ep8_default_backends": dict(strategy=None, ep=8, fused=None, plain=False, grads=False),
+    # the platform's default kernels (tiled on CPU), fused and unfused, inside the default shard_map
+    "ep8_default_backends": dict(strategy=None, ep=8, fused=None, plain=False),
+    "ep4_tp2_default_fused": dict(strategy="all_gather", ep=4, tp=2, fused=True, plain=False),
+    "ep4_tp2_all_to_all_default_capacity": dict(strategy="all_to_all", ep=4, tp=2, fused=None, plain=False,
+                                                capacity_factor=1.5, skew_to=4),
 }
 
 

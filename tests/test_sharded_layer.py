@@ -29,10 +29,11 @@ TOKENS_PER_DEVICE, TOP_K, EXPERTS = 4, 2, 16  # as the script's cases
 WITH_GRADS = ["ep8_all_gather_f32", "ep8_all_to_all_f32", "ep8_all_to_all_ragged_f32", "ep4_tp2_all_gather_f32",
               "ep4_tp2_all_to_all_ragged_capacity", "replicated_ep4_tp2_f32",
               "ep8_all_gather_bf16", "ep4_tp2_all_to_all_bf16", "skew_all_gather_capacity",
-              "skew_all_to_all_capacity", "ep8_all_to_all_int8_qat", "skew_top3_all_to_all"]
+              "skew_all_to_all_capacity", "ep8_all_to_all_int8_qat", "skew_top3_all_to_all",
+              "ep8_default_backends", "ep4_tp2_default_fused", "ep4_tp2_all_to_all_default_capacity"]
 WITH_INPUT_GRADS = ["ep4_tp2_all_gather_int8", "ep8_all_to_all_int8"]  # QArray weights: constants
 FORWARD = ["ep8_all_gather_fused_f32", "replicated_ep8_all_to_all_f32", "skew_all_gather", "skew_all_to_all",
-           "skew_replicated_capacity", "ep8_default_backends"]
+           "skew_replicated_capacity"]
 REFUSED = ["all_to_all_fused_refused"]
 CASES = WITH_GRADS + WITH_INPUT_GRADS + FORWARD
 
