@@ -170,7 +170,7 @@ _BAD_CALLS = {
     "use_profiles of an int": (lambda lhs, rhs: moe_tune.use_profiles(3).__enter__(),
                                r"use_profiles takes a directory path \(str or os.PathLike\), got int"),
     "lookup of a dict": (lambda lhs, rhs: get_op("ragged_dot").lookup({"m": 64}),
-                         r"ragged_dot.lookup takes the op's problem \(op.problem\(...\)\), got dict"),
+                         r"ragged_dot.lookup takes the op's problem \(RaggedDotProblem, from get_op\('ragged_dot'\).problem\(...\)\), got dict"),
     "dequantize a float array": (lambda lhs, rhs: moe_tune.dequantize(rhs), "dequantize takes a QArray"),
     "packed_axis out of range": (lambda lhs, rhs: moe_tune.from_checkpoint(
         np.zeros((TOTAL, K // 2, N), np.uint8), np.ones((TOTAL, 1, N), np.float32), "int4", packed_axis=7),
