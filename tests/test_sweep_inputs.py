@@ -17,6 +17,7 @@ from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.tuner import inputs, workers
 from moe_tune.tuner.inputs import SweepInputs
 from moe_tune.workers import protocol
+from moe_tune.workers.pool import Deferred
 
 TINY = RaggedDotProblem(m=128, k=64, n=64, groups=4)
 
@@ -48,7 +49,7 @@ def test_a_deferred_payload_reaches_workers_that_started_before_it_was_made(monk
     pool, token, answers = workers.pool(2), uuid.uuid4().hex, {}
     pool.map("moe_tune.tuner.workers:progress", [(i, (None,)) for i in range(2)], lambda *a: None)  # started
     sent = _requests_sent(monkeypatch, first_request)
-    deferred = inputs.Deferred(lambda: (made.wait(60), payload)[1], made.is_set)
+    deferred = Deferred(lambda: (made.wait(60), payload)[1], made.is_set)
     pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(4)],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=1.0,
              shared=(token, deferred))
@@ -68,7 +69,7 @@ def test_a_payload_that_cannot_be_made_fails_the_request_and_keeps_the_worker(mo
     pool = workers.pool(2)
     pool.map("moe_tune.tuner.workers:shared", [(0, (token,))],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=30,
-             shared=(token, inputs.Deferred(fail, lambda: False)))
+             shared=(token, Deferred(fail, lambda: False)))
     status, failure = answers[0]
     assert status == "failed" and failure.kind == "error" and "could not be made" in failure.message
     pids = {w.proc.pid for w in pool._idle.queue}

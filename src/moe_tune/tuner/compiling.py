@@ -38,9 +38,10 @@ from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.tuner import workers as workers_module
 from moe_tune.tuner.candidate import Candidate, Reference, failure_reason, short
-from moe_tune.tuner.inputs import Deferred, SweepInputs
+from moe_tune.tuner.inputs import SweepInputs
 from moe_tune.tuner.timing import traceable
 from moe_tune.workers import WorkerFailure
+from moe_tune.workers.pool import Deferred
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ the device copy, so a sweep holds its inputs once.
 
 The payload many worker requests share (inputs and reference) is pickled once (protocol 5) into one file in
 shared memory (/dev/shm, else the temp dir); workers map it and read the arrays as read-only views without a
-copy. A payload still being made is a `Deferred`, written when a worker first asks for it. Files of
+copy. A payload still being made is a `workers.pool.Deferred`, written when a worker first asks for it. Files of
 processes that no longer run are removed the next time one is stored. `shared_inputs` gives arrays passed to
 `compile_all` directly the same token-once treatment.
 """
@@ -24,7 +24,6 @@ import tempfile
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -191,23 +190,6 @@ class Stored:
     path: str
     head: bytes
     spans: tuple[tuple[int, int], ...]
-
-
-class Deferred:
-    """A shared payload still being made: `get()` waits for it and makes it once (`make()`), whichever thread
-    asks first; `ready()` says whether `get` would not wait for the producer."""
-
-    def __init__(self, make: Callable[[], Any], ready: Callable[[], bool]) -> None:
-        self._make, self.ready = make, ready
-        self._lock = threading.Lock()
-        self._made = False
-        self._value: Any = None
-
-    def get(self) -> Any:
-        with self._lock:
-            if not self._made:
-                self._value, self._made = self._make(), True
-        return self._value
 
 
 def _directory() -> str:

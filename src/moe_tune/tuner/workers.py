@@ -2,7 +2,7 @@
 (each start costs a JAX import), whose requests compile and run candidates (`worker_side.compile_and_run`).
 
 The payload a sweep's requests share (its inputs and reference, `inputs.SweepInputs.payload`) is written once
-to a shared-memory file (`inputs.store`), or sent while still being made (an `inputs.Deferred`, a
+to a shared-memory file (`inputs.store`), or sent while still being made (a `workers.pool.Deferred`, a
 `moe_tune.workers.Pending`); in a worker, `shared(token)` reads it back (`inputs.load`), once per token.
 Each worker enables the persistent compile cache when the sweep's process did (`worker_side.prepare`), and
 caps its address space at `MOE_TUNE_WORKER_MEMORY_LIMIT` when that is set (`MEMORY_LIMIT_ENV`; the tests'

@@ -260,7 +260,7 @@ class WorkerPool:
         """
         if shared is not None and isinstance(shared[1], Pending) and not shared[1].ready():
             token, made = shared  # stored once made, on a thread, while the workers run
-            shared = (token, _Stored(lambda: self._store(token, made.get()), made.ready))
+            shared = (token, Deferred(lambda: self._store(token, made.get()), made.ready))
             threading.Thread(target=_quietly, args=(shared[1].get,), daemon=True).start()
         elif shared is not None:
             payload = shared[1].get() if isinstance(shared[1], Pending) else shared[1]
@@ -363,11 +363,13 @@ class WorkerPool:
             self._remove_stored()
 
 
-class _Stored:
-    """A pending payload, stored when made (`WorkerPool._store`)."""
+class Deferred:
+    """A shared payload still being made: `get()` waits for it and makes it once (`make()`), whichever thread
+    asks first; `ready()` says whether `get` would not wait for the producer. The pool also wraps a payload it
+    stores when made in one."""
 
-    def __init__(self, get: Callable[[], Any], ready: Callable[[], bool]) -> None:
-        self._get, self.ready = get, ready
+    def __init__(self, make: Callable[[], Any], ready: Callable[[], bool]) -> None:
+        self._make, self.ready = make, ready
         self._lock = threading.Lock()
         self._made = False
         self._value: Any = None
@@ -375,7 +377,7 @@ class _Stored:
     def get(self) -> Any:
         with self._lock:
             if not self._made:
-                self._value, self._made = self._get(), True
+                self._value, self._made = self._make(), True
         return self._value
 
 
