@@ -4,7 +4,7 @@ column blocks, at tm 128/256/384, in bfloat16 and float32, at deepseek-v2-lite's
 24576-row pass over 4 groups). Prints min-of-3 time and GFLOP/s per form. Why: the breakdown of deepseek
 bf16 prefill fwd+bwd showed the fused dx dots at ~223 GFLOP/s (FINDINGS.md: fused layer prefill).
 
-    flock /work/coord/bench.lock .venv/bin/python benchmarks/dot_forms_cpu.py
+    .venv/bin/python benchmarks/dot_forms_cpu.py
 """
 import time, jax, jax.numpy as jnp, numpy as np
 NT=(((1,),(1,)),((),()))

@@ -1,7 +1,7 @@
 """What a ladder rung's sweep decides, against a long side-by-side run of the same configs
 (FINDINGS.md: final round budget).
 
-    flock /work/coord/bench.lock .venv/bin/python benchmarks/finals_cpu.py --kernel "deepseek-v2-lite down fwd
+    .venv/bin/python benchmarks/finals_cpu.py --kernel "deepseek-v2-lite down fwd
         bfloat16" --m 32,43,64 [--samples 61] [--repeat 1] [--json OUT]
 
 For each count m of one of `heldout_cpu.py`'s kernels, over heldout_cpu's small space (the default and tm x tk):

@@ -1,7 +1,7 @@
 """The finals' verdict, paired per round against two medians apart, on repeated final rounds
 (FINDINGS.md: paired finals).
 
-    flock /work/coord/bench.lock .venv/bin/python benchmarks/finals_paired_cpu.py --m 1024 --k 7168 --n 2048 \
+    .venv/bin/python benchmarks/finals_paired_cpu.py --m 1024 --k 7168 --n 2048 \
         --groups 4 --dtype bfloat16 --other tm=128,tk=512,tail=64 [--repeat 20] [--json OUT]
 
 Compiles the default, a copy of the default (compiled apart) and the `--other` configs once (each checked

@@ -3,7 +3,7 @@ after the other (the installed rule, `tiled.sequenced_weights`), against the sam
 per group (the rule patched off while that variant is traced), and the unfused layer: timed interleaved,
 medians and minima, temp memory of each compiled program.
 
-    flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/fused_decode_weights_cpu.py \\
+    env PYTHONPATH=src .venv/bin/python benchmarks/fused_decode_weights_cpu.py \\
         qwen3-30b-a3b float32 1 15     # preset dtype ep samples
 """
 

@@ -6,7 +6,7 @@ kernel (the output only written, in column chunks where a group's weights outwei
 each program's temp memory printed with its time.
 
     git show 06f4a9d:src/moe_tune/kernels/fused_moe/tiled.py > /tmp/old_fused_tiled.py
-    flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/fused_dispatch_carry_cpu.py \\
+    env PYTHONPATH=src .venv/bin/python benchmarks/fused_dispatch_carry_cpu.py \\
         /tmp/old_fused_tiled.py [--shapes tokens:top_k:hidden:width:experts,...] [--dtypes ...] [--samples 5] \\
         [--config tm:tail] [--weights-per-tile rule|yes|no]
 """

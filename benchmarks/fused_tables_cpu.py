@@ -6,7 +6,7 @@ the activation, both backward directions, the combine forward) and for serving (
 SiLU), as one campaign (`campaign.runner`; a sweep the table already holds is skipped). Short sweeps:
 coordinate descent from the default config, `--budget` candidates, `--samples` first-round samples.
 
-    PYTHONPATH=src flock /work/coord/bench.lock .venv/bin/python benchmarks/fused_tables_cpu.py \
+    PYTHONPATH=src .venv/bin/python benchmarks/fused_tables_cpu.py \
         --preset qwen3-30b-a3b --tokens 4096 --ep 1 --dtype bfloat16 [--budget 4] [--samples 2] \
         [--profile-dir DIR]
 

@@ -5,7 +5,7 @@ Why: XLA CPU packs the weights for every dot call, so a 16-row tail tile costs a
 tile does (benchmarks/results/fused_cpu_*: the dx kernel's [16, 2048] tail dots took as long as its
 [256, 2048] full ones); where groups hold about tm rows most of them run in tails.
 
-    PYTHONPATH=src flock /work/coord/bench.lock .venv/bin/python benchmarks/fused_tiles_cpu.py \
+    PYTHONPATH=src .venv/bin/python benchmarks/fused_tiles_cpu.py \
         [--preset qwen3-30b-a3b] [--tokens 4096] [--ep 1] [--dtype bfloat16] [--configs 256:16,256:64,...]
         [--samples 3] [--json OUT] [--direction fwd]
 """

@@ -5,7 +5,7 @@ in its own dtype, updated through its bits), `single` = the installed single pas
 each program's temp memory printed with its time; outputs checked equal.
 
     git show <before>:src/moe_tune/kernels/gather/tiled.py > /tmp/old_gather_tiled.py
-    flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/gather_carry_cpu.py \
+    env PYTHONPATH=src .venv/bin/python benchmarks/gather_carry_cpu.py \
         /tmp/old_gather_tiled.py [--shapes tokens:rows:hidden:valid_fraction,...] [--dtypes bfloat16,float32]
         [--weighted 1] [--chunk 64] [--samples 7]
 """

@@ -5,7 +5,7 @@ barrier), `half_nobarrier` (the `_glu_grad` of commit 040b874: a float32 concate
 `fused_cpu.py`'s forward+backward program with `op._glu_grad` replaced while it is traced; compiled once, timed interleaved in the same trace rounds (`fused_cpu.timed`: A B C A B C ...),
 with its temp memory from that compile.
 
-    flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/glu_grad_cpu.py
+    env PYTHONPATH=src .venv/bin/python benchmarks/glu_grad_cpu.py
         [--preset deepseek-v2-lite] [--tokens 4096] [--ep 4] [--dtypes bfloat16,float32] [--samples 3]
 """
 

@@ -2,7 +2,7 @@
 `strategies_cpu.py` shape (k=2048 n=768 groups=16 float32) and the counts of its ladder; alone, then with one
 busy-looping process beside it (what a compile worker is to the reference while a sweep compiles).
 
-    flock /work/coord/bench.lock .venv/bin/python benchmarks/reference_threads_cpu.py [--ms 256,1024,2048]
+    .venv/bin/python benchmarks/reference_threads_cpu.py [--ms 256,1024,2048]
         [--repeat 6]
 
 The two variants run interleaved (threads, one, threads, one ...), in this process; printed: per count the

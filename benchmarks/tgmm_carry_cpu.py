@@ -6,7 +6,7 @@ problem's tm) in the per-group schedule (batched=False, the one changed; bfloat1
 each program's temp memory printed with its time.
 
     git show <before>:src/moe_tune/kernels/ragged_dot/tiled.py > /tmp/old_tiled.py
-    flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/tgmm_carry_cpu.py /tmp/old_tiled.py
+    env PYTHONPATH=src .venv/bin/python benchmarks/tgmm_carry_cpu.py /tmp/old_tiled.py
         [--shapes m:k:n:groups,...] [--dtypes bfloat16,float32] [--samples 9]
 """
 

@@ -6,7 +6,7 @@ to [k, m]; each window's dot is [k, window] @ [window, n] in bf16, XLA CPU's `__
 the same bf16 inputs and its temp memory are printed with its time.
 
     git show <before>:src/moe_tune/kernels/ragged_dot/tiled.py > /tmp/old_tiled.py
-    flock /work/coord/bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/tgmm_layout_cpu.py /tmp/old_tiled.py
+    env PYTHONPATH=src .venv/bin/python benchmarks/tgmm_layout_cpu.py /tmp/old_tiled.py
         [--shapes m:k:n:groups,...] [--dtypes bfloat16] [--samples 5]
 """
 

@@ -1,7 +1,7 @@
 """Where a warm sweep's wall goes, against a cold one: `sweep_cpu.py`'s phase clock around `run_sweep`
 (FINDINGS.md: warm start).
 
-    flock /work/coord/bench.lock .venv/bin/python benchmarks/warm_phases_cpu.py --m 1024 --tables DIR \
+    .venv/bin/python benchmarks/warm_phases_cpu.py --m 1024 --tables DIR \
         [--k 2048 --n 768 --groups 16 --dtype float32] [--runs warm,cold,warm]
 
 `DIR/tables_<m>` holds the tuned neighbours (as `warm_start_cpu.py` leaves them): a `warm` run is the default
