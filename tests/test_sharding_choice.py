@@ -82,10 +82,16 @@ def test_the_sharded_layer_lists_each_strategys_calls_from_the_layers_own_rules(
     assert split["all_gather gate/up"].n == 32 and split["ep strategy"].intermediate == 64
     with pytest.raises(UsageError, match="tp"):
         models.sharded_runs(TINY, 8, ep=2, tp=3, dtype="float32")
-    # asked with a mesh (tp); without one, the shard layer of the routed tokens, as before
+    # a layer's cases at ep > 1 are the layer across devices, tp 1 unless given; its first group is the shard
+    # layer on these tokens (what tables swept for the shard layer answer); ep 1 is the one-device layer
+    assert models.layer_cases(TINY, [8], ep=4, dtype="float32", direction="fwd") == [(8, c) for c in cases]
     assert models.layer_cases(TINY, [8], ep=4, tp=1, dtype="float32", direction="fwd") == [(8, c) for c in cases]
-    assert models.layer_cases(TINY, [8], ep=4, dtype="float32", direction="fwd") == [
-        (8, c) for c in models.layer_runs(TINY, 8, ep=4, dtype="float32", direction="fwd")]
+    shard = models.layer_runs(TINY, 8, ep=4, dtype="float32", direction="fwd")
+    assert cases[:len(shard)] == shard
+    assert models.layer_cases(TINY, [8], ep=1, dtype="float32", direction="fwd") == [
+        (8, c) for c in models.layer_runs(TINY, 8, dtype="float32", direction="fwd")]
+    assert models.layer_cases(TINY, [8], ep=1, tp=2, dtype="float32", direction="fwd") == [
+        (8, c) for c in models.sharded_runs(TINY, 8, ep=1, tp=2, dtype="float32", direction="fwd")]
 
 
 def test_collectives_are_sized_by_the_layers_buffers():

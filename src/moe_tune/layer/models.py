@@ -88,18 +88,21 @@ def layer_cases(preset: ModelPreset, tokens: int | list[int] | None = None, *, e
                 dtype: str | None = None, quant: Mapping[str, Any] | None = None,
                 direction: str | None = None, tp: int | None = None) -> list[tuple[int, KernelCase]]:
     """(tokens, case) for every token count and every kernel call of one layer; every count is checked
-    before anything runs. `quant`: see `kernel_problems`; `direction`: None, every tunable kernel call
-    (`kernel_problems`: the shard layer of `tokens` routed tokens), else what serving (`fwd`) or training
-    (`all`) runs (`layer_runs`: the shard layer of `tokens` routed tokens). `tp` given (with a direction): the
-    layer across an ep x tp mesh, `tokens` per device of the expert axis (`sharded_runs`)."""
+    before anything runs. `quant`: see `kernel_problems`. `direction` None: every tunable kernel call of the
+    shard layer of `tokens` routed tokens (`kernel_problems`). With a direction, what serving (`fwd`) or
+    training (`all`) runs: on one device (`ep` and `tp` 1) the layer of `tokens` tokens (`layer_runs`); with
+    `ep` x `tp` >= 2 (`tp` None: 1) the layer across that mesh, `tokens` per device of the expert axis, under
+    every strategy (`sharded_runs`; its first group is the shard layer on `tokens`, `layer_runs` at the same
+    count and ep)."""
     counts, ep, dtype = layer_settings(tokens, ep, dtype)
-    if tp is not None and direction is not None:  # the layer across devices: `tokens` per device
-        return [(t, case) for t in counts
-                for case in sharded_runs(preset, t, ep=ep, tp=tp, dtype=dtype, quant=quant, direction=direction)]
     if direction is None:
         return [(t, case) for t in counts for case in kernel_problems(preset, t, ep=ep, dtype=dtype, quant=quant)]
-    return [(t, case) for t in counts
-            for case in layer_runs(preset, t, ep=ep, dtype=dtype, quant=quant, direction=direction)]
+    if ep == 1 and tp in (None, 1):
+        return [(t, case) for t in counts
+                for case in layer_runs(preset, t, ep=ep, dtype=dtype, quant=quant, direction=direction)]
+    return [(t, case) for t in counts  # the layer across devices: `tokens` per device of the expert axis
+            for case in sharded_runs(preset, t, ep=ep, tp=1 if tp is None else tp, dtype=dtype, quant=quant,
+                                     direction=direction)]
 
 
 def layer_runs(preset: ModelPreset, tokens: int, *, dtype: str, ep: int = 1, quant: Mapping[str, Any] | None = None,
@@ -269,7 +272,7 @@ def kernel_problems(preset: ModelPreset, tokens: int, *, ep: int = 1, dtype: str
       shard's experts) when ep > 1, `dense_gather_reduce` (no mask) when ep == 1.
 
     `dtype` is the dtype of activations and weights (all operands). `quant`: the ragged_dot quantization
-    options (`rhs_quant`, `lhs_quant`, `quant_block`; kernels/options.py `QUANT`) for a quantized layer:
+    options (`rhs_quant`, `lhs_quant`, `quant_block`; kernels/kernel_op.py `QUANT`) for a quantized layer:
     only the ragged_dot cases take them, the gathers stay float.
     """
     return _calls(layer_shape(preset, tokens, ep=ep, dtype=dtype, quant=quant), None)
