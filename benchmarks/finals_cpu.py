@@ -36,7 +36,7 @@ def sweep_once(problem: Any, final_time_s: float) -> dict[str, Any]:
     """The tuner's cold grid sweep of `problem` in a fresh profile dir, its final round given `final_time_s`
     seconds of calls per finalist (0: the samples alone, without the time budget): its verdict and wall time."""
     from moe_tune.core import devices
-    from moe_tune.profiles import dirs
+    from moe_tune.profiles.table import table_path
     from moe_tune.profiles.table import read_table
     from moe_tune.tuner import SweepSettings
 
@@ -45,7 +45,7 @@ def sweep_once(problem: Any, final_time_s: float) -> dict[str, Any]:
         start = time.perf_counter()
         heldout_cpu.sweep_all([problem], settings)
         wall = time.perf_counter() - start
-        entry = next(iter(read_table(dirs.table_path(Path(tmp), devices.device_kind(), "ragged_dot"))["entries"]
+        entry = next(iter(read_table(table_path(Path(tmp), devices.device_kind(), "ragged_dot"))["entries"]
                           .values()))
     verdict = entry["verdict"]
     return {"final_time_s": final_time_s, "wall_s": wall, "rule": verdict["rule"], "noise": verdict.get("noise"), "config": entry["config"],

@@ -5,7 +5,7 @@ quant_cpu.py: 4 rows a group), the weights loaded five ways, timed interleaved i
 - int8: the int8 block sliced and converted to f32 (the 1-byte path, the baseline);
 - int4 convert: the int4 block sliced and converted by XLA (s4 -> f32);
 - int4 bytes: the int4 array bitcast to its bytes outside the loop, each block's bytes sliced and unpacked
-  with 32-bit integer ops (`loop_dtypes.load_nibbles`), the even and odd columns as two dots;
+  with 32-bit integer ops (`pallas_util.load_nibbles`), the even and odd columns as two dots;
 - fp8 bits: float8_e4m3fn by `loop_dtypes.e4m3fn_to_float32`; e2m1 convert / e2m1 bytes as for int4.
 
     PYTHONPATH=src .venv/bin/python benchmarks/four_bit_loads_cpu.py [--groups 32] [--samples 15] [--json OUT]
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.commands import bench
-from moe_tune.kernels.loop_dtypes import e4m3fn_to_float32, load_nibbles, packed_bytes, per_iteration
+from moe_tune.kernels.pallas_util import e4m3fn_to_float32, load_nibbles, packed_bytes, per_iteration
 
 K, N, ROWS = 2048, 768, 4  # qwen3-30b-a3b's gate/up expert, 4 rows a group
 

@@ -128,9 +128,9 @@ def sweep_all(problems: list[Any], settings: Any, share: tuple[int, int] | None 
     `share`: only the I-th of N disjoint shares of them (`--shard`: several processes at once)."""
     from moe_tune.campaign import runner
     from moe_tune.campaign.plan import op_cases
-    from moe_tune.tuner import compile_cache
+    from moe_tune.tuner import compiling
 
-    compile_cache.enable()
+    compiling.enable_cache()
     planned = runner.prepare(op_cases("ragged_dot", problems), settings, share=share)
     print(f"  {len(planned.todo)} sweeps to run, {len(planned.done)} done", flush=True)
     for i, outcome in enumerate(runner.run_here(planned.todo, settings)):
@@ -142,14 +142,14 @@ def ladder_view(profile_dir: Path, problems: list[Any]) -> Path:
     """A profile dir holding only the ladder's entries (copied from the sweeps' table) and the intervals measured
     from them: what lookup answers from, so that the held-out counts' own entries cannot answer themselves."""
     from moe_tune.core import devices
-    from moe_tune.profiles import dirs
-    from moe_tune.profiles.key import entry_key
+    from moe_tune.profiles.table import table_path
+    from moe_tune.profiles.entry import entry_key
     from moe_tune.profiles.table import read_table, update_table
 
     view = profile_dir / "ladder_view"
-    source = read_table(dirs.table_path(profile_dir, devices.device_kind(), "ragged_dot"))["entries"]
+    source = read_table(table_path(profile_dir, devices.device_kind(), "ragged_dot"))["entries"]
     keys = {entry_key("ragged_dot", p, "tiled", "balanced") for p in problems}
-    update_table(dirs.table_path(view, devices.device_kind(), "ragged_dot"), "ragged_dot", devices.device_kind(),
+    update_table(table_path(view, devices.device_kind(), "ragged_dot"), "ragged_dot", devices.device_kind(),
                  lambda t: t["entries"].update({k: source[k] for k in keys if k in source}))
     return view
 
@@ -174,21 +174,22 @@ def measure_ladders(view: Path, problems: list[Any], settings: Any) -> list[dict
 def held_intervals(view: Path) -> list[dict[str, Any]]:
     """The intervals the ladder view holds (measured by an earlier `ladder` phase)."""
     from moe_tune.core import devices
-    from moe_tune.profiles import dirs
+    from moe_tune.profiles.table import table_path
     from moe_tune.profiles.table import read_table
 
-    return list(read_table(dirs.table_path(view, devices.device_kind(), "ragged_dot"))["intervals"].values())
+    return list(read_table(table_path(view, devices.device_kind(), "ragged_dot"))["intervals"].values())
 
 
 def pick(view: Path, problem: Any) -> tuple[dict[str, Any], dict[str, Any], str]:
     """(the config lookup picks from the ladder view, the config nearest in log space picks, lookup's source)."""
     from moe_tune.core import devices
-    from moe_tune.profiles import dirs, use_profiles
+    from moe_tune.profiles import use_profiles
+    from moe_tune.profiles.table import table_path
     from moe_tune.profiles.table import read_table
 
     with use_profiles(view):
         found = get_op("ragged_dot").lookup(problem, backend="tiled", distribution="balanced")
-    entries = read_table(dirs.table_path(view, devices.device_kind(), "ragged_dot"))["entries"].values()
+    entries = read_table(table_path(view, devices.device_kind(), "ragged_dot"))["entries"].values()
     family = {k: v for k, v in problem.key_fields().items() if k != "m"}
     same = [e for e in entries if {k: v for k, v in e["fields"].items() if k not in ("m", "backend", "distribution")}
             == family]

@@ -1,4 +1,4 @@
-"""The sweep's float64 reference on OpenBLAS's threads against one thread (`threadpoolctl`, as `tuner/inputs.py` runs it), at the
+"""The sweep's float64 reference on OpenBLAS's threads against one thread (`threadpoolctl`, as `tuner/candidate.py` runs it), at the
 `strategies_cpu.py` shape (k=2048 n=768 groups=16 float32) and the counts of its ladder; alone, then with one
 busy-looping process beside it (what a compile worker is to the reference while a sweep compiles).
 

@@ -68,11 +68,13 @@ def _instrument(clock: _Clock) -> None:
 
     import jax
 
-    from moe_tune.tuner import compiling, measure, record, state, timing, workers
+    from moe_tune.tuner import compiling, measure, state, timing
+
+    from moe_tune.tuner import state as record, compiling as workers
 
     clock.wrap(state.SweepState, "prepare_inputs", "inputs and reference")
     try:  # the reference and device copy are made on a thread while the first compiles run
-        from moe_tune.tuner import inputs
+        from moe_tune.tuner import candidate as inputs
 
         clock.wrap(inputs.SweepInputs, "wait", WAITED)
     except ImportError:  # an older tuner: made in "inputs and reference", before compiling
@@ -142,10 +144,11 @@ def one_sweep(workers: int, candidates: int, samples: int, spawned: float | None
     candidate's first run in its worker, which gives the check its output), and per phase inside them."""
     imported = time.time()
     from moe_tune.kernels import get_op
-    from moe_tune.tuner import SweepRequest, compile_cache, run_sweep
+    from moe_tune.tuner import SweepRequest, run_sweep
+    from moe_tune.tuner import compiling
     from moe_tune.tuner.compiling import backend_compiles
 
-    compile_cache.enable()  # the dir is fresh and empty: a cold cache, as a first sweep on a machine has
+    compiling.enable_cache()  # the dir is fresh and empty: a cold cache, as a first sweep on a machine has
     clock = _Clock()
     _instrument(clock)
 

@@ -16,8 +16,8 @@ def isolated_profiles(tmp_path, monkeypatch):
     no test's lookup depends on the tables this package ships (tests/test_shipped_tables.py reads those)."""
     env_dir = tmp_path / "env_profiles"
     monkeypatch.setenv("MOE_TUNE_PROFILE_DIR", str(env_dir))
-    monkeypatch.setattr("moe_tune.profiles.dirs.user_dir", lambda: tmp_path / "user_profiles")
-    monkeypatch.setattr("moe_tune.profiles.dirs.shipped_dir", lambda: tmp_path / "shipped_profiles")
+    monkeypatch.setattr("moe_tune.profiles.table.user_dir", lambda: tmp_path / "user_profiles")
+    monkeypatch.setattr("moe_tune.profiles.table.shipped_dir", lambda: tmp_path / "shipped_profiles")
     monkeypatch.delenv("MOE_TUNE_DISTRIBUTION", raising=False)
     # No persistent compile cache in tests (it is process-wide once on, and tests count compiles); the test
     # of the cache itself runs sweeps in subprocesses with their own cache dir.

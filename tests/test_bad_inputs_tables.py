@@ -51,7 +51,7 @@ def test_compile_records_append_to_an_empty_file(tmp_path):
 def test_the_ray_drivers_sweep_log_append_after_a_cut_line_keeps_the_new_lines(tmp_path):
     pytest.importorskip("ray")
     from moe_tune.campaign.ray_runner import LogRelay
-    from moe_tune.tuner.log import read_log
+    from moe_tune.tuner.request import read_log
 
     relay = LogRelay.__ray_actor_class__(str(tmp_path))
     header = json.dumps({"type": "header", "key": "k"}) + "\n"
@@ -234,7 +234,7 @@ def test_the_api_refuses_a_path_as_device_kind():
 def test_a_float32_sweep_is_not_seeded_by_bfloat16_or_quantized_entries(isolated_profiles):
     from moe_tune.kernels import get_op
     from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-    from moe_tune.profiles.key import key_fields, key_from_fields
+    from moe_tune.profiles.entry import key_fields, key_from_fields
     from moe_tune.profiles.table import write_entries
     from moe_tune.tuner import warm_start
 
@@ -268,7 +268,7 @@ def test_a_float32_sweep_is_not_seeded_by_bfloat16_or_quantized_entries(isolated
 def _shipped(monkeypatch) -> None:
     import moe_tune.profiles
 
-    monkeypatch.setattr("moe_tune.profiles.dirs.shipped_dir", lambda: Path(moe_tune.profiles.__file__).parent / "data")
+    monkeypatch.setattr("moe_tune.profiles.table.shipped_dir", lambda: Path(moe_tune.profiles.__file__).parent / "data")
 
 
 def test_the_default_report_cuts_no_cell_short(monkeypatch):

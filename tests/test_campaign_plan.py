@@ -15,7 +15,7 @@ from moe_tune.cli import cli
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.layer.models import ModelPreset, layer_cases
-from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.entry import entry_key
 
 # Same matmuls per shard (4 experts on one shard, or 8 on two: 4 groups of the same m, k, n); other gathers.
 FOUR = ModelPreset(name="four", hidden=128, expert_intermediate=64, experts=4, top_k=2, shared_experts=0)

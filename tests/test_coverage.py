@@ -12,8 +12,8 @@ from moe_tune.campaign.plan import model_campaign_cases
 from moe_tune.cli import cli
 from moe_tune.kernels import get_op
 from moe_tune.profiles import key_fields, write_entries
-from moe_tune.profiles.key import key_from_fields
-from moe_tune.profiles.versions import entry_versions
+from moe_tune.profiles.entry import key_from_fields
+from moe_tune.profiles.entry import entry_versions
 
 ARGS = ["coverage", "--model", "qwen3-30b-a3b", "--tokens", "16", "--ep", "8", "--dtype", "float32",
         "--direction", "fwd"]

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from moe_tune.cli import cli
 from moe_tune.kernels import get_op
 from moe_tune.layer.models import LAYER_DEFAULTS, layer_settings
-from moe_tune.profiles import dirs
+from moe_tune.profiles import table as dirs
 from moe_tune.profiles.table import write_entries
 
 

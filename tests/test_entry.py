@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moe_tune.core import settings
-from moe_tune.profiles import dirs
+from moe_tune.profiles import table as dirs
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import migrate, read_table
 from moe_tune.profiles.validate import table_files

@@ -12,7 +12,8 @@ from faulty_backend import FaultyConfig, FaultyRaggedDot
 
 from moe_tune.core import devices
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
-from moe_tune.tuner import SweepRequest, inputs, run_sweep, workers
+from moe_tune.tuner import SweepRequest, run_sweep
+from moe_tune.tuner import candidate as inputs, compiling as workers
 from moe_tune.tuner.compiling import backend_compiles
 from moe_tune.workers import protocol
 
@@ -119,7 +120,7 @@ def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monk
     token = uuid.uuid4().hex
     answers = {}
     pool = workers.pool(2)
-    pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(6)],
+    pool.map("moe_tune.tuner.compiling:shared", [(i, (token,)) for i in range(6)],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=60, shared=(token, payload))
     assert all(status == "ok" and np.array_equal(value, payload) for status, value in answers.values())
     shares = [s for s in sent if s is not None]
@@ -127,7 +128,7 @@ def test_shared_payload_goes_to_each_worker_once_and_errors_keep_the_worker(monk
     assert len({s[1] for s in shares}) == 1 and all(isinstance(s[1], inputs.Stored) for s in shares)
 
     pids = pool.pids()
-    pool.map("moe_tune.tuner.workers:shared", [(0, ("no such token",))],
+    pool.map("moe_tune.tuner.compiling:shared", [(0, ("no such token",))],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=60)
     status, failure = answers[0]
     assert status == "failed" and failure.kind == "error" and "KeyError" in failure.message
@@ -197,7 +198,7 @@ def test_map_calls_back_on_the_callers_thread_and_an_error_there_stops_the_rest(
     token = uuid.uuid4().hex
     pool = workers.pool(2)
     seen = []
-    pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(4)],
+    pool.map("moe_tune.tuner.compiling:shared", [(i, (token,)) for i in range(4)],
              lambda tag, status, value: seen.append((tag, status, value, threading.current_thread())),
              timeout=60, shared=(token, 7))
     assert sorted(tag for tag, *_ in seen) == [0, 1, 2, 3]
@@ -210,7 +211,7 @@ def test_map_calls_back_on_the_callers_thread_and_an_error_there_stops_the_rest(
         raise ValueError("stop here")
 
     with pytest.raises(ValueError, match="stop here"):
-        pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(50)], fail, timeout=60,
+        pool.map("moe_tune.tuner.compiling:shared", [(i, (token,)) for i in range(50)], fail, timeout=60,
                  shared=(token, 7))
     assert len(called) == 1
     deadline = time.monotonic() + 30

@@ -18,7 +18,7 @@ from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.profiles import intervals as iv
-from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.entry import entry_key
 from moe_tune.profiles.table import SCHEMA_VERSION, migrate, read_table, write_entries
 from moe_tune.tuner import SweepSettings
 

@@ -19,7 +19,7 @@ from moe_tune.layer.fusion_choice import FusionConfig, FusionProblem, LayerChoic
 from moe_tune.layer.fusion_op import MOE_FUSION
 from moe_tune.layer.reference import check_size, training_reference
 from moe_tune.profiles import key_fields, write_entries
-from moe_tune.profiles.key import key_from_fields
+from moe_tune.profiles.entry import key_from_fields
 
 # 8 local experts at ep 1: the check's 4 are a strict subset
 PROBLEM = FusionProblem(tokens=16, hidden=32, intermediate=12, experts=8, top_k=2, direction="bwd")

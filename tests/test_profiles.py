@@ -14,7 +14,7 @@ from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig
 from moe_tune.profiles import entry_key, key_fields, lookup, use_profiles, write_entries
-from moe_tune.profiles.key import key_from_fields
+from moe_tune.profiles.entry import key_from_fields
 
 PROBLEM = RaggedDotProblem(m=1024, k=256, n=128, groups=8)
 
@@ -125,7 +125,7 @@ def test_profile_dirs_are_read_in_order_and_a_users_table_wins_over_the_shipped_
     """use_profiles(...) > $MOE_TUNE_PROFILE_DIR > the user cache dir > the shipped tables: each dir holds an
     exact entry with its own tm; taking the dirs away one at a time uncovers the next one (the user's entry
     wins over the shipped one while both exist)."""
-    from moe_tune.profiles import dirs
+    from moe_tune.profiles import table as dirs
 
     user, shipped, overlay = dirs.user_dir(), dirs.shipped_dir(), tmp_path / "overlay"
     assert isolated_profiles not in (user, shipped)

@@ -103,8 +103,8 @@ def test_dynamic_quant_marker_quantizes_as_the_whole_array_rule():
 
 
 def test_packed_nibbles_unpack_to_every_4bit_value():
-    """`loop_dtypes.packed_bytes` / `load_nibbles`: all 16 codes of int4 and float4_e2m1fn, even and odd."""
-    from moe_tune.kernels.loop_dtypes import load_nibbles, packed_bytes
+    """`pallas_util.packed_bytes` / `load_nibbles`: all 16 codes of int4 and float4_e2m1fn, even and odd."""
+    from moe_tune.kernels.pallas_util import load_nibbles, packed_bytes
     for dtype, values in (("int4", np.arange(-8, 8)), ("float4_e2m1fn", np.concatenate([E2M1, -E2M1]))):
         x = jnp.asarray(values.reshape(2, 8), jnp.dtype(dtype))
         packed = jax.jit(packed_bytes)(x)
@@ -118,7 +118,7 @@ def test_tiled_4bit_weights_with_an_odd_width_take_the_unpacked_path():
     """Weights whose last axis cannot be cut into bytes (n = 5) are converted element by element: the same
     result as the packed path's, fwd and dlhs."""
     import moe_tune
-    from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_reference
+    from moe_tune.kernels.ragged_dot.definition import ragged_dot_dlhs_reference, ragged_dot_reference
     rng = np.random.default_rng(4)
     x, dout = rng.standard_normal((12, 32)).astype(np.float32), rng.standard_normal((12, 5)).astype(np.float32)
     w = quantize(rng.standard_normal((2, 32, 5)).astype(np.float32), "int4", axis=1, block_size=16)

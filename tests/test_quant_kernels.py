@@ -27,7 +27,7 @@ from ragged_dot_base.quantized import direction_reference as reference
 from moe_tune.core.errors import UsageError
 from moe_tune.core.quant import QArray, quantize
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.kernels.loop_dtypes import e4m3fn_to_float32
+from moe_tune.kernels.pallas_util import e4m3fn_to_float32
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, vmem_bytes
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig

@@ -18,7 +18,7 @@ from test_quant_kernels import SIZES, K, M, N, assert_close  # noqa: E402
 import moe_tune
 from moe_tune.core.errors import UsageError
 from moe_tune.core.quant import AsQArray, QArray, dequantize, dequantize_host, quantize
-from moe_tune.kernels.ragged_dot.reference import (ragged_dot_dlhs_reference, ragged_dot_drhs_reference,
+from moe_tune.kernels.ragged_dot.definition import (ragged_dot_dlhs_reference, ragged_dot_drhs_reference,
                                                    ragged_dot_reference)
 
 # name: (lhs quantization, rhs quantization), each None (float) or (qdtype, block_size; None = per row/channel)

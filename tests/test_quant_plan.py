@@ -19,7 +19,7 @@ from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig, block_bytes, compiler_bytes, vmem_bytes
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, gmm_plan, problem_plan, tgmm_plan
 from moe_tune.kernels.ragged_dot.quantized import prepare_gmm, prepare_tgmm
-from moe_tune.kernels.ragged_dot.reference import (ragged_dot_dlhs_reference, ragged_dot_drhs_reference,
+from moe_tune.kernels.ragged_dot.definition import (ragged_dot_dlhs_reference, ragged_dot_drhs_reference,
                                                    ragged_dot_reference)
 from moe_tune.kernels.ragged_dot.tiled import TiledConfig, tiled_ragged_dot
 from moe_tune.kernels.ragged_dot.triton import TritonConfig

@@ -22,7 +22,7 @@ from moe_tune.core import distributions
 from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
-from moe_tune.kernels.ragged_dot.reference import ragged_dot_drhs_reference
+from moe_tune.kernels.ragged_dot.definition import ragged_dot_drhs_reference
 from moe_tune.kernels.ragged_dot.tiled import (MAX_BLOCKS_PER_VISIT, TiledConfig, drhs_window, tiled_ragged_dot,
                                                tiled_transposed_ragged_dot)
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
@@ -174,7 +174,7 @@ TILED_BF16_KERNELS = {
 
 @pytest.mark.parametrize("name", TILED_BF16_KERNELS)
 def test_tiled_bfloat16_operands_are_viewed_per_block_not_copied_whole(name):
-    """No op on a whole bf16 operand outside the loops: its uint16 view (`loop_dtypes.as_bits`) fuses into
+    """No op on a whole bf16 operand outside the loops: its uint16 view (`pallas_util.as_bits`) fuses into
     each block's slice. A view made before the loop was a copy of the whole operand per call, the size of
     all the expert weights at a decode shape (FINDINGS.md: bf16 ragged_dot on CPU)."""
     kernel, operands = TILED_BF16_KERNELS[name]

@@ -17,8 +17,8 @@ from moe_tune.cli import cli
 from moe_tune.commands import render as cli_render
 from moe_tune.commands import report
 from moe_tune.kernels import get_op
-from moe_tune.profiles import dirs
-from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles import table as dirs
+from moe_tune.profiles.entry import key_fields, key_from_fields
 from moe_tune.profiles.table import write_entries
 
 SHIPPED = dirs.shipped_dir()
@@ -43,7 +43,7 @@ def _demo_entry() -> dict:
 @pytest.fixture
 def demo_tables(isolated_profiles, monkeypatch, tmp_path):
     """The shipped tables and the demo's entry in the user cache dir."""
-    monkeypatch.setattr("moe_tune.profiles.dirs.shipped_dir", lambda: SHIPPED)
+    monkeypatch.setattr("moe_tune.profiles.table.shipped_dir", lambda: SHIPPED)
     entry = _demo_entry()
     write_entries(dirs.user_dir() / "cpu" / "ragged_dot.json", "ragged_dot", "cpu", [entry])
     return entry

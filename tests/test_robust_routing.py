@@ -13,7 +13,7 @@ from moe_tune.campaign import robust
 from moe_tune.core import distributions
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.entry import entry_key
 from moe_tune.profiles.table import update_table, write_entries
 
 PROBLEM = RaggedDotProblem(m=64, k=64, n=128, groups=4)

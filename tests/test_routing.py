@@ -18,7 +18,7 @@ from moe_tune.kernels import get_op
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.profiles import key_fields, write_entries
-from moe_tune.profiles.key import key_from_fields
+from moe_tune.profiles.entry import key_from_fields
 
 DOT = RaggedDotProblem(m=64, k=32, n=16, groups=4)
 # the tm each distribution's entries hold (one per direction), and the gather's rows_per_chunk

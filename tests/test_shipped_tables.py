@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 from moe_tune.kernels import get_op
-from moe_tune.profiles import dirs, table
+from moe_tune.profiles import table
+from moe_tune.profiles import table as dirs
 from moe_tune.profiles.table import LOCK_DIR
 from moe_tune.profiles.validate import table_files, validate_table
-from moe_tune.profiles.versions import staleness
+from moe_tune.profiles.entry import staleness
 # Captured at import, before the autouse fixture points `dirs.shipped_dir` at an empty temporary dir.
 SHIPPED = dirs.shipped_dir()
 

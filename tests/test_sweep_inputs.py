@@ -14,8 +14,8 @@ import pytest
 
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
-from moe_tune.tuner import inputs, workers
-from moe_tune.tuner.inputs import SweepInputs
+from moe_tune.tuner import candidate as inputs, compiling as workers
+from moe_tune.tuner.candidate import SweepInputs
 from moe_tune.workers import protocol
 from moe_tune.workers.pool import Deferred
 
@@ -47,10 +47,10 @@ def test_a_deferred_payload_reaches_workers_that_started_before_it_was_made(monk
             threading.Timer(1.5, made.set).start()
 
     pool, token, answers = workers.pool(2), uuid.uuid4().hex, {}
-    pool.map("moe_tune.tuner.workers:progress", [(i, (None,)) for i in range(2)], lambda *a: None)  # started
+    pool.map("moe_tune.tuner.compiling:progress", [(i, (None,)) for i in range(2)], lambda *a: None)  # started
     sent = _requests_sent(monkeypatch, first_request)
     deferred = Deferred(lambda: (made.wait(60), payload)[1], made.is_set)
-    pool.map("moe_tune.tuner.workers:shared", [(i, (token,)) for i in range(4)],
+    pool.map("moe_tune.tuner.compiling:shared", [(i, (token,)) for i in range(4)],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=1.0,
              shared=(token, deferred))
     assert sorted(answers) == [0, 1, 2, 3]
@@ -67,13 +67,13 @@ def test_a_payload_that_cannot_be_made_fails_the_request_and_keeps_the_worker(mo
 
     token, answers = uuid.uuid4().hex, {}
     pool = workers.pool(2)
-    pool.map("moe_tune.tuner.workers:shared", [(0, (token,))],
+    pool.map("moe_tune.tuner.compiling:shared", [(0, (token,))],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=30,
              shared=(token, Deferred(fail, lambda: False)))
     status, failure = answers[0]
     assert status == "failed" and failure.kind == "error" and "could not be made" in failure.message
     pids = {w.proc.pid for w in pool._idle.queue}
-    pool.map("moe_tune.tuner.workers:shared", [(1, (token,))],
+    pool.map("moe_tune.tuner.compiling:shared", [(1, (token,))],
              lambda tag, status, value: answers.__setitem__(tag, (status, value)), timeout=30, shared=(token, 5))
     assert answers[1] == ("ok", 5) and {w.proc.pid for w in pool._idle.queue} == pids
 
@@ -165,7 +165,7 @@ def test_the_shapes_compiled_before_the_inputs_exist_are_the_made_inputs():
     """For the ops whose shapes come first (`targets.calls.DESCRIBED_OPS`), `targets.calls.abstract_inputs` is
     what `make_inputs` makes; it refuses another op (it once fell through to a gather's inputs)."""
     from moe_tune.targets.calls import DESCRIBED_OPS, abstract_inputs
-    from moe_tune.tuner.inputs import _shapes
+    from moe_tune.tuner.candidate import _shapes
 
     covered = set()
     for op, problem in _problems():
@@ -177,7 +177,7 @@ def test_the_shapes_compiled_before_the_inputs_exist_are_the_made_inputs():
 
 
 def test_made_inputs_that_are_not_the_shapes_compiled_for_are_an_error(monkeypatch):
-    from moe_tune.tuner import inputs as inputs_module
+    from moe_tune.tuner import candidate as inputs_module
 
     monkeypatch.setattr(inputs_module, "abstract_inputs", lambda op, problem: {"a": np.zeros((1,), np.float32)})
     prepared = SweepInputs.prepare(get_op("ragged_dot"), TINY, "balanced", 0)

@@ -19,7 +19,7 @@ from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.profiles import read_table
 from moe_tune.tuner import Reporter, SweepInterrupted, SweepRequest, log_path_for, run_sweep
 from moe_tune.tuner.compiling import backend_compiles
-from moe_tune.tuner.log import SweepLog, read_log
+from moe_tune.tuner.request import SweepLog, read_log
 from moe_tune.tuner.strategies import spread
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)  # swept with its first 4 candidates
@@ -276,8 +276,8 @@ def test_a_log_written_before_the_tuner_was_reshaped_resumes_unchanged(tmp_path,
 
     from moe_tune.kernels import get_op
     from moe_tune.profiles.entry import Entry
-    from moe_tune.profiles.versions import entry_versions
-    from moe_tune.tuner.log import config_key
+    from moe_tune.profiles.entry import entry_versions
+    from moe_tune.tuner.request import config_key
     from moe_tune.tuner.request import SweepPlan
 
     [(key, old_entry)] = read_table(Path(DATA) / "table_ragged_dot.json")["entries"].items()

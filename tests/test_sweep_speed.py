@@ -46,7 +46,7 @@ def test_a_shared_payload_comes_back_from_its_file_as_read_only_views(tmp_path, 
     next `store`."""
     import os
 
-    from moe_tune.tuner import inputs
+    from moe_tune.tuner import candidate as inputs
 
     monkeypatch.setattr(inputs, "_directory", lambda: str(tmp_path))
     stale = tmp_path / "moe_tune_shared_999999999_x"  # a pid no process has

@@ -11,7 +11,7 @@ import filelock
 
 from moe_tune.profiles.table import lock_path
 from moe_tune.profiles.table import write_entries
-from moe_tune.tuner.log import SweepLog
+from moe_tune.tuner.request import SweepLog
 
 
 def _entry(key: str) -> dict:

@@ -23,7 +23,7 @@ from moe_tune.kernels.ragged_dot.tiled import TiledConfig, TiledRaggedDot
 from moe_tune.profiles import (SCHEMA_VERSION, StaleEntryError, entry_versions, key_fields, merge_tables, migrate,
                                read_table, use_profiles, use_stale_policy, validate_paths, validate_table,
                                write_entries)
-from moe_tune.profiles.key import key_from_fields
+from moe_tune.profiles.entry import key_from_fields
 from moe_tune.profiles.table import migrate_v1_to_v2
 
 PROBLEM = RaggedDotProblem(m=1024, k=256, n=128, groups=8)

@@ -411,8 +411,9 @@ def test_resuming_in_a_process_that_ran_the_sweep_with_the_compile_cache(tmp_pat
     code = """
 import json, sys
 from moe_tune.kernels import get_op
-from moe_tune.tuner import SweepRequest, compile_cache, run_sweep
-compile_cache.enable()
+from moe_tune.tuner import SweepRequest, run_sweep
+from moe_tune.tuner import compiling
+compiling.enable_cache()
 out = []
 for fresh in (True, False, False):
     for direction in ("fwd", "drhs"):

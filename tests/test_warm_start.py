@@ -13,7 +13,7 @@ from test_strategies import BIG, SPACE, TILED, _run, bowl
 
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.profiles import key_fields, write_entries
-from moe_tune.profiles.key import key_from_fields
+from moe_tune.profiles.entry import key_from_fields
 from moe_tune.profiles.verdict import PAIRED_MIN_NOISE, budget_text
 from moe_tune.tuner import SweepRequest, run_sweep, warm_start
 from moe_tune.tuner import strategies as S

@@ -134,9 +134,9 @@ def ops():
 @cli.command()
 @click.argument("name", required=False)
 @click.option("--tokens", type=INT_LIST, default=str(presets.LAYER_DEFAULTS["tokens"]), show_default=True,
-              help="Tokens per expert-parallel shard, comma-separated as for `sweep --model` (with NAME).")
+              help="Tokens per device of the expert axis, comma-separated as for `sweep --model` (with NAME).")
 @click.option("--ep", type=INT_LIST, default=str(presets.LAYER_DEFAULTS["ep"]), show_default=True,
-              help="Expert-parallel sizes, comma-separated.")
+              help="Expert-parallel sizes, comma-separated (> 1: the layer across that many devices).")
 @click.option("--dtype", type=DTYPES, default=presets.LAYER_DEFAULTS["dtype"], show_default=True)
 @click.option("--direction", type=click.Choice(presets.LAYER_DIRECTIONS), default=presets.LAYER_DEFAULTS["direction"],
               show_default=True, help="What the layer runs: fwd (serving) or all (training: gradients too).")

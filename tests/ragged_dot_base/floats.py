@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_tune
-from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference
+from moe_tune.kernels.ragged_dot.definition import ragged_dot_dlhs_reference
 
 from .helpers import CASES, EDGE_CASES, assert_matches_reference, make_operands, sizes_from_cuts
 from .hooks import BackendHooks

@@ -17,7 +17,7 @@ import moe_tune
 from moe_tune.core.errors import InvalidConfigError
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
-from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
+from moe_tune.kernels.ragged_dot.definition import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
 
 from .helpers import CASES, DIRECTIONS, GRAD_CASES, GRAD_TOLERANCE, local_rows, make_operands
 from .hooks import BackendHooks

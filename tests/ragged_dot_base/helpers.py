@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_tune.kernels.ragged_dot import ragged_dot_reference
+from moe_tune.kernels.ragged_dot.definition import ragged_dot_reference
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")  # gmm, gmm(transpose_rhs=True), tgmm
 

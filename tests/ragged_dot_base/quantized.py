@@ -17,8 +17,9 @@ import pytest
 
 import moe_tune
 from moe_tune.core.quant import DynamicQuant, QArray, dequantize_host, quantize
-from moe_tune.kernels.ragged_dot import RaggedDotProblem, ragged_dot_reference
-from moe_tune.kernels.ragged_dot.reference import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
+from moe_tune.kernels.ragged_dot import RaggedDotProblem
+from moe_tune.kernels.ragged_dot.definition import ragged_dot_reference
+from moe_tune.kernels.ragged_dot.definition import ragged_dot_dlhs_reference, ragged_dot_drhs_reference
 
 from .helpers import DIRECTIONS, GRAD_TOLERANCE, local_rows
 from .hooks import BackendHooks

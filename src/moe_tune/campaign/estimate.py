@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.kernels import get_op
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import search_dirs, table_path, write_dir
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import table_entries
 from moe_tune.tuner import strategies
@@ -85,11 +85,11 @@ class _Record:
 def recorded(device_kind: str, ops: Iterable[str], profile_dir: Path | None = None) -> list[_Record]:
     """Seconds per candidate of every sweep the tables of `device_kind` recorded (the write dir of
     `profile_dir` and every search dir), for `ops`."""
-    roots = [dirs.write_dir(profile_dir), *(root for _, root in dirs.search_dirs())]
+    roots = [write_dir(profile_dir), *(root for _, root in search_dirs())]
     found = []
     for root in dict.fromkeys(roots):
         for op in ops:
-            for key, data in table_entries(dirs.table_path(root, device_kind, op)).items():
+            for key, data in table_entries(table_path(root, device_kind, op)).items():
                 try:
                     entry = Entry.from_json(data, key)
                 except ValueError:

@@ -35,7 +35,7 @@ from typing import Any
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import table_path, write_dir
 from moe_tune.profiles import intervals as iv
 from moe_tune.profiles.table import is_complete, table_entries, update_table
 from moe_tune.tuner.request import SweepSettings
@@ -118,7 +118,7 @@ def measure(ladder: Ladder, settings: SweepSettings, device_kind: str, *, timer:
     """Measure `ladder`'s boundaries from its entries in the write table and write its intervals there."""
     if timer is None:
         from moe_tune.tuner.crossover import time_side_by_side as timer
-    table = dirs.table_path(dirs.write_dir(settings.profile_dir), device_kind, ladder.op)
+    table = table_path(write_dir(settings.profile_dir), device_kind, ladder.op)
     entries = table_entries(table)
     known = _known_boundaries(table, ladder)
     outcome = LadderOutcome(ladder, table=table)

@@ -37,10 +37,10 @@ from moe_tune.campaign.request import SweepOutcome, error_text, local_device
 from moe_tune.campaign.plan import PlannedSweep
 from moe_tune.core.errors import MoeTuneError
 from moe_tune.core.settings import COMPILE_CACHE_DIR
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import table_path, write_dir
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.table import write_entries
-from moe_tune.profiles.versions import recorded_revision
+from moe_tune.profiles.entry import recorded_revision
 from moe_tune.tuner.request import SweepSettings
 
 # A task whose process or node dies is run again this many times (an exception it raises is not retried:
@@ -135,7 +135,7 @@ class LogRelay:
     def start(self, key: str, device: dict[str, Any], log: str, fresh: bool) -> bytes:
         """A task starts `key` on `device`: the sweep log received so far (whole lines), to resume from. With
         `fresh`, the first start deletes the log (a retry then resumes what the first attempt sent)."""
-        from moe_tune.tuner.log import read_log
+        from moe_tune.tuner.request import read_log
 
         attempts = self.started.get(key, {}).get("attempts", 0) + 1
         self.started[key] = {"attempts": attempts, "device": device}
@@ -195,11 +195,11 @@ def _enable_compile_cache(driver_setting: str | None) -> None:
     """In a task, before its first compile: JAX's persistent compilation cache, as a sweep on the command line
     has it (a retried or resumed sweep compiles nothing twice), in the driver's `$MOE_TUNE_COMPILE_CACHE_DIR`
     where the driver set one (`off`, or a path every node can write) and else in the node's default dir."""
-    from moe_tune.tuner import compile_cache
+    from moe_tune.tuner import compiling
 
     if driver_setting is not None:
         os.environ[COMPILE_CACHE_DIR] = driver_setting  # this worker process runs one task only
-    compile_cache.enable()
+    compiling.enable_cache()
 
 
 def _sweep_task(sweep: PlannedSweep, settings: SweepSettings, accelerator: Accelerator, relay: Any,
@@ -279,7 +279,7 @@ def run_on_ray(sweeps: Sequence[PlannedSweep], settings: SweepSettings, accelera
     and write each entry to the table under `settings.profile_dir` as it arrives. Returns one outcome per
     sweep, in the order they ended. `sweep_fn` replaces `run_sweep` in the tasks (tests inject faults with
     it). A KeyboardInterrupt cancels the tasks still running; what finished is kept."""
-    directory = dirs.write_dir(settings.profile_dir)
+    directory = write_dir(settings.profile_dir)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     relay = LogRelay.options(scheduling_strategy=here).remote(str(directory))
     task = ray.remote(max_calls=1)(_sweep_task).options(max_retries=max_retries, retry_exceptions=False,
@@ -325,7 +325,7 @@ def _collect(sweep: PlannedSweep, ref: ray.ObjectRef, directory: Path,
         outcome.error = f"{type(e).__name__}: {_first_line(e)}"
         return outcome
     entry = {**done["entry"], "provenance": provenance(done["entry"], done["device"])}
-    outcome.table = dirs.table_path(directory, entry["device_kind"], sweep.op)
+    outcome.table = table_path(directory, entry["device_kind"], sweep.op)
     write_entries(outcome.table, sweep.op, entry["device_kind"], [entry])
     outcome.entry = Entry.from_json(entry, entry["key"])
     outcome.device, outcome.resumed, outcome.wall_s = done["device"], done["resumed"], done["wall_s"]

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import table_path, write_dir
 from moe_tune.profiles import intervals as iv
 from moe_tune.profiles.table import is_complete, table_entries, update_table
 
@@ -72,10 +72,10 @@ def measure_campaigns(campaigns: Mapping[str, Any], *, print_line: Callable[[str
     if timer is None:
         from moe_tune.tuner.crossover import time_side_by_side as timer
     first = next(iter(campaigns.values()))
-    directory = dirs.write_dir(first.settings.profile_dir)
+    directory = write_dir(first.settings.profile_dir)
     written = []
     for sweep in first.planned:
-        table = dirs.table_path(directory, first.device_kind, sweep.op)
+        table = table_path(directory, first.device_kind, sweep.op)
         held = table_entries(table)
         entries = {}
         for distribution, campaign in campaigns.items():

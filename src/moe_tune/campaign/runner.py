@@ -20,7 +20,7 @@ from typing import Any
 from moe_tune.campaign.plan import Case, PlannedSweep, plan, represented, shard, split_done
 from moe_tune.campaign.request import Campaign, SweepOutcome, error_text, local_device
 from moe_tune.core.errors import TableError, UsageError
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import table_path, writable_dir, write_dir
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.verdict import weaker_than
 from moe_tune.profiles.table import read_table, table_entries
@@ -103,10 +103,10 @@ def prepare(cases: Sequence[Case], settings: SweepSettings, *, backend: str | No
 
 def _held(sweeps: Sequence[PlannedSweep], settings: SweepSettings, device_kind: str) -> dict[str, dict]:
     """The target table's entries (JSON, by key) of the ops of `sweeps` (none of an unreadable table)."""
-    directory = dirs.write_dir(settings.profile_dir)
+    directory = write_dir(settings.profile_dir)
     held: dict[str, dict] = {}
     for op in {s.op for s in sweeps}:
-        held.update(table_entries(dirs.table_path(directory, device_kind, op)))
+        held.update(table_entries(table_path(directory, device_kind, op)))
     return held
 
 
@@ -132,8 +132,8 @@ def preflight(planned: Planned) -> None:
     profile dir cannot be written or a table the sweeps write to cannot be read (one error, not one failed
     sweep each, after all its candidates ran); run here, UsageError for a sweep whose backend cannot run here
     or whose problem cannot fit in memory (`tuner.preflight`)."""
-    directory = dirs.write_dir(planned.settings.profile_dir)
-    dirs.writable_dir(directory)
+    directory = write_dir(planned.settings.profile_dir)
+    writable_dir(directory)
     check_tables(planned)
     if planned.accelerator is None:
         from moe_tune.tuner import preflight as sweep_preflight
@@ -145,9 +145,9 @@ def preflight(planned: Planned) -> None:
 def check_tables(planned: Planned) -> None:
     """TableError (naming the file) for a table the sweeps of `planned.todo` would write to that cannot be
     read or belongs to another op or device kind: the write at the end of each sweep would refuse it."""
-    directory = dirs.write_dir(planned.settings.profile_dir)
+    directory = write_dir(planned.settings.profile_dir)
     for op in dict.fromkeys(s.op for s in planned.todo):
-        path = dirs.table_path(directory, planned.device_kind, op)
+        path = table_path(directory, planned.device_kind, op)
         if not (path.exists() or path.is_symlink()):
             continue
         table = read_table(path)
@@ -270,9 +270,9 @@ def _sweep_pass(campaign: Campaign, settings: SweepSettings, view: View, left: d
         view.plan(planned, campaign, listed=False)
     if not (planned.todo or campaign.passes.ladder):
         return planned, False
-    from moe_tune.tuner import compile_cache
+    from moe_tune.tuner import compiling
 
-    compile_cache.enable()
+    compiling.enable_cache()
     outcomes: list[SweepOutcome] = []
     if planned.todo:
         with view.progress(planned, campaign) as hooks:

@@ -9,7 +9,7 @@ from moe_tune.campaign.plan import plan, shard
 from moe_tune.campaign.request import Campaign
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import write_dir
 from moe_tune.targets import wheels
 from moe_tune.targets.calls import DESCRIBED_OPS
 from moe_tune.core.chips import get_target
@@ -42,7 +42,7 @@ def compile_pass(campaign: Campaign, *, print_line: Callable[[str], None] = prin
                              f"{target.name} compiles what the chip runs natively: {', '.join(native)}")
     if where.share is not None:
         sweeps = shard(sweeps, *where.share)
-    directory = dirs.write_dir(settings.profile_dir)
+    directory = write_dir(settings.profile_dir)
     print_line(f"compiling the candidates of {len(sweeps)} sweep(s) for {target.name} ({target.description}) "
                f"with {settings.workers} worker(s); records in {records_path(directory, target.device_kind, '<op>')}")
     if where.dry_run:

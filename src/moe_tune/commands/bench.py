@@ -25,7 +25,7 @@ from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.layer import models
-from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.entry import entry_key
 from moe_tune.profiles.verdict import marks
 from moe_tune.tuner.request import check_fits
 from moe_tune.tuner.timing import time_candidates, traceable
@@ -218,9 +218,10 @@ def bench_case(op: str, problem: Any, *, backend: str | None = None, samples: in
 def model_cases(model: str, tokens: int | list[int] | None, *, ep: int | None = None, dtype: str | None = None,
                 quant: Mapping[str, Any] | None = None, op: str | None = None,
                 direction: str | None = None) -> list[tuple[str, Any]]:
-    """(op, problem) of every kernel call one layer of `model` looks up at each of `tokens` (`models.layer_runs`:
-    serving's with `direction` fwd, training's with all, the default), once per table key; with `op` that op's
-    alone (UsageError when the layer runs none)."""
+    """(op, problem) of every kernel call one layer of `model` looks up at each of `tokens` (`models.layer_cases`:
+    serving's with `direction` fwd, training's with all, the default; at `ep` > 1 the layer across that many
+    devices, `tokens` per device of the expert axis), once per table key; with `op` that op's alone (UsageError
+    when the layer runs none)."""
     preset = models.get_preset(model)
     runs = direction or models.LAYER_DEFAULTS["direction"]
     cases = {}

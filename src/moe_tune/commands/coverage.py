@@ -17,12 +17,12 @@ from moe_tune.commands.options import DTYPES, INT_LIST, handle_errors, quant_fla
 @click.command()
 @click.option("--model", required=True, help="A preset (see `moe-tune models`), several comma-separated, or `all`.")
 @click.option("--tokens", type=INT_LIST, default=str(presets.LAYER_DEFAULTS["tokens"]), show_default=True,
-              help="Tokens per expert-parallel shard, comma-separated.")
+              help="Tokens per device of the expert axis, comma-separated.")
 @click.option("--ep", type=INT_LIST, default=str(presets.LAYER_DEFAULTS["ep"]), show_default=True,
-              help="Expert-parallel sizes, comma-separated.")
+              help="Expert-parallel sizes, comma-separated (> 1: the layer across that many devices).")
 @click.option("--tp", type=click.IntRange(min=1), default=None,
-              help="The layer across an ep x tp mesh (sharded_moe_mlp): --tokens per device, its collectives listed "
-                   "with their bytes (default: the shard layer of --tokens routed tokens).")
+              help="Tensor-parallel size: the layer across an ep x tp mesh (sharded_moe_mlp), each expert's width "
+                   "split tp ways (default 1).")
 @click.option("--dtype", type=DTYPES, default=presets.LAYER_DEFAULTS["dtype"], show_default=True)
 @click.option("--direction", type=click.Choice(presets.LAYER_DIRECTIONS), default=presets.LAYER_DEFAULTS["direction"],
               show_default=True, help="What the layer runs: fwd (serving) or all (training: gradients too).")
@@ -40,8 +40,9 @@ from moe_tune.commands.options import DTYPES, INT_LIST, handle_errors, quant_fla
 @handle_errors
 def coverage(model, tokens, ep, tp, dtype, direction, distribution, backend, device_kind, profile_dir, fmt, **quant):
     """List every kernel call of one layer of MODEL and how lookup answers it (exact, interval, robust, nearest,
-    default), with the entry's age and staleness, and what tuning the others would take. With --tp the layer
-    across an ep x tp mesh (--tokens per device), its collectives listed after its kernels with their bytes."""
+    default), with the entry's age and staleness, and what tuning the others would take. At --ep x --tp >= 2 the
+    layer across that mesh (--tokens per device of the expert axis), its collectives listed after its kernels
+    with their bytes."""
     from moe_tune.campaign.coverage import age_text
     from moe_tune.campaign.coverage import coverage as cover
 

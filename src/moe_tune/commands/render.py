@@ -404,7 +404,8 @@ def layer_table(name: str, cases: Sequence[Any], notes: Sequence[str], *, dtype:
     for note in notes:
         click.echo(f"note: {note}", err=True)
     what = "training: forward and backward" if training else "serving: forward"
-    table(f"{name}: one MoE layer per shard ({what}), {dtype}", ("kernel call", "op", "problem"),
+    table(f"{name}: the kernel calls one device of a MoE layer runs ({what}), {dtype}",
+          ("kernel call", "op", "problem"),
           [(case.label, case.op, get_op(case.op).describe(case.problem)) for case in cases])
 
 

@@ -13,7 +13,7 @@ from moe_tune.commands.breakdown.ops import Breakdown
 from moe_tune.core.errors import UsageError, warn_caller
 from moe_tune.core.quant_format import QuantFormat
 from moe_tune.kernels import get_op
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import search_dirs
 from moe_tune.profiles.entry import Entry, record_problems, seconds
 from moe_tune.profiles.intervals import describe_interval, interval_of_entry
 from moe_tune.profiles.table import read_table
@@ -41,7 +41,7 @@ _QUANT_COLUMNS = ("quant", "quant_error")
 FILTERS = {"op": "op", "direction": "direction", "device": "device_kind", "backend": "backend", "dtype": "dtype",
            "key": "key", "source": "source"}
 _NOT_SHAPE = ("direction", "backend", "distribution")
-# Where an entry comes from (`dirs.search_dirs` origins), in the words of the `source` column.
+# Where an entry comes from (`search_dirs` origins), in the words of the `source` column.
 SOURCES = {"shipped": "shipped", "user": "user cache", "env": "profile dir", "dir": "profile dir",
            "use_profiles": "use_profiles"}
 MINE = ("user cache", "profile dir", "use_profiles")  # `report --mine`: every source but the shipped tables
@@ -49,7 +49,7 @@ MINE = ("user cache", "profile dir", "use_profiles")  # `report --mine`: every s
 
 def table_files(profile_dir: Path | None = None, op: str | None = None) -> list[tuple[str, Path]]:
     """(origin, path) of every table in `profile_dir`, or in every search dir, highest priority first."""
-    roots = [("dir", Path(profile_dir))] if profile_dir is not None else dirs.search_dirs()
+    roots = [("dir", Path(profile_dir))] if profile_dir is not None else search_dirs()
     found = []
     for origin, root in roots:
         pattern = f"*/{op}.json" if op else "*/*.json"
@@ -253,14 +253,14 @@ LOG_COLUMNS = ["index", "status", "config", "median_ms", "spread", "final_ms", "
 
 
 def sweep_log_frame(path: str | Path) -> tuple[dict[str, Any], pd.DataFrame, list[dict[str, Any]]]:
-    """(header, one row per candidate of LOG_COLUMNS, the `final` lines) of a sweep log (tuner/log.py):
+    """(header, one row per candidate of LOG_COLUMNS, the `final` lines) of a sweep log (tuner/request.py):
     every candidate a sweep finished, failed and wrong ones with their reasons, fastest correct first.
 
     median_ms / spread: the candidate's sweep round; final_ms / final_spread: a finalist's final round (from
     the last `final` line; NaN for the others, and the spread for logs written before it was recorded);
     winner: the config that last `final` line chose."""
     from moe_tune.core.errors import MoeTuneError
-    from moe_tune.tuner.log import read_log
+    from moe_tune.tuner.request import read_log
 
     path = Path(path)
     if not path.is_file():

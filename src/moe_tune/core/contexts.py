@@ -7,9 +7,9 @@ UsageError, one line) before it takes effect.
 - `use_distribution(name)`: the routing (group-size distribution) a call's table lookup assumes, after the
   call's own `distribution=` argument and before `$MOE_TUNE_DISTRIBUTION`, else `balanced`. The ops capture the
   block's choice when they are called, so the gradient kernels (traced later by `jax.grad`) ask for the same one.
-- `use_profiles(path)`: tables under `path` take precedence over every other profile dir (`profiles.dirs`).
+- `use_profiles(path)`: tables under `path` take precedence over every other profile dir (`profiles.table`).
 - `use_stale_policy(policy)`: how lookups treat stale entries (`use`, `skip`, `error`), after an explicit
-  policy and before `$MOE_TUNE_STALE_POLICY` (`profiles.versions`).
+  policy and before `$MOE_TUNE_STALE_POLICY` (`profiles.entry`).
 - `choose_backend(op, name)`: the backend calls of `op` that pass none run on (the public, checked form is
   `moe_tune.use_backend`, which knows the ops' registries; `KernelOp.backend` reads `chosen_backend`).
 

@@ -2,17 +2,21 @@
 
 Each accessor reads the environment when it is called (never at import), so a variable set or changed after
 `import moe_tune` (a test's monkeypatch, a launcher) takes effect at the next lookup, trace or sweep.
+
+`writable_dir` and its kin check that a path the user gave can be written, made before the work that would write it, so that a bad
+path is one line naming it (`errors.path_error`) rather than a traceback after minutes of work.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 
 import platformdirs
 
-from moe_tune.core.errors import UsageError
+from moe_tune.core.errors import MoeTuneError, UsageError, path_error
 
 PROFILE_DIR = "MOE_TUNE_PROFILE_DIR"
 DISTRIBUTION = "MOE_TUNE_DISTRIBUTION"
@@ -102,7 +106,7 @@ def _positive(name: str, value: str, kind: type[int] | type[float], what: str) -
 
 def compile_cache_max_bytes() -> int:
     """`MOE_TUNE_COMPILE_CACHE_MAX_BYTES`: the size the compile cache is trimmed back from when a sweep starts
-    (default 4 GiB; `tuner.compile_cache.trim`). UsageError naming the variable when not a positive integer."""
+    (default 4 GiB; `tuner.compiling.trim_cache`). UsageError naming the variable when not a positive integer."""
     value = _get(COMPILE_CACHE_MAX_BYTES)
     if not value:
         return DEFAULT_COMPILE_CACHE_MAX_BYTES
@@ -132,3 +136,17 @@ def no_gpu_preallocation(env: MutableMapping[str, str] | None = None) -> None:
     process only plans and names tables, and its workers share the GPU with it, with each other and with
     whatever else runs there."""
     (os.environ if env is None else env).setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def writable_dir(directory: str | os.PathLike, what: str, hint: str = "") -> Path:
+    """`directory`, created if needed, once a file can be written in it; else MoeTuneError:
+    `{what} {directory}: {why}{hint}` (e.g. `cannot write traces to ./t: Permission denied`)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        error = path_error(what, directory, e)
+        raise MoeTuneError(f"{error}{hint}") from None
+    return directory

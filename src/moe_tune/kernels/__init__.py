@@ -11,7 +11,7 @@ from moe_tune.core.errors import UsageError
 from moe_tune.core import contexts
 from moe_tune.kernels.gather.definition import DENSE_GATHER_REDUCE, RAGGED_GATHER, RAGGED_GATHER_REDUCE
 from moe_tune.kernels.kernel_op import KernelOp, Resolved
-from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.kernel_op import ShapeOption
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.fused_moe.definition import FUSED_MOE
 

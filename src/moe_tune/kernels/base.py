@@ -64,7 +64,7 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
     # Revision of the kernel's code, recorded in every table entry tuned with it. Bump it when a change to the
     # kernel can change which config is fastest or whether a config is valid (not for comments, refactors or
     # fixes that leave the generated code alone): entries tuned with another revision are then stale, and
-    # lookup uses, skips or refuses them by `$MOE_TUNE_STALE_POLICY` (`profiles/versions.py`).
+    # lookup uses, skips or refuses them by `$MOE_TUNE_STALE_POLICY` (`profiles/entry.py`).
     revision: ClassVar[int] = 1
 
     def runs_on(self, platform: str) -> bool:

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-# The layer's quantization options (kernels/options.py `QUANT`): which operands of its matmuls are quantized.
+# The layer's quantization options (kernels/kernel_op.py `QUANT`): which operands of its matmuls are quantized.
 QUANT_OPTIONS = ("rhs_quant", "lhs_quant", "quant_block", "lhs_dynamic")
 
 

@@ -27,7 +27,7 @@ from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.layer.fused_layer import can_fuse
 from moe_tune.kernels import get_op
 from moe_tune.layer.reference import SEEDED_CHECKED, check_parts, check_size, check_vector, checked_experts
-from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.kernel_op import ShapeOption
 from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, check_positive, dtype_name, supported_dtype
 from moe_tune.core.quant import QArray, check_operand, quantize
 from moe_tune.core.quant_format import QuantFormat
@@ -238,7 +238,7 @@ def memory_parts(problem: FusionProblem) -> dict[str, int]:
     - worker: what each compile worker process adds (`--workers` >= 2): its own device copy of the inputs, one
       candidate's run, and the process itself (the shared file is mapped, not copied);
     - shared: with workers, the inputs and the reference written once to a shared-memory file
-      (`tuner/inputs.py`);
+      (`tuner/candidate.py`);
     - process: the sweep's own Python process with JAX."""
     p, size = problem, jnp.dtype(problem.dtype).itemsize
     weights = 3 * p.local_experts * p.hidden * p.intermediate

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from moe_tune.kernels import options as opt
+from moe_tune.kernels import kernel_op as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.core.errors import UsageError
 from moe_tune.core.quant import QArray, dequantize_host

@@ -2,14 +2,14 @@
 versions and staleness, validation and merging. Nothing here imports the kernels package (kernels use
 profiles, never the other way): lookup gets the backend object, validate the op objects, from the caller."""
 
-from moe_tune.profiles.dirs import ENV_PROFILE_DIR, search_dirs, table_path, use_profiles, write_dir
+from moe_tune.profiles.table import ENV_PROFILE_DIR, search_dirs, table_path, use_profiles, write_dir
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.key import entry_key, key_fields, key_from_fields
+from moe_tune.profiles.entry import entry_key, key_fields, key_from_fields
 from moe_tune.profiles.lookup import LookupResult, lookup
 from moe_tune.profiles.merge import MergeDecision, MergeReport, merge_tables
 from moe_tune.profiles.table import SCHEMA_VERSION, migrate, read_table, write_entries
 from moe_tune.profiles.validate import Problem, ValidationReport, validate_paths, validate_table
-from moe_tune.profiles.versions import (ENV_STALE_POLICY, STALE_POLICIES, StaleEntryError, entry_versions, staleness,
+from moe_tune.profiles.entry import (ENV_STALE_POLICY, STALE_POLICIES, StaleEntryError, entry_versions, staleness,
                                         use_stale_policy)
 
 __all__ = [

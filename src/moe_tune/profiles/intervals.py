@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moe_tune.profiles.key import key_from_fields
+from moe_tune.profiles.entry import key_from_fields
 
 JSON = dict[str, Any]
 INTERVALS = "intervals"

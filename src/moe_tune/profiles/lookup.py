@@ -15,7 +15,7 @@ what lookup needs) is skipped with one warning and lookup goes on to the next pr
 `strict=True` (the CLI) raises TableError naming the file instead. An entry whose config does not fit its
 backend and problem is not used.
 
-Stale entries (tuned with another kernel revision or JAX minor version, `versions.py`) are used, skipped or
+Stale entries (tuned with another kernel revision or JAX minor version, `entry.py`) are used, skipped or
 refused by the stale policy; `LookupResult.stale` says what differs when the config came from one.
 
 This module knows nothing of the kernels package: the caller passes the backend (`protocols.BackendLike`) and
@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from moe_tune.core.errors import TableError, UsageError, warn_caller
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import search_dirs, table_path
 from moe_tune.profiles import intervals as _intervals
-from moe_tune.profiles import versions as _versions
+from moe_tune.profiles import entry as _versions
 from moe_tune.profiles.entry import Entry, record_problems
-from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles.entry import key_fields, key_from_fields
 from moe_tune.profiles.protocols import BackendLike, ProblemLike
 from moe_tune.profiles.table import read_table_cached
-from moe_tune.profiles.versions import StaleEntryError
+from moe_tune.profiles.entry import StaleEntryError
 from moe_tune.core import chips, contexts, devices, distributions, settings
 
 
@@ -77,8 +77,8 @@ def _warn_once(ident: Any, message: str) -> None:
 def _tables(op: str, device_kind: str, strict: bool) -> list[tuple[Path, tuple, dict[str, Any]]]:
     """(path, stamp, table) of every readable table for (op, device_kind), highest priority first."""
     found = []
-    for _, directory in dirs.search_dirs():
-        path = dirs.table_path(directory, device_kind, op)
+    for _, directory in search_dirs():
+        path = table_path(directory, device_kind, op)
         try:
             cached = read_table_cached(path)
         except TableError as e:
@@ -99,7 +99,7 @@ def known_device_kinds() -> list[str]:
     """The device kinds lookup answers for: this machine's, `cpu`, the chips moe-tune knows (`core.chips`), and
     every directory of tables in a profile dir (shipped, user, environment, overlays)."""
     kinds = {devices.device_kind(), "cpu", *(t.device_kind for t in chips.TARGETS.values())}
-    for _, directory in dirs.search_dirs():
+    for _, directory in search_dirs():
         try:
             kinds.update(p.name for p in Path(directory).iterdir() if _KIND.fullmatch(p.name) and p.is_dir())
         except OSError:  # a profile dir that does not exist (yet)

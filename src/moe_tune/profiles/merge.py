@@ -31,7 +31,7 @@ from moe_tune.core.errors import TableError, UsageError, path_error
 from moe_tune.profiles.entry import Entry
 from moe_tune.profiles.intervals import INTERVALS, ROBUST, drop_contradicted
 from moe_tune.profiles.table import read_table, update_table
-from moe_tune.profiles.versions import recorded_revision
+from moe_tune.profiles.entry import recorded_revision
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,18 +1,11 @@
-"""Where the lock of a file under a profile dir lives, and the file mode of what is written for sharing.
-
-Locks sit in one hidden folder beside the files they guard, `<dir>/.locks/<name>.lock` (a table
-`cpu/ragged_dot.json` is locked by `cpu/.locks/ragged_dot.json.lock`), so that a table directory a user
-shares or copies holds only tables. Every writer of a file takes its lock through `lock_path`, so they all
-agree on it: the one mapping is the guarantee that two writers exclude each other.
-
-The JSON table format: one file per device kind and op, `<dir>/<device_kind>/<op>.json`.
+"""The JSON table format: one file per device kind and op, `<dir>/<device_kind>/<op>.json`.
 
     {"schema_version": 3, "op": "ragged_dot", "device_kind": "cpu", "entries": {KEY: ENTRY, ...},
      "intervals": {KEY: INTERVAL, ...}, "robust": {KEY: ROBUST, ...}}
 
-Entries are keyed by `key.entry_key`; each holds `key`, `fields` (the key's parts), `config`, `timing`, `default`,
+Entries are keyed by `entry.entry_key`; each holds `key`, `fields` (the key's parts), `config`, `timing`, `default`,
 `speedup_over_default`, `candidates`, `distribution`, `versions` (jax, jaxlib, moe-tune, tune-jax and the
-kernel's `backend_revision`, see `versions.entry_versions`) and `tuned_at` (see `tuner.sweep`); an entry kept
+kernel's `backend_revision`, see `entry.entry_versions`) and `tuned_at` (see `tuner.sweep`); an entry kept
 by `moe-tune merge` also holds `provenance` (see `merge`). `intervals` (token-count intervals a ladder sweep
 measured) and `robust` (a shape's config robust across routing distributions) are described in `intervals.py`.
 
@@ -22,10 +15,18 @@ Schema history (`MIGRATIONS` turns each into the next on read; writes always wri
 - 2: `versions.backend_revision`, `provenance`; every entry holds its `key` and a `versions` object.
 - 3: the `intervals` and `robust` objects (empty in a table migrated from 2: it has neither).
 
-Writes hold a file lock (`.locks/<op>.json.lock` beside the table, see `locks.py`), re-read the file, merge,
+Writes hold a file lock (`lock_path`: `.locks/<op>.json.lock` beside the table), re-read the file, merge,
 and replace it atomically, so concurrent writers never lose each other's entries and a crash never leaves a
 half-written table. Tables are written with the mode a new file gets (0644 under the usual umask), readable
 by whoever the directory is shared with.
+
+Locks sit in one hidden folder beside the files they guard, `<dir>/.locks/<name>.lock`, so that a table
+directory a user shares or copies holds only tables; every writer of a file takes its lock through
+`lock_path`, so they all agree on it.
+
+Where tables live. Read order, highest first: `use_profiles(...)` overlays (innermost first),
+`$MOE_TUNE_PROFILE_DIR`, the user cache dir, the tables shipped in the package. Sweeps write to
+`--profile-dir`, else `$MOE_TUNE_PROFILE_DIR`, else the user cache dir.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import filelock
+import platformdirs
 
+from moe_tune.core import contexts, settings
+from moe_tune.core import settings as paths
+from moe_tune.core.contexts import use_profiles  # noqa: F401  (the public name's home for `profiles`)
 from moe_tune.core.errors import TableError
-from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.entry import Entry, recorded_revision
 from moe_tune.profiles.intervals import INTERVALS, ROBUST
-from moe_tune.profiles.versions import recorded_revision
 
 LOCK_DIR = ".locks"
 
@@ -88,7 +92,7 @@ def empty_table(op: str, device_kind: str) -> dict[str, Any]:
 
 def migrate_v1_to_v2(table: dict[str, Any]) -> dict[str, Any]:
     """Schema 1 -> 2 (pure: returns a new table). Entries gain their `key` and a `versions` object where they
-    lacked them. Schema 1 recorded no kernel revision: such entries count as revision 1 (`versions.py`)."""
+    lacked them. Schema 1 recorded no kernel revision: such entries count as revision 1 (`entry.recorded_revision`)."""
     out = copy.deepcopy(table)
     out["schema_version"] = 2
     for key, entry in out["entries"].items():
@@ -298,3 +302,43 @@ def is_complete(entry: dict[str, Any] | None, revision: int | None = None) -> bo
 def has_complete_entry(table: Path, key: str) -> bool:
     """Whether `table` holds a complete entry for `key` (an unreadable table holds none)."""
     return is_complete(table_entries(table).get(key))
+
+
+ENV_PROFILE_DIR = settings.PROFILE_DIR
+
+
+def user_dir() -> Path:
+    return platformdirs.user_cache_path("moe-tune") / "profiles"
+
+
+def shipped_dir() -> Path:
+    return Path(__file__).parent / "data"
+
+
+def search_dirs() -> list[tuple[str, Path]]:
+    """(origin, dir) pairs in lookup order: overlay, env, user, shipped."""
+    found = [("use_profiles", p) for p in contexts.profile_overlays()]
+    env = settings.profile_dir()
+    if env is not None:
+        found.append(("env", env))
+    found += [("user", user_dir()), ("shipped", shipped_dir())]
+    return found
+
+
+def write_dir(explicit: str | os.PathLike | None = None) -> Path:
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    return settings.profile_dir() or user_dir()
+
+
+def table_path(directory: Path, device_kind: str, op: str) -> Path:
+    return Path(directory) / device_kind / f"{op}.json"
+
+
+def writable_dir(directory: str | os.PathLike) -> Path:
+    """`directory`, created if needed, once a file can be written in it; MoeTuneError (one line naming it and
+    what stands in the way: a file, a symlink loop, a permission) otherwise.
+
+    Checked before a sweep or a campaign starts, so that a profile dir that cannot hold the table fails at
+    once rather than after the sweep (or as a traceback from deep inside the log or the table write)."""
+    return paths.writable_dir(directory, "cannot create or write the profile dir")

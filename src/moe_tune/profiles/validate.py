@@ -26,13 +26,13 @@ from typing import Any
 
 from moe_tune.core import devices, distributions, settings
 from moe_tune.core.errors import TableError
-from moe_tune.profiles import dirs
+from moe_tune.profiles.table import search_dirs
 from moe_tune.profiles.entry import record_problems
 from moe_tune.profiles.intervals import INTERVALS, ROBUST, interval_problems, robust_problems
-from moe_tune.profiles.key import key_fields, key_from_fields
+from moe_tune.profiles.entry import key_fields, key_from_fields
 from moe_tune.profiles.protocols import OpLike
 from moe_tune.profiles.table import SCHEMA_VERSION, entry_problems, parse_table
-from moe_tune.profiles.versions import staleness
+from moe_tune.profiles.entry import staleness
 
 ERROR = "error"
 WARNING = "warning"
@@ -216,13 +216,13 @@ def _not_a_dir(path: Path) -> str:
 def validate_paths(paths: Iterable[str | os.PathLike] | None = None, *, get_op: GetOp,
                    on_its_device: bool = False) -> ValidationReport:
     """Validate table files and every table under directories; no paths: every profile dir that exists
-    (`dirs.search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables).
+    (`search_dirs()`: overlays, `$MOE_TUNE_PROFILE_DIR`, the user cache dir, the shipped tables).
     `get_op`: `kernels.get_op`."""
     paths = list(paths or [])
     files: list[Path] = []
     problems: list[Problem] = []
     if not paths:
-        for origin, directory in dirs.search_dirs():
+        for origin, directory in search_dirs():
             if directory.is_dir():
                 files += table_files(directory)
             elif os.path.lexists(directory):  # lookup fails on it (exit 1), so validate must too

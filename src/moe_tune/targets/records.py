@@ -3,7 +3,7 @@
 `compile_sweep.compile_candidates` appends one record per config it compiles for a target to
 `<profile dir>/<device kind>/<op>.compile-records.jsonl` (the target's device kind: the directory its tuned
 tables live in); a sweep on the chip drops the configs recorded as failing (`uncompilable`). A record is
-keyed like a table entry (`profiles.key`, less the group-size distribution, which does not change what
+keyed like a table entry (`profiles.entry`, less the group-size distribution, which does not change what
 compiles) plus the config, and remembers the JAX version and backend revision it was made with: a record
 of another one is ignored. JSON lines, appended under the table lock, so a run killed midway keeps what it
 compiled and a rerun compiles only the rest.
@@ -21,7 +21,7 @@ from typing import Any
 import filelock
 
 from moe_tune.kernels import get_op
-from moe_tune.profiles.key import key_from_fields
+from moe_tune.profiles.entry import key_from_fields
 from moe_tune.profiles.table import lock_path
 from moe_tune.targets.compile import CompileResult
 

@@ -1,9 +1,9 @@
 """Compiling candidates ahead of time, once each, and running each once: in worker processes or here.
 
 - With workers (`workers > 1` on CPU), each candidate is compiled and run once on the sweep's real inputs in a
-  worker subprocess (`workers.py` running `worker_side.compile_and_run`), under one per-candidate timeout. The
+  worker subprocess (`pool`, running `worker_side.compile_and_run`), under one per-candidate timeout. The
   worker sends back the serialized executable and the output's relative error against the sweep's `Reference`;
-  the inputs and the reference reach each worker once per sweep through a shared-memory file (`tuner.inputs`).
+  the inputs and the reference reach each worker once per sweep through a shared-memory file (`tuner.candidate`).
   Isolation is the point: a candidate that segfaults, aborts, hangs or runs out of memory takes down only its
   worker and is recorded as failed (stage "compile" or "run", with the reason); the worker is restarted and
   the sweep goes on. The executable compiled in the worker is the one timed; a candidate whose executable
@@ -17,31 +17,98 @@
 `Kernel` binds one op, one of its backends and one problem (it travels to workers by the op's name).
 `backend_compiles` counts this thread's real XLA compilations from JAX's monitoring events (compile events
 minus persistent-cache hits). Timing (`tuner.timing`) always runs in this process.
+
+The worker processes: one process-wide `moe_tune.workers.WorkerPool` per size, started once
+(each start costs a JAX import), whose requests compile and run candidates (`worker_side.compile_and_run`).
+
+The payload a sweep's requests share (its inputs and reference, `candidate.SweepInputs.payload`) is written once
+to a shared-memory file (`candidate.store`), or sent while still being made (a `workers.pool.Deferred`, a
+`moe_tune.workers.Pending`); in a worker, `shared(token)` reads it back (`candidate.load`), once per token.
+Each worker enables the persistent compile cache when the sweep's process did (`worker_side.prepare`), and
+caps its address space at `MOE_TUNE_WORKER_MEMORY_LIMIT` when that is set (`MEMORY_LIMIT_ENV`; the tests'
+out-of-memory candidate uses it, so that it fails the same way whatever the machine's overcommit policy).
+
+The compile cache: JAX's persistent compilation cache for sweeps, so that re-running or resuming a sweep (and the finalists
+recompiled on resume) costs no XLA compile for a candidate compiled before.
+
+Only the tuner turns it on (the CLI's `sweep`, and every compile worker): a model that imports moe-tune
+keeps whatever cache settings it has.
+
+JAX never deletes from this cache: every candidate of every sweep stays (2,930 entries, 76 MB, after a day of
+CPU sweeps here; a GPU's executables are larger). So a sweep that turns it on first trims it back below
+`$MOE_TUNE_COMPILE_CACHE_MAX_BYTES` (4 GiB by default), oldest entries first. JAX's own bound
+(`jax_compilation_cache_max_size`) would do it at every write, reading every entry's access-time file under
+a lock: per compile, a cost that grows with the cache.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
 from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
 
-from moe_tune.core import devices
+from moe_tune import workers
+from moe_tune.core import devices, settings
+from moe_tune.core.settings import writable_dir
 from moe_tune.kernels import get_op
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.kernel_op import KernelOp
-from moe_tune.tuner import workers as workers_module
-from moe_tune.tuner.candidate import Candidate, Reference, failure_reason, short
-from moe_tune.tuner.inputs import SweepInputs
+from moe_tune.tuner.candidate import (
+    Candidate,
+    Reference,
+    Stored,
+    SweepInputs,
+    failure_reason,
+    load,
+    remove,
+    short,
+    store,
+)
 from moe_tune.tuner.timing import traceable
-from moe_tune.workers import WorkerFailure
+from moe_tune.workers import WorkerFailure, WorkerPool
 from moe_tune.workers.pool import Deferred
+
+MEMORY_LIMIT_ENV = settings.WORKER_MEMORY_LIMIT
+
+_pools: dict[int, WorkerPool] = {}
+
+
+def pool(size: int) -> WorkerPool:
+    """The process-wide pool of `size` workers, started now; their environment is this process's as it is
+    when each starts (`close_pools` after changing it)."""
+    if size not in _pools:
+        _pools[size] = WorkerPool(size, setup="moe_tune.tuner.worker_side:prepare", store=store,
+                                  unstore=remove, start=True)
+    return _pools[size]
+
+
+@atexit.register
+def close_pools() -> None:
+    """Stop every worker; the next `pool(...)` starts fresh ones (e.g. after changing their environment)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+_loaded: dict[str, Any] = {}
+
+
+def shared(token: str) -> Any:
+    """In a worker: the payload shared under `token`, read from its file once (one payload at a time)."""
+    if token not in _loaded:
+        payload = workers.shared(token)
+        _loaded.clear()
+        _loaded[token] = load(payload) if isinstance(payload, Stored) else payload
+    return _loaded[token]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +192,7 @@ def start_workers(workers: int) -> None:
     """Start the worker processes `compile_all` will use, if it will, so that their start-up (a JAX import
     each, about a second) overlaps whatever the caller does before compiling."""
     if uses_workers(workers):
-        workers_module.pool(workers)
+        pool(workers)
 
 
 def compile_all(kernel: Kernel, candidates: Sequence[Candidate], inputs: Mapping[str, jax.Array] | SweepInputs,
@@ -170,7 +237,7 @@ def _compile_in_workers(kernel: Kernel, candidates: Sequence[Candidate], inputs:
             on_done(cand)
 
     requests = [(c, (kernel, c.config, c.index, shapes, token)) for c in candidates]
-    workers_module.pool(workers).map("moe_tune.tuner.worker_side:compile_and_run", requests, finish,
+    pool(workers).map("moe_tune.tuner.worker_side:compile_and_run", requests, finish,
                                      timeout=timeout, shared=(token, Deferred(inputs.payload, inputs.payload_ready)))
     worker_s = {c.index: c.compile_s or 0.0 for c in local}
     if local:
@@ -245,3 +312,69 @@ def backend_compiles() -> int:
     """XLA compilations this thread has run so far (persistent-cache hits are loads, not compilations, and do
     not count)."""
     return getattr(_per_thread, "compiles", 0)
+
+
+def cache_dir() -> Path | None:
+    """`$MOE_TUNE_COMPILE_CACHE_DIR` ("off" disables), else `<user cache dir>/moe-tune/jax_cache`."""
+    return settings.compile_cache_dir()
+
+
+def check_cache() -> Path | None:
+    """`cache_dir()`, created, once a file can be written in it (None when disabled); a MoeTuneError naming
+    it and the variable otherwise (JAX would only warn at each cache write), a UsageError for a bad
+    `$MOE_TUNE_COMPILE_CACHE_MAX_BYTES`. A sweep's preflight calls it."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    settings.compile_cache_max_bytes()  # a bad value: one line naming the variable, before the sweep
+    return writable_dir(directory, "cannot create or write the compile cache dir",
+                        f"; set ${settings.COMPILE_CACHE_DIR} to a writable dir, or to `off`")
+
+
+def enable_cache(*, trim_to_size: bool = True) -> Path | None:
+    """Point JAX's persistent compilation cache at `cache_dir()` and cache every executable, however quick
+    its compile (JAX's default skips compiles under a second: most candidates of a CPU sweep). Returns the
+    dir, or None when disabled. Call before the first compile. Raises what `check` raises. `trim_to_size`:
+    first `trim` it to `$MOE_TUNE_COMPILE_CACHE_MAX_BYTES` (the sweep's process does; its workers do not)."""
+    directory = check_cache()
+    if directory is None:
+        return None
+    if trim_to_size:
+        trim_cache(directory, settings.compile_cache_max_bytes())
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    settings.share_compile_cache_dir(directory)  # compile workers inherit the same dir
+    return directory
+
+
+# The files JAX's cache writes (jax/_src/lru_cache.py): only these are ever removed, whatever else the dir holds.
+ENTRY_SUFFIXES = ("-cache", "-atime")
+
+
+def trim_cache(directory: Path, max_bytes: int) -> int:
+    """When the cache entries in `directory` take more than `max_bytes`, remove the oldest written until they
+    take at most 3/4 of it (so that the next sweeps need not trim again); returns the bytes removed. An entry
+    another process removes or replaces meanwhile is passed over."""
+    entries = []
+    with os.scandir(directory) as found:
+        for entry in found:
+            if entry.name.endswith(ENTRY_SUFFIXES):
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                entries.append((stat.st_mtime_ns, stat.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    if total <= max_bytes:
+        return 0
+    removed = 0
+    for _, size, path in sorted(entries):
+        if total - removed <= max_bytes * 3 // 4:
+            break
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed += size
+    return removed

@@ -24,9 +24,21 @@ from typing import Any
 
 import jax
 
-from moe_tune.profiles.verdict import (BEAT_DEFAULT, DEFAULT_FAILED, DEFAULT_FASTEST, MIN_FINAL_SAMPLES, ONLY_CANDIDATE,
-                                       PAIRED_MIN_NOISE, UNVERIFIED, WITHIN_NOISE, Verdict, noise_threshold, paired,
-                                       paired_ratios, too_few_samples)
+from moe_tune.profiles.verdict import (
+    BEAT_DEFAULT,
+    DEFAULT_FAILED,
+    DEFAULT_FASTEST,
+    MIN_FINAL_SAMPLES,
+    ONLY_CANDIDATE,
+    PAIRED_MIN_NOISE,
+    UNVERIFIED,
+    WITHIN_NOISE,
+    Verdict,
+    noise_threshold,
+    paired,
+    paired_ratios,
+    too_few_samples,
+)
 from moe_tune.tuner.candidate import Candidate, check_all, failure_reason, same_rounds
 from moe_tune.tuner.compiling import OK, compile_all
 from moe_tune.tuner.request import SweepSettings

@@ -1,21 +1,4 @@
-"""How a sweep reports progress (`Reporter`) and how it ends: `SweepResult`, `SweepError` (no winner),
-`SweepInterrupted` (a KeyboardInterrupt, with what was kept).
-
-What one run of a sweep holds while its stages run: the plan, the log, the inputs and the reference, the
-finished candidates (restored from the log or measured now), and the wall time per stage.
-
-The stages read it; what they did (batches, fallbacks, recompiles, why the search stopped) they yield as
-`step.Step`s. `finished` is the one way a candidate becomes finished: its line is appended to the sweep log
-first (`log.candidate_line`), so nothing finished is lost.
-
-What a stage of a sweep did, returned (yielded) by the stage rather than written onto shared state.
-
-The search, measure and finals stages are generators: each yields a `Step` when it has done something the
-entry records (a batch timed, a timing fallback, compilations spent again, candidates restored from the
-log, why the search stopped) and returns its result. The sweep's runner sums the steps (`Tally`), so that
-what the stages did up to a KeyboardInterrupt is still known when it writes the interrupted entry.
-
-One sweep: the candidates a search strategy picks from one backend's search space for one problem,
+"""One sweep: the candidates a search strategy picks from one backend's search space for one problem,
 compiled in parallel, checked against the reference, timed from the profiler trace; the winner (and
 everything about how it won) becomes a table entry.
 
@@ -23,15 +6,17 @@ Rules (the README's "How a sweep works"): a wrong candidate never wins; the defa
 candidate, so the speedup over it is always measured; a failing candidate is recorded with its reason and
 the sweep goes on.
 
-The stages, each a module with one job, each yielding what it did (`step.Step`) for this runner to add up:
+The stages, each a generator yielding what it did (`state.Step`) for `run` to add up:
 
-- `search`: the strategy's rounds; candidates an earlier run finished are restored from the sweep log;
-- `measure`: compile a chunk, check it against the reference, time the correct ones batch by batch;
-- `finals`: re-time the fastest few with the default, and the noise rule that picks the winner;
-- `record`: the sweep log's lines and the table entry.
+- search (here): ask the strategy (`tuner.strategies`) for rounds of configs until it is done or the time
+  budget is spent; a config an earlier run finished is restored from the sweep log, the others are measured
+  chunk by chunk;
+- measure and finals (`tuner.measure`): compile a chunk, check it, time the correct ones; re-time the fastest
+  few with the default and apply the noise rule that picks the winner;
+- record (`tuner.state`): the sweep log's header, run and final lines and the table entry.
 
-Nothing is lost (`tuner.log`): every finished candidate is appended to the sweep log at once, and running
-the same sweep again resumes it. A KeyboardInterrupt stops the sweep, keeps the log, still writes an entry
+Nothing is lost (`tuner.request`'s sweep log): every finished candidate is appended at once, and running the
+same sweep again resumes it. A KeyboardInterrupt stops the sweep, keeps the log, still writes an entry
 (marked `interrupted`) when the default and another candidate have finished, and is raised again as
 `SweepInterrupted`.
 """
@@ -40,18 +25,69 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from moe_tune.core import paths
+from moe_tune.core import settings as paths
 from moe_tune.core import settings as env
 from moe_tune.core.errors import warn_caller
-from moe_tune.profiles.dirs import writable_dir
-from moe_tune.tuner import compile_cache, measure, record, search, strategies, warm_start
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.profiles.table import writable_dir
+from moe_tune.tuner import compiling, measure, strategies, warm_start
+from moe_tune.tuner import state as record
+from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.compiling import start_workers, uses_workers
-from moe_tune.tuner.log import SweepLog
-from moe_tune.tuner.request import SweepPlan, SweepRequest, check_fits
-from moe_tune.tuner.state import Reporter, SweepError, SweepInterrupted, SweepResult, SweepState, Tally
+from moe_tune.tuner.request import SweepLog, SweepPlan, SweepRequest, check_fits, config_key, parse_candidate
+from moe_tune.tuner.state import Reporter, Step, SweepError, SweepInterrupted, SweepResult, SweepState, Tally
+from moe_tune.tuner.strategies import Strategy
+
+STAGES = ("compile", "check", "time")
+
+
+def search(state: SweepState, strategy: Strategy) -> Iterator[Step]:
+    """Measure the strategy's rounds, yielding what was done; the last step says why the search stopped."""
+    settings = state.settings
+    planned = strategy.planned()
+    for stage in STAGES:
+        state.reporter.stage(stage, planned)
+    # a chunk is compiled in parallel: a whole number of timing batches, at least one per worker
+    chunk = settings.batch_size * -(-settings.workers // settings.batch_size)
+    while True:
+        if state.out_of_time():
+            yield Step(stopped="time budget")
+            return
+        configs = strategy.next_round(state.measured)
+        if not configs:
+            yield Step(stopped=strategy.stopped)
+            return
+        todo = []
+        for config in configs:
+            is_default = config == strategy.default
+            index = next(state.indices)
+            if restore(state, config, index, is_default):
+                yield Step(resumed=1)
+            else:
+                todo.append(Candidate(index, config, is_default=is_default))
+        for start in range(0, len(todo), chunk):
+            if state.out_of_time():
+                yield Step(stopped="time budget")
+                return
+            yield from measure.measure_chunk(state, todo[start:start + chunk])
+
+
+def restore(state: SweepState, config: KernelConfig, index: int, is_default: bool) -> bool:
+    """Whether an earlier run finished `config` (its line in the log is usable): then it is counted as done
+    here, as candidate `index`, without being measured again."""
+    line = state.log.restored.get(config_key(config.to_dict()))
+    cand = None if line is None else parse_candidate(line, index, config, is_default)
+    if cand is None:
+        return False
+    if isinstance(line.get("batch"), int):  # its rounds pair with its batch's (`candidate.same_rounds`)
+        cand.batch = line["batch"]
+    state.add(cand)
+    for stage in STAGES:
+        state.reporter.advance(stage)
+    return True
 
 
 def log_path_for(request: SweepRequest) -> Path:
@@ -72,7 +108,7 @@ def preflight(request: SweepRequest) -> SweepPlan:
     _check_environment(request.settings.workers)
     if request.settings.keep_trace_dir is not None:
         paths.writable_dir(request.settings.keep_trace_dir, "cannot write traces to")
-    compile_cache.check()
+    compiling.check_cache()
     writable_dir(plan.directory)
     paths.writable_dir(plan.table_path.parent, "cannot create or write the table dir")
     return plan
@@ -123,7 +159,7 @@ def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
     try:
         start_workers(state.settings.workers)  # they start while the inputs and the reference are computed
         state.prepare_inputs()
-        tally.run(search.search(state, strategy))
+        tally.run(search(state, strategy))
         best, verdict = tally.run(measure.run_finals(state))
     except KeyboardInterrupt:
         interrupted = True

@@ -1,4 +1,4 @@
-"""What a tuner worker (`tuner/workers.py`, a `moe_tune.workers` pool) runs: `prepare` once when it starts,
+"""What a tuner worker (`tuner/compiling.py`, a `moe_tune.workers` pool) runs: `prepare` once when it starts,
 then for each candidate `compile_and_run`: compile it, run it once on the sweep's inputs, and send back the
 serialized executable and the output's relative error against the sweep's reference. It runs in the worker
 process, so a candidate that crashes, hangs or runs out of memory there takes down only the worker.
@@ -16,7 +16,7 @@ from jax.experimental import serialize_executable
 
 from moe_tune.core import settings
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.tuner import workers
+from moe_tune.tuner import compiling as workers
 from moe_tune.tuner.candidate import Reference, failure_reason, short
 from moe_tune.tuner.compiling import FAILED, OK, Kernel
 from moe_tune.workers import progress
@@ -28,9 +28,9 @@ def prepare() -> None:
     """Run by each worker before it serves: the persistent compile cache shared with the sweep's process,
     when that turned it on (the sweep's process trimmed it)."""
     if settings.compile_cache_dir_set():
-        from moe_tune.tuner import compile_cache
+        from moe_tune.tuner import compiling
 
-        compile_cache.enable(trim_to_size=False)
+        compiling.enable_cache(trim_to_size=False)
 
 
 def _inputs_here(token: str) -> Any:

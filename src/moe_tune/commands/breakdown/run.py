@@ -24,7 +24,7 @@ from moe_tune.commands.breakdown import xprof_tools
 from moe_tune.commands.breakdown.ops import Breakdown, OpEvent, OpTime, ranked, self_times
 from moe_tune.core.errors import MoeTuneError, TableError, UsageError
 from moe_tune.kernels import get_op
-from moe_tune.core.paths import writable_dir
+from moe_tune.core.settings import writable_dir
 from moe_tune.profiles.entry import Entry
 from moe_tune.tuner.timing import CANDIDATE_PREFIX, device_planes, plane_events, traceable, xplane_file
 

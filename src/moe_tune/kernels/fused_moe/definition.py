@@ -13,7 +13,7 @@ import numpy as np
 
 from moe_tune.core import distributions
 from moe_tune.core.errors import UsageError
-from moe_tune.kernels import options as opt
+from moe_tune.kernels import kernel_op as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.base import weight_parts
@@ -23,7 +23,7 @@ from moe_tune.kernels.fused_moe.registry import BACKENDS, FALLBACK
 from moe_tune.kernels.kernel_op import KernelOp
 from moe_tune.kernels.layer_shape import LayerShape
 from moe_tune.kernels.ragged_dot.definition import requested_format
-from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.kernel_op import ShapeOption
 from moe_tune.core.quant import QArray, dequantize_host, quantize
 
 STAGE = ShapeOption("stage", STAGES, "fused_moe: the fused dispatch (gather + gate/up matmul) or combine (down "

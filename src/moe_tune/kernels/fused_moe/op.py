@@ -29,7 +29,7 @@ from moe_tune.kernels.fused_moe.base import weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.definition import FUSED_MOE, forward_glu
 from moe_tune.kernels.fused_moe.plain_jax import local_rows
 from moe_tune.kernels.fused_moe.problem import DIRECTIONS, FusedMoeProblem
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits
+from moe_tune.kernels.pallas_util import as_bits, from_bits
 from moe_tune.kernels.pallas_util import sum_like
 from moe_tune.kernels.gather.definition import RAGGED_GATHER
 from moe_tune.kernels.gather.problem import GatherProblem

@@ -16,8 +16,8 @@ The weights are read per group (`rhs[g]`, transposed by the dot's dimension numb
 directions, never copied transposed); a QArray's group is dequantized to the dot's dtype once per group.
 Where an average group fits one tile (decode, `sequenced_weights`), the dispatch reads them per tile instead,
 gate then up, so one part's slice is live at a time (`_sequenced_products`).
-bf16 inputs are read through their bits (`loop_dtypes`); the dispatch's bf16 output is written through its
-bits (`loop_dtypes.update_slice`).
+bf16 inputs are read through their bits (`pallas_util`); the dispatch's bf16 output is written through its
+bits (`pallas_util.update_slice`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS, apply
 from moe_tune.kernels.fused_moe.base import FusedMoeBackend, weight_parts, weights_shape
 from moe_tune.kernels.fused_moe.problem import FusedMoeProblem
-from moe_tune.kernels.loop_dtypes import as_bits, load, per_iteration, update_slice
+from moe_tune.kernels.pallas_util import as_bits, load, per_iteration, update_slice
 from moe_tune.kernels.pallas_util import vary_like
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.core.quant import QArray, dequantize
@@ -145,7 +145,7 @@ def tiled_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tail: int, out_dtype
     """`FusedMoeBackend.gather_gmm` (see there): x [tokens, c], rows int32 [m], rhs [groups, c, n] (transpose:
     [groups, n, c]) -> [m, n] ([m, n/2] with glu) in out_dtype.
 
-    The output is carried in out_dtype and only written, never read back (`loop_dtypes.update_slice`), so
+    The output is carried in out_dtype and only written, never read back (`pallas_util.update_slice`), so
     XLA CPU updates it in place and returns the carried buffer: no second [m, n] buffer in temp. A read of
     the carry (a tail tile's masked read-modify-write) made XLA CPU copy the carry, once per tail tile for a
     bf16 carry, and a uint16 carry costs an [m, n] copy after the loop (its bitcast; FINDINGS.md: fused layer

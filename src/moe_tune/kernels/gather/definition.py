@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.core import distributions
-from moe_tune.kernels import options as opt
+from moe_tune.kernels import kernel_op as opt
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.gather.problem import GatherProblem
 from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
 from moe_tune.kernels.gather.registry import (
     DENSE_GATHER_REDUCE_BACKENDS, FALLBACK, GATHER_BACKENDS, GATHER_REDUCE_BACKENDS,
 )
-from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.kernel_op import ShapeOption
 from moe_tune.kernels.kernel_op import BenchPlan, KernelOp
 from moe_tune.kernels.layer_shape import LayerShape
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, per_iteration, update_slice
+from moe_tune.kernels.pallas_util import as_bits, from_bits, load, per_iteration, update_slice
 from moe_tune.kernels.pallas_util import vary_like
 
 CHUNKS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -106,7 +106,7 @@ def tiled_gather(x, indices, start, end, weights, *, rows_per_chunk: int) -> jax
         row0 = jnp.minimum(c * chunk, rows - chunk)
         ids = jax.lax.dynamic_slice_in_dim(indices, row0, chunk)
         keep = (row0 + row_in_chunk >= start) & (row0 + row_in_chunk < end)
-        x_bits = as_bits(per_iteration(x, c))  # see loop_dtypes: 2-byte rows gathered as their bits
+        x_bits = as_bits(per_iteration(x, c))  # see pallas_util: 2-byte rows gathered as their bits
         block = jnp.take(x_bits, jnp.where(keep, ids, 0), axis=0, mode="clip")
         if weights is not None:
             w = jax.lax.dynamic_slice_in_dim(weights, row0, chunk)[:, None]
@@ -168,7 +168,7 @@ def _add_entries(x: jax.Array, indices: jax.Array, weights: jax.Array, entries: 
         pos = c * chunk + pos_in_chunk
         ok = pos < count
         entry = jnp.take(order, pos, mode="clip")
-        x_bits = as_bits(per_iteration(x, c))  # see loop_dtypes: only the gathered rows are converted
+        x_bits = as_bits(per_iteration(x, c))  # see pallas_util: only the gathered rows are converted
         block = load(jnp.take(x_bits, jnp.take(indices, entry), axis=0, mode="clip"), dtype, jnp.float32)
         w = jnp.take(weights, entry).astype(jnp.float32)
         contribution = jnp.where(ok[:, None], block * w[:, None], 0.0)  # select: x[0] may be NaN
@@ -233,7 +233,7 @@ def _dense_gather_reduce(x, indices, weights, r: int, rows_per_chunk: int) -> ja
     rows, hidden = indices.shape[0], x.shape[1]
     tokens = rows // r
     per_chunk = max(1, min(rows_per_chunk // r, tokens))
-    dtype = x.dtype  # see loop_dtypes: rows gathered and the output updated as bits
+    dtype = x.dtype  # see pallas_util: rows gathered and the output updated as bits
 
     def body(c, out):
         token0 = jnp.minimum(c * per_chunk, tokens - per_chunk)  # last block shifted back, rewritten equal

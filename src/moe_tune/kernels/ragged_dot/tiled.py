@@ -8,9 +8,9 @@ first window or from a loop over groups with a 2-D dot per window (`batched`); i
 `tn`. What was measured to choose this design: benchmarks/FINDINGS.md, "CPU ragged_dot".
 
 bfloat16 operands and outputs are carried through the loops as their uint16 bits (an operand viewed so per
-block, by `loop_dtypes.per_iteration`, never copied whole) and quantized operands (see `quantized.py`) as
-their 1-byte values; both are converted block by block inside the loop by the same `loop_dtypes.load` (why:
-`loop_dtypes`). Scales apply where the direction's plan says (`quant_plan.py`; one product function per
+block, by `pallas_util.per_iteration`, never copied whole) and quantized operands (see `quantized.py`) as
+their 1-byte values; both are converted block by block inside the loop by the same `pallas_util.load` (why:
+`pallas_util`). Scales apply where the direction's plan says (`quant_plan.py`; one product function per
 direction): fwd per row / channel once per result block after its k loop, sub-channel per k chunk (`tk` a
 multiple or a divisor of the block) or, with `dequantize`, on each group's weights before full-k dots; dlhs
 sub-channel on each weight block. A gmm whose tail tiles hold at most 4 rows runs bf16 dots in f32.
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import KernelConfig, positive_int_error
-from moe_tune.kernels.loop_dtypes import as_bits, from_bits, load, packed_bytes, per_iteration, update_slice
+from moe_tune.kernels.pallas_util import as_bits, from_bits, load, packed_bytes, per_iteration, update_slice
 from moe_tune.kernels.pallas_util import round_up, vary_like
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
@@ -98,7 +98,7 @@ def tiled_ragged_dot(
     plan = gmm_plan(lhs, lhs_scale, rhs, rhs_scale, lhs_quant, transpose_rhs=transpose_rhs).kernel_plan()
     plan = plan.with_dequantize(dequantize)
     dots = tile_dots(plan, k=k, n=n, tk=tk, tn=tn, min_rows=tail, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
-    rhs = packed_bytes(rhs) if dots.packed else rhs  # once, outside the loops: one pass (loop_dtypes)
+    rhs = packed_bytes(rhs) if dots.packed else rhs  # once, outside the loops: one pass (pallas_util)
     product = functools.partial(dlhs_product if transpose_rhs else fwd_product, dots=dots)
     row_scales = lambda row0, rows: (None if lhs_scale is None
                                      else jax.lax.dynamic_slice_in_dim(lhs_scale, row0, rows, axis=0))
@@ -200,7 +200,7 @@ def tiled_transposed_ragged_dot(
         """[b, k, n] in acc_dtype: for each of b groups (first, end: int [b]), the product of its rows in
         [first, end) of the window that starts at `first`; `step`: the loop iteration it runs in; `in_loop`
         False: a dot outside every loop, which reads lhs untransposed (see lhs_t)."""
-        # per_iteration: the bf16 -> bits view fuses into this window's slice or gather (loop_dtypes); a view
+        # per_iteration: the bf16 -> bits view fuses into this window's slice or gather (pallas_util); a view
         # made once outside a loop is a pass over the whole operand.
         x_bits, d_bits = as_bits(per_iteration(lhs, step)), as_bits(per_iteration(dout, step))
         row0 = jnp.minimum(first, m - window)  # shifted back to end at row m

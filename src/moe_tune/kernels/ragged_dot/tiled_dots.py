@@ -2,9 +2,9 @@
 contraction chunk), the scales applied where the direction's plan says (`quant_plan.py`), and the dtypes
 those dots run in on XLA CPU.
 
-Quantized values are converted where a block is loaded (`loop_dtypes.load`). 4-bit weights are carried as
-their bytes (`loop_dtypes.packed_bytes`, two values a byte along the weights' last axis) and unpacked per
-block (`loop_dtypes.load_nibbles`): the even and the odd columns of the block as two operands, each with its
+Quantized values are converted where a block is loaded (`pallas_util.load`). 4-bit weights are carried as
+their bytes (`pallas_util.packed_bytes`, two values a byte along the weights' last axis) and unpacked per
+block (`pallas_util.load_nibbles`): the even and the odd columns of the block as two operands, each with its
 own dot (fwd: their outputs interleaved; dlhs: the contraction split, the halves summed). Activations quantized in the kernel (dynamic
 w8a8, `OperandPlan.quantize_to`) are quantized here, per row tile, from the tile itself
 (`quant.quantize_tile`: the same ops as `quantize`, so the result is that of the quantized operand bit for
@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_tune.kernels.loop_dtypes import load, load_nibbles
+from moe_tune.kernels.pallas_util import load, load_nibbles
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, QuantPlan
 from moe_tune.kernels.ragged_dot.quantized import dot_dtypes, k_chunk
 from moe_tune.core.quant import quantize_tile
@@ -95,7 +95,7 @@ def _part(x: jax.Array, half: int | None) -> jax.Array:
 
 def fwd_product(x, w, xs, ws, dots: _TileDots) -> list[tuple[int, jax.Array]]:
     """fwd: x [rows, k] @ w [k, n] -> list of (n0, [rows, nb] block in out_dtype), one dot per (column block,
-    contraction chunk). x and w are carried as `loop_dtypes.as_bits` and loaded block by block in the dot's
+    contraction chunk). x and w are carried as `pallas_util.as_bits` and loaded block by block in the dot's
     dtype. Scales (`dots.plan`): xs None or [rows, k/bl], ws None or [k/br, n]; a STEP scale multiplies the
     dot of each chunk (which lies inside one of its blocks), an OUTPUT one each result block once after its k
     loop. DEQUANTIZE weights (`QuantPlan.with_dequantize`): each weight block times its scales in f32 before
