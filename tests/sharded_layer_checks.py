@@ -4,7 +4,8 @@ starts): `python tests/sharded_layer_checks.py [CASE ...]` prints one JSON objec
 Each case runs the layer (inside its own `jax.shard_map` or through `sharded_moe_mlp`) under jit, forward
 and, where asked, the gradients in x, router_logits and the float weights, and compares them with a float64
 NumPy dense reference that applies the same capacity rule (rank in (global token, k) order among the entries
-bound for a device). A result holds the relative errors (max |got - want| / max |want|), the dropped counts
+bound for a device, per token chunk: a `ShardingConfig` with token_chunks C runs each device's tokens as C
+chunks, each capped on its own). A result holds the relative errors (max |got - want| / max |want|), the dropped counts
 (got and wanted) and the tolerance the dtype allows; tests/test_sharded_layer.py asserts on them.
 """
 
@@ -18,6 +19,7 @@ import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -27,8 +29,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_tune  # noqa: E402
 from moe_tune.core.errors import UsageError  # noqa: E402
+from moe_tune.layer.sharding_choice import ShardingConfig  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 8, 8, 2
+COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter")  # counted in a case's lowered forward
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "int8": 2e-5, "int8_qat": 2e-5}
 
 
@@ -63,11 +67,13 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 @contextlib.contextmanager
 def emulated_ragged():
-    """The layer takes its ragged_all_to_all exchange, run by `emulated_ragged_all_to_all`."""
+    """The platform taken to have ragged_all_to_all (the layer's default exchange, and `exchange="ragged"`
+    accepted), run by `emulated_ragged_all_to_all`."""
     from moe_tune.layer import exchange
 
     saved = jax.lax.ragged_all_to_all, exchange.has_ragged_all_to_all
-    jax.lax.ragged_all_to_all, exchange.has_ragged_all_to_all = emulated_ragged_all_to_all, lambda: True
+    jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
+    exchange.has_ragged_all_to_all = lambda platform=None: True
     try:
         yield
     finally:
@@ -110,9 +116,19 @@ def inputs(tokens: int, seed: int = 0, skew_to: int | None = None, top_k: int = 
     return x, logits, w_gate, w_up, w_down, cotangent
 
 
-def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: int | None, top_k: int = TOP_K):
+def capped_order(tokens: int, per_device: int, chunks: int) -> list[list[int]]:
+    """The tokens each capacity counts over, in the order it ranks them: per token chunk, the chunk's
+    tokens of every device's block of `per_device` (device order, then token order)."""
+    part = per_device // chunks
+    return [[block * per_device + c * part + j for block in range(tokens // per_device) for j in range(part)]
+            for c in range(chunks)]
+
+
+def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: int | None, top_k: int = TOP_K,
+              per_device: int | None = None, chunks: int = 1):
     """float64: the layer's output, the gradients of sum(out * cotangent) in (x, logits, w_gate, w_up,
-    w_down) and the number of (token, k) entries dropped."""
+    w_down) and the number of (token, k) entries dropped (`cap` per device and token chunk of
+    `per_device` / `chunks` tokens)."""
     tokens = x.shape[0]
     probs = np.exp(logits - logits.max(1, keepdims=True))
     probs /= probs.sum(1, keepdims=True)
@@ -121,9 +137,9 @@ def reference(x, logits, w_gate, w_up, w_down, cotangent, *, devices: int, cap: 
     total = picked.sum(1, keepdims=True)
     weights = picked / total
     keep = np.ones((tokens, top_k), bool)
-    if cap is not None:
+    for order in [] if cap is None else capped_order(tokens, per_device or tokens, chunks):
         seen = np.zeros(devices, int)
-        for t in range(tokens):
+        for t in order:
             for k in range(top_k):
                 dest = chosen[t, k] // (EXPERTS // devices)
                 keep[t, k] = seen[dest] < cap
@@ -162,14 +178,15 @@ def relative(got, want) -> float:
 def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", replicated: bool = False,
              grads: bool = True, capacity_factor: float | None = None, skew_to: int | None = None,
              own_shard_map: bool = False, fused: bool | None = False, plain: bool = True,
-             ragged: bool = False, quant_block: int | None = None, top_k: int = TOP_K) -> dict:
+             ragged: bool = False, quant_block: int | None = None, top_k: int = TOP_K, token_chunks: int = 1,
+             exchange: str | None = None, collectives: bool = False) -> dict:
     devices = np.array(jax.devices()[:ep * tp]).reshape(ep, tp)
     mesh = jax.sharding.Mesh(devices, ("expert", "tensor"))
     tensor_axis = "tensor" if tp > 1 else None
     tokens_per_device = 4
     tokens = tokens_per_device * (1 if replicated else ep)
     x, logits, w_gate, w_up, w_down, cotangent = inputs(tokens, skew_to=skew_to, top_k=top_k)
-    cap = None if capacity_factor is None else math.ceil(capacity_factor * tokens_per_device * top_k)
+    cap = None if capacity_factor is None else math.ceil(capacity_factor * (tokens_per_device // token_chunks) * top_k)
     weights64 = (w_gate, w_up, w_down)
     float_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     if dtype in ("int8", "int8_qat"):  # QArrays (constants) or AsQArrays (straight-through gradients)
@@ -180,7 +197,10 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
             moe_tune.AsQArray(jnp.asarray(w, jnp.float32), "int8", block_size=quant_block) for w in weights64]
     else:
         weights = [jnp.asarray(w, float_dtype) for w in weights64]
-    want, want_grads, want_dropped = reference(x, logits, *weights64, cotangent, devices=ep, cap=cap, top_k=top_k)
+    want, want_grads, want_dropped = reference(x, logits, *weights64, cotangent, devices=ep, cap=cap, top_k=top_k,
+                                               per_device=tokens_per_device, chunks=token_chunks)
+    if token_chunks != 1 or exchange is not None:  # a whole config (the fixed exchange unless named)
+        strategy = ShardingConfig(strategy=strategy, token_chunks=token_chunks, exchange=exchange or "fixed")
     options = dict(ep_strategy=strategy, capacity_factor=capacity_factor, fused=fused, return_stats=True,
                    tokens_replicated=replicated)
     if own_shard_map:
@@ -218,14 +238,17 @@ def run_case(*, strategy: str, ep: int, tp: int = 1, dtype: str = "float32", rep
             result = {}
         result.update({"out": relative(out, want), "dtype_out": str(out.dtype), "dropped": int(stats["dropped"]),
                        "want_dropped": want_dropped, "tolerance": TOLERANCE[dtype]})
+        if collectives or token_chunks != 1:  # the forward's collectives, as lowered
+            text = jax.jit(layer).lower(xs, ls, *weights).as_text()
+            result["collectives"] = {op: len(re.findall(rf"\bstablehlo\.{op}\b", text)) for op in COLLECTIVES}
         jax.effects_barrier()
     result["logged"] = logged.messages
     return result
 
 
 CASES = {
-    "ep8_all_gather_f32": dict(strategy="all_gather", ep=8),
-    "ep8_all_to_all_f32": dict(strategy="all_to_all", ep=8, own_shard_map=True),
+    "ep8_all_gather_f32": dict(strategy="all_gather", ep=8, collectives=True),
+    "ep8_all_to_all_f32": dict(strategy="all_to_all", ep=8, own_shard_map=True, collectives=True),
     "ep4_tp2_all_gather_f32": dict(strategy="all_gather", ep=4, tp=2, own_shard_map=True),
     "ep8_all_to_all_ragged_f32": dict(strategy="all_to_all", ep=8, ragged=True),
     "ep4_tp2_all_to_all_ragged_capacity": dict(strategy="all_to_all", ep=4, tp=2, ragged=True, skew_to=4,
@@ -253,6 +276,17 @@ CASES = {
     "ep4_tp2_default_fused": dict(strategy="all_gather", ep=4, tp=2, fused=True, plain=False),
     "ep4_tp2_all_to_all_default_capacity": dict(strategy="all_to_all", ep=4, tp=2, fused=None, plain=False,
                                                 capacity_factor=1.5, skew_to=4),
+    # token chunks (ShardingConfig): each chunk its own exchange, experts, combine and capacity (factor 1.3:
+    # the per-chunk caps, ceil(1.3 x 4 / C x 2), drop other counts than one cap over the whole 4 tokens)
+    "ep8_all_gather_chunks2": dict(strategy="all_gather", ep=8, token_chunks=2),
+    "ep8_all_to_all_chunks4_fixed": dict(strategy="all_to_all", ep=8, token_chunks=4, exchange="fixed"),
+    "skew_all_gather_chunks2_capacity": dict(strategy="all_gather", ep=8, skew_to=0, capacity_factor=1.3,
+                                             token_chunks=2),
+    "skew_all_to_all_chunks4_capacity": dict(strategy="all_to_all", ep=8, skew_to=0, capacity_factor=1.3,
+                                             token_chunks=4, exchange="fixed"),
+    "ep4_tp2_all_to_all_ragged_chunks2_capacity": dict(strategy="all_to_all", ep=4, tp=2, ragged=True,
+                                                       exchange="ragged", token_chunks=2, skew_to=4,
+                                                       capacity_factor=1.3),
 }
 
 

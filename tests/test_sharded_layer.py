@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import moe_tune
 from moe_tune.core.errors import UsageError
 from moe_tune.layer import exchange, sharded
+from moe_tune.layer.sharding_choice import ShardingConfig
 
 SCRIPT = Path(__file__).with_name("sharded_layer_checks.py")
 TOKENS_PER_DEVICE, TOP_K, EXPERTS = 4, 2, 16  # as the script's cases
@@ -30,7 +31,9 @@ WITH_GRADS = ["ep8_all_gather_f32", "ep8_all_to_all_f32", "ep8_all_to_all_ragged
               "ep4_tp2_all_to_all_ragged_capacity", "replicated_ep4_tp2_f32",
               "ep8_all_gather_bf16", "ep4_tp2_all_to_all_bf16", "skew_all_gather_capacity",
               "skew_all_to_all_capacity", "ep8_all_to_all_int8_qat", "skew_top3_all_to_all",
-              "ep8_default_backends", "ep4_tp2_default_fused", "ep4_tp2_all_to_all_default_capacity"]
+              "ep8_default_backends", "ep4_tp2_default_fused", "ep4_tp2_all_to_all_default_capacity",
+              "ep8_all_gather_chunks2", "ep8_all_to_all_chunks4_fixed", "skew_all_gather_chunks2_capacity",
+              "skew_all_to_all_chunks4_capacity", "ep4_tp2_all_to_all_ragged_chunks2_capacity"]
 WITH_INPUT_GRADS = ["ep4_tp2_all_gather_int8", "ep8_all_to_all_int8"]  # QArray weights: constants
 FORWARD = ["ep8_all_gather_fused_f32", "replicated_ep8_all_to_all_f32", "skew_all_gather", "skew_all_to_all",
            "skew_replicated_capacity"]
@@ -74,8 +77,8 @@ def test_matches_float64_reference(results, case):
     assert got["out"] <= tolerance
     assert got["dtype_out"] == ("bfloat16" if "bf16" in case else "float32")
     assert got["logged"] == ([] if "capacity" not in case else [
-        f"moe_mlp capacity_factor {factor} ({cap} entries per device): {got['dropped']} of {entries} (token, k) "
-        "entries dropped" for factor, cap, entries in [_capacity_of(case)]])
+        f"moe_mlp capacity_factor {factor} ({cap} entries {per}): {got['dropped']} of {entries} (token, k) "
+        "entries dropped" for factor, cap, entries, per in [_capacity_of(case)]])
     assert got["dropped"] == got["want_dropped"]
     grads = {"WITH_GRADS": ["dx", "dlogits", "dw_gate", "dw_up", "dw_down"], "WITH_INPUT_GRADS": ["dx", "dlogits"],
              "FORWARD": []}
@@ -87,11 +90,20 @@ def test_matches_float64_reference(results, case):
         assert got[name] <= tolerance, (name, got[name])
 
 
-def _capacity_of(case: str) -> tuple[float, int, int]:
-    """(capacity_factor, entries per device, entries in all) of a capacity case of the script."""
-    factor = 0.5 if "replicated" in case else 1.5
+def _chunks_of(case: str) -> int:
+    """The token chunks of a case of the script (named `chunksC`; 1 otherwise)."""
+    return int(case.split("chunks")[1][0]) if "chunks" in case else 1
+
+
+def _capacity_of(case: str) -> tuple[float, int, int, str]:
+    """(capacity_factor, entries per device and token chunk, entries in all, how the log line says per what) of
+    a capacity case of the script."""
+    factor = 0.5 if "replicated" in case else 1.3 if "chunks" in case else 1.5
     devices = 1 if "replicated" in case else 4 if "ep4" in case else 8
-    return factor, math.ceil(factor * TOKENS_PER_DEVICE * TOP_K), devices * TOKENS_PER_DEVICE * TOP_K
+    chunks = _chunks_of(case)
+    per = "per device" if chunks == 1 else f"per device in each of {chunks} token chunks"
+    return (factor, math.ceil(factor * (TOKENS_PER_DEVICE // chunks) * TOP_K), devices * TOKENS_PER_DEVICE * TOP_K,
+            per)
 
 
 def test_worst_case_buffer_is_filled(results):
@@ -121,6 +133,26 @@ def test_skewed_routing_drops_exactly_past_capacity(results):
     assert results["ep4_tp2_all_to_all_ragged_capacity"]["dropped"] > 0
 
 
+def test_token_chunks_cap_each_chunk_on_its_own(results):
+    """Every token routed to device 0's experts, capacity_factor 1.3: each chunk of 4 / C tokens per device
+    keeps ceil(1.3 x 4 / C x 2) of the 8 x 4 / C x 2 entries bound for device 0, the dropped counts summed
+    over the chunks (52 with 2 and with 4 chunks; one cap over the 4 tokens would drop 64 - 11 = 53)."""
+    entries = 8 * TOKENS_PER_DEVICE * TOP_K
+    for case, chunks in (("skew_all_gather_chunks2_capacity", 2), ("skew_all_to_all_chunks4_capacity", 4)):
+        part = TOKENS_PER_DEVICE // chunks
+        assert results[case]["dropped"] == chunks * (8 * part * TOP_K - math.ceil(1.3 * part * TOP_K)) == 52
+    assert entries - math.ceil(1.3 * TOKENS_PER_DEVICE * TOP_K) == 53
+
+
+@pytest.mark.parametrize("chunked,whole", [("ep8_all_gather_chunks2", "ep8_all_gather_f32"),
+                                           ("ep8_all_to_all_chunks4_fixed", "ep8_all_to_all_f32")])
+def test_each_token_chunk_runs_its_own_collectives(results, chunked, whole):
+    """The forward with C token chunks lowers C times the collectives of the layer in one piece: each chunk
+    its own gather or exchange (what lets XLA overlap one chunk's collectives with another's matmuls)."""
+    one, many = results[whole]["collectives"], results[chunked]["collectives"]
+    assert any(one.values()) and many == {op: _chunks_of(chunked) * count for op, count in one.items()}
+
+
 @pytest.mark.parametrize("tokens,top_k,devices,local", [(4, 2, 8, 2), (4, 2, 8, 1), (16, 8, 4, 32), (3, 4, 2, 3)])
 def test_worst_case_rows_is_maxtext_bound(tokens, top_k, devices, local):
     """The receive buffer without a capacity holds local tokens x min(EP, E / top_k) x top_k rows."""
@@ -129,17 +161,29 @@ def test_worst_case_rows_is_maxtext_bound(tokens, top_k, devices, local):
 
 
 def test_default_strategy():
-    """None: where nothing is exchanged (replicated tokens, one device on the axis) all_to_all where
-    ragged_all_to_all exists (TPU, GPU) and all_gather on CPU; with tokens split over the axis one of the
-    strategies (the tables' measured choice or the default); a named one stays; another name is refused."""
+    """None: where nothing is exchanged (replicated tokens, one device on the axis) all_to_all over the
+    ragged exchange where ragged_all_to_all exists (TPU, GPU) and all_gather on CPU, tokens in one piece; with
+    tokens split over the axis one of the strategies (the tables' measured choice or the default); a named
+    one stays, with the platform's exchange; another name is refused; a ShardingConfig is taken as given
+    where the layer can run it."""
     shape = dict(tokens=8, hidden=8, intermediate=8, experts=16, top_k=2, ep=8, tp=1, dtype=jnp.float32)
-    for platform, default in (("cpu", "all_gather"), ("tpu", "all_to_all"), ("gpu", "all_to_all")):
-        assert sharded.resolve_strategy(None, platform=platform, tokens_replicated=True, **shape) == default
-    assert sharded.resolve_strategy(None, platform="cpu", tokens_replicated=False, **shape) in sharded.STRATEGIES
+    for platform, default, kind in (("cpu", "all_gather", "fixed"), ("tpu", "all_to_all", "ragged"),
+                                    ("gpu", "all_to_all", "ragged")):
+        assert sharded.resolve_strategy(None, platform=platform, tokens_replicated=True, **shape) == ShardingConfig(
+            strategy=default, token_chunks=1, exchange=kind)
+        given = sharded.resolve_strategy("all_gather", platform=platform, tokens_replicated=False, **shape)
+        assert given == ShardingConfig(strategy="all_gather", token_chunks=1, exchange=kind)
+    assert sharded.resolve_strategy(None, platform="cpu", tokens_replicated=False, **shape).strategy in (
+        sharded.STRATEGIES)
     for strategy in sharded.STRATEGIES:
-        assert sharded.resolve_strategy(strategy, platform="cpu", tokens_replicated=False, **shape) == strategy
+        assert sharded.resolve_strategy(strategy, platform="cpu", tokens_replicated=False, **shape).strategy == strategy
     with pytest.raises(UsageError, match="ep_strategy"):
         sharded.resolve_strategy("ring", platform="cpu", tokens_replicated=False, **shape)
+    # a whole config: as given where the layer runs it (the ragged exchange where the platform has one)
+    chunked = ShardingConfig(strategy="all_to_all", token_chunks=4, exchange="ragged")
+    assert sharded.resolve_strategy(chunked, platform="gpu", tokens_replicated=False, **shape) == chunked
+    with pytest.raises(UsageError, match="needs jax.lax.ragged_all_to_all"):
+        sharded.resolve_strategy(chunked, platform="cpu", tokens_replicated=False, **shape)
 
 
 def _operands(experts=4, local=4, tokens=4, hidden=8, intermediate=8):
@@ -175,6 +219,12 @@ def test_usage_errors_outside_shard_map(options, message):
     (dict(expert_axis="expert", capacity_factor=-1.0), "capacity_factor must be a positive"),
     (dict(expert_axis="expert", tensor_axis="expert"), "must be different mesh axes"),
     (dict(expert_axis="expert", tensor_axis="model"), "tensor_axis 'model' is not a mesh axis"),
+    (dict(expert_axis="expert", ep_strategy=2), "ep_strategy must be one of"),
+    (dict(expert_axis="expert", ep_strategy=ShardingConfig(token_chunks=3)),
+     "token_chunks 3 does not divide the 4 tokens of one device"),
+    (dict(expert_axis="expert", ep_strategy=ShardingConfig(token_chunks=0)), "token_chunks must be a positive"),
+    (dict(expert_axis="expert", ep_strategy=ShardingConfig(strategy="all_to_all", exchange="ragged")),
+     "exchange 'ragged' needs jax.lax.ragged_all_to_all"),
 ])
 def test_usage_errors_inside_shard_map(options, message):
     with pytest.raises(UsageError, match=message):

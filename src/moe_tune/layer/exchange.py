@@ -7,10 +7,10 @@ lays them out in (local expert, peer) order, which is expert order; no second so
 segment the entries keep their (token, k) order, so a receiver's rows are ordered by (local expert, global
 token, k), global token = peer x local tokens + token.
 
-Two exchanges carry the rows: `jax.lax.ragged_all_to_all` where the platform has it (TPU, GPU), sending
-exactly the rows; and, where it does not (XLA:CPU), a fixed-capacity `jax.lax.all_to_all` of
-[devices, chunk, hidden] buffers, chunk = the most rows one device can send to one peer, rearranged into the
-same expert order with plain gathers.
+Two exchanges carry the rows (`ShardingConfig.exchange`): `ragged`, `jax.lax.ragged_all_to_all`, sending
+exactly the rows, only where the platform has it (TPU, GPU; XLA:CPU does not); and `fixed`, everywhere, a
+fixed-capacity `jax.lax.all_to_all` of [devices, chunk, hidden] buffers, chunk = the most rows one device can
+send to one peer, rearranged into the same expert order with plain gathers.
 
 Capacity (`cap`, entries one device may receive): an entry is kept when its rank among all the entries bound
 for its destination device, in (global token, k) order, is below `cap`; the rest are dropped whole (never
@@ -33,9 +33,10 @@ STRATEGIES = ("all_gather", "all_to_all")
 RAGGED_ALL_TO_ALL_PLATFORMS = ("tpu", "gpu")  # XLA:CPU does not implement ragged_all_to_all
 
 
-def has_ragged_all_to_all() -> bool:
-    """Whether the judged platform runs `jax.lax.ragged_all_to_all` (else the fixed-capacity exchange)."""
-    return devices.platform() in RAGGED_ALL_TO_ALL_PLATFORMS
+def has_ragged_all_to_all(platform: str | None = None) -> bool:
+    """Whether `platform` (None: the judged one) runs `jax.lax.ragged_all_to_all`; the fixed-capacity
+    exchange runs everywhere."""
+    return (devices.platform() if platform is None else platform) in RAGGED_ALL_TO_ALL_PLATFORMS
 
 
 def worst_rows(tokens: int, top_k: int, devices: int, local: int) -> int:

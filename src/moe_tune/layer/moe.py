@@ -58,7 +58,7 @@ def moe_mlp(
     fused: bool | None = None,
     expert_axis: str | None = None,
     tensor_axis: str | None = None,
-    ep_strategy: str | None = None,
+    ep_strategy: str | sharded.ShardingConfig | None = None,
     capacity_factor: float | None = None,
     tokens_replicated: bool = False,
     return_stats: bool = False,
@@ -86,9 +86,12 @@ def moe_mlp(
         dimension are split over (`layer/sharded.py`): x is this device's tokens, the weights this device's
         [experts / EP, ..., intermediate / TP] shard, and the result the whole layer's output for x.
       ep_strategy, capacity_factor, tokens_replicated, return_stats: with `expert_axis` (`layer/sharded.py`):
-        `all_gather` or `all_to_all` (None: `sharded.resolve_strategy`), a cap of `ceil(c x tokens x top_k)`
-        entries per device (None: nothing dropped), tokens the same on every device of `expert_axis`
-        (decode), and `(out, {"dropped", "entries"})` returned instead of out.
+        `all_gather` or `all_to_all` (tokens in one piece, the platform's exchange), or a whole
+        `moe_tune.layer.sharding_choice.ShardingConfig` (strategy; token_chunks C, dividing tokens: C chunks
+        of tokens / C, each its own exchange, experts and combine; exchange `fixed` or, on TPU and GPU,
+        `ragged`), None: `sharded.resolve_strategy` (the tables' choice); a cap of `ceil(c x tokens / C x
+        top_k)` entries per device and token chunk (None: nothing dropped), tokens the same on every device
+        of `expert_axis` (decode), and `(out, {"dropped", "entries"})` returned instead of out.
 
     Returns:
       [tokens, hidden] in x.dtype: this shard's experts' contribution (all of it without expert_offset).

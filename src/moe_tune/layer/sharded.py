@@ -10,21 +10,29 @@ dimension over another (tensor parallelism, TP), with JAX's `shard_map` as the e
   devices.
 - `all_to_all`: entries sent to their experts' devices and back (`exchange.py`).
 
+`ShardingConfig.token_chunks` C > 1 (an `ep_strategy` config, or the tables' choice) runs a device's t tokens
+as C consecutive chunks of t / C (C must divide t), each its own exchange, experts and combine under either
+strategy, the outputs concatenated: XLA may then overlap one chunk's collectives with another's grouped
+matmuls (MaxText's num_moe_token_chunks). Every kernel of a chunk looks its config up under the chunk's local
+shapes (t / C tokens). `ShardingConfig.exchange` picks the all-to-all's implementation (`exchange.py`).
+
 Tokens replicated over `expert_axis` (`tokens_replicated=True`: decode, where every device of the axis holds
 the same batch) are served without gathering: each device runs its experts' entries and the partial outputs
 are summed (`psum`). With `tensor_axis`, each device's down projection is a partial sum over its slice of the
 intermediate dimension; the outputs are summed (`psum`) over `tensor_axis`.
 
-`capacity_factor` c caps the entries one device receives at `ceil(c x t x top_k)` (t: the tokens one device
-holds); the rule (rank in (global token, k) order among the entries bound for that device) is
-`exchange.keep_mask`'s and the same under both strategies. `return_stats=True` returns `(out, stats)`,
-stats = {"dropped": int32, the entries dropped over the whole expert axis; "entries": their total}; with
-a capacity and the `moe_tune.layer.sharded` logger enabled for INFO when the layer is traced, each call also
-logs the count (from the first device of the mesh axes).
+`capacity_factor` c caps the entries one device receives from one token chunk at `ceil(c x t / C x top_k)`
+(t: the tokens one device holds, C its token chunks; `ceil(c x t x top_k)` in one piece); the rule (rank in
+(global token, k) order among the chunk's entries bound for that device) is `exchange.keep_mask`'s and the
+same under both strategies. `return_stats=True` returns `(out, stats)`, stats = {"dropped": int32, the
+entries dropped over the whole expert axis and every chunk; "entries": their total}; with a capacity and the
+`moe_tune.layer.sharded` logger enabled for INFO when the layer is traced, each call also logs the count
+(from the first device of the mesh axes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -38,28 +46,42 @@ from moe_tune.layer import exchange
 from moe_tune.layer.exchange import STRATEGIES
 from moe_tune.layer.fused_layer import serve_or_train
 from moe_tune.layer.fusion_choice import use_fused
-from moe_tune.layer.sharding_choice import strategy_for
+from moe_tune.layer.sharding_choice import (
+    ShardingConfig,
+    config_for,
+    default_sharding,
+    layer_config_error,
+)
 
 _log = logging.getLogger(__name__)
 
 
-def resolve_strategy(ep_strategy: str | None, *, tokens: int, hidden: int, intermediate: int, experts: int,
-                     top_k: int, ep: int, tp: int, dtype: Any, tokens_replicated: bool, platform: str) -> str:
-    """The strategy one call runs: `ep_strategy` when given (checked), else the default: `all_to_all` where
-    the platform has a ragged all-to-all (only the routed rows travel), `all_gather` elsewhere (the
-    fixed-capacity all-to-all moves worst-case buffers). Tokens replicated over the expert axis need no
-    exchange: the answer then only names how the partial outputs are combined, and both serve alike.
-    The one place a measured choice per (layer, mesh) answers from: with tokens split over an expert axis
-    of 2 or more devices, the tables' `moe_sharding` entry for these local shapes and mesh
-    (`sharding_choice.strategy_for`), else the default."""
+def resolve_strategy(ep_strategy: str | ShardingConfig | None, *, tokens: int, hidden: int, intermediate: int,
+                     experts: int, top_k: int, ep: int, tp: int, dtype: Any, tokens_replicated: bool,
+                     platform: str) -> ShardingConfig:
+    """The config one call runs (strategy, token chunks, exchange): a `ShardingConfig` when given (checked
+    for these `tokens` on `platform`); a strategy name with the tokens in one piece and the platform's
+    exchange; None: the default (`sharding_choice.default_sharding`: `all_to_all` where the platform has a
+    ragged all-to-all, only the routed rows travel; `all_gather` elsewhere, the fixed-capacity all-to-all
+    moves worst-case buffers). Tokens replicated over the expert axis need no exchange: the strategy then
+    only names how the partial outputs are combined, and both serve alike.
+    The one place a measured choice per (layer, mesh) answers from: None with tokens split over an expert
+    axis of 2 or more devices asks the tables' `moe_sharding` entry for these local shapes and mesh
+    (`sharding_choice.config_for`), else the default."""
     if ep_strategy is None:
         if tokens_replicated or ep < 2:
-            return "all_to_all" if platform in exchange.RAGGED_ALL_TO_ALL_PLATFORMS else "all_gather"
-        return strategy_for(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                            ep=ep, tp=tp, dtype=dtype)
-    if ep_strategy not in STRATEGIES:
-        raise UsageError(f"ep_strategy must be one of {', '.join(STRATEGIES)} or None, got {ep_strategy!r}")
-    return ep_strategy
+            return default_sharding(platform)
+        return config_for(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                          ep=ep, tp=tp, dtype=dtype)
+    if isinstance(ep_strategy, ShardingConfig):
+        reason = layer_config_error(ep_strategy, tokens=tokens, platform=platform)
+        if reason is not None:
+            raise UsageError(f"ep_strategy {ep_strategy.label()}: {reason}")
+        return ep_strategy
+    if not isinstance(ep_strategy, str) or ep_strategy not in STRATEGIES:
+        raise UsageError(f"ep_strategy must be one of {', '.join(STRATEGIES)}, a ShardingConfig or None, got "
+                         f"{ep_strategy!r}")
+    return dataclasses.replace(default_sharding(platform), strategy=ep_strategy)
 
 
 def axis_size(axis: str, role: str) -> int:
@@ -75,7 +97,8 @@ def axis_size(axis: str, role: str) -> int:
 
 
 def capacity(capacity_factor: float | None, tokens: int, top_k: int) -> int | None:
-    """Entries one device may receive: `ceil(c x tokens x top_k)`; None (no cap) for None."""
+    """Entries one device may receive from `tokens` tokens per device (one token chunk's):
+    `ceil(c x tokens x top_k)`; None (no cap) for None."""
     if capacity_factor is None:
         return None
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
@@ -85,11 +108,13 @@ def capacity(capacity_factor: float | None, tokens: int, top_k: int) -> int | No
 
 
 def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int, expert_axis: str | None,
-          tensor_axis: str | None, ep_strategy: str | None, capacity_factor: float | None,
+          tensor_axis: str | None, ep_strategy: str | ShardingConfig | None, capacity_factor: float | None,
           tokens_replicated: bool, return_stats: bool, fused: bool | None, activation, skip_zero_weights: bool,
           flags: dict):
     """`moe_mlp` across devices, after its checks and routing (weights float32 / chosen int32 [t, top_k] of
-    this device's tokens): the output [t, d] in x.dtype, with the stats when `return_stats`."""
+    this device's tokens): the output [t, d] in x.dtype, with the stats when `return_stats`. The config's
+    token chunks run one after another in the program (each its own collectives, kernels and capacity),
+    their outputs concatenated and their dropped counts summed."""
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     local, intermediate = w_gate.shape[0], w_gate.shape[2]
@@ -102,46 +127,58 @@ def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int,
                          f"{ep} devices of expert_axis {expert_axis!r}: each device must hold experts / {ep}")
     if expert_axis is None and (ep_strategy is not None or capacity_factor is not None or tokens_replicated):
         raise UsageError("ep_strategy, capacity_factor and tokens_replicated need an expert_axis")
-    cap = capacity(capacity_factor, tokens, top_k)
-    strategy = resolve_strategy(ep_strategy, tokens=tokens, hidden=hidden, intermediate=intermediate,
-                                experts=experts, top_k=top_k, ep=ep, tp=tp, dtype=x.dtype,
-                                tokens_replicated=tokens_replicated, platform=_devices.platform())
+    capacity(capacity_factor, tokens, top_k)  # the factor checked before the config is looked up
+    config = resolve_strategy(ep_strategy, tokens=tokens, hidden=hidden, intermediate=intermediate,
+                              experts=experts, top_k=top_k, ep=ep, tp=tp, dtype=x.dtype,
+                              tokens_replicated=tokens_replicated, platform=_devices.platform())
+    chunks = config.token_chunks
+    part = tokens // chunks
+    cap = capacity(capacity_factor, part, top_k)
     me = jnp.int32(0) if expert_axis is None else jax.lax.axis_index(expert_axis)
     # the same tokens meet other weights on each device of tensor_axis (and of expert_axis when replicated):
     # typed as varying over both, so every kernel's gradient in them is per device, summed by the transpose
     axes = tuple(axis for axis in (expert_axis, tensor_axis) if axis is not None)
     x, weights = exchange.varying(x, axes), exchange.varying(weights, axes)
     options = dict(activation=activation, skip_zero_weights=skip_zero_weights, flags=flags)
-    if strategy == "all_to_all" and not tokens_replicated and ep > 1:
-        if fused:
-            raise UsageError("fused=True runs the experts with the dispatch gather and the combine inside the "
-                             "kernels, which the all_to_all strategy does on other devices: pass "
-                             "ep_strategy='all_gather' or fused=None")
-        out, dropped = exchange.all_to_all_layer(
-            x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis, devices=ep, me=me, cap=cap,
-            ragged=exchange.has_ragged_all_to_all(), **options)
-        entries = tokens * top_k * ep
+    exchanged = config.strategy == "all_to_all" and not tokens_replicated and ep > 1
+    if exchanged and fused:
+        raise UsageError("fused=True runs the experts with the dispatch gather and the combine inside the "
+                         "kernels, which the all_to_all strategy does on other devices: pass "
+                         "ep_strategy='all_gather' or fused=None")
+
+    def run(x, weights, chosen):  # one token chunk: its exchange, experts and combine
+        if exchanged:
+            return exchange.all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
+                                             devices=ep, me=me, cap=cap, ragged=config.exchange == "ragged",
+                                             **options)
+        return _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
+                         replicated=tokens_replicated, me=me, experts=experts, cap=cap, fused=fused, **options)
+
+    if chunks == 1:
+        out, dropped = run(x, weights, chosen)
     else:
-        out, dropped = _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
-                                 replicated=tokens_replicated, me=me, experts=experts, cap=cap, fused=fused,
-                                 **options)
-        entries = tokens * top_k * (1 if tokens_replicated else ep)
+        pieces = [run(*(a[c * part:(c + 1) * part] for a in (x, weights, chosen))) for c in range(chunks)]
+        out = jnp.concatenate([piece for piece, _ in pieces], axis=0)
+        dropped = sum(count for _, count in pieces)
+    entries = tokens * top_k * (1 if tokens_replicated else ep)
     if tensor_axis is not None:
         out = jax.lax.psum(out, tensor_axis)
     if expert_axis is not None:
         dropped = jax.lax.psum(dropped, expert_axis)
     if cap is not None and _log.isEnabledFor(logging.INFO):
         first = me == 0 if tensor_axis is None else (me == 0) & (jax.lax.axis_index(tensor_axis) == 0)
-        jax.debug.callback(_log_drops, dropped, first, entries=entries, factor=capacity_factor, cap=cap)
+        jax.debug.callback(_log_drops, dropped, first, entries=entries, factor=capacity_factor, cap=cap,
+                           chunks=chunks)
     if not return_stats:
         return out
     return out, {"dropped": dropped, "entries": jnp.int32(entries)}
 
 
-def _log_drops(dropped, first, *, entries: int, factor: float, cap: int) -> None:
+def _log_drops(dropped, first, *, entries: int, factor: float, cap: int, chunks: int) -> None:
     if bool(first):
-        _log.info("moe_mlp capacity_factor %s (%d entries per device): %d of %d (token, k) entries dropped",
-                  factor, cap, int(dropped), entries)
+        per = "per device" if chunks == 1 else f"per device in each of {chunks} token chunks"
+        _log.info("moe_mlp capacity_factor %s (%d entries %s): %d of %d (token, k) entries dropped",
+                  factor, cap, per, int(dropped), entries)
 
 
 def _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, axis, replicated: bool, me, experts: int,

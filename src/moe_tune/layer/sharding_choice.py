@@ -7,15 +7,16 @@ dtype and the weights' quantization; the table's device kind is the rest of the 
 has three tunables:
 
 - `strategy`: `all_gather` or `all_to_all` (`exchange.STRATEGIES`);
-- `token_chunks`: the token chunks that would let XLA overlap the collectives with the matmuls. The layer
-  runs its tokens in one piece, so 1 is the only value and the only candidate;
-- `exchange`: the all-to-all's implementation, `ragged` (`jax.lax.ragged_all_to_all`) or `fixed` (a
-  fixed-capacity `all_to_all`). The layer runs the platform's own (`exchange.has_ragged_all_to_all`), so the
-  one candidate is the platform's; a config naming the other is refused (`config_error`).
+- `token_chunks`: C consecutive chunks of t / C tokens, each its own exchange, experts and combine, which
+  lets XLA overlap one chunk's collectives with another's grouped matmuls (MaxText's num_moe_token_chunks);
+  candidates 1, 2 and 4 where C divides the tokens and leaves at least `MIN_CHUNK_TOKENS` per chunk;
+- `exchange`: the all-to-all's implementation, `fixed` (a fixed-capacity `jax.lax.all_to_all`, everywhere) or
+  `ragged` (`jax.lax.ragged_all_to_all`, only where the platform has it: TPU, GPU). It only matters to
+  `all_to_all`: `all_gather` takes the platform's default exchange alone, so no candidate is timed twice.
 
 A sweep times the whole sharded layer each way on the mesh of the machine it runs on (`jax.devices()`), `fwd`
 the forward, `bwd` the forward and backward together, against the one-device layer in float64
-(`layer/reference.py`). `moe_mlp(..., ep_strategy=None)` asks the `fwd` entry (`strategy_for`, called by
+(`layer/reference.py`). `moe_mlp(..., ep_strategy=None)` asks the `fwd` entry (`config_for`, called by
 `sharded.resolve_strategy`) by the layer's local shapes and dtype: the float weights' key, whatever the weights.
 """
 
@@ -24,20 +25,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from moe_tune.core import devices
 from moe_tune.core.errors import UsageError
 from moe_tune.core.quant_format import QuantFormat
-from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
-from moe_tune.kernels.options import ShapeOption
+from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig, positive_int_error
+from moe_tune.kernels.kernel_op import ShapeOption
 from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
 from moe_tune.layer import exchange
 from moe_tune.layer.fusion_choice import FusionProblem
 from moe_tune.layer.exchange import STRATEGIES
 
 EXCHANGES = ("ragged", "fixed")
+TOKEN_CHUNKS = (1, 2, 4)  # the candidates' token chunks
+MIN_CHUNK_TOKENS = 8  # a candidate's chunks hold at least this many tokens
 DIRECTIONS = ("fwd", "bwd")
 TP = ShapeOption("tp", int, "moe_sharding: tensor-parallel size (devices along the tensor axis, each holding "
-                 "intermediate / tp of every expert).", listable=True)
+                 "intermediate / tp of every expert); with --model, one size (default 1).", listable=True)
 DEFAULT_OPTIONS = {"tokens": 256, "hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "ep": 8,
                    "tp": 1, "dtype": "float32"}
 
@@ -119,14 +121,14 @@ class ShardingProblem:
 def platform_exchange(platform: str | None = None) -> str:
     """The all-to-all the layer runs on `platform` (None: the judged one): `ragged` where it has
     `jax.lax.ragged_all_to_all`, else `fixed`."""
-    platform = devices.platform() if platform is None else platform
-    return "ragged" if platform in exchange.RAGGED_ALL_TO_ALL_PLATFORMS else "fixed"
+    return "ragged" if exchange.has_ragged_all_to_all(platform) else "fixed"
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig(KernelConfig):
-    """strategy: `all_gather` or `all_to_all`; token_chunks: pieces the tokens run in (1: whole); exchange:
-    the all-to-all's implementation (`ragged` or `fixed`)."""
+    """strategy: `all_gather` or `all_to_all`; token_chunks: the consecutive chunks a device's tokens run in,
+    each its own exchange, experts and combine (1: whole); exchange: the all-to-all's implementation
+    (`fixed` everywhere, `ragged` where the platform has `jax.lax.ragged_all_to_all`)."""
 
     strategy: str = "all_gather"
     token_chunks: int = 1
@@ -136,7 +138,7 @@ class ShardingConfig(KernelConfig):
 class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
     op = "moe_sharding"
     name = "mesh"
-    revision = 1  # bump on changes that can change the fastest or a valid config (Backend.revision)
+    revision = 2  # bump on changes that can change the fastest or a valid config (Backend.revision)
     config_cls = ShardingConfig
     platforms = ("cpu", "gpu", "tpu")
     description = "the whole sharded moe_mlp layer, tokens gathered or exchanged (each with its kernels' tuned configs)"
@@ -145,22 +147,51 @@ class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
         """`all_to_all` where the platform has a ragged all-to-all (only the routed rows travel), `all_gather`
         elsewhere (the fixed-capacity all-to-all moves worst-case buffers); not measured: a sweep measures
         your layer and mesh."""
-        kind = platform_exchange()
-        return ShardingConfig(strategy="all_to_all" if kind == "ragged" else "all_gather", exchange=kind)
+        return default_sharding()
 
     def candidate_values(self, problem: ShardingProblem):
-        return {"strategy": list(STRATEGIES), "token_chunks": [1], "exchange": [platform_exchange()]}
+        """Both strategies x token chunks 1, 2, 4 (those dividing the tokens with `MIN_CHUNK_TOKENS` or more per
+        chunk) x the platform's exchanges (`fixed`; and `ragged` on TPU and GPU)."""
+        chunks = [c for c in TOKEN_CHUNKS if c == 1 or (problem.tokens % c == 0 and
+                                                        problem.tokens // c >= MIN_CHUNK_TOKENS)]
+        kinds = ["fixed"] + (["ragged"] if exchange.has_ragged_all_to_all() else [])
+        return {"strategy": list(STRATEGIES), "token_chunks": chunks, "exchange": kinds}
 
     def config_error(self, config: ShardingConfig, problem: ShardingProblem) -> str | None:
-        if config.strategy not in STRATEGIES:
-            return f"strategy must be one of {', '.join(STRATEGIES)}, got {config.strategy!r}"
-        if config.token_chunks != 1:
-            return f"the layer runs its tokens in one piece: token_chunks must be 1, got {config.token_chunks!r}"
-        if config.exchange not in EXCHANGES:
-            return f"exchange must be one of {', '.join(EXCHANGES)}, got {config.exchange!r}"
-        if config.exchange != platform_exchange():
-            return f"the layer runs the {platform_exchange()} all-to-all here, not {config.exchange!r}"
-        return None
+        """`layer_config_error`'s rules for the problem's tokens; and `all_gather` with the platform's default
+        exchange only (it runs no all-to-all: another exchange would time the same layer twice)."""
+        reason = layer_config_error(config, tokens=problem.tokens)
+        if reason is None and config.strategy == "all_gather" and config.exchange != platform_exchange():
+            reason = (f"all_gather runs no all-to-all: its exchange is the platform's {platform_exchange()!r}, "
+                      f"got {config.exchange!r}")
+        return reason
+
+
+def default_sharding(platform: str | None = None) -> ShardingConfig:
+    """The layer's config on `platform` (None: the judged one) when nothing is measured: `all_to_all` over the
+    ragged all-to-all where the platform has one, `all_gather` elsewhere; tokens in one piece."""
+    kind = platform_exchange(platform)
+    return ShardingConfig(strategy="all_to_all" if kind == "ragged" else "all_gather", token_chunks=1, exchange=kind)
+
+
+def layer_config_error(config: ShardingConfig, *, tokens: int, platform: str | None = None) -> str | None:
+    """Why the layer cannot run `config` on a device holding `tokens` tokens on `platform` (None: the judged
+    one), or None: a known strategy and exchange, token_chunks a positive int dividing the tokens, the ragged
+    exchange only where the platform has it."""
+    if config.strategy not in STRATEGIES:
+        return f"strategy must be one of {', '.join(STRATEGIES)}, got {config.strategy!r}"
+    reason = positive_int_error("token_chunks", config.token_chunks)
+    if reason is not None:
+        return reason
+    if tokens % config.token_chunks:
+        return (f"token_chunks {config.token_chunks} does not divide the {tokens} tokens of one device: each chunk "
+                "runs the same number of tokens")
+    if config.exchange not in EXCHANGES:
+        return f"exchange must be one of {', '.join(EXCHANGES)}, got {config.exchange!r}"
+    if config.exchange == "ragged" and not exchange.has_ragged_all_to_all(platform):
+        return ("exchange 'ragged' needs jax.lax.ragged_all_to_all, which this platform lacks (it runs on "
+                f"{' and '.join(exchange.RAGGED_ALL_TO_ALL_PLATFORMS)}): pass exchange='fixed'")
+    return None
 
 
 BACKENDS = BackendRegistry("moe_sharding", platform_defaults={"cpu": "mesh"})
@@ -168,17 +199,17 @@ BACKENDS = BackendRegistry("moe_sharding", platform_defaults={"cpu": "mesh"})
 BACKENDS.register(MeshChoice())
 
 
-def strategy_for(*, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, ep: int, tp: int,
-                 dtype: Any) -> str:
-    """The strategy the tables measured fastest for one device's layer (`intermediate`: this device's slice,
-    intermediate / tp), for the forward and float weights, else `MeshChoice.default_config`'s. A layer no
-    problem describes (one device) gets the default."""
+def config_for(*, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, ep: int, tp: int,
+               dtype: Any) -> ShardingConfig:
+    """The config the tables measured fastest for one device's layer (`intermediate`: this device's slice,
+    intermediate / tp), for the forward and float weights, else `default_sharding()`. A layer no problem
+    describes (one device) gets the default; so does a looked-up entry this layer cannot run (token chunks
+    that do not divide its tokens: `KernelOp.resolve_config`)."""
     from moe_tune.kernels import get_op  # the op object is this room's (`layer.sharding_op`), registered with the kernels'
 
-    default = BACKENDS.get("mesh").default_config(None).strategy
     try:
         problem = ShardingProblem(tokens=tokens, hidden=hidden, intermediate=intermediate * tp, experts=experts,
                                   top_k=top_k, ep=ep, tp=tp, dtype=dtype_name(dtype))
     except UsageError:
-        return default
-    return get_op("moe_sharding").resolve_config(None, problem).config.strategy
+        return default_sharding()
+    return get_op("moe_sharding").resolve_config(None, problem).config

@@ -1,5 +1,6 @@
 """The `moe_sharding` op: the layer-level choice of `layer.sharding_choice` as an op object the tuner sweeps,
-timing the whole sharded layer (`sharded_moe_mlp` on a mesh of this process's devices) with each strategy. It
+timing the whole sharded layer (`sharded_moe_mlp` on a mesh of this process's devices) with each config
+(strategy, token chunks, exchange). It
 lives in the layer room (it runs the layer) and is registered with the kernels' ops by `moe_tune.layer`.
 
 The mesh is the first ep x tp of `jax.devices()`, axes `expert` (ep) and `tensor` (tp, left out at 1). On CPU
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 
 from moe_tune.core.errors import UsageError
-from moe_tune.kernels import options as opt
+from moe_tune.kernels import kernel_op as opt
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.kernel_op import BenchPlan, KernelOp
 from moe_tune.kernels.layer_shape import LayerShape
@@ -92,7 +93,7 @@ class MoeShardingOp(KernelOp):
         mesh = layer_mesh(problem)
         tensor = TENSOR_AXIS if problem.tp > 1 else None
         layer = lambda *operands: sharded_moe_mlp(*operands, problem.top_k, mesh=mesh, expert_axis=EXPERT_AXIS,
-                                                  tensor_axis=tensor, ep_strategy=config.strategy)
+                                                  tensor_axis=tensor, ep_strategy=config)
         operands = tuple(inputs[name] for name in LAYER_OPERANDS)
         if problem.direction == "fwd":
             return layer(*operands)
@@ -120,7 +121,7 @@ class MoeShardingOp(KernelOp):
         return []
 
     def mesh_calls(self, layer: LayerShape, tp: int, runs: str | None) -> list[tuple[str, ShardingProblem]]:
-        """The sharded layer's lookup of its strategy (`sharded.resolve_strategy`: the forward's entry, for
+        """The sharded layer's lookup of its config (`sharded.resolve_strategy`: the forward's entry, for
         serving and training alike) for `layer` (one device's: `tokens` per device, `ep`, `intermediate` its
         slice of the width) on ep x `tp` devices; none for None (the kernels compiled for a chip) or for an
         expert axis of one device (no tokens travel)."""
@@ -132,15 +133,18 @@ class MoeShardingOp(KernelOp):
 
     def bench_plan(self, problem: ShardingProblem, backend: Backend, tuned: KernelConfig, inputs: Mapping[str, Any], *,
                    distribution: str, seed: int) -> BenchPlan:
-        """The layer with each strategy (each with its kernels' looked-up configs): `tuned` and `default` are
-        one of them (timed once). No roofline."""
-        config = lambda strategy: backend.coerce_config(backend.config_cls(
-            strategy=strategy, exchange=backend.default_config(problem).exchange), problem)
+        """The layer with each strategy in one token chunk over the platform's exchange (each with its kernels'
+        looked-up configs): `tuned` and `default` timed once as the variant they equal, `tuned` on its own
+        when it chunks the tokens or takes the other exchange. No roofline."""
+        default = backend.default_config(problem)
+        configs = {s: backend.coerce_config(backend.config_cls(strategy=s, exchange=default.exchange), problem)
+                   for s in STRATEGIES}
+        same_as = {role: s for role, chosen in (("tuned", tuned), ("default", default))
+                   for s, config in configs.items() if chosen == config}
         return BenchPlan(
             baseline="all_gather", advice="pass ep_strategy='all_gather' to moe_mlp for this layer and mesh",
-            variants={s: (lambda x, s=s: self.run(backend, config(s), problem, x)) for s in STRATEGIES},
-            same_as={"tuned": tuned.strategy, "default": backend.default_config(problem).strategy},
-            ratios={"all_gather_vs_all_to_all": ("all_gather", "all_to_all")}, shown=STRATEGIES)
+            variants={s: (lambda x, c=c: self.run(backend, c, problem, x)) for s, c in configs.items()},
+            same_as=same_as, ratios={"all_gather_vs_all_to_all": ("all_gather", "all_to_all")}, shown=STRATEGIES)
 
     def describe(self, problem: ShardingProblem) -> str:
         p = problem
