@@ -43,25 +43,47 @@ def test_the_problem_is_keyed_by_layer_mesh_dtype_and_quantization():
             OP.problem(**SHAPE, **bad)
 
 
-def test_the_candidates_are_the_strategies_with_the_layers_one_chunk_and_exchange():
-    p = OP.problem(**SHAPE, ep=4)
+def test_the_candidates_are_strategies_token_chunks_and_the_platforms_exchanges():
+    from moe_tune.core import devices
+
     backend = OP.backends.get("mesh")
-    space = backend.search_space(p)
-    assert [c.strategy for c in space] == ["all_gather", "all_to_all"]  # the default first (CPU: all_gather)
-    assert {(c.token_chunks, c.exchange) for c in space} == {(1, "fixed")}  # XLA:CPU has no ragged all-to-all
-    assert backend.config_error(ShardingConfig(strategy="all_to_all", exchange="ragged"), p)
-    assert backend.config_error(ShardingConfig(token_chunks=2), p)
-    assert backend.config_error(ShardingConfig(strategy="in_kernel"), p)
+    candidates = lambda tokens: [(c.strategy, c.token_chunks, c.exchange)
+                                 for c in backend.search_space(OP.problem(**dict(SHAPE, tokens=tokens), ep=4))]
+    # CPU: the fixed exchange only (XLA:CPU has no ragged all-to-all); chunks of 8 tokens or more that divide
+    # the tokens; the default first
+    assert candidates(32) == [(s, c, "fixed") for s in ("all_gather", "all_to_all") for c in (1, 2, 4)]
+    assert candidates(24) == [(s, c, "fixed") for s in ("all_gather", "all_to_all") for c in (1, 2)]
+    assert candidates(8) == [("all_gather", 1, "fixed"), ("all_to_all", 1, "fixed")]
+    p = OP.problem(**dict(SHAPE, tokens=32), ep=4)
+    for config, reason in ((ShardingConfig(strategy="all_to_all", exchange="ragged"), "needs jax.lax.ragged"),
+                           (ShardingConfig(token_chunks=3), "token_chunks 3 does not divide the 32 tokens"),
+                           (ShardingConfig(token_chunks=0), "positive"), (ShardingConfig(exchange="ring"), "exchange"),
+                           (ShardingConfig(strategy="in_kernel"), "strategy")):
+        assert reason in backend.config_error(config, p), config
+    assert backend.config_error(ShardingConfig(token_chunks=16), p) is None  # valid, if not a candidate
+    # a GPU (likewise a TPU): both exchanges for all_to_all, all_gather with the default (ragged) alone
+    with devices.judging(devices.Device("gpu", "nvidia_h100_80gb_hbm3")):
+        got = candidates(16)
+        assert backend.config_error(ShardingConfig(strategy="all_gather", exchange="fixed"), p)
+    assert got == [("all_to_all", 1, "ragged"), ("all_gather", 1, "ragged"), ("all_gather", 2, "ragged"),
+                   ("all_to_all", 1, "fixed"), ("all_to_all", 2, "fixed"), ("all_to_all", 2, "ragged")]
+    assert len(set(got)) == len(got)
 
 
 def test_resolve_strategy_asks_the_tables_for_split_tokens_only(isolated_profiles):
     local = dict(tokens=8, hidden=16, intermediate=4, experts=8, top_k=2, tp=2, dtype="float32", platform="cpu")
     # no entry: the default; given: as given; replicated tokens or one device: nothing travels, the default
-    assert resolve_strategy(None, ep=4, tokens_replicated=False, **local) == "all_gather"
-    assert resolve_strategy("all_to_all", ep=4, tokens_replicated=False, **local) == "all_to_all"
-    assert resolve_strategy(None, ep=4, tokens_replicated=True, **local) == "all_gather"
+    assert resolve_strategy(None, ep=4, tokens_replicated=False, **local) == ShardingConfig(
+        strategy="all_gather", token_chunks=1, exchange="fixed")
+    assert resolve_strategy("all_to_all", ep=4, tokens_replicated=False, **local) == ShardingConfig(
+        strategy="all_to_all", token_chunks=1, exchange="fixed")
+    assert resolve_strategy(None, ep=4, tokens_replicated=True, **local) == ShardingConfig(strategy="all_gather")
+    chunked = ShardingConfig(strategy="all_to_all", token_chunks=2)  # a whole config: as given
+    assert resolve_strategy(chunked, ep=4, tokens_replicated=False, **local) is chunked
     with pytest.raises(UsageError, match="ep_strategy"):
         resolve_strategy("ring", ep=4, tokens_replicated=False, **local)
+    with pytest.raises(UsageError, match="token_chunks 3 does not divide the 8 tokens"):
+        resolve_strategy(ShardingConfig(token_chunks=3), ep=4, tokens_replicated=False, **local)
     # the lookup's problem: the whole width (intermediate x tp) on the ep x tp mesh
     found = OP.lookup(OP.problem(**SHAPE, ep=4, tp=2))
     assert found.source == "default" and "tp=2" in found.key
