@@ -81,6 +81,21 @@ def test_triton_ragged_dot_compiles_for_h100(pool, mode):
     compile_all(pool, ragged_dot_jobs("h100", "triton", mode))
 
 
+@needs_gpu
+def test_triton_ragged_dot_compiles_for_h200_and_records_under_its_kind(pool, tmp_path):
+    """`--target h200`: the H200's target config (sm_90, its memory) compiles a small triton ragged_dot, and
+    the verdicts lie under the H200's device kind, apart from an H100's."""
+    from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+    from moe_tune.targets.compile_sweep import compile_candidates
+
+    target = get_target("h200")
+    problem = RaggedDotProblem(512, 512, 512, 4, lhs_dtype="bfloat16", rhs_dtype="bfloat16", out_dtype="bfloat16")
+    configs = representative(search_space(target, "ragged_dot", "triton", problem))
+    records = compile_candidates(target, "ragged_dot", "triton", problem, configs, profile_dir=tmp_path, pool=pool)
+    assert [r.result.status for r in records] == [OK] * len(configs), [r.result for r in records]
+    assert [p.name for p in tmp_path.iterdir()] == ["nvidia_h200"]
+
+
 @pytest.mark.parametrize("backend,target", [
     pytest.param("pallas_tpu", "v5e", marks=needs_tpu), pytest.param("triton", "h100", marks=needs_gpu)])
 def test_gathers_compile(pool, backend, target):
@@ -175,7 +190,7 @@ def test_a_missing_compiler_is_a_one_line_error_naming_its_extra(monkeypatch, tm
 
 
 def test_unknown_target_names_the_known_ones():
-    with pytest.raises(ValueError, match="known targets: v4, v5e, v5p, v6e, h100, a100, b200"):
+    with pytest.raises(ValueError, match="known targets: v4, v5e, v5p, v6e, h100, h200, a100, b200"):
         get_target("v7")
 
 

@@ -207,7 +207,7 @@ cli.add_command(coverage)  # `moe-tune coverage`: its options in coverage_cli.py
 @click.option("--tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Tokens per expert-axis shard.")
 @click.option("--target", "slice_name", required=True, help="A slice: v5e:2x2, v5e:4x4, v5e:8x8, v6e:4x4, "
-              "v5p:2x2x2, v5p:4x4x4, h100x4, h100x8.")
+              "v5p:2x2x2, v5p:4x4x4, h100x4, h100x8, h200x8.")
 @click.option("--strategy", "strategies", type=click.Choice(["all_gather", "all_to_all"]), multiple=True,
               help="Only these ep_strategy values (default: each).")
 @click.option("--tensor", type=click.IntRange(min=1), default=None,

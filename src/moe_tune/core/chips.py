@@ -63,13 +63,17 @@ GIB = 1024**3
 # bidirectional inter-chip interconnect (ICI) bandwidth per chip. Where the page gives a capacity both in GB
 # and GiB the smaller is kept (v5e: 16 GB). H100: the NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 80 GB
 # HBM3 at 3.35 TB/s, NVLink 900 GB/s) and the NVIDIA H100 Tensor Core GPU Architecture whitepaper (dense
-# BF16 tensor 989.4 TFLOP/s for H100 SXM5; the datasheet's 1,979 is with sparsity).
+# BF16 tensor 989.4 TFLOP/s for H100 SXM5; the datasheet's 1,979 is with sparsity). H200: the NVIDIA H200
+# Tensor Core GPU datasheet (H200 SXM: 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; its BF16 tensor figure, 1,979
+# TFLOP/s with sparsity, is the H100 SXM's: the same GH100 SMs, so dense 989.4 as above).
 CHIP_FACTS = {
     "v5e": ChipFacts(16 * GB, 819 * GB, 197e12, 400 * GB, "cloud.google.com/tpu/docs/v5e"),
     "v5p": ChipFacts(95 * GIB, 2765 * GB, 459e12, 1200 * GB, "cloud.google.com/tpu/docs/v5p"),
     "v6e": ChipFacts(32 * GB, 1600 * GB, 918e12, 800 * GB, "cloud.google.com/tpu/docs/v6e"),
     "h100": ChipFacts(80 * GB, 3350 * GB, 989.4e12, 900 * GB,
                       "NVIDIA H100 datasheet (SXM), H100 architecture whitepaper (dense BF16)"),
+    "h200": ChipFacts(141 * GB, 4800 * GB, 989.4e12, 900 * GB,
+                      "NVIDIA H200 datasheet (SXM), H100 architecture whitepaper (dense BF16, the same SMs)"),
 }
 
 
@@ -136,11 +140,19 @@ TPU_TARGETS = (
 
 GPU_TARGETS = (
     Target(name="h100", platform="gpu", device_kind="nvidia_h100_80gb_hbm3", description="NVIDIA H100 80GB HBM3",
-           kind_names=("h100", "h200", "h800"),  # H200 and H800: the H100's SMs (same shared memory)
+           kind_names=("h100", "h800"),  # H800: the H100's SMs (same shared memory)
            gpu=GpuFacts(compute_capability=(9, 0), sm_count=132, shared_memory_per_block_optin=227 * 1024,
                         shared_memory_per_sm=228 * 1024, fp32_units_per_sm=128,
                         l2_cache_bytes=50 * MIB, clock_ghz=1.98, memory_bytes=80 * 1024 * MIB,
                         memory_bandwidth=3_352_000_000_000)),
+    # The H200: the H100's SMs, shared memory and L2 (sm_90, compiled as the H100 is) with 141 GB of HBM3e at
+    # 4.8 TB/s. JAX reports its device kind as "NVIDIA H200" (`devices.normalize_device_kind`: nvidia_h200).
+    Target(name="h200", platform="gpu", device_kind="nvidia_h200", description="NVIDIA H200",
+           kind_names=("h200",),
+           gpu=GpuFacts(compute_capability=(9, 0), sm_count=132, shared_memory_per_block_optin=227 * 1024,
+                        shared_memory_per_sm=228 * 1024, fp32_units_per_sm=128,
+                        l2_cache_bytes=50 * MIB, clock_ghz=1.98, memory_bytes=141 * GB,
+                        memory_bandwidth=4_800_000_000_000)),
     Target(name="a100", platform="gpu", device_kind="nvidia_a100_sxm4_80gb", description="NVIDIA A100-SXM4-80GB",
            kind_names=("a100",),
            gpu=GpuFacts(compute_capability=(8, 0), sm_count=108, shared_memory_per_block_optin=163 * 1024,
@@ -192,6 +204,7 @@ def _slices() -> dict[str, Slice]:
            ("v5p", "4x4x4", 64)]
     found = [Slice(f"{chip}:{shape}", chip, f"{chip}:{shape}", chips) for chip, shape, chips in tpu]
     found += [Slice(f"h100x{n}", "h100", f"1x{n}x1", n) for n in (4, 8)]
+    found += [Slice("h200x8", "h200", "1x8x1", 8)]
     return {s.name: s for s in found}
 
 
