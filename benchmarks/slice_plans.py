@@ -2,8 +2,9 @@
 not have, compiled with the real compilers (compile-only: libtpu for TPU v5e / v5p, XLA:GPU for H100s).
 
 For deepseek-v3, qwen3-235b-a22b and mixtral-8x22b at `--tokens` per expert-axis shard on v5e:8x8, v5p:4x4x4
-and h100x8: each ep_strategy without a capacity factor (nothing dropped: all_to_all's buffers sized for the
-worst case), and all_to_all with capacity factor 1.25. Per strategy: compiled, fits, GB per chip, GB a chip
+and h100x8: each way of the layer without a capacity factor (nothing dropped: all_to_all's buffers sized for the
+worst case): all_gather, all_to_all over the ragged all-to-all and over the fixed-capacity one; and both
+all_to_all exchanges with capacity factor 1.25. Per strategy: compiled, fits, GB per chip, GB a chip
 sends in collectives, the floor from the chips' published facts, the TPU compiler's estimate and the compile
 seconds. Estimates, not times: nothing here ran on the chips. Nothing is asserted.
 
@@ -25,12 +26,12 @@ from pathlib import Path
 import jax
 
 from moe_tune.commands.slice_plan_view import COLUMNS, lines, row, title
-from moe_tune.targets.slice_plan import PlanPool, PlanRequest, plans
+from moe_tune.targets.slice_plan import FIXED_ALL_TO_ALL, STRATEGIES, PlanPool, PlanRequest, plans
 
 PRESETS = ("deepseek-v3", "qwen3-235b-a22b", "mixtral-8x22b")
 SLICES = ("v5e:8x8", "v5p:4x4x4", "h100x8")
 # (strategies, capacity factor) per plan
-RUNS = ((("all_gather", "all_to_all"), None), (("all_to_all",), 1.25))
+RUNS = ((STRATEGIES, None), (("all_to_all", FIXED_ALL_TO_ALL), 1.25))
 
 
 def _table(found) -> list[str]:

@@ -200,6 +200,9 @@ def _check_layer_plan(found, piece_name: str) -> None:
         assert p.floor_s == pytest.approx(floor(found.work, p.collective_bytes, piece)[0])
     assert {"all-gather", "reduce-scatter"} <= set(by["all_gather"].collectives)
     assert "ragged-all-to-all" in by["all_to_all"].collectives
+    # the fixed-capacity exchange: XLA's all-to-all of [devices, chunk, hidden] buffers, no ragged one
+    fixed = by["all_to_all:fixed"].collectives
+    assert "all-to-all" in fixed and "ragged-all-to-all" not in fixed
     # the tokens gathered: at least each chip's tokens to the 3 others
     assert by["all_gather"].collectives["all-gather"]["sent_bytes"] >= 3 * TOKENS * SMALL.hidden * 2
     assert found.recommended in by and found.reason

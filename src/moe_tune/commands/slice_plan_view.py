@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from moe_tune.commands.render import table
-from moe_tune.targets.slice_plan import SlicePlan, StrategyPlan
+from moe_tune.targets.slice_plan import SlicePlan, StrategyPlan, ep_strategy_argument
 
 COLUMNS = ("strategy", "compiled", "fits", "GB/chip", "sent GB/chip", "collectives", "floor ms", "bound",
            "compiler ms", "compile s")
@@ -74,7 +74,7 @@ def lines(plan: SlicePlan) -> list[str]:
                f"interconnect (both directions) [{f['source']}]; the layer per chip: "
                f"{plan.work.flops / 1e9:.1f} GFLOP, {plan.work.hbm_bytes / 1e9:.2f} GB of HBM traffic")
     if plan.recommended is not None:
-        out.append(f"recommended: ep_strategy={plan.recommended!r}: {plan.reason}")
+        out.append(f"recommended: ep_strategy={ep_strategy_argument(plan.recommended)}: {plan.reason}")
     else:
         out.append(plan.reason)
     out.append(f"note: {plan.note}")

@@ -43,7 +43,8 @@ _KERNEL_VERDICT = re.compile(r"Mosaic|Pallas|Triton|ptxas|vmem|shared memory|cus
 @dataclasses.dataclass(frozen=True)
 class SliceJob:
     """What to compile: a slice, the layer's sizes (tokens per expert-axis shard), the mesh's (expert, tensor)
-    sizes, the program (`layer` or one of PROBES), its strategy and capacity factor, and the kernels' backend
+    sizes, the program (`layer` or one of PROBES), its way (`slice_plan.STRATEGIES`: an ep_strategy name, or
+    `all_to_all:fixed`) and capacity factor, and the kernels' backend
     (None: the chip's own kernels, with the XLA backends as the fallback; `xla`: those only)."""
 
     slice: str
@@ -178,10 +179,15 @@ def _probe(job: SliceJob, mesh: Any) -> Any:
 
 def _layer(job: SliceJob, mesh: Any) -> Any:
     from moe_tune.layer.moe import sharded_moe_mlp
+    from moe_tune.layer.sharding_choice import ShardingConfig
+
+    # `all_to_all:fixed` (slice_plan.FIXED_ALL_TO_ALL): all_to_all over the fixed-capacity exchange
+    strategy, _, exchange = job.strategy.partition(":")
+    ep_strategy = ShardingConfig(strategy=strategy, exchange=exchange) if exchange else strategy
 
     def call(x, logits, w_gate, w_up, w_down):
         return sharded_moe_mlp(x, logits, w_gate, w_up, w_down, job.top_k, mesh=mesh, expert_axis="expert",
-                               tensor_axis="tensor" if job.tensor > 1 else None, ep_strategy=job.strategy,
+                               tensor_axis="tensor" if job.tensor > 1 else None, ep_strategy=ep_strategy,
                                capacity_factor=job.capacity_factor)
 
     return call

@@ -1,7 +1,7 @@
 """Planning the MoE layer across devices for a slice this machine does not have.
 
-For a model preset at `tokens` per expert-axis shard on a slice (`core.chips.SLICES`), each `ep_strategy` of
-the sharded layer is compiled for the slice's compile-only chips (`slice_compile.py`, in compile workers) and
+For a model preset at `tokens` per expert-axis shard on a slice (`core.chips.SLICES`), each way of the sharded
+layer (`STRATEGIES`: each `ep_strategy`, and `all_to_all` over the fixed-capacity exchange) is compiled for the slice's compile-only chips (`slice_compile.py`, in compile workers) and
 recorded: whether it fits (per-chip memory from `memory_analysis` against the chip's published HBM), the
 collectives of the compiled program with the bytes one chip sends (`collectives.py`), the TPU compiler's own
 estimate (`optimal_seconds`), and a floor from the chip's published facts: the largest of the layer's FLOPs
@@ -31,7 +31,11 @@ from moe_tune.targets.jobs import crash_line
 from moe_tune.targets.slice_compile import LAYER, SliceCompile, SliceJob
 from moe_tune.workers import WorkerFailure, WorkerPool
 
-STRATEGIES = ("all_gather", "all_to_all")
+# The ways a plan compiles the layer: the two ep_strategy names (all_to_all over the platform's ragged all-to-all)
+# and all_to_all over the fixed-capacity exchange, what runs where the chip's compiler refuses the ragged one
+# (libtpu on v5e:8x8: "Ragged all-to-all is currently not supported in limited ICI routing settings").
+FIXED_ALL_TO_ALL = "all_to_all:fixed"
+STRATEGIES = ("all_gather", "all_to_all", FIXED_ALL_TO_ALL)
 TIE = 0.05  # floors within 5% of each other are a tie
 _ESTIMATE_NOTE = ("estimates, not times: the floor is the slowest of compute, HBM and interconnect at their "
                   "published peaks with balanced routing; the compiler's estimate is its own cost model")
@@ -91,6 +95,13 @@ class SlicePlan:
         d = dataclasses.asdict(self)
         d["strategies"] = [s.to_dict() for s in self.strategies]
         return d
+
+
+def ep_strategy_argument(way: str) -> str:
+    """How a user passes `way` (one of `STRATEGIES`) to `moe_mlp` / `sharded_moe_mlp` as `ep_strategy`."""
+    if way == FIXED_ALL_TO_ALL:
+        return "ShardingConfig(strategy='all_to_all', exchange='fixed') (moe_tune.layer.sharding_choice)"
+    return repr(way)
 
 
 def mesh_shape(preset: ModelPreset, piece: Slice, tensor: int | None = None) -> tuple[int, int]:
