@@ -78,6 +78,17 @@ CHIP_FACTS = {
 
 
 @dataclasses.dataclass(frozen=True)
+class SparseCoreFacts:
+    """A TPU's SparseCores: `cores` per chip, each with `subcores` vector subcores of `lanes` 32-bit lanes and
+    `vmem_bytes` of VMEM per vector subcore."""
+
+    cores: int
+    subcores: int
+    lanes: int
+    vmem_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """One chip to compile for.
 
@@ -96,6 +107,7 @@ class Target:
         no bfloat16 vector unit), as measured (benchmarks/compile_check.py).
       gpu: GPU only: the facts of its target config.
       kind_names: GPU only: names that identify the chip (and chips with the same limits) in a device kind.
+      sparse_core: TPU only: the chip's SparseCores as Pallas can program them, or None (v4, v5e).
     """
 
     name: str
@@ -108,6 +120,7 @@ class Target:
     float32_temporaries: bool = False
     gpu: GpuFacts | None = None
     kind_names: tuple[str, ...] = ()
+    sparse_core: SparseCoreFacts | None = None
 
     @property
     def shared_memory_per_block(self) -> int | None:
@@ -121,10 +134,17 @@ class Target:
 
 
 def _tpu(name: str, topology: str, device_kind: str, description: str, scoped_mib: int, reserve_mib: float = 0,
-         float32_temporaries: bool = False) -> Target:
+         float32_temporaries: bool = False, sparse_core: SparseCoreFacts | None = None) -> Target:
     return Target(name=name, platform="tpu", device_kind=device_kind, description=description, topology=topology,
                   scoped_vmem_bytes=scoped_mib * MIB, vmem_reserve_bytes=int(reserve_mib * MIB),
-                  float32_temporaries=float32_temporaries)
+                  float32_temporaries=float32_temporaries, sparse_core=sparse_core)
+
+
+# SparseCores as `pltpu.get_tpu_info().sparse_core` reports them for compile-only devices of v5p:2x2x1 and v6e:2x2
+# (jax 0.10.2, libtpu 0.0.42): v5p 4 cores x 16 subcores, 8 lanes, 512 KiB VMEM per subcore; v6e 2 x 16, 8 lanes,
+# 256 KiB. It reports none for v4 and v5e.
+_V5P_SPARSE_CORE = SparseCoreFacts(cores=4, subcores=16, lanes=8, vmem_bytes=512 * 1024)
+_V6E_SPARSE_CORE = SparseCoreFacts(cores=2, subcores=16, lanes=8, vmem_bytes=256 * 1024)
 
 
 # Scoped VMEM defaults as libtpu 0.0.42 enforces them (measured: an 18 MiB megablox kernel fails on v4, v5e
@@ -134,8 +154,9 @@ def _tpu(name: str, topology: str, device_kind: str, description: str, scoped_mi
 TPU_TARGETS = (
     _tpu("v4", "v4:2x2x1", "tpu_v4", "TPU v4", 16, reserve_mib=2, float32_temporaries=True),
     _tpu("v5e", "v5e:2x2", "tpu_v5_lite", "TPU v5 lite", 16),
-    _tpu("v5p", "v5p:2x2x1", "tpu_v5", "TPU v5", 16, reserve_mib=2, float32_temporaries=True),
-    _tpu("v6e", "v6e:2x2", "tpu_v6_lite", "TPU v6 lite", 32, float32_temporaries=True),
+    _tpu("v5p", "v5p:2x2x1", "tpu_v5", "TPU v5", 16, reserve_mib=2, float32_temporaries=True,
+         sparse_core=_V5P_SPARSE_CORE),
+    _tpu("v6e", "v6e:2x2", "tpu_v6_lite", "TPU v6 lite", 32, float32_temporaries=True, sparse_core=_V6E_SPARSE_CORE),
 )
 
 GPU_TARGETS = (

@@ -66,6 +66,8 @@ class Backend(abc.ABC, Generic[ConfigT, ProblemT]):
     # fixes that leave the generated code alone): entries tuned with another revision are then stale, and
     # lookup uses, skips or refuses them by `$MOE_TUNE_STALE_POLICY` (`profiles/entry.py`).
     revision: ClassVar[int] = 1
+    # The backend that serves a problem the chip cannot run here (`chip_error`); None: the op's plain-JAX fallback.
+    chip_fallback: ClassVar[str | None] = None
 
     def runs_on(self, platform: str) -> bool:
         """Whether the backend can execute at all on `platform` (natively or emulated)."""

@@ -38,8 +38,8 @@ def _fall_back(impl: Backend, fallback: Backend, why: str, *, detail: str = "") 
     """`fallback`, warning once per backend and reason (`why`) that `impl` is replaced."""
     if (impl.op, impl.name, why) not in _warned:
         _warned.add((impl.op, impl.name, why))
-        warn_caller(f"moe-tune: backend {impl.name!r} of {impl.op} {why}; using the plain-JAX fallback "
-                    f"{fallback.name!r}{detail}")
+        kind = "the backend" if fallback.name == impl.chip_fallback else "the plain-JAX fallback"
+        warn_caller(f"moe-tune: backend {impl.name!r} of {impl.op} {why}; using {kind} {fallback.name!r}{detail}")
     return fallback
 
 
@@ -57,4 +57,5 @@ def chip_guard(impl: Backend, fallback: Backend, problem) -> Backend:
     reason = impl.chip_error(problem)
     if reason is None:
         return impl
-    return _fall_back(impl, fallback, f"cannot run here: {reason}", detail=" with its default config")
+    detail = "" if fallback.name == impl.chip_fallback else " with its default config"  # a named backend: its tables
+    return _fall_back(impl, fallback, f"cannot run here: {reason}", detail=detail)

@@ -260,7 +260,7 @@ class KernelOp(abc.ABC):
         """
         requested = self.backend(backend)
         impl = guard(requested, self.backends.get(self.fallback))
-        rerouted = chip_guard(impl, self.backends.get(self.fallback), problem)
+        rerouted = chip_guard(impl, self.backends.get(impl.chip_fallback or self.fallback), problem)
         if rerouted is not impl:  # a config given for a backend the chip cannot run does not fit the fallback
             impl, given = rerouted, None
         if given is not None:
