@@ -151,6 +151,11 @@ def test_a_program_the_compiler_refuses_for_hbm_does_not_fit():
     assert refused.out_of_memory and refused.required_bytes == int(28.44 * (1 << 30))
     found = strategy_plan("all_to_all", refused, Work(1.0, 1.0), get_slice("v5e:8x8"))
     assert found.fits is False and found.chip_bytes == refused.required_bytes
+    # libtpu's other wording of the same refusal (seen for the fixed-capacity all_to_all on v5e:8x8)
+    used = rejected(["JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent "
+                     "error. Ran out of memory in memory space hbm. Used 16.83G of 15.75G hbm. Exceeded hbm capacity "
+                     "by 1.08G."], "platform", 1.0)
+    assert used.out_of_memory and used.required_bytes == int(16.83 * (1 << 30))
     other = rejected(["JaxRuntimeError: INTERNAL: RET_CHECK failure Ragged all-to-all is currently not supported"],
                      "platform", 1.0)
     assert not other.out_of_memory

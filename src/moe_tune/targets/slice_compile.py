@@ -32,9 +32,10 @@ _MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_i
                   "generated_code_size_in_bytes", "alias_size_in_bytes")
 _COST_FIELDS = {"flops": "flops", "bytes accessed": "bytes_accessed", "optimal_seconds": "optimal_seconds"}
 # the compiler refusing a program for HBM (TPU: "Ran out of memory on HBM ... required for HLO temporaries
-# (32.44G) exceeds available HBM (15.75G)"): the program does not fit; the first size is what it needed
+# (32.44G) exceeds available HBM (15.75G)", or "CompileTimeHbmOom ... Used 16.83G of 15.75G hbm"): the program
+# does not fit; the first size is what it needed
 _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED.*(?:HBM|out of memory)", re.IGNORECASE)
-_NEEDED = re.compile(r"\(([\d.]+)([KMGT])\)")
+_NEEDED = re.compile(r"\(([\d.]+)([KMGT])\)|Used ([\d.]+)([KMGT]) of")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # a rejection that names a kernel (its lowering, its VMEM / shared memory), which the XLA backends may avoid
 _KERNEL_VERDICT = re.compile(r"Mosaic|Pallas|Triton|ptxas|vmem|shared memory|custom[_ ]call", re.IGNORECASE)
@@ -252,7 +253,8 @@ def rejected(reasons: list[str], backend: str, seconds: float) -> SliceCompile:
     last = reasons[-1]
     oom = bool(_OUT_OF_MEMORY.search(last))
     needed = _NEEDED.search(last) if oom else None
-    required = int(float(needed.group(1)) * _UNITS[needed.group(2)]) if needed else 0
+    size, unit = (needed.group(1, 2) if needed.group(1) else needed.group(3, 4)) if needed else (None, None)
+    required = int(float(size) * _UNITS[unit]) if needed else 0
     return SliceCompile(REJECTED, last, backend, reasons[0] if len(reasons) > 1 else "", seconds,
                         out_of_memory=oom, required_bytes=required)
 

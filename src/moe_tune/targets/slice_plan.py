@@ -168,10 +168,12 @@ def recommend(plans: Sequence[StrategyPlan], piece: Slice, capacity_factor: floa
         return None, "no strategy compiled for " + piece.name + ": " + "; ".join(
             f"{p.strategy}: {p.compiled.message}" for p in plans)
     if not fitting:
-        least = min(unfit, key=lambda p: p.chip_bytes)
-        return None, (f"does not fit: the layer alone needs {least.chip_bytes / 1e9:.1f} GB per chip at the least "
-                      f"({least.strategy}), {piece.name} has {hbm_gb:.1f} GB per chip"
-                      f"{_capacity_hint(unfit, capacity_factor)}")
+        sized = [p for p in unfit if p.chip_bytes]  # the compiler named what it needed
+        least = min(sized or unfit, key=lambda p: p.chip_bytes)
+        needs = (f"{least.chip_bytes / 1e9:.1f} GB per chip at the least" if sized else
+                 f"more than the chip's HBM ({least.compiled.message})")
+        return None, (f"does not fit: the layer alone needs {needs} ({least.strategy}), {piece.name} has "
+                      f"{hbm_gb:.1f} GB per chip{_capacity_hint(unfit, capacity_factor)}")
     best = min(fitting, key=lambda p: p.floor_s)
     ties = [p for p in fitting if p.floor_s <= best.floor_s * (1 + TIE)]
     if len(ties) > 1:
