@@ -1,6 +1,6 @@
 """The sharded layer's tuning on 4 of 8 host devices, run as one process (the device count is fixed when JAX
 starts): `python tests/sharding_sweep_checks.py DIR` sweeps the tiny preset's layer across devices
-(`sweep --model tiny --tokens 8 --ep 4 --tp 1 --direction fwd`, tables under $MOE_TUNE_PROFILE_DIR), runs the layer
+(`sweep --model tiny --tokens 8 --ep 4 --direction fwd`, tables under $MOE_TUNE_PROFILE_DIR), runs the layer
 under each strategy and with the strategy asked of the tables, and prints one JSON object: the sweep's exit
 code and output's tail, every kernel lookup the layer logged (`KernelOp.resolve_config`'s INFO line), and
 `coverage --format json` of the same layer. tests/test_sharding_choice.py asserts on it.
@@ -25,10 +25,10 @@ from tiny_layer import TINY  # noqa: E402
 import moe_tune  # noqa: E402
 from moe_tune.cli import cli  # noqa: E402
 from moe_tune.layer import models  # noqa: E402
-from moe_tune.profiles import dirs  # noqa: E402
+from moe_tune.profiles import table as dirs  # noqa: E402
 
 TOKENS, EP = 8, 4
-LAYER = ["--model", "tiny", "--tokens", str(TOKENS), "--ep", str(EP), "--tp", "1", "--dtype", "float32",
+LAYER = ["--model", "tiny", "--tokens", str(TOKENS), "--ep", str(EP), "--dtype", "float32",
          "--direction", "fwd"]
 
 

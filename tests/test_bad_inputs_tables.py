@@ -196,7 +196,10 @@ LOOKUP_CASES = [
          (*LAYER, "--device-kind", "nvidia_h100_80gb_hbm3", "--format", "json"), 0, '"backend": "triton"'),
     Case("coverage --backend applies to the ops that have it",
          (*LAYER, "--device-kind", "nvidia_h100_80gb_hbm3", "--backend", "triton"), 0,
-         "note: --backend triton applies to fused_moe, ragged_dot, ragged_gather, ragged_gather_reduce; moe_fusion "
+         "note: --backend triton applies to fused_moe, ragged_dot, ragged_gather, ragged_gather_reduce; moe_fusion, "
+         "moe_sharding ask about their default backend"),
+    Case("... on one device", (*LAYER, "--ep", "1", "--device-kind", "nvidia_h100_80gb_hbm3", "--backend", "triton"), 0,
+         "note: --backend triton applies to dense_gather_reduce, fused_moe, ragged_dot, ragged_gather; moe_fusion "
          "asks about its default backend"),
     Case("coverage --backend no op has", (*LAYER, "--backend", "nope"), 2,
          "--backend 'nope' is no backend of any op of the layer"),

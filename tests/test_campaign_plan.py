@@ -118,11 +118,16 @@ def run():
 def test_dry_run_prints_the_plan(run, monkeypatch):
     result = run("sweep", "--model", "gpt-oss-20b,gpt-oss-120b", "--tokens", "64,512", "--ep", "1,4", "--dry-run")
     assert result.exit_code == 0, result.output
-    # 2 models x 2 counts x 2 ep x 17 cases (training, fused kernels and both choices included); gpt-oss's down
-    # matmuls are its gate/up ones, 20b at ep=1 has the matmuls of 120b at ep=4 (32 experts per shard), the
-    # gathers' keys do not hold the model's experts, and the dispatch's gradient is the combine's own kernel at ep=4
-    assert "136 kernel cases, 72 sweeps after removing duplicates" in result.output
-    assert "72 to run" in result.output and "gpt-oss-20b gate/up drhs tokens=512 ep=1" in result.output
+    # 2 models x 2 counts: at ep=1 the one-device layer's 17 cases (training, fused kernels and both choices
+    # included); at ep=4 the layer across 4 devices: its shard layer on the device's tokens and the all_gather
+    # strategy's on 4 x them, 13 each once gpt-oss's down matmuls (its gate/up ones) are counted once (the
+    # all_to_all strategy's calls are among them: its gathers on the device's tokens, its matmuls on tokens x
+    # top_k x 4 rows; the strategy's own lookup is left out here: one device). Sweeps: 20b at ep=1 has the
+    # matmuls of 120b's shard layer at ep=4 (32 experts per shard), the gathers' keys do not hold the model's
+    # experts, and the dispatch's gradient is the combine's own kernel at ep=4
+    assert "172 kernel cases, 118 sweeps after removing duplicates" in result.output
+    assert "118 to run" in result.output and "gpt-oss-20b gate/up drhs tokens=512 ep=1" in result.output
+    assert "gpt-oss-120b all_gather gate/up drhs tokens=64 ep=4" in result.output
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
     shared = run("sweep", "--model", "gpt-oss-20b", "--tokens", "64", "--dry-run")

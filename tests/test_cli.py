@@ -107,10 +107,16 @@ def test_models_lists_presets_and_one_layers_kernels(run):
                     "--quant-block", "128", "--dtype", "bfloat16")
     assert quantized.exit_code == 0, quantized.output
     assert "ragged_dot dlhs m=4096 k=2048 n=768 g=32 bfloat16 rhs int8/128" in quantized.output
-    # fwd and dlhs of both matmuls (int8 weights are constants: no drhs runs), the fused kernels the layer runs
-    # with them (the gate/up forward with and without its glu, its backward, the down forward and backward) and
-    # both fused-or-not choices keyed by the weights' quantization; the gathers are not quantized
-    assert quantized.output.count("int8/128") == 4 + 5 + 2 and "drhs" not in quantized.output
+    # the shard layer on the device's tokens (the first rows, their roles unprefixed): fwd and dlhs of both
+    # matmuls (int8 weights are constants: no drhs runs), the fused kernels the layer runs with them (the
+    # gate/up forward with and without its glu, its backward, the down forward and backward) and both
+    # fused-or-not choices keyed by the weights' quantization; the gathers are not quantized
+    rows = [line for line in quantized.output.splitlines() if "int8/128" in line]
+    across = ("all_gather", "all_to_all", "ep strategy")
+    assert len([r for r in rows if not any(s in r for s in across)]) == 4 + 5 + 2 and "drhs" not in quantized.output
+    # the layer across 4 devices: the same calls of the all_gather strategy on 4 x the tokens, and the strategy's
+    assert len([r for r in rows if "all_gather" in r]) == 4 + 5 + 2 and "ep strategy" in quantized.output
+    assert "ragged_dot dlhs m=16384 k=2048 n=768 g=32 bfloat16 rhs int8/128" in quantized.output
     bad_block = run("models", "qwen3-30b-a3b", "--rhs-quant", "int8", "--quant-block", "100")
     assert bad_block.exit_code == 2 and "quant_block 100 does not divide its length 2048" in bad_block.output
     typo = run("models", "qwen3-30b")
@@ -247,24 +253,30 @@ def test_bench_command_prints_ratios(run, isolated_profiles):
 
 
 def test_sweep_model_runs_every_kernel_of_a_layer(run, isolated_profiles):
-    """Several token counts: each count's every kernel is swept and stored under its own key."""
-    result = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "8,16", "--ep", "16", "--dtype", "float32",
+    """The layer across 16 devices runs its kernels at several token counts (the device's 8 tokens, the
+    all_gather strategy's 8 x 16, the all_to_all strategy's receive buffer): each count's every kernel is swept
+    and stored under its own key."""
+    from moe_tune.layer.exchange import worst_rows
+
+    result = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "8", "--ep", "16", "--dtype", "float32",
                  "--max-candidates", "1", "--samples", "1", "--workers", "1")
     assert result.exit_code == 0, result.output
-    # per count: 6 matmuls, dispatch, combine, the backward's weighted gather (training, the default; the
-    # dispatch's gradient is the combine's own kernel at ep=16), 5 fused kernels (each stage's forward and
-    # backward, and the dispatch's forward with its activation, which the evaluation runs) and the
-    # fused-or-not choice for the forward and for forward+backward
-    assert "deepseek-v2-lite: 32 kernel sweeps" in result.output
+    # per count of the shard layer (8 and 128 tokens): 6 matmuls, dispatch, combine, the backward's weighted
+    # gather (training, the default; the dispatch's gradient is the combine's own kernel at ep=16), 5 fused
+    # kernels (each stage's forward and backward, and the dispatch's forward with its activation, which the
+    # evaluation runs) and the fused-or-not choice for the forward and for forward+backward; all_to_all's 6
+    # matmuls on its receive buffer; the strategy's own sweep is left out (it needs 16 devices)
+    assert "deepseek-v2-lite: 38 kernel sweeps" in result.output and "needs 16 devices" in result.output
     for op, count in (("fused_moe", 10), ("moe_fusion", 4)):  # 2 counts x 5 fused kernels; 2 choices each
         assert len(json.loads((isolated_profiles / "cpu" / f"{op}.json").read_text())["entries"]) == count
     entries = {op: json.loads((isolated_profiles / "cpu" / f"{op}.json").read_text())["entries"].values()
                for op in ("ragged_dot", "ragged_gather", "ragged_gather_reduce")}
     assert sorted((e["fields"]["tokens"], e["fields"]["weighted"]) for e in entries["ragged_gather"]) == [
-        (8, False), (8, True), (16, False), (16, True)]
-    assert sorted(e["fields"]["tokens"] for e in entries["ragged_gather_reduce"]) == [8, 16]
+        (8, False), (8, True), (128, False), (128, True)]
+    assert sorted(e["fields"]["tokens"] for e in entries["ragged_gather_reduce"]) == [8, 128]
     dot_rows = sorted({e["fields"]["m"] for e in entries["ragged_dot"]})
-    assert dot_rows == [8 * 6, 16 * 6] and len(entries["ragged_dot"]) == 12  # 2 counts x 2 matmuls x 3 directions
+    assert dot_rows == sorted({8 * 6, 128 * 6, worst_rows(8, 6, 16, 4)})
+    assert len(entries["ragged_dot"]) == 18  # 3 row counts x 2 matmuls x 3 directions
     assert run("sweep", "--model", "deepseek-v2-lite", "--m", "64").exit_code == 2
     assert "did you mean" in run("sweep", "--model", "deepseek").output
     assert run("lookup", "--op", "ragged_gather", "--tokens", "8,16").exit_code == 2  # one shape (sweep: a campaign)
@@ -332,12 +344,13 @@ def test_persistent_compile_cache_makes_a_rerun_compile_nothing(tmp_path):
 
 def test_bench_model_covers_every_kernel_of_a_layer(run):
     result = run("bench", "--model", "deepseek-v2-lite", "--tokens", "8", "--ep", "16", "--dtype", "float32",
-                 "--samples", "1")
+                 "--direction", "fwd", "--samples", "1")
     assert result.exit_code == 0, result.output
-    # what a training step and the evaluation run (the default with --model), once per key: 6 matmuls; the
-    # dispatch, the combine (at ep 16 also the dispatch's gradient) and the combine's gradient, and 5 fused
-    # kernels, each against its plain-JAX fallback; the layer fused vs unfused, forward and forward+backward
-    assert result.output.count("xla/tuned") == 6 and result.output.count("fallback/tuned") == 3 + 5
+    # what serving runs on one of 16 devices, once per key, for the device's 8 tokens and the all_gather
+    # strategy's 8 x 16: the 2 matmuls, the dispatch and the combine, the 2 fused kernels, each against its
+    # plain-JAX fallback, and the layer fused vs unfused; and the all_to_all strategy's 2 matmuls on its
+    # receive buffer (the strategy itself needs 16 devices: left out)
+    assert result.output.count("xla/tuned") == 2 * 3 and result.output.count("fallback/tuned") == (2 + 2) * 2
     assert result.output.count("unfused/tuned") == 2
 
 

@@ -126,11 +126,12 @@ def test_collectives_are_sized_by_the_layers_buffers():
 
 def test_a_sweep_with_fewer_devices_than_the_mesh_leaves_the_strategy_out_with_a_note():
     assert "needs 8 devices" in left_out_here(OP.problem(**SHAPE, ep=8))
-    result = CliRunner().invoke(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "16", "--ep", "8", "--tp", "1",
-                                      "--direction", "fwd", "--dry-run"])
-    assert result.exit_code == 0, result.output
-    assert "xla_force_host_platform_device_count=8" in result.output and "left out" in result.output
-    assert "ep strategy" not in result.output and "all_gather dispatch" in result.output
+    for mesh in ([], ["--tp", "1"]):  # --tp defaults to 1
+        result = CliRunner().invoke(cli, ["sweep", "--model", "qwen3-30b-a3b", "--tokens", "16", "--ep", "8", *mesh,
+                                          "--direction", "fwd", "--dry-run"])
+        assert result.exit_code == 0, result.output
+        assert "xla_force_host_platform_device_count=8" in result.output and "left out" in result.output
+        assert "ep strategy" not in result.output and "all_gather dispatch" in result.output
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""How well the tables cover a model: for every kernel call one layer runs (`models.layer_runs`, through
+"""How well the tables cover a model: for every kernel call one layer runs (`models.layer_cases`, through
 `plan.model_campaign_cases`) at the token counts and ep sizes asked, what lookup answers (its own source and
 reason: exact, interval, robust, nearest or default), the entry's age and staleness, and what tuning the calls
 that are not tuned for their own shape would cost (`estimate`, from the sweep times the tables recorded).
@@ -6,10 +6,10 @@ that are not tuned for their own shape would cost (`estimate`, from the sweep ti
 A call counts as covered when lookup answers `exact` or `interval` (a ladder sweep measured its count's
 interval) from a fresh entry; `nearest`, `robust`, `default` and stale entries are to tune.
 
-With a tensor-parallel size (`tp`) the layer is the one across an ep x tp mesh (`models.sharded_runs`): its kernel calls under each strategy,
-the strategy's own lookup (`moe_sharding`), and beside the calls the collectives it runs (`models.collectives`,
-`Coverage.collectives`: rows of op `collective` with the bytes one device hands each; no tuned kernels, never
-to tune).
+At ep x tp >= 2 (`tp` None: 1) the layer is the one across an ep x tp mesh (`models.sharded_runs`), `tokens` per
+device of the expert axis: its kernel calls under each strategy, the strategy's own lookup (`moe_sharding`), and
+beside the calls the collectives it runs (`models.collectives`, `Coverage.collectives`: rows of op `collective`
+with the bytes one device hands each; no tuned kernels, never to tune).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from moe_tune.campaign import estimate as costs
 from moe_tune.campaign.plan import PlannedSweep, model_campaign_cases
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
-from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.entry import entry_key
 from moe_tune.profiles.lookup import device_of_kind
 from moe_tune.tuner.request import SweepSettings
 
@@ -100,8 +100,8 @@ def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *
     `eps` (`direction`: `all` training, `fwd` serving), for `distribution` (None: as the runtime assumes),
     on `device_kind` (None: this machine's; another must be a known one, `profiles.lookup.device_of_kind`), with
     `backend` (None: each op's default on that device; applied to the ops that have it); and
-    the estimated cost of tuning the calls not covered with `settings` (default: a grid sweep). `tp` given: the
-    layer across an ep x tp mesh, its collectives beside its calls."""
+    the estimated cost of tuning the calls not covered with `settings` (default: a grid sweep). At ep x tp >= 2
+    (`tp` None: 1) the layer across an ep x tp mesh, `tokens` per device, its collectives beside its calls."""
     settings = settings or SweepSettings()
     device_kind = device_of_kind(device_kind).kind  # a known kind, never a path
     if profile_dir is not None and not Path(profile_dir).is_dir():
@@ -131,13 +131,13 @@ def coverage(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], *
             age_days=None if tuned_at is None else _age_days(tuned_at, now), stale=found.stale, to_tune=to_tune,
             estimate=None if cost is None else cost.text, estimate_s=None if cost is None else cost.seconds))
     return Coverage(tuple(rows), tuple(notes), device_kind, str(asked),
-                    tuple(() if tp is None else _collective_rows(models, tokens, eps, tp, dtype=dtype)))
+                    tuple(_collective_rows(models, tokens, eps, 1 if tp is None else tp, dtype=dtype)))
 
 
 def _collective_rows(models: Sequence[str], tokens: Sequence[int], eps: Sequence[int], tp: int, *,
                      dtype: str) -> list[CallCoverage]:
-    """A row per collective of the sharded layer (`models.collectives`) of each model at each ep > 1 that
-    divides its experts and each token count."""
+    """A row per collective of the sharded layer (`models.collectives`) of each model at each ep that divides
+    its experts with ep x tp >= 2, and each token count."""
     from moe_tune.layer.models import collectives, get_preset, presets
 
     rows = []

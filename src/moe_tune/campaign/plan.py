@@ -20,8 +20,8 @@ from typing import Any
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.layer.models import KernelCase, get_preset, layer_cases, presets
-from moe_tune.profiles import dirs
-from moe_tune.profiles.key import entry_key
+from moe_tune.profiles.table import table_path, write_dir
+from moe_tune.profiles.entry import entry_key
 from moe_tune.profiles.table import is_complete, table_entries
 from moe_tune.tuner.request import SweepRequest, SweepSettings
 
@@ -38,7 +38,7 @@ class Case:
 @dataclasses.dataclass(frozen=True)
 class PlannedSweep:
     """One sweep of a campaign. `problem`: the op's problem object (`RaggedDotProblem` / `GatherProblem`);
-    `backend`: the backend's name on the campaign's platform; `key`: its table key (`profiles.key`);
+    `backend`: the backend's name on the campaign's platform; `key`: its table key (`profiles.entry`);
     `label`: where it first came from (`deepseek-v3 gate/up fwd tokens=4096 ep=8`), for people."""
 
     op: str
@@ -64,10 +64,11 @@ def model_campaign_cases(models: Sequence[str], tokens: Sequence[int], eps: Sequ
                          quant: Mapping[str, Any] | None = None, direction: str = "all",
                          tp: int | None = None) -> tuple[list[Case], list[str]]:
     """(every kernel case one layer of each model runs at each token count and ep, notes): for training
-    (`direction` all) or serving (fwd), `models.layer_runs`. `models`: preset names, or `["all"]` for every
-    preset. A (model, ep) whose ep does not divide the model's experts is left out with a note (a campaign
-    over several models and ep values usually has some); an unknown model or a bad token count is a
-    UsageError. `tp` given: the layer across an ep x tp mesh (`models.sharded_runs`)."""
+    (`direction` all) or serving (fwd), `models.layer_cases`: at ep 1 (and `tp` None or 1) the one-device
+    layer (`models.layer_runs`), else the layer across an ep x tp mesh (`tp` None: 1), `tokens` per device of
+    the expert axis (`models.sharded_runs`). `models`: preset names, or `["all"]` for every preset. A (model,
+    ep) whose ep does not divide the model's experts is left out with a note (a campaign over several models
+    and ep values usually has some); an unknown model or a bad token count is a UsageError."""
     names = list(presets()) if list(models) == ["all"] else list(models)
     cases, notes = [], []
     for name in names:
@@ -164,8 +165,8 @@ def split_done(sweeps: Sequence[PlannedSweep], *, profile_dir: Path | None, devi
     done."""
     if fresh:
         return list(sweeps), []
-    directory = dirs.write_dir(profile_dir)
-    tables = {op: table_entries(dirs.table_path(directory, device_kind, op)) for op in {s.op for s in sweeps}}
+    directory = write_dir(profile_dir)
+    tables = {op: table_entries(table_path(directory, device_kind, op)) for op in {s.op for s in sweeps}}
 
     def is_done(s: PlannedSweep) -> bool:
         revision = get_op(s.op).backends.get(s.backend).revision

@@ -1,5 +1,5 @@
 """The `moe-tune` command's options, generated from the facts they stand for: each op's shape flags from its
-`KernelOp.options` (kernels/options.py), directions and backends from the op objects, strategies from
+`KernelOp.options` (kernels/kernel_op.py), directions and backends from the op objects, strategies from
 tuner/strategies, dtypes from the one list; and the one function that turns parsed shape flags into
 problems. Errors become one line (`handle_errors`)."""
 
@@ -21,7 +21,7 @@ from moe_tune.core import distributions
 from moe_tune.layer import models as presets
 from moe_tune.core.errors import MoeTuneError, UsageError
 from moe_tune.kernels import get_op, op_names
-from moe_tune.kernels.options import DTYPE, QUANT, ShapeOption, names
+from moe_tune.kernels.kernel_op import DTYPE, QUANT, ShapeOption, names
 from moe_tune.targets import TARGETS
 from moe_tune.tuner.request import SweepSettings
 from moe_tune.tuner.strategies import STRATEGIES
@@ -288,7 +288,8 @@ def sweep_campaign(op: str | None, direction: str | None, backend: str | None, m
                    shape: dict[str, Any], *, settings: SweepSettings, where: Any, passes: Any) -> Any:
     """The campaign `sweep`'s flags ask for (`campaign.request.Campaign`): one sweep per direction (and per
     combination of listed shape values) of `op` (None: ragged_dot), or every kernel case of the layers of
-    `model` (comma-separated presets, or `all`) at each --tokens and --ep (with --op: that op's cases alone;
+    `model` (comma-separated presets, or `all`) at each --tokens and --ep (the layer across devices at --ep > 1,
+    --tokens per device of the expert axis: `models.layer_cases`; with --op: that op's cases alone;
     --direction None: what training runs). Several values, several models or running elsewhere (--ray,
     --shard) make it a campaign of many; else it is one shape (one model's layer: its summary titled so).
     UsageError for a flag that does not apply."""
@@ -307,7 +308,8 @@ def sweep_campaign(op: str | None, direction: str | None, backend: str | None, m
     # --direction fwd: what serving runs; all (the default with --model): what training runs (models.layer_runs)
     runs = direction or presets.LAYER_DEFAULTS["direction"]
     # only the ragged_dot kernels are quantized
-    # --tp: the layer across an ep x tp mesh (sharded_moe_mlp), --tokens per device (models.sharded_runs)
+    # --ep > 1 (or --tp > 1; --tp defaults to 1): the layer across an ep x tp mesh (sharded_moe_mlp), --tokens
+    # per device of the expert axis (models.sharded_runs); --ep 1: the one-device layer
     cases, left_out = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape),
                                            direction=runs, tp=one(shape, "tp"))
     cases, absent = presets.runnable_here(cases)  # a mesh larger than this process's devices: a note
@@ -381,7 +383,9 @@ def sweep_options(fn: Callable) -> Callable:
         click.option("--model", default=None,
                      help="Sweep the kernels one layer of this preset runs (see `moe-tune models`; several "
                           "comma-separated, or `all`): --direction all for training (gradients and the backward's "
-                          "gathers too), fwd for serving; at --tokens, --ep and --dtype (defaults: " + ", ".join(
+                          "gathers too), fwd for serving; at --tokens, --ep and --dtype (--ep > 1: the layer across "
+                          "that many devices under each ep_strategy, --tokens per device of the expert axis, --tp "
+                          "splitting each expert's width; defaults: " + ", ".join(
                               f"{k} {v}" for k, v in presets.LAYER_DEFAULTS.items()) + ")."),
         click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
                      help="Run the sweeps as Ray tasks, one accelerator each, on the Ray cluster at ADDRESS, or on "
