@@ -145,6 +145,10 @@ def test_a_model_sweep_with_op_plans_that_ops_kernels_alone(run):
     assert chip.exit_code == 0, chip.output
     assert "note: moe_fusion left out" in chip.output and "ragged_dot fwd" in chip.output
     assert "moe_fusion fwd" not in chip.output
+    # across devices: the kernels of every strategy (all_gather's on 8 x the tokens), not the choice of strategy
+    mesh = run("sweep", "--model", "deepseek-v2-lite", "--tokens", "256", "--ep", "8", "--target", "v5e", "--dry-run")
+    assert mesh.exit_code == 0, mesh.output
+    assert "note: moe_fusion, moe_sharding left out" in mesh.output and "ragged_gather tokens=2048" in mesh.output
 
 
 @pytest.mark.parametrize(
