@@ -109,8 +109,10 @@ def compile_call(target: Target, fn: Callable[[Any], Any], make_args: Callable[[
     args = make_args(device)
     start = time.perf_counter()
     stage = "lower"
+    # A SparseCore kernel reads its chip from the default device (`pltpu.get_tpu_info`): the target's, here.
+    default = jax.default_device(device) if target.platform == "tpu" else contextlib.nullcontext()
     try:
-        with acting_as(target):
+        with acting_as(target), default:
             lowered = jax.jit(fn).lower(args)
             stage = "compile"
             compiled = lowered.compile()

@@ -1,6 +1,6 @@
 """The call signatures every dispatch and combine backend implements.
 
-Each backend module (`plain_jax`, `tiled`, `triton`, `pallas_tpu`) defines one `GatherBackend` (dispatch)
+Each backend module (`plain_jax`, `tiled`, `triton`, `pallas_tpu`, `sparsecore`) defines one `GatherBackend` (dispatch)
 and one `GatherReduceBackend` (combine: both `ragged_gather_reduce` and `dense_gather_reduce`, which differ
 only in having a validity mask). Zero-weight skipping, fallbacks and gradients live in `op.py`, so kernels
 only implement the forward semantics below.

@@ -240,7 +240,7 @@ def ragged_gather(
       indices: int [rows], values in [0, tokens) inside the range.
       start, end: int32 scalars (may be traced; one compile serves every range).
       weights: optional float [rows]; applied in float32, rounded once.
-      backend: `jax`, `tiled`, `triton`, `pallas_tpu`; None picks by platform (cpu: tiled, gpu: jax, tpu:
+      backend: `jax`, `tiled`, `triton`, `pallas_tpu`, `sparsecore`; None picks by platform (cpu: tiled, gpu: jax, tpu:
         pallas_tpu). It also picks the backward's gather-reduce backend.
       config: the gather backend's config (or a dict of its fields); None looks it up in the tables.
       ragged_gather_fallback / ragged_gather_reduce_fallback: force the plain-JAX path for the gather /

@@ -1,0 +1,31 @@
+"""The `sparsecore` gathers compiled by libtpu for compile-only v5p and v6e chips: one seeded config the rules
+keep for each of qwen3-30b-a3b's dispatch, combines and combine gradient (tokens 512, hidden 2048, top-8,
+bfloat16) must compile (no false accept). Small shapes, float32 and the whole grid, refused configs included,
+are benchmarks/sparsecore_compile_audit.py's."""
+
+from __future__ import annotations
+
+import pytest
+from sparsecore_compile_cases import TARGETS, TOKENS, jobs
+
+from moe_tune.targets import wheels
+from moe_tune.targets.jobs import CompilePool
+
+pytestmark = pytest.mark.skipif(not wheels.available("tpu"),
+                                reason="libtpu is missing: pip install 'moe-tune[tpu-compile]'")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with CompilePool(workers=1, timeout=300) as compile_pool:
+        yield compile_pool
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kept_configs_compile(pool, target):
+    sampled = [j for j in jobs(target, per_problem=1, seed=0, dtypes=("bfloat16",)) if j.problem.tokens == TOKENS]
+    assert {j.op for j in sampled} == {"ragged_gather", "ragged_gather_reduce", "dense_gather_reduce"}
+    results = pool.compile(sampled)
+    failed = [f"{j.op} {j.problem.key_fields()} {j.config.label()}: {r.status} {r.message}"
+              for j, r in zip(sampled, results) if not r.ok]
+    assert not failed, "\n".join(failed)
