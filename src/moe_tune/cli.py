@@ -19,6 +19,7 @@ from moe_tune.commands.options import directions as all_directions
 from moe_tune.commands.render import console
 from moe_tune.commands.coverage import coverage
 from moe_tune.kernels import get_op, op_names
+from moe_tune.targets.slice_plan import STRATEGIES as PLAN_WAYS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -208,8 +209,9 @@ cli.add_command(coverage)  # `moe-tune coverage`: its options in coverage_cli.py
               help="Tokens per expert-axis shard.")
 @click.option("--target", "slice_name", required=True, help="A slice: v5e:2x2, v5e:4x4, v5e:8x8, v6e:4x4, "
               "v5p:2x2x2, v5p:4x4x4, h100x4, h100x8, h200x8.")
-@click.option("--strategy", "strategies", type=click.Choice(["all_gather", "all_to_all"]), multiple=True,
-              help="Only these ep_strategy values (default: each).")
+@click.option("--strategy", "strategies", type=click.Choice(PLAN_WAYS),
+              multiple=True, help="Only these ways (default: each): the ep_strategy values, and all_to_all over "
+              "the fixed-capacity exchange.")
 @click.option("--tensor", type=click.IntRange(min=1), default=None,
               help="Tensor-axis size (default: 1 where the experts split over every chip).")
 @click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None)
@@ -221,10 +223,9 @@ def plan(model, tokens, slice_name, strategies, tensor, capacity_factor, backend
     chips with their real compiler; fits, memory and collectives per chip, a floor from the chips' published
     facts, the compiler's estimate, and a recommendation. Estimates, not times. Exit 1 when nothing fits."""
     from moe_tune.commands.slice_plan_view import show
-    from moe_tune.targets.slice_plan import STRATEGIES
     from moe_tune.targets.slice_plan import plan as plan_slice
 
-    found = plan_slice(model, tokens, slice_name, strategies=strategies or STRATEGIES, tensor=tensor,
+    found = plan_slice(model, tokens, slice_name, strategies=strategies or PLAN_WAYS, tensor=tensor,
                        capacity_factor=capacity_factor, backend=backend)
     show(found, fmt)
     if not found.fits_any:
