@@ -5,28 +5,35 @@ Both kernels are `pl.kernel`s over a `VectorSubcoreMesh` of all the chip's Spars
 subcores of each; the W = cores x subcores workers take the output's blocks round-robin (worker w: blocks w,
 w + W, ...). A block is `rows_per_step` output rows (dispatch) or `tokens_per_step` output tokens (combine); the
 last block is shifted back to end at the array's end (the rows it shares with the one before are written twice,
-with the same values), so every block is whole.
+with the same values). Per block, an XLA prologue lays out what the kernel reads with vector loads only (a
+vector subcore cannot read a scalar from its VMEM, nor DMA into its SMEM): the source rows (-1 where nothing may
+be read), the output rows, the weights repeated across a vector, and for dispatch the block's part of the range.
 
-- Dispatch (`ragged_gather`): indices outside [start, end) are set to -1 before the kernel, and the block's
-  rows are gathered by one indexed DMA (`x_hbm.at[Indices(idx, ignored_value=-1)]`) into a VMEM buffer: rows
-  outside the range are never read. A block that the range leaves partly uncovered is zeroed first, a block
-  wholly outside it only stores zeros. Weighted: each row in the range is scaled in float32 and rounded once.
-- Combine (`ragged_gather_reduce` / `dense_gather_reduce`): invalid entries' indices are -1, so their rows are
-  never read (they may be NaN). For a block of T tokens, slab j of a [top_k, T, hidden] buffer receives entry j
-  of each token (one indexed DMA per slab); the weighted sum over j is a tree of float32 vector adds per lane
-  chunk (no sequential chain over top_k), with invalid entries selected away, not multiplied.
+- Dispatch (`ragged_gather`): one indexed DMA (`x_hbm.at[Indices(idx, ignored_value=-1)]`) gathers the block's
+  rows in [start, end) into VMEM: rows outside the range are never read. A block the range leaves partly
+  uncovered is zeroed first (one wholly outside it is only zeroed); weighted, each row in the range is scaled
+  in float32 and rounded once; an indexed DMA writes the block to its output rows.
+- Combine (`ragged_gather_reduce` / `dense_gather_reduce`): one indexed DMA gathers a block's valid entries
+  (invalid ones are -1: never read, their rows may be NaN); each token's weighted sum is a tree of float32
+  vector adds per lane chunk (no sequential chain over top_k), invalid entries selected away, not multiplied.
+
+Layouts (`tc_tiled`): a float32 x and output stay in the TensorCore's tiled HBM layout, as XLA holds them. The
+indexed DMAs move 32-bit elements only in that layout, so a bfloat16 kernel takes the SparseCore layout and XLA
+converts x before it and the output after it (a pass over each, measured in the compiled HLO of qwen3-30b-a3b's
+combine for v6e: 17 MB of temporaries, a copy of x).
 
 Off TPU the kernels run in Pallas TPU interpret mode, with two substitutions the interpreter needs (jax 0.10):
 it runs one core (`lax.axis_index` of any mesh axis is 0), so the workers run one after the other in a loop,
-each with its own index; and it cannot interpret indexed DMAs, so `_gather_rows` copies the block's indices
-to SMEM and issues one row DMA per index that is not -1. Everything else, the work split, the block and range
-arithmetic, the masks and the float32 sums, is the same code. Validity rules (VMEM per subcore, lane and DMA
-granule alignment) read the chip's SparseCore facts (`core/chips.py`) in `config_error`.
+each with its own index; and it cannot interpret indexed DMAs, so `_row_dmas` issues one row DMA per index that
+is not -1. Everything else, the work split, the block and range arithmetic, the masks and the float32 sums, is
+the same code. Validity rules (VMEM per subcore, lane and DMA granule alignment) read the chip's SparseCore
+facts (`core/chips.py`) in `config_error`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +47,7 @@ from moe_tune.core.chips import TPU_TARGETS, SparseCoreFacts, for_device_kind
 from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.pallas_util import interpreted, vma_unchecked
+from moe_tune.kernels.pallas_util import interpreted, round_up, vma_unchecked
 
 IGNORED = -1  # an index the gather DMA skips
 DMA_GRANULE_BYTES = 32  # `pltpu.get_tpu_info().sparse_core.dma_granule_size_bytes` on v5p and v6e
@@ -96,7 +103,14 @@ def _mesh(cores: int, subcores: int, interpret: bool):
     return mesh
 
 
-def _run(worker, *, workers: int, subcores: int, interpret: bool, out_type, scratch, name: str):
+def tc_tiled(dtype) -> bool:
+    """Whether the kernels take HBM operands in the TensorCore's tiled layout, as XLA keeps them: 32-bit rows.
+    The indexed DMAs move 32-bit elements only in that layout, so a 16-bit x and output take the SparseCore's
+    own layout, and XLA converts them before and after the kernel (a pass over each)."""
+    return jnp.dtype(dtype).itemsize == 4
+
+
+def _run(worker, *, workers: int, subcores: int, interpret: bool, tc_tiling: bool, out_type, scratch, name: str):
     """`worker(w, *refs)` for every w in [0, workers): one per vector subcore, or in a loop when interpreted."""
     def body(*refs):
         if interpret:
@@ -104,27 +118,28 @@ def _run(worker, *, workers: int, subcores: int, interpret: bool, out_type, scra
         else:
             worker(lax.axis_index("core") * subcores + lax.axis_index("subcore"), *refs)
 
-    # SparseCore tiling of the HBM operands: a block's rows (and its index rows) start at any row, which the
-    # TensorCore's (8, 128) tiles would refuse.
     return pl.kernel(body, out_type=out_type, mesh=_mesh(workers // subcores, subcores, interpret),
-                     scratch_types=scratch, compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=False),
+                     scratch_types=scratch, compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=tc_tiling),
                      interpret=pltpu.InterpretParams() if interpret else False, name=name)
 
 
-def _gather_rows(x_hbm, idx_vmem, dst, interpret: bool) -> None:
-    """dst[r] = x[idx[r]] for every r whose index (int32 in VMEM) is not IGNORED; the others are left as they
-    are."""
+def _row_dmas(hbm, idx_vmem, buf, interpret: bool, *, gather: bool) -> None:
+    """gather: buf[r] = hbm[idx[r]]; else (scatter) hbm[idx[r]] = buf[r]; for every r whose index (int32 [1, n]
+    in VMEM) is not IGNORED (a gather leaves the others' rows as they are). One indexed DMA; interpreted, one
+    row DMA per index."""
     if not interpret:
-        pltpu.sync_copy(x_hbm.at[plsc.Indices(idx_vmem, ignored_value=IGNORED)], dst)
+        rows = hbm.at[plsc.Indices(idx_vmem.at[0], ignored_value=IGNORED)]
+        pltpu.sync_copy(rows, buf) if gather else pltpu.sync_copy(buf, rows)
         return
 
-    @pl.loop(0, idx_vmem.shape[0])
+    @pl.loop(0, idx_vmem.shape[1])
     def _(r):
-        src = idx_vmem[r]
+        row = idx_vmem[0, r]
 
-        @pl.when(src != IGNORED)
+        @pl.when(row != IGNORED)
         def _():
-            pltpu.sync_copy(x_hbm.at[pl.ds(src, 1)], dst.at[pl.ds(r, 1)])
+            src, dst = hbm.at[pl.ds(row, 1)], buf.at[pl.ds(r, 1)]
+            pltpu.sync_copy(src, dst) if gather else pltpu.sync_copy(dst, src)
 
 
 def _fill_zero(buf, width: int) -> None:
@@ -149,9 +164,10 @@ def _blocks(worker, workers: int, count: int, body) -> None:
             body(b)
 
 
-def _block_starts(size: int, step: int) -> jax.Array:
-    """int32 [cdiv(size, step)]: where each block of `step` starts, the last shifted back to end at `size`."""
-    return jnp.minimum(jnp.arange(pl.cdiv(size, step), dtype=jnp.int32) * step, size - step)
+def _block_rows(size: int, step: int) -> jax.Array:
+    """int32 [blocks, step]: the rows of each block of `step`, the last shifted back to end at `size`."""
+    starts = jnp.minimum(jnp.arange(pl.cdiv(size, step), dtype=jnp.int32) * step, size - step)
+    return starts[:, None] + jnp.arange(step, dtype=jnp.int32)
 
 
 def _per_lane(values: jax.Array, width: int) -> jax.Array:
@@ -172,38 +188,39 @@ def sparsecore_gather(x, indices, start, end, weights, *, rows_per_step: int, su
     weighted = weights is not None
     start = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows)
     end = jnp.clip(jnp.asarray(end, jnp.int32), start, rows)
-    i = jnp.arange(rows, dtype=jnp.int32)
-    live = (i >= start) & (i < end)
-    rows_of_block = _block_starts(rows, step)[:, None] + jnp.arange(step, dtype=jnp.int32)  # [blocks, step]
-    idx = jnp.where(live, indices.astype(jnp.int32), IGNORED)[rows_of_block]
-    bounds = jnp.zeros((facts.lanes,), jnp.int32).at[0].set(start).at[1].set(end)
-    operands = [bounds, idx, x]
+    live = (jnp.arange(rows, dtype=jnp.int32) >= start) & (jnp.arange(rows, dtype=jnp.int32) < end)
+    rows_of_block = _block_rows(rows, step)  # [blocks, step]
+    row0 = rows_of_block[:, 0]
+    # per block: the range as rows of the block, [lo, hi) (an empty block: lo = hi)
+    span = jnp.stack([jnp.clip(start - row0, 0, step), jnp.clip(end - row0, 0, step)], axis=1)
+    span = jnp.maximum(span, span[:, :1])
+    span = jnp.zeros((row0.shape[0], 1, facts.lanes), jnp.int32).at[:, 0, :2].set(span)
+    idx = jnp.where(live, indices.astype(jnp.int32), IGNORED)[rows_of_block][:, None, :]
+    operands = [span, idx, rows_of_block[:, None, :], x]
     if weighted:  # zero outside the range: those rows are zero, and a garbage weight must not make them NaN
         operands.append(_per_lane(jnp.where(live, weights.astype(jnp.float32), 0.0)[rows_of_block], width))
 
-    def worker(w, bounds_hbm, idx_hbm, x_hbm, *refs):
+    def worker(w, span_hbm, idx_hbm, dst_hbm, x_hbm, *refs):
         w_hbm = refs[0] if weighted else None
-        o_hbm, bounds_vmem, idx_vmem, w_vmem, buf = refs[1:] if weighted else refs
-        pltpu.sync_copy(bounds_hbm, bounds_vmem)
-        range_vector = bounds_vmem[...]
-        lo_all, hi_all = range_vector[0], range_vector[1]
+        o_hbm, span_vmem, idx_vmem, dst_vmem, w_vmem, buf = refs[1:] if weighted else refs
 
         def block(b):
-            row0 = jnp.minimum(b * step, rows - step)
-            lo, hi = jnp.maximum(lo_all, row0), jnp.minimum(hi_all, row0 + step)
+            pltpu.sync_copy(span_hbm.at[b], span_vmem)
+            bounds = span_vmem[0, :]
+            lo, hi = bounds[0], bounds[1]
 
-            @pl.when((lo > row0) | (hi < row0 + step))  # rows outside the range stay zero
+            @pl.when((lo > 0) | (hi < step))  # rows outside the range stay zero
             def _():
                 _fill_zero(buf, width)
 
             @pl.when(lo < hi)
             def _():
                 pltpu.sync_copy(idx_hbm.at[b], idx_vmem)
-                _gather_rows(x_hbm, idx_vmem, buf, interpret)
+                _row_dmas(x_hbm, idx_vmem, buf, interpret, gather=True)
                 if weighted:
                     pltpu.sync_copy(w_hbm.at[b], w_vmem)
 
-                    @pl.loop(0, step)
+                    @pl.loop(lo, hi)
                     def _(r):
                         scale = w_vmem[r, :]
 
@@ -212,13 +229,15 @@ def sparsecore_gather(x, indices, start, end, weights, *, rows_per_step: int, su
                             buf[r, pl.ds(c, width)] = (buf[r, pl.ds(c, width)].astype(jnp.float32)
                                                        * scale).astype(buf.dtype)
 
-            pltpu.sync_copy(buf, o_hbm.at[pl.ds(row0, step)])
+            pltpu.sync_copy(dst_hbm.at[b], dst_vmem)
+            _row_dmas(o_hbm, dst_vmem, buf, interpret, gather=False)
 
-        _blocks(w, workers, pl.cdiv(rows, step), block)
+        _blocks(w, workers, row0.shape[0], block)
 
-    scratch = [pltpu.VMEM((facts.lanes,), jnp.int32), pltpu.VMEM((step,), jnp.int32),
-               pltpu.VMEM((step, width), jnp.float32), pltpu.VMEM((step, hidden), x.dtype)]
-    kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret,
+    scratch = [pltpu.VMEM((1, facts.lanes), jnp.int32), pltpu.VMEM((1, step), jnp.int32),
+               pltpu.VMEM((1, step), jnp.int32), pltpu.VMEM((step, width), jnp.float32),
+               pltpu.VMEM((step, hidden), x.dtype)]
+    kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret, tc_tiling=tc_tiled(x.dtype),
                   out_type=jax.ShapeDtypeStruct((rows, hidden), x.dtype), scratch=scratch,
                   name="moe_tune_sparsecore_gather")
     return vma_unchecked(kernel, *operands) if interpret else kernel(*operands)
@@ -248,61 +267,80 @@ def sparsecore_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
     idx, w = indices.astype(jnp.int32), weights.astype(jnp.float32)
     if masked:
         idx = jnp.where(valid, idx, IGNORED)
-    tokens_of_block = _block_starts(tokens, step)[:, None] + jnp.arange(step, dtype=jnp.int32)  # [blocks, step]
-    by_block = lambda a: jnp.swapaxes(a.reshape(tokens, r)[tokens_of_block], 1, 2)  # [blocks, r, step]: slab j
-    operands = [by_block(idx), _per_lane(by_block(w), width), x]
+    tokens_of_block = _block_rows(tokens, step)  # [blocks, step]
+    # a block's entries in entry order (token t's entry j at t * r + j)
+    by_block = lambda a: a.reshape(tokens, r)[tokens_of_block].reshape(tokens_of_block.shape[0], step * r)
+    operands = [by_block(idx)[:, None, :], tokens_of_block[:, None, :], _per_lane(by_block(w), width), x]
     if masked:
         operands.append(_per_lane(by_block(valid.astype(jnp.float32)), width))
 
-    def worker(wk, idx_hbm, w_hbm, x_hbm, *refs):
+    def worker(wk, idx_hbm, dst_hbm, w_hbm, x_hbm, *refs):
         keep_hbm = refs[0] if masked else None
-        o_hbm, idx_vmem, w_vmem, keep_vmem, buf, out = refs[1:] if masked else refs
+        o_hbm, idx_vmem, dst_vmem, w_vmem, keep_vmem, buf, out = refs[1:] if masked else refs
 
         def block(b):
             pltpu.sync_copy(idx_hbm.at[b], idx_vmem)
             pltpu.sync_copy(w_hbm.at[b], w_vmem)
             if masked:
                 pltpu.sync_copy(keep_hbm.at[b], keep_vmem)
-            for j in range(r):  # slab j: entry j of every token of the block
-                _gather_rows(x_hbm, idx_vmem.at[j], buf.at[j], interpret)
+            _row_dmas(x_hbm, idx_vmem, buf, interpret, gather=True)
 
             @pl.loop(0, step)
             def _(t):
-                scales = [w_vmem[j, t, :] for j in range(r)]
-                keeps = [keep_vmem[j, t, :] != 0.0 for j in range(r)] if masked else None
+                scales = [w_vmem[t * r + j, :] for j in range(r)]
+                keeps = [keep_vmem[t * r + j, :] != 0.0 for j in range(r)] if masked else None
 
                 @pl.loop(0, hidden, step=width)
                 def _(c):
                     terms = []
                     for j in range(r):
-                        term = buf[j, t, pl.ds(c, width)].astype(jnp.float32) * scales[j]
+                        term = buf[t * r + j, pl.ds(c, width)].astype(jnp.float32) * scales[j]
                         # a select: rows of invalid entries were never gathered and hold anything
                         terms.append(jnp.where(keeps[j], term, 0.0) if masked else term)
                     out[t, pl.ds(c, width)] = _tree_sum(terms).astype(out.dtype)
 
-            pltpu.sync_copy(out, o_hbm.at[pl.ds(jnp.minimum(b * step, tokens - step), step)])
+            pltpu.sync_copy(dst_hbm.at[b], dst_vmem)
+            _row_dmas(o_hbm, dst_vmem, out, interpret, gather=False)
 
-        _blocks(wk, workers, pl.cdiv(tokens, step), block)
+        _blocks(wk, workers, tokens_of_block.shape[0], block)
 
-    scratch = [pltpu.VMEM((r, step), jnp.int32), pltpu.VMEM((r, step, width), jnp.float32),
-               pltpu.VMEM((r, step, width) if masked else (1, 1, width), jnp.float32),
-               pltpu.VMEM((r, step, hidden), x.dtype), pltpu.VMEM((step, hidden), x.dtype)]
-    kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret,
+    entries = step * r
+    scratch = [pltpu.VMEM((1, entries), jnp.int32), pltpu.VMEM((1, step), jnp.int32),
+               pltpu.VMEM((entries, width), jnp.float32),
+               pltpu.VMEM((entries, width) if masked else (1, width), jnp.float32),
+               pltpu.VMEM((entries, hidden), x.dtype), pltpu.VMEM((step, hidden), x.dtype)]
+    kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret, tc_tiling=tc_tiled(x.dtype),
                   out_type=jax.ShapeDtypeStruct((tokens, hidden), x.dtype), scratch=scratch,
                   name="moe_tune_sparsecore_gather_reduce")
     return vma_unchecked(kernel, *operands) if interpret else kernel(*operands)
 
 
+def _vmem(shape: tuple[int, ...], dtype, tc_tiling: bool) -> int:
+    """Bytes of a VMEM buffer: in the TensorCore layout padded to whole (8, 128) tiles of 32-bit words (so a
+    [n, 8] weight block takes 128 lanes a row), else as it is."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if not tc_tiling:
+        return math.prod(shape) * itemsize
+    *lead, rows, cols = (1, *shape) if len(shape) == 1 else shape
+    return math.prod(lead) * round_up(rows, 8) * round_up(cols * itemsize // 4, 128) * 4
+
+
 def gather_vmem_bytes(config: SparseCoreGatherConfig, problem: GatherProblem, lanes: int) -> int:
-    """A subcore's VMEM: the [rows_per_step, hidden] row buffer, its int32 indices and per-lane weights."""
-    return config.rows_per_step * (problem.row_bytes() + 4 + 4 * vector_width(problem.dtype, lanes)) + 4 * lanes
+    """A subcore's VMEM: the [rows_per_step, hidden] row buffer, its source and destination rows, its range and
+    its per-lane weights."""
+    s, tc, width = config.rows_per_step, tc_tiled(problem.dtype), vector_width(problem.dtype, lanes)
+    return (_vmem((s, problem.hidden), problem.dtype, tc) + 2 * _vmem((1, s), jnp.int32, tc)
+            + _vmem((1, lanes), jnp.int32, tc) + _vmem((s, width), jnp.float32, tc))
 
 
 def gather_reduce_vmem_bytes(config: SparseCoreGatherReduceConfig, problem: GatherProblem, lanes: int) -> int:
-    """A subcore's VMEM: the [top_k, tokens_per_step, hidden] slabs, the output block, the int32 indices and
-    the per-lane weights and validity of the block's entries."""
-    t, r = config.tokens_per_step, problem.top_k
-    return (r + 1) * t * problem.row_bytes() + r * t * (4 + 8 * vector_width(problem.dtype, lanes))
+    """A subcore's VMEM: the [tokens_per_step * top_k, hidden] rows, the output block, their indices, and the
+    per-lane weights and validity of the block's entries."""
+    t, tc, width = config.tokens_per_step, tc_tiled(problem.dtype), vector_width(problem.dtype, lanes)
+    entries = t * problem.top_k
+    return (_vmem((entries, problem.hidden), problem.dtype, tc) + _vmem((t, problem.hidden), problem.dtype, tc)
+            + _vmem((1, entries), jnp.int32, tc) + _vmem((1, t), jnp.int32, tc)
+            + 2 * _vmem((entries, width), jnp.float32, tc))
 
 
 class _SparseCoreBackend:
