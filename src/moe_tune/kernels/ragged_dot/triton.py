@@ -240,6 +240,14 @@ def _int8_dot(plan: QuantPlan, block_k: int) -> bool:
     return all(op.scale is not Apply.STEP or op.quantize_to or op.scaled_after(step) for op in plan.operands)
 
 
+def _dequantized_block(plan: QuantPlan, block_k: int) -> int | None:
+    """The scale block of an operand that a k step of `block_k` dequantizes in the kernel (a STEP scale block
+    shorter than the dot's k, activations quantized here aside), else None: that step meets the dot in float32."""
+    step = _dot_k(plan, block_k)
+    return next((op.block for op in plan.operands
+                 if op.scale is Apply.STEP and not op.quantize_to and not op.scaled_after(step)), None)
+
+
 def _dynamic_error(plan: QuantPlan, block_k: int) -> str | None:
     """Why block_k cannot hold the scale blocks of activations quantized in the kernel (their scales come from
     the tile: whole blocks in a k step, one dot each, a power of two >= 16 for tl.dot), else None."""
@@ -300,6 +308,19 @@ class TritonRaggedDot(RaggedDotBackend):
             return "4-bit values are weights (rhs) only in triton"
         if (reason := _dynamic_error(plan, config.block_k)) is not None:
             return reason
+        # A step dequantized in the kernel meets the dot in float32 at HIGHEST precision, which Triton compiles
+        # to scalar FMAs: no tensor-core instruction in the k loop. In the PTX of the forward compiled for an
+        # H100 (benchmarks/gpu_quant_proxy.py; results/gpu_quant_proxy_h100_compile_2026-12-02_pre_rule_whole_
+        # space.*: mxfp4, int4/32, fp8/32 at m 4096 k 7168 n 2048, the whole space) all 162 block_k 32 configs
+        # have wgmma or mma.sync and none of the 171 block_k 64 / 128 configs that compiled has any (512-16384
+        # float32 FMAs a step); an A100's the same (gpu_quant_proxy_a100_compile_2026-12-02_pre_rule.*). On a
+        # real H100 the shipped mxfp4 entry (profiles/data/nvidia_h100_80gb_hbm3) timed block_k 64 at 3.4-11x
+        # and 128 at 113x its block_k 32 winner. So on a GPU a k step stays within the scale block wherever a
+        # step of 32 (the default's) does.
+        block = _dequantized_block(plan, config.block_k)
+        if devices.platform() == "gpu" and block is not None and _dequantized_block(plan, 32) is None:
+            return (f"block_k={config.block_k} loses the tensor cores: a k step longer than a scale block ({block}) "
+                    "is dequantized to float32 in the kernel and its dot runs in scalar FMAs")
         int8_dot = _int8_dot(plan, config.block_k)
         if int8_dot and _dot_k(plan, config.block_k) < MIN_INT8_BLOCK_K:
             return f"block_k={config.block_k}: int8 x int8 dots need a k of at least {MIN_INT8_BLOCK_K}"
@@ -318,9 +339,7 @@ class TritonRaggedDot(RaggedDotBackend):
         this for them, e.g. 393216 bytes for 128 x 128 x 256 blocks in 2 stages); the quantized forward's as
         loaded (its 1-byte tiles compiled for H100 where the float-sized count refused them)."""
         plan, bm, bk, bn = problem_plan(problem), config.block_m, config.block_k, config.block_n
-        step = _dot_k(plan, bk)
-        dequantized = any(op.scale is Apply.STEP and not op.quantize_to and not op.scaled_after(step)
-                          for op in plan.operands)
+        dequantized = _dequantized_block(plan, bk) is not None
         if plan.quantized and not plan.float32_dots and not dequantized:
             # fwd: each tile as loaded (1-byte and 4-bit weights a byte an element, as Triton loads int4)
             a, b = (jnp.dtype(op.dtype).itemsize for op in plan.operands)
