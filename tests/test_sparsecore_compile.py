@@ -29,3 +29,32 @@ def test_kept_configs_compile(pool, target):
     failed = [f"{j.op} {j.problem.key_fields()} {j.config.label()}: {r.status} {r.message}"
               for j, r in zip(sampled, results) if not r.ok]
     assert not failed, "\n".join(failed)
+
+
+def test_the_chip_table_is_what_pallas_reports():
+    """`core/chips.py`'s SparseCore facts are `pltpu.get_tpu_info().sparse_core` of each TPU target's compile-only
+    device (none on v4 and v5e)."""
+    import json
+    import subprocess
+    import sys
+
+    from moe_tune.core.chips import TPU_TARGETS
+
+    script = (
+        "import json, jax\n"
+        "from jax.experimental import topologies\n"
+        "from jax.experimental.pallas import tpu as pltpu\n"
+        "found = {}\n"
+        f"for name, topology in {[(t.name, t.topology) for t in TPU_TARGETS]!r}:\n"
+        "    with jax.default_device(topologies.get_topology_desc(topology, 'tpu').devices[0]):\n"
+        "        sc = pltpu.get_tpu_info().sparse_core\n"
+        "    found[name] = None if sc is None else [sc.num_cores, sc.num_subcores, sc.num_lanes,\n"
+        "                                           sc.vmem_capacity_bytes]\n"
+        "print(json.dumps(found))\n")
+    done = subprocess.run([sys.executable, "-c", script], env=wheels.worker_env(), capture_output=True, text=True,
+                          timeout=300, check=True)
+    reported = json.loads(done.stdout.strip().splitlines()[-1])
+    table = {t.name: None if t.sparse_core is None else [t.sparse_core.cores, t.sparse_core.subcores,
+                                                         t.sparse_core.lanes, t.sparse_core.vmem_bytes]
+             for t in TPU_TARGETS}
+    assert reported == table
