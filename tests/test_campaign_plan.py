@@ -124,9 +124,12 @@ def test_dry_run_prints_the_plan(run, monkeypatch):
     # all_to_all strategy's calls are among them: its gathers on the device's tokens, its matmuls on tokens x
     # top_k x 4 rows; the strategy's own lookup is left out here: one device). Sweeps: 20b at ep=1 has the
     # matmuls of 120b's shard layer at ep=4 (32 experts per shard), the gathers' keys do not hold the model's
-    # experts, and the dispatch's gradient is the combine's own kernel at ep=4
-    assert "172 kernel cases, 118 sweeps after removing duplicates" in result.output
-    assert "118 to run" in result.output and "gpt-oss-20b gate/up drhs tokens=512 ep=1" in result.output
+    # experts, and the dispatch's gradient is the combine's own kernel at ep=4. The strategy's token chunks add,
+    # per (model, count) at ep=4, the 26 calls again at half the device's tokens and the 13 of the shard layer
+    # at a quarter (its all_gather strategy's, on 4 x a quarter, are the one-chunk shard layer's): 65 in all, so
+    # 68 + 4 x 65 = 328 cases; the smaller shapes' sweeps coincide across counts (64 / 2 x 4 = 512 / 4 ...)
+    assert "328 kernel cases, 210 sweeps after removing duplicates" in result.output
+    assert "210 to run" in result.output and "gpt-oss-20b gate/up drhs tokens=512 ep=1" in result.output
     assert "gpt-oss-120b all_gather gate/up drhs tokens=64 ep=4" in result.output
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")

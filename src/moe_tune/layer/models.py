@@ -159,7 +159,10 @@ def sharded_runs(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtyp
       grouped matmuls on the receive buffer, `exchange.worst_rows` rows in `experts / ep` groups;
     - tokens replicated over the expert axis (decode): the shard layer on `tokens` (first, its roles
       unprefixed: `layer_runs`'s calls at the same count);
-    - the strategy's own lookup (`moe_sharding`, `KernelOp.mesh_calls`).
+    - the strategy's own lookup (`moe_sharding`, `KernelOp.mesh_calls`);
+    - for each token chunk count C > 1 the strategy's sweep tries (`sharding_choice.chunk_candidates`), the
+      calls above at tokens / C per device (each chunk runs the layer on its tokens), roles prefixed
+      `C chunks:`, so that a tuned strategy with chunks finds its kernels' entries too.
 
     The layer without a capacity (`capacity_factor=None`). `direction` as `layer_runs` (None: every
     tunable kernel call, the strategy's lookup left out). UsageError for an ep or tp that does not divide."""
@@ -169,19 +172,18 @@ def sharded_runs(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtyp
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or preset.expert_intermediate % tp:
         raise UsageError(f"tp ({tp!r}) must be a positive integer dividing {preset.name}'s expert width "
                          f"{preset.expert_intermediate}")
-    from moe_tune.layer.exchange import worst_rows
+    from moe_tune.layer.sharding_choice import chunk_candidates
 
     shard = dataclasses.replace(layer_shape(preset, tokens, ep=ep, dtype=dtype, quant=quant),
                                 intermediate=preset.expert_intermediate // tp)
     if ep == 1:  # a tensor axis alone: the one-device layer on each device's slice of the width
         return _calls(shard, direction)
-    received = dataclasses.replace(shard, tokens=worst_rows(tokens, shard.top_k, ep, shard.groups), top_k=1)
-    cases = [*_calls(shard, direction),  # named as the shard layer's calls: the one on these tokens
-             *_labelled("all_gather", _calls(dataclasses.replace(shard, tokens=tokens * ep), direction)),
-             *_labelled("all_to_all", _calls(shard, direction, ops=EXCHANGE_GATHERS)
-                        + _calls(received, direction, ops=EXCHANGE_MATMULS)),
+    cases = [*_strategies_calls(shard, direction),
              *(KernelCase(op=SHARDING_OP, role=role, problem=problem)
                for role, problem in get_op(SHARDING_OP).mesh_calls(shard, tp, direction))]
+    for chunks in chunk_candidates(tokens)[1:]:
+        part = dataclasses.replace(shard, tokens=tokens // chunks)
+        cases += _labelled(f"{chunks} chunks:", _strategies_calls(part, direction))
     unique: dict[tuple, KernelCase] = {}
     for case in cases:
         unique.setdefault((case.op, tuple(case.problem.key_fields().items())), case)
@@ -191,8 +193,21 @@ def sharded_runs(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtyp
 SHARDING_OP = "moe_sharding"
 
 
-def _labelled(strategy: str, cases: list[KernelCase]) -> list[KernelCase]:
-    return [dataclasses.replace(case, role=f"{strategy} {case.role}") for case in cases]
+def _strategies_calls(shard: LayerShape, direction: str | None) -> list[KernelCase]:
+    """The kernel calls of one device's layer `shard` (`tokens` per device, its experts and width) under each
+    strategy (`sharded_runs`' first three groups), the replicated-tokens layer first and unprefixed."""
+    from moe_tune.layer.exchange import worst_rows
+
+    received = dataclasses.replace(shard, tokens=worst_rows(shard.tokens, shard.top_k, shard.ep, shard.groups),
+                                   top_k=1)
+    return [*_calls(shard, direction),  # named as the shard layer's calls: the one on these tokens
+            *_labelled("all_gather", _calls(dataclasses.replace(shard, tokens=shard.tokens * shard.ep), direction)),
+            *_labelled("all_to_all", _calls(shard, direction, ops=EXCHANGE_GATHERS)
+                       + _calls(received, direction, ops=EXCHANGE_MATMULS))]
+
+
+def _labelled(prefix: str, cases: list[KernelCase]) -> list[KernelCase]:
+    return [dataclasses.replace(case, role=f"{prefix} {case.role}") for case in cases]
 
 
 def collectives(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtype: str) -> list[tuple[str, int]]:

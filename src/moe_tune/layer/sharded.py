@@ -58,7 +58,7 @@ _log = logging.getLogger(__name__)
 
 def resolve_strategy(ep_strategy: str | ShardingConfig | None, *, tokens: int, hidden: int, intermediate: int,
                      experts: int, top_k: int, ep: int, tp: int, dtype: Any, tokens_replicated: bool,
-                     platform: str) -> ShardingConfig:
+                     platform: str, weights: tuple = ()) -> ShardingConfig:
     """The config one call runs (strategy, token chunks, exchange): a `ShardingConfig` when given (checked
     for these `tokens` on `platform`); a strategy name with the tokens in one piece and the platform's
     exchange; None: the default (`sharding_choice.default_sharding`: `all_to_all` where the platform has a
@@ -66,13 +66,14 @@ def resolve_strategy(ep_strategy: str | ShardingConfig | None, *, tokens: int, h
     moves worst-case buffers). Tokens replicated over the expert axis need no exchange: the strategy then
     only names how the partial outputs are combined, and both serve alike.
     The one place a measured choice per (layer, mesh) answers from: None with tokens split over an expert
-    axis of 2 or more devices asks the tables' `moe_sharding` entry for these local shapes and mesh
-    (`sharding_choice.config_for`), else the default."""
+    axis of 2 or more devices asks the tables' `moe_sharding` entry for these local shapes, mesh and the
+    quantization of `weights` (this device's w_gate, w_up, w_down; `sharding_choice.config_for`), else the
+    default."""
     if ep_strategy is None:
         if tokens_replicated or ep < 2:
             return default_sharding(platform)
         return config_for(tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                          ep=ep, tp=tp, dtype=dtype)
+                          ep=ep, tp=tp, dtype=dtype, weights=weights)
     if isinstance(ep_strategy, ShardingConfig):
         reason = layer_config_error(ep_strategy, tokens=tokens, platform=platform)
         if reason is not None:
@@ -130,7 +131,8 @@ def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int,
     capacity(capacity_factor, tokens, top_k)  # the factor checked before the config is looked up
     config = resolve_strategy(ep_strategy, tokens=tokens, hidden=hidden, intermediate=intermediate,
                               experts=experts, top_k=top_k, ep=ep, tp=tp, dtype=x.dtype,
-                              tokens_replicated=tokens_replicated, platform=_devices.platform())
+                              tokens_replicated=tokens_replicated, platform=_devices.platform(),
+                              weights=(w_gate, w_up, w_down))
     chunks = config.token_chunks
     part = tokens // chunks
     cap = capacity(capacity_factor, part, top_k)

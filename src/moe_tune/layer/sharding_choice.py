@@ -17,7 +17,7 @@ has three tunables:
 A sweep times the whole sharded layer each way on the mesh of the machine it runs on (`jax.devices()`), `fwd`
 the forward, `bwd` the forward and backward together, against the one-device layer in float64
 (`layer/reference.py`). `moe_mlp(..., ep_strategy=None)` asks the `fwd` entry (`config_for`, called by
-`sharded.resolve_strategy`) by the layer's local shapes and dtype: the float weights' key, whatever the weights.
+`sharded.resolve_strategy`) by the layer's local shapes, dtype and its weights' quantization.
 """
 
 from __future__ import annotations
@@ -31,13 +31,21 @@ from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig, positi
 from moe_tune.kernels.kernel_op import ShapeOption
 from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
 from moe_tune.layer import exchange
-from moe_tune.layer.fusion_choice import FusionProblem
+from moe_tune.layer.fusion_choice import FusionProblem, weights_quant
 from moe_tune.layer.exchange import STRATEGIES
 
 EXCHANGES = ("ragged", "fixed")
 TOKEN_CHUNKS = (1, 2, 4)  # the candidates' token chunks
 MIN_CHUNK_TOKENS = 8  # a candidate's chunks hold at least this many tokens
 DIRECTIONS = ("fwd", "bwd")
+
+
+def chunk_candidates(tokens: int) -> list[int]:
+    """The token chunks a sweep tries for a device holding `tokens` tokens: those of `TOKEN_CHUNKS` that divide
+    them and leave at least `MIN_CHUNK_TOKENS` per chunk (1 always)."""
+    return [c for c in TOKEN_CHUNKS if c == 1 or (tokens % c == 0 and tokens // c >= MIN_CHUNK_TOKENS)]
+
+
 TP = ShapeOption("tp", int, "moe_sharding: tensor-parallel size (devices along the tensor axis, each holding "
                  "intermediate / tp of every expert); with --model, one size (default 1).", listable=True)
 DEFAULT_OPTIONS = {"tokens": 256, "hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "ep": 8,
@@ -152,8 +160,7 @@ class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
     def candidate_values(self, problem: ShardingProblem):
         """Both strategies x token chunks 1, 2, 4 (those dividing the tokens with `MIN_CHUNK_TOKENS` or more per
         chunk) x the platform's exchanges (`fixed`; and `ragged` on TPU and GPU)."""
-        chunks = [c for c in TOKEN_CHUNKS if c == 1 or (problem.tokens % c == 0 and
-                                                        problem.tokens // c >= MIN_CHUNK_TOKENS)]
+        chunks = chunk_candidates(problem.tokens)
         kinds = ["fixed"] + (["ragged"] if exchange.has_ragged_all_to_all() else [])
         return {"strategy": list(STRATEGIES), "token_chunks": chunks, "exchange": kinds}
 
@@ -200,16 +207,20 @@ BACKENDS.register(MeshChoice())
 
 
 def config_for(*, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int, ep: int, tp: int,
-               dtype: Any) -> ShardingConfig:
+               dtype: Any, weights: tuple = ()) -> ShardingConfig:
     """The config the tables measured fastest for one device's layer (`intermediate`: this device's slice,
-    intermediate / tp), for the forward and float weights, else `default_sharding()`. A layer no problem
-    describes (one device) gets the default; so does a looked-up entry this layer cannot run (token chunks
-    that do not divide its tokens: `KernelOp.resolve_config`)."""
+    intermediate / tp), for the forward and the quantization of `weights` (this device's w_gate, w_up, w_down:
+    `fusion_choice.weights_quant`; none given: float weights), else `default_sharding()`. A layer no problem
+    describes (one device, weights of mixed formats) gets the default; so does a looked-up entry this layer
+    cannot run (token chunks that do not divide its tokens: `KernelOp.resolve_config`)."""
     from moe_tune.kernels import get_op  # the op object is this room's (`layer.sharding_op`), registered with the kernels'
 
+    quant = weights_quant(weights)
+    if quant is None:
+        return default_sharding()
     try:
         problem = ShardingProblem(tokens=tokens, hidden=hidden, intermediate=intermediate * tp, experts=experts,
-                                  top_k=top_k, ep=ep, tp=tp, dtype=dtype_name(dtype))
+                                  top_k=top_k, ep=ep, tp=tp, dtype=dtype_name(dtype), **quant)
     except UsageError:
         return default_sharding()
     return get_op("moe_sharding").resolve_config(None, problem).config
