@@ -115,8 +115,8 @@ def main() -> None:
     print(f"written to {stem}.{{json,md}} in {wall:.0f} s")
 
 
-def _loads(mix: dict) -> str:
-    return ", ".join(f"{k} x{v}" for k, v in sorted(mix["global_loads"].items())) or "-"
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "-"
 
 
 def markdown(report: dict) -> str:
@@ -151,7 +151,8 @@ def markdown(report: dict) -> str:
             continue
         convert = sum(m["convert"].values())
         lines.append(f"{head} {m['wgmma']} | {m['mma_sync']} | {m['dequant_share']:.2f} | {m['fma_f32']} | {convert} | "
-                     f"{m['int_bits']} | {_loads(m)} | {m['shared_stores']} | {m['instructions']} |")
+                     f"{m['int_bits']} | {_counts(m['global_loads'])} | {_counts(m['shared_store_widths'])} | "
+                     f"{m['instructions']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -98,6 +98,7 @@ def test_a_dequantizing_loop_counts_its_conversions_loads_and_round_trip():
     assert gmm.float_math == {"mul.rn.f32": 1, "fma.rn.f32": 2} and gmm.fma_f32 == 2
     assert gmm.int_bits == 2
     assert gmm.shared_stores == 1 and gmm.shared_loads == 2 and gmm.round_trip
+    assert gmm.shared_store_widths == {"16b": 1}
     # mov, ld.b8, ld.v2, shr, and, cvt, prmt, mul, 2 fma, st, ld.shared, ldmatrix, mma, setp, bra
     assert gmm.instructions == 16
     assert gmm.dequant_share == pytest.approx(3 / 16)  # cvt, prmt, mul (the FMAs apart)

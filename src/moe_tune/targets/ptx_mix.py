@@ -17,7 +17,8 @@ as executed) are the mix of one k step. Counted there:
   reported and left out of the conversion share;
 - global loads by width: `ld.global` (`128b` for a `.v4.b32`) and `cp.async` by its copy size (`16B`), TMA
   bulk copies as `bulk`;
-- shared memory: stores (`st.shared`, `stmatrix`), loads (`ld.shared`, `ldmatrix`). A loop that stores to
+- shared memory: stores (`st.shared` by width, `128b` for a `.v4.b32`; `stmatrix`), loads (`ld.shared`,
+  `ldmatrix`). A loop that stores to
   shared memory what it computed in registers makes a round trip (`round_trip`): on sm_90 the weights a
   `wgmma` reads from shared memory were converted in registers and written back first.
 
@@ -60,6 +61,7 @@ class LoopMix:
     int_bits: int = 0
     global_loads: dict[str, int] = dataclasses.field(default_factory=dict)
     shared_stores: int = 0
+    shared_store_widths: dict[str, int] = dataclasses.field(default_factory=dict)
     shared_loads: int = 0
 
     @property
@@ -130,16 +132,20 @@ def _width(statement: str, opcode: str) -> str | None:
         except ValueError:
             return "cp.async"
     if opcode.startswith("ld.global"):
-        parts = opcode.split(".")
-        vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
-        bits = next((int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p)), 0)
-        return f"ld.global.{vector * bits}b"
+        return f"ld.global.{_bits(opcode)}b"
     return None
+
+
+def _bits(opcode: str) -> int:
+    """The bits one load or store moves: its vector count times its type's width (`.v4.b32`: 128)."""
+    parts = opcode.split(".")
+    vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+    return vector * next((int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p)), 0)
 
 
 def mix_of(kernel: str, lines: list[str], loop_found: bool) -> LoopMix:
     mix = LoopMix(kernel, loop_found)
-    convert, math, loads = collections.Counter(), collections.Counter(), collections.Counter()
+    convert, math, loads, stores = (collections.Counter() for _ in range(4))
     for line in lines:
         for statement in _statements(line):
             opcode = statement.split()[0]
@@ -158,11 +164,13 @@ def mix_of(kernel: str, lines: list[str], loop_found: bool) -> LoopMix:
                 mix.int_bits += 1
             elif opcode.startswith(("st.shared", "stmatrix")):
                 mix.shared_stores += 1
+                stores["stmatrix" if base == "stmatrix" else f"{_bits(opcode)}b"] += 1
             elif opcode.startswith(("ld.shared", "ldmatrix")):
                 mix.shared_loads += 1
             elif (width := _width(statement, opcode)) is not None:
                 loads[width] += 1
     mix.convert, mix.float_math, mix.global_loads = dict(convert), dict(math), dict(loads)
+    mix.shared_store_widths = dict(stores)
     return mix
 
 
