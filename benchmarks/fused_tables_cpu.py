@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from moe_tune.campaign import runner
-from moe_tune.campaign.plan import Case
+from moe_tune.campaign.request import Case
 from moe_tune.layer.models import fused_runs, get_preset
 from moe_tune.tuner import SweepSettings
 

@@ -127,7 +127,7 @@ def sweep_all(problems: list[Any], settings: Any, share: tuple[int, int] | None 
     """Sweep every problem not yet complete in the table (a finished sweep is skipped, a started one resumes);
     `share`: only the I-th of N disjoint shares of them (`--shard`: several processes at once)."""
     from moe_tune.campaign import runner
-    from moe_tune.campaign.plan import op_cases
+    from moe_tune.campaign.request import op_cases
     from moe_tune.tuner import compiling
 
     compiling.enable_cache()
@@ -157,7 +157,7 @@ def ladder_view(profile_dir: Path, problems: list[Any]) -> Path:
 def measure_ladders(view: Path, problems: list[Any], settings: Any) -> list[dict[str, Any]]:
     """Every kernel's ladder boundaries, measured (or reused) into `view`; returns the intervals."""
     from moe_tune.campaign import ladder
-    from moe_tune.campaign.plan import op_cases, plan
+    from moe_tune.campaign.request import op_cases, plan
     from moe_tune.core import devices
 
     planned = plan(op_cases("ragged_dot", problems), platform=devices.platform(), distribution="balanced")

@@ -67,7 +67,7 @@ def test_bad_campaign_input_is_one_line(case: Case, tmp_path: Path):
 def test_a_gather_serving_several_ep_sizes_is_swept_as_the_tables_entry_was(tmp_path: Path):
     """The gathers' key holds no ep (the runtime cannot see it): one sweep serves --ep 1,8, planned as the case
     the table's entry was tuned for (here ep=8, from a smoke test: swept again, and said so as ep=8's)."""
-    from moe_tune.campaign.plan import model_campaign_cases, plan
+    from moe_tune.campaign.request import model_campaign_cases, plan
     from moe_tune.kernels import get_op
 
     cases, _ = model_campaign_cases(["qwen3-30b-a3b"], [64], [1, 8], dtype="float32")

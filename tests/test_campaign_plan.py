@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe_tune.campaign.plan import Case, model_campaign_cases, parse_shard, plan, shard, shard_from_env, split_done
+from moe_tune.campaign.request import Case, model_campaign_cases, parse_shard, plan, shard, shard_from_env, split_done
 from moe_tune.cli import cli
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op

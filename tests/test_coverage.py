@@ -8,7 +8,7 @@ import json
 
 from click.testing import CliRunner
 
-from moe_tune.campaign.plan import model_campaign_cases
+from moe_tune.campaign.request import model_campaign_cases
 from moe_tune.cli import cli
 from moe_tune.kernels import get_op
 from moe_tune.profiles import key_fields, write_entries

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from moe_tune import cli
 from moe_tune.campaign import ladder as ladders
-from moe_tune.campaign.plan import PlannedSweep
+from moe_tune.campaign.request import PlannedSweep
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.profiles import intervals as iv

@@ -10,7 +10,7 @@ from tiny_layer import FAST, TINY, layer_inputs
 
 import moe_tune
 from moe_tune.campaign import runner
-from moe_tune.campaign.plan import Case
+from moe_tune.campaign.request import Case
 from moe_tune.core.errors import UsageError
 from moe_tune.layer.models import ModelPreset, layer_cases
 

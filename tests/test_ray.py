@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FAKE_GPUS
 
-from moe_tune.campaign.plan import Case, plan, split_done
+from moe_tune.campaign.request import Case, plan, split_done
 from moe_tune.layer.models import ModelPreset, layer_cases
 from moe_tune.tuner import SweepSettings
 
@@ -138,7 +138,7 @@ def test_a_task_that_raises_is_recorded_and_a_dead_one_resumes(local_ray, tmp_pa
 DRIVER = """
 import sys
 import ray
-from moe_tune.campaign.plan import plan
+from moe_tune.campaign.request import plan
 from dataclasses import replace
 from moe_tune.campaign.ray_runner import run_on_ray
 from test_ray import FAST, fake_gpu, tiny_cases

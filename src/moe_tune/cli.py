@@ -145,7 +145,7 @@ def ops():
 @handle_errors
 def models(name, tokens, ep, dtype, direction, **quant):
     """List the model presets, or the kernel calls one layer of model NAME runs (what `sweep --model` tunes)."""
-    from moe_tune.campaign.plan import model_campaign_cases
+    from moe_tune.campaign.request import model_campaign_cases
 
     if name is None:
         return render.presets_table(presets.presets().values())

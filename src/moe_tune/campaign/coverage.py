@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_tune.campaign import estimate as costs
-from moe_tune.campaign.plan import PlannedSweep, model_campaign_cases
+from moe_tune.campaign.request import PlannedSweep, model_campaign_cases
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles.entry import entry_key

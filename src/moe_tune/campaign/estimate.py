@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from moe_tune.campaign.plan import PlannedSweep
+from moe_tune.campaign.request import PlannedSweep
 from moe_tune.kernels import get_op
 from moe_tune.profiles.table import search_dirs, table_path, write_dir
 from moe_tune.profiles.entry import Entry

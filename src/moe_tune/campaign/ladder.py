@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_tune.campaign.plan import PlannedSweep
+from moe_tune.campaign.request import PlannedSweep
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op
 from moe_tune.profiles.table import table_path, write_dir

@@ -34,7 +34,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from moe_tune.campaign.request import SweepOutcome, error_text, local_device
-from moe_tune.campaign.plan import PlannedSweep
+from moe_tune.campaign.request import PlannedSweep
 from moe_tune.core.errors import MoeTuneError
 from moe_tune.core.settings import COMPILE_CACHE_DIR
 from moe_tune.profiles.table import table_path, write_dir

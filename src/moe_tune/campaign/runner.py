@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from moe_tune.campaign.plan import Case, PlannedSweep, plan, represented, shard, split_done
+from moe_tune.campaign.request import Case, PlannedSweep, plan, represented, shard, split_done
 from moe_tune.campaign.request import Campaign, SweepOutcome, error_text, local_device
 from moe_tune.core.errors import TableError, UsageError
 from moe_tune.profiles.table import table_path, writable_dir, write_dir

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from moe_tune.campaign.plan import plan, shard
+from moe_tune.campaign.request import plan, shard
 from moe_tune.campaign.request import Campaign
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels import get_op

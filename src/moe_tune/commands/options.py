@@ -293,7 +293,7 @@ def sweep_campaign(op: str | None, direction: str | None, backend: str | None, m
     --direction None: what training runs). Several values, several models or running elsewhere (--ray,
     --shard) make it a campaign of many; else it is one shape (one model's layer: its summary titled so).
     UsageError for a flag that does not apply."""
-    from moe_tune.campaign.plan import model_campaign_cases, op_cases
+    from moe_tune.campaign.request import model_campaign_cases, op_cases
     from moe_tune.campaign.request import Campaign
 
     notes = (LADDER_NOTE,) if passes.ladder else ()
@@ -434,6 +434,6 @@ def sweep_options(fn: Callable) -> Callable:
 
 def shard_of(text: str | None) -> tuple[int, int] | None:
     """`--shard I/N` as (index, count), else the SLURM job array's, else None."""
-    from moe_tune.campaign.plan import parse_shard, shard_from_env
+    from moe_tune.campaign.request import parse_shard, shard_from_env
 
     return parse_shard(text) if text is not None else shard_from_env()

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from moe_tune.commands.bench import Comparison
     from moe_tune.commands.breakdown import Breakdown
-    from moe_tune.campaign.plan import PlannedSweep
+    from moe_tune.campaign.request import PlannedSweep
     from moe_tune.campaign.request import Campaign, SweepOutcome
     from moe_tune.campaign.runner import Planned
     from moe_tune.profiles import LookupResult
@@ -400,7 +400,7 @@ def presets_table(presets: Sequence[Any]) -> None:
 
 
 def layer_table(name: str, cases: Sequence[Any], notes: Sequence[str], *, dtype: str, training: bool) -> None:
-    """`moe-tune models NAME`: the kernel calls (`campaign.plan.Case`) one layer of NAME runs, after its notes."""
+    """`moe-tune models NAME`: the kernel calls (`campaign.request.Case`) one layer of NAME runs, after its notes."""
     for note in notes:
         click.echo(f"note: {note}", err=True)
     what = "training: forward and backward" if training else "serving: forward"

@@ -77,7 +77,7 @@ def compile_sweeps(sweeps: Sequence[Any], target: Target, *, profile_dir: Path |
                    max_candidates: int | None = None,
                    on_record: Callable[[TargetSweep, CompileRecord, bool], None] | None = None) -> list[TargetSweep]:
     """Compile the search space (as the target's rules prune it, cut to `max_candidates`) of each planned
-    sweep (`op`, `problem`, `backend` attributes: `campaign.plan.PlannedSweep`) for `target`, in one pool
+    sweep (`op`, `problem`, `backend` attributes: `campaign.request.PlannedSweep`) for `target`, in one pool
     of `workers` processes; records go to `profile_dir`. MissingCompilerError (one line) without the wheels."""
     wheels.require(target.platform)
     summaries = []
