@@ -40,3 +40,18 @@ def test_steps_within_a_scale_block_stay(quant):
     backend = get_op("ragged_dot").backends.get("triton")
     with devices.judging(H100):
         assert {c.block_k for c in backend.search_space(_problem(**quant))} == {32, 64, 128}
+
+
+def test_where_no_valid_step_keeps_the_scale_block_the_rule_refuses_nothing():
+    """Activations quantized in the kernel in blocks of 128 need a step of 128, which dequantizes mxfp4's
+    32-wide blocks whatever it is: the GPU keeps the default (and the space) it had."""
+    backend = get_op("ragged_dot").backends.get("triton")
+    from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+
+    problem = RaggedDotProblem(4096, 7168, 2048, 32, lhs_dtype="bfloat16", out_dtype="bfloat16",
+                               lhs_qdtype="float8_e4m3fn", lhs_qblock=128, lhs_qdynamic=True,
+                               rhs_qdtype="float4_e2m1fn", rhs_qblock=32)
+    with devices.judging(H100):
+        config = backend.default_config(problem)
+        assert config.block_k == 128 and backend.config_error(config, problem) is None
+        assert len(backend.search_space(problem)) > 1

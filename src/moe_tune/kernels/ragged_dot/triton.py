@@ -316,9 +316,10 @@ class TritonRaggedDot(RaggedDotBackend):
         # float32 FMAs a step); an A100's the same (gpu_quant_proxy_a100_compile_2026-12-02_pre_rule.*). On a
         # real H100 the shipped mxfp4 entry (profiles/data/nvidia_h100_80gb_hbm3) timed block_k 64 at 3.4-11x
         # and 128 at 113x its block_k 32 winner. So on a GPU a k step stays within the scale block wherever a
-        # step of 32 (the default's) does.
+        # step of 32 (the default's) is valid and does (not where activations quantized here need a longer one).
         block = _dequantized_block(plan, config.block_k)
-        if devices.platform() == "gpu" and block is not None and _dequantized_block(plan, 32) is None:
+        if (devices.platform() == "gpu" and block is not None and _dynamic_error(plan, 32) is None
+                and _dequantized_block(plan, 32) is None):
             return (f"block_k={config.block_k} loses the tensor cores: a k step longer than a scale block ({block}) "
                     "is dequantized to float32 in the kernel and its dot runs in scalar FMAs")
         int8_dot = _int8_dot(plan, config.block_k)
