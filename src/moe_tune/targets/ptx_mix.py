@@ -34,7 +34,7 @@ import dataclasses
 import re
 from typing import Any
 
-_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)\s*\(", re.M)
+_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)\s*\(", re.MULTILINE)
 _LABEL = re.compile(r"^\s*(\$?L[\w$]*):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$?L[\w$]*)\s*$")
 _GUARD = re.compile(r"^@!?%\w+\s+")
