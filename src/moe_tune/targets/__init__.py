@@ -6,6 +6,8 @@
 - `compile`: one call compiled for a target, as a `CompileResult`; `calls`: a kernel call's abstract inputs.
 - `jobs`: which configs to compile for a target, and many calls compiled in worker processes (`CompileJob`,
   `CompilePool`, on the `moe_tune.workers` pool).
+- `ptx_dump`: compile workers that keep the PTX XLA:GPU produced for each job; `ptx_mix`: the instruction mix
+  of a kernel's k loop read from that PTX (MMAs, conversions, load and shared-store widths).
 - `slice_plan`: the layer across devices planned for a multi-chip slice (`core.chips.SLICES`): each strategy
   compiled for the slice in compile workers (`slice_compile`), its collectives read from the HLO
   (`collectives`), fits, a floor from the chips' published facts, a recommendation (`moe-tune plan`).
