@@ -165,3 +165,17 @@ def test_coverage_lists_the_sharded_layers_calls_and_collectives(checked):
     assert any("ragged_all_to_all" in c["call"] for c in collectives)
     assert all(not c["to_tune"] and "bytes per device" in c["reason"] for c in collectives)
     assert checked["coverage"]["summary"].startswith(f"0 of {len(kernels)} kernel calls to tune")
+
+
+def test_a_ray_task_of_one_device_is_never_given_the_strategys_sweep():
+    """A Ray task holds one device: a --model campaign on Ray leaves the strategy's sweep out with a note (its
+    kernels still run there), and `--op moe_sharding --ray` is refused in one line."""
+    cases = models.sharded_runs(TINY, 8, ep=4, dtype="float32", direction="fwd")
+    kept, notes = models.runnable_here(cases, 1)
+    assert [c.op for c in cases if c not in kept] == ["moe_sharding"]
+    assert len(notes) == 1 and "a Ray task holds 1" in notes[0]
+    result = CliRunner().invoke(cli, ["sweep", "--op", "moe_sharding", "--tokens", "8", "--hidden", "16",
+                                      "--intermediate", "8", "--experts", "8", "--top-k", "2", "--ep", "4",
+                                      "--ray", "local", "--dry-run"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "needs 4 devices in one process, a Ray task holds 1" in result.output

@@ -301,6 +301,10 @@ def sweep_campaign(op: str | None, direction: str | None, backend: str | None, m
         op = op or DEFAULT_OP
         grid = where.elsewhere or several(shape)
         cases = op_cases(op, problems(op, direction or DEFAULT_DIRECTION, shape, grid=grid))
+        if where.ray_address is not None:  # a Ray task holds one device: a mesh's sweep cannot run there
+            refused = [why for c in cases if (why := presets.left_out(c.op, c.problem, 1)) is not None]
+            if refused:
+                raise UsageError(refused[0])
         return Campaign(tuple(cases), settings, passes, where, backend, notes, one_shape=not grid)
     model_only(shape, explicit=["backend"] if backend is not None else [])
     models, eps = model.split(","), shape.get("ep") or [presets.LAYER_DEFAULTS["ep"]]
@@ -313,7 +317,9 @@ def sweep_campaign(op: str | None, direction: str | None, backend: str | None, m
     cases, left_out = model_campaign_cases(models, tokens, eps, dtype=dtype, quant=quant_options(shape),
                                            direction=runs, tp=one(shape, "tp"))
     # a mesh larger than this process's devices: a note (--target compiles kernels and leaves the strategy out)
-    cases, absent = presets.runnable_here(cases) if passes.target is None else (cases, [])
+    # where the sweeps run: this process, or Ray tasks of one device each
+    on = 1 if where.ray_address is not None else None
+    cases, absent = presets.runnable_here(cases, on) if passes.target is None else (cases, [])
     left_out = [*left_out, *absent]
     if op is not None:  # e.g. re-measuring one op's shipped entries after its backend's revision bump
         cases = [c for c in cases if c.op == op]

@@ -239,20 +239,21 @@ def collectives(preset: ModelPreset, tokens: int, *, ep: int, tp: int = 1, dtype
     return rows
 
 
-def left_out(op: str, problem: Any) -> str | None:
-    """Why this process cannot run `op`'s `problem` (the sharded layer's strategy on a mesh larger than its
-    devices: `sharding_op.left_out_here`), None when it can."""
+def left_out(op: str, problem: Any, devices: int | None = None) -> str | None:
+    """Why a process with `devices` devices (None: this one) cannot run `op`'s `problem` (the sharded layer's
+    strategy on a mesh larger than its devices: `sharding_op.left_out_here`), None when it can."""
     from moe_tune.layer.sharding_op import left_out_here
 
-    return left_out_here(problem) if op == SHARDING_OP else None
+    return left_out_here(problem, devices) if op == SHARDING_OP else None
 
 
-def runnable_here(cases: list[Any]) -> tuple[list[Any], list[str]]:
-    """(the cases this process can sweep, a note for each left out): the sharded layer's strategy needs as
-    many devices as its mesh (`sharding_op.left_out_here`); every other case runs on one."""
+def runnable_here(cases: list[Any], devices: int | None = None) -> tuple[list[Any], list[str]]:
+    """(the cases a process with `devices` devices (None: this one; a Ray task: 1) can sweep, a note for each
+    left out): the sharded layer's strategy needs as many devices as its mesh (`sharding_op.left_out_here`);
+    every other case runs on one."""
     kept, left = [], {}
     for case in cases:
-        why = left_out(case.op, case.problem)
+        why = left_out(case.op, case.problem, devices)
         if why is None:
             kept.append(case)
         else:

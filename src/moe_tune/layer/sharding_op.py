@@ -29,11 +29,15 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 EXPERT_AXIS, TENSOR_AXIS = "expert", "tensor"
 
 
-def left_out_here(problem: ShardingProblem) -> str | None:
-    """Why this process cannot time `problem` (fewer devices than its mesh), None when it can."""
-    have = jax.device_count()
+def left_out_here(problem: ShardingProblem, devices: int | None = None) -> str | None:
+    """Why a process with `devices` devices (None: this one's) cannot time `problem` (fewer devices than its
+    mesh), None when it can. A Ray task has one: `devices=1`."""
+    have = jax.device_count() if devices is None else devices
     if have >= problem.devices:
         return None
+    if devices is not None:
+        return (f"moe_sharding at ep={problem.ep} tp={problem.tp} needs {problem.devices} devices in one process, "
+                f"a Ray task holds {devices}: sweep it without --ray on a host with them")
     cpu = jax.default_backend() == "cpu"
     hint = (f"; on CPU set XLA_FLAGS={HOST_DEVICES_FLAG}={problem.devices} before JAX starts" if cpu else "")
     return (f"moe_sharding at ep={problem.ep} tp={problem.tp} needs {problem.devices} devices, this process has "
