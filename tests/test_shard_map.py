@@ -34,7 +34,7 @@ RAGGED_DOT = {  # backend -> (dtype, configs per direction, devices)
     "triton": ("float32", {d: {"block_m": 16, "block_k": 32, "block_n": 32} for d in ("fwd", "dlhs", "drhs")},
                DEVICES),
 }
-GATHER_BACKENDS = ("jax", "tiled", "triton", "pallas_tpu")
+GATHER_BACKENDS = ("jax", "tiled", "triton", "pallas_tpu", "sparsecore")
 FUSED = {  # backend -> (config, devices)
     "jax": (None, DEVICES),
     "tiled": (None, DEVICES),

@@ -47,7 +47,7 @@ from moe_tune.core.chips import TPU_TARGETS, SparseCoreFacts, for_device_kind
 from moe_tune.kernels.base import KernelConfig, positive_int_error
 from moe_tune.kernels.gather.base import GatherBackend, GatherReduceBackend
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.pallas_util import interpreted, round_up, vma_unchecked
+from moe_tune.kernels.pallas_util import interpreted, out_struct, pallas_run, round_up
 
 IGNORED = -1  # an index the gather DMA skips
 DMA_GRANULE_BYTES = 32  # `pltpu.get_tpu_info().sparse_core.dma_granule_size_bytes` on v5p and v6e
@@ -238,9 +238,9 @@ def sparsecore_gather(x, indices, start, end, weights, *, rows_per_step: int, su
                pltpu.VMEM((1, step), jnp.int32), pltpu.VMEM((step, width), jnp.float32),
                pltpu.VMEM((step, hidden), x.dtype)]
     kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret, tc_tiling=tc_tiled(x.dtype),
-                  out_type=jax.ShapeDtypeStruct((rows, hidden), x.dtype), scratch=scratch,
+                  out_type=out_struct((rows, hidden), x.dtype, *operands), scratch=scratch,
                   name="moe_tune_sparsecore_gather")
-    return vma_unchecked(kernel, *operands) if interpret else kernel(*operands)
+    return pallas_run(kernel, *operands, interpret=interpret)  # inside shard_map: typed as its operands vary
 
 
 def _tree_sum(terms: list) -> jax.Array:
@@ -310,9 +310,9 @@ def sparsecore_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
                pltpu.VMEM((entries, width) if masked else (1, width), jnp.float32),
                pltpu.VMEM((entries, hidden), x.dtype), pltpu.VMEM((step, hidden), x.dtype)]
     kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret, tc_tiling=tc_tiled(x.dtype),
-                  out_type=jax.ShapeDtypeStruct((tokens, hidden), x.dtype), scratch=scratch,
+                  out_type=out_struct((tokens, hidden), x.dtype, *operands), scratch=scratch,
                   name="moe_tune_sparsecore_gather_reduce")
-    return vma_unchecked(kernel, *operands) if interpret else kernel(*operands)
+    return pallas_run(kernel, *operands, interpret=interpret)  # inside shard_map: typed as its operands vary
 
 
 def _vmem(shape: tuple[int, ...], dtype, tc_tiling: bool) -> int:
