@@ -1,6 +1,6 @@
 """The `sparsecore` dispatch and combine kernels against the float64 references, in Pallas TPU interpret mode off
 TPU. The interpreter runs one core and no indexed DMA (jax 0.10), so there the workers run one after the other
-and each block's gather is one row DMA per live index (`sparsecore._gather_rows`); the work split, block and
+and each block's gather and write are one row DMA per live index (`sparsecore._row_dmas`); the work split, block and
 range arithmetic, masks and float32 sums are the kernels' own. Its chip rules: SparseCore facts per chip, the
 fall back to `pallas_tpu` where a TPU has none."""
 
