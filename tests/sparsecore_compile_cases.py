@@ -24,7 +24,7 @@ def problems(dtypes=("float32", "bfloat16")) -> list[tuple[str, str, GatherProbl
     """(label, op, problem): a small dispatch (weighted and not) and combine per op, then the preset's layer."""
     found = []
     for dtype in dtypes:
-        small = dict(tokens=24, rows=96, hidden=256, dtype=dtype)
+        small = {"tokens": 24, "rows": 96, "hidden": 256, "dtype": dtype}
         found += [("small", "ragged_gather", GatherProblem(**small, weighted=False)),
                   ("small", "ragged_gather", GatherProblem(**small)),
                   ("small", "ragged_gather_reduce", GatherProblem(**small)),

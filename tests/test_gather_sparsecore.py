@@ -20,9 +20,16 @@ from moe_tune.core.chips import get_target
 from moe_tune.kernels import guard
 from moe_tune.kernels.gather.definition import RAGGED_GATHER, RAGGED_GATHER_REDUCE
 from moe_tune.kernels.gather.problem import GatherProblem
-from moe_tune.kernels.gather.reference import gather_reduce_reference, ragged_gather_reference
-from moe_tune.kernels.gather.sparsecore import (SparseCoreGather, SparseCoreGatherConfig, SparseCoreGatherReduce,
-                                                SparseCoreGatherReduceConfig)
+from moe_tune.kernels.gather.reference import (
+    gather_reduce_reference,
+    ragged_gather_reference,
+)
+from moe_tune.kernels.gather.sparsecore import (
+    SparseCoreGather,
+    SparseCoreGatherConfig,
+    SparseCoreGatherReduce,
+    SparseCoreGatherReduceConfig,
+)
 
 # 96 rows / 24 tokens and 24 rows / 12 tokens, each with its default config: off TPU the work is split as on
 # v5p (64 workers, most of them with no block); the 24-row dispatch in 16-row steps and the 12-token combine in
