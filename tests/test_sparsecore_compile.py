@@ -58,3 +58,43 @@ def test_the_chip_table_is_what_pallas_reports():
                                                          t.sparse_core.lanes, t.sparse_core.vmem_bytes]
              for t in TPU_TARGETS}
     assert reported == table
+
+
+def test_the_lowered_kernels_carry_their_cost_estimate():
+    """XLA's scheduler reads each kernel's cost from its custom call: lowered for a compile-only v6e, a weighted
+    dispatch of 96 bfloat16 rows of 256 and a top-4 combine of them into 24 tokens say their flops (one product
+    an element; 4 products and 3 adds an output element) and at least the bytes of the rows they move."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, re, jax, jax.numpy as jnp\n"
+        "from moe_tune.targets import get_target\n"
+        "from moe_tune.targets.compile import acting_as, topology_device\n"
+        "from moe_tune.kernels.gather.sparsecore import sparsecore_gather, sparsecore_gather_reduce\n"
+        "target = get_target('v6e'); device = topology_device(target)\n"
+        "on = jax.sharding.SingleDeviceSharding(device)\n"
+        "arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)\n"
+        "i, w = arg((96,), jnp.int32), arg((96,), jnp.float32)\n"
+        "calls = {'gather': (lambda x, i, w: sparsecore_gather(x, i, 0, 90, w, rows_per_step=32, subcores=16),\n"
+        "                    arg((24, 256), jnp.bfloat16)),\n"
+        "         'reduce': (lambda x, i, w: sparsecore_gather_reduce(x, i, w, None, 4, tokens_per_step=4,\n"
+        "                                                             subcores=16), arg((96, 256), jnp.bfloat16))}\n"
+        "found = {}\n"
+        "with acting_as(target), jax.default_device(device):\n"
+        "    for name, (fn, x) in calls.items():\n"
+        "        text = jax.jit(fn).lower(x, i, w).as_text()\n"
+        "        costs = re.findall(r'cost_estimate\\\\22: (\\{.*?\\})', text)\n"
+        "        found[name] = [json.loads(c.replace('\\\\0A', '').replace('\\\\22', '\"')) for c in costs]\n"
+        "print(json.dumps(found))\n")
+    done = subprocess.run([sys.executable, "-c", script], env=wheels.worker_env(), capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    row = 256 * 2
+    [gather], [reduce] = found["gather"], found["reduce"]
+    assert gather["flops"] == 96 * 256 and gather["transcendentals"] == 0
+    assert gather["bytes_accessed"] >= (96 + 96) * row
+    assert reduce["flops"] == 24 * 256 * (4 + 3) and reduce["transcendentals"] == 0
+    assert reduce["bytes_accessed"] >= (96 + 24) * row

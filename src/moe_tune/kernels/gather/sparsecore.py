@@ -110,7 +110,16 @@ def tc_tiled(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 4
 
 
-def _run(worker, *, workers: int, subcores: int, interpret: bool, tc_tiling: bool, out_type, scratch, name: str):
+def _cost(operands: list, x, gathered: int, written: int, flops: int) -> pl.CostEstimate:
+    """For XLA's scheduler (to overlap the kernel with the TensorCore's work): the rows gathered from x and
+    written, hidden x itemsize bytes each, the per-block index and weight operands read whole, the flops."""
+    small = sum(a.size * a.dtype.itemsize for a in operands if a is not x)
+    row = x.shape[1] * x.dtype.itemsize
+    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=(gathered + written) * row + small)
+
+
+def _run(worker, *, workers: int, subcores: int, interpret: bool, tc_tiling: bool, out_type, scratch, name: str,
+         cost: pl.CostEstimate):
     """`worker(w, *refs)` for every w in [0, workers): one per vector subcore, or in a loop when interpreted."""
     def body(*refs):
         if interpret:
@@ -120,7 +129,7 @@ def _run(worker, *, workers: int, subcores: int, interpret: bool, tc_tiling: boo
 
     return pl.kernel(body, out_type=out_type, mesh=_mesh(workers // subcores, subcores, interpret),
                      scratch_types=scratch, compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=tc_tiling),
-                     interpret=pltpu.InterpretParams() if interpret else False, name=name)
+                     interpret=pltpu.InterpretParams() if interpret else False, cost_estimate=cost, name=name)
 
 
 def _row_dmas(hbm, idx_vmem, buf, interpret: bool, *, gather: bool) -> None:
@@ -239,7 +248,8 @@ def sparsecore_gather(x, indices, start, end, weights, *, rows_per_step: int, su
                pltpu.VMEM((step, hidden), x.dtype)]
     kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret, tc_tiling=tc_tiled(x.dtype),
                   out_type=out_struct((rows, hidden), x.dtype, *operands), scratch=scratch,
-                  name="moe_tune_sparsecore_gather")
+                  name="moe_tune_sparsecore_gather",  # at most rows read (those in the range), rows written
+                  cost=_cost(operands, x, rows, rows, rows * hidden if weighted else 0))
     return pallas_run(kernel, *operands, interpret=interpret)  # inside shard_map: typed as its operands vary
 
 
@@ -311,7 +321,8 @@ def sparsecore_gather_reduce(x, indices, weights, valid, reduce_group_size: int,
                pltpu.VMEM((entries, hidden), x.dtype), pltpu.VMEM((step, hidden), x.dtype)]
     kernel = _run(worker, workers=workers, subcores=subcores, interpret=interpret, tc_tiling=tc_tiled(x.dtype),
                   out_type=out_struct((tokens, hidden), x.dtype, *operands), scratch=scratch,
-                  name="moe_tune_sparsecore_gather_reduce")
+                  name="moe_tune_sparsecore_gather_reduce",  # r products and r - 1 adds an element
+                  cost=_cost(operands, x, tokens * r, tokens, (2 * r - 1) * tokens * hidden))
     return pallas_run(kernel, *operands, interpret=interpret)  # inside shard_map: typed as its operands vary
 
 
