@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from moe_tune.cli import cli
+from moe_tune.commands.slice_plan_view import lines
 from moe_tune.core.chips import CHIP_FACTS, SLICES, get_slice
 from moe_tune.core.errors import UsageError
 from moe_tune.layer.models import ModelPreset, get_preset
@@ -23,11 +24,13 @@ from moe_tune.targets.compile import OK
 from moe_tune.targets.slice_compile import SliceCompile, SliceJob, rejected
 from moe_tune.targets.slice_plan import (
     PlanPool,
+    PlanRequest,
     Work,
     floor,
     layer_work,
     mesh_shape,
     plan,
+    plans,
     recommend,
     strategy_plan,
 )
@@ -218,6 +221,20 @@ def test_the_layer_plans_on_four_tpu_chips(pool):
     found = plan(SMALL, TOKENS, "v5e:2x2", pool=pool)
     _check_layer_plan(found, "v5e:2x2")
     assert all(p.compiler_estimate_s > 0 for p in found.strategies)  # libtpu's own estimate
+
+
+@needs_tpu
+def test_the_layer_plans_with_sparsecore_gathers_and_falls_back_where_a_chip_has_none(pool):
+    """On v6e:2x2 the all_to_all layer compiles with its dispatch and combine on the SparseCores; v5e has no
+    SparseCores, and the plan says its layer compiled on the chip's own kernels instead, and why."""
+    on_v6e, on_v5e = plans([PlanRequest(SMALL, TOKENS, name, ("all_to_all",), backend="sparsecore")
+                            for name in ("v6e:2x2", "v5e:2x2")], pool)
+    [sparse], [tensor] = on_v6e.strategies, on_v5e.strategies
+    assert sparse.compiled.ok and sparse.compiled.backend == "sparsecore", sparse.compiled.message
+    assert not sparse.compiled.fallback_reason and sparse.fits
+    assert tensor.compiled.ok and tensor.compiled.backend == "platform", tensor.compiled.message
+    assert tensor.compiled.fallback_reason == "v5e has no SparseCores"
+    assert "refused first: v5e has no SparseCores" in "\n".join(lines(on_v5e))
 
 
 @needs_gpu

@@ -207,15 +207,17 @@ cli.add_command(coverage)  # `moe-tune coverage`: its options in coverage_cli.py
 @click.option("--model", required=True, help="A model preset (`moe-tune models`).")
 @click.option("--tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Tokens per expert-axis shard.")
-@click.option("--target", "slice_name", required=True, help="A slice: v5e:2x2, v5e:4x4, v5e:8x8, v6e:4x4, "
-              "v5p:2x2x2, v5p:4x4x4, h100x4, h100x8, h200x8.")
+@click.option("--target", "slice_name", required=True, help="A slice: v5e:2x2, v5e:4x4, v5e:8x8, "
+              "v6e:2x2, v6e:4x4, v5p:2x2x2, v5p:4x4x4, h100x4, h100x8, h200x8.")
 @click.option("--strategy", "strategies", type=click.Choice(PLAN_WAYS),
               multiple=True, help="Only these ways (default: each): the ep_strategy values, and all_to_all over "
               "the fixed-capacity exchange.")
 @click.option("--tensor", type=click.IntRange(min=1), default=None,
               help="Tensor-axis size (default: 1 where the experts split over every chip).")
 @click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None)
-@click.option("--backend", type=click.Choice(["xla"]), default=None, help="Compile on the ops' XLA backends only.")
+@click.option("--backend", type=click.Choice(["xla", "sparsecore"]), default=None,
+              help="xla: compile on the ops' XLA backends only; sparsecore: the gathers on the TPU's SparseCores "
+              "(v5p, v6e), the other kernels the chip's.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @handle_errors
 def plan(model, tokens, slice_name, strategies, tensor, capacity_factor, backend, fmt):

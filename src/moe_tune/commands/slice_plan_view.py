@@ -34,7 +34,7 @@ def _compiled(p: StrategyPlan) -> str:
     c = p.compiled
     if not c.ok:
         return "out of HBM" if c.out_of_memory else "rejected"
-    return "xla backends" if c.backend == "xla" else "yes"
+    return {"xla": "xla backends", "sparsecore": "sparsecore"}.get(c.backend, "yes")
 
 
 def _estimate(p: StrategyPlan) -> str:
@@ -64,7 +64,9 @@ def lines(plan: SlicePlan) -> list[str]:
         if not p.compiled.ok:
             out.append(f"{p.strategy}: {p.compiled.message}")
         elif p.compiled.fallback_reason:
-            out.append(f"{p.strategy}: compiled on the XLA backends; the chip's kernels: {p.compiled.fallback_reason}")
+            on = {"xla": "the XLA backends", "platform": "the chip's kernels"}.get(p.compiled.backend,
+                                                                                p.compiled.backend)
+            out.append(f"{p.strategy}: compiled on {on}; refused first: {p.compiled.fallback_reason}")
     negative = [p.strategy for p in plan.strategies if p.compiled.cost.get("optimal_seconds", 0) < 0]
     if negative:
         out.append(f"{', '.join(negative)}: the compiler's optimal_seconds is negative (not a duration; not used)")

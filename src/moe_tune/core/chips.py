@@ -221,8 +221,8 @@ class Slice:
 
 
 def _slices() -> dict[str, Slice]:
-    tpu = [("v5e", "2x2", 4), ("v5e", "4x4", 16), ("v5e", "8x8", 64), ("v6e", "4x4", 16), ("v5p", "2x2x2", 8),
-           ("v5p", "4x4x4", 64)]
+    tpu = [("v5e", "2x2", 4), ("v5e", "4x4", 16), ("v5e", "8x8", 64), ("v6e", "2x2", 4), ("v6e", "4x4", 16),
+           ("v5p", "2x2x2", 8), ("v5p", "4x4x4", 64)]
     found = [Slice(f"{chip}:{shape}", chip, f"{chip}:{shape}", chips) for chip, shape, chips in tpu]
     found += [Slice(f"h100x{n}", "h100", f"1x{n}x1", n) for n in (4, 8)]
     found += [Slice("h200x8", "h200", "1x8x1", 8)]

@@ -26,6 +26,8 @@ from moe_tune.targets.compile import OK, REJECTED, acting_as, first_line
 from moe_tune.targets.gpu_config import target_config_text
 
 LAYER = "layer"
+# the backends a layer compiles with, in turn, while the chip's compiler refuses the kernels
+FALLBACKS = {None: [None, "xla"], "sparsecore": ["sparsecore", None, "xla"]}
 PROBES = ("probe_all_gather", "probe_all_to_all")
 # memory_analysis() fields (bytes per chip); what a chip holds = arguments + outputs + temporaries + code - aliased
 _MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
@@ -38,7 +40,8 @@ _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED.*(?:HBM|out of memory)", re.IGN
 _NEEDED = re.compile(r"\(([\d.]+)([KMGT])\)|Used ([\d.]+)([KMGT]) of")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # a rejection that names a kernel (its lowering, its VMEM / shared memory), which the XLA backends may avoid
-_KERNEL_VERDICT = re.compile(r"Mosaic|Pallas|Triton|ptxas|vmem|shared memory|custom[_ ]call", re.IGNORECASE)
+_KERNEL_VERDICT = re.compile(r"Mosaic|Pallas|Triton|ptxas|vmem|shared memory|custom[_ ]call|SparseCore",
+                             re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,8 @@ class SliceJob:
     """What to compile: a slice, the layer's sizes (tokens per expert-axis shard), the mesh's (expert, tensor)
     sizes, the program (`layer` or one of PROBES), its way (`slice_plan.STRATEGIES`: an ep_strategy name, or
     `all_to_all:fixed`) and capacity factor, and the kernels' backend
-    (None: the chip's own kernels, with the XLA backends as the fallback; `xla`: those only)."""
+    (None: the chip's own kernels, with the XLA backends as the fallback; `xla`: those only; `sparsecore`: the
+    SparseCore gathers beside the chip's other kernels, falling back as None does: `FALLBACKS`)."""
 
     slice: str
     hidden: int
@@ -66,7 +70,7 @@ class SliceJob:
 @dataclasses.dataclass(frozen=True)
 class SliceCompile:
     """How one program fared: status (`ok` / `rejected`, `compile.py`'s), the compiler's line when rejected,
-    the backend the kernels compiled with (`platform` or `xla`) and why the platform's kernels did not
+    the backend the kernels compiled with (`platform`, `xla` or `sparsecore`) and why the platform's kernels did not
     (`fallback_reason`), seconds of lower + compile (all attempts), memory per chip, the collectives found and
     the compiler's cost estimate (flops, bytes_accessed, optimal_seconds; empty where none is given).
     out_of_memory: the compiler refused the program for HBM; required_bytes: what it said it needed (the
@@ -195,15 +199,21 @@ def _layer(job: SliceJob, mesh: Any) -> Any:
 
 
 @contextlib.contextmanager
-def xla_backends():
-    """Inside, every op that has an `xla` backend runs on it (the kernels' plain-XLA forms)."""
+def named_backends(backend: str):
+    """Inside, every op that has a backend of that name runs on it (`xla`: the kernels' plain-XLA forms;
+    `sparsecore`: the gathers on the SparseCores); the others on their defaults."""
     from moe_tune.kernels import get_op, op_names, use_backend
 
     with contextlib.ExitStack() as stack:
         for name in op_names():
-            if "xla" in get_op(name).backends.names():
-                stack.enter_context(use_backend(name, "xla"))
+            if backend in get_op(name).backends.names():
+                stack.enter_context(use_backend(name, backend))
         yield
+
+
+def xla_backends() -> contextlib.AbstractContextManager[None]:
+    """Inside, every op that has an `xla` backend runs on it (the kernels' plain-XLA forms)."""
+    return named_backends("xla")
 
 
 def _compile_once(job: SliceJob, piece: Slice, backend: str | None) -> tuple[Any, str]:
@@ -213,7 +223,10 @@ def _compile_once(job: SliceJob, piece: Slice, backend: str | None) -> tuple[Any
     mesh = slice_mesh(piece, job.expert, job.tensor)
     program = _layer(job, mesh) if job.program == LAYER else _probe(job, mesh)
     args = _arguments(job, mesh)
-    with acting_as(piece.chip), (xla_backends() if backend == "xla" else contextlib.nullcontext()):
+    # a SparseCore kernel reads its chip from the default device (`pltpu.get_tpu_info`): the slice's, here
+    default = jax.default_device(slice_devices(piece.name)[0]) if piece.chip.platform == "tpu" else None
+    with (acting_as(piece.chip), named_backends(backend) if backend else contextlib.nullcontext(),
+          default or contextlib.nullcontext()):
         try:
             return jax.jit(program).lower(*args).compile(), ""
         except (ValueError, NotImplementedError, jax.errors.JaxRuntimeError) as e:
@@ -226,13 +239,17 @@ def _compile_once(job: SliceJob, piece: Slice, backend: str | None) -> tuple[Any
 
 def compile_program(job: SliceJob) -> dict[str, Any]:
     """In a compile worker: compile `job` for its slice; the `SliceCompile` as a dict. The layer on the chip's
-    own kernels first, then (rejected) on the XLA backends; a probe has no kernels."""
+    own kernels first (with the `sparsecore` backend: the SparseCore gathers before them), then (rejected) on
+    the XLA backends; a probe has no kernels."""
     piece = get_slice(job.slice)
     start = time.perf_counter()
-    tries = [job.backend] if job.backend or job.program != LAYER else [None, "xla"]
+    tries = FALLBACKS.get(job.backend, [job.backend]) if job.program == LAYER else [job.backend]
     compiled, reasons, used = None, [], "platform"
     for backend in tries:
         used = backend or "platform"
+        if backend == "sparsecore" and piece.chip.sparse_core is None:
+            reasons.append(f"{piece.chip.name} has no SparseCores")  # its kernels would run the TensorCore ones
+            continue
         compiled, reason = _compile_once(job, piece, backend)
         if compiled is not None:
             break

@@ -36,6 +36,8 @@ from moe_tune.workers import WorkerFailure, WorkerPool
 # (libtpu on v5e:8x8: "Ragged all-to-all is currently not supported in limited ICI routing settings").
 FIXED_ALL_TO_ALL = "all_to_all:fixed"
 STRATEGIES = ("all_gather", "all_to_all", FIXED_ALL_TO_ALL)
+# the kernels' backends a plan compiles with (`SliceJob.backend`)
+BACKENDS = (None, "xla", "sparsecore")
 TIE = 0.05  # floors within 5% of each other are a tie
 _ESTIMATE_NOTE = ("estimates, not times: the floor is the slowest of compute, HBM and interconnect at their "
                   "published peaks with balanced routing; the compiler's estimate is its own cost model")
@@ -290,6 +292,8 @@ def _prepared(request: PlanRequest) -> tuple[Slice, ModelPreset, int, int, Work,
         raise UsageError(f"unknown strategy {unknown[0] if unknown else ''!r}; known: {', '.join(STRATEGIES)}")
     if request.tokens < 1:
         raise UsageError(f"--tokens must be at least 1, not {request.tokens}")
+    if request.backend not in BACKENDS:
+        raise UsageError(f"unknown backend {request.backend!r}; known: {', '.join(b for b in BACKENDS if b)}")
     expert, tensor = mesh_shape(preset, piece, request.tensor)
     dtype_bytes = 2 if request.dtype == "bfloat16" else np.dtype(request.dtype).itemsize
     work = layer_work(preset, request.tokens, expert, tensor, dtype_bytes)
