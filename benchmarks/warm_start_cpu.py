@@ -44,7 +44,8 @@ from moe_tune.commands import bench
 from moe_tune.core import devices
 from moe_tune.kernels import get_op
 from moe_tune.profiles import Entry, read_table, write_entries
-from moe_tune.tuner import SweepRequest, run_sweep, warm_start
+from moe_tune.tuner import SweepRequest, run_sweep
+from moe_tune.tuner import search as warm_start
 from moe_tune.tuner.request import SweepPlan
 
 GOOD = 1.05

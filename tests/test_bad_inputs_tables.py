@@ -239,7 +239,7 @@ def test_a_float32_sweep_is_not_seeded_by_bfloat16_or_quantized_entries(isolated
     from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
     from moe_tune.profiles.entry import key_fields, key_from_fields
     from moe_tune.profiles.table import write_entries
-    from moe_tune.tuner import warm_start
+    from moe_tune.tuner import search as warm_start
 
     tiled = get_op("ragged_dot").backends.get("tiled")
     here = RaggedDotProblem(m=4096, k=1024, n=1024, groups=8)

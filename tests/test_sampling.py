@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from moe_tune.kernels import get_op
 from moe_tune.tuner.request import SweepPlan, SweepRequest
-from moe_tune.tuner.strategies import spread
+from moe_tune.tuner.search import spread
 
 GATHER = get_op("ragged_gather").problem(tokens=512, hidden=2048, top_k=8, experts=128, ep=1, dtype="bfloat16")
 SPACES = {

@@ -11,7 +11,7 @@ from moe_tune.cli import sweep as sweep_command
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.tuner import STRATEGIES, SweepRequest, run_sweep
-from moe_tune.tuner import strategies as S
+from moe_tune.tuner import search as S
 from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.compiling import OK
 from moe_tune.tuner.timing import Timing
@@ -78,8 +78,8 @@ def test_random_is_seeded_starts_at_the_default_and_respects_the_budget():
     assert a[0] == c[0] == SPACE[0] and len(a) == len(set(a)) == 10 and set(a) <= set(SPACE)
     assert len(picks(3, budget=1000)) == len(SPACE)
     with pytest.raises(UsageError, match="needs a budget"):
-        S.check("random", None, None)
-    S.check("random", None, 30.0)
+        S.check_strategy("random", None, None)
+    S.check_strategy("random", None, 30.0)
 
 
 @pytest.mark.parametrize("optimum", [{"tm": 32, "tk": 512, "tn": 512, "tail": 16},

@@ -20,7 +20,7 @@ from moe_tune.profiles import read_table
 from moe_tune.tuner import Reporter, SweepInterrupted, SweepRequest, log_path_for, run_sweep
 from moe_tune.tuner.compiling import backend_compiles
 from moe_tune.tuner.request import SweepLog, read_log
-from moe_tune.tuner.strategies import spread
+from moe_tune.tuner.search import spread
 
 SMALL = RaggedDotProblem(m=256, k=128, n=128, groups=4)  # swept with its first 4 candidates
 # the first 16 candidates: two chunks of 8

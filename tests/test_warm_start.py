@@ -15,8 +15,9 @@ from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.profiles import key_fields, write_entries
 from moe_tune.profiles.entry import key_from_fields
 from moe_tune.profiles.verdict import PAIRED_MIN_NOISE, budget_text
-from moe_tune.tuner import SweepRequest, run_sweep, warm_start
-from moe_tune.tuner import strategies as S
+from moe_tune.tuner import SweepRequest, run_sweep
+from moe_tune.tuner import search as warm_start
+from moe_tune.tuner import search as S
 from moe_tune.tuner.candidate import Candidate, same_rounds
 from moe_tune.tuner.timing import summarize
 

@@ -12,11 +12,10 @@ from pathlib import Path
 
 from moe_tune.campaign.request import PlannedSweep
 from moe_tune.kernels import get_op
-from moe_tune.profiles.table import search_dirs, table_path, write_dir
 from moe_tune.profiles.entry import Entry
-from moe_tune.profiles.table import table_entries
-from moe_tune.tuner import strategies
+from moe_tune.profiles.table import search_dirs, table_entries, table_path, write_dir
 from moe_tune.tuner.request import SweepSettings
+from moe_tune.tuner.search import CoordinateDescent, spread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +61,9 @@ def candidates(sweep: PlannedSweep, settings: SweepSettings) -> tuple[int, bool,
     count = min(x for x in (len(full), settings.max_candidates, settings.budget) if x is not None)
     if settings.strategy != "coordinate":
         return count, settings.strategy == "grid" and settings.time_budget_s is None, True, count
-    space = full if settings.max_candidates is None else strategies.spread(full, settings.max_candidates,
+    space = full if settings.max_candidates is None else spread(full, settings.max_candidates,
                                                                            settings.seed)
-    first = len(strategies.CoordinateDescent(space, backend=backend, problem=sweep.problem).next_round({}))
+    first = len(CoordinateDescent(space, backend=backend, problem=sweep.problem).next_round({}))
     return min(count, 2 * first - 1), False, False, len(space)
 
 

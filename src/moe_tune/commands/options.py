@@ -1,6 +1,6 @@
 """The `moe-tune` command's options, generated from the facts they stand for: each op's shape flags from its
 `KernelOp.options` (kernels/kernel_op.py), directions and backends from the op objects, strategies from
-tuner/strategies, dtypes from the one list; and the one function that turns parsed shape flags into
+tuner/search, dtypes from the one list; and the one function that turns parsed shape flags into
 problems. Errors become one line (`handle_errors`)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from moe_tune.kernels import get_op, op_names
 from moe_tune.kernels.kernel_op import DTYPE, QUANT, ShapeOption, names
 from moe_tune.targets import TARGETS
 from moe_tune.tuner.request import SweepSettings
-from moe_tune.tuner.strategies import STRATEGIES
+from moe_tune.tuner.search import STRATEGIES
 
 DTYPES = click.Choice(DTYPE.choices)
 

@@ -55,9 +55,9 @@ from moe_tune.profiles import table as dirs
 from moe_tune.profiles.entry import key_fields, key_from_fields
 from moe_tune.profiles.table import lock_path
 from moe_tune.targets.records import uncompilable
-from moe_tune.tuner import strategies
 from moe_tune.tuner.candidate import FAILED, OK, WRONG, Candidate
 from moe_tune.tuner.compiling import Kernel
+from moe_tune.tuner.search import check_strategy, spread
 from moe_tune.tuner.timing import Timing
 
 LOG_VERSION = 1
@@ -255,10 +255,10 @@ class SweepSettings:
     # samples, nor does one whose median can no longer make it a finalist (see timing.time_candidates);
     # None times every candidate `samples` times
     race: float | None = 1.5
-    strategy: str = "grid"  # see tuner.strategies
+    strategy: str = "grid"  # see tuner.search
     budget: int | None = None  # at most this many candidates
     time_budget_s: float | None = None  # start no new chunk of candidates after this many seconds
-    max_candidates: int | None = None  # the default and a seeded sample spread across the space (strategies.spread)
+    max_candidates: int | None = None  # the default and a seeded sample spread across the space (spread)
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     profile_dir: Path | None = None  # None: $MOE_TUNE_PROFILE_DIR, else the user cache dir
     keep_trace_dir: Path | None = None  # keep the profiler traces (xplane) here
@@ -282,7 +282,7 @@ class SweepSettings:
             raise UsageError(f"final_time_s must be >= 0, got {self.final_time_s}")
         if self.race is not None and not self.race > 1:
             raise UsageError(f"race must be > 1 (or None, no racing), got {self.race}")
-        strategies.check(self.strategy, self.budget, self.time_budget_s)
+        check_strategy(self.strategy, self.budget, self.time_budget_s)
 
 
 # The settings that decide which candidates a sweep has and how they are measured: two sweeps that differ in
@@ -349,9 +349,9 @@ class SweepPlan:
     @functools.cached_property
     def space(self) -> list[KernelConfig]:
         """`full_space`, or with max_candidates the default and a seeded sample spread across it
-        (`strategies.spread`: the same candidates for the same seed, so a resumed sweep gets them again)."""
+        (`spread`: the same candidates for the same seed, so a resumed sweep gets them again)."""
         limit = self.request.settings.max_candidates
-        return self.full_space if limit is None else strategies.spread(self.full_space, limit,
+        return self.full_space if limit is None else spread(self.full_space, limit,
                                                                      self.request.settings.seed)
 
     @functools.cached_property

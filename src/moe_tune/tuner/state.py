@@ -28,10 +28,9 @@ from typing import Any, TypeVar
 
 from moe_tune.core.errors import MoeTuneError
 from moe_tune.kernels.base import KernelConfig
-from moe_tune.profiles.entry import Entry
+from moe_tune.profiles.entry import Entry, entry_versions
 from moe_tune.profiles.table import has_complete_entry, write_entries
 from moe_tune.profiles.verdict import WITHIN_NOISE, Verdict
-from moe_tune.profiles.entry import entry_versions
 from moe_tune.tuner.candidate import FAILED, OK, WRONG, Candidate, Reference, SweepInputs
 from moe_tune.tuner.compiling import Kernel
 from moe_tune.tuner.request import (
@@ -44,7 +43,7 @@ from moe_tune.tuner.request import (
     config_key,
     now,
 )
-from moe_tune.tuner.warm_start import WarmStart
+from moe_tune.tuner.search import WarmStart
 
 
 class SweepError(MoeTuneError):

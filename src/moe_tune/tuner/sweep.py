@@ -8,7 +8,7 @@ the sweep goes on.
 
 The stages, each a generator yielding what it did (`state.Step`) for `run` to add up:
 
-- search (here): ask the strategy (`tuner.strategies`) for rounds of configs until it is done or the time
+- search (here): ask the strategy (`tuner.search`) for rounds of configs until it is done or the time
   budget is spent; a config an earlier run finished is restored from the sweep log, the others are measured
   chunk by chunk;
 - measure and finals (`tuner.measure`): compile a chunk, check it, time the correct ones; re-time the fastest
@@ -28,18 +28,18 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from moe_tune.core import settings as paths
 from moe_tune.core import settings as env
+from moe_tune.core import settings as paths
 from moe_tune.core.errors import warn_caller
 from moe_tune.kernels.base import KernelConfig
 from moe_tune.profiles.table import writable_dir
-from moe_tune.tuner import compiling, measure, strategies, warm_start
+from moe_tune.tuner import compiling, measure
 from moe_tune.tuner import state as record
 from moe_tune.tuner.candidate import Candidate
 from moe_tune.tuner.compiling import start_workers, uses_workers
 from moe_tune.tuner.request import SweepLog, SweepPlan, SweepRequest, check_fits, config_key, parse_candidate
+from moe_tune.tuner.search import Strategy, WarmStart, find, make
 from moe_tune.tuner.state import Reporter, Step, SweepError, SweepInterrupted, SweepResult, SweepState, Tally
-from moe_tune.tuner.strategies import Strategy
 
 STAGES = ("compile", "check", "time")
 
@@ -133,7 +133,7 @@ def run_sweep(request: SweepRequest, reporter: Reporter | None = None, *,
     plan = preflight(request)
     settings = request.settings
     start = start_of(plan)
-    strategy = strategies.make(settings.strategy, plan.space, backend=plan.backend, problem=request.problem,
+    strategy = make(settings.strategy, plan.space, backend=plan.backend, problem=request.problem,
                                budget=settings.budget, seed=settings.seed, seeds=start.seeds)
     start = dataclasses.replace(start, local=strategy.local)  # the entry says the search stayed near the seeds
     with SweepLog(plan.log_path, record.header(plan), fresh=settings.fresh, on_append=on_log) as log:
@@ -141,15 +141,15 @@ def run_sweep(request: SweepRequest, reporter: Reporter | None = None, *,
         return _run(state, strategy)
 
 
-def start_of(plan: SweepPlan) -> warm_start.WarmStart:
+def start_of(plan: SweepPlan) -> WarmStart:
     """Where the search of `plan` starts: the nearest tuned shapes' winners (`warm_start`), unless `cold`."""
     if plan.request.settings.cold:
-        return warm_start.WarmStart(cold=True)
-    return warm_start.find(plan.request.op, plan.device_kind, plan.fields, plan.key, plan.space,
+        return WarmStart(cold=True)
+    return find(plan.request.op, plan.device_kind, plan.fields, plan.key, plan.space,
                            own_dir=plan.directory)
 
 
-def _run(state: SweepState, strategy: strategies.Strategy) -> SweepResult:
+def _run(state: SweepState, strategy: Strategy) -> SweepResult:
     if state.log.restored or state.log.finals:
         state.log.append([record.run_line(state)])
         _say_restored_failures(state.log)

@@ -1,56 +1,48 @@
-"""Search strategies: which configs of a backend's search space a sweep measures, round by round.
+"""The search policy: which configs of a backend's search space a sweep measures, round by round, and the warm
+start that seeds them from the nearest shapes already tuned.
 
-A strategy proposes rounds of configs (the default config always first, in the first round, then the warm
-start's seeds, `tuner/warm_start.py`: the winners of the nearest tuned shapes, mapped onto this space); the sweep
-measures each round (compile, check, time) and passes everything measured so far to `next_round`. A
-strategy never proposes a config twice, never one outside the space (valid configs only), and never more
-than `budget` configs in all. Proposals depend only on the space, the budget, the seed and the measured
-results, so a resumed sweep, whose results come from its log, replays the same proposals.
+A strategy proposes rounds of configs (the default always first, then the warm start's seeds); the sweep measures
+each round and passes everything measured so far to `next_round`. A strategy never proposes a config twice,
+never one outside the space, never more than `budget` in all; proposals depend only on the space, the budget,
+the seed and the results, so a resumed sweep (results from its log) replays the same proposals.
 
-- `grid`: the whole space in order; `budget` keeps its first N. With seeds (a warm start) it runs the warm
-  local search below instead (`--cold` asks for the whole grid).
-- `random`: the default, the seeds, then a seeded random sample of the rest, `budget` configs in all.
-- `coordinate`: coordinate descent from the heuristic default: the first round is the default and its
-  neighbours, each later round the unmeasured neighbours of the best config so far (along each tunable, the
-  nearest smaller and larger value among the configs of the space that differ from it in that tunable
-  only). It moves to the best measured config and stops when a round finds nothing faster (or the budget
-  is spent). With seeds it runs the warm local search.
-- The warm local search (`grid` and `coordinate` with seeds; `Strategy.local`): the first round is the
-  default, the seeds and the configs bracketed by the seeds (`bracket`: between two seeds that differ in one
-  tunable, as a ladder implies: m/2 won tm=32 and 2m won tm=128, so tm=64 is tried), timed side by side; then
-  coordinate descent from the best of them along the OPEN tunables only (`open_tunables`: those on which the
-  default and the seeds do not all agree; never empty, a seed differs from the default), moving only to a
-  neighbour faster by more than `NOISE` (`speedup`: paired round by round when the two ran in the same
-  rounds; a smaller gain is within the run-to-run noise of a 3-sample median,
-  and chasing it walks the space). A tunable that the default and every tuned neighbour's winner agree on is
-  not walked: walking every tunable made the warm descent's confirming round cost as much as a cold round
-  (FINDINGS.md: warm start). With ONE seed (the neighbours agree, or all kept their defaults: `warm_start`) the descent
-  starts only when the seed beat the default in the first round by the least gain the final round can call
-  a win (`verdict.PAIRED_MIN_NOISE`, 10%; round by round when they ran in the same rounds): otherwise the
-  evidence and the measurement agree on the default, and the search stops at two candidates (a 3% gate on
-  3 rounds let noise start a descent in 3 of 8 such sweeps, none of which found anything). The default stays
-  the first candidate, and a warm search measures at least the default and one seed (no seed: the cold walk).
+- `grid` (`Grid`): the whole space in order, `budget` keeps its first N; `--cold` asks for it whole.
+- `random` (`RandomSearch`): the default, the seeds, then a seeded sample of the rest.
+- `coordinate` (`CoordinateDescent`): from the default, each round the unmeasured neighbours of the best config
+  so far (along each tunable, the nearest smaller and larger value among configs differing in it alone); it
+  stops when a round finds nothing faster or the budget is spent.
+- The warm local search (`grid` and `coordinate` with seeds; `Strategy.local`): the default, the seeds and the
+  configs `bracket`ed by them (seeds differing in one tunable: m/2 won tm=32 and 2m tm=128, so tm=64 is tried),
+  side by side; then a descent from the best along the `open_tunables` only (those the default and the seeds do
+  not all agree on), moving only past `NOISE` (`speedup`, paired round by round where it can). With one seed the
+  descent starts only when the seed beat the default in its first round by `verdict.PAIRED_MIN_NOISE`; else the
+  search stops at two candidates (FINDINGS.md: warm start, for why both rules).
+- `--max-candidates N` (`spread(space, n, seed)`, pure): the default and a seeded sample spread across the space,
+  not its first N configs (the smallest tiles); a resumed sweep gets the same ones again. `make` builds a
+  strategy by name.
 
-A quick budget that still sees the whole space: `--max-candidates N` keeps the default and a seeded sample
-spread across the search space, not the first N configs in enumeration order (the smallest tiles, which miss
-whatever lies at the other end, e.g. `single_pass=True`).
-
-`spread(space, n, seed)` is a pure function of its arguments: a resumed sweep (whose log's identity holds
-max_candidates and the seed) gets the same candidates again.
-
-`Grid`, `RandomSearch` and `CoordinateDescent` are the classes; `make` builds one by name.
+Warm start (`find`, `WarmStart`): the tables (every profile dir in lookup order, and the sweep's own) are read
+for entries of the same op, backend, device kind, dtypes and quantization (`same_numerics`) whose key differs
+only in sizes, direction or distribution; the nearest `limit` by `distance` give their winners, mapped onto this
+space (`project`: the nearest config of the space, so a seed is always valid). When every source kept its own
+default (`WarmStart.defaults_held`) the winners are evidence for the heuristic: the seeds are cut to the nearest
+one. The seeds depend on the tables when the sweep starts; `--cold` (`SweepSettings.cold`) turns it off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+import re
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
-from moe_tune.core.errors import UsageError
+from moe_tune.core.errors import TableError, UsageError
 from moe_tune.kernels.base import Backend, KernelConfig
+from moe_tune.profiles import read_table, search_dirs, table_path
 from moe_tune.profiles.verdict import PAIRED_MIN_NOISE, paired_ratios
 from moe_tune.tuner.candidate import Candidate, same_rounds
 from moe_tune.tuner.compiling import OK
@@ -257,7 +249,7 @@ class CoordinateDescent(Strategy):
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Grid, RandomSearch, CoordinateDescent)}
 
 
-def check(name: str, budget: int | None, time_budget_s: float | None) -> None:
+def check_strategy(name: str, budget: int | None, time_budget_s: float | None) -> None:
     """UsageError for an unknown strategy, a budget below 1, or a strategy that needs a budget without one."""
     if name not in STRATEGIES:
         raise UsageError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
@@ -309,3 +301,144 @@ def spread(space: Sequence[KernelConfig], n: int, seed: int = 0) -> list[KernelC
     chosen += rest[: n - len(chosen)]  # seeded: `rest` was shuffled
     return [space[0], *(space[i] for i in sorted(chosen[1:]))]
 
+
+LIMIT = 4  # winners of this many nearest entries are seeds
+# What a difference of one non-size key field weighs, in units of |log(size ratio)| (a factor e in one size):
+# a config tuned for the other direction of the same shape is a weaker guess than one tuned for 2x the tokens.
+FIELD_WEIGHT = {"direction": 3.0, "distribution": 0.5}
+OTHER_FIELD_WEIGHT = 1.0  # weighted, glu, ... (dtypes and quantization must match: `same_numerics`)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """The seeds (configs of the space, nearest source first, the default left out) and where they came from."""
+
+    seeds: tuple[KernelConfig, ...] = ()
+    # {"key", "distance", "config" (the winner), "seed" (its label), "kept_default" (its winner was its default)}
+    sources: tuple[dict[str, Any], ...] = ()
+    cold: bool = False  # turned off (`--cold`)
+    local: bool = False  # the strategy searched only around the seeds (`Strategy.local`)
+
+    @property
+    def defaults_held(self) -> bool:
+        """Whether every source kept its own default (the heuristic held at every tuned neighbour)."""
+        return bool(self.sources) and all(s.get("kept_default") for s in self.sources)
+
+    def describe(self) -> str:
+        """One line for the sweep's output and log."""
+        if self.cold:
+            return "cold start (--cold)"
+        if not self.sources:
+            return "cold start (no tuned entry of this op and backend nearby)"
+        said = (f"warm {'local search' if self.local else 'start'} from {len(self.sources)} tuned entr{'y' if len(self.sources) == 1 else 'ies'}: "
+                + "; ".join(f"{s['key'].split('|', 1)[1]} -> {s['seed']}" for s in self.sources))
+        if not self.seeds:
+            return said + " (each the default here: no seed to add)"
+        return said + (" (each kept its default: the nearest seed only)" if self.defaults_held else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cold": self.cold, "local": self.local, "seeds": [s.to_dict() for s in self.seeds], "sources": list(self.sources)}
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+# Key fields of the numerics: the dtypes (`dtype`, `lhs_dtype`, `rhs_qdtype`, ...) and the quantization
+# (`rhs_qblock`, `lhs_qdynamic`, ...). A seed comes only from an entry where all of them are the same.
+_NUMERICS = re.compile(r"(^|_)(\w*dtype|q[a-z]+)$")
+
+
+def same_numerics(fields: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether two entries' key fields have the same dtypes and quantization (a field only one has differs)."""
+    return all(fields.get(name) == other.get(name) for name in dict.fromkeys([*fields, *other])
+               if _NUMERICS.search(name))
+
+
+def distance(fields: Mapping[str, Any], other: Mapping[str, Any]) -> float | None:
+    """How far a tuned entry's key fields are from this sweep's: the sum of |log ratio| of the positive integer
+    fields (sizes, token counts), and a weight per other field that differs (`FIELD_WEIGHT`); None when the
+    backend, a dtype or the quantization differs (`same_numerics`: such configs are no guess here)."""
+    if other.get("backend") != fields.get("backend") or not same_numerics(fields, other):
+        return None
+    total = 0.0
+    for name in dict.fromkeys([*fields, *other]):
+        mine, theirs = fields.get(name), other.get(name)
+        if mine == theirs:
+            continue
+        if _is_size(mine) and _is_size(theirs):
+            total += abs(math.log(mine / theirs))
+        else:
+            total += FIELD_WEIGHT.get(name, OTHER_FIELD_WEIGHT)
+    return total
+
+
+def _config_distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """How far config `b` is from `a`: |log2 ratio| per positive numeric tunable, 1 per other differing one."""
+    total = 0.0
+    for name in dict.fromkeys([*a, *b]):
+        x, y = a.get(name), b.get(name)
+        if x == y:
+            continue
+        both = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
+        total += abs(math.log2(x / y)) if both else 1.0
+    return total
+
+
+def project(winner: Mapping[str, Any], space: Sequence[KernelConfig]) -> KernelConfig:
+    """The config of `space` nearest to `winner` (a config's fields, possibly of another shape's space): itself
+    when it is in the space; ties go to the earlier config."""
+    return min(space, key=lambda c: _config_distance(winner, c.to_dict()))
+
+
+def _tables(directories: Sequence[Path], device_kind: str, op: str) -> list[dict[str, Any]]:
+    found, seen = [], set()
+    for directory in directories:
+        path = table_path(directory, device_kind, op)
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        try:
+            found.append(read_table(path))
+        except TableError:  # a broken table is lookup's and validate's to report; it just seeds nothing
+            continue
+    return found
+
+
+def find(op: str, device_kind: str, fields: Mapping[str, Any], key: str, space: Sequence[KernelConfig], *,
+         own_dir: Path | None = None, limit: int = LIMIT) -> WarmStart:
+    """The seeds for a sweep of `key` (its key `fields`) over `space` (default first): the winners of the
+    `limit` nearest tuned entries of the same op, backend and device kind (any profile dir, and `own_dir`,
+    where the sweep writes), mapped onto the space. The entry of `key` itself is not used."""
+    directories = ([own_dir] if own_dir is not None else []) + [d for _, d in search_dirs()]
+    ranked: list[tuple[float, str, dict[str, Any]]] = []
+    for table in _tables(directories, device_kind, op):
+        for other_key, entry in table["entries"].items():
+            if other_key == key or entry.get("interrupted") or not isinstance(entry.get("config"), dict):
+                continue
+            d = distance(fields, entry["fields"])
+            if d is not None:
+                ranked.append((d, other_key, entry))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    seeds: list[KernelConfig] = []
+    sources: list[dict[str, Any]] = []
+    for d, other_key, entry in ranked:
+        if len(sources) >= limit:
+            break
+        if any(s["key"] == other_key for s in sources):  # the same key in two profile dirs: the first wins
+            continue
+        seed = project(entry["config"], space)
+        sources.append({"key": other_key, "distance": round(d, 3), "config": entry["config"], "seed": seed.label(),
+                        "kept_default": kept_default(entry)})
+        if seed != space[0] and seed not in seeds:
+            seeds.append(seed)
+    start = WarmStart(tuple(seeds), tuple(sources))
+    # every neighbour kept its default: the evidence is for the heuristic; one seed checks it (module doc)
+    return dataclasses.replace(start, seeds=start.seeds[:1]) if start.defaults_held else start
+
+
+def kept_default(entry: Mapping[str, Any]) -> bool:
+    """Whether a table entry's winner is its own default config (the default was fastest, or the best did
+    not beat it past the noise); False when the entry does not say what its default was."""
+    default = entry.get("default")
+    return isinstance(default, dict) and default.get("config") == entry.get("config")
