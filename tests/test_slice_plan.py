@@ -232,6 +232,8 @@ def test_the_layer_plans_with_sparsecore_gathers_and_falls_back_where_a_chip_has
     [sparse], [tensor] = on_v6e.strategies, on_v5e.strategies
     assert sparse.compiled.ok and sparse.compiled.backend == "sparsecore", sparse.compiled.message
     assert not sparse.compiled.fallback_reason and sparse.fits
+    assert {"moe_tune_sparsecore_gather", "moe_tune_sparsecore_gather_reduce"} <= set(sparse.compiled.kernels)
+    assert not [k for k in tensor.compiled.kernels if "sparsecore" in k] and tensor.compiled.kernels
     assert tensor.compiled.ok and tensor.compiled.backend == "platform", tensor.compiled.message
     assert tensor.compiled.fallback_reason == "v5e has no SparseCores"
     assert "refused first: v5e has no SparseCores" in "\n".join(lines(on_v5e))

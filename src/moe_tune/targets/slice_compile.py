@@ -38,6 +38,7 @@ _COST_FIELDS = {"flops": "flops", "bytes accessed": "bytes_accessed", "optimal_s
 # does not fit; the first size is what it needed
 _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED.*(?:HBM|out of memory)", re.IGNORECASE)
 _NEEDED = re.compile(r"\(([\d.]+)([KMGT])\)|Used ([\d.]+)([KMGT]) of")
+_CUSTOM_CALL = re.compile(r"^\s*(?:ROOT )?%([\w-]+?)(?:\.\d+)? = [^\n]*? custom-call\(", re.MULTILINE)
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # a rejection that names a kernel (its lowering, its VMEM / shared memory), which the XLA backends may avoid
 _KERNEL_VERDICT = re.compile(r"Mosaic|Pallas|Triton|ptxas|vmem|shared memory|custom[_ ]call|SparseCore",
@@ -74,7 +75,8 @@ class SliceCompile:
     (`fallback_reason`), seconds of lower + compile (all attempts), memory per chip, the collectives found and
     the compiler's cost estimate (flops, bytes_accessed, optimal_seconds; empty where none is given).
     out_of_memory: the compiler refused the program for HBM; required_bytes: what it said it needed (the
-    temporaries alone: a lower bound of what a chip would hold)."""
+    temporaries alone: a lower bound of what a chip would hold). kernels: the names of the compiled program's
+    custom calls (its Pallas kernels: `moe_tune_sparsecore_gather`, `gmm`...), each once."""
 
     status: str
     message: str = ""
@@ -86,6 +88,7 @@ class SliceCompile:
     cost: dict[str, float] = dataclasses.field(default_factory=dict)
     out_of_memory: bool = False
     required_bytes: int = 0
+    kernels: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -259,9 +262,11 @@ def compile_program(job: SliceJob) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     if compiled is None:
         return rejected(reasons, used, seconds).to_dict()
-    found = collectives.collectives(compiled.as_text(), piece.chips)
+    text = compiled.as_text()
+    found = collectives.collectives(text, piece.chips)
     return SliceCompile(OK, "", used, reasons[0] if reasons else "", seconds, _memory(compiled),
-                        [c.to_dict() for c in found], _cost(compiled)).to_dict()
+                        [c.to_dict() for c in found], _cost(compiled),
+                        kernels=sorted(set(_CUSTOM_CALL.findall(text)))).to_dict()
 
 
 def rejected(reasons: list[str], backend: str, seconds: float) -> SliceCompile:
