@@ -98,3 +98,29 @@ def test_the_lowered_kernels_carry_their_cost_estimate():
     assert gather["bytes_accessed"] >= (96 + 96) * row
     assert reduce["flops"] == 24 * 256 * (4 + 3) and reduce["transcendentals"] == 0
     assert reduce["bytes_accessed"] >= (96 + 24) * row
+
+
+def test_sweep_target_compiles_the_sparsecore_candidates_and_refuses_a_chip_without_sparsecores(tmp_path):
+    """`moe-tune sweep --target v6e --backend sparsecore` compiles the candidates and records them under the
+    chip's kind; v5e has no SparseCores, and asking for them there is one line, exit 2."""
+    import json
+
+    from click.testing import CliRunner
+
+    from moe_tune.cli import cli
+
+    args = ["sweep", "--op", "ragged_gather", "--tokens", "24", "--top-k", "4", "--hidden", "256", "--dtype",
+            "bfloat16", "--backend", "sparsecore", "--profile-dir", str(tmp_path), "--workers", "1",
+            "--max-candidates", "2"]
+    done = CliRunner().invoke(cli, [*args, "--target", "v6e"])
+    assert done.exit_code == 0, done.output
+    assert "[sparsecore]: 2 of 2 compile" in done.output
+    records = [json.loads(line) for line in
+               (tmp_path / "tpu_v6_lite" / "ragged_gather.compile-records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["key"].endswith("|backend=sparsecore") for r in records)
+    assert all(r["result"]["status"] == "ok" and r["result"]["target"] == "v6e" for r in records)
+    assert len({json.dumps(r["config"], sort_keys=True) for r in records}) == 2
+    refused = CliRunner().invoke(cli, [*args, "--target", "v5e"])
+    assert refused.exit_code == 2
+    assert refused.output.strip().splitlines() == [
+        "error: --backend sparsecore cannot run on v5e: tpu_v5_lite has no SparseCores"]

@@ -12,6 +12,7 @@ from moe_tune.kernels import get_op
 from moe_tune.profiles.table import write_dir
 from moe_tune.targets import wheels
 from moe_tune.targets.calls import DESCRIBED_OPS
+from moe_tune.targets.compile import acting_as
 from moe_tune.core.chips import get_target
 from moe_tune.targets.compile_sweep import TargetSweep, compile_sweeps
 from moe_tune.targets.records import records_path
@@ -40,6 +41,10 @@ def compile_pass(campaign: Campaign, *, print_line: Callable[[str], None] = prin
         if sweep.backend not in native:
             raise UsageError(f"--backend {sweep.backend} is not a {target.platform.upper()} kernel; --target "
                              f"{target.name} compiles what the chip runs natively: {', '.join(native)}")
+        with acting_as(target):  # a backend asked for by name that this chip cannot run at all (no SparseCores)
+            reason = get_op(sweep.op).backends.get(sweep.backend).chip_error(sweep.problem) if backend else None
+        if reason is not None:
+            raise UsageError(f"--backend {sweep.backend} cannot run on {target.name}: {reason}")
     if where.share is not None:
         sweeps = shard(sweeps, *where.share)
     directory = write_dir(settings.profile_dir)
