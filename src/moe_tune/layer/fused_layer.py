@@ -11,7 +11,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import activation_name

@@ -106,7 +106,7 @@ def moe_mlp(
     shapes = {name: getattr(w, "shape", type(w).__name__) for name, w in
               (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))}
     if any(not isinstance(shape, tuple) or len(shape) != 3 for shape in shapes.values()):
-        raise UsageError(f"expert weights must be [local_experts, k, n] arrays, QArrays or AsQArrays, got "
+        raise UsageError("expert weights must be [local_experts, k, n] arrays, QArrays or AsQArrays, got "
                          + ", ".join(f"{name} {shape}" for name, shape in shapes.items()))
     local = w_gate.shape[0]
     if w_up.shape != w_gate.shape or w_down.shape != (local, w_gate.shape[2], hidden) or w_gate.shape[1] != hidden:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-import jax
 import jax.numpy as jnp
 
 from moe_tune.core import devices
