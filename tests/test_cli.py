@@ -112,10 +112,15 @@ def test_models_lists_presets_and_one_layers_kernels(run):
     # gate/up forward with and without its glu, its backward, the down forward and backward) and both
     # fused-or-not choices keyed by the weights' quantization; the gathers are not quantized
     rows = [line for line in quantized.output.splitlines() if "int8/128" in line]
-    across = ("all_gather", "all_to_all", "ep strategy")
+    across = ("all_gather", "all_to_all", "ep strategy", "chunks:")
     assert len([r for r in rows if not any(s in r for s in across)]) == 4 + 5 + 2 and "drhs" not in quantized.output
     # the layer across 4 devices: the same calls of the all_gather strategy on 4 x the tokens, and the strategy's
-    assert len([r for r in rows if "all_gather" in r]) == 4 + 5 + 2 and "ep strategy" in quantized.output
+    whole = [r for r in rows if "chunks:" not in r]
+    assert len([r for r in whole if "all_gather" in r]) == 4 + 5 + 2 and "ep strategy" in quantized.output
+    # the strategy's token chunks: the same calls again on 256 tokens (2 chunks) and on 128 (4 chunks; its
+    # all_gather calls, on 4 x 128, are the one-chunk shard layer's)
+    assert len([r for r in rows if "2 chunks:" in r]) == 2 * (4 + 5 + 2)
+    assert len([r for r in rows if "4 chunks:" in r]) == 4 + 5 + 2
     assert "ragged_dot dlhs m=16384 k=2048 n=768 g=32 bfloat16 rhs int8/128" in quantized.output
     bad_block = run("models", "qwen3-30b-a3b", "--rhs-quant", "int8", "--quant-block", "100")
     assert bad_block.exit_code == 2 and "quant_block 100 does not divide its length 2048" in bad_block.output
