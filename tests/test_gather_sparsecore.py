@@ -6,6 +6,7 @@ fall back to `pallas_tpu` where a TPU has none."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -135,3 +136,37 @@ def test_ops_and_their_gradients_run_on_it():
     combined = moe_tune.ragged_gather_reduce(xr, combine_indices, w, valid, top_k, backend="sparsecore")
     np.testing.assert_allclose(np.asarray(combined), gather_reduce_reference(xr, combine_indices, w, valid, top_k),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_moe_mlp_runs_its_dispatch_and_combine_on_it():
+    """`moe_mlp`'s unfused layer with its three gathers on sparsecore (`moe_tune.use_backend`): the one-device
+    layer (dispatch, dense combine) and one expert-parallel shard (`expert_offset`: the combine masked to its
+    experts), forward and gradients in x and the weights, against the same layer on the plain backends."""
+    tokens, hidden, intermediate, experts, top_k = 8, 128, 128, 4, 2
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((tokens, experts)), jnp.float32)
+    w_gate, w_up = (jnp.asarray(rng.standard_normal((experts, hidden, intermediate)) / hidden**0.5, jnp.float32)
+                    for _ in range(2))
+    w_down = jnp.asarray(rng.standard_normal((experts, intermediate, hidden)) / intermediate**0.5, jnp.float32)
+    gathers = ("ragged_gather", "ragged_gather_reduce", "dense_gather_reduce")
+
+    def layer(backend, offset):
+        local = slice(None) if offset is None else slice(offset, offset + experts // 2)
+
+        def loss(x, w_gate, w_up, w_down):
+            out = moe_tune.moe_mlp(x, logits, w_gate[local], w_up[local], w_down[local], top_k, fused=False,
+                                   expert_offset=offset)
+            return jnp.sum(out * out), out
+
+        with contextlib.ExitStack() as stack:
+            for op in gathers:
+                stack.enter_context(moe_tune.use_backend(op, backend))
+            return jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(x, w_gate, w_up, w_down)
+
+    for offset in (None, 2):
+        (_, ours), ours_grads = layer("sparsecore", offset)
+        (_, plain), plain_grads = layer("jax", offset)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(plain), rtol=1e-5, atol=1e-5)
+        for a, b in zip(ours_grads, plain_grads):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
