@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import gc
-import json
-import os
-from collections.abc import Callable
-from typing import Any
 
-import filelock
 import jax
 import pytest
 
@@ -79,19 +74,3 @@ def local_ray():
             os.environ["PYTHONPATH"] = saved
     yield ray
     ray.shutdown()
-
-
-def once_per_run(tmp_path_factory, name: str, make: Callable[[], Any]) -> Any:
-    """`make()`'s result (JSON), made once per test run however many xdist workers run a test that asks: the
-    first makes it under a lock in the run's shared temp dir and writes it there, the others read it (a module's
-    8-device subprocess is otherwise run once by every worker that takes one of its tests)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's temp dir, shared by its workers
-    path = root / f"{name}.json"
-    with filelock.FileLock(str(path) + ".lock"):
-        if path.is_file():
-            return json.loads(path.read_text())
-        value = make()
-        path.write_text(json.dumps(value))
-        return value

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import once_per_run
 from jax.sharding import PartitionSpec as P
 
 import moe_tune
@@ -44,15 +43,12 @@ CASES = WITH_GRADS + WITH_INPUT_GRADS + FORWARD
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    def run() -> dict:
-        env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
-                   MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
-        env.pop("MOE_TUNE_DISTRIBUTION", None)
-        done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    return once_per_run(tmp_path_factory, "sharded_layer_checks", run)
+    env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
+               MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
+    env.pop("MOE_TUNE_DISTRIBUTION", None)
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_every_case_ran(results):

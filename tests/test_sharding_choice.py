@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import once_per_run
 from tiny_layer import TINY
 
 from moe_tune.cli import cli
@@ -137,17 +136,14 @@ def test_a_sweep_with_fewer_devices_than_the_mesh_leaves_the_strategy_out_with_a
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    def run() -> dict:
-        scratch = tmp_path_factory.mktemp("sharding")
-        env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(scratch / "profiles"), MOE_TUNE_COMPILE_CACHE_DIR="off",
-                   JAX_PLATFORMS="cpu")
-        env.pop("MOE_TUNE_DISTRIBUTION", None)
-        done = subprocess.run([sys.executable, str(SCRIPT), str(scratch)], capture_output=True, text=True,
-                              timeout=900, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    return once_per_run(tmp_path_factory, "sharding_sweep_checks", run)
+    scratch = tmp_path_factory.mktemp("sharding")
+    env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(scratch / "profiles"), MOE_TUNE_COMPILE_CACHE_DIR="off",
+               JAX_PLATFORMS="cpu")
+    env.pop("MOE_TUNE_DISTRIBUTION", None)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(scratch)], capture_output=True, text=True, timeout=900,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_every_kernel_of_the_sharded_layer_is_exact_after_its_sweep(checked):
