@@ -20,6 +20,8 @@ the same rule, so both strategies drop the same entries.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -27,8 +29,9 @@ from moe_tune.core import devices
 from moe_tune.kernels.gather.op import ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
 
-# The layer's ways of splitting experts over devices (`sharded.py`): all_gather there, all_to_all here.
-STRATEGIES = ("all_gather", "all_to_all")
+# The layer's ways of splitting experts over devices (`sharded.py`): all_gather there, all_to_all here,
+# in_kernel (the exchange inside Pallas TPU kernels) in `in_kernel.py`.
+STRATEGIES = ("all_gather", "all_to_all", "in_kernel")
 
 RAGGED_ALL_TO_ALL_PLATFORMS = ("tpu", "gpu")  # XLA:CPU does not implement ragged_all_to_all
 
@@ -164,6 +167,42 @@ def _fixed_back(rows, plan: _Plan, slots: _Slots, rows_out: int, dest_of_row, ax
     return jnp.take(got, slot, axis=0, mode="fill", fill_value=0)  # rows past those sent read past the end
 
 
+class Route(NamedTuple):
+    """One device's routed entries, as both exchanging strategies send them: `key` int32 [entries] (each
+    (token, k) entry's global expert, `devices x local` for a dropped one), `entry_of_row` / `row_of_entry`
+    int32 [entries] (the stable sort by key and its inverse: send order is expert order, dropped entries
+    last), `sent` int32 (entries sent), `valid` bool [entries] (kept entries) and the exchange's `_Plan`."""
+
+    key: jax.Array
+    entry_of_row: jax.Array
+    row_of_entry: jax.Array
+    sent: jax.Array
+    valid: jax.Array
+    plan: _Plan
+
+
+def route(chosen, *, axis: str, devices: int, me, cap: int | None, local: int) -> Route:
+    """chosen int32 [t, top_k] (global experts of this device's tokens) -> its `Route`: the capacity rule of
+    `keep_mask` where `cap` is given, and the plan's all_gather of every device's per-expert counts."""
+    tokens, top_k = chosen.shape
+    experts, entries = devices * local, tokens * top_k
+    flat = chosen.reshape(entries)
+    keep = None if cap is None else keep_mask(flat // local, axis=axis, devices=devices, me=me, cap=cap)
+    key = flat if keep is None else jnp.where(keep, flat, experts)  # dropped entries sort last, never sent
+    entry_of_row = jnp.argsort(key, stable=True).astype(jnp.int32)
+    row_of_entry = jnp.zeros((entries,), jnp.int32).at[entry_of_row].set(jnp.arange(entries, dtype=jnp.int32))
+    send = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+    plan = _Plan(send, axis=axis, me=me, devices=devices, local=local)
+    valid = jnp.ones((entries,), bool) if keep is None else keep
+    return Route(key, entry_of_row, row_of_entry, jnp.sum(send), valid, plan)
+
+
+def receive_rows(tokens: int, top_k: int, devices: int, local: int, cap: int | None) -> int:
+    """Rows of one device's receive buffer: `worst_rows`, or the capacity `cap` when that is fewer."""
+    rows = worst_rows(tokens, top_k, devices, local)
+    return rows if cap is None else min(rows, cap)
+
+
 def local_experts(rows, group_sizes, w_gate, w_up, w_down, *, activation, distribution) -> jax.Array:
     """The three grouped matmuls on rows already in local-expert order (rows past sum(group_sizes) give 0),
     in rows' dtype (the dtype they travel back in)."""
@@ -180,19 +219,12 @@ def all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, dev
     every device's experts; int32: how many of these tokens' entries were dropped)."""
     tokens, top_k = chosen.shape
     local = w_gate.shape[0]
-    experts, entries = devices * local, tokens * top_k
-    flat = chosen.reshape(entries)
-    keep = None if cap is None else keep_mask(flat // local, axis=axis, devices=devices, me=me, cap=cap)
-    key = flat if keep is None else jnp.where(keep, flat, experts)  # dropped entries sort last, never sent
-    entry_of_row = jnp.argsort(key, stable=True).astype(jnp.int32)
-    row_of_entry = jnp.zeros((entries,), jnp.int32).at[entry_of_row].set(jnp.arange(entries, dtype=jnp.int32))
-    send = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
-    sent = jnp.sum(send)
-    plan = _Plan(send, axis=axis, me=me, devices=devices, local=local)
+    entries = tokens * top_k
+    routed = route(chosen, axis=axis, devices=devices, me=me, cap=cap, local=local)
+    key, entry_of_row, row_of_entry, sent, plan = (routed.key, routed.entry_of_row, routed.row_of_entry,
+                                                   routed.sent, routed.plan)
     rows = ragged_gather(x, entry_of_row // top_k, 0, sent, **flags)  # [entries, d] in send order
-    rows_in = worst_rows(tokens, top_k, devices, local)
-    if cap is not None:
-        rows_in = min(rows_in, cap)
+    rows_in = receive_rows(tokens, top_k, devices, local, cap)
     distribution = flags["distribution"]
     run = dict(activation=activation, distribution=distribution)
     if ragged:
@@ -206,7 +238,6 @@ def all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, dev
         done = local_experts(received, plan.group_sizes, w_gate, w_up, w_down, **run)
         dest_of_row = jnp.minimum(key[entry_of_row] // local, devices - 1)
         back = _fixed_back(done, plan, slots, entries, dest_of_row, axis)
-    valid = jnp.ones((entries,), bool) if keep is None else keep
-    out = ragged_gather_reduce(back, row_of_entry, weights.reshape(entries), valid, top_k,
+    out = ragged_gather_reduce(back, row_of_entry, weights.reshape(entries), routed.valid, top_k,
                                skip_zero_weights=skip_zero_weights, **flags)
     return out.astype(x.dtype), (entries - sent).astype(jnp.int32)

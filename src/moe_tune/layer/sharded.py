@@ -9,6 +9,8 @@ dimension over another (tensor parallelism, TP), with JAX's `shard_map` as the e
   `ragged_gather_reduce`), and the partial outputs are reduce-scattered (`psum_scatter`) back to the tokens'
   devices.
 - `all_to_all`: entries sent to their experts' devices and back (`exchange.py`).
+- `in_kernel`: the same entries and routing, the rows moved by remote DMA inside Pallas TPU kernels
+  (`in_kernel.py`): TPU, and interpret mode off accelerators.
 
 `ShardingConfig.token_chunks` C > 1 (an `ep_strategy` config, or the tables' choice) runs a device's t tokens
 as C consecutive chunks of t / C (C must divide t), each its own exchange, experts and combine under either
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 
 from moe_tune.core import devices as _devices
 from moe_tune.core.errors import UsageError
-from moe_tune.layer import exchange
+from moe_tune.layer import exchange, in_kernel
 from moe_tune.layer.exchange import STRATEGIES
 from moe_tune.layer.fused_layer import serve_or_train
 from moe_tune.layer.fusion_choice import use_fused
@@ -82,7 +84,11 @@ def resolve_strategy(ep_strategy: str | ShardingConfig | None, *, tokens: int, h
     if not isinstance(ep_strategy, str) or ep_strategy not in STRATEGIES:
         raise UsageError(f"ep_strategy must be one of {', '.join(STRATEGIES)}, a ShardingConfig or None, got "
                          f"{ep_strategy!r}")
-    return dataclasses.replace(default_sharding(platform), strategy=ep_strategy)
+    config = dataclasses.replace(default_sharding(platform), strategy=ep_strategy)
+    reason = layer_config_error(config, tokens=tokens, platform=platform)
+    if reason is not None:
+        raise UsageError(f"ep_strategy {ep_strategy!r}: {reason}")
+    return config
 
 
 def axis_size(axis: str, role: str) -> int:
@@ -142,17 +148,17 @@ def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int,
     axes = tuple(axis for axis in (expert_axis, tensor_axis) if axis is not None)
     x, weights = exchange.varying(x, axes), exchange.varying(weights, axes)
     options = dict(activation=activation, skip_zero_weights=skip_zero_weights, flags=flags)
-    exchanged = config.strategy == "all_to_all" and not tokens_replicated and ep > 1
+    exchanged = config.strategy in ("all_to_all", "in_kernel") and not tokens_replicated and ep > 1
     if exchanged and fused:
         raise UsageError("fused=True runs the experts with the dispatch gather and the combine inside the "
-                         "kernels, which the all_to_all strategy does on other devices: pass "
+                         f"kernels, which the {config.strategy} strategy does on other devices: pass "
                          "ep_strategy='all_gather' or fused=None")
+    exchange_layer = in_kernel.in_kernel_layer if config.strategy == "in_kernel" else exchange.all_to_all_layer
 
     def run(x, weights, chosen):  # one token chunk: its exchange, experts and combine
         if exchanged:
-            return exchange.all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
-                                             devices=ep, me=me, cap=cap, ragged=config.exchange == "ragged",
-                                             **options)
+            return exchange_layer(x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis, devices=ep, me=me,
+                                  cap=cap, ragged=config.exchange == "ragged", **options)
         return _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
                          replicated=tokens_replicated, me=me, experts=experts, cap=cap, fused=fused, **options)
 

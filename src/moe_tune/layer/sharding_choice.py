@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from moe_tune.core import devices
 from moe_tune.core.errors import UsageError
 from moe_tune.core.quant_format import QuantFormat
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig, positive_int_error
@@ -35,6 +36,7 @@ from moe_tune.layer.fusion_choice import FusionProblem, weights_quant
 from moe_tune.layer.exchange import STRATEGIES
 
 EXCHANGES = ("ragged", "fixed")
+IN_KERNEL_PLATFORMS = ("tpu", "cpu")  # in_kernel's kernels: compiled on TPU, interpreted on CPU
 TOKEN_CHUNKS = (1, 2, 4)  # the candidates' token chunks
 MIN_CHUNK_TOKENS = 8  # a candidate's chunks hold at least this many tokens
 DIRECTIONS = ("fwd", "bwd")
@@ -162,7 +164,9 @@ class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
         chunk) x the platform's exchanges (`fixed`; and `ragged` on TPU and GPU)."""
         chunks = chunk_candidates(problem.tokens)
         kinds = ["fixed"] + (["ragged"] if exchange.has_ragged_all_to_all() else [])
-        return {"strategy": list(STRATEGIES), "token_chunks": chunks, "exchange": kinds}
+        # in_kernel only where its kernels compile: elsewhere they would be timed in interpret mode
+        strategies = [s for s in STRATEGIES if s != "in_kernel" or devices.platform() == "tpu"]
+        return {"strategy": strategies, "token_chunks": chunks, "exchange": kinds}
 
     def config_error(self, config: ShardingConfig, problem: ShardingProblem) -> str | None:
         """`layer_config_error`'s rules for the problem's tokens; and `all_gather` with the platform's default
@@ -195,6 +199,10 @@ def layer_config_error(config: ShardingConfig, *, tokens: int, platform: str | N
                 "runs the same number of tokens")
     if config.exchange not in EXCHANGES:
         return f"exchange must be one of {', '.join(EXCHANGES)}, got {config.exchange!r}"
+    judged = devices.platform() if platform is None else platform
+    if config.strategy == "in_kernel" and judged not in IN_KERNEL_PLATFORMS:
+        return ("strategy 'in_kernel' moves rows by remote DMA inside Pallas TPU kernels: it runs on TPU (and in "
+                "interpret mode on CPU), not on this platform: pass 'all_to_all' or 'all_gather'")
     if config.exchange == "ragged" and not exchange.has_ragged_all_to_all(platform):
         return ("exchange 'ragged' needs jax.lax.ragged_all_to_all, which this platform lacks (it runs on "
                 f"{' and '.join(exchange.RAGGED_ALL_TO_ALL_PLATFORMS)}): pass exchange='fixed'")

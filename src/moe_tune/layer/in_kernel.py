@@ -1,0 +1,116 @@
+"""The `in_kernel` strategy of the MoE layer across devices: the token exchange inside a Pallas Mosaic TPU kernel
+(`in_kernel_tpu.scatter_rows`, remote DMA), so the program holds no XLA all-to-all or all-gather of token rows;
+only int32 metadata goes through XLA collectives.
+
+One call, per device of the expert axis (P devices, `local` experts each):
+
+1. Routing, as the `all_to_all` strategy's (`exchange.route`): this device's (token, k) entries sorted by
+   global expert, which is the order (destination device, local expert), the capacity rule of
+   `exchange.keep_mask` (entries past a device's capacity are never sent), and one `all_gather` of every
+   device's per-expert counts (int32 [P, experts], `exchange._Plan`): from it each device knows where each of
+   its segments lands in its owner's receive buffer and how many rows every peer sends it.
+2. Dispatch: `scatter_rows` reads each sent row straight from x (no gathered copy) and DMAs it into the owner's
+   receive buffer [rows_in, d], laid out like the `all_to_all` strategy's: expert order (local expert, then
+   source device), so the receiver's rows are grouped by its local experts. rows_in is the worst case
+   (`exchange.worst_rows`), or the capacity when one is given.
+3. The expert matmuls: the project's grouped matmul (`exchange.local_experts`: gate, up, activation, down,
+   each a `ragged_dot`, which takes float or quantized weights) on the received rows, after the dispatch
+   kernel has returned. The compute does not start on a device's own rows while remote ones are in flight: the
+   exchange and the matmuls are separate kernels.
+4. Return: `scatter_rows` again, each output row DMAed back to its token's device, at the position that device
+   sent it from (send order), and the weighted combine there (`ragged_gather_reduce`, dropped entries
+   selected away).
+
+Gradients: a `jax.custom_vjp` whose backward is the `all_to_all` strategy's backward (the pullback of
+`exchange.all_to_all_layer` on the same inputs, recomputed: the fixed-capacity exchange, or the ragged one
+where the platform has it), so the backward moves its rows with XLA collectives; the forward's output and the
+`all_to_all` strategy's agree up to accumulation order.
+
+Where it runs: TPU (compiled), and off accelerators in Pallas TPU interpret mode (the host devices of a
+`jax.shard_map`; slow, for tests). GPU is refused (`sharding_choice.layer_config_error`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.kernels.gather.op import ragged_gather_reduce
+from moe_tune.layer import exchange
+from moe_tune.layer.in_kernel_tpu import scatter_rows
+
+PLATFORMS = ("tpu", "cpu")  # TPU compiled; CPU in Pallas TPU interpret mode
+
+
+def _segment_of(rows: int, sizes: jax.Array) -> jax.Array:
+    """int32 [rows]: for each row of a buffer laid out as consecutive segments of `sizes` (int32 [s]), the
+    segment holding it (s for rows past the last)."""
+    ends = jnp.cumsum(sizes)
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: int, me, cap: int | None,
+             activation, skip_zero_weights: bool, flags: dict):
+    """The layer through the two `scatter_rows` kernels: `exchange.all_to_all_layer`'s contract."""
+    tokens, top_k = chosen.shape
+    local = w_gate.shape[0]
+    entries = tokens * top_k
+    route = exchange.route(chosen, axis=axis, devices=devices, me=me, cap=cap, local=local)
+    plan = route.plan
+    rows_in = exchange.receive_rows(tokens, top_k, devices, local, cap)
+    # dispatch: send row i (expert order) is x[its token] and lands in row land_offset[g] + its rank in g's
+    # segment on the device owning its global expert g
+    i = jnp.arange(entries, dtype=jnp.int32)
+    expert = jnp.minimum(route.key[route.entry_of_row], devices * local - 1)  # rows past `sent`: never sent
+    dest_dev = expert // local
+    dest_row = plan.land_offset[expert] + i - plan.send_offset[expert]
+    mine = jax.lax.dynamic_slice_in_dim(plan.send, me * local, local)  # rows this device keeps
+    received_total = jnp.sum(plan.group_sizes)
+    from_others = received_total - jnp.sum(plan.recv[me])
+    kernel = functools.partial(scatter_rows, axis=axis, devices=devices)
+    received = kernel(x, route.entry_of_row // top_k, dest_dev, dest_row, route.sent, from_others, rows_in)
+    done = exchange.local_experts(received, plan.group_sizes, w_gate, w_up, w_down, activation=activation,
+                                  distribution=flags["distribution"])
+    # return: received row r sits in segment (local expert e, source p) of the expert-order layout, and goes
+    # back to p at p's send position of expert (me, e): home_offset[p, e] + its rank in the segment
+    segment = jnp.minimum(_segment_of(rows_in, plan.recv.T.reshape(-1)), local * devices - 1)
+    e, p = segment // devices, segment % devices
+    r = jnp.arange(rows_in, dtype=jnp.int32)
+    home_row = plan.home_offset[p, e] + r - plan.recv_offset[p, e]
+    back = kernel(done, r, p, home_row, received_total, route.sent - jnp.sum(mine), entries)
+    out = ragged_gather_reduce(back, route.row_of_entry, weights.reshape(entries), route.valid, top_k,
+                               skip_zero_weights=skip_zero_weights, **flags)
+    return out.astype(x.dtype), (entries - route.sent).astype(jnp.int32)
+
+
+def in_kernel_layer(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: int, me, cap: int | None,
+                    ragged: bool, activation, skip_zero_weights: bool, flags: dict) -> tuple[jax.Array, jax.Array]:
+    """x [t, d] (this device's tokens), weights float32 / chosen int32 [t, top_k] (their routing), this
+    device's local experts' weights (float or QArray) -> ([t, d] in x.dtype: the layer's output for these
+    tokens; int32: how many of these tokens' entries were dropped). Differentiable in x, weights and float
+    expert weights through the `all_to_all` strategy's backward (`ragged`: its exchange there)."""
+    del me  # traced outside the custom VJP's functions, which may not close over it: each takes its own
+    options = dict(axis=axis, devices=devices, cap=cap, activation=activation, skip_zero_weights=skip_zero_weights,
+                   flags=flags)
+
+    def primal(x, weights, chosen, w_gate, w_up, w_down):
+        return _forward(x, weights, chosen, w_gate, w_up, w_down, me=jax.lax.axis_index(axis), **options)
+
+    def exchanged(chosen, x, weights, w_gate, w_up, w_down):
+        return exchange.all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, me=jax.lax.axis_index(axis),
+                                         ragged=ragged, **options)
+
+    def forward(*operands):  # the residuals are the operands: the backward recomputes its exchange
+        return primal(*operands), operands
+
+    def backward(operands, cotangent):
+        x, weights, chosen, *experts = operands
+        _, pullback = jax.vjp(functools.partial(exchanged, chosen), x, weights, *experts)
+        dx, dweights, *dexperts = pullback(cotangent)
+        return (dx, dweights, None, *dexperts)  # None: chosen's (integer) cotangent is zero
+
+    layer = jax.custom_vjp(primal)
+    layer.defvjp(forward, backward)
+    return layer(x, weights, chosen, w_gate, w_up, w_down)
