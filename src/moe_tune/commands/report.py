@@ -87,17 +87,18 @@ def shape_label(fields: dict[str, Any]) -> str:
     """`m=4096 k=1024 n=1024 groups=8`: the key fields that are sizes (not direction, dtypes, backend,
     quantization...)."""
     return " ".join(f"{k}={v}" for k, v in fields.items()
-                    if k not in _NOT_SHAPE and not k.endswith(("dtype", "qblock", "qdynamic")))
+                    if k not in _NOT_SHAPE and not k.endswith(("dtype", "qblock", "qdynamic", "qlayout")))
 
 
 def _quantized(fields: dict[str, Any], side: str) -> str | None:
     """`int8/128`: a quantized operand's stored dtype, with its scale block when it is not all of k (`mxfp4`
-    for float4_e2m1fn in its blocks of 32); ` dynamic` after activations the kernel quantizes; None for a
-    float operand."""
+    for float4_e2m1fn in its blocks of 32); ` dynamic` after activations the kernel quantizes, ` nk` after
+    weights stored in that layout; None for a float operand."""
     qdtype, block = fields.get(f"{side}_qdtype"), fields.get(f"{side}_qblock")
     if qdtype is None:
         return None
     dynamic = " dynamic" if fields.get(f"{side}_qdynamic") else ""
+    dynamic += f" {fields[f'{side}_qlayout']}" if fields.get(f"{side}_qlayout") else ""
     try:
         return QuantFormat(qdtype, block).label(fields.get("k")) + dynamic
     except UsageError:  # a table's entry no problem produces (validate says so): shown as stored

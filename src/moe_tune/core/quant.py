@@ -10,9 +10,16 @@ there is one scale per element. So `scale.shape` is `qvalue.shape` with the scal
 What a valid format is (the dtype, its alias mxfp4, the block and its rule) is `quant_format.QuantFormat`'s
 to say; this module quantizes with one.
 
-The layout is not stored: it is read off the shapes (`scale_layout`). The scaled axis is the one axis whose
-scale dim differs from the value dim. When none differs (a block of 1, or an axis of length 1) every
+The scale layout is not stored: it is read off the shapes (`scale_layout`). The scaled axis is the one axis
+whose scale dim differs from the value dim. When none differs (a block of 1, or an axis of length 1) every
 element has its own scale, the array is valid for any expected axis, and its block size is 1.
+
+The memory layout is stored: `QArray.layout` (`quant_format.QLAYOUTS`), "kn" (the default) holds `qvalue` and
+`scale` as they read; "nk" holds both with their last two axes swapped (a [g, k, n] weight as [g, n, k], k
+contiguous; block scales [g, n, k/bs], per-channel ones [g, n, 1]). Everything a reader asks of a QArray is
+logical, the same for both layouts: `shape`, `scale_layout`, `dequantize`, `check_operand`, `split`. Only
+`qvalue` / `scale` are the stored arrays; `relayout` moves an array between layouts (one transpose of each)
+and `in_layout` is how a kernel that reads one layout gets it.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_tune.core.errors import UsageError
-from moe_tune.core.quant_format import (ACTIVATION_QDTYPES, ALIASES, FOUR_BIT, MX_BLOCK,  # noqa: F401
-                                        QDTYPES, QMAX, QUANT_NAMES, QuantFormat, qdtype_name)
+from moe_tune.core.quant_format import (ACTIVATION_QDTYPES, ALIASES, DEFAULT_QLAYOUT, FOUR_BIT,  # noqa: F401
+                                        MX_BLOCK, QDTYPES, QLAYOUTS, QMAX, QUANT_NAMES, QuantFormat,
+                                        check_layout, qdtype_name)
 
 MX_EMAX = 2  # e2m1's largest exponent: the MX scale is 2**(floor(log2(max|x|)) - MX_EMAX)
 SCALE_DTYPES = {"float32": QDTYPES, "float8_e8m0fnu": ("float4_e2m1fn",)}  # scale dtype -> value dtypes
@@ -36,14 +44,27 @@ SCALE_DTYPES = {"float32": QDTYPES, "float8_e8m0fnu": ("float4_e2m1fn",)}  # sca
 @dataclasses.dataclass(frozen=True)
 class QArray:
     """A quantized array: `qvalue` int8 | float8_e4m3fn | int4 | float4_e2m1fn, `scale` float32 (mxfp4: or
-    float8_e8m0fnu) of the same rank (see the module docstring for the layout). A pytree, so it passes through jit, vmap, grad (as a constant) and sharding."""
+    float8_e8m0fnu) of the same rank, stored in `layout` ("kn": as they read; "nk": the last two axes swapped,
+    see the module docstring). A pytree whose leaves are `qvalue` and `scale` (`layout` is static), so it
+    passes through jit, vmap, grad (as a constant), tree_map and sharding; an "nk" array's expert axis (axis
+    0) is axis 0 of its stored arrays too."""
 
     qvalue: jax.Array
     scale: jax.Array
+    layout: str = dataclasses.field(default=DEFAULT_QLAYOUT, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        check_layout(self.layout)  # only the static field: the leaves may be specs or placeholders in a pytree
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.qvalue.shape)
+        """The logical shape (what `dequantize` returns), whatever the layout."""
+        return _logical(tuple(self.qvalue.shape), self.layout)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The logical shape of the scales ("kn"'s `scale.shape`), whatever the layout."""
+        return _logical(tuple(self.scale.shape), self.layout)
 
     @property
     def ndim(self) -> int:
@@ -55,8 +76,49 @@ class QArray:
         return jnp.dtype(self.qvalue.dtype)
 
     def __getitem__(self, index) -> "QArray":
-        """Slice along leading axes other than the scaled one (e.g. the groups of a [g, k, n] weight)."""
-        return QArray(self.qvalue[index], self.scale[index])
+        """Slice along leading axes other than the scaled one and the last two (e.g. the groups of a [g, k, n]
+        weight); the layout is kept."""
+        return QArray(self.qvalue[index], self.scale[index], self.layout)
+
+
+def _logical(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """A stored shape as it reads: "nk" swaps the last two axes back (the swap is its own inverse)."""
+    return shape if layout == "kn" else (*shape[:-2], shape[-1], shape[-2])
+
+
+def _swap(x, layout: str):
+    """A stored array as it reads in `layout` (or the reverse): "nk" swaps the last two axes (NumPy arrays
+    stay NumPy, contiguous in their new order: what a host copy stores); "kn" is `x` itself."""
+    if layout == "kn":
+        return x
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2))
+    return jnp.swapaxes(x, -1, -2)
+
+
+def relayout(q: "QArray", layout: str) -> "QArray":
+    """`q` stored in `layout` (`QLAYOUTS`): the same logical values, shape and scales; its own arrays when it
+    is already in it, else one transpose of the values and one of the scales (offline, once: jit it with the
+    loading code, or call it on host arrays). One-line UsageError for a bad layout, an array of rank < 2 in
+    "nk", or anything but a QArray."""
+    check_layout(layout)
+    if not isinstance(q, QArray):
+        raise UsageError(f"relayout takes a QArray (moe_tune.quantize's result), got {type(q).__name__}")
+    if layout == q.layout:
+        return q
+    if len(q.qvalue.shape) < 2:
+        raise UsageError(f"layout {layout!r} swaps the last two axes: it needs an array of rank >= 2, got shape "
+                         f"{q.shape}")
+    # to "kn" first (undo q's swap), then into `layout`: with two layouts one of the two is the identity
+    qvalue, scale = (_swap(_swap(x, q.layout), layout) for x in (q.qvalue, q.scale))
+    return QArray(qvalue, scale, layout)
+
+
+def in_layout(x, layouts: tuple[str, ...] = (DEFAULT_QLAYOUT,)):
+    """What a kernel that reads `layouts` is given: `x` itself unless it is a QArray stored in another layout,
+    then `relayout(x, layouts[0])` (one transpose XLA fuses into the kernel's operand where it can); the
+    one place a backend that reads "kn" gets an "nk" array's logical view."""
+    return relayout(x, layouts[0]) if isinstance(x, QArray) and x.layout not in layouts else x
 
 
 def qmax(dtype) -> float:
@@ -64,7 +126,8 @@ def qmax(dtype) -> float:
     return QuantFormat.parse(dtype).qmax
 
 
-def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None) -> QArray:
+def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None, layout: str = DEFAULT_QLAYOUT
+             ) -> QArray:
     """Quantization of `x` along `axis`: each run of `block_size` elements along `axis` (the whole axis when
     None) shares one scale; `dtype` is a stored dtype name (`QDTYPES`) or "mxfp4".
 
@@ -76,18 +139,22 @@ def quantize(x: jax.Array, dtype, *, axis: int, block_size: int | None = None) -
       normal range); values rounded to the nearest e2m1 value (ties to even) and clamped to +-6.
 
     Returns QArray(qvalue [x.shape] in the stored dtype, scale float32 [x.shape with axis ->
-    x.shape[axis] // block_size]). One-line UsageError naming the argument for: an `x` that is already
-    quantized (a QArray, AsQArray or DynamicQuant), a dtype that is not quantized, a `block_size` that is not a
-    positive integer or does not divide the axis (`QuantFormat.along`'s rule), an empty axis.
+    x.shape[axis] // block_size]) stored in `layout` ("nk": both arrays' last two axes swapped, one transpose
+    here; the values are those of "kn" bit for bit). One-line UsageError naming the argument for: an `x` that
+    is already quantized (a QArray, AsQArray or DynamicQuant), a dtype that is not quantized, a `block_size`
+    that is not a positive integer or does not divide the axis (`QuantFormat.along`'s rule), an empty axis, a
+    layout not in `QLAYOUTS` (or "nk" for an array of rank < 2).
     """
     if isinstance(x, (QArray, AsQArray, DynamicQuant)):
         raise UsageError(f"quantize takes a float array, got a {type(x).__name__}: x is already quantized "
                          "(pass its float values, or dequantize(x) first)")
     form = QuantFormat.parse(dtype, block_size)  # a UsageError for other dtypes and blocks
+    check_layout(layout)
     ndim = np.ndim(x)
     _check_axis(axis, ndim, "axis")
     form = form.along(np.shape(x)[axis], axis=f"axis {axis % ndim}")
-    return _quantize(x, form.dtype, axis % ndim, form.block)
+    # quantized as "kn", then moved: the values of both layouts are one computation's, bit for bit
+    return relayout(_quantize(x, form.dtype, axis % ndim, form.block), layout)
 
 
 def _check_axis(axis, ndim: int, name: str) -> None:
@@ -125,18 +192,22 @@ def quantize_tile(x: jax.Array, dtype: str, axis: int, block: int) -> QArray:
 
 
 def from_checkpoint(values: jax.Array | np.ndarray, scale: jax.Array | np.ndarray, dtype, *,
-                    packed_axis: int | None = None) -> QArray:
-    """A QArray of a checkpoint's own values and scales, nothing requantized (ragged_dot weights: [g, k, n]
-    with scale [g, k/bs, n]; transpose a checkpoint stored [g, n, k] first).
+                    packed_axis: int | None = None, layout: str = DEFAULT_QLAYOUT) -> QArray:
+    """A QArray of a checkpoint's own values and scales, nothing requantized and nothing transposed: the
+    arrays are taken as stored in `layout`. ragged_dot weights in "kn": values [g, k, n] with scale
+    [g, k/bs, n]; in "nk" (a checkpoint that stores each expert [n, k], k contiguous, as most do): values
+    [g, n, k] with scale [g, n, k/bs] (per channel [g, n, 1]). `relayout` moves the result to the other
+    layout.
 
     values: in the stored dtype (`dtype`: int4, "mxfp4" / float4_e2m1fn, int8, float8_e4m3fn), or, for the
       4-bit ones, uint8 holding two values a byte along `packed_axis` (the low nibble first, as AWQ and
       gpt-oss's mxfp4 blocks pack them), then unpacked here (that axis doubles).
     scale: float32, or for mxfp4 float8_e8m0fnu or uint8 holding e8m0 bits (the biased exponent: 2**(b - 127);
       kept as float8_e8m0fnu).
-    One-line UsageError for anything else.
+    One-line UsageError for anything else (a layout not in `QLAYOUTS` included).
     """
     name = qdtype_name(dtype)
+    check_layout(layout)
     for what, array in (("values", values), ("scale", scale)):
         if not isinstance(array, (jax.Array, np.ndarray)):
             raise UsageError(f"from_checkpoint: {what} must be a NumPy or JAX array, got {type(array).__name__}")
@@ -152,7 +223,10 @@ def from_checkpoint(values: jax.Array | np.ndarray, scale: jax.Array | np.ndarra
     scale = jnp.asarray(scale)
     if scale.dtype == jnp.uint8 and name == "float4_e2m1fn":
         scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu)
-    q = QArray(values, scale)
+    if layout != "kn" and values.ndim < 2:
+        raise UsageError(f"layout {layout!r} swaps the last two axes: it needs values of rank >= 2, got shape "
+                         f"{tuple(values.shape)}")
+    q = QArray(values, scale, layout)
     _check_scale_dtype(q, "checkpoint")
     scale_layout(q)  # a UsageError for scales that fit no layout
     return q
@@ -179,9 +253,10 @@ def _check_scale_dtype(q: "QArray", name: str) -> None:
 
 
 def scale_layout(q: QArray) -> tuple[int | None, int]:
-    """(scaled axis, block size) read off the shapes; (None, 1) when every element has its own scale.
-    UsageError when the shapes fit no layout."""
-    vshape, sshape = tuple(q.qvalue.shape), tuple(q.scale.shape)
+    """(scaled axis, block size) read off the logical shapes (`QArray.shape`, `scale_shape`: the same for
+    both memory layouts); (None, 1) when every element has its own scale. UsageError when the shapes fit no
+    layout."""
+    vshape, sshape = q.shape, q.scale_shape
     differ = [i for i, (v, s) in enumerate(zip(vshape, sshape)) if v != s]
     if len(vshape) != len(sshape) or len(differ) > 1 or any(sshape[i] == 0 or vshape[i] % sshape[i] for i in differ):
         raise UsageError(f"QArray scale {sshape} fits no layout of values {vshape}: it must equal the values' "
@@ -205,32 +280,37 @@ def _dequantize(q: QArray, xp, dtype):
     if not isinstance(q, QArray):
         raise UsageError(f"dequantize takes a QArray (moe_tune.quantize's result), got {type(q).__name__}")
     axis, block = scale_layout(q)
-    scale = xp.asarray(q.scale).astype(dtype)  # float32 or float8_e8m0fnu: exact in either
+    # the logical arrays: a transpose of an "nk" array's values and scales, then the same products as "kn"'s
+    values, scale = (xp.swapaxes(xp.asarray(x), -1, -2) if q.layout == "nk" else xp.asarray(x)
+                     for x in (q.qvalue, q.scale))
+    scale = scale.astype(dtype)  # float32 or float8_e8m0fnu: exact in either
     scale = scale if axis is None else xp.repeat(scale, block, axis=axis)
-    return xp.asarray(q.qvalue).astype(dtype) * scale
+    return values.astype(dtype) * scale
 
 
 def check_operand(q: QArray, *, name: str, layout: str) -> int:
     """Validate a ragged_dot operand: `q` must be scaled along axis 1 (the contracting k) with quantized
     values (`QDTYPES`) and float32 scales (mxfp4: or float8_e8m0fnu); `layout` names the expected layout for
-    the message (e.g. "[g, k, n] ... scale [g, k/bs, n]"). Returns its block size along k (k for one scale
-    per channel). One-line UsageError."""
+    the message (e.g. "[g, k, n] ... scale [g, k/bs, n]"); the shapes are the logical ones, whatever
+    `q.layout`. Returns its block size along k (k for one scale per channel). One-line UsageError."""
     _check_scale_dtype(q, name)
     try:
         axis, block = scale_layout(q)
     except UsageError:
         axis, block = -1, 0
     if axis not in (None, 1):
-        raise UsageError(f"{name} QArray must be {layout}; got values {tuple(q.qvalue.shape)} with scale "
-                         f"{tuple(q.scale.shape)}")
+        stored = "" if q.layout == "kn" else f" (as read: layout {q.layout!r} stores them swapped)"
+        raise UsageError(f"{name} QArray must be {layout}; got values {q.shape} with scale {q.scale_shape}{stored}")
     return block if axis == 1 else 1
 
 
 def split(x: jax.Array | QArray) -> tuple[jax.Array, jax.Array | None]:
-    """(values, float32 scale or None): the parts a kernel reads of an operand that may be quantized (an
-    e8m0 scale converted to float32, exactly: it is 1/32 of the values' elements)."""
+    """(values, float32 scale or None): the parts a kernel reads of an operand that may be quantized, in the
+    "kn" layout (`in_layout`: an "nk" array's logical view), an e8m0 scale converted to float32, exactly
+    (it is 1/32 of the values' elements)."""
     if not isinstance(x, QArray):
         return x, None
+    x = in_layout(x)
     return x.qvalue, x.scale if x.scale.dtype == jnp.float32 else x.scale.astype(jnp.float32)
 
 

@@ -13,6 +13,12 @@ format then answers what follows from the two:
   `along(size)` is the format on an axis of that length, its block concrete (the whole axis when None), or
   the UsageError of the rule (a block divides the axis);
 - `scale_shape(shape, axis)`, `stored_bytes(elements)` (values and float32 scales) and `label(size)`.
+
+The weight layouts (`QLAYOUTS`, `check_layout`) are decided here too: how a quantized [g, k, n] weight's
+values and scales lie in memory. "kn" stores them as they read, [g, k, n] with scale [g, k/bs, n]. "nk"
+stores both with their last two axes swapped: values [g, n, k], contiguous along the contraction k (a 4-bit
+dtype's two values a byte then pair along k), block scales [g, n, k/bs], per-channel scales [g, n, 1] (the
+same bytes as [g, 1, n]). The layout changes where values lie, never which values there are.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ QUANT_NAMES = (*QDTYPES, *ALIASES)  # what --rhs-quant accepts
 MX_BLOCK = 32  # OCP MX: elements along the scaled axis per scale
 FIXED_BLOCK = {"float4_e2m1fn": MX_BLOCK}  # dtypes that take one block only, and have it when none is given
 SCALE_BYTES = 4  # float32 scales
+# How a quantized array's values and scales lie in memory (see the module docstring): "kn" as they read,
+# "nk" with the last two axes swapped (a weight's k contiguous: what swap-AB tensor-core kernels load).
+QLAYOUTS = ("kn", "nk")
+DEFAULT_QLAYOUT = "kn"
 
 
 def qdtype_name(dtype: Any, arg: str = "dtype") -> str:
@@ -53,6 +63,14 @@ def qdtype_name(dtype: Any, arg: str = "dtype") -> str:
     if name not in QMAX:
         raise UsageError(f"{arg}: cannot quantize to {name}; use one of {', '.join(QUANT_NAMES)}")
     return name
+
+
+def check_layout(layout: Any, arg: str = "layout") -> str:
+    """`layout` when it is one of `QLAYOUTS`; a one-line UsageError naming `arg` otherwise."""
+    if not isinstance(layout, str) or layout not in QLAYOUTS:
+        raise UsageError(f"{arg} must be one of {', '.join(QLAYOUTS)} (how the weights' values lie in memory: "
+                         f"'kn' as [g, k, n], 'nk' as [g, n, k], k contiguous), got {layout!r}")
+    return layout
 
 
 def _checked_block(dtype: str, block: Any, arg: str) -> int | None:

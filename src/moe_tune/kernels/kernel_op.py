@@ -33,7 +33,7 @@ from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig
 from moe_tune.kernels.guard import chip_guard, guard
 from moe_tune.kernels.layer_shape import LayerShape
 from moe_tune.kernels.ragged_dot.problem import SUPPORTED_DTYPES
-from moe_tune.core.quant_format import ACTIVATION_QDTYPES, QUANT_NAMES
+from moe_tune.core.quant_format import ACTIVATION_QDTYPES, QLAYOUTS, QUANT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,9 @@ LHS_DYNAMIC = ShapeOption("lhs_dynamic", bool, "ragged_dot: with --lhs-quant, th
 QUANT_BLOCK = ShapeOption("quant_block", int, "ragged_dot: elements along k sharing one scale (sub-channel; "
                           "default: all of k) for the quantized operands.")
 QUANT = (RHS_QUANT, LHS_QUANT, QUANT_BLOCK, LHS_DYNAMIC)
+RHS_QLAYOUT = ShapeOption("rhs_qlayout", QLAYOUTS, "ragged_dot: with --rhs-quant, how the quantized weights lie in "
+                          "memory: kn ([g, k, n], the default) or nk ([g, n, k], k contiguous: what swap-AB GPU "
+                          "kernels read); an nk key gains rhs_qlayout.")
 
 # the gather ops
 TOKENS = ShapeOption("tokens", int, "gather ops: tokens in the batch; with --model, comma-separated counts per "

@@ -185,8 +185,10 @@ def _experts(fused: bool, x, weights, w_gate, w_up, w_down, entry_of_row, row_of
 def _weight_spec(w, name: str, spec: tuple, mesh) -> Any:
     """The shard_map spec of one expert weight (`spec` for its values): a QArray's scale is split like its
     values along an axis where it has one scale per value, kept whole where it has one scale for the whole
-    axis (the same for every slice), and split by blocks where whole blocks fall on each device."""
+    axis (the same for every slice), and split by blocks where whole blocks fall on each device. `spec` names
+    the logical axes; an "nk" QArray's stored arrays get it with their last two axes swapped."""
     if isinstance(w, QArray):
+        spec = spec if w.layout == "kn" else (*spec[:-2], spec[-1], spec[-2])
         scale_spec = []
         for dim, (value, scale, axis) in enumerate(zip(w.qvalue.shape, w.scale.shape, spec)):
             parts = 1 if axis is None else mesh.shape[axis]
@@ -197,7 +199,7 @@ def _weight_spec(w, name: str, spec: tuple, mesh) -> Any:
             else:
                 raise UsageError(f"{name}: its {scale} scale blocks along axis {dim} do not split over the "
                                  f"{parts} devices of mesh axis {axis!r}")
-        return QArray(P(*spec), P(*scale_spec))
+        return QArray(P(*spec), P(*scale_spec), w.layout)
     if isinstance(w, AsQArray):
         return jax.tree_util.tree_map(lambda _: P(*spec), w)
     return P(*spec)

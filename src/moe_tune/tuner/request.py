@@ -370,9 +370,12 @@ class SweepPlan:
         """What makes two sweeps the same sweep: the same candidates, measured the same way."""
         problem = self.request.problem
         optional = getattr(type(problem), "OPTIONAL_KEY_FIELDS", ())
-        # an optional key field that is off (False: ragged_dot's lhs_qdynamic) is left out, as the key leaves it,
-        # so that the identity of every problem without it hashes as it did before the field existed
-        problem = ({k: v for k, v in dataclasses.asdict(problem).items() if not (k in optional and v is False)}
+        unset = getattr(type(problem), "UNSET_OMITTED", ())
+        # an optional key field that is off (False: ragged_dot's lhs_qdynamic; None for one the problem names
+        # in UNSET_OMITTED) is left out, as the key leaves it, so that the identity of every problem without
+        # it hashes as it did before the field existed
+        problem = ({k: v for k, v in dataclasses.asdict(problem).items()
+                    if not (k in optional and (v is False or (v is None and k in unset)))}
                    if dataclasses.is_dataclass(problem) else repr(problem))
         return as_json({"key": self.key, "problem": problem, **{k: self.settings_json[k] for k in IDENTITY_FIELDS}})
 

@@ -37,7 +37,7 @@ from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
 from moe_tune.kernels.ragged_dot.op import _concrete, given_configs, shard_groups
 from moe_tune.kernels.ragged_dot.problem import RHS_LAYOUT, RaggedDotProblem, dtype_name
-from moe_tune.core.quant import QArray, check_operand
+from moe_tune.core.quant import QArray, check_operand, in_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +300,12 @@ def _check_rows(rows: Any, group_sizes: Any, group_offset: Any, *, tokens: int, 
                          f"(rows [{start}, {end}) belong to the local groups and must index a token)")
 
 
+def _as_read(rhs):
+    """The weights (or their parts) as the fused backends read them: a QArray in another memory layout moved
+    to "kn" (`core.quant.in_layout`: the same values; no fused backend reads "nk" as stored)."""
+    return tuple(map(in_layout, rhs)) if isinstance(rhs, tuple) else in_layout(rhs)
+
+
 def normalized_rows(rows: jax.Array, tokens: int, stage: str) -> jax.Array:
     """Token indices as every backend is given them, so that traced out-of-range values read the same way on
     each: the dispatch clamps them into `[0, tokens)` (as JAX indexing does: the row reads the nearest token);
@@ -342,6 +348,7 @@ def gather_gmm(
     Returns:
       [m, n] ([m, n / 2] with glu) in x.dtype. Differentiable in x and float weights (a QArray is a constant).
     """
+    rhs = _as_read(rhs)
     problem = _problem(x, rows, rhs, group_sizes, group_offset, stage="dispatch", tokens=None, glu=glu)
     sizes, offset = shard_groups(group_sizes, group_offset, m=problem.m, groups=problem.groups)
     _check_rows(rows, group_sizes, group_offset, tokens=problem.tokens, groups=problem.groups, stage="dispatch")
@@ -383,6 +390,7 @@ def gmm_combine(
     if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens <= 0:
         raise UsageError(f"fused combine: tokens must be a positive int, got {tokens!r}")
     tokens = int(tokens)
+    rhs = _as_read(rhs)
     problem = _problem(h, rows, rhs, group_sizes, group_offset, stage="combine", tokens=tokens, glu=None)
     if getattr(row_weights, "shape", None) != (problem.m,):
         raise UsageError(f"fused combine: row_weights must have shape ({problem.m},), got "

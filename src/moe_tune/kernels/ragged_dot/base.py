@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from moe_tune.kernels.base import Backend, KernelConfig
 from moe_tune.kernels.ragged_dot.metadata import group_bounds
-from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
-from moe_tune.core.quant import QArray
+from moe_tune.kernels.ragged_dot.problem import OPERANDS, RaggedDotProblem
+from moe_tune.core.quant import DEFAULT_QLAYOUT, QArray, in_layout
 
 
 class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
@@ -21,9 +21,14 @@ class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
     Operands marked `Array | QArray` may be quantized (`moe_tune.QArray`, scaled along k: lhs [m, k] with
     scale [m, k/bs], rhs [g, k, n] with scale [g, k/bs, n]); the result is then that of the dequantized
     operands up to float32 accumulation. `quantized.prepare_gmm` / `prepare_tgmm` fold the scales a kernel
-    cannot apply cheaply into the float operand."""
+    cannot apply cheaply into the float operand.
+
+    `rhs_layouts`: the memory layouts (`QArray.layout`) of quantized weights its kernels read as stored, the
+    first the one the others are moved to; `run` hands `gmm` / `tgmm` every other QArray in "kn" (its
+    logical view, `core.quant.in_layout`), so a backend that reads "kn" never sees another layout."""
 
     op = "ragged_dot"
+    rhs_layouts: ClassVar[tuple[str, ...]] = (DEFAULT_QLAYOUT,)
 
     @abc.abstractmethod
     def gmm(
@@ -59,7 +64,10 @@ class RaggedDotBackend(Backend[Any, RaggedDotProblem]):
     def run(self, problem: RaggedDotProblem, config: KernelConfig, a: jax.Array, b: jax.Array,
             group_sizes: jax.Array, group_offset: jax.Array | None = None) -> jax.Array:
         """Run `problem.direction` on its two operands: (lhs, rhs) for fwd, (dout, rhs) for dlhs, (lhs, dout)
-        for drhs; the result has the dtype `problem.operand_dtypes()[2]`."""
+        for drhs; the result has the dtype `problem.operand_dtypes()[2]`. A QArray operand arrives in a layout
+        the backend reads (`rhs_layouts` for the weights, "kn" for any other)."""
+        a, b = (in_layout(x, self.rhs_layouts if name == "rhs" else (DEFAULT_QLAYOUT,))
+                for x, name in zip((a, b), OPERANDS[problem.direction]))
         out_dtype = jnp.dtype(problem.operand_dtypes()[2])
         if problem.direction == "drhs":
             return self.tgmm(a, b, group_sizes, config=config, out_dtype=out_dtype, num_groups=problem.groups,

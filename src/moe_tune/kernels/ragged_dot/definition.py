@@ -106,21 +106,24 @@ class RaggedDotOp(KernelOp):
     description = "grouped matmul lhs[m,k] x rhs[g,k,n] -> [m,n] (Megablox gmm)"
     directions = DIRECTIONS
     problem_class = RaggedDotProblem
-    options = (opt.M, opt.K, opt.N, opt.GROUPS, *opt.QUANT, opt.DTYPE, opt.OUT_DTYPE)
+    options = (opt.M, opt.K, opt.N, opt.GROUPS, *opt.QUANT, opt.RHS_QLAYOUT, opt.DTYPE, opt.OUT_DTYPE)
 
     def problem(
         self, *, m: int, k: int, n: int, groups: int, dtype: str = "float32", out_dtype: str | None = None,
         direction: str = "fwd", rhs_quant: str | None = None, lhs_quant: str | None = None,
-        quant_block: int | None = None, lhs_dynamic: bool | None = None,
+        quant_block: int | None = None, lhs_dynamic: bool | None = None, rhs_qlayout: str | None = None,
     ) -> RaggedDotProblem:
         """`dtype`: of the float operands (a quantized one counts as float32, what it dequantizes to, as
         `RaggedDotProblem.from_arrays` says) and of the output unless `out_dtype`. `rhs_quant` / `lhs_quant`:
         quantize that operand (int8, float8_e4m3fn; rhs also int4, mxfp4) with `quant_block` elements along k
         per scale (None: one scale per channel / row; mxfp4: 32), `QuantFormat`'s rule. `lhs_dynamic`: the
         kernel quantizes the float activations tile by tile (`moe_tune.ragged_dot(..., lhs_quant=...)`), in
-        `quant_block`s, else the weights' own blocks, as the op does."""
+        `quant_block`s, else the weights' own blocks, as the op does. `rhs_qlayout`: the quantized weights'
+        memory layout (kn, nk: `moe_tune.QArray.layout`)."""
         if quant_block is not None and rhs_quant is None and lhs_quant is None:
             raise UsageError("quant_block (--quant-block) needs rhs_quant or lhs_quant (--rhs-quant / --lhs-quant)")
+        if rhs_qlayout is not None and rhs_quant is None:
+            raise UsageError("rhs_qlayout (--rhs-qlayout) needs rhs_quant (--rhs-quant)")
         if lhs_dynamic and lhs_quant is None:
             raise UsageError("lhs_dynamic (--lhs-dynamic) needs lhs_quant (--lhs-quant int8)")
         rhs = requested_format(rhs_quant, quant_block, k, "rhs_quant")
@@ -132,7 +135,7 @@ class RaggedDotOp(KernelOp):
         return RaggedDotProblem(
             m=m, k=k, n=n, groups=groups, **floats, out_dtype=out_dtype or dtype, direction=direction,
             lhs_qdtype=lhs and lhs.dtype, lhs_qblock=lhs and lhs.block, rhs_qdtype=rhs and rhs.dtype,
-            rhs_qblock=rhs and rhs.block, lhs_qdynamic=bool(lhs_dynamic),
+            rhs_qblock=rhs and rhs.block, lhs_qdynamic=bool(lhs_dynamic), rhs_qlayout=rhs_qlayout,
         )
 
     def default_problem_options(self) -> dict[str, Any]:
@@ -155,8 +158,8 @@ class RaggedDotOp(KernelOp):
 
     def make_inputs(self, problem: RaggedDotProblem, distribution: str, seed: int) -> dict[str, Any]:
         """`float_inputs`, with the direction's quantized operands (lhs, rhs) quantized along k: QArrays of
-        NumPy arrays (quantized values, float32 scales); activations the fwd kernel quantizes (`lhs_qdynamic`)
-        a `DynamicQuant` of the float ones."""
+        NumPy arrays (quantized values, float32 scales; rhs in `rhs_qlayout`); activations the fwd kernel
+        quantizes (`lhs_qdynamic`) a `DynamicQuant` of the float ones."""
         inputs = self.float_inputs(problem, distribution, seed)
         for name, operand in zip(("a", "b"), OPERANDS[problem.direction]):
             qdtype = getattr(problem, f"{operand}_qdtype", None)
@@ -164,7 +167,8 @@ class RaggedDotOp(KernelOp):
                 if problem.direction == "fwd":  # elsewhere the float activations are read as they are
                     inputs[name] = DynamicQuant(inputs[name], qdtype, problem.lhs_qblock)
             elif qdtype is not None:
-                q = quantize(inputs[name], qdtype, axis=1, block_size=getattr(problem, f"{operand}_qblock"))
+                q = quantize(inputs[name], qdtype, axis=1, block_size=getattr(problem, f"{operand}_qblock"),
+                             layout=_layout(problem, operand))
                 inputs[name] = jax.tree.map(np.asarray, q)
         return inputs
 
@@ -199,7 +203,8 @@ class RaggedDotOp(KernelOp):
 
     def _device_reference(self, problem: RaggedDotProblem, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         f32 = dataclasses.replace(problem, lhs_dtype="float32", rhs_dtype="float32", out_dtype="float32",
-                                  lhs_qdtype=None, lhs_qblock=None, rhs_qdtype=None, rhs_qblock=None)
+                                  lhs_qdtype=None, lhs_qblock=None, rhs_qdtype=None, rhs_qblock=None,
+                                  rhs_qlayout=None)
         xla = BACKENDS.get("xla")
         with jax.default_matmul_precision("highest"):
             out = jax.jit(lambda a, b, s: xla.run(f32, xla.default_config(f32), a, b, s))(
@@ -227,7 +232,7 @@ class RaggedDotOp(KernelOp):
     def input_shapes(self, problem: RaggedDotProblem, place) -> dict[str, Any]:
         """`make_inputs`' arrays as `place` gives them: the direction's `a` and `b` (`OPERANDS`; a quantized
         one a QArray scaled along k, scale [.., k / qblock, ..] float32; activations the fwd kernel quantizes
-        a DynamicQuant) and `group_sizes`."""
+        a DynamicQuant; rhs stored in `rhs_qlayout`) and `group_sizes`."""
         m, k, n, g = problem.m, problem.k, problem.n, problem.groups
         shapes = {"lhs": ((m, k), problem.lhs_dtype), "rhs": ((g, k, n), problem.rhs_dtype),
                   "dout": ((m, n), problem.out_dtype)}
@@ -243,7 +248,9 @@ class RaggedDotOp(KernelOp):
             else:
                 block = getattr(problem, f"{operand}_qblock")
                 scale = tuple(d // block if i == 1 else d for i, d in enumerate(shape))
-                inputs[name] = QArray(place(shape, qdtype), place(scale, jnp.float32))
+                layout = _layout(problem, operand)
+                stored = (lambda s: s) if layout == "kn" else (lambda s: (*s[:-2], s[-1], s[-2]))
+                inputs[name] = QArray(place(stored(shape), qdtype), place(stored(scale), jnp.float32), layout)
         return inputs
 
     def bench_plan(self, problem: RaggedDotProblem, backend: Backend, tuned: KernelConfig, inputs: Mapping[str, Any],
@@ -285,8 +292,14 @@ class RaggedDotOp(KernelOp):
         dt = problem.lhs_dtype if problem.lhs_dtype == problem.out_dtype else f"{problem.lhs_dtype}->{problem.out_dtype}"
         quant = "".join(f" {side} {problem.quant_format(side).label(problem.k)}"
                         + (" dynamic" if side == "lhs" and problem.lhs_qdynamic else "")
+                        + (f" {problem.rhs_qlayout}" if side == "rhs" and problem.rhs_qlayout else "")
                         for side in ("lhs", "rhs") if problem.quant_format(side) is not None)
         return f"ragged_dot {problem.direction} m={problem.m} k={problem.k} n={problem.n} g={problem.groups} {dt}{quant}"
+
+
+def _layout(problem: RaggedDotProblem, operand: str) -> str:
+    """The memory layout of a quantized `operand` (lhs, rhs) of `problem`: rhs's `rhs_qlayout`, else "kn"."""
+    return (problem.rhs_qlayout if operand == "rhs" else None) or "kn"
 
 
 def requested_format(quant: str | None, block: int | None, k: int, arg: str) -> QuantFormat | None:

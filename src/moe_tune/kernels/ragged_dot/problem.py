@@ -11,7 +11,7 @@ import numpy as np
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.base import positive_int_error
 from moe_tune.core.quant import DynamicQuant, QArray, check_operand
-from moe_tune.core.quant_format import ACTIVATION_QDTYPES, QuantFormat
+from moe_tune.core.quant_format import ACTIVATION_QDTYPES, DEFAULT_QLAYOUT, QuantFormat, check_layout
 
 DIRECTIONS = ("fwd", "dlhs", "drhs")
 # The two operands each direction's kernel reads, `a` and `b` (`RaggedDotBackend.run`), by forward name.
@@ -95,13 +95,17 @@ class RaggedDotProblem:
     float (`lhs_dtype` its dtype) and the kernel quantizes each tile it loads to `lhs_qdtype` in blocks of
     `lhs_qblock` (`moe_tune.DynamicQuant`, dynamic w8a8; only with quantized weights). The quantization fields
     enter `key_fields` only for a quantized operand (`lhs_qdynamic` only when true), so the keys of float
-    problems are those they always were.
+    problems are those they always were. `rhs_qlayout`: how quantized weights lie in memory
+    (`moe_tune.QArray.layout`): None for "kn" (given as "kn" it is stored as None), so it enters the key only
+    for "nk" weights and every key of "kn" weights is the one it always was.
     """
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = ("m",)  # what `nearest` lookup may vary
     # key fields only a quantized problem has (after the others, in this order)
     OPTIONAL_KEY_FIELDS: ClassVar[tuple[str, ...]] = ("lhs_qdtype", "lhs_qblock", "rhs_qdtype", "rhs_qblock",
-                                                      "lhs_qdynamic")
+                                                      "lhs_qdynamic", "rhs_qlayout")
+    # optional key fields a sweep's identity leaves out when None (added after identities were first hashed)
+    UNSET_OMITTED: ClassVar[tuple[str, ...]] = ("rhs_qlayout",)
 
     m: int
     k: int
@@ -117,6 +121,7 @@ class RaggedDotProblem:
     lhs_qblock: int | None = None
     rhs_qblock: int | None = None
     lhs_qdynamic: bool = False
+    rhs_qlayout: str | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, ("m", "k", "n", "groups"))
@@ -134,6 +139,11 @@ class RaggedDotProblem:
                                  f"{' or '.join(ACTIVATION_QDTYPES)}, got {self.lhs_qdtype}")
             if self.rhs_qdtype is None:
                 raise UsageError("activations quantized in the kernel (lhs_quant) need quantized weights (rhs)")
+        if self.rhs_qlayout is not None:
+            layout = check_layout(self.rhs_qlayout, "rhs_qlayout")
+            if self.rhs_qdtype is None:
+                raise UsageError(f"rhs_qlayout {layout!r} is the layout of quantized weights: it needs rhs_qdtype")
+            object.__setattr__(self, "rhs_qlayout", None if layout == DEFAULT_QLAYOUT else layout)
 
     def quant_format(self, side: str) -> QuantFormat | None:
         """The quantization of operand `side` (lhs, rhs; its block concrete), None for a float operand."""
@@ -202,6 +212,7 @@ class RaggedDotProblem:
             **{f"{side}_{field}": getattr(self, f"{side}_{field}") for side in ("lhs", "rhs")
                if getattr(self, f"{side}_qdtype") is not None for field in ("qdtype", "qblock")},
             **({"lhs_qdynamic": True} if self.lhs_qdynamic else {}),
+            **({"rhs_qlayout": self.rhs_qlayout} if self.rhs_qlayout is not None else {}),
         }
 
     @classmethod
@@ -223,8 +234,9 @@ class RaggedDotProblem:
         direction: str = "fwd",
     ) -> "RaggedDotProblem":
         """Validate the operands of a forward ragged_dot and describe them (works on tracers). Either operand
-        may be a `QArray` (lhs [m, k] scaled [m, k/bs], rhs [g, k, n] scaled [g, k/bs, n]); lhs may be a
-        `DynamicQuant` (float activations quantized in the kernel)."""
+        may be a `QArray` (lhs [m, k] scaled [m, k/bs], rhs [g, k, n] scaled [g, k/bs, n], as they read: in
+        either memory layout, rhs's layout its `rhs_qlayout`); lhs may be a `DynamicQuant` (float activations
+        quantized in the kernel)."""
         if getattr(lhs, "ndim", None) != 2:
             raise UsageError(f"lhs must be [m, k], got shape {getattr(lhs, 'shape', None)}")
         if getattr(rhs, "ndim", None) != 3:
@@ -248,6 +260,8 @@ class RaggedDotProblem:
             if isinstance(x, QArray):
                 quant[f"{side}_qblock"] = check_operand(x, name=side, layout=layout)
                 quant[f"{side}_qdtype"] = x.dtype.name
+        if isinstance(rhs, QArray):
+            quant["rhs_qlayout"] = rhs.layout
         if isinstance(lhs, DynamicQuant):
             quant.update(lhs_qdtype=lhs.qdtype, lhs_qblock=lhs.block(), lhs_qdynamic=True)
         # a quantized operand counts as float32 (what it dequantizes to); the output follows the float ones
