@@ -139,8 +139,9 @@ _interpret_options: dict = {}
 
 
 class race_detection:
-    """Within the block, the interpreted kernel runs with the interpreter's happens-before race detector
-    (`InterpretParams(detect_races=True)`); read the verdict from `races_found()` after the block."""
+    """Within the block (while kernels are traced), the interpreted kernel runs with the interpreter's
+    happens-before race detector (`InterpretParams(detect_races=True)`), which prints any race it finds and
+    flags it in the interpreter's race state."""
 
     def __enter__(self):
         self._saved = dict(_interpret_options)
@@ -151,10 +152,3 @@ class race_detection:
         _interpret_options.clear()
         _interpret_options.update(self._saved)
 
-
-def races_found() -> bool:
-    """Whether the interpreter's race detector saw a data race in a kernel run so far."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
-
-    races = getattr(_interp, "races", None)
-    return bool(getattr(races, "races_found", False))

@@ -1,0 +1,100 @@
+"""The MoE layer's `in_kernel` strategy: rows moved by remote DMA inside a Pallas TPU kernel (interpret mode on
+the host devices of one subprocess, `in_kernel_checks.py`), forward and gradients against the float64 reference;
+its refusals and the tuner's candidates in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_tune.core.errors import UsageError
+from moe_tune.layer import sharded
+from moe_tune.layer.sharding_choice import MeshChoice, ShardingConfig, ShardingProblem, layer_config_error
+
+SCRIPT = Path(__file__).with_name("in_kernel_checks.py")
+WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races"]
+WITH_INPUT_GRADS = ["ep4_int8"]  # QArray weights: constants
+FORWARD = ["ep4_bf16", "ep2_tp2_f32", "ep4_skew_capacity_all_to_all"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
+               MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
+    env.pop("MOE_TUNE_DISTRIBUTION", None)
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", WITH_GRADS + WITH_INPUT_GRADS + FORWARD)
+def test_matches_float64_reference(results, case):
+    """Output (in x's dtype), the gradients in x, router logits and float weights, and the dropped count equal
+    the dense float64 reference's within the dtype's tolerance."""
+    got = results[case]
+    assert "error" not in got, got.get("error")
+    assert got["out"] <= got["tolerance"]
+    assert got["dtype_out"] == ("bfloat16" if "bf16" in case else "float32")
+    assert got["dropped"] == got["want_dropped"]
+    names = {"dx", "dlogits"} | ({"dw_gate", "dw_up", "dw_down"} if case in WITH_GRADS else set())
+    assert names <= set(got) if case not in FORWARD else not names & set(got)
+    for name in names & set(got):
+        assert got[name] <= got["tolerance"], name
+
+
+def test_capacity_drops_what_all_to_all_drops(results):
+    """capacity_factor drops entries (skewed routing overflows device 1) and the same count as all_to_all."""
+    mine, theirs = results["ep4_skew_capacity"], results["ep4_skew_capacity_all_to_all"]
+    assert mine["dropped"] > 0
+    assert mine["dropped"] == theirs["dropped"] == mine["want_dropped"]
+    assert mine["logged"] == theirs["logged"]
+
+
+def test_no_token_rows_in_xla_collectives(results):
+    """The forward's only XLA collectives are all-gathers of int32 metadata: no all-to-all, no float rows."""
+    for case in ("ep4_f32", "ep2_tp2_f32"):
+        got = results[case]
+        assert got["collectives"]["all_to_all"] == 0 and got["collectives"]["reduce_scatter"] == 0
+        assert got["row_collectives"] and set(got["row_collectives"]) == {"i32"}
+
+
+def test_race_detector_sees_no_race_and_sees_a_planted_one(results):
+    """With the interpreter's race detector on, both kernels of the 8-device layer run race-free; rows of four
+    devices DMAed into one place are reported (the detector is live)."""
+    assert results["ep8_f32_races"]["race_states"] == 2
+    assert results["ep8_f32_races"]["races"] is False
+    assert results["colliding_scatter"]["races"] is True
+
+
+def test_fused_refused(results):
+    assert results["refusals"]["fused"].startswith("fused=True runs the experts with the dispatch gather")
+    assert "in_kernel strategy" in results["refusals"]["fused"]
+
+
+def test_refused_on_gpu():
+    """On GPU in_kernel is one UsageError line, by name or as a ShardingConfig; on TPU and CPU it is accepted."""
+    config = ShardingConfig(strategy="in_kernel")
+    assert "runs on TPU" in layer_config_error(config, tokens=8, platform="gpu")
+    assert layer_config_error(config, tokens=8, platform="tpu") is None
+    assert layer_config_error(config, tokens=8, platform="cpu") is None
+    shape = dict(tokens=8, hidden=8, intermediate=8, experts=16, top_k=2, ep=4, tp=1, dtype="float32",
+                 tokens_replicated=False, platform="gpu")
+    for given in ("in_kernel", config):
+        with pytest.raises(UsageError, match="strategy 'in_kernel' moves rows by remote DMA") as error:
+            sharded.resolve_strategy(given, **shape)
+        assert "\n" not in str(error.value)
+
+
+def test_tuner_offers_in_kernel_only_on_tpu(monkeypatch):
+    """The CPU sweep never times interpret-mode kernels: moe_sharding's candidates hold in_kernel on TPU only."""
+    from moe_tune.core import devices
+
+    problem = ShardingProblem(tokens=16, hidden=8, intermediate=8, experts=16, top_k=2, ep=4)
+    assert "in_kernel" not in MeshChoice().candidate_values(problem)["strategy"]
+    monkeypatch.setattr(devices, "platform", lambda: "tpu")
+    assert "in_kernel" in MeshChoice().candidate_values(problem)["strategy"]
