@@ -1,5 +1,5 @@
 """Checks of the MoE layer across 8 host devices, run as one process (the device count is fixed when JAX
-starts): `python tests/sharded_layer_checks.py [CASE ...]` prints one JSON object, case name -> result.
+starts): `python tests/sharded_layer_checks.py [--part I/N] [CASE ...]` prints one JSON object, case name -> result.
 
 Each case runs the layer (inside its own `jax.shard_map` or through `sharded_moe_mlp`) under jit, forward
 and, where asked, the gradients in x, router_logits and the float weights, and compares them with a float64
@@ -316,8 +316,17 @@ def refusals() -> dict:
 
 
 def main(names: list[str]) -> None:
-    results = {"refusals": refusals()} if not names else {}
-    for name in names or list(CASES):
+    """`CASE ...`: those cases; none: the refusals and every case; `--part I/N`: every N-th of those from the
+    I-th (0-based), so N processes run them all between them."""
+    part, parts = 0, 1
+    if names[:1] == ["--part"]:
+        part, parts = map(int, names[1].split("/"))
+        names = names[2:]
+    results = {}
+    for name in (names or ["refusals", *CASES])[part::parts]:
+        if name == "refusals":
+            results[name] = refusals()
+            continue
         try:
             results[name] = run_case(**CASES[name])
         except Exception as error:  # reported, so one failing case does not hide the others

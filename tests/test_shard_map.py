@@ -2,13 +2,14 @@
 backend (expert-parallel group offsets, int8 operands, the VJP: fwd, dlhs, drhs), the three gathers, the fused
 `gather_gmm` / `gmm_combine` and `moe_mlp` (fused and unfused) with `expert_offset`.
 
-The checks need several devices, and JAX takes its host device count only before it starts, so they run in one
+The checks need several devices, and JAX takes its host device count only before it starts, so they run in a
 subprocess (this file as a script, on 4 host CPU devices) that prints one JSON line per case; the tests read
-them. Each case runs the op per shard inside shard_map and on each shard's inputs outside, and compares. Operands
-are mixed as a sharded layer mixes them: some vary over the mesh axis (a shard's rows, its experts' weights,
-ranges, group offsets), some are the same on every device (replicated tokens or weights, indices, group sizes,
-router logits), so kernels meet both kinds of value in one loop or Pallas call; the gradient of a replicated
-operand is the sum of every device's (inside shard_map one array, outside the sum of the shards' own).
+them; once per test run, xdist's workers splitting the cases (tests/run_once.py). Each case runs the op per
+shard inside shard_map and on each shard's inputs outside, and compares. Operands are mixed as a sharded
+layer mixes them: some vary over the mesh axis (a shard's rows, its experts' weights, ranges, group offsets),
+some are the same on every device (replicated tokens or weights, indices, group sizes, router logits), so
+kernels meet both kinds of value in one loop or Pallas call; the gradient of a replicated operand is the sum
+of every device's (inside shard_map one array, outside the sum of the shards' own).
 
 The fused Pallas TPU kernels run on a 2-device mesh: their interpreter simulates the DMAs of every device of
 the mesh at once, and with 4 devices on a 2-core machine it stalls. Not here: `mosaic_gpu`, whose interpreter
@@ -23,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+from run_once import once_per_run
 
 DEVICES = 4
 
@@ -51,12 +53,17 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=840)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, (proc.returncode, proc.stderr[-3000:])
-    return {line["case"]: line for line in lines}
+def results(tmp_path_factory) -> dict:
+    def make(part: int, parts: int) -> dict:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+        proc = subprocess.run([sys.executable, __file__, str(part), str(parts)], env=env, capture_output=True,
+                              text=True, timeout=840)
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert lines, (proc.returncode, proc.stderr[-3000:])
+        return {line["case"]: line for line in lines}
+
+    # once per test run, its cases split between the xdist workers (each worker otherwise runs them all)
+    return once_per_run(tmp_path_factory, "shard_map_checks", make, split=True)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -67,10 +74,11 @@ def test_inside_shard_map_as_outside(results, case):
     assert result["difference"] <= result["tolerance"], result
 
 
-# ---- the script: run with $XLA_FLAGS giving at least DEVICES host devices
+# ---- the script: run with $XLA_FLAGS giving at least DEVICES host devices; `PART PARTS` runs every PARTS-th
+# case from the PART-th (0-based) on, none of the others
 
 
-def _main() -> None:  # noqa: C901 (one case table)
+def _main(part: int = 0, parts: int = 1) -> None:  # noqa: C901 (one case table)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -79,12 +87,16 @@ def _main() -> None:  # noqa: C901 (one case table)
     import moe_tune
 
     rng = np.random.default_rng(0)
+    ran: list[str] = []  # every case met so far, this part's or not
     meshes = {d: jax.make_mesh((d,), ("x",), devices=jax.devices()[:d]) for d in (2, DEVICES)}
 
     def run(case: str, fn, args, vary, devices: int = DEVICES, summed=(), tolerance: float = 1e-5) -> None:
         """fn(*one shard's args) -> a tuple of arrays, inside shard_map (args[i] split over the devices where
         vary[i], else the same on all) and outside on each shard; outputs in `summed` (the cotangent of an
         operand the same on all devices) come out of shard_map as one array, outside as the shards' sum."""
+        ran.append(case)
+        if (len(ran) - 1) % parts != part:  # another part's case (its inputs drawn all the same)
+            return
         mesh = meshes[devices]
         shard = lambda i: [a[i] if v else a for a, v in zip(args, vary)]
         try:
@@ -233,4 +245,4 @@ def _main() -> None:  # noqa: C901 (one case table)
 
 
 if __name__ == "__main__":
-    _main()
+    _main(*map(int, sys.argv[1:3]))

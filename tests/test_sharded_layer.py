@@ -1,8 +1,9 @@
 """The MoE layer across devices (`moe_mlp(expert_axis=, tensor_axis=)`, `sharded_moe_mlp`).
 
-The multi-device checks run in one subprocess on 8 host devices (`sharded_layer_checks.py`: XLA's device
-count is fixed when JAX starts) against a float64 NumPy dense reference; the tests here assert on its JSON.
-The argument checks run in this process.
+The multi-device checks run in a subprocess on 8 host devices (`sharded_layer_checks.py`: XLA's device
+count is fixed when JAX starts) against a float64 NumPy dense reference; the tests here assert on its JSON
+(once per test run, xdist's workers splitting the cases: tests/run_once.py). The argument checks run in this
+process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from run_once import once_per_run
 
 import moe_tune
 from moe_tune.core.errors import UsageError
@@ -43,12 +45,17 @@ CASES = WITH_GRADS + WITH_INPUT_GRADS + FORWARD
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
-               MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
-    env.pop("MOE_TUNE_DISTRIBUTION", None)
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    def make(part: int, parts: int) -> dict:
+        env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
+                   MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
+        env.pop("MOE_TUNE_DISTRIBUTION", None)
+        done = subprocess.run([sys.executable, str(SCRIPT), "--part", f"{part}/{parts}"], capture_output=True,
+                              text=True, timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    # once per test run, its cases split between the xdist workers (each worker otherwise runs them all)
+    return once_per_run(tmp_path_factory, "sharded_layer_checks", make, split=True)
 
 
 def test_every_case_ran(results):
