@@ -219,3 +219,22 @@ def test_the_op_and_its_vjp_take_nk_weights():
     kn, nk = _both("int4/128")
     for mine, theirs in zip(jax.jit(grads)(nk), jax.jit(grads)(kn)):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+
+def test_fused_dispatch_and_combine_take_nk_weights():
+    """gather_gmm of (gate, up) parts with glu and gmm_combine on the platform's fused backend: "nk" weights
+    give "kn"'s results bitwise."""
+    rng = np.random.default_rng(4)
+    tokens, sizes = 24, jnp.asarray(SIZES, jnp.int32)
+    x = jnp.asarray(rng.standard_normal((tokens, K), np.float32))
+    rows = jnp.asarray(rng.integers(0, tokens, M), jnp.int32)
+    weights = jnp.asarray(rng.random(M), jnp.float32)
+    gate, up = (_both("int4/128", _weights(seed)) for seed in (5, 6))
+    down = _both("int8", jnp.asarray(rng.standard_normal((G, N, K), np.float32) / 8))
+
+    def layer(i: int):
+        h = moe_tune.gather_gmm(x, rows, (gate[i], up[i]), sizes, glu="silu")
+        return h, moe_tune.gmm_combine(h, down[i], sizes, rows, weights, tokens)
+
+    for mine, theirs in zip(jax.jit(lambda: layer(1))(), jax.jit(lambda: layer(0))()):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
