@@ -21,7 +21,14 @@ from jax.sharding import PartitionSpec as P
 import moe_tune
 from moe_tune.cli import cli
 from moe_tune.core.errors import UsageError
-from moe_tune.core.quant import QArray, dequantize, dequantize_host, from_checkpoint, quantize, relayout
+from moe_tune.core.quant import (
+    QArray,
+    dequantize,
+    dequantize_host,
+    from_checkpoint,
+    quantize,
+    relayout,
+)
 from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
@@ -180,13 +187,16 @@ def _equal_across_layouts(backend: str, kn: QArray, nk: QArray, configs=None, dr
     for direction, problem, other, pair in cases:
         config = (configs or {}).get(direction) or impl.default_config(problem)
         assert impl.config_error(config, problem) is None, (direction, config)
-        other = jnp.asarray(other, jnp.float32)
-        if direction == "drhs":
-            run = lambda q: impl.run(problem, config, q, other, sizes)
-        else:
-            run = lambda q: impl.run(problem, config, other, q, sizes)
-        mine, theirs = jax.jit(lambda a, b: (run(a), run(b)))(*pair)
+        mine, theirs = _run_both(impl, problem, config, jnp.asarray(other, jnp.float32), pair, sizes)
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs), err_msg=direction)
+
+
+def _run_both(impl, problem, config, other, pair, sizes):
+    """One direction on each QArray of `pair` (the quantized operand: b, or drhs's a) in one jit."""
+    def run(q):
+        a, b = (q, other) if problem.direction == "drhs" else (other, q)
+        return impl.run(problem, config, a, b, sizes)
+    return jax.jit(lambda x, y: (run(x), run(y)))(*pair)
 
 
 @pytest.mark.parametrize("backend", ["xla", "tiled"])
