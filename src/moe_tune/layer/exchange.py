@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from moe_tune.core import devices
 from moe_tune.kernels.gather.op import ragged_gather, ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
+from moe_tune.layer import wire as wire_rows
 
 # The layer's ways of splitting experts over devices (`sharded.py`): all_gather there, all_to_all here,
 # in_kernel (the exchange inside Pallas TPU kernels) in `in_kernel.py`.
@@ -213,29 +214,37 @@ def local_experts(rows, group_sizes, w_gate, w_up, w_down, *, activation, distri
 
 
 def all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: int, me, cap: int | None,
-                     ragged: bool, activation, skip_zero_weights: bool, flags: dict) -> tuple[jax.Array, jax.Array]:
+                     ragged: bool, activation, skip_zero_weights: bool, flags: dict,
+                     wire: str = "native") -> tuple[jax.Array, jax.Array]:
     """x [t, d] (this device's tokens), weights float32 / chosen int32 [t, top_k] (their routing), this
     device's local experts' weights -> ([t, d] in x.dtype: the layer's output for these tokens, summed over
-    every device's experts; int32: how many of these tokens' entries were dropped)."""
+    every device's experts; int32: how many of these tokens' entries were dropped). `wire` "fp8": the rows
+    go out as float8_e4m3fn values and float32 scales through the same exchange (`wire.py`), and come
+    back in x.dtype."""
     tokens, top_k = chosen.shape
     local = w_gate.shape[0]
     entries = tokens * top_k
     routed = route(chosen, axis=axis, devices=devices, me=me, cap=cap, local=local)
     key, entry_of_row, row_of_entry, sent, plan = (routed.key, routed.entry_of_row, routed.row_of_entry,
                                                    routed.sent, routed.plan)
-    rows = ragged_gather(x, entry_of_row // top_k, 0, sent, **flags)  # [entries, d] in send order
     rows_in = receive_rows(tokens, top_k, devices, local, cap)
     distribution = flags["distribution"]
     run = dict(activation=activation, distribution=distribution)
     if ragged:
-        received = _ragged_there(rows, plan, rows_in, axis)
-        done = local_experts(received, plan.group_sizes, w_gate, w_up, w_down, **run)
-        back = _ragged_back(done, plan, entries, axis)
+        there = lambda rows: _ragged_there(rows, plan, rows_in, axis)
     else:
         chunk = tokens * min(top_k, local) if cap is None else min(cap, tokens * min(top_k, local))
         slots = _Slots(plan, chunk, rows_in)
-        received = _fixed_there(rows, plan, slots, axis)
-        done = local_experts(received, plan.group_sizes, w_gate, w_up, w_down, **run)
+        there = lambda rows: _fixed_there(rows, plan, slots, axis)
+    if wire == "fp8":  # x's rows quantized on this device; their fp8 values and scales gathered and sent
+        send = lambda a: there(wire_rows.take_rows(a, entry_of_row // top_k, 0, sent))
+        done = wire_rows.fp8_experts(x, send, plan.group_sizes, w_gate, w_up, w_down, **run)
+    else:
+        rows = ragged_gather(x, entry_of_row // top_k, 0, sent, **flags)  # [entries, d] in send order
+        done = local_experts(there(rows), plan.group_sizes, w_gate, w_up, w_down, **run)
+    if ragged:
+        back = _ragged_back(done, plan, entries, axis)
+    else:
         dest_of_row = jnp.minimum(key[entry_of_row] // local, devices - 1)
         back = _fixed_back(done, plan, slots, entries, dest_of_row, axis)
     out = ragged_gather_reduce(back, row_of_entry, weights.reshape(entries), routed.valid, top_k,

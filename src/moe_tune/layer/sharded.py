@@ -17,6 +17,9 @@ as C consecutive chunks of t / C (C must divide t), each its own exchange, exper
 strategy, the outputs concatenated: XLA may then overlap one chunk's collectives with another's grouped
 matmuls (MaxText's num_moe_token_chunks). Every kernel of a chunk looks its config up under the chunk's local
 shapes (t / C tokens). `ShardingConfig.exchange` picks the all-to-all's implementation (`exchange.py`).
+`ShardingConfig.wire` "fp8" sends the dispatched rows as float8_e4m3fn with their scales under either
+strategy, straight into the gate/up grouped matmuls (`wire.py`); it needs rows to send (not with
+`tokens_replicated`) and the unfused experts (not with `fused=True`).
 
 Tokens replicated over `expert_axis` (`tokens_replicated=True`: decode, where every device of the axis holds
 the same batch) are served without gathering: each device runs its experts' entries and the partial outputs
@@ -45,6 +48,7 @@ import jax.numpy as jnp
 from moe_tune.core import devices as _devices
 from moe_tune.core.errors import UsageError
 from moe_tune.layer import exchange, in_kernel
+from moe_tune.layer import wire as wire_rows
 from moe_tune.layer.exchange import STRATEGIES
 from moe_tune.layer.fused_layer import serve_or_train
 from moe_tune.layer.fusion_choice import use_fused
@@ -154,6 +158,14 @@ def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int,
                          f"kernels, which the {config.strategy} strategy does on other devices: pass "
                          "ep_strategy='all_gather' or fused=None")
     exchange_layer = in_kernel.in_kernel_layer if config.strategy == "in_kernel" else exchange.all_to_all_layer
+    fp8 = config.wire == "fp8"
+    if fp8 and (tokens_replicated or fused):
+        raise UsageError(f"ep_strategy {config.label()}: the fp8 wire quantizes the rows sent to other devices and "
+                         "feeds them to the unfused grouped matmuls; "
+                         + ("replicated tokens send none: pass wire='native'" if tokens_replicated else
+                            "the fused kernels take float rows: pass fused=None or wire='native'"))
+    if fp8:  # the unfused experts (fused=None's choice is not asked), gate/up fed the fp8 rows
+        options["wire"], fused = "fp8", False
 
     def run(x, weights, chosen):  # one token chunk: its exchange, experts and combine
         if exchanged:
@@ -190,12 +202,14 @@ def _log_drops(dropped, first, *, entries: int, factor: float, cap: int, chunks:
 
 
 def _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, axis, replicated: bool, me, experts: int,
-              cap: int | None, fused, activation, skip_zero_weights: bool, flags: dict):
+              cap: int | None, fused, activation, skip_zero_weights: bool, flags: dict, wire: str = "native"):
     """The all_gather strategy (and replicated tokens): every device runs its experts' entries of all the
-    axis's tokens; the partial outputs are reduce-scattered (summed, for replicated tokens) over `axis`."""
+    axis's tokens; the partial outputs are reduce-scattered (summed, for replicated tokens) over `axis`.
+    `wire` "fp8": x is gathered as fp8 rows with their scales inside `wire.gathered_experts`."""
     local = w_gate.shape[0]
     if axis is not None and not replicated:
-        x, weights, chosen = (jax.lax.all_gather(a, axis, tiled=True) for a in (x, weights, chosen))
+        weights, chosen = (jax.lax.all_gather(a, axis, tiled=True) for a in (weights, chosen))
+        x = x if wire == "fp8" else jax.lax.all_gather(x, axis, tiled=True)
     tokens, top_k = chosen.shape
     entries = tokens * top_k
     flat = chosen.reshape(entries)
@@ -211,6 +225,11 @@ def _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, axis, rep
     row_of_entry = jnp.zeros((entries,), jnp.int32).at[entry_of_row].set(jnp.arange(entries, dtype=jnp.int32))
     group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
     offset_arg = None if axis is None else offset.astype(jnp.int32)
+    if wire == "fp8":
+        out = wire_rows.gathered_experts(x, weights, w_gate, w_up, w_down, entry_of_row, row_of_entry, group_sizes,
+                                         offset.astype(jnp.int32), axis=axis, top_k=top_k, activation=activation,
+                                         skip_zero_weights=skip_zero_weights, flags=flags)
+        return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True), dropped
     serve, train = (use_fused(fused, tokens=tokens, hidden=x.shape[1], intermediate=w_gate.shape[2],
                               experts=experts, local=local, top_k=top_k, dtype=x.dtype,
                               weights=(w_gate, w_up, w_down), distribution=flags["distribution"],

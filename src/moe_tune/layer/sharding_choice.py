@@ -4,7 +4,7 @@ stored and looked up like any op's config.
 The problem is one sharded layer: the tokens one device holds, the layer's dims (`intermediate` the whole
 expert width, split over `tp`), the mesh (`ep` devices along the expert axis, `tp` along the tensor axis), the
 dtype and the weights' quantization; the table's device kind is the rest of the key. Its one backend (`mesh`)
-has three tunables:
+has four tunables:
 
 - `strategy`: `all_gather` or `all_to_all` (`exchange.STRATEGIES`);
 - `token_chunks`: C consecutive chunks of t / C tokens, each its own exchange, experts and combine, which
@@ -12,7 +12,10 @@ has three tunables:
   candidates 1, 2 and 4 where C divides the tokens and leaves at least `MIN_CHUNK_TOKENS` per chunk;
 - `exchange`: the all-to-all's implementation, `fixed` (a fixed-capacity `jax.lax.all_to_all`, everywhere) or
   `ragged` (`jax.lax.ragged_all_to_all`, only where the platform has it: TPU, GPU). It only matters to
-  `all_to_all`: `all_gather` takes the platform's default exchange alone, so no candidate is timed twice.
+  `all_to_all`: `all_gather` takes the platform's default exchange alone, so no candidate is timed twice;
+- `wire`: the dtype dispatched rows travel in (`layer/wire.py`), `native` (the activations') or `fp8`
+  (float8_e4m3fn with float32 scales, fed to the gate/up grouped matmuls as they arrived), both for
+  all_gather and all_to_all.
 
 A sweep times the whole sharded layer each way on the mesh of the machine it runs on (`jax.devices()`), `fwd`
 the forward, `bwd` the forward and backward together, against the one-device layer in float64
@@ -34,12 +37,14 @@ from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supp
 from moe_tune.layer import exchange
 from moe_tune.layer.fusion_choice import FusionProblem, weights_quant
 from moe_tune.layer.exchange import STRATEGIES
+from moe_tune.layer.wire import WIRES
 
 EXCHANGES = ("ragged", "fixed")
 IN_KERNEL_PLATFORMS = ("tpu", "cpu")  # in_kernel's kernels: compiled on TPU, interpreted on CPU
 TOKEN_CHUNKS = (1, 2, 4)  # the candidates' token chunks
 MIN_CHUNK_TOKENS = 8  # a candidate's chunks hold at least this many tokens
 DIRECTIONS = ("fwd", "bwd")
+FP8_STRATEGIES = ("all_gather", "all_to_all")  # the strategies whose dispatch the fp8 wire serves
 
 
 def chunk_candidates(tokens: int) -> list[int]:
@@ -138,11 +143,14 @@ def platform_exchange(platform: str | None = None) -> str:
 class ShardingConfig(KernelConfig):
     """strategy: `all_gather` or `all_to_all`; token_chunks: the consecutive chunks a device's tokens run in,
     each its own exchange, experts and combine (1: whole); exchange: the all-to-all's implementation
-    (`fixed` everywhere, `ragged` where the platform has `jax.lax.ragged_all_to_all`)."""
+    (`fixed` everywhere, `ragged` where the platform has `jax.lax.ragged_all_to_all`); wire: the dtype the
+    dispatched rows travel in, `native` (the activations') or `fp8` (`layer/wire.py`; the return path stays
+    native). A table entry written before `wire` existed reads as `native` (the field's default)."""
 
     strategy: str = "all_gather"
     token_chunks: int = 1
     exchange: str = "fixed"
+    wire: str = "native"
 
 
 class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
@@ -166,7 +174,7 @@ class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
         kinds = ["fixed"] + (["ragged"] if exchange.has_ragged_all_to_all() else [])
         # in_kernel only where its kernels compile: elsewhere they would be timed in interpret mode
         strategies = [s for s in STRATEGIES if s != "in_kernel" or devices.platform() == "tpu"]
-        return {"strategy": strategies, "token_chunks": chunks, "exchange": kinds}
+        return {"strategy": strategies, "token_chunks": chunks, "exchange": kinds, "wire": list(WIRES)}
 
     def config_error(self, config: ShardingConfig, problem: ShardingProblem) -> str | None:
         """`layer_config_error`'s rules for the problem's tokens; and `all_gather` with the platform's default
@@ -199,6 +207,11 @@ def layer_config_error(config: ShardingConfig, *, tokens: int, platform: str | N
                 "runs the same number of tokens")
     if config.exchange not in EXCHANGES:
         return f"exchange must be one of {', '.join(EXCHANGES)}, got {config.exchange!r}"
+    if config.wire not in WIRES:
+        return f"wire must be one of {', '.join(WIRES)}, got {config.wire!r}"
+    if config.wire == "fp8" and config.strategy not in FP8_STRATEGIES:
+        return (f"wire 'fp8' quantizes the rows the {' and '.join(FP8_STRATEGIES)} strategies send, not "
+                f"{config.strategy!r}'s: pass wire='native'")
     judged = devices.platform() if platform is None else platform
     if config.strategy == "in_kernel" and judged not in IN_KERNEL_PLATFORMS:
         return ("strategy 'in_kernel' moves rows by remote DMA inside Pallas TPU kernels: it runs on TPU (and in "

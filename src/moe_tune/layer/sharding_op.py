@@ -24,6 +24,7 @@ from moe_tune.layer.fusion_choice import INTERMEDIATE, LAYER_OPERANDS, layer_inp
 from moe_tune.layer.fusion_op import MOE_FUSION
 from moe_tune.layer.moe import sharded_moe_mlp
 from moe_tune.layer.sharding_choice import (BACKENDS, DEFAULT_OPTIONS, DIRECTIONS, STRATEGIES, TP, ShardingProblem)
+from moe_tune.layer.wire import FP8_WIRE_TOLERANCE
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 EXPERT_AXIS, TENSOR_AXIS = "expert", "tensor"
@@ -117,8 +118,10 @@ class MoeShardingOp(KernelOp):
         return sweep_memory(problem.whole_layer(), workers)
 
     def tolerance(self, problem: ShardingProblem) -> float:
-        """moe_fusion's for the whole layer (a bf16/f16 training step twice the dtype's)."""
-        return MOE_FUSION.tolerance(problem.whole_layer())
+        """moe_fusion's for the whole layer (a bf16/f16 training step twice the dtype's), and at least the fp8
+        wire's (`wire.FP8_WIRE_TOLERANCE`: the rows' float8 rounding in the gate and up products), since every
+        problem's candidates include `wire="fp8"` and the check has one tolerance per problem."""
+        return max(MOE_FUSION.tolerance(problem.whole_layer()), FP8_WIRE_TOLERANCE)
 
     def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, ShardingProblem]]:
         """None: a one-device layer moves no tokens between devices (the sharded layer's are `mesh_calls`)."""

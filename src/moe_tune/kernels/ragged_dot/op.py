@@ -18,6 +18,7 @@ from moe_tune.kernels.base import KernelConfig
 from moe_tune.kernels.ragged_dot.problem import DIRECTIONS, RaggedDotProblem, int_scalar
 from moe_tune.kernels.ragged_dot.definition import RAGGED_DOT
 from moe_tune.kernels.ragged_dot.metadata import clip_group_sizes, select_shard
+from moe_tune.kernels.ragged_dot.quant_plan import paired_lhs_block
 from moe_tune.kernels.kernel_op import freeze_config
 from moe_tune.kernels.pallas_util import sum_like
 from moe_tune.core.quant import AsQArray, DynamicQuant, QArray, scale_layout
@@ -177,7 +178,7 @@ def _dynamic_lhs(lhs: Any, rhs: Any, lhs_quant: str | None, block: int | None) -
         raise UsageError(f"lhs_quant quantizes float activations in the kernel; lhs is a {type(lhs).__name__}")
     if block is None and isinstance(rhs, QArray) and rhs.ndim == 3:
         axis, rhs_block = scale_layout(rhs)
-        block = rhs_block if axis == 1 else None
+        block = paired_lhs_block(lhs.shape[1], rhs_block if axis == 1 else None)
     marker = DynamicQuant(lhs, lhs_quant, block)
     return marker.qdtype, marker.block()
 

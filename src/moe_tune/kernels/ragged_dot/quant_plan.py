@@ -268,3 +268,12 @@ def tgmm_plan(lhs: jax.Array, lhs_scale: jax.Array | None, dout: jax.Array,
     """The plan of a tgmm (drhs) from its arrays: lhs [m, k] with lhs_scale None or [m, k/bs], dout [m, n]."""
     k = lhs.shape[1]
     return make_plan("drhs", k, _layout(lhs, lhs_scale, k), _layout(dout, dout_scale, dout.shape[1]))
+
+
+def paired_lhs_block(k: int, rhs_block: int | None) -> int:
+    """Elements along k per scale of activations quantized for a forward matmul with weights scaled in blocks
+    of `rhs_block` along k (None: float weights): the weights' own block where it is sub-channel (< k), so
+    both scales are STEP scales of the same k steps, else k (one scale per row, an OUTPUT scale). The one
+    rule for activations quantized to meet weights: `ragged_dot(..., lhs_quant=)`'s default block and the
+    MoE layer's fp8 dispatch rows (`layer/wire.py`)."""
+    return rhs_block if rhs_block is not None and rhs_block < k else k
