@@ -87,10 +87,9 @@ def colliding_scatter() -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("expert",))
 
     def body(x):
-        zero = jnp.zeros((1,), jnp.int32)
-        me = jax.lax.axis_index("expert")
-        return in_kernel_tpu.scatter_rows(x, zero, zero, zero, jnp.int32(1), jnp.where(me == 0, 3, 0).astype(
-            jnp.int32), 2, axis="expert", devices=4)
+        zero, one = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32)
+        expected = jnp.where(jax.lax.axis_index("expert") == 0, 3, 0).astype(jnp.int32)
+        return in_kernel_tpu.scatter_rows(x, (zero, one, zero, zero), expected, 2, axis="expert", devices=4)
 
     x = jnp.arange(4 * 128, dtype=jnp.float32).reshape(4, 128)
     with RaceStates() as races, in_kernel_tpu.race_detection():

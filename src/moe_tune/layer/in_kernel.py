@@ -44,13 +44,6 @@ from moe_tune.layer.in_kernel_tpu import scatter_rows
 PLATFORMS = ("tpu", "cpu")  # TPU compiled; CPU in Pallas TPU interpret mode
 
 
-def _segment_of(rows: int, sizes: jax.Array) -> jax.Array:
-    """int32 [rows]: for each row of a buffer laid out as consecutive segments of `sizes` (int32 [s]), the
-    segment holding it (s for rows past the last)."""
-    ends = jnp.cumsum(sizes)
-    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
-
-
 def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: int, me, cap: int | None,
              activation, skip_zero_weights: bool, flags: dict):
     """The layer through the two `scatter_rows` kernels: `exchange.all_to_all_layer`'s contract."""
@@ -60,26 +53,22 @@ def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: in
     route = exchange.route(chosen, axis=axis, devices=devices, me=me, cap=cap, local=local)
     plan = route.plan
     rows_in = exchange.receive_rows(tokens, top_k, devices, local, cap)
-    # dispatch: send row i (expert order) is x[its token] and lands in row land_offset[g] + its rank in g's
-    # segment on the device owning its global expert g
-    i = jnp.arange(entries, dtype=jnp.int32)
-    expert = jnp.minimum(route.key[route.entry_of_row], devices * local - 1)  # rows past `sent`: never sent
-    dest_dev = expert // local
-    dest_row = plan.land_offset[expert] + i - plan.send_offset[expert]
+    # dispatch: the segment of global expert g (send rows [send_offset[g], + send[g]), expert order) lands at
+    # land_offset[g] on g's device; each row read from x at its token
+    experts = jnp.arange(devices * local, dtype=jnp.int32)
+    there = (plan.send_offset, plan.send, experts // local, plan.land_offset)
     mine = jax.lax.dynamic_slice_in_dim(plan.send, me * local, local)  # rows this device keeps
     received_total = jnp.sum(plan.group_sizes)
-    from_others = received_total - jnp.sum(plan.recv[me])
+    from_others = received_total - jnp.sum(mine)
     kernel = functools.partial(scatter_rows, axis=axis, devices=devices)
-    received = kernel(x, route.entry_of_row // top_k, dest_dev, dest_row, route.sent, from_others, rows_in)
+    received = kernel(x, there, from_others, rows_in, src_row=route.entry_of_row // top_k)
     done = exchange.local_experts(received, plan.group_sizes, w_gate, w_up, w_down, activation=activation,
                                   distribution=flags["distribution"])
-    # return: received row r sits in segment (local expert e, source p) of the expert-order layout, and goes
-    # back to p at p's send position of expert (me, e): home_offset[p, e] + its rank in the segment
-    segment = jnp.minimum(_segment_of(rows_in, plan.recv.T.reshape(-1)), local * devices - 1)
-    e, p = segment // devices, segment % devices
-    r = jnp.arange(rows_in, dtype=jnp.int32)
-    home_row = plan.home_offset[p, e] + r - plan.recv_offset[p, e]
-    back = kernel(done, r, p, home_row, received_total, route.sent - jnp.sum(mine), entries)
+    # return: the received segment (source p, local expert e) at recv_offset[p, e] goes back to p at p's send
+    # position of expert (me, e), home_offset[p, e]
+    peers = jnp.broadcast_to(jnp.arange(devices, dtype=jnp.int32)[:, None], (devices, local))
+    back_segments = tuple(a.reshape(-1) for a in (plan.recv_offset, plan.recv, peers, plan.home_offset))
+    back = kernel(done, back_segments, route.sent - jnp.sum(mine), entries)
     out = ragged_gather_reduce(back, route.row_of_entry, weights.reshape(entries), route.valid, top_k,
                                skip_zero_weights=skip_zero_weights, **flags)
     return out.astype(x.dtype), (entries - route.sent).astype(jnp.int32)

@@ -6,13 +6,14 @@ the surrounding `jax.shard_map` on the host (slow: tests at small shapes only).
 `scatter_rows` is the one kernel, used twice by the strategy: the dispatch (token rows to the devices holding
 their experts) and the return (expert outputs back to their tokens' devices). Every device of the mesh axis
 runs it at once (a collective kernel: a barrier semaphore makes sure every peer has entered it, so its output
-buffer exists, before any row is written there). Each device walks its `send` rows in order and starts one DMA
-per row, HBM to HBM: a local copy when the row stays on this device, a remote copy otherwise, into row
-`dest_row[i]` of device `dest_dev[i]`'s output. At most `in_flight` row DMAs of a device are outstanding: issuing
-row i first waits for the completion of row i - in_flight (all rows have the same size, so one semaphore per
-kind counts them). It then waits for the `expected` rows the other devices send it (the caller knows that
-count from the exchanged metadata) and leaves; its output rows nobody wrote hold zeros (the output is aliased
-to a zeros buffer).
+buffer exists, before any row is written there). Each device walks its segments (consecutive rows of its send
+order bound for consecutive rows of one device's output) and starts one DMA per row, HBM to HBM: a local copy
+when the row stays on this device, a remote copy otherwise. At most `in_flight` DMAs of each kind are
+outstanding: with that many, one is waited for before the next starts (every row has the same size, so one
+semaphore per kind counts them). It then waits for the `expected` rows the other devices send it (the caller
+knows that count from the exchanged metadata) and leaves; its output rows nobody wrote hold zeros (the output
+is aliased to a zeros buffer). The metadata sits in SMEM (scalar prefetch): four int32 per segment, and for
+the dispatch the source row of each sent row (int32 [t x top_k]); the kernel uses no VMEM.
 
 Rows travel as 32-bit words (Mosaic copies single rows of 32-bit arrays only; a bfloat16 [n, d] is moved as
 uint32 [n, d / 2], two values a word: `as_words` / `from_words`).
@@ -27,36 +28,44 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from moe_tune.kernels.pallas_util import interpreted, out_struct, pallas_run
+from moe_tune.kernels.pallas_util import interpreted, out_struct, vma_unchecked
 
 DEFAULT_IN_FLIGHT = 16  # row DMAs one device keeps outstanding (the gathers' default ring)
 COLLECTIVE_ID = 7  # the barrier semaphore's collective id; any fixed id serves (one collective kernel at a time)
 
 
 def as_words(rows: jax.Array) -> jax.Array:
-    """rows [n, d] as the 32-bit array the row DMAs copy: 32-bit dtypes as they are, 16-bit ones as uint32
-    [n, d / 2] (adjacent pairs in one word; d must be even), 8-bit ones as uint32 [n, d / 4]."""
-    size = rows.dtype.itemsize
-    if size == 4:
+    """rows [n, d] as the 32-bit array the row DMAs copy: 32-bit dtypes as they are; 16-bit ones with d even as
+    uint32 [n, d / 2], the bits of columns j and j + d / 2 in one word (elementwise on two halves: a bitcast to
+    pairs would give XLA a minor dimension of 2, which the TPU pads to a whole tile); otherwise as float32
+    (exact for bfloat16 and float16)."""
+    if rows.dtype.itemsize == 4:
         return rows
-    per = 4 // size
-    return jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], rows.shape[1] // per, per), jnp.uint32)
+    if rows.dtype.itemsize != 2 or rows.shape[1] % 2:
+        return rows.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(rows, jnp.uint16)
+    half = rows.shape[1] // 2
+    return bits[:, :half].astype(jnp.uint32) | (bits[:, half:].astype(jnp.uint32) << 16)
 
 
 def from_words(words: jax.Array, dtype) -> jax.Array:
     """The inverse of `as_words` for rows of logical dtype `dtype`."""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 4:
-        return words if words.dtype == dtype else jax.lax.bitcast_convert_type(words, dtype)
-    out = jax.lax.bitcast_convert_type(words, dtype)  # [n, w, per]
-    return out.reshape(words.shape[0], -1)
+    if words.dtype == dtype:
+        return words
+    if words.dtype != jnp.uint32 or dtype.itemsize != 2:
+        return words.astype(dtype)
+    halves = [(words & 0xFFFF).astype(jnp.uint16), (words >> 16).astype(jnp.uint16)]
+    return jax.lax.bitcast_convert_type(jnp.concatenate(halves, axis=1), dtype)
 
 
-def _kernel(src_row_ref, dest_dev_ref, dest_row_ref, counts_ref, src_hbm, zeros_hbm, out_hbm, local_sem,
-            send_sem, recv_sem, *, axis: str, devices: int, in_flight: int):
-    """Scalar prefetch (SMEM): src_row, dest_dev, dest_row int32 [rows], counts int32 [2] = (rows to send,
-    rows to receive from other devices). src_hbm [n_src, w], out_hbm [n_out, w] (aliased to zeros_hbm) in
-    HBM."""
+def _kernel(*refs, axis: str, devices: int, in_flight: int, gathered: bool):
+    """Scalar prefetch (SMEM): the segments' start, size, dev, dest (int32 [S] each), expected (int32 [1]: rows
+    the other devices send here) and, when `gathered`, src_row (int32 [rows]). Then src_hbm [n_src, w] and
+    out_hbm [n_out, w] (aliased to zeros_hbm) in HBM, and three DMA semaphores."""
+    start_ref, size_ref, dev_ref, dest_ref, expected_ref = refs[:5]
+    src_row_ref = refs[5] if gathered else None
+    src_hbm, zeros_hbm, out_hbm, local_sem, send_sem, recv_sem = refs[5 + gathered:]
     del zeros_hbm  # the output's initial value: aliased, never read
     me = jax.lax.axis_index(axis)
     barrier = pltpu.get_barrier_semaphore()
@@ -64,74 +73,87 @@ def _kernel(src_row_ref, dest_dev_ref, dest_row_ref, counts_ref, src_hbm, zeros_
         pl.semaphore_signal(barrier, 1, device_id={axis: jax.lax.rem(me + step, devices)},
                             device_id_type=pltpu.DeviceIdType.MESH)
     pl.semaphore_wait(barrier, devices - 1)
-    sent, expected = counts_ref[0], counts_ref[1]
 
-    def local(i):
-        return pltpu.make_async_copy(src_hbm.at[pl.ds(src_row_ref[i], 1)], out_hbm.at[pl.ds(dest_row_ref[i], 1)],
-                                     local_sem)
+    def rows(i, dest):  # source row i of the send order, and its landing row
+        row = src_row_ref[i] if gathered else i
+        return src_hbm.at[pl.ds(row, 1)], out_hbm.at[pl.ds(dest, 1)]
 
-    def remote(i, dev):
-        return pltpu.make_async_remote_copy(src_hbm.at[pl.ds(src_row_ref[i], 1)],
-                                            out_hbm.at[pl.ds(dest_row_ref[i], 1)], send_sem, recv_sem,
-                                            device_id={axis: dev}, device_id_type=pltpu.DeviceIdType.MESH)
+    def local(i, dest):
+        return pltpu.make_async_copy(*rows(i, dest), local_sem)
 
-    def start(i):
-        dev = dest_dev_ref[i]
-        pl.when(dev == me)(lambda: local(i).start())
-        pl.when(dev != me)(lambda: remote(i, dev).start())
+    def remote(i, dest, dev):
+        return pltpu.make_async_remote_copy(*rows(i, dest), send_sem, recv_sem, device_id={axis: dev},
+                                            device_id_type=pltpu.DeviceIdType.MESH)
 
-    def finish(i):  # wait for row i's DMA (by size: any row of its kind counts the same)
-        dev = dest_dev_ref[i]
-        pl.when(dev == me)(lambda: local(i).wait())
-        pl.when(dev != me)(lambda: remote(i, dev).wait_send())
+    # any row's descriptor waits for one row of its kind: every row has the same size
+    def wait_local():
+        local(0, 0).wait()
 
-    def issue(i, carry):
-        @pl.when(i >= in_flight)
-        def _():
-            finish(i - in_flight)
+    def wait_remote():
+        remote(0, 0, me).wait_send()
 
-        start(i)
-        return carry
+    def segment(s, outstanding):
+        first, dev, dest = start_ref[s], dev_ref[s], dest_ref[s]
+        here = dev == me
 
-    jax.lax.fori_loop(0, sent, issue, 0)
-    jax.lax.fori_loop(jnp.maximum(sent - in_flight, 0), sent, lambda i, c: (finish(i), c)[1], 0)
+        def row(j, outstanding):
+            n_local, n_remote = outstanding
+            full = jnp.where(here, n_local, n_remote) >= in_flight  # the ring is full: one must finish first
+            pl.when(full & here)(wait_local)
+            pl.when(full & ~here)(wait_remote)
+            pl.when(here)(lambda: local(first + j, dest + j).start())
+            pl.when(~here)(lambda: remote(first + j, dest + j, dev).start())
+            grown = jnp.where(full, 0, 1)
+            return (jnp.where(here, n_local + grown, n_local), jnp.where(here, n_remote, n_remote + grown))
+
+        return jax.lax.fori_loop(0, size_ref[s], row, outstanding)
+
+    zero = jnp.int32(0)
+    n_local, n_remote = jax.lax.fori_loop(0, start_ref.shape[0], segment, (zero, zero))
+    jax.lax.fori_loop(0, n_local, lambda i, c: (wait_local(), c)[1], 0)
+    jax.lax.fori_loop(0, n_remote, lambda i, c: (wait_remote(), c)[1], 0)
 
     def arrive(i, carry):  # one row of another device's DMAs has landed here
-        remote(0, me).wait_recv()
+        remote(0, 0, me).wait_recv()
         return carry
 
-    jax.lax.fori_loop(0, expected, arrive, 0)
+    jax.lax.fori_loop(0, expected_ref[0], arrive, 0)
 
 
-def scatter_rows(src: jax.Array, src_row: jax.Array, dest_dev: jax.Array, dest_row: jax.Array, sent: jax.Array,
-                 expected: jax.Array, rows_out: int, *, axis: str, devices: int,
+def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array, jax.Array], expected: jax.Array,
+                 rows_out: int, *, src_row: jax.Array | None = None, axis: str, devices: int,
                  in_flight: int = DEFAULT_IN_FLIGHT) -> jax.Array:
-    """Inside `jax.shard_map` over mesh axis `axis` (`devices` devices), called by every device of it at once:
-    src [n_src, d] (any dtype of 1, 2 or 4 bytes; d x itemsize a multiple of 4), src_row / dest_dev / dest_row
-    int32 [rows]: this device's row i < `sent` (int32 scalar) is src[src_row[i]] and lands in row dest_row[i]
-    of device dest_dev[i]'s result; `expected` (int32 scalar): the rows the other devices send this one.
-    -> [rows_out, d] in src.dtype: the rows every device (itself included) sent here, zeros elsewhere.
-    Rows past `sent` are not read; two rows landing in one place is the caller's error (undefined)."""
+    """Inside `jax.shard_map` over mesh axis `axis` (`devices` devices), called by every device of it at once.
+
+    src [n_src, d] (a 4- or 2-byte dtype); `segments` = (start, size, dev,
+    dest), int32 [S] each: segment s is rows [start[s], start[s] + size[s]) of this device's send order, landing
+    in rows [dest[s], dest[s] + size[s]) of device dev[s]'s result. Row i of the send order is src[src_row[i]]
+    (int32 [rows]) where `src_row` is given, else src[i]. `expected` (int32 scalar): the rows the other devices
+    send this one. -> [rows_out, d] in src.dtype: the rows every device (itself included) sent here, zeros
+    elsewhere. Two rows landing in one place is the caller's error (undefined)."""
     words = as_words(src)
     width = words.shape[1]
-    counts = jnp.stack([sent, expected]).astype(jnp.int32)
+    scalars = [jnp.asarray(a, jnp.int32) for a in segments] + [jnp.reshape(expected, (1,)).astype(jnp.int32)]
+    if src_row is not None:
+        scalars.append(src_row.astype(jnp.int32))
     zeros = jnp.zeros((rows_out, width), words.dtype)
     interpret = pltpu.InterpretParams(**_interpret_options) if interpreted("tpu") else False
     any_space = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, axis=axis, devices=devices, in_flight=max(1, in_flight))
+    kernel = functools.partial(_kernel, axis=axis, devices=devices, in_flight=max(1, in_flight),
+                               gathered=src_row is not None)
     call = pl.pallas_call(
         kernel,
-        out_shape=out_struct((rows_out, width), words.dtype, words, src_row, dest_row, zeros),
+        out_shape=out_struct((rows_out, width), words.dtype, words, *scalars, zeros),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(1,), in_specs=[any_space, any_space], out_specs=any_space,
+            num_scalar_prefetch=len(scalars), grid=(1,), in_specs=[any_space, any_space], out_specs=any_space,
             scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA]),
-        input_output_aliases={5: 0},  # zeros (after the 4 scalar operands and src) is the output's buffer
+        input_output_aliases={len(scalars) + 1: 0},  # zeros (after the scalars and src) is the output's buffer
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, has_side_effects=True),
         interpret=interpret,
     )
-    out = pallas_run(call, src_row.astype(jnp.int32), dest_dev.astype(jnp.int32), dest_row.astype(jnp.int32),
-                     counts, words, zeros, interpret=bool(interpret))
-    return from_words(out, src.dtype)
+    # vma_unchecked: Mosaic's lowering has no rule for the varying casts that shard_map's type check would put
+    # between the device index and the kernel's constants (and interpret mode needs it too: `pallas_util`)
+    return from_words(vma_unchecked(call, *scalars, words, zeros), src.dtype)
 
 
 # Interpret mode's options (tests turn race detection on: `race_detection`).
