@@ -3,6 +3,7 @@
 from moe_tune.kernels.base import BackendRegistry
 from moe_tune.kernels.ragged_dot.megablox import MegabloxRaggedDot
 from moe_tune.kernels.ragged_dot.mosaic_gpu import MosaicGpuRaggedDot
+from moe_tune.kernels.ragged_dot.mosaic_gpu_quant import MosaicGpuQuantRaggedDot
 from moe_tune.kernels.ragged_dot.tiled import TiledRaggedDot
 from moe_tune.kernels.ragged_dot.triton import TritonRaggedDot
 from moe_tune.kernels.ragged_dot.xla import XlaRaggedDot
@@ -13,5 +14,6 @@ from moe_tune.kernels.ragged_dot.xla import XlaRaggedDot
 # matched it within noise (fwd, dlhs) but serves bf16/f16 on sm_90+ only; triton serves every dtype, quantized
 # weights and older GPUs. backend="mosaic_gpu" or "xla" opts out.
 BACKENDS = BackendRegistry("ragged_dot", platform_defaults={"cpu": "tiled", "gpu": "triton", "tpu": "megablox"})
-for _backend in (XlaRaggedDot(), TiledRaggedDot(), MegabloxRaggedDot(), TritonRaggedDot(), MosaicGpuRaggedDot()):
+for _backend in (XlaRaggedDot(), TiledRaggedDot(), MegabloxRaggedDot(), TritonRaggedDot(), MosaicGpuRaggedDot(),
+                 MosaicGpuQuantRaggedDot()):
     BACKENDS.register(_backend)

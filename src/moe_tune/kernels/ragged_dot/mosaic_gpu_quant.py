@@ -1,0 +1,234 @@
+"""`mosaic_gpu_quant` backend: quantized weights (int8 per channel, float8_e4m3fn and int4 in blocks along k)
+on Hopper's tensor cores through this project's Mosaic GPU kernel (`mosaic_gpu_quant_kernel.swap_ab_gmm`):
+the weights dequantized in registers and fed to `wgmma` as its A operand, swap-AB (weights on the 64-row
+side, tokens on the N side), float32 accumulation, a 16-bit result.
+
+Where each scale applies is `quant_plan`'s rule, read with `with_dequantize(True)`: one scale per channel
+multiplies the accumulator once after the k loop (OUTPUT); a block scale along k multiplies each weight tile
+in registers before its wgmma (DEQUANTIZE: the tile is dequantized, then one dot per k step).
+
+What the wrapper does around the kernel (`gmm`): the weights are read in the "nk" storage (`QArray.layout`:
+[g, n, k], k contiguous, the A operand's rows; a "kn" array is transposed by XLA first, `quant.in_layout`),
+the block scales as [g, k / block, n] (one row of n per k block: a TMA tile of block_n float32); the rows of
+each local group are placed on whole blocks of block_m tokens (`placement`), transposed ([k, tokens]: wgmma's
+B operand), so that every output tile belongs to one group and is stored whole; the transposed output is
+read back to the callers' rows, zero for rows outside the local groups (past sum(group_sizes), other shards).
+
+What no config can run (`chip_error`, so that the op falls back with one warning): a GPU other than sm_90
+(off a GPU the kernel runs in Mosaic GPU's interpreter); float weights (the `mosaic_gpu` backend's);
+quantized activations; mxfp4 (e8m0 scales per 32 elements: a k step of 64 or more holds several scale blocks);
+the gradients (dlhs, drhs: not built); activations other than bfloat16 / float16, or a result of another dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_tune.core import devices
+from moe_tune.core.quant import QArray, in_layout
+from moe_tune.kernels.base import KernelConfig
+from moe_tune.kernels.pallas_util import pad_to
+from moe_tune.kernels.ragged_dot import mosaic_gpu_kernels as kernels
+from moe_tune.kernels.ragged_dot import mosaic_gpu_quant_kernel as qkernel
+from moe_tune.kernels.ragged_dot import mosaic_gpu_smem as smem
+from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
+from moe_tune.kernels.ragged_dot.mosaic_gpu import HOPPER, LOW_PRECISION, MMA_ROWS, chip
+from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+from moe_tune.kernels.ragged_dot.quant_plan import Apply, gmm_plan, problem_plan
+
+WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "int4")
+TOKEN_BLOCKS = (16, 32, 64, 128, 256)  # wgmma N; 16-bit TMA rows of 32, 64 or 128 bytes (or whole swizzles)
+# A rough register budget of one warpgroup (128 threads, 255 registers each): the float32 accumulator
+# (block_n x block_m) and the float32 weight tile being dequantized (block_n x block_k), per thread. The
+# default (128 x (64 + 128) / 128 = 192) compiles for sm_90 with no spills (ptxas: 243-254 registers).
+REGISTER_BUDGET = 192
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuQuantConfig(KernelConfig):
+    """Tiles of the swap-AB matmul: block_n weight rows (output columns; wgmma's M, a multiple of 64),
+    block_m tokens (wgmma's N), block_k of the contraction per pipeline step; max_concurrent_steps: shared-
+    memory buffers of each operand (the pipeline's depth). swap_ab: the weights on wgmma's A (register)
+    side; False (weights through shared memory on the B side) is not built."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    max_concurrent_steps: int = 4
+    swap_ab: bool = True
+
+
+def _fit(want: int, size: int, least: int = 64) -> int:
+    """`want`, or the smallest multiple of `least` covering `size` when that is smaller."""
+    return max(least, min(want, -(-size // least) * least))
+
+
+class MosaicGpuQuantRaggedDot(RaggedDotBackend):
+    name = "mosaic_gpu_quant"
+    revision = 1
+    config_cls = MosaicGpuQuantConfig
+    platforms = ("gpu",)
+    jax_versions = ">=0.10.2,<0.12"  # Mosaic GPU's Pallas API and interpreter as read in 0.10.2; 0.11 on GPUs
+    description = ("quantized weights dequantized in registers into wgmma (sm_90, swap-AB, Mosaic GPU); "
+                   "interpreted elsewhere")
+
+    def runs_on(self, platform: str) -> bool:
+        return True  # compiled on GPU, in Mosaic GPU's interpreter elsewhere
+
+    def chip_error(self, problem: RaggedDotProblem) -> str | None:
+        if chip() != HOPPER:
+            capability = devices.gpu_compute_capability()
+            have = "an unknown GPU" if capability is None else f"sm_{capability[0]}{capability[1]}"
+            return f"the Mosaic GPU quantized kernel needs sm_90 (wgmma with a register operand), this is {have}"
+        if problem.rhs_qdtype is None:
+            return "float weights: the mosaic_gpu backend serves them (this kernel dequantizes quantized weights)"
+        if problem.lhs_qdtype is not None:
+            return "quantized activations: this kernel reads 16-bit activations"
+        if problem.rhs_qdtype not in WEIGHT_DTYPES:
+            return (f"{problem.rhs_qdtype} weights: this kernel dequantizes {', '.join(WEIGHT_DTYPES)} (mxfp4's "
+                    "e8m0 scales per 32 elements would split a k step of 64 or more into several scale blocks)")
+        if problem.direction != "fwd":
+            return f"{problem.direction} on quantized weights: this kernel is the forward only"
+        a, _, out = problem.operand_dtypes()
+        if a not in LOW_PRECISION:
+            return f"{a} activations: the kernel feeds wgmma {' or '.join(LOW_PRECISION)} (the dequantized dtype)"
+        if out != a:
+            return f"a {out} result from {a} activations: the kernel writes the activations' dtype"
+        if _scale_at(problem) is None:
+            return f"a scale block of {problem.rhs_qblock}: neither one per channel nor blocks along k"
+        return None
+
+    def config_error(self, config: MosaicGpuQuantConfig, problem: RaggedDotProblem) -> str | None:
+        if (reason := self.chip_error(problem)) is not None:
+            return reason
+        if not config.swap_ab:
+            return ("swap_ab=False is not built: the weights are dequantized in registers, and registers feed "
+                    "only wgmma's A operand (the weights' side under swap-AB)")
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        if bn <= 0 or bn % MMA_ROWS or bn > 256:
+            return f"block_n={bn} must be a multiple of {MMA_ROWS} up to 256 (wgmma's M, the weights' rows)"
+        if bm not in TOKEN_BLOCKS:
+            return f"block_m={bm} must be one of {TOKEN_BLOCKS} (wgmma's N, the tokens)"
+        least = 128 if problem.rhs_qdtype == "int4" else 64  # 64-byte rows of 4-bit or 8-bit weight tiles
+        if bk <= 0 or bk % least or bk > 256:
+            return f"block_k={bk} must be a multiple of {least} up to 256 for {problem.rhs_qdtype} weights"
+        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE and problem.rhs_qblock % bk:
+            return f"block_k={bk} must divide the scale block {problem.rhs_qblock} (one scale row per k step)"
+        if not 1 <= config.max_concurrent_steps <= 8:
+            return f"max_concurrent_steps={config.max_concurrent_steps} must be in 1..8"
+        if bn * (bm + bk) > REGISTER_BUDGET * 128:
+            return (f"block_n x (block_m + block_k) = {bn * (bm + bk)}: over one warpgroup's register budget "
+                    f"({REGISTER_BUDGET} float32 a thread for the accumulator and the tile being dequantized)")
+        _, k, n = problem.matmul_dims()
+        if bn > _fit(256, n) or bk > _fit(256, k, least):
+            return f"block_n={bn} / block_k={bk} larger than the dimension they tile (n {n}, k {k})"
+        if bm > _fit(256, problem.m, 16):
+            return f"block_m={bm} is larger than the rows ({problem.m})"
+        need, budget = self.shared_memory_bytes(config, problem), devices.gpu_shared_memory_bytes()
+        if need > budget:
+            return f"needs {need} bytes of shared memory, over the {budget} bytes of one block"
+        return None
+
+    def shared_memory_bytes(self, config: MosaicGpuQuantConfig, problem: RaggedDotProblem) -> int:
+        """Bytes of shared memory the kernel asks for, counted as Mosaic GPU counts them (`mosaic_gpu_smem`)."""
+        a, _, out = (jnp.dtype(d).itemsize for d in problem.operand_dtypes())
+        _, k, _ = problem.matmul_dims()
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        bits = 4 if problem.rhs_qdtype == "int4" else 8
+        steps = min(config.max_concurrent_steps, -(-k // bk))  # the pipeline's static grid cuts it
+        buffers = [steps * bk * bm * a, steps * bn * bk * bits // 8]
+        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:
+            buffers.append(steps * bn * 4)
+        pipeline = sum(_aligned(b) for b in buffers) + steps * smem.BARRIER_BYTES
+        epilogue = _aligned(bn * bm * out)
+        if _scale_at(problem) == qkernel.SCALE_OUTPUT:  # the per-channel scales, brought in by TMA
+            epilogue = max(epilogue, _aligned(bn * 4) + smem.BARRIER_BYTES)
+        return max(pipeline, epilogue)
+
+    def default_config(self, problem: RaggedDotProblem) -> MosaicGpuQuantConfig:
+        _, k, n = problem.matmul_dims()
+        rows = -(-problem.m // problem.groups)  # tokens of a group on average: decode fills few columns
+        block_m = next((b for b in TOKEN_BLOCKS if b >= rows), 64) if rows < 64 else 64
+        block_k = 128 if problem.rhs_qblock is None or problem.rhs_qblock % 128 == 0 else 64
+        return MosaicGpuQuantConfig(block_m=block_m, block_n=_fit(128, n), block_k=_fit(block_k, k),
+                                    max_concurrent_steps=4)
+
+    def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list]:
+        return {"block_m": [16, 32, 64, 128], "block_n": [64, 128, 256], "block_k": [64, 128, 256],
+                "max_concurrent_steps": [2, 3, 4], "swap_ab": [True]}
+
+    # ---- the kernels
+
+    def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
+        if transpose_rhs or not isinstance(rhs, QArray) or isinstance(lhs, QArray):
+            raise TypeError("the mosaic_gpu_quant backend runs the forward of float activations and quantized "
+                            "weights (its chip_error says why)")
+        m, k = lhs.shape
+        groups, n = rhs.shape[0], rhs.shape[2]
+        weights = in_layout(rhs, ("nk",))
+        values, scale = weights.qvalue, jnp.swapaxes(weights.scale, 1, 2).astype(jnp.float32)  # [g, k/bs, n]
+        plan = gmm_plan(lhs, None, jax.ShapeDtypeStruct((groups, k, n), values.dtype), scale,
+                        transpose_rhs=False).with_dequantize(True)
+        scale_at = {Apply.OUTPUT: qkernel.SCALE_OUTPUT, Apply.DEQUANTIZE: qkernel.SCALE_DEQUANTIZE}[plan.b.scale]
+        block = k // scale.shape[1]
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        sizes, start = kernels.local_groups(group_sizes, m, groups, group_offset)
+        place = placement(sizes, start, m, bm)
+        x_t = jnp.zeros((k, place.tiles * bm), lhs.dtype).at[:, place.column].set(lhs.T, mode="drop")
+        x_t = pad_to(x_t, 0, bk)
+        values = pad_to(pad_to(values, 1, bn), 2, bk)  # zero weights past k and n: they add nothing
+        scale = pad_to(scale, 2, bn)
+        out_t = qkernel.swap_ab_gmm(
+            x_t, values, scale, place.tile_groups, place.used, block_m=bm, block_n=bn, block_k=bk,
+            steps=config.max_concurrent_steps, scale_at=scale_at, block=block, out_dtype=jnp.dtype(lhs.dtype),
+            interpret=kernels.interpreting())
+        rows = jnp.take(out_t[:n], jnp.minimum(place.column, place.tiles * bm - 1), axis=1).T
+        return jnp.where(place.valid[:, None], rows, jnp.zeros((), rows.dtype)).astype(out_dtype)
+
+    def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
+        raise TypeError("the mosaic_gpu_quant backend has no drhs kernel (its chip_error refuses drhs)")
+
+
+def _aligned(size: int) -> int:
+    return -(-size // smem.SMEM_ALIGNMENT) * smem.SMEM_ALIGNMENT
+
+
+def _scale_at(problem: RaggedDotProblem) -> str | None:
+    """Where the kernel applies the weights' scale (`quant_plan` with its dequantize placement), None when
+    neither place fits."""
+    placed = problem_plan(problem).with_dequantize(True).b.scale
+    return {Apply.OUTPUT: qkernel.SCALE_OUTPUT, Apply.DEQUANTIZE: qkernel.SCALE_DEQUANTIZE}.get(placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the rows of the local groups lie in the kernel's token columns: each group from a block_m
+    boundary on. column int32 [m]: the column of each caller row (tiles * block_m, past the end, for rows
+    no local group owns); valid bool [m]; tile_groups int32 [tiles]: the group of each block of columns;
+    used int32 [1]: blocks holding rows; tiles: the static bound cdiv(m, block_m) + groups - 1."""
+
+    column: jax.Array
+    valid: jax.Array
+    tile_groups: jax.Array
+    used: jax.Array
+    tiles: int
+
+
+def placement(sizes: jax.Array, start: jax.Array, m: int, block_m: int) -> Placement:
+    """The placement of the local groups `sizes` (int32 [g], their rows from `start` on) on blocks of block_m
+    columns (a group of s rows takes cdiv(s, block_m) blocks; together at most cdiv(m, block_m) + g - 1)."""
+    groups = sizes.shape[0]
+    tiles = -(-m // block_m) + groups - 1
+    blocks = (sizes + block_m - 1) // block_m
+    block_end = jnp.cumsum(blocks)
+    row_end = jnp.cumsum(sizes)
+    local = jnp.arange(m, dtype=jnp.int32) - start
+    valid = (local >= 0) & (local < row_end[-1])
+    group = jnp.clip(jnp.searchsorted(row_end, local, side="right"), 0, groups - 1)
+    column = (block_end[group] - blocks[group]) * block_m + local - (row_end[group] - sizes[group])
+    column = jnp.where(valid, column, tiles * block_m).astype(jnp.int32)
+    tile_groups = jnp.clip(jnp.searchsorted(block_end, jnp.arange(tiles), side="right"), 0, groups - 1)
+    return Placement(column, valid, tile_groups.astype(jnp.int32), block_end[-1:].astype(jnp.int32), tiles)

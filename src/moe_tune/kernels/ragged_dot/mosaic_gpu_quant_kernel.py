@@ -1,0 +1,122 @@
+"""The Hopper (sm_90) quantized grouped matmul kernel of the `mosaic_gpu_quant` backend: weights of 8 or 4 bits
+dequantized in registers and fed to `wgmma` as its register (A) operand, the tokens read by `wgmma` from
+shared memory (B). Swap-AB: the weights' n rows take wgmma's 64-row M side, the tokens its N side, so that a
+decode step with a handful of rows per expert still fills the tensor cores' rows, and the accumulator holds
+the output transposed.
+
+    out_t[g-tile][n, rows] = sum over k steps of dequant(w_t[g][n, k-step]) @ x_t[k-step, rows]
+
+Operands, as `swap_ab_gmm` takes them (`mosaic_gpu_quant.py` lays them out):
+- x_t [k, tiles * block_m] bfloat16: the activations transposed, each group's rows starting on a block_m
+  boundary (`tile_groups` says which group each block of block_m columns belongs to, `used_tiles` how many
+  blocks hold rows): every output tile belongs to one group, so the stores are whole TMA tiles and no
+  tile mixes groups.
+- w_t [g, n, k]: the weights stored per group with the contraction contiguous (the "nk" storage), int8,
+  float8_e4m3fn or int4; a weight tile is [block_n, block_k], the A operand's rows.
+- scale float32: [g, 1, n] one per output channel (applied to the accumulator once after the k loop,
+  `quant_plan.Apply.OUTPUT`), or [g, k / block, n] per block of `block` along k (each weight tile is
+  multiplied by its k block's scale row in registers before its wgmma, `Apply.DEQUANTIZE`; block_k divides
+  the block).
+- out_t [n, tiles * block_m] bfloat16 (float32 accumulation); blocks past `used_tiles` are not written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+SCALE_OUTPUT, SCALE_DEQUANTIZE = "output", "dequantize"
+
+
+def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: jax.Array, used_tiles: jax.Array, *,
+                block_m: int, block_n: int, block_k: int, steps: int, scale_at: str, block: int,
+                out_dtype: jnp.dtype, interpret: bool) -> jax.Array:
+    """out_t [n, tiles * block_m] = per tile t: dequant(w_t[tile_groups[t]]) @ x_t[:, tile t] (module docstring).
+
+    x_t [k, tiles * block_m] 16-bit; w_t [g, n, k] quantized; scale f32 [g, 1, n] (scale_at "output") or
+    [g, k / block, n] ("dequantize"); tile_groups int32 [tiles]; used_tiles int32 [1]. k % block_k == 0,
+    n % block_n == 0, block_n % 64 == 0; with "dequantize", block % block_k == 0."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    k, columns = x_t.shape
+    _, n, _ = w_t.shape
+    tiles = columns // block_m
+    k_steps = k // block_k
+    compute = x_t.dtype
+    per_scale = block // block_k  # k steps per scale row (dequantize)
+
+    def body(groups_gmem, used_gmem, x_gmem, w_gmem, s_gmem, o_gmem):
+        t, ni = lax.axis_index("m"), lax.axis_index("n")
+        group = groups_gmem[t]
+
+        def step(_, x_smem, w_smem, *scale_smem):
+            w = w_smem[...]  # layout inference loads it in the layout wgmma's A takes after the conversion
+            if scale_at != SCALE_DEQUANTIZE:
+                # sm_90 has no fp8 -> bf16 conversion: through float32 (exact either way)
+                w = (w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) else w).astype(compute)
+            else:  # in float32: the product is rounded once (and sm_90 converts fp8 to bf16 through f32)
+                (s_smem,) = scale_smem
+                row = s_smem[0] if interpret else plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                w = (w.astype(jnp.float32) * lax.broadcast_in_dim(row, w.shape, [0])).astype(compute)
+            acc_ref, a_smem = scope[0], scope[1]
+            if a_smem is not None:  # the interpreter's wgmma reads its A operand from a ref only
+                a_smem[...] = w
+                w = a_smem
+            plgpu.wgmma(acc_ref, w, x_smem)
+            plgpu.wgmma_wait(0)  # the register operand stays live until its wgmma is done
+
+        scope = []
+
+        def acc_scope(acc_ref):
+            if interpret:
+                return pl.run_scoped(functools.partial(pipeline, acc_ref), plgpu.SMEM((block_n, block_k), compute))
+            return pipeline(acc_ref, None)
+
+        def pipeline(acc_ref, a_smem):
+            scope[:] = [acc_ref, a_smem]
+            specs = [plgpu.BlockSpec((block_k, block_m), lambda kk: (kk, t)),
+                     plgpu.BlockSpec((block_n, block_k), lambda kk: (ni, kk))]
+            refs = [x_gmem, w_gmem.at[group]]
+            if scale_at == SCALE_DEQUANTIZE:
+                specs.append(plgpu.BlockSpec((1, block_n), lambda kk: (kk // per_scale, ni)))
+                refs.append(s_gmem.at[group])
+            plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=steps)(*refs)
+            return acc_ref[...]
+
+        @pl.when(t < used_gmem[0])
+        def _():
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((block_n, block_m)))
+            if scale_at == SCALE_OUTPUT:
+                acc = acc * lax.broadcast_in_dim(_output_scale(s_gmem, group, ni), acc.shape, [0])
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_n, block_m), out_dtype))
+            def _store(o_smem):
+                o_smem[...] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(ni * block_n, block_n), pl.ds(t * block_m, block_m)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def _output_scale(s_gmem, group, ni):
+        """float32 [block_n]: the tile's per-channel scales, brought to shared memory by TMA."""
+
+        def load(s_smem, barrier):
+            plgpu.copy_gmem_to_smem(s_gmem.at[group, pl.ds(0, 1), pl.ds(ni * block_n, block_n)], s_smem, barrier)
+            plgpu.barrier_wait(barrier)
+            return s_smem[0] if interpret else plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+        return pl.run_scoped(load, plgpu.SMEM((1, block_n), jnp.float32), plgpu.Barrier())
+
+    interpret_params = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        interpret_params = InterpretGPUParams()
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((n, columns), out_dtype), grid=(tiles, n // block_n),
+        grid_names=("m", "n"), interpret=interpret_params,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(tile_groups, used_tiles, x_t, w_t, scale)
