@@ -18,7 +18,11 @@ import moe_tune
 from moe_tune.core.quant import dequantize_host, quantize, relayout
 from moe_tune.kernels.ragged_dot import RaggedDotProblem
 from moe_tune.kernels.ragged_dot import mosaic_gpu_quant_kernel as qkernel
-from moe_tune.kernels.ragged_dot.mosaic_gpu_quant import MosaicGpuQuantConfig, MosaicGpuQuantRaggedDot, placement
+from moe_tune.kernels.ragged_dot.mosaic_gpu_quant import (
+    MosaicGpuQuantConfig,
+    MosaicGpuQuantRaggedDot,
+    placement,
+)
 from moe_tune.targets import get_target
 from moe_tune.targets.compile import acting_as
 
@@ -108,7 +112,7 @@ def test_default_and_space_are_valid_on_h100(fmt):
 
 def test_what_it_refuses_and_why():
     impl = MosaicGpuQuantRaggedDot()
-    quant = dict(rhs_qdtype="int8", rhs_qblock=256)
+    quant = {"rhs_qdtype": "int8", "rhs_qblock": 256}
     fwd = RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", **quant)
     cases = {
         "float weights": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "bfloat16", "bfloat16"),

@@ -49,35 +49,34 @@ def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: j
     compute = x_t.dtype
     per_scale = block // block_k  # k steps per scale row (dequantize)
 
+    def dequantized(w_smem, scale_smem):
+        """The weight tile [block_n, block_k] in the compute dtype, scaled by its k block's row of scales
+        (dequantize), in registers."""
+        w = w_smem[...]  # layout inference loads it in the layout wgmma's A takes after the conversion
+        if scale_at != SCALE_DEQUANTIZE:
+            # sm_90 has no fp8 -> bf16 conversion: through float32 (exact either way)
+            return (w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) else w).astype(compute)
+        (s_smem,) = scale_smem
+        row = s_smem[0] if interpret else plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+        # in float32: the product is rounded once (and sm_90 converts fp8 to bf16 through float32)
+        return (w.astype(jnp.float32) * lax.broadcast_in_dim(row, w.shape, [0])).astype(compute)
+
     def body(groups_gmem, used_gmem, x_gmem, w_gmem, s_gmem, o_gmem):
         t, ni = lax.axis_index("m"), lax.axis_index("n")
         group = groups_gmem[t]
 
-        def step(_, x_smem, w_smem, *scale_smem):
-            w = w_smem[...]  # layout inference loads it in the layout wgmma's A takes after the conversion
-            if scale_at != SCALE_DEQUANTIZE:
-                # sm_90 has no fp8 -> bf16 conversion: through float32 (exact either way)
-                w = (w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) else w).astype(compute)
-            else:  # in float32: the product is rounded once (and sm_90 converts fp8 to bf16 through f32)
-                (s_smem,) = scale_smem
-                row = s_smem[0] if interpret else plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
-                w = (w.astype(jnp.float32) * lax.broadcast_in_dim(row, w.shape, [0])).astype(compute)
-            acc_ref, a_smem = scope[0], scope[1]
-            if a_smem is not None:  # the interpreter's wgmma reads its A operand from a ref only
-                a_smem[...] = w
-                w = a_smem
-            plgpu.wgmma(acc_ref, w, x_smem)
-            plgpu.wgmma_wait(0)  # the register operand stays live until its wgmma is done
+        def k_loop(acc_ref, a_smem=None):
+            """The pipelined k steps into acc_ref; `a_smem`: the interpreter's stand-in for the register
+            operand (its wgmma reads refs only)."""
 
-        scope = []
+            def step(_, x_smem, w_smem, *scale_smem):
+                w = dequantized(w_smem, scale_smem)
+                if a_smem is not None:
+                    a_smem[...] = w
+                    w = a_smem
+                plgpu.wgmma(acc_ref, w, x_smem)
+                plgpu.wgmma_wait(0)  # the register operand and x's buffer stay live until the wgmma is done
 
-        def acc_scope(acc_ref):
-            if interpret:
-                return pl.run_scoped(functools.partial(pipeline, acc_ref), plgpu.SMEM((block_n, block_k), compute))
-            return pipeline(acc_ref, None)
-
-        def pipeline(acc_ref, a_smem):
-            scope[:] = [acc_ref, a_smem]
             specs = [plgpu.BlockSpec((block_k, block_m), lambda kk: (kk, t)),
                      plgpu.BlockSpec((block_n, block_k), lambda kk: (ni, kk))]
             refs = [x_gmem, w_gmem.at[group]]
@@ -86,6 +85,11 @@ def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: j
                 refs.append(s_gmem.at[group])
             plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=steps)(*refs)
             return acc_ref[...]
+
+        def acc_scope(acc_ref):
+            if interpret:
+                return pl.run_scoped(functools.partial(k_loop, acc_ref), plgpu.SMEM((block_n, block_k), compute))
+            return k_loop(acc_ref)
 
         @pl.when(t < used_gmem[0])
         def _():
