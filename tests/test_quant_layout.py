@@ -248,3 +248,24 @@ def test_fused_dispatch_and_combine_take_nk_weights():
 
     for mine, theirs in zip(jax.jit(lambda: layer(1))(), jax.jit(lambda: layer(0))()):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+
+def test_the_sharded_layer_takes_nk_weights():
+    """sharded_moe_mlp on this host's one device (the specs of every stored axis through shard_map): "nk"
+    expert weights give "kn"'s output bitwise."""
+    rng = np.random.default_rng(7)
+    tokens, hidden, width, experts = 16, 32, 16, 4
+    x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32))
+    logits = jnp.asarray(rng.standard_normal((tokens, experts), np.float32))
+    floats = [rng.standard_normal(shape, np.float32) / 4 for shape in
+              [(experts, hidden, width)] * 2 + [(experts, width, hidden)]]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("expert", "tensor"))
+
+    def layer(layout: str):
+        w = [quantize(jnp.asarray(f), "int8", axis=1, layout=layout) for f in floats]
+        return jax.jit(lambda x, l, *w: moe_tune.sharded_moe_mlp(x, l, *w, 2, mesh=mesh, tensor_axis="tensor"))(
+            x, logits, *w)
+
+    out = np.asarray(layer("kn"))
+    assert np.abs(out).max() > 0
+    np.testing.assert_array_equal(np.asarray(layer("nk")), out)
