@@ -221,6 +221,14 @@ def test_the_layer_plans_on_four_tpu_chips(pool):
     found = plan(SMALL, TOKENS, "v5e:2x2", pool=pool)
     _check_layer_plan(found, "v5e:2x2")
     assert all(p.compiler_estimate_s > 0 for p in found.strategies)  # libtpu's own estimate
+    # in_kernel: the rows move by remote DMA inside its kernels; the program's only collective gathers the int32
+    # counts [4 chips, 8 experts] (XLA writes that small all-gather as an all-reduce), less than one token row
+    # (hidden x 2 bytes), and its sent bytes count the kernels' rows
+    in_kernel = next(p for p in found.strategies if p.strategy == "in_kernel")
+    assert len(in_kernel.compiled.collectives) == 1 and set(in_kernel.collectives) <= {"all-gather", "all-reduce"}
+    assert in_kernel.compiled.collectives[0]["operand_bytes"] <= 4 * SMALL.experts * 4 < SMALL.hidden * 2
+    kind, = in_kernel.collectives
+    assert in_kernel.collective_bytes == int(found.work.dma_bytes) + in_kernel.collectives[kind]["sent_bytes"]
 
 
 @needs_tpu

@@ -210,8 +210,8 @@ cli.add_command(coverage)  # `moe-tune coverage`: its options in coverage_cli.py
 @click.option("--target", "slice_name", required=True, help="A slice: v5e:2x2, v5e:4x4, v5e:8x8, "
               "v6e:2x2, v6e:4x4, v5p:2x2x2, v5p:4x4x4, h100x4, h100x8, h200x8.")
 @click.option("--strategy", "strategies", type=click.Choice(PLAN_WAYS),
-              multiple=True, help="Only these ways (default: each): the ep_strategy values, and all_to_all over "
-              "the fixed-capacity exchange.")
+              multiple=True, help="Only these ways (default: each the chip runs): the ep_strategy values (in_kernel "
+              "on TPU only), and all_to_all over the fixed-capacity exchange.")
 @click.option("--tensor", type=click.IntRange(min=1), default=None,
               help="Tensor-axis size (default: 1 where the experts split over every chip).")
 @click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None)
@@ -227,7 +227,7 @@ def plan(model, tokens, slice_name, strategies, tensor, capacity_factor, backend
     from moe_tune.commands.slice_plan_view import show
     from moe_tune.targets.slice_plan import plan as plan_slice
 
-    found = plan_slice(model, tokens, slice_name, strategies=strategies or PLAN_WAYS, tensor=tensor,
+    found = plan_slice(model, tokens, slice_name, strategies=strategies or None, tensor=tensor,
                        capacity_factor=capacity_factor, backend=backend)
     show(found, fmt)
     if not found.fits_any:

@@ -1,7 +1,8 @@
 """Planning the MoE layer across devices for a slice this machine does not have.
 
 For a model preset at `tokens` per expert-axis shard on a slice (`core.chips.SLICES`), each way of the sharded
-layer (`STRATEGIES`: each `ep_strategy`, and `all_to_all` over the fixed-capacity exchange) is compiled for the slice's compile-only chips (`slice_compile.py`, in compile workers) and
+layer (`STRATEGIES`: each `ep_strategy`, in_kernel on TPU slices only, and `all_to_all` over the fixed-capacity
+exchange) is compiled for the slice's compile-only chips (`slice_compile.py`, in compile workers) and
 recorded: whether it fits (per-chip memory from `memory_analysis` against the chip's published HBM), the
 collectives of the compiled program with the bytes one chip sends (`collectives.py`), the TPU compiler's own
 estimate (`optimal_seconds`), and a floor from the chip's published facts: the largest of the layer's FLOPs
@@ -35,7 +36,9 @@ from moe_tune.workers import WorkerFailure, WorkerPool
 # and all_to_all over the fixed-capacity exchange, what runs where the chip's compiler refuses the ragged one
 # (libtpu on v5e:8x8: "Ragged all-to-all is currently not supported in limited ICI routing settings").
 FIXED_ALL_TO_ALL = "all_to_all:fixed"
-STRATEGIES = ("all_gather", "all_to_all", FIXED_ALL_TO_ALL)
+# in_kernel moves the rows by remote DMA inside Pallas TPU kernels: TPU slices only (`strategies_for`)
+IN_KERNEL = "in_kernel"
+STRATEGIES = ("all_gather", "all_to_all", FIXED_ALL_TO_ALL, IN_KERNEL)
 # the kernels' backends a plan compiles with (`SliceJob.backend`)
 BACKENDS = (None, "xla", "sparsecore")
 TIE = 0.05  # floors within 5% of each other are a tie
@@ -45,10 +48,13 @@ _ESTIMATE_NOTE = ("estimates, not times: the floor is the slowest of compute, HB
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One chip's share of the layer: FLOPs and HBM bytes (the module docstring's model)."""
+    """One chip's share of the layer: FLOPs and HBM bytes (the module docstring's model); `dma_bytes`: what
+    the `in_kernel` strategy's kernels send to other chips (the routed rows there and back, balanced routing),
+    which no XLA collective of its program shows."""
 
     flops: float
     hbm_bytes: float
+    dma_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +138,15 @@ def layer_work(preset: ModelPreset, tokens: int, expert: int, tensor: int, dtype
     d, f = preset.hidden, preset.expert_intermediate // tensor
     weights = 3 * (preset.experts // expert) * d * f * dtype_bytes
     activations = rows * (2 * d + 3 * f) * dtype_bytes + 2 * tokens * d * dtype_bytes
-    return Work(flops=6.0 * rows * d * f, hbm_bytes=float(weights + activations))
+    remote = rows * (expert - 1) / expert  # the entries whose experts live on another chip
+    return Work(flops=6.0 * rows * d * f, hbm_bytes=float(weights + activations),
+                dma_bytes=2.0 * remote * d * dtype_bytes)
+
+
+def strategies_for(piece: Slice) -> tuple[str, ...]:
+    """The ways a plan compiles by default on the slice: every one of `STRATEGIES` its chip runs (in_kernel on
+    TPU only)."""
+    return tuple(s for s in STRATEGIES if s != IN_KERNEL or piece.chip.platform == "tpu")
 
 
 def floor(work: Work, sent_bytes: int, piece: Slice) -> tuple[float, str]:
@@ -152,7 +166,8 @@ def strategy_plan(strategy: str, compiled: SliceCompile, work: Work, piece: Slic
         fits = False if compiled.out_of_memory else None
         return StrategyPlan(strategy, compiled, fits, compiled.required_bytes, 0, {}, None, "", None)
     found = [collectives.Collective(**c) for c in compiled.collectives]
-    sent = sum(c.sent_bytes for c in found)
+    # in_kernel's rows travel by DMA inside its kernels: counted as sent, though no collective shows them
+    sent = sum(c.sent_bytes for c in found) + (int(work.dma_bytes) if strategy == IN_KERNEL else 0)
     seconds, bound = floor(work, sent, piece)
     estimate = compiled.cost.get("optimal_seconds")
     return StrategyPlan(strategy, compiled, compiled.chip_bytes <= piece.facts.hbm_bytes, compiled.chip_bytes, sent,
@@ -274,19 +289,22 @@ class PlanRequest:
     model: str | ModelPreset
     tokens: int
     slice: str
-    strategies: Sequence[str] = STRATEGIES
+    strategies: Sequence[str] | None = None  # None: `strategies_for` the slice
     dtype: str = "bfloat16"
     tensor: int | None = None
     capacity_factor: float | None = None
     backend: str | None = None
 
 
-def _prepared(request: PlanRequest) -> tuple[Slice, ModelPreset, int, int, Work, list[SliceJob]]:
-    """The request checked (one-line UsageErrors), its mesh, its work per chip and its compile jobs."""
+def _prepared(request: PlanRequest) -> tuple[Slice, ModelPreset, int, int, Work, list[SliceJob], Sequence[str]]:
+    """The request checked (one-line UsageErrors), its mesh, its work per chip, its compile jobs and its
+    strategies."""
     import numpy as np
 
     piece = get_slice(request.slice)
     preset = request.model if isinstance(request.model, ModelPreset) else get_preset(request.model)
+    if request.strategies is None:
+        request = dataclasses.replace(request, strategies=strategies_for(piece))
     unknown = [s for s in request.strategies if s not in STRATEGIES]
     if unknown or not request.strategies:
         raise UsageError(f"unknown strategy {unknown[0] if unknown else ''!r}; known: {', '.join(STRATEGIES)}")
@@ -300,7 +318,7 @@ def _prepared(request: PlanRequest) -> tuple[Slice, ModelPreset, int, int, Work,
     jobs = [SliceJob(piece.name, preset.hidden, preset.expert_intermediate, preset.experts, preset.top_k,
                      request.tokens, expert, tensor, request.dtype, LAYER, s, request.capacity_factor,
                      request.backend) for s in request.strategies]
-    return piece, preset, expert, tensor, work, jobs
+    return piece, preset, expert, tensor, work, jobs, request.strategies
 
 
 def plans(requests: Sequence[PlanRequest], pool: PlanPool | None = None) -> list[SlicePlan]:
@@ -310,14 +328,14 @@ def plans(requests: Sequence[PlanRequest], pool: PlanPool | None = None) -> list
     own = pool is None
     pool = pool or PlanPool()
     try:
-        compiled = pool.compile([job for *_, jobs in prepared for job in jobs])
+        compiled = pool.compile([job for *_, jobs, _ in prepared for job in jobs])
     finally:
         if own:
             pool.close()
     found, at = [], 0
-    for request, (piece, preset, expert, tensor, work, jobs) in zip(requests, prepared):
+    for request, (piece, preset, expert, tensor, work, jobs, ways) in zip(requests, prepared):
         mine, at = compiled[at:at + len(jobs)], at + len(jobs)
-        strategy_plans = [strategy_plan(s, c, work, piece) for s, c in zip(request.strategies, mine)]
+        strategy_plans = [strategy_plan(s, c, work, piece) for s, c in zip(ways, mine)]
         recommended, reason = recommend(strategy_plans, piece, request.capacity_factor)
         found.append(SlicePlan(preset.name, request.tokens, piece.name, piece.target, piece.chips, expert, tensor,
                                request.dtype, request.capacity_factor, work, dataclasses.asdict(piece.facts),
@@ -325,10 +343,12 @@ def plans(requests: Sequence[PlanRequest], pool: PlanPool | None = None) -> list
     return found
 
 
-def plan(model: str | ModelPreset, tokens: int, slice_name: str, *, strategies: Sequence[str] = STRATEGIES,
+def plan(model: str | ModelPreset, tokens: int, slice_name: str, *, strategies: Sequence[str] | None = None,
          dtype: str = "bfloat16", tensor: int | None = None, capacity_factor: float | None = None,
          backend: str | None = None, pool: PlanPool | None = None) -> SlicePlan:
     """The plan of `model`'s layer (a preset's name, or a preset) at `tokens` per expert-axis shard on the
-    slice: one compile per strategy, in `pool` (else in compile workers started for this plan)."""
-    request = PlanRequest(model, tokens, slice_name, tuple(strategies), dtype, tensor, capacity_factor, backend)
+    slice: one compile per strategy (None: `strategies_for` the slice), in `pool` (else in compile workers
+    started for this plan)."""
+    request = PlanRequest(model, tokens, slice_name, None if strategies is None else tuple(strategies), dtype, tensor,
+                          capacity_factor, backend)
     return plans([request], pool)[0]
