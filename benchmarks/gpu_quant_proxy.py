@@ -5,6 +5,10 @@ instruction mix of each kernel's k loop read from the PTX the compiler produced 
     PYTHONPATH=src .venv/bin/python benchmarks/gpu_quant_proxy.py [--max-candidates 8] [--seed 0] [--chip h100]
         [--formats bf16,int8,fp8/128,int4/128,mxfp4] [--workers 1] [--label L]
 
+Beside triton, the `mosaic_gpu_quant` backend (Mosaic GPU, weights dequantized in registers into wgmma's
+register operand, swap-AB) compiles its default and a seeded sample of its space for every format it serves
+(`--backends`); a format it refuses is one row with its reason.
+
 Why (FINDINGS.md: H100 4-bit weights, mxfp4 block_k 32): on a real H100 the tuned triton kernel took 1.11x
 (int8), 2.20x (int4/128) and 3.55x (mxfp4) the bf16 kernel's time at m 4096, k 7168, n 2048, 32 groups.
 For bf16, int8 (one scale per channel), fp8/128, int4/128 and mxfp4 weights (bf16 activations, bf16 out) at
@@ -29,7 +33,9 @@ import time
 from pathlib import Path
 
 from moe_tune.kernels import get_op
+from moe_tune.kernels.ragged_dot.mosaic_gpu_quant_kernel import KERNEL_ENTRY
 from moe_tune.targets import get_target, wheels
+from moe_tune.targets.compile import acting_as
 from moe_tune.targets.jobs import CompileJob, config_error, sample, search_space
 from moe_tune.targets.ptx_mix import loop_mixes
 
@@ -42,6 +48,8 @@ EXTRA_FORMATS = {"fp8/32": dict(rhs_quant="float8_e4m3fn", quant_block=32),
                  "int4/32": dict(rhs_quant="int4", quant_block=32)}
 ALL_FORMATS = {**FORMATS, **EXTRA_FORMATS}
 KERNEL = "moe_tune_gmm"  # the triton forward's pallas_call name: its .entry in the PTX
+QUANT_BACKEND = "mosaic_gpu_quant"
+KERNELS = {"triton": KERNEL, QUANT_BACKEND: KERNEL_ENTRY}  # backend -> the .entry of its kernel
 TENSOR_CORE_RULE = "loses the tensor cores"  # the words of the triton rule that refuses such configs
 
 
@@ -71,6 +79,7 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(ALL_FORMATS)}")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--label", default="")
+    parser.add_argument("--backends", default=",".join(KERNELS), help=f"of {', '.join(KERNELS)}")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
     shapes = {name: SHAPES[name] for name in args.shapes.split(",") if name in SHAPES}
@@ -84,29 +93,44 @@ def main() -> None:
 
     chip = get_target(args.chip)
     spec = get_op("ragged_dot")
-    jobs, meta = [], []
+    backends = [b for b in args.backends.split(",") if b in KERNELS]
+    jobs, meta, refused = [], [], []
     for fmt, (shape_name, shape) in itertools.product(formats, shapes.items()):
         problem = spec.problem(**shape, **ALL_FORMATS[fmt], dtype="bfloat16")
-        for config, rule in candidates(chip, problem, size, args.seed):
-            jobs.append(CompileJob(chip.name, "ragged_dot", "triton", problem, config))
-            meta.append({"format": fmt, "shape": shape_name, "config": config.to_dict(), "rule": rule})
+        if "triton" in backends:
+            for config, rule in candidates(chip, problem, size, args.seed):
+                jobs.append(CompileJob(chip.name, "ragged_dot", "triton", problem, config))
+                meta.append({"backend": "triton", "format": fmt, "shape": shape_name, "config": config.to_dict(),
+                             "rule": rule})
+        if QUANT_BACKEND in backends:
+            with acting_as(chip):
+                why = spec.backends.get(QUANT_BACKEND).chip_error(problem)
+            if why is not None:
+                refused.append({"backend": QUANT_BACKEND, "format": fmt, "shape": shape_name, "config": None,
+                                "rule": why, "status": "refused", "message": why})
+                continue
+            for config in sample(search_space(chip, "ragged_dot", QUANT_BACKEND, problem), size, args.seed):
+                jobs.append(CompileJob(chip.name, "ragged_dot", QUANT_BACKEND, problem, config))
+                meta.append({"backend": QUANT_BACKEND, "format": fmt, "shape": shape_name,
+                             "config": config.to_dict(), "rule": None})
     print(f"{len(jobs)} compiles for {chip.name} ({args.workers} worker(s))", flush=True)
     started = time.perf_counter()
     rows = []
     with PtxPool(args.workers) as pool:
         for row, (result, ptx) in zip(meta, pool.compile(jobs)):
             row.update(status=result.status, message=result.message, compile_s=round(result.compile_s, 2))
-            mix = loop_mixes(ptx).get(KERNEL) if result.ok else None
+            mix = loop_mixes(ptx).get(KERNELS[row["backend"]]) if result.ok else None
             if mix is not None:
                 row["mix"] = mix.to_dict()
             rows.append(row)
+    rows += refused
     wall = time.perf_counter() - started
     date = time.strftime("%Y-%m-%d")
     label = f"_{args.label}" if args.label else ""
     stem = RESULTS / f"gpu_quant_proxy_{chip.name}_compile_{date}{label}"
     report = {"meta": {"chip": chip.name, "device_kind": chip.device_kind, "date": date, "wall_s": round(wall, 1),
                        "max_candidates": args.max_candidates, "seed": args.seed, "shapes": shapes,
-                       "formats": {f: ALL_FORMATS[f] for f in formats}, "kernel": KERNEL,
+                       "formats": {f: ALL_FORMATS[f] for f in formats}, "kernels": {b: KERNELS[b] for b in backends},
                        "command": "benchmarks/gpu_quant_proxy.py " + " ".join(sys.argv[1:])},
               "rows": rows}
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -120,32 +144,42 @@ def _counts(counts: dict) -> str:
 
 
 def markdown(report: dict) -> str:
-    """Per format: how many configs keep the tensor cores, then one line per config."""
+    """Per backend, format and shape: how many configs keep the tensor cores, then one line per config."""
     meta, rows = report["meta"], report["rows"]
-    lines = [f"# triton ragged_dot fwd compiled for {meta['chip']}: the k loop's instruction mix", "",
-             f"`{meta['command']}` (compile-only, cpu, {meta['date']}, {meta['wall_s']} s). Static counts of one "
-             "k step (the k loop of `moe_tune_gmm` in the PTX, `targets/ptx_mix.py`). `rule`: refused by the "
-             "backend's rules (compiled as evidence of them).", "",
-             "| format | shape | configs (tuner's / refused) | compiled | with wgmma | with mma.sync | no MMA | "
-             "round trip | dequant share | fma.f32 per step |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for (fmt, shape), group in itertools.groupby(rows, key=lambda r: (r["format"], r["shape"])):
+    kernels = meta.get("kernels", {"triton": KERNEL})
+    lines = [f"# ragged_dot fwd compiled for {meta['chip']}: the k loop's instruction mix", "",
+             (f"`{meta['command']}` (compile-only, cpu, {meta['date']}, {meta['wall_s']} s). Static counts of one "
+              f"k step (the k loop of {', '.join(f'`{k}` ({b})' for b, k in kernels.items())} in the PTX, "
+              "`targets/ptx_mix.py`). `rule`: refused by the backend's rules (compiled as evidence of them; a "
+              "format a backend does not serve at all is one row, not compiled)."), "",
+             ("| backend | format | shape | configs (tuner's / refused) | compiled | with wgmma | with mma.sync | "
+              "no MMA | round trip | dequant share | fma.f32 per step |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+    key = lambda r: (r.get("backend", "triton"), r["format"], r["shape"])
+    for (backend, fmt, shape), group in itertools.groupby(rows, key=key):
         group = list(group)
         mixes = [r["mix"] for r in group if "mix" in r]
         tuner = sum(r["rule"] is None for r in group)
         share = [m["dequant_share"] for m in mixes]
         fma = [m["fma_f32"] for m in mixes]
         span = lambda v, f: f"{f(min(v))}-{f(max(v))}" if v else "-"
-        lines.append(f"| {fmt} | {shape} | {tuner} / {len(group) - tuner} | {len(mixes)} | "
+        if all(r["config"] is None for r in group):
+            lines.append(f"| {backend} | {fmt} | {shape} | refused: {group[0]['rule']} | | | | | | | |")
+            continue
+        lines.append(f"| {backend} | {fmt} | {shape} | {tuner} / {len(group) - tuner} | {len(mixes)} | "
                      f"{sum(m['wgmma'] > 0 for m in mixes)} | {sum(m['mma_sync'] > 0 for m in mixes)} | "
                      f"{sum(m['tensor_core'] == 0 for m in mixes)} | {sum(m['round_trip'] for m in mixes)} | "
                      f"{span(share, lambda x: f'{x:.2f}')} | {span(fma, str)} |")
-    lines += ["", "| format | shape | block m x n x k | warps | stages | rule | status | wgmma | mma.sync | "
+    lines += ["", "| backend | format | shape | block m x n x k | warps | stages | rule | status | wgmma | mma.sync | "
               "dequant share | fma.f32 | convert | int bit ops | global loads | st.shared | instructions |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, m = r["config"], r.get("mix")
-        head = (f"| {r['format']} | {r['shape']} | {c['block_m']} x {c['block_n']} x {c['block_k']} | "
-                f"{c['num_warps']} | {c['num_stages']} | {'refused' if r['rule'] else ''} | {r['status']} |")
+        if c is None:
+            continue  # a format the backend does not serve: its summary line says why
+        # Mosaic GPU: one warpgroup (4 warps), max_concurrent_steps the pipeline's stages
+        head = (f"| {r.get('backend', 'triton')} | {r['format']} | {r['shape']} | {c['block_m']} x {c['block_n']} x "
+                f"{c['block_k']} | {c.get('num_warps', 4)} | {c.get('num_stages', c.get('max_concurrent_steps'))} | "
+                f"{'refused' if r['rule'] else ''} | {r['status']} |")
         if m is None:
             lines.append(head + " | | | | | | | | |")
             continue

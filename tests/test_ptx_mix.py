@@ -145,3 +145,26 @@ def test_the_dumped_ptx_of_a_compiled_triton_ragged_dot_holds_its_k_loop():
     mix = loop_mixes(ptx)["moe_tune_gmm"]
     assert mix.loop_found and mix.wgmma == 64 // 16 and not mix.round_trip
     assert "cp.async.16B" in mix.global_loads
+
+
+@pytest.mark.skipif(not __import__("moe_tune.targets.wheels", fromlist=["available"]).available("gpu"),
+                    reason="the CUDA plugin is missing: pip install 'moe-tune[gpu-compile]'")
+def test_the_dumped_ptx_of_a_mosaic_gpu_kernel_holds_its_k_loop():
+    """`targets.ptx_dump` also reads the PTX the Mosaic GPU compiler dumps apart from XLA's: the int8 swap-AB
+    forward (`mosaic_gpu_quant`) compiled for an H100 has wgmma in its k loop (block_n 128: two 64-row wgmma
+    per 16 of block_k, each fed from registers: no shared-memory store in the loop) and TMA loads."""
+    from moe_tune.kernels.ragged_dot.mosaic_gpu_quant import MosaicGpuQuantConfig
+    from moe_tune.kernels.ragged_dot.mosaic_gpu_quant_kernel import KERNEL_ENTRY
+    from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
+    from moe_tune.targets.jobs import CompileJob
+    from moe_tune.targets.ptx_dump import PtxPool
+
+    problem = RaggedDotProblem(256, 512, 256, 4, lhs_dtype="bfloat16", rhs_dtype="float32", out_dtype="bfloat16",
+                               rhs_qdtype="int8", rhs_qblock=512)
+    config = MosaicGpuQuantConfig(block_m=16, block_n=128, block_k=128, max_concurrent_steps=2)
+    with PtxPool(1) as pool:
+        ((result, ptx),) = pool.compile([CompileJob("h100", "ragged_dot", "mosaic_gpu_quant", problem, config)])
+    assert result.ok, result.message
+    mix = loop_mixes(ptx)[KERNEL_ENTRY]
+    assert mix.loop_found and mix.wgmma == 2 * 128 // 16 and not mix.round_trip
+    assert mix.global_loads == {"bulk": 2}  # the tokens' and the weights' tiles of the step

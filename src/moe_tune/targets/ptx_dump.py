@@ -4,7 +4,9 @@
 wheels, as `jobs.CompilePool` does) whose `XLA_FLAGS` carry `--xla_dump_to=DIR`, one fresh folder per worker
 process: XLA:GPU writes each compiled module's PTX there (`module_NNNN.<name>....ptx`, every kernel of the
 module, Triton's included). A job's PTX is that of the modules whose files appeared while it compiled (one
-job at a time per worker, so no other job's); their files are removed once read. `ptx_mix` reads the text.
+job at a time per worker, so no other job's); their files are removed once read. A Mosaic GPU kernel's PTX
+is not in XLA's dump (the custom call carries its own compiled module): the workers also set
+`MOSAIC_GPU_DUMP_PTX`, and its files are read the same way. `ptx_mix` reads the text.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from moe_tune.targets.jobs import CompileJob, _failed, compile_job
 from moe_tune.workers import WorkerPool
 
 _DUMP_FLAG = "--xla_dump_to="
+_MOSAIC_DIR = "MOSAIC_GPU_DUMP_TO"
 
 
 def _dump_dir() -> Path | None:
@@ -43,14 +46,28 @@ def compile_with_ptx(job: CompileJob) -> tuple[CompileResult, str]:
     folder = _dump_dir()
     before = _modules(folder) if folder is not None and folder.is_dir() else set()
     result = compile_job(job)
+    mosaic = _mosaic_gpu_ptx()
     if folder is None or not result.ok:
         return result, ""
     new = sorted(_modules(folder) - before)
-    ptx = "".join(p.read_text() for name in new for p in sorted(folder.glob(f"{name}.*.ptx")))
+    ptx = "".join(p.read_text() for name in new for p in sorted(folder.glob(f"{name}.*.ptx"))) + mosaic
     for name in new:  # read: free the disk as it goes (a module's dumps, HLO and LLVM IR, run to megabytes)
         for path in folder.glob(f"{name}.*"):
             path.unlink(missing_ok=True)
     return result, ptx
+
+
+def _mosaic_gpu_ptx() -> str:
+    """The PTX of the Mosaic GPU kernels compiled since the last call: their compiler writes it apart from
+    XLA's (`MOSAIC_GPU_DUMP_PTX`, into `MOSAIC_GPU_DUMP_TO`: `<kernel>_<n>.ptx`, beside the pass logs and
+    ptxas' report); every file there is removed once read, so a file's name may come back."""
+    folder = os.environ.get(_MOSAIC_DIR)
+    if not folder or not Path(folder).is_dir():
+        return ""
+    ptx = "".join(p.read_text() for p in sorted(Path(folder).glob("*.ptx")))
+    for path in Path(folder).iterdir():
+        path.unlink(missing_ok=True)
+    return ptx
 
 
 class PtxPool:
@@ -68,6 +85,9 @@ class PtxPool:
         self._folders.append(folder)
         env = wheels.worker_env()
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_DUMP_FLAG}{folder}".strip()
+        mosaic = os.path.join(folder, "mosaic_gpu")  # the Mosaic GPU compiler's own dumps (it needs the folder)
+        os.makedirs(mosaic)
+        env.update({"MOSAIC_GPU_DUMP_PTX": "1", _MOSAIC_DIR: mosaic})
         return env
 
     def __enter__(self) -> PtxPool:
