@@ -122,9 +122,12 @@ def test_what_it_refuses_and_why():
         "writes the activations' dtype": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "float32",
                                                           **quant),
         "float32 activations": RaggedDotProblem(64, 256, 128, 2, "float32", "float32", "float32", **quant),
+        "shorter than": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="int4",
+                                         rhs_qblock=64),
     }
     for words, problem in cases.items():
         assert words.split()[-1] in impl.chip_error(problem), (words, impl.chip_error(problem))
+    assert "shorter than" in impl.chip_error(cases["shorter than"])
     assert impl.chip_error(fwd) is None
     assert "not built" in impl.config_error(MosaicGpuQuantConfig(swap_ab=False), fwd)
     assert "multiple of 64" in impl.config_error(MosaicGpuQuantConfig(block_n=96), fwd)

@@ -97,8 +97,12 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
             return f"{a} activations: the kernel feeds wgmma {' or '.join(LOW_PRECISION)} (the dequantized dtype)"
         if out != a:
             return f"a {out} result from {a} activations: the kernel writes the activations' dtype"
-        if _scale_at(problem) is None:
+        if (placed := _scale_at(problem)) is None:
             return f"a scale block of {problem.rhs_qblock}: neither one per channel nor blocks along k"
+        least = _least_block_k(problem)
+        if placed == qkernel.SCALE_DEQUANTIZE and problem.rhs_qblock % least:
+            return (f"a scale block of {problem.rhs_qblock}: shorter than (or not a multiple of) the k step of "
+                    f"{least} the kernel's {problem.rhs_qdtype} tiles need (one scale row per step)")
         return None
 
     def config_error(self, config: MosaicGpuQuantConfig, problem: RaggedDotProblem) -> str | None:
@@ -112,7 +116,7 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
             return f"block_n={bn} must be a multiple of {MMA_ROWS} up to 256 (wgmma's M, the weights' rows)"
         if bm not in TOKEN_BLOCKS:
             return f"block_m={bm} must be one of {TOKEN_BLOCKS} (wgmma's N, the tokens)"
-        least = 128 if problem.rhs_qdtype == "int4" else 64  # 64-byte rows of 4-bit or 8-bit weight tiles
+        least = _least_block_k(problem)
         if bk <= 0 or bk % least or bk > 256:
             return f"block_k={bk} must be a multiple of {least} up to 256 for {problem.rhs_qdtype} weights"
         if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE and problem.rhs_qblock % bk:
@@ -190,6 +194,11 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
         raise TypeError("the mosaic_gpu_quant backend has no drhs kernel (its chip_error refuses drhs)")
+
+
+def _least_block_k(problem: RaggedDotProblem) -> int:
+    """The shortest k step of the weights' tiles: 64-byte rows of 4-bit (128) or 8-bit (64) values."""
+    return 128 if problem.rhs_qdtype == "int4" else 64
 
 
 def _aligned(size: int) -> int:
