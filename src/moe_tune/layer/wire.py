@@ -9,7 +9,9 @@ to the devices holding their experts.
   of x; all_to_all: the fixed or the ragged exchange), are gathered into expert order with XLA's gather (the
   `ragged_gather` kernels take float rows), and the receiving device hands them, as a `QArray` lhs, straight
   to the gate and up grouped matmuls. The bytes a row costs on the wire: hidden + 4 x hidden / block instead
-  of hidden x itemsize (about half for bfloat16, a quarter for float32).
+  of hidden x itemsize (about half for bfloat16, a quarter for float32). As compiled for 8 H100s and for
+  v5e:2x2 (FINDINGS.md: fp8 dispatch wire) the dispatch collectives carry f8e4m3fn rows at half the bf16
+  bytes, except that libtpu lays the ragged all-to-all's [rows, 1] float32 scales out 128 lanes wide.
 
 Where the fp8 rows meet the kernel (`kernels/ragged_dot/quant_plan.py`, `quantized.py`): `tiled` (CPU),
 `megablox` (TPU: `megablox_quant`) and `triton` (GPU) load the 1-byte blocks as they are and apply the row
