@@ -1,0 +1,73 @@
+"""The MoE layer's `in_kernel` strategy compiled by libtpu for TPU v5e slices this machine does not have
+(compile-only topologies v5e:2x2 and v5e:4x4), beside `all_to_all` over the ragged all-to-all, at the
+qwen3-30b-a3b preset in bfloat16 with every expert split over the chips (nothing dropped: buffers sized for the
+worst case).
+
+Per compile: status, seconds, per-chip memory from the compiled program's `memory_analysis`, the kernels (custom
+calls) and the collectives left in the optimized HLO with their bytes, whether any collective moves at least one
+token row (hidden x 2 bytes: in_kernel should have none, its rows travel by remote DMA inside its kernel), and the
+bytes a chip's kernels send by DMA under balanced routing (`slice_plan.layer_work`). Compiles only: nothing here
+ran on a chip, and nothing is a time.
+
+  python benchmarks/in_kernel_compile.py [--tokens 512,4096] [--workers 2] [--out benchmarks/results/NAME.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from moe_tune.core.chips import get_slice
+from moe_tune.layer.models import get_preset
+from moe_tune.targets.slice_compile import LAYER, SliceJob
+from moe_tune.targets.slice_plan import PlanPool, layer_work
+
+SLICES = ("v5e:2x2", "v5e:4x4")
+STRATEGIES = ("in_kernel", "all_to_all")
+PRESET = "qwen3-30b-a3b"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="512,4096", help="tokens per chip, comma-separated")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "in_kernel_compile_v5e_2026-12-02.json")
+    args = parser.parse_args()
+    preset = get_preset(PRESET)
+    row_bytes = preset.hidden * 2
+    jobs = [SliceJob(name, preset.hidden, preset.expert_intermediate, preset.experts, preset.top_k, tokens,
+                     get_slice(name).chips, 1, "bfloat16", LAYER, strategy)
+            for name in SLICES for tokens in map(int, args.tokens.split(",")) for strategy in STRATEGIES]
+    start = time.perf_counter()
+    with PlanPool(workers=args.workers, timeout=1200) as pool:
+        compiled = pool.compile(jobs)
+    results = []
+    for job, done in zip(jobs, compiled):
+        work = layer_work(preset, job.tokens, job.expert, 1, 2)
+        rows = [c for c in done.collectives if c["operand_bytes"] >= row_bytes]
+        results.append({
+            "slice": job.slice, "chips": job.expert, "tokens_per_chip": job.tokens, "strategy": job.strategy,
+            "status": done.status, "message": done.message, "backend": done.backend, "compile_s": round(done.compile_s, 1),
+            "chip_bytes": done.chip_bytes, "memory": done.memory, "kernels": done.kernels,
+            "collectives": done.collectives, "token_row_collectives": len(rows),
+            "collective_sent_bytes": sum(c["sent_bytes"] for c in done.collectives),
+            "kernel_dma_sent_bytes": int(work.dma_bytes) if job.strategy == "in_kernel" else 0,
+        })
+        print(f"{job.slice} tokens {job.tokens} {job.strategy}: {done.status} {done.message[:200]} "
+              f"{done.chip_bytes / 1e9:.3f} GB/chip, collectives {[c['kind'] for c in done.collectives]}, "
+              f"token-row collectives {len(rows)}, {done.compile_s:.0f} s", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                            cwd=Path(__file__).parent).stdout.strip()
+    header = {"what": __doc__.splitlines()[0], "preset": PRESET, "dtype": "bfloat16", "commit": commit,
+              "machine": "CPU host, libtpu compile-only topologies", "wall_s": round(time.perf_counter() - start, 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**header, "results": results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
