@@ -228,6 +228,7 @@ def test_the_layer_plans_on_four_tpu_chips(pool):
     assert len(in_kernel.compiled.collectives) == 1 and set(in_kernel.collectives) <= {"all-gather", "all-reduce"}
     assert in_kernel.compiled.collectives[0]["operand_bytes"] <= 4 * SMALL.experts * 4 < SMALL.hidden * 2
     kind, = in_kernel.collectives
+    assert "moe_tune_scatter_rows" in in_kernel.compiled.kernels  # the exchange kernel, compiled by Mosaic
     assert in_kernel.collective_bytes == int(found.work.dma_bytes) + in_kernel.collectives[kind]["sent_bytes"]
 
 

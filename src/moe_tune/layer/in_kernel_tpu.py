@@ -150,6 +150,7 @@ def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array
         input_output_aliases={len(scalars) + 1: 0},  # zeros (after the scalars and src) is the output's buffer
         compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, has_side_effects=True),
         interpret=interpret,
+        name="moe_tune_scatter_rows",
     )
     # vma_unchecked: Mosaic's lowering has no rule for the varying casts that shard_map's type check would put
     # between the device index and the kernel's constants (and interpret mode needs it too: `pallas_util`)
