@@ -177,9 +177,12 @@ class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
         return {"strategy": strategies, "token_chunks": chunks, "exchange": kinds, "wire": list(WIRES)}
 
     def config_error(self, config: ShardingConfig, problem: ShardingProblem) -> str | None:
-        """`layer_config_error`'s rules for the problem's tokens; and `all_gather` with the platform's default
-        exchange only (it runs no all-to-all: another exchange would time the same layer twice)."""
+        """`layer_config_error`'s rules for the problem's tokens; `all_gather` with the platform's default
+        exchange only (it runs no all-to-all: another exchange would time the same layer twice); `in_kernel` on
+        TPU only (elsewhere its kernels would be timed in interpret mode)."""
         reason = layer_config_error(config, tokens=problem.tokens)
+        if reason is None and config.strategy == "in_kernel" and devices.platform() != "tpu":
+            reason = "strategy in_kernel is tuned on TPU only: elsewhere its kernels run in interpret mode"
         if reason is None and config.strategy == "all_gather" and config.exchange != platform_exchange():
             reason = (f"all_gather runs no all-to-all: its exchange is the platform's {platform_exchange()!r}, "
                       f"got {config.exchange!r}")
