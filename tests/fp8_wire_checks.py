@@ -152,6 +152,18 @@ def refusals() -> dict:
             found[name] = None
         except UsageError as error:
             found[name] = str(error)
+    # the tables' fp8 choice (ep_strategy=None) under the caller's fused=True: the native wire, no refusal
+    from moe_tune.layer import sharded
+
+    saved = sharded.config_for
+    sharded.config_for = lambda **_: ShardingConfig(strategy="all_gather", wire="fp8")
+    try:
+        jax.eval_shape(layer_fn(None, fused=True), *args[:5])
+        found["tables_fp8_fused"] = None
+    except UsageError as error:
+        found["tables_fp8_fused"] = str(error)
+    finally:
+        sharded.config_for = saved
     return found
 
 

@@ -158,6 +158,8 @@ def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int,
                          f"kernels, which the {config.strategy} strategy does on other devices: pass "
                          "ep_strategy='all_gather' or fused=None")
     exchange_layer = in_kernel.in_kernel_layer if config.strategy == "in_kernel" else exchange.all_to_all_layer
+    if config.wire == "fp8" and fused and ep_strategy is None:  # the tables' choice yields to the caller's fused=True
+        config = dataclasses.replace(config, wire="native")
     fp8 = config.wire == "fp8"
     if fp8 and (tokens_replicated or fused):
         raise UsageError(f"ep_strategy {config.label()}: the fp8 wire quantizes the rows sent to other devices and "
