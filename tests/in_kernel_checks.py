@@ -32,6 +32,8 @@ CASES = {
     "ep4_int8": dict(strategy="in_kernel", ep=4, dtype="int8", quant_block=4),
     "ep4_bf16": dict(strategy="in_kernel", ep=4, dtype="bfloat16", grads=False),
     "ep2_tp2_f32": dict(strategy="in_kernel", ep=2, tp=2, grads=False, collectives=True),
+    # two token chunks (a ShardingConfig): each its own two kernels and capacity, one after the other
+    "ep4_chunks2_skew_capacity": dict(strategy="in_kernel", ep=4, token_chunks=2, skew_to=4, capacity_factor=1.3),
 }
 RACE_CASE = ("ep8_f32_races", dict(strategy="in_kernel", ep=8, skew_to=2))
 SAME_CAPACITY = ("ep4_skew_capacity_all_to_all", dict(CASES["ep4_skew_capacity"], strategy="all_to_all",
@@ -89,7 +91,8 @@ def colliding_scatter() -> dict:
     def body(x):
         zero, one = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32)
         expected = jnp.where(jax.lax.axis_index("expert") == 0, 3, 0).astype(jnp.int32)
-        return in_kernel_tpu.scatter_rows(x, (zero, one, zero, zero), expected, 2, axis="expert", devices=4)
+        return in_kernel_tpu.scatter_rows(x, (zero, one, zero, zero), expected, 2, axis="expert", devices=4,
+                                          collective_id=in_kernel_tpu.DISPATCH_ID)
 
     x = jnp.arange(4 * 128, dtype=jnp.float32).reshape(4, 128)
     with RaceStates() as races, in_kernel_tpu.race_detection():

@@ -17,7 +17,7 @@ from moe_tune.layer import sharded
 from moe_tune.layer.sharding_choice import MeshChoice, ShardingConfig, ShardingProblem, layer_config_error
 
 SCRIPT = Path(__file__).with_name("in_kernel_checks.py")
-WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races"]
+WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races", "ep4_chunks2_skew_capacity"]
 WITH_INPUT_GRADS = ["ep4_int8"]  # QArray weights: constants
 FORWARD = ["ep4_bf16", "ep2_tp2_f32", "ep4_skew_capacity_all_to_all"]
 
@@ -61,6 +61,14 @@ def test_no_token_rows_in_xla_collectives(results):
         got = results[case]
         assert got["collectives"]["all_to_all"] == 0 and got["collectives"]["reduce_scatter"] == 0
         assert got["row_collectives"] and set(got["row_collectives"]) == {"i32"}
+
+
+def test_token_chunks_run_their_own_exchanges(results):
+    """Two token chunks: each its own capacity (entries dropped) and its own int32 counts' all-gather, no
+    all-to-all."""
+    got = results["ep4_chunks2_skew_capacity"]
+    assert got["dropped"] > 0
+    assert got["collectives"]["all_to_all"] == 0 and got["collectives"]["all_gather"] >= 2
 
 
 def test_race_detector_sees_no_race_and_sees_a_planted_one(results):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from moe_tune.kernels.gather.op import ragged_gather_reduce
 from moe_tune.layer import exchange
-from moe_tune.layer.in_kernel_tpu import scatter_rows
+from moe_tune.layer.in_kernel_tpu import DISPATCH_ID, RETURN_ID, scatter_rows
 
 PLATFORMS = ("tpu", "cpu")  # TPU compiled; CPU in Pallas TPU interpret mode
 
@@ -61,14 +61,14 @@ def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: in
     received_total = jnp.sum(plan.group_sizes)
     from_others = received_total - jnp.sum(mine)
     kernel = functools.partial(scatter_rows, axis=axis, devices=devices)
-    received = kernel(x, there, from_others, rows_in, src_row=route.entry_of_row // top_k)
+    received = kernel(x, there, from_others, rows_in, src_row=route.entry_of_row // top_k, collective_id=DISPATCH_ID)
     done = exchange.local_experts(received, plan.group_sizes, w_gate, w_up, w_down, activation=activation,
                                   distribution=flags["distribution"])
     # return: the received segment (source p, local expert e) at recv_offset[p, e] goes back to p at p's send
     # position of expert (me, e), home_offset[p, e]
     peers = jnp.broadcast_to(jnp.arange(devices, dtype=jnp.int32)[:, None], (devices, local))
     back_segments = tuple(a.reshape(-1) for a in (plan.recv_offset, plan.recv, peers, plan.home_offset))
-    back = kernel(done, back_segments, route.sent - jnp.sum(mine), entries)
+    back = kernel(done, back_segments, route.sent - jnp.sum(mine), entries, collective_id=RETURN_ID)
     out = ragged_gather_reduce(back, route.row_of_entry, weights.reshape(entries), route.valid, top_k,
                                skip_zero_weights=skip_zero_weights, **flags)
     return out.astype(x.dtype), (entries - route.sent).astype(jnp.int32)

@@ -31,7 +31,11 @@ from jax.experimental.pallas import tpu as pltpu
 from moe_tune.kernels.pallas_util import interpreted, out_struct, vma_unchecked
 
 DEFAULT_IN_FLIGHT = 16  # row DMAs one device keeps outstanding (the gathers' default ring)
-COLLECTIVE_ID = 7  # the barrier semaphore's collective id; any fixed id serves (one collective kernel at a time)
+# The barrier semaphores' collective ids of the strategy's two kernels. Two kernels that run one after the other
+# take different ids: a device already in the second signals its peers' semaphore of the second's id, never one a
+# peer may still be waiting on in the first (a device enters the next kernel with an id only after every device
+# has entered the kernel between, hence left the earlier one's wait).
+DISPATCH_ID, RETURN_ID = 7, 8
 
 
 def as_words(rows: jax.Array) -> jax.Array:
@@ -121,7 +125,7 @@ def _kernel(*refs, axis: str, devices: int, in_flight: int, gathered: bool):
 
 
 def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array, jax.Array], expected: jax.Array,
-                 rows_out: int, *, src_row: jax.Array | None = None, axis: str, devices: int,
+                 rows_out: int, *, src_row: jax.Array | None = None, axis: str, devices: int, collective_id: int,
                  in_flight: int = DEFAULT_IN_FLIGHT) -> jax.Array:
     """Inside `jax.shard_map` over mesh axis `axis` (`devices` devices), called by every device of it at once.
 
@@ -130,7 +134,8 @@ def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array
     in rows [dest[s], dest[s] + size[s]) of device dev[s]'s result. Row i of the send order is src[src_row[i]]
     (int32 [rows]) where `src_row` is given, else src[i]. `expected` (int32 scalar): the rows the other devices
     send this one. -> [rows_out, d] in src.dtype: the rows every device (itself included) sent here, zeros
-    elsewhere. Two rows landing in one place is the caller's error (undefined)."""
+    elsewhere. Two rows landing in one place is the caller's error (undefined). `collective_id`: the barrier
+    semaphore's (`DISPATCH_ID`, `RETURN_ID`)."""
     words = as_words(src)
     width = words.shape[1]
     scalars = [jnp.asarray(a, jnp.int32) for a in segments] + [jnp.reshape(expected, (1,)).astype(jnp.int32)]
@@ -148,7 +153,7 @@ def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array
             num_scalar_prefetch=len(scalars), grid=(1,), in_specs=[any_space, any_space], out_specs=any_space,
             scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA]),
         input_output_aliases={len(scalars) + 1: 0},  # zeros (after the scalars and src) is the output's buffer
-        compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID, has_side_effects=True),
+        compiler_params=pltpu.CompilerParams(collective_id=collective_id, has_side_effects=True),
         interpret=interpret,
         name="moe_tune_scatter_rows",
     )
