@@ -74,6 +74,26 @@ def test_expert_parallel_shard_in_the_interpreter(kernel_calls):
     assert len(kernel_calls) == 1
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4/128"])
+def test_dlhs_in_the_interpreter(fmt, kernel_calls):
+    """dx = dout @ W^T per group on the weights as stored: int8's per-channel scale folded into dout
+    (quant_plan: FOLD, the kernel applies none), int4's 128-blocks along the output k dequantizing each
+    weight tile's columns (DEQUANTIZE); an empty group and rows past the sum."""
+    sizes = [10, 0, 17, 9]  # 36 of 40 rows
+    dout, _ = make_operands(40, 128, 256, 4, "bfloat16", 4)  # dout [m, n=128]
+    q = _weights(fmt, 256, 128, 4)  # W [g, k=256, n=128]
+    impl = MosaicGpuQuantRaggedDot()
+    dtype, block = FORMATS[fmt]
+    problem = RaggedDotProblem(40, 256, 128, 4, "bfloat16", "float32", "bfloat16", direction="dlhs",
+                               rhs_qdtype=dtype, rhs_qblock=block or 256)
+    config = MosaicGpuQuantConfig(block_m=16, block_n=64, block_k=128, max_concurrent_steps=2)
+    assert impl.config_error(config, problem) is None
+    out = impl.run(problem, config, dout, q, jnp.asarray(sizes, jnp.int32))
+    weights_t = np.swapaxes(dequantize_host(q), 1, 2)  # [g, n, k]: the reference's rhs of dx
+    assert_matches_reference(out, dout, weights_t, sizes, offset=None, out_dtype="bfloat16", what=fmt)
+    assert kernel_calls == [qkernel.SCALE_NONE if fmt == "int8" else qkernel.SCALE_DEQUANTIZE]
+
+
 def test_placement_puts_each_group_on_whole_blocks():
     """Each group's rows start on a block boundary, in order, no column twice; the blocks' groups and the
     count of used blocks follow; rows no local group owns point past the end."""
@@ -118,7 +138,7 @@ def test_what_it_refuses_and_why():
         "float weights": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "bfloat16", "bfloat16"),
         "mxfp4": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="float4_e2m1fn",
                                   rhs_qblock=32),
-        "forward only": fwd.with_direction("dlhs"),
+        "weights": fwd.with_direction("drhs"),
         "writes the activations' dtype": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "float32",
                                                           **quant),
         "float32 activations": RaggedDotProblem(64, 256, 128, 2, "float32", "float32", "float32", **quant),

@@ -1,7 +1,8 @@
 """The `mosaic_gpu_quant` ragged_dot forward compiled by the real Mosaic GPU compiler (the CUDA plugin's, ptxas
 included) for an H100 on this CPU-only machine (`moe_tune.targets`' compile workers), at the DeepSeek-sized
 expert shapes (k 7168, n 2048, 32 groups) of a prefill (m 4096) and a decode step (m 256): the default config
-of each weight format at both shapes, and the space's largest config (in shared memory) of the int8 prefill.
+of each weight format's prefill forward, int4's decode forward and prefill dlhs, and the space's largest
+config (in shared memory) of the int8 prefill forward.
 benchmarks/gpu_quant_proxy.py compiles more of the space and reads the k loop's instructions from the PTX."""
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ def test_compiles_for_h100():
     target = get_target("h100")
     spec, impl = get_op("ragged_dot"), MosaicGpuQuantRaggedDot()
     jobs = []
-    for fmt, shape in ((f, s) for f in FORMATS for s in SHAPES):
-        problem = spec.problem(**SHAPES[shape], **FORMATS[fmt], dtype="bfloat16")
+    # int4 at the decode shape and in dlhs: the 4-bit unpacking, the narrowest token block, the scales along
+    # the output (every format compiles at both shapes and in both directions: gpu_quant_proxy.py)
+    cases = [(f, "m4096", "fwd") for f in FORMATS] + [("int4/128", "m256", "fwd"), ("int4/128", "m4096", "dlhs")]
+    for fmt, shape, direction in cases:
+        problem = spec.problem(**SHAPES[shape], **FORMATS[fmt], dtype="bfloat16", direction=direction)
         with acting_as(target):
             configs = [impl.default_config(problem)]
-            if (fmt, shape) == ("int8", "m4096"):
+            if (fmt, shape, direction) == ("int8", "m4096", "fwd"):
                 space = search_space(target, "ragged_dot", impl.name, problem)
                 configs.append(max(space, key=lambda c: impl.shared_memory_bytes(c, problem)))
             # the kernel itself, not a fallback, is what compiles
@@ -38,7 +42,7 @@ def test_compiles_for_h100():
         jobs += [CompileJob(target.name, "ragged_dot", impl.name, problem, c) for c in configs]
     with CompilePool(workers=1, timeout=300) as pool:
         results = pool.compile(jobs)
-    failed = [f"{j.problem.m} {j.problem.rhs_qdtype} {j.config.label()}: {r.status} {r.message}"
+    failed = [f"{j.problem.direction} {j.problem.m} {j.problem.rhs_qdtype} {j.config.label()}: {r.status} {r.message}"
               for j, r in zip(jobs, results) if not r.ok]
     assert not failed, "\n".join(failed)
     assert all(r.compile_s > 0 for r in results)

@@ -1,7 +1,8 @@
 """`mosaic_gpu_quant` backend: quantized weights (int8 per channel, float8_e4m3fn and int4 in blocks along k)
 on Hopper's tensor cores through this project's Mosaic GPU kernel (`mosaic_gpu_quant_kernel.swap_ab_gmm`):
 the weights dequantized in registers and fed to `wgmma` as its A operand, swap-AB (weights on the 64-row
-side, tokens on the N side), float32 accumulation, a 16-bit result.
+side, tokens on the N side), float32 accumulation, a 16-bit result. The forward and dlhs (dx = dout @ W^T:
+the same kernel, the weights read as stored [g, k, n], k on the tile's rows).
 
 Where each scale applies is `quant_plan`'s rule, read with `with_dequantize(True)`: one scale per channel
 multiplies the accumulator once after the k loop (OUTPUT); a block scale along k multiplies each weight tile
@@ -9,7 +10,7 @@ in registers before its wgmma (DEQUANTIZE: the tile is dequantized, then one dot
 
 What the wrapper does around the kernel (`gmm`): the weights are read in the "nk" storage (`QArray.layout`:
 [g, n, k], k contiguous, the A operand's rows; a "kn" array is transposed by XLA first, `quant.in_layout`),
-the block scales as [g, k / block, n] (one row of n per k block: a TMA tile of block_n float32); the rows of
+the block scales as [g, k / block, n] (one row of n per k block: a TMA tile of block_n float32; dlhs reads "kn" and the scales as they are); the rows of
 each local group are placed on whole blocks of block_m tokens (`placement`), transposed ([k, tokens]: wgmma's
 B operand), so that every output tile belongs to one group and is stored whole; the transposed output is
 read back to the callers' rows, zero for rows outside the local groups (past sum(group_sizes), other shards).
@@ -17,7 +18,9 @@ read back to the callers' rows, zero for rows outside the local groups (past sum
 What no config can run (`chip_error`, so that the op falls back with one warning): a GPU other than sm_90
 (off a GPU the kernel runs in Mosaic GPU's interpreter); float weights (the `mosaic_gpu` backend's);
 quantized activations; mxfp4 (e8m0 scales per 32 elements: a k step of 64 or more holds several scale blocks);
-the gradients (dlhs, drhs: not built); activations other than bfloat16 / float16, or a result of another dtype.
+scale blocks shorter than the smallest tile along k; drhs (it reads no quantized weights); activations other
+than bfloat16 / float16, or a result of another dtype. dlhs with one scale per channel rounds the folded dout
+(dout times the scale, float32) to the activations' 16-bit dtype for wgmma.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
 from moe_tune.kernels.ragged_dot.mosaic_gpu import HOPPER, LOW_PRECISION, MMA_ROWS, chip
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, gmm_plan, problem_plan
+from moe_tune.kernels.ragged_dot.quantized import prepare_gmm
 
 WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "int4")
 TOKEN_BLOCKS = (16, 32, 64, 128, 256)  # wgmma N; 16-bit TMA rows of 32, 64 or 128 bytes (or whole swizzles)
@@ -90,8 +94,8 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         if problem.rhs_qdtype not in WEIGHT_DTYPES:
             return (f"{problem.rhs_qdtype} weights: this kernel dequantizes {', '.join(WEIGHT_DTYPES)} (mxfp4's "
                     "e8m0 scales per 32 elements would split a k step of 64 or more into several scale blocks)")
-        if problem.direction != "fwd":
-            return f"{problem.direction} on quantized weights: this kernel is the forward only"
+        if problem.direction == "drhs":
+            return "drhs: it reads no quantized weights (the float kernels' direction)"
         a, _, out = problem.operand_dtypes()
         if a not in LOW_PRECISION:
             return f"{a} activations: the kernel feeds wgmma {' or '.join(LOW_PRECISION)} (the dequantized dtype)"
@@ -99,10 +103,11 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
             return f"a {out} result from {a} activations: the kernel writes the activations' dtype"
         if (placed := _scale_at(problem)) is None:
             return f"a scale block of {problem.rhs_qblock}: neither one per channel nor blocks along k"
-        least = _least_block_k(problem)
+        # fwd: a scale row per k step (block_k); dlhs: per output tile of k rows (block_n, 64 at least)
+        least = _least_block_k(problem) if problem.direction == "fwd" else MMA_ROWS
         if placed == qkernel.SCALE_DEQUANTIZE and problem.rhs_qblock % least:
-            return (f"a scale block of {problem.rhs_qblock}: shorter than (or not a multiple of) the k step of "
-                    f"{least} the kernel's {problem.rhs_qdtype} tiles need (one scale row per step)")
+            return (f"a scale block of {problem.rhs_qblock}: shorter than (or not a multiple of) the {least} "
+                    f"elements along k of the kernel's smallest {problem.rhs_qdtype} tile (one scale row a tile)")
         return None
 
     def config_error(self, config: MosaicGpuQuantConfig, problem: RaggedDotProblem) -> str | None:
@@ -119,8 +124,11 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         least = _least_block_k(problem)
         if bk <= 0 or bk % least or bk > 256:
             return f"block_k={bk} must be a multiple of {least} up to 256 for {problem.rhs_qdtype} weights"
-        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE and problem.rhs_qblock % bk:
-            return f"block_k={bk} must divide the scale block {problem.rhs_qblock} (one scale row per k step)"
+        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:
+            # fwd: block_k steps along the scaled k; dlhs: block_n tiles it (the output)
+            field, size = ("block_k", bk) if problem.direction == "fwd" else ("block_n", bn)
+            if problem.rhs_qblock % size:
+                return f"{field}={size} must divide the scale block {problem.rhs_qblock} (one scale row a tile)"
         if not 1 <= config.max_concurrent_steps <= 8:
             return f"max_concurrent_steps={config.max_concurrent_steps} must be in 1..8"
         if bn * (bm + bk) > REGISTER_BUDGET * 128:
@@ -144,8 +152,8 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         bits = 4 if problem.rhs_qdtype == "int4" else 8
         steps = min(config.max_concurrent_steps, -(-k // bk))  # the pipeline's static grid cuts it
         buffers = [steps * bk * bm * a, steps * bn * bk * bits // 8]
-        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:
-            buffers.append(steps * bn * 4)
+        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:  # a row of scales a step: of n (fwd), of k (dlhs)
+            buffers.append(steps * (bn if problem.direction == "fwd" else bk) * 4)
         pipeline = sum(_aligned(b) for b in buffers) + steps * smem.BARRIER_BYTES
         epilogue = _aligned(bn * bm * out)
         if _scale_at(problem) == qkernel.SCALE_OUTPUT:  # the per-channel scales, brought in by TMA
@@ -167,29 +175,47 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
     # ---- the kernels
 
     def gmm(self, lhs, rhs, group_sizes, *, config, out_dtype, group_offset=None, transpose_rhs=False):
-        if transpose_rhs or not isinstance(rhs, QArray) or isinstance(lhs, QArray):
-            raise TypeError("the mosaic_gpu_quant backend runs the forward of float activations and quantized "
-                            "weights (its chip_error says why)")
-        m, k = lhs.shape
-        groups, n = rhs.shape[0], rhs.shape[2]
-        weights = in_layout(rhs, ("nk",))
-        values, scale = weights.qvalue, jnp.swapaxes(weights.scale, 1, 2).astype(jnp.float32)  # [g, k/bs, n]
-        plan = gmm_plan(lhs, None, jax.ShapeDtypeStruct((groups, k, n), values.dtype), scale,
-                        transpose_rhs=False).with_dequantize(True)
-        scale_at = {Apply.OUTPUT: qkernel.SCALE_OUTPUT, Apply.DEQUANTIZE: qkernel.SCALE_DEQUANTIZE}[plan.b.scale]
-        block = k // scale.shape[1]
+        if not isinstance(rhs, QArray) or isinstance(lhs, QArray):
+            raise TypeError("the mosaic_gpu_quant backend runs float activations against quantized weights (its "
+                            "chip_error says why)")
+        compute = jnp.dtype(lhs.dtype)
+        if transpose_rhs:
+            # dlhs: dx [m, k] = dout @ W^T; the weights read in the "kn" storage ([g, k, n]: the output k on
+            # the tile's rows, the contraction n contiguous); a per-channel scale is folded into dout first
+            ops = prepare_gmm(lhs, rhs, group_sizes, group_offset, True)
+            x, values, scale = ops.lhs.astype(compute), ops.rhs, ops.rhs_scale
+            placed, along = ops.plan(True).b.scale, qkernel.ALONG_OUTPUT
+        else:
+            weights = in_layout(rhs, ("nk",))  # [g, n, k]: the output n on the tile's rows, k contiguous
+            x, values = lhs, weights.qvalue
+            scale = jnp.swapaxes(weights.scale, 1, 2).astype(jnp.float32)  # [g, k/bs, n]
+            plan = gmm_plan(lhs, None, jax.ShapeDtypeStruct((values.shape[0], *rhs.shape[1:]), values.dtype), scale,
+                            transpose_rhs=False)
+            placed, along = plan.with_dequantize(True).b.scale, qkernel.ALONG_REDUCTION
+        return self._swap_ab(x, values, scale, _SCALE_AT[placed], along, group_sizes, group_offset, config,
+                             out_dtype)
+
+    @staticmethod
+    def _swap_ab(x, values, scale, scale_at, along, group_sizes, group_offset, config, out_dtype):
+        """x [m, red] 16-bit, values [g, out, red] quantized, scale f32 [g, red/bs, out] (along the reduction)
+        or [g, out/bs, red] (along the output) or None -> [m, out] in out_dtype, zero outside the local groups."""
+        (m, red), (groups, out, _) = x.shape, values.shape
         bm, bn, bk = config.block_m, config.block_n, config.block_k
+        if scale is None:  # nothing to apply: a placeholder the kernel does not read
+            scale = jnp.ones((groups, 1, 1), jnp.float32)
+        block = (red if along == qkernel.ALONG_REDUCTION else out) // scale.shape[1]
         sizes, start = kernels.local_groups(group_sizes, m, groups, group_offset)
         place = placement(sizes, start, m, bm)
-        x_t = jnp.zeros((k, place.tiles * bm), lhs.dtype).at[:, place.column].set(lhs.T, mode="drop")
+        x_t = jnp.zeros((red, place.tiles * bm), x.dtype).at[:, place.column].set(x.T, mode="drop")
         x_t = pad_to(x_t, 0, bk)
-        values = pad_to(pad_to(values, 1, bn), 2, bk)  # zero weights past k and n: they add nothing
-        scale = pad_to(scale, 2, bn)
+        values = pad_to(pad_to(values, 1, bn), 2, bk)  # zero weights past the dims: they add nothing
+        if scale.shape[2] > 1:  # scales along the padded minor dim too (out, or red along the output)
+            scale = pad_to(scale, 2, bn if along == qkernel.ALONG_REDUCTION else bk)
         out_t = qkernel.swap_ab_gmm(
             x_t, values, scale, place.tile_groups, place.used, block_m=bm, block_n=bn, block_k=bk,
-            steps=config.max_concurrent_steps, scale_at=scale_at, block=block, out_dtype=jnp.dtype(lhs.dtype),
-            interpret=kernels.interpreting())
-        rows = jnp.take(out_t[:n], jnp.minimum(place.column, place.tiles * bm - 1), axis=1).T
+            steps=config.max_concurrent_steps, scale_at=scale_at, block=block, out_dtype=jnp.dtype(x.dtype),
+            interpret=kernels.interpreting(), scale_along=along)
+        rows = jnp.take(out_t[:out], jnp.minimum(place.column, place.tiles * bm - 1), axis=1).T
         return jnp.where(place.valid[:, None], rows, jnp.zeros((), rows.dtype)).astype(out_dtype)
 
     def tgmm(self, lhs, dout, group_sizes, *, config, out_dtype, num_groups, group_offset=None):
@@ -205,11 +231,15 @@ def _aligned(size: int) -> int:
     return -(-size // smem.SMEM_ALIGNMENT) * smem.SMEM_ALIGNMENT
 
 
+# quant_plan's placement of the weights' scale -> the kernel's (FOLD: applied to dout before the kernel)
+_SCALE_AT = {Apply.OUTPUT: qkernel.SCALE_OUTPUT, Apply.DEQUANTIZE: qkernel.SCALE_DEQUANTIZE,
+             Apply.FOLD: qkernel.SCALE_NONE, Apply.NONE: qkernel.SCALE_NONE}
+
+
 def _scale_at(problem: RaggedDotProblem) -> str | None:
     """Where the kernel applies the weights' scale (`quant_plan` with its dequantize placement), None when
-    neither place fits."""
-    placed = problem_plan(problem).with_dequantize(True).b.scale
-    return {Apply.OUTPUT: qkernel.SCALE_OUTPUT, Apply.DEQUANTIZE: qkernel.SCALE_DEQUANTIZE}.get(placed)
+    no place fits."""
+    return _SCALE_AT.get(problem_plan(problem).with_dequantize(True).b.scale)
 
 
 @dataclasses.dataclass(frozen=True)

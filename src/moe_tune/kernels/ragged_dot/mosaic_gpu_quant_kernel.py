@@ -18,6 +18,12 @@ Operands, as `swap_ab_gmm` takes them (`mosaic_gpu_quant.py` lays them out):
   multiplied by its k block's scale row in registers before its wgmma, `Apply.DEQUANTIZE`; block_k divides
   the block).
 - out_t [n, tiles * block_m] bfloat16 (float32 accumulation); blocks past `used_tiles` are not written.
+
+The gradient dx = dout @ W^T (dlhs) is the same kernel with the roles renamed: x_t is dout transposed [n,
+tokens], the weights' tile is [block_n rows of k, block_k of n] of the "kn" storage [g, k, n] (n, the
+contraction here, contiguous), and a block scale [g, k / block, n] lies along the output k (`scale_along`
+"output": one row of n scales per output tile, multiplying the tile's columns; block_n divides the block).
+Its per-channel scale is folded into dout before the kernel (`quant_plan`: FOLD), which then applies none.
 """
 
 from __future__ import annotations
@@ -28,18 +34,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-SCALE_OUTPUT, SCALE_DEQUANTIZE = "output", "dequantize"
+SCALE_NONE, SCALE_OUTPUT, SCALE_DEQUANTIZE = "none", "output", "dequantize"
+ALONG_REDUCTION, ALONG_OUTPUT = "reduction", "output"  # the axis a DEQUANTIZE scale's blocks run along
 KERNEL_ENTRY = "moe_tune_quant_gmm_mosaic_gpu_kernel"  # the kernel's .entry in its PTX
 
 
 def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: jax.Array, used_tiles: jax.Array, *,
                 block_m: int, block_n: int, block_k: int, steps: int, scale_at: str, block: int,
-                out_dtype: jnp.dtype, interpret: bool) -> jax.Array:
+                out_dtype: jnp.dtype, interpret: bool, scale_along: str = ALONG_REDUCTION) -> jax.Array:
     """out_t [n, tiles * block_m] = per tile t: dequant(w_t[tile_groups[t]]) @ x_t[:, tile t] (module docstring).
 
     x_t [k, tiles * block_m] 16-bit; w_t [g, n, k] quantized; scale f32 [g, 1, n] (scale_at "output") or
     [g, k / block, n] ("dequantize"); tile_groups int32 [tiles]; used_tiles int32 [1]. k % block_k == 0,
-    n % block_n == 0, block_n % 64 == 0; with "dequantize", block % block_k == 0."""
+    n % block_n == 0, block_n % 64 == 0; with "dequantize", block % block_k == 0 (block % block_n == 0 along
+    the output: scale [g, n / block, k], dlhs). scale_at "none": `scale` is not read."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -48,7 +56,8 @@ def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: j
     tiles = columns // block_m
     k_steps = k // block_k
     compute = x_t.dtype
-    per_scale = block // block_k  # k steps per scale row (dequantize)
+    along_output = scale_along == ALONG_OUTPUT
+    per_scale = block // (block_n if along_output else block_k)  # output tiles / k steps per scale row
 
     def dequantized(w_smem, scale_smem):
         """The weight tile [block_n, block_k] in the compute dtype, scaled by its k block's row of scales
@@ -58,9 +67,12 @@ def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: j
             # sm_90 has no fp8 -> bf16 conversion: through float32 (exact either way)
             return (w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) else w).astype(compute)
         (s_smem,) = scale_smem
-        row = s_smem[0] if interpret else plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+        # a scale per row of the tile (along the reduction: per output channel) or per column (along the output)
+        axis = 1 if along_output else 0
+        row = (s_smem[0] if interpret
+               else plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis)))
         # in float32: the product is rounded once (and sm_90 converts fp8 to bf16 through float32)
-        return (w.astype(jnp.float32) * lax.broadcast_in_dim(row, w.shape, [0])).astype(compute)
+        return (w.astype(jnp.float32) * lax.broadcast_in_dim(row, w.shape, [axis])).astype(compute)
 
     def moe_tune_quant_gmm(groups_gmem, used_gmem, x_gmem, w_gmem, s_gmem, o_gmem):  # the PTX entry's name
         t, ni = lax.axis_index("m"), lax.axis_index("n")
@@ -81,7 +93,10 @@ def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: j
             specs = [plgpu.BlockSpec((block_k, block_m), lambda kk: (kk, t)),
                      plgpu.BlockSpec((block_n, block_k), lambda kk: (ni, kk))]
             refs = [x_gmem, w_gmem.at[group]]
-            if scale_at == SCALE_DEQUANTIZE:
+            if scale_at == SCALE_DEQUANTIZE and along_output:
+                specs.append(plgpu.BlockSpec((1, block_k), lambda kk: (ni // per_scale, kk)))
+                refs.append(s_gmem.at[group])
+            elif scale_at == SCALE_DEQUANTIZE:
                 specs.append(plgpu.BlockSpec((1, block_n), lambda kk: (kk // per_scale, ni)))
                 refs.append(s_gmem.at[group])
             plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=steps)(*refs)
