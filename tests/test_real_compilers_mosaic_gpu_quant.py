@@ -18,9 +18,9 @@ from moe_tune.targets.jobs import CompileJob, CompilePool, search_space
 pytestmark = pytest.mark.skipif(not wheels.available("gpu"),
                                 reason="the CUDA plugin is missing: pip install 'moe-tune[gpu-compile]'")
 
-SHAPES = {"m4096": dict(m=4096, k=7168, n=2048, groups=32), "m256": dict(m=256, k=7168, n=2048, groups=32)}
-FORMATS = {"int8": dict(rhs_quant="int8"), "fp8/128": dict(rhs_quant="float8_e4m3fn", quant_block=128),
-           "int4/128": dict(rhs_quant="int4", quant_block=128)}
+SHAPES = {"m4096": {"m": 4096, "k": 7168, "n": 2048, "groups": 32}, "m256": {"m": 256, "k": 7168, "n": 2048, "groups": 32}}
+FORMATS = {"int8": {"rhs_quant": "int8"}, "fp8/128": {"rhs_quant": "float8_e4m3fn", "quant_block": 128},
+           "int4/128": {"rhs_quant": "int4", "quant_block": 128}}
 
 
 def test_compiles_for_h100():
