@@ -110,7 +110,7 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
             return f"the Mosaic GPU ragged kernels need sm_90 (wgmma) or sm_100 (tcgen05), this is {have}"
         if problem.quantized:
             return ("quantized operands are not supported: JAX's Mosaic GPU ragged kernels take one 16-bit dtype "
-                    "and apply no scales")
+                    "and apply no scales (backend mosaic_gpu_quant runs quantized weights on sm_90)")
         a, b, out = problem.operand_dtypes()
         if a != b or a not in LOW_PRECISION:
             return (f"operands {a} x {b}: the Mosaic GPU ragged kernels take two operands of one 16-bit dtype "
