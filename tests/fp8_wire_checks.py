@@ -136,6 +136,37 @@ def export() -> dict:
     return found
 
 
+def pack_roundtrip() -> dict:
+    """`wire.pack` / `unpack` through the collectives the layer sends them by, with scales whose bytes are
+    float8_e4m3fn's NaN patterns (0x7F, 0xFF: 0.99999994 is 0x3F7FFFFF), on XLA:CPU, which widens fp8
+    collectives to f16 and back: whether every scale comes back bit for bit."""
+    from jax.sharding import PartitionSpec as P
+
+    from moe_tune.core.quant import QArray
+    from moe_tune.layer.wire import pack, unpack
+
+    rows = EP * EP  # EP rows a device: one to each peer in the all_to_all
+    scale = jnp.full((rows, 2), np.float32(0.99999994)).at[::3].set(np.float32(-3.5e-9))
+    values = jnp.asarray(np.random.default_rng(0).normal(size=(rows, 8)), jnp.float8_e4m3fn)
+
+    def body(values, scale):
+        message = pack(QArray(values, scale))
+        gathered = jax.lax.all_gather(message, "expert", tiled=True)
+        swapped = jax.lax.all_to_all(message.reshape(EP, 1, -1), "expert", 0, 0).reshape(message.shape)
+        return (*unpack(gathered, 8), *unpack(swapped, 8))
+
+    out = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P("expert"), P("expert")),
+                                out_specs=(P(), P(), P("expert"), P("expert")), check_vma=False))(values, scale)
+    as_bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint32 if a.dtype == jnp.float32
+                                                                else jnp.uint8))
+    # device i receives row i of every device j: global row i * EP + j is input row j * EP + i
+    swap = lambda a: a.reshape(EP, EP, -1).transpose(1, 0, 2).reshape(a.shape)
+    return {"all_gather": bool((as_bits(out[0]) == as_bits(values)).all()
+                               and (as_bits(out[1]) == as_bits(scale)).all()),
+            "all_to_all": bool((as_bits(out[2]) == swap(as_bits(values))).all()
+                               and (as_bits(out[3]) == swap(as_bits(scale))).all())}
+
+
 def refusals() -> dict:
     """The one-line refusals of an fp8 wire that cannot serve: name -> message (None: not refused)."""
     args, _ = operands("bfloat16")
@@ -173,7 +204,7 @@ LAYER_CASES = {f"{s}_chunks{c}_{w}": (s, c, w) for s, c, w in (
 
 def main(names: list[str]) -> None:
     checks = {**{name: (lambda case=case: layer_case(*case)) for name, case in LAYER_CASES.items()},
-              "hlo": hlo, "export": export, "refusals": refusals}
+              "hlo": hlo, "export": export, "refusals": refusals, "pack_roundtrip": pack_roundtrip}
     results = {}
     for name in names or list(checks):
         try:

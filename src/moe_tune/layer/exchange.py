@@ -219,8 +219,8 @@ def all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, dev
     """x [t, d] (this device's tokens), weights float32 / chosen int32 [t, top_k] (their routing), this
     device's local experts' weights -> ([t, d] in x.dtype: the layer's output for these tokens, summed over
     every device's experts; int32: how many of these tokens' entries were dropped). `wire` "fp8": the rows
-    go out as float8_e4m3fn values and float32 scales through the same exchange (`wire.py`), and come
-    back in x.dtype."""
+    go out as float8_e4m3fn values with their float32 scales, one message a row (`wire.pack`), through the
+    same exchange, and come back in x.dtype."""
     tokens, top_k = chosen.shape
     local = w_gate.shape[0]
     entries = tokens * top_k

@@ -5,13 +5,13 @@ to the devices holding their experts.
 - `fp8`: each token row is quantized on its own device to float8_e4m3fn, symmetric absmax (`core.quant`),
   with float32 scales in blocks along hidden by `quant_plan.paired_lhs_block` (the rule the quantized
   ragged_dot already serves for activations meeting weights): the weights' own scale block along k where it
-  is sub-channel, else one scale per row. The fp8 values and their scales travel (all_gather: the all_gather
-  of x; all_to_all: the fixed or the ragged exchange), are gathered into expert order with XLA's gather (the
-  `ragged_gather` kernels take float rows), and the receiving device hands them, as a `QArray` lhs, straight
-  to the gate and up grouped matmuls. The bytes a row costs on the wire: hidden + 4 x hidden / block instead
-  of hidden x itemsize (about half for bfloat16, a quarter for float32). As compiled for 8 H100s and for
-  v5e:2x2 (FINDINGS.md: fp8 dispatch wire) the dispatch collectives carry f8e4m3fn rows at half the bf16
-  bytes, except that libtpu lays the ragged all-to-all's [rows, 1] float32 scales out 128 lanes wide.
+  is sub-channel, else one scale per row. The fp8 values and their scales travel as one float8_e4m3fn
+  message a row (`pack`: the scales' bytes behind the values; all_gather: the all_gather of x; all_to_all:
+  the fixed or the ragged exchange), are gathered into expert order with XLA's gather (the `ragged_gather`
+  kernels take float rows), and the receiving device hands them (`unpack`), as a `QArray` lhs, straight to
+  the gate and up grouped matmuls. The bytes a row costs on the wire: hidden + 4 x hidden / block instead of
+  hidden x itemsize (about half for bfloat16, a quarter for float32; as compiled for 8 H100s and for
+  v5e:2x2: FINDINGS.md, fp8 dispatch wire).
 
 Where the fp8 rows meet the kernel (`kernels/ragged_dot/quant_plan.py`, `quantized.py`): `tiled` (CPU),
 `megablox` (TPU: `megablox_quant`) and `triton` (GPU) load the 1-byte blocks as they are and apply the row
@@ -73,9 +73,26 @@ def quantize_rows(x: jax.Array, block: int) -> QArray:
     return quantize(x, WIRE_QDTYPE, axis=1, block_size=block)
 
 
+def pack(q: QArray) -> jax.Array:
+    """The message of quantized rows: values float8_e4m3fn [t, d] and their float32 scales [t, nb] as one
+    float8_e4m3fn [t, d + 4 nb] array, each scale's 4 bytes bit-cast behind its row's values: one collective
+    per exchange instead of two (FINDINGS.md, fp8 dispatch wire)."""
+    scale_bytes = jax.lax.bitcast_convert_type(q.scale, jnp.uint8)  # [t, nb, 4]
+    scale_bytes = scale_bytes.reshape(q.scale.shape[0], -1)
+    return jnp.concatenate([q.qvalue, jax.lax.bitcast_convert_type(scale_bytes, q.qvalue.dtype)], axis=1)
+
+
+def unpack(message: jax.Array, hidden: int) -> tuple[jax.Array, jax.Array]:
+    """`pack`'s inverse: float8_e4m3fn [r, hidden + 4 nb] -> (values [r, hidden], scale float32 [r, nb]),
+    bit for bit (the collectives and gathers between move bytes and never convert them)."""
+    scale_bytes = jax.lax.bitcast_convert_type(message[:, hidden:], jnp.uint8)
+    scale = jax.lax.bitcast_convert_type(scale_bytes.reshape(message.shape[0], -1, 4), jnp.float32)
+    return message[:, :hidden], scale
+
+
 def take_rows(a: jax.Array, index: jax.Array, start, end) -> jax.Array:
     """[rows, c] of any dtype -> [len(index), c]: row i = a[index[i]] for i in [start, end), 0 elsewhere
-    (`ragged_gather`'s contract, for the fp8 values and their scales)."""
+    (`ragged_gather`'s contract, for the fp8 rows' messages)."""
     i = jnp.arange(index.shape[0], dtype=jnp.int32)
     rows = jnp.take(a, index, axis=0, mode="fill", fill_value=0)
     return jnp.where(((i >= start) & (i < end))[:, None], rows, jnp.zeros((), a.dtype))
@@ -122,13 +139,13 @@ def fp8_gate_up(x: jax.Array, move: Callable[[jax.Array], jax.Array], w_gate, w_
                 group_offset: jax.Array | None, *, distribution: str) -> tuple[jax.Array, jax.Array]:
     """The gate and up projections of rows dispatched over the fp8 wire: x [t, d] float (this device's
     tokens) is quantized here (`quantize_rows`), `move` (linear in its argument, any dtype: [t, c] ->
-    [rows, c] in local-expert order on the receiver, the collectives inside) carries the fp8 values and the
-    scales, and the received QArray is the lhs of both grouped matmuls (`group_sizes` / `group_offset` as
+    [rows, c] in local-expert order on the receiver, the collectives inside) carries the fp8 rows with their
+    scales (`pack`), and the received QArray is the lhs of both grouped matmuls (`group_sizes` / `group_offset` as
     `ragged_dot`'s). Returns (gate, up) [rows, f] in x.dtype; differentiable in x (straight through the
     rounding: x's cotangent is the rows' carried back by `move`'s transpose) and in float / AsQArray
     weights."""
     sent = quantize_rows(jax.lax.stop_gradient(x), row_block(x.shape[1], w_gate))
-    values, scale = move(sent.qvalue), move(sent.scale)
+    values, scale = unpack(move(pack(sent)), x.shape[1])
     # the dispatch's transpose for x's cotangent, built here where the routing it closes over is traced (its
     # forward, on zeros, is dead code)
     _, pull_x = jax.vjp(move, jnp.zeros_like(x))
