@@ -13,16 +13,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import sharded_layer_checks as checks  # noqa: E402  (sets the host device count before JAX starts)
+import sharded_layer_checks as checks  # first: it sets the host device count before JAX starts
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+# isort: split
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+from jax.sharding import PartitionSpec as P
 
-from moe_tune.core.errors import UsageError  # noqa: E402
-from moe_tune.layer import in_kernel_tpu  # noqa: E402
+from moe_tune.core.errors import UsageError
+from moe_tune.layer import in_kernel_tpu
 
 CASES = {
     "ep4_f32": dict(strategy="in_kernel", ep=4, collectives=True),

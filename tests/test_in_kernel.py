@@ -14,7 +14,12 @@ import pytest
 
 from moe_tune.core.errors import UsageError
 from moe_tune.layer import sharded
-from moe_tune.layer.sharding_choice import MeshChoice, ShardingConfig, ShardingProblem, layer_config_error
+from moe_tune.layer.sharding_choice import (
+    MeshChoice,
+    ShardingConfig,
+    ShardingProblem,
+    layer_config_error,
+)
 
 SCRIPT = Path(__file__).with_name("in_kernel_checks.py")
 WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races", "ep4_chunks2_skew_capacity"]
@@ -106,3 +111,21 @@ def test_tuner_offers_in_kernel_only_on_tpu(monkeypatch):
     assert "in_kernel" not in MeshChoice().candidate_values(problem)["strategy"]
     monkeypatch.setattr(devices, "platform", lambda: "tpu")
     assert "in_kernel" in MeshChoice().candidate_values(problem)["strategy"]
+
+
+def test_metadata_past_smem_is_one_line():
+    """The dispatch's per-entry source rows live in SMEM: past its budget the kernel is refused in one line that
+    names token chunks, before anything is traced."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_tune.layer import in_kernel_tpu
+
+    entries = in_kernel_tpu.SMEM_METADATA_BYTES // 4 + 1
+    segments = tuple(jax.ShapeDtypeStruct((8,), jnp.int32) for _ in range(4))
+    with pytest.raises(UsageError, match="token_chunks") as error:
+        jax.eval_shape(lambda x, rows, *seg: in_kernel_tpu.scatter_rows(
+            x, seg, jnp.int32(0), 8, src_row=rows, axis="expert", devices=2, collective_id=in_kernel_tpu.DISPATCH_ID),
+            jax.ShapeDtypeStruct((16, 128), jnp.float32), jax.ShapeDtypeStruct((entries,), jnp.int32), *segments)
+    assert "\n" not in str(error.value)
+

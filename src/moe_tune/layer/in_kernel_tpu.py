@@ -28,9 +28,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.pallas_util import interpreted, out_struct, vma_unchecked
 
 DEFAULT_IN_FLIGHT = 16  # row DMAs one device keeps outstanding (the gathers' default ring)
+# The scalar-prefetch metadata's SMEM budget: half of the 1 MiB scoped SMEM up to v6e, the rest left to Mosaic's
+# own scalars (the project's gathers keep the same margin).
+SMEM_METADATA_BYTES = 512 * 1024
 # The barrier semaphores' collective ids of the strategy's two kernels. Two kernels that run one after the other
 # take different ids: a device already in the second signals its peers' semaphore of the second's id, never one a
 # peer may still be waiting on in the first (a device enters the next kernel with an id only after every device
@@ -141,6 +145,12 @@ def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array
     scalars = [jnp.asarray(a, jnp.int32) for a in segments] + [jnp.reshape(expected, (1,)).astype(jnp.int32)]
     if src_row is not None:
         scalars.append(src_row.astype(jnp.int32))
+    smem = 4 * sum(a.size for a in scalars)
+    if smem > SMEM_METADATA_BYTES:
+        raise UsageError(f"ep_strategy 'in_kernel': its exchange's int32 metadata ({smem / 1024:.0f} KiB, mostly the "
+                         f"source row of each of the {0 if src_row is None else src_row.size} entries) exceed the "
+                         f"{SMEM_METADATA_BYTES // 1024} KiB of SMEM its kernel allows: run the tokens in chunks "
+                         "(ShardingConfig(strategy='in_kernel', token_chunks=C))")
     zeros = jnp.zeros((rows_out, width), words.dtype)
     interpret = pltpu.InterpretParams(**_interpret_options) if interpreted("tpu") else False
     any_space = pl.BlockSpec(memory_space=pl.ANY)
