@@ -27,7 +27,8 @@ from moe_tune.targets import get_target
 from moe_tune.targets.compile import acting_as
 
 SMALL = MosaicGpuQuantConfig(block_m=16, block_n=64, block_k=128, max_concurrent_steps=2)
-FORMATS = {"int8": ("int8", None), "fp8/128": ("float8_e4m3fn", 128), "int4/128": ("int4", 128)}
+FORMATS = {"int8": ("int8", None), "fp8/128": ("float8_e4m3fn", 128), "int4/128": ("int4", 128),
+           "mxfp4": ("mxfp4", 32)}
 
 
 @pytest.fixture
@@ -50,10 +51,11 @@ def _weights(fmt: str, k: int, n: int, groups: int, layout: str = "kn"):
     return relayout(quantize(rhs, dtype, axis=1, block_size=block), layout)
 
 
-@pytest.mark.parametrize("fmt,layout", [("int8", "kn"), ("fp8/128", "nk"), ("int4/128", "kn")])
+@pytest.mark.parametrize("fmt,layout", [("int8", "kn"), ("fp8/128", "nk"), ("int4/128", "kn"), ("mxfp4", "kn")])
 def test_forward_in_the_interpreter(fmt, layout, kernel_calls):
-    """Uneven groups with an empty one and rows past their sum (zero), k of two scale blocks, n of two
-    output tiles: the public op on the backend matches the float64 reference of the dequantized weights."""
+    """Uneven groups with an empty one and rows past their sum (zero), k of two scale blocks (mxfp4: four
+    32-blocks a 128-wide k step, its e2m1 codes decoded in registers), n of two output tiles: the public op
+    on the backend matches the float64 reference of the dequantized weights."""
     sizes = [9, 0, 14, 8]  # 31 of 40 rows
     lhs, _ = make_operands(40, 256, 128, 4, "bfloat16", 1)
     q = _weights(fmt, 256, 128, 4, layout)
@@ -136,24 +138,24 @@ def test_what_it_refuses_and_why():
     fwd = RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", **quant)
     cases = {
         "float weights": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "bfloat16", "bfloat16"),
-        "mxfp4": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="float4_e2m1fn",
-                                  rhs_qblock=32),
         "weights": fwd.with_direction("drhs"),
         "writes the activations' dtype": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "float32",
                                                           **quant),
         "float32 activations": RaggedDotProblem(64, 256, 128, 2, "float32", "float32", "float32", **quant),
-        "shorter than": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="int4",
-                                         rhs_qblock=64),
+        "tiles along k are multiples": RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16",
+                                                        rhs_qdtype="float4_e2m1fn", rhs_qblock=32, direction="dlhs"),
     }
     for words, problem in cases.items():
         assert words.split()[-1] in impl.chip_error(problem), (words, impl.chip_error(problem))
-    assert "shorter than" in impl.chip_error(cases["shorter than"])
+    mxfp4 = RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="float4_e2m1fn",
+                             rhs_qblock=32)
+    assert impl.chip_error(mxfp4) is None  # several 32-blocks a k step (fwd)
     assert impl.chip_error(fwd) is None
     assert "not built" in impl.config_error(MosaicGpuQuantConfig(swap_ab=False), fwd)
     assert "multiple of 64" in impl.config_error(MosaicGpuQuantConfig(block_n=96), fwd)
     assert "register budget" in impl.config_error(MosaicGpuQuantConfig(block_n=256, block_m=128, block_k=128), fwd)
-    fp8 = RaggedDotProblem(64, 256, 128, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="float8_e4m3fn",
-                           rhs_qblock=128)
-    assert "divide the scale block" in impl.config_error(MosaicGpuQuantConfig(block_m=16, block_k=256), fp8)
+    fp8 = RaggedDotProblem(64, 384, 128, 2, "bfloat16", "float32", "bfloat16", rhs_qdtype="float8_e4m3fn",
+                           rhs_qblock=192)  # a k step of 128 holds neither whole blocks nor a part of one
+    assert "divide the scale block" in impl.config_error(MosaicGpuQuantConfig(block_m=16, block_n=64), fp8)
     with acting_as(get_target("b200")):
         assert "sm_90" in impl.chip_error(fwd)

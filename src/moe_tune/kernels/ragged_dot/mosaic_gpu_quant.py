@@ -43,7 +43,8 @@ from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, gmm_plan, problem_plan
 from moe_tune.kernels.ragged_dot.quantized import prepare_gmm
 
-WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "int4")
+WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "int4", "float4_e2m1fn")
+FOUR_BIT = ("int4", "float4_e2m1fn")
 TOKEN_BLOCKS = (16, 32, 64, 128, 256)  # wgmma N; 16-bit TMA rows of 32, 64 or 128 bytes (or whole swizzles)
 # A rough register budget of one warpgroup (128 threads, 255 registers each): the float32 accumulator
 # (block_n x block_m) and the float32 weight tile being dequantized (block_n x block_k), per thread. The
@@ -92,8 +93,7 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         if problem.lhs_qdtype is not None:
             return "quantized activations: this kernel reads 16-bit activations"
         if problem.rhs_qdtype not in WEIGHT_DTYPES:
-            return (f"{problem.rhs_qdtype} weights: this kernel dequantizes {', '.join(WEIGHT_DTYPES)} (mxfp4's "
-                    "e8m0 scales per 32 elements would split a k step of 64 or more into several scale blocks)")
+            return f"{problem.rhs_qdtype} weights: this kernel dequantizes {', '.join(WEIGHT_DTYPES)}"
         if problem.direction == "drhs":
             return "drhs: it reads no quantized weights (the float kernels' direction)"
         a, _, out = problem.operand_dtypes()
@@ -103,11 +103,14 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
             return f"a {out} result from {a} activations: the kernel writes the activations' dtype"
         if (placed := _scale_at(problem)) is None:
             return f"a scale block of {problem.rhs_qblock}: neither one per channel nor blocks along k"
-        # fwd: a scale row per k step (block_k); dlhs: per output tile of k rows (block_n, 64 at least)
-        least = _least_block_k(problem) if problem.direction == "fwd" else MMA_ROWS
-        if placed == qkernel.SCALE_DEQUANTIZE and problem.rhs_qblock % least:
-            return (f"a scale block of {problem.rhs_qblock}: shorter than (or not a multiple of) the {least} "
-                    f"elements along k of the kernel's smallest {problem.rhs_qdtype} tile (one scale row a tile)")
+        # fwd: one scale row per block of a k step (block_k 64: blocks dividing 64 or multiples of it); dlhs: one
+        # per output tile of k rows (block_n, a multiple of 64)
+        block = problem.rhs_qblock
+        fits = block % MMA_ROWS == 0 or (problem.direction == "fwd" and MMA_ROWS % block == 0)
+        if placed == qkernel.SCALE_DEQUANTIZE and not fits:
+            return (f"a scale block of {block} in {problem.direction}: the kernel's tiles along k are multiples of "
+                    f"{MMA_ROWS}, each holding whole blocks{' or a part of one' if problem.direction == 'fwd' else ''} "
+                    "(dlhs: a multiple of 64)")
         return None
 
     def config_error(self, config: MosaicGpuQuantConfig, problem: RaggedDotProblem) -> str | None:
@@ -127,8 +130,11 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:
             # fwd: block_k steps along the scaled k; dlhs: block_n tiles it (the output)
             field, size = ("block_k", bk) if problem.direction == "fwd" else ("block_n", bn)
-            if problem.rhs_qblock % size:
-                return f"{field}={size} must divide the scale block {problem.rhs_qblock} (one scale row a tile)"
+            several = problem.direction == "fwd" and size % problem.rhs_qblock == 0  # several blocks a step
+            if problem.rhs_qblock % size and not several:
+                return (f"{field}={size} must divide the scale block {problem.rhs_qblock} or be a multiple of it "
+                        "(whole blocks a tile)" if problem.direction == "fwd"
+                        else f"{field}={size} must divide the scale block {problem.rhs_qblock} (one scale row a tile)")
         if not 1 <= config.max_concurrent_steps <= 8:
             return f"max_concurrent_steps={config.max_concurrent_steps} must be in 1..8"
         if bn * (bm + bk) > REGISTER_BUDGET * 128:
@@ -149,11 +155,12 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         a, _, out = (jnp.dtype(d).itemsize for d in problem.operand_dtypes())
         _, k, _ = problem.matmul_dims()
         bm, bn, bk = config.block_m, config.block_n, config.block_k
-        bits = 4 if problem.rhs_qdtype == "int4" else 8
+        bits = 4 if problem.rhs_qdtype in FOUR_BIT else 8
         steps = min(config.max_concurrent_steps, -(-k // bk))  # the pipeline's static grid cuts it
         buffers = [steps * bk * bm * a, steps * bn * bk * bits // 8]
-        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:  # a row of scales a step: of n (fwd), of k (dlhs)
-            buffers.append(steps * (bn if problem.direction == "fwd" else bk) * 4)
+        if _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:  # rows of scales a step: of n (fwd), of k (dlhs)
+            rows = max(1, bk // problem.rhs_qblock) if problem.direction == "fwd" else 1
+            buffers.append(steps * rows * (bn if problem.direction == "fwd" else bk) * 4)
         pipeline = sum(_aligned(b) for b in buffers) + steps * smem.BARRIER_BYTES
         epilogue = _aligned(bn * bm * out)
         if _scale_at(problem) == qkernel.SCALE_OUTPUT:  # the per-channel scales, brought in by TMA
@@ -188,15 +195,18 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         else:
             weights = in_layout(rhs, ("nk",))  # [g, n, k]: the output n on the tile's rows, k contiguous
             x, values = lhs, weights.qvalue
+            if values.dtype == jnp.float4_e2m1fn:  # sm_90 converts no float4: its bits as int4 (a free bitcast)
+                values = jax.lax.bitcast_convert_type(values, jnp.int4)
             scale = jnp.swapaxes(weights.scale, 1, 2).astype(jnp.float32)  # [g, k/bs, n]
             plan = gmm_plan(lhs, None, jax.ShapeDtypeStruct((values.shape[0], *rhs.shape[1:]), values.dtype), scale,
                             transpose_rhs=False)
             placed, along = plan.with_dequantize(True).b.scale, qkernel.ALONG_REDUCTION
+        e2m1 = jnp.dtype(rhs.dtype) == jnp.dtype(jnp.float4_e2m1fn)
         return self._swap_ab(x, values, scale, _SCALE_AT[placed], along, group_sizes, group_offset, config,
-                             out_dtype)
+                             out_dtype, e2m1)
 
     @staticmethod
-    def _swap_ab(x, values, scale, scale_at, along, group_sizes, group_offset, config, out_dtype):
+    def _swap_ab(x, values, scale, scale_at, along, group_sizes, group_offset, config, out_dtype, e2m1):
         """x [m, red] 16-bit, values [g, out, red] quantized, scale f32 [g, red/bs, out] (along the reduction)
         or [g, out/bs, red] (along the output) or None -> [m, out] in out_dtype, zero outside the local groups."""
         (m, red), (groups, out, _) = x.shape, values.shape
@@ -214,7 +224,7 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         out_t = qkernel.swap_ab_gmm(
             x_t, values, scale, place.tile_groups, place.used, block_m=bm, block_n=bn, block_k=bk,
             steps=config.max_concurrent_steps, scale_at=scale_at, block=block, out_dtype=jnp.dtype(x.dtype),
-            interpret=kernels.interpreting(), scale_along=along)
+            interpret=kernels.interpreting(), scale_along=along, e2m1_bits=e2m1)
         rows = jnp.take(out_t[:out], jnp.minimum(place.column, place.tiles * bm - 1), axis=1).T
         return jnp.where(place.valid[:, None], rows, jnp.zeros((), rows.dtype)).astype(out_dtype)
 
@@ -223,8 +233,9 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
 
 
 def _least_block_k(problem: RaggedDotProblem) -> int:
-    """The shortest k step of the weights' tiles: 64-byte rows of 4-bit (128) or 8-bit (64) values."""
-    return 128 if problem.rhs_qdtype == "int4" else 64
+    """The shortest k step of the weights' tiles: 64, wgmma's K granule for a register operand read with
+    the swizzles these tiles get (32 is refused by the compiler: "K must be a multiple of 64")."""
+    return MMA_ROWS
 
 
 def _aligned(size: int) -> int:

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe_tune.kernels.ragged_dot.tile_quant import decode_e2m1
+
 SCALE_NONE, SCALE_OUTPUT, SCALE_DEQUANTIZE = "none", "output", "dequantize"
 ALONG_REDUCTION, ALONG_OUTPUT = "reduction", "output"  # the axis a DEQUANTIZE scale's blocks run along
 KERNEL_ENTRY = "moe_tune_quant_gmm_mosaic_gpu_kernel"  # the kernel's .entry in its PTX
@@ -41,13 +43,16 @@ KERNEL_ENTRY = "moe_tune_quant_gmm_mosaic_gpu_kernel"  # the kernel's .entry in 
 
 def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: jax.Array, used_tiles: jax.Array, *,
                 block_m: int, block_n: int, block_k: int, steps: int, scale_at: str, block: int,
-                out_dtype: jnp.dtype, interpret: bool, scale_along: str = ALONG_REDUCTION) -> jax.Array:
+                out_dtype: jnp.dtype, interpret: bool, scale_along: str = ALONG_REDUCTION,
+                e2m1_bits: bool = False) -> jax.Array:
     """out_t [n, tiles * block_m] = per tile t: dequant(w_t[tile_groups[t]]) @ x_t[:, tile t] (module docstring).
 
     x_t [k, tiles * block_m] 16-bit; w_t [g, n, k] quantized; scale f32 [g, 1, n] (scale_at "output") or
     [g, k / block, n] ("dequantize"); tile_groups int32 [tiles]; used_tiles int32 [1]. k % block_k == 0,
     n % block_n == 0, block_n % 64 == 0; with "dequantize", block % block_k == 0 (block % block_n == 0 along
-    the output: scale [g, n / block, k], dlhs). scale_at "none": `scale` is not read."""
+    the output: scale [g, n / block, k], dlhs), or, along k only, block_k % block == 0 (several scale rows a
+    step, each for its block's columns). scale_at "none": `scale` is not read. e2m1_bits: w_t holds e2m1
+    (mxfp4) codes as int4 bits (sm_90 converts no float4), decoded in registers (`tile_quant.decode_e2m1`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -57,22 +62,37 @@ def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: j
     k_steps = k // block_k
     compute = x_t.dtype
     along_output = scale_along == ALONG_OUTPUT
-    per_scale = block // (block_n if along_output else block_k)  # output tiles / k steps per scale row
+    per_scale = max(1, block // (block_n if along_output else block_k))  # output tiles / k steps a scale row
+    # scale rows a k step holds: several where the blocks are shorter than the step (mxfp4's 32), along k only
+    rows_per_step = 1 if along_output else max(1, block_k // block)
+    e2m1 = jnp.dtype(w_t.dtype) == jnp.dtype(jnp.int4) and e2m1_bits
 
     def dequantized(w_smem, scale_smem):
         """The weight tile [block_n, block_k] in the compute dtype, scaled by its k block's row of scales
         (dequantize), in registers."""
         w = w_smem[...]  # layout inference loads it in the layout wgmma's A takes after the conversion
+        if e2m1:
+            w = decode_e2m1(w)  # float32, exact
         if scale_at != SCALE_DEQUANTIZE:
             # sm_90 has no fp8 -> bf16 conversion: through float32 (exact either way)
             return (w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) else w).astype(compute)
         (s_smem,) = scale_smem
         # a scale per row of the tile (along the reduction: per output channel) or per column (along the output)
         axis = 1 if along_output else 0
-        row = (s_smem[0] if interpret
-               else plgpu.load(s_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis)))
+
+        def row(j):
+            vector = (s_smem[j] if interpret
+                      else plgpu.load(s_smem.at[j], (), layout=plgpu.Layout.WGMMA.reduce(1 - axis)))
+            return lax.broadcast_in_dim(vector, w.shape, [axis])
+
+        scales = row(0)
+        if rows_per_step > 1:  # the step's columns of block j take scale row j
+            column = (lax.broadcasted_iota(jnp.int32, w.shape, 1) if interpret
+                      else plgpu.broadcasted_iota(jnp.int32, w.shape, 1, layout=plgpu.Layout.WGMMA))
+            for j in range(1, rows_per_step):
+                scales = jnp.where(column >= j * block, row(j), scales)
         # in float32: the product is rounded once (and sm_90 converts fp8 to bf16 through float32)
-        return (w.astype(jnp.float32) * lax.broadcast_in_dim(row, w.shape, [axis])).astype(compute)
+        return (w.astype(jnp.float32) * scales).astype(compute)
 
     def moe_tune_quant_gmm(groups_gmem, used_gmem, x_gmem, w_gmem, s_gmem, o_gmem):  # the PTX entry's name
         t, ni = lax.axis_index("m"), lax.axis_index("n")
@@ -97,7 +117,7 @@ def swap_ab_gmm(x_t: jax.Array, w_t: jax.Array, scale: jax.Array, tile_groups: j
                 specs.append(plgpu.BlockSpec((1, block_k), lambda kk: (ni // per_scale, kk)))
                 refs.append(s_gmem.at[group])
             elif scale_at == SCALE_DEQUANTIZE:
-                specs.append(plgpu.BlockSpec((1, block_n), lambda kk: (kk // per_scale, ni)))
+                specs.append(plgpu.BlockSpec((rows_per_step, block_n), lambda kk: (kk // per_scale, ni)))
                 refs.append(s_gmem.at[group])
             plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=specs, max_concurrent_steps=steps)(*refs)
             return acc_ref[...]
