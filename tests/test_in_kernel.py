@@ -107,10 +107,20 @@ def test_tuner_offers_in_kernel_only_on_tpu(monkeypatch):
     """The CPU sweep never times interpret-mode kernels: moe_sharding's candidates hold in_kernel on TPU only."""
     from moe_tune.core import devices
 
+    from moe_tune.kernels import get_op
+
     problem = ShardingProblem(tokens=16, hidden=8, intermediate=8, experts=16, top_k=2, ep=4)
-    assert "in_kernel" not in MeshChoice().candidate_values(problem)["strategy"]
+    op, backend = get_op("moe_sharding"), MeshChoice()
+
+    def bench_variants():  # the variants `moe-tune bench` would time (built, not run)
+        return set(op.bench_plan(problem, backend, backend.default_config(problem), {}, distribution="balanced",
+                                 seed=0).variants)
+
+    assert "in_kernel" not in backend.candidate_values(problem)["strategy"]
+    assert bench_variants() == {"all_gather", "all_to_all"}
     monkeypatch.setattr(devices, "platform", lambda: "tpu")
-    assert "in_kernel" in MeshChoice().candidate_values(problem)["strategy"]
+    assert "in_kernel" in backend.candidate_values(problem)["strategy"]
+    assert bench_variants() == {"all_gather", "all_to_all", "in_kernel"}
 
 
 def test_metadata_past_smem_is_one_line():

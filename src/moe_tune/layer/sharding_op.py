@@ -144,14 +144,16 @@ class MoeShardingOp(KernelOp):
         looked-up configs): `tuned` and `default` timed once as the variant they equal, `tuned` on its own
         when it chunks the tokens or takes the other exchange. No roofline."""
         default = backend.default_config(problem)
+        # the strategies the backend offers here (in_kernel on TPU only: elsewhere it would time interpret mode)
+        strategies = tuple(s for s in STRATEGIES if s in backend.candidate_values(problem)["strategy"])
         configs = {s: backend.coerce_config(backend.config_cls(strategy=s, exchange=default.exchange), problem)
-                   for s in STRATEGIES}
+                   for s in strategies}
         same_as = {role: s for role, chosen in (("tuned", tuned), ("default", default))
                    for s, config in configs.items() if chosen == config}
         return BenchPlan(
             baseline="all_gather", advice="pass ep_strategy='all_gather' to moe_mlp for this layer and mesh",
             variants={s: (lambda x, c=c: self.run(backend, c, problem, x)) for s, c in configs.items()},
-            same_as=same_as, ratios={"all_gather_vs_all_to_all": ("all_gather", "all_to_all")}, shown=STRATEGIES)
+            same_as=same_as, ratios={"all_gather_vs_all_to_all": ("all_gather", "all_to_all")}, shown=strategies)
 
     def describe(self, problem: ShardingProblem) -> str:
         p = problem
