@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not wheels.available("gpu"),
 
 SHAPES = {"m4096": {"m": 4096, "k": 7168, "n": 2048, "groups": 32}, "m256": {"m": 256, "k": 7168, "n": 2048, "groups": 32}}
 FORMATS = {"int8": {"rhs_quant": "int8"}, "fp8/128": {"rhs_quant": "float8_e4m3fn", "quant_block": 128},
-           "int4/128": {"rhs_quant": "int4", "quant_block": 128}}
+           "int4/128": {"rhs_quant": "int4", "quant_block": 128}, "mxfp4": {"rhs_quant": "mxfp4"}}
 
 
 def test_compiles_for_h100():

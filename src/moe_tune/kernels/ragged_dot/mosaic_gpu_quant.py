@@ -1,12 +1,14 @@
-"""`mosaic_gpu_quant` backend: quantized weights (int8 per channel, float8_e4m3fn and int4 in blocks along k)
-on Hopper's tensor cores through this project's Mosaic GPU kernel (`mosaic_gpu_quant_kernel.swap_ab_gmm`):
+"""`mosaic_gpu_quant` backend: quantized weights (int8 per channel; float8_e4m3fn, int4 and mxfp4 in blocks along
+k) on Hopper's tensor cores through this project's Mosaic GPU kernel (`mosaic_gpu_quant_kernel.swap_ab_gmm`):
 the weights dequantized in registers and fed to `wgmma` as its A operand, swap-AB (weights on the 64-row
 side, tokens on the N side), float32 accumulation, a 16-bit result. The forward and dlhs (dx = dout @ W^T:
 the same kernel, the weights read as stored [g, k, n], k on the tile's rows).
 
 Where each scale applies is `quant_plan`'s rule, read with `with_dequantize(True)`: one scale per channel
 multiplies the accumulator once after the k loop (OUTPUT); a block scale along k multiplies each weight tile
-in registers before its wgmma (DEQUANTIZE: the tile is dequantized, then one dot per k step).
+in registers before its wgmma (DEQUANTIZE: the tile is dequantized, then one dot per k step; blocks shorter
+than the step, mxfp4's 32, take one scale row each). mxfp4's e2m1 codes are read as their int4 bits (sm_90
+converts no float4) and decoded in registers.
 
 What the wrapper does around the kernel (`gmm`): the weights are read in the "nk" storage (`QArray.layout`:
 [g, n, k], k contiguous, the A operand's rows; a "kn" array is transposed by XLA first, `quant.in_layout`),
@@ -17,8 +19,8 @@ read back to the callers' rows, zero for rows outside the local groups (past sum
 
 What no config can run (`chip_error`, so that the op falls back with one warning): a GPU other than sm_90
 (off a GPU the kernel runs in Mosaic GPU's interpreter); float weights (the `mosaic_gpu` backend's);
-quantized activations; mxfp4 (e8m0 scales per 32 elements: a k step of 64 or more holds several scale blocks);
-scale blocks shorter than the smallest tile along k; drhs (it reads no quantized weights); activations other
+quantized activations; scale blocks that tiles of 64 along k cannot hold whole (dlhs: shorter than 64, so
+mxfp4's dlhs falls back); drhs (it reads no quantized weights); activations other
 than bfloat16 / float16, or a result of another dtype. dlhs with one scale per channel rounds the folded dout
 (dout times the scale, float32) to the activations' 16-bit dtype for wgmma.
 """
