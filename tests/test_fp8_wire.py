@@ -57,6 +57,14 @@ def test_the_space_enumerates_strategy_chunks_exchange_and_wire_once_each():
         assert set(got) == want, judged
 
 
+def test_only_the_fp8_wire_candidates_are_checked_at_the_wires_tolerance():
+    problem = OP.problem(**SHAPE, ep=4, dtype="bfloat16")
+    native = OP.tolerance(problem, ShardingConfig(strategy="all_to_all", wire="native"))
+    fp8 = OP.tolerance(problem, ShardingConfig(strategy="all_to_all", wire="fp8"))
+    assert native == get_op("moe_fusion").tolerance(problem.whole_layer()) < FP8_WIRE_TOLERANCE
+    assert fp8 == FP8_WIRE_TOLERANCE == OP.tolerance(problem)  # no config: any of the problem's candidates
+
+
 def test_the_rows_scale_block_is_the_quantized_ragged_dots_rule():
     w = jnp.ones((2, 256, 8), jnp.float32)
     assert row_block(256, w) == 256 == paired_lhs_block(256, None)  # float weights: one scale per row

@@ -325,7 +325,9 @@ class KernelOp(abc.ABC):
         """What an entry records of the inputs it was tuned on, beyond the distribution's name and seed."""
         return {"group_sizes": np.asarray(inputs["group_sizes"]).tolist()}
 
-    def tolerance(self, problem: Any) -> float:
+    def tolerance(self, problem: Any, config: KernelConfig | None = None) -> float:
+        """The relative error a candidate's output may have against the float64 reference: `config` (the
+        candidate's; None: any of the problem's) for an op whose configs round differently on purpose."""
         # the float dtypes: a quantized operand's products are exact (its `*_qdtype` does not loosen this)
         dtypes = [v for k, v in problem.key_fields().items() if k.endswith("dtype") and not k.endswith("qdtype")]
         return max(TOLERANCE.get(d, 2e-2) for d in dtypes)

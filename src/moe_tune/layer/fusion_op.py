@@ -83,7 +83,7 @@ class MoeFusionOp(KernelOp):
     def sweep_memory(self, problem: FusionProblem, workers: int) -> int:
         return sweep_memory(problem, workers)
 
-    def tolerance(self, problem: FusionProblem) -> float:
+    def tolerance(self, problem: FusionProblem, config: KernelConfig | None = None) -> float:
         """The dtype's (`kernel_op.TOLERANCE`); a bf16/f16 training step's twice that: its gradients pass
         through more roundings in the layer's dtype than the forward (dh, the activation's derivative), and
         each part is checked at its own scale, so a few-row expert's gradient shows its own rounding

@@ -117,11 +117,14 @@ class MoeShardingOp(KernelOp):
     def sweep_memory(self, problem: ShardingProblem, workers: int) -> int:
         return sweep_memory(problem.whole_layer(), workers)
 
-    def tolerance(self, problem: ShardingProblem) -> float:
-        """moe_fusion's for the whole layer (a bf16/f16 training step twice the dtype's), and at least the fp8
-        wire's (`wire.FP8_WIRE_TOLERANCE`: the rows' float8 rounding in the gate and up products), since every
-        problem's candidates include `wire="fp8"` and the check has one tolerance per problem."""
-        return max(MOE_FUSION.tolerance(problem.whole_layer()), FP8_WIRE_TOLERANCE)
+    def tolerance(self, problem: ShardingProblem, config: KernelConfig | None = None) -> float:
+        """moe_fusion's for the whole layer (a bf16/f16 training step twice the dtype's); for a config with
+        `wire="fp8"` (or None: any candidate) at least the fp8 wire's (`wire.FP8_WIRE_TOLERANCE`: the rows'
+        float8 rounding in the gate and up products), so the native candidates keep the dtype's check."""
+        base = MOE_FUSION.tolerance(problem.whole_layer())
+        if config is not None and getattr(config, "wire", "native") != "fp8":
+            return base
+        return max(base, FP8_WIRE_TOLERANCE)
 
     def layer_calls(self, layer: LayerShape, runs: str | None) -> list[tuple[str, ShardingProblem]]:
         """None: a one-device layer moves no tokens between devices (the sharded layer's are `mesh_calls`)."""

@@ -143,15 +143,17 @@ def check_all(
     candidates: Sequence[Candidate],
     inputs: Mapping[str, jax.Array],
     reference: Reference,
-    tolerance: float,
+    tolerance: float | Callable[[KernelConfig], float],
     on_done: Callable[[Candidate], None] | None = None,
 ) -> None:
-    """Mark candidates off the reference as wrong. A candidate that ran in a compile worker (see
+    """Mark candidates off the reference as wrong: a relative error above `tolerance` (one number, or the
+    op's per config: `KernelOp.tolerance(problem, config)`). A candidate that ran in a compile worker (see
     `compiling.compile_all`) is judged by the relative error computed there; one compiled in this process is
     run once here (also its warm-up)."""
     for cand in candidates:
         if cand.status != OK:
             continue
+        allowed = tolerance(cand.config) if callable(tolerance) else tolerance
         out, error = None, cand.worker_error
         try:
             if error is not None:
@@ -162,8 +164,8 @@ def check_all(
             cand.fail("run", failure_reason(e))
         else:
             cand.error = error if out is None else reference.error(out)
-            if not cand.error <= tolerance:
-                cand.fail("check", f"relative error {cand.error:.3g} > tolerance {tolerance:.3g}")
+            if not cand.error <= allowed:
+                cand.fail("check", f"relative error {cand.error:.3g} > tolerance {allowed:.3g}")
         if on_done is not None:
             on_done(cand)
 

@@ -79,7 +79,6 @@ def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str,
     host = kernel_op.make_inputs(problem, distribution, seed)
     expected = kernel_op.reference(problem, host)
     inputs = jax.device_put(host)
-    tolerance = kernel_op.tolerance(problem)
     unusable: dict[str, str] = {}
     calls: dict[int, Any] = {}
     names = list(configs)
@@ -95,6 +94,7 @@ def time_side_by_side(op: str, backend: str, problem: Any, configs: Mapping[str,
         except Exception as e:  # noqa: BLE001 - a config that cannot run here loses, with its reason
             unusable[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
+        tolerance = kernel_op.tolerance(problem, config)
         if not error <= tolerance:
             unusable[name] = f"wrong: relative error {error:.3g} > tolerance {tolerance:.3g}"
             continue

@@ -17,6 +17,8 @@ apply the rule keeps the default and says `unverified` and why. The outcome is a
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
@@ -50,7 +52,7 @@ def measure_chunk(state: SweepState, chunk: list[Candidate]) -> Iterator[Step]:
     """Compile a chunk (in parallel), check it, time the correct ones batch by batch; log as they finish.
     Yields one step per batch timed."""
     settings, reporter = state.settings, state.reporter
-    tolerance = state.plan.op.tolerance(state.plan.request.problem)
+    tolerance = functools.partial(state.plan.op.tolerance, state.plan.request.problem)  # of a config
     checked_ids: set[int] = set()
 
     def checked(cand: Candidate) -> None:
@@ -153,7 +155,8 @@ def recompile(state: SweepState, cands: list[Candidate]) -> Step:
     for c in cands:
         c.compiles = 0
     compile_all(state.kernel, cands, state.prepared, workers=settings.workers, timeout=settings.compile_timeout_s)
-    check_all([c for c in cands if c.status == OK], state.inputs, state.reference, state.plan.op.tolerance(problem))
+    check_all([c for c in cands if c.status == OK], state.inputs, state.reference,
+              functools.partial(state.plan.op.tolerance, problem))
     recompiled = 0
     for c in cands:
         recompiled += c.compiles
