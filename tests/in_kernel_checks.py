@@ -31,7 +31,7 @@ CASES = {
     "ep4_skew": dict(strategy="in_kernel", ep=4, skew_to=0),
     "ep4_skew_capacity": dict(strategy="in_kernel", ep=4, skew_to=4, capacity_factor=1.5),
     "ep4_int8": dict(strategy="in_kernel", ep=4, dtype="int8", quant_block=4),
-    "ep4_bf16": dict(strategy="in_kernel", ep=4, dtype="bfloat16", grads=False),
+    "ep4_tp2_bf16": dict(strategy="in_kernel", ep=4, tp=2, dtype="bfloat16"),
     "ep2_tp2_f32": dict(strategy="in_kernel", ep=2, tp=2, grads=False, collectives=True),
     # two token chunks (a ShardingConfig): each its own two kernels and capacity, one after the other
     "ep4_chunks2_skew_capacity": dict(strategy="in_kernel", ep=4, token_chunks=2, skew_to=4, capacity_factor=1.3),

@@ -22,9 +22,10 @@ from moe_tune.layer.sharding_choice import (
 )
 
 SCRIPT = Path(__file__).with_name("in_kernel_checks.py")
-WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races", "ep4_chunks2_skew_capacity"]
+WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races", "ep4_chunks2_skew_capacity",
+              "ep4_tp2_bf16"]
 WITH_INPUT_GRADS = ["ep4_int8"]  # QArray weights: constants
-FORWARD = ["ep4_bf16", "ep2_tp2_f32", "ep4_skew_capacity_all_to_all"]
+FORWARD = ["ep2_tp2_f32", "ep4_skew_capacity_all_to_all"]
 
 
 @pytest.fixture(scope="module")
