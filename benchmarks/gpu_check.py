@@ -1,5 +1,5 @@
 """The whole GPU check in one call: the `triton` kernels (and, for ragged_dot, `mosaic_gpu`: JAX's Mosaic GPU
-kernels) compiled for real, checked at real MoE sizes, swept, and timed: ragged_dot against XLA's ragged dot
+kernels, and `mosaic_gpu_quant`: quantized weights dequantized in registers into wgmma) compiled for real, checked at real MoE sizes, swept, and timed: ragged_dot against XLA's ragged dot
 and a dense bf16 matmul of the same FLOPs, each backend in turn (`--backends`); dispatch
 and combine against the plain-JAX fallback and the device's copy bandwidth measured in the same rounds.
 
@@ -14,12 +14,14 @@ the float directions and the quantized ones, then dispatch and combine. Narrow a
 Shapes (bf16, balanced group sizes), all three directions of the up projection:
   * DeepSeek-V3 expert layer: hidden 7168 -> expert width 2048, 256 experts over an expert-parallel group
     of 8 (32 local experts), 4096 tokens x top-8 routed / 8 shards = 4096 rows per shard;
+  * DeepSeek-V3 decode: the same layer at 256 rows a shard (8 rows an expert: the weights' bytes dominate);
   * Mixtral-8x7B: hidden 4096 -> 14336, 8 experts, 4096 tokens x top-2 = 8192 rows.
 Quantized weights (`--quant`, fwd and dlhs: the directions that read them): weight-only int8 with one scale
 per channel, float8_e4m3fn and int4 with 128-wide blocks along k (32 in --small), and mxfp4 (OCP MX: blocks
 of 32, e8m0 scales), each swept (every candidate
 checked against the dequantized float64 reference), its error against the unquantized weights recorded, and
-its tuned time compared with the bf16 kernel's of the same shape and direction (`vs_bf16`).
+its tuned time compared with the bf16 kernel's of the same shape and direction (`vs_bf16`: the same backend's,
+or triton's for `mosaic_gpu_quant`, which serves quantized weights only).
 MoE layers (`--layers qwen3-30b-a3b:4096:1`, first): every forward kernel call swept on triton, then `moe_mlp`
 fused on triton, fused on plain JAX and unfused timed side by side (`gpu_layer.py`).
 Dispatch / combine (bf16): DeepSeek-V3 (4096 tokens, hidden 7168, top-8, 256 experts, ep=8: ragged ops) and
@@ -32,7 +34,8 @@ Each case's JSON is written as soon as it is measured, so a run cut short keeps 
 tables are kept under OUT/tables/<device kind>/ (`--tables`), ready to ship in `profiles/data/`.
 `winners` (in the JSON, printed at the end): per shape and direction, every ragged_dot backend's tuned time and
 XLA's, and which is fastest: the evidence for the GPU default (`registry.py`). A backend that cannot run a
-problem at all (`chip_error`: mosaic_gpu's float32 and quantized problems) is recorded as `skipped` with its
+problem at all (`chip_error`: mosaic_gpu's float32 and quantized problems, mosaic_gpu_quant's float weights and
+gradients) is recorded as `skipped` with its
 reason.
 """
 
@@ -60,6 +63,7 @@ from moe_tune.tuner import SweepRequest, run_sweep
 
 SHAPES = {
     "deepseek-v3 (ep=8)": dict(m=4096, k=7168, n=2048, groups=32),
+    "deepseek-v3 decode (ep=8)": dict(m=256, k=7168, n=2048, groups=32),
     "mixtral-8x7b": dict(m=8192, k=4096, n=14336, groups=8),
 }
 SMALL = {"toy": dict(m=128, k=64, n=64, groups=4)}
@@ -136,14 +140,16 @@ def _breakdown(entry, args) -> dict:
 
 
 def _quant_case(name: str, shape: dict, mode: str, direction: str, bf16: dict, args, profile_dir: str,
-                backend: str) -> dict:
+                backend: str, triton_bf16: dict | None = None) -> dict:
     """One quantized-weight case, with `vs_bf16`: its tuned time over the bf16 kernel's (`bf16`: direction ->
-    that case, measured earlier in the same run)."""
+    that case, measured earlier in the same run; `triton_bf16`: triton's, for a backend with no float cases)."""
     block = QUANT_BLOCK["small" if args.small else "full"]
     options = {k: block if k == "quant_block" else v for k, v in QUANT_MODES[mode].items()}
     problem = get_op("ragged_dot").problem(**shape, **options, dtype=args.dtype, direction=direction)
     case = {"quant": mode, **_ragged_dot_case(name, problem, args, profile_dir, backend)}
     float_case = bf16.get(direction, {})
+    if "times_s" not in float_case:  # a backend of quantized weights only: against triton's bf16 kernel
+        float_case = (triton_bf16 or {}).get(direction, {})
     if "times_s" in case and "times_s" in float_case:
         case["vs_bf16"] = case["times_s"]["tuned"] / float_case["times_s"]["tuned"]
         print(f"  {mode} tuned / {args.dtype} tuned: {case['vs_bf16']:.2f}", flush=True)
@@ -189,17 +195,20 @@ def _plan(args, profile_dir: str) -> list[tuple[str, Callable[[], dict]]]:
                              or any(m and m in k for m in args.models.split(","))}
     for name, shape in wanted(SMALL if args.small else SHAPES).items() if "ragged_dot" in ops else ():
         directions = args.directions.split(",")
+        triton_bf16: dict[str, dict] = {}  # triton's float cases of this shape (vs_bf16 of mosaic_gpu_quant)
         for backend in args.backends.split(","):
             bf16: dict[str, dict] = {}  # direction -> its case, for the quantized cases' vs_bf16
 
-            def float_case(direction, name=name, shape=shape, backend=backend, bf16=bf16):
+            def float_case(direction, name=name, shape=shape, backend=backend, bf16=bf16, triton_bf16=triton_bf16):
                 problem = get_op("ragged_dot").problem(**shape, dtype=args.dtype, direction=direction)
                 bf16[direction] = _ragged_dot_case(name, problem, args, profile_dir, backend)
+                if backend == "triton":
+                    triton_bf16[direction] = bf16[direction]
                 return bf16[direction]
 
             plan += [(f"{name} {backend} {d}", functools.partial(float_case, d)) for d in directions]
             plan += [(f"{name} {backend} {mode} {d}", functools.partial(_quant_case, name, shape, mode, d, bf16, args,
-                                                                        profile_dir, backend))
+                                                                        profile_dir, backend, triton_bf16))
                      for mode in (args.quant.split(",") if args.quant else ())
                      for d in directions if d in QUANT_DIRECTIONS]
     for op in (op for op in GATHER_OPS if op in ops):
@@ -230,7 +239,8 @@ def main() -> int:
     parser.add_argument("--ops", default="ragged_dot," + ",".join(GATHER_OPS))
     parser.add_argument("--models", default="", help="only the ragged_dot / gather shapes whose name has one of "
                                                       "these (comma-separated; default: all)")
-    parser.add_argument("--backends", default="triton,mosaic_gpu", help="the ragged_dot backends to sweep and time")
+    parser.add_argument("--backends", default="triton,mosaic_gpu,mosaic_gpu_quant",
+                        help="the ragged_dot backends to sweep and time")
     parser.add_argument("--layers", default=None,
                         help="MoE layers PRESET:TOKENS:EP,... to sweep and time fused vs unfused (gpu_layer.py), "
                              "before the kernels (default: qwen3-30b-a3b:4096:1; toy:16:2 with --small; '' for none)")

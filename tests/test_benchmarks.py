@@ -81,14 +81,18 @@ def test_gpu_check_smoke(tmp_path):
 
 
 def test_gpu_check_lists_its_default_plan(tmp_path):
-    """What one lent GPU's call runs by default, in order: the qwen3 layer first, then DeepSeek-V3's and Mixtral's
-    ragged_dot on triton (float, then quantized: 4-bit too) and mosaic_gpu, then dispatch and combine."""
+    """What one lent GPU's call runs by default, in order: the qwen3 layer first, then DeepSeek-V3's (prefill and
+    decode) and Mixtral's ragged_dot on triton (float, then quantized: 4-bit too), mosaic_gpu and
+    mosaic_gpu_quant, then dispatch and combine."""
     labels = _run(["benchmarks/gpu_check.py", "--list"], tmp_path).splitlines()
     assert labels[0] == "layer qwen3-30b-a3b:4096:1"
     assert labels[1:4] == [f"deepseek-v3 (ep=8) triton {d}" for d in ("fwd", "dlhs", "drhs")]
     assert {"deepseek-v3 (ep=8) triton int4 fwd", "deepseek-v3 (ep=8) triton mxfp4 dlhs",
-            "mixtral-8x7b mosaic_gpu drhs"} <= set(labels)
-    assert labels[-1] == "mixtral-8x7b dense_gather_reduce" and len(labels) == 1 + 2 * 2 * (3 + 4 * 2) + 3
+            "mixtral-8x7b mosaic_gpu drhs", "deepseek-v3 (ep=8) mosaic_gpu_quant int8 fwd",
+            "deepseek-v3 decode (ep=8) mosaic_gpu_quant int4 fwd", "deepseek-v3 decode (ep=8) triton int4 fwd"
+            } <= set(labels)
+    # 3 ragged_dot shapes x 3 backends x (3 float directions + 4 weight formats x fwd, dlhs)
+    assert labels[-1] == "mixtral-8x7b dense_gather_reduce" and len(labels) == 1 + 3 * 3 * (3 + 4 * 2) + 3
 
 
 @pytest.mark.slow
