@@ -6,7 +6,7 @@ expert width, split over `tp`), the mesh (`ep` devices along the expert axis, `t
 dtype and the weights' quantization; the table's device kind is the rest of the key. Its one backend (`mesh`)
 has four tunables:
 
-- `strategy`: `all_gather` or `all_to_all` (`exchange.STRATEGIES`);
+- `strategy`: `all_gather`, `all_to_all` or, on TPU only, `in_kernel` (`exchange.STRATEGIES`);
 - `token_chunks`: C consecutive chunks of t / C tokens, each its own exchange, experts and combine, which
   lets XLA overlap one chunk's collectives with another's grouped matmuls (MaxText's num_moe_token_chunks);
   candidates 1, 2 and 4 where C divides the tokens and leaves at least `MIN_CHUNK_TOKENS` per chunk;
@@ -141,8 +141,8 @@ def platform_exchange(platform: str | None = None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig(KernelConfig):
-    """strategy: `all_gather` or `all_to_all`; token_chunks: the consecutive chunks a device's tokens run in,
-    each its own exchange, experts and combine (1: whole); exchange: the all-to-all's implementation
+    """strategy: `all_gather`, `all_to_all` or `in_kernel` (TPU, and interpret mode on CPU); token_chunks: the
+    consecutive chunks a device's tokens run in, each its own exchange, experts and combine (1: whole); exchange: the all-to-all's implementation
     (`fixed` everywhere, `ragged` where the platform has `jax.lax.ragged_all_to_all`); wire: the dtype the
     dispatched rows travel in, `native` (the activations') or `fp8` (`layer/wire.py`; the return path stays
     native). A table entry written before `wire` existed reads as `native` (the field's default)."""
