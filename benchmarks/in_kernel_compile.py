@@ -60,7 +60,8 @@ def main() -> None:
         results.append({
             "slice": job.slice, "expert": job.expert, "tensor": job.tensor, "capacity_factor": job.capacity_factor,
             "tokens_per_chip": job.tokens, "strategy": job.strategy,
-            "status": done.status, "message": done.message, "backend": done.backend, "compile_s": round(done.compile_s, 1),
+            "status": done.status, "message": done.message, "backend": done.backend,
+            "compile_s": round(done.compile_s, 1),
             "chip_bytes": done.chip_bytes, "memory": done.memory, "kernels": done.kernels,
             "collectives": done.collectives, "token_row_collectives": len(rows),
             "collective_sent_bytes": sum(c["sent_bytes"] for c in done.collectives),

@@ -3,22 +3,22 @@ other devices by remote DMA from inside the kernel, so no XLA all-to-all or all-
 program. Off TPU it runs in Pallas TPU interpret mode, which simulates the DMAs, semaphores and the devices of
 the surrounding `jax.shard_map` on the host (slow: tests at small shapes only).
 
-`scatter_rows` is the one kernel, used twice by the strategy: the dispatch (token rows to the devices holding
-their experts) and the return (expert outputs back to their tokens' devices). Every device of the mesh axis
-runs it at once (a collective kernel: a barrier semaphore makes sure every peer has entered it, so its output
-buffer exists, before any row is written there). Each device walks its segments (consecutive rows of its send
-order bound for consecutive rows of one device's output) and starts one DMA per row, from its source array to
-the output where XLA placed them (memory space ANY: HBM, or VMEM where XLA's memory-space assignment puts a
-buffer there): a local copy when the row stays on this device, a remote copy otherwise. At most `in_flight` DMAs of each kind are
-outstanding: with that many, one is waited for before the next starts (every row has the same size, so one
-semaphore per kind counts them). It then waits for the `expected` rows the other devices send it (the caller
-knows that count from the exchanged metadata) and leaves; its output rows nobody wrote hold zeros (the output
-is aliased to a zeros buffer). The metadata sits in SMEM (scalar prefetch): four int32 per segment, and for
-the dispatch the source row of each sent row (int32 [t x top_k], `SMEM_METADATA_BYTES` at most); the kernel
-has no blocks or scratch buffers of its own, so no tile of it can overflow VMEM.
+`scatter_rows` is the one kernel, used twice by the strategy: the dispatch (token rows to the devices holding their
+experts) and the return (expert outputs back to their tokens' devices). Every device of the mesh axis runs it at
+once (a collective kernel: a barrier semaphore makes sure every peer has entered it, so its output buffer exists,
+before any row is written there). Each device walks its segments (consecutive rows of its send order bound for
+consecutive rows of one device's output) and starts one DMA per row, from its source array to the output where XLA
+placed them (memory space ANY: HBM, or VMEM where XLA's memory-space assignment puts a buffer there): a local copy
+when the row stays on this device, a remote copy otherwise. At most `in_flight` DMAs of each kind are outstanding:
+with that many, one is waited for before the next starts (every row has the same size, so one semaphore per kind
+counts them). It then waits for the `expected` rows the other devices send it (the caller knows that count from the
+exchanged metadata) and leaves; its output rows nobody wrote hold zeros (the output is aliased to a zeros buffer).
+The metadata sits in SMEM (scalar prefetch): four int32 per segment, and for the dispatch the source row of each
+sent row (int32 [t x top_k], `SMEM_METADATA_BYTES` at most); the kernel has no blocks or scratch buffers of its own,
+so no tile of it can overflow VMEM.
 
 Rows travel as 32-bit words (Mosaic copies single rows of 32-bit arrays only; a bfloat16 [n, d] is moved as
-uint32 [n, d / 2], two values a word: `as_words` / `from_words`).
+uint32 [n, d / 2], columns j and j + d / 2 in one word: `as_words` / `from_words`).
 """
 
 from __future__ import annotations

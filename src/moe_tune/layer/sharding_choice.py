@@ -144,8 +144,9 @@ class ShardingConfig(KernelConfig):
     """strategy: `all_gather`, `all_to_all` or `in_kernel` (TPU, and interpret mode on CPU); token_chunks: the
     consecutive chunks a device's tokens run in, each its own exchange, experts and combine (1: whole); exchange:
     the all-to-all's implementation (`fixed` everywhere, `ragged` where the platform has
-    `jax.lax.ragged_all_to_all`); wire: the dtype the dispatched rows travel in, `native` (the activations') or `fp8` (`layer/wire.py`; the return path stays
-    native). A table entry written before `wire` existed reads as `native` (the field's default)."""
+    `jax.lax.ragged_all_to_all`); wire: the dtype the dispatched rows travel in, `native` (the activations') or
+    `fp8` (`layer/wire.py`; the return path stays native). A table entry written before `wire` existed reads as
+    `native` (the field's default)."""
 
     strategy: str = "all_gather"
     token_chunks: int = 1
