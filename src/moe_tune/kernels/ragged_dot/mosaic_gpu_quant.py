@@ -48,10 +48,10 @@ from moe_tune.kernels.ragged_dot.quantized import prepare_gmm
 WEIGHT_DTYPES = ("int8", "float8_e4m3fn", "int4", "float4_e2m1fn")
 FOUR_BIT = ("int4", "float4_e2m1fn")
 TOKEN_BLOCKS = (16, 32, 64, 128, 256)  # wgmma N; 16-bit TMA rows of 32, 64 or 128 bytes (or whole swizzles)
-# A rough register budget of one warpgroup (128 threads, 255 registers each): the float32 accumulator
-# (block_n x block_m) and the float32 weight tile being dequantized (block_n x block_k), per thread. The
-# default (128 x (64 + 128) / 128 = 192) compiles for sm_90 with no spills (ptxas: 243-254 registers).
-REGISTER_BUDGET = 192
+# The float32 accumulator (block_n x block_m) a thread of the warpgroup holds, at most: ptxas (sm_90) fits
+# 128 a thread with the dequantized tile beside it (255 registers, no spill, at 128 x 128 x 128 int4 and
+# 256 x 64 x 64 fp8), and spills at 256 (256 x 128 x 64 int8: 768 bytes).
+ACCUMULATOR_BUDGET = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +139,9 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
                         else f"{field}={size} must divide the scale block {problem.rhs_qblock} (one scale row a tile)")
         if not 1 <= config.max_concurrent_steps <= 8:
             return f"max_concurrent_steps={config.max_concurrent_steps} must be in 1..8"
-        if bn * (bm + bk) > REGISTER_BUDGET * 128:
-            return (f"block_n x (block_m + block_k) = {bn * (bm + bk)}: over one warpgroup's register budget "
-                    f"({REGISTER_BUDGET} float32 a thread for the accumulator and the tile being dequantized)")
+        if bn * bm > ACCUMULATOR_BUDGET * 128:
+            return (f"block_n x block_m = {bn * bm}: a float32 accumulator of {bn * bm // 128} registers a thread, "
+                    f"over the {ACCUMULATOR_BUDGET} one warpgroup holds without spilling")
         _, k, n = problem.matmul_dims()
         if bn > _fit(256, n) or bk > _fit(256, k, least):
             return f"block_n={bn} / block_k={bk} larger than the dimension they tile (n {n}, k {k})"
