@@ -10,18 +10,19 @@ in registers before its wgmma (DEQUANTIZE: the tile is dequantized, then one dot
 than the step, mxfp4's 32, take one scale row each). mxfp4's e2m1 codes are read as their int4 bits (sm_90
 converts no float4) and decoded in registers.
 
-What the wrapper does around the kernel (`gmm`): the weights are read in the "nk" storage (`QArray.layout`:
-[g, n, k], k contiguous, the A operand's rows; a "kn" array is transposed by XLA first, `quant.in_layout`),
-the block scales as [g, k / block, n] (one row of n per k block: a TMA tile of block_n float32; dlhs reads "kn" and the scales as they are); the rows of
-each local group are placed on whole blocks of block_m tokens (`placement`), transposed ([k, tokens]: wgmma's
-B operand), so that every output tile belongs to one group and is stored whole; the transposed output is
-read back to the callers' rows, zero for rows outside the local groups (past sum(group_sizes), other shards).
+What the wrapper does around the kernel (`gmm`): the forward reads the weights in the "nk" storage
+(`QArray.layout`: [g, n, k], k contiguous, the A operand's rows; a "kn" array is transposed by XLA first,
+`quant.in_layout`) and the block scales as [g, k / block, n] (one row of n per k block: a TMA tile of block_n
+float32); dlhs reads "kn" and its scales as they are. The rows of each local group are placed on whole
+blocks of block_m tokens (`placement`), transposed ([k, tokens]: wgmma's B operand), so that every output
+tile belongs to one group and is stored whole; the transposed output is read back to the callers' rows,
+zero for rows outside the local groups (past sum(group_sizes), other shards).
 
 What no config can run (`chip_error`, so that the op falls back with one warning): a GPU other than sm_90
 (off a GPU the kernel runs in Mosaic GPU's interpreter); float weights (the `mosaic_gpu` backend's);
 quantized activations; scale blocks that tiles of 64 along k cannot hold whole (dlhs: shorter than 64, so
-mxfp4's dlhs falls back); drhs (it reads no quantized weights); activations other
-than bfloat16 / float16, or a result of another dtype. dlhs with one scale per channel rounds the folded dout
+mxfp4's dlhs falls back); drhs (it reads no quantized weights); activations other than bfloat16 / float16, or
+a result of another dtype. dlhs with one scale per channel rounds the folded dout
 (dout times the scale, float32) to the activations' 16-bit dtype for wgmma.
 """
 
@@ -110,9 +111,11 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         block = problem.rhs_qblock
         fits = block % MMA_ROWS == 0 or (problem.direction == "fwd" and MMA_ROWS % block == 0)
         if placed == qkernel.SCALE_DEQUANTIZE and not fits:
-            return (f"a scale block of {block} in {problem.direction}: the kernel's tiles along k are multiples of "
-                    f"{MMA_ROWS}, each holding whole blocks{' or a part of one' if problem.direction == 'fwd' else ''} "
-                    "(dlhs: a multiple of 64)")
+            if problem.direction == "fwd":
+                return (f"a scale block of {block}: the kernel's tiles along k are multiples of {MMA_ROWS}, each "
+                        "holding whole blocks or a part of one")
+            return (f"a scale block of {block} in dlhs: the kernel's tiles along k are multiples of {MMA_ROWS} "
+                    "rows, each within one block")
         return None
 
     def config_error(self, config: MosaicGpuQuantConfig, problem: RaggedDotProblem) -> str | None:
