@@ -9,6 +9,9 @@ wgmma reads refs only); compiled, it is the register operand. Interpreter calls 
 
 from __future__ import annotations
 
+import itertools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,6 +99,23 @@ def test_dlhs_in_the_interpreter(fmt, kernel_calls):
     assert kernel_calls == [qkernel.SCALE_NONE if fmt == "int8" else qkernel.SCALE_DEQUANTIZE]
 
 
+def test_grad_through_the_op_runs_both_directions_on_the_kernel(kernel_calls):
+    """jax.grad of the public op with respect to the activations: the forward and dlhs both on this kernel
+    (dlhs with its default config: int4/128's output tiles within a scale block), against float64."""
+    sizes = [15, 0, 20]
+    x, _ = make_operands(40, 256, 64, 3, "bfloat16", 5)
+    q = _weights("int4/128", 256, 64, 3)
+    loss = lambda x: moe_tune.ragged_dot(x, q, jnp.asarray(sizes, jnp.int32), backend="mosaic_gpu_quant",
+                                         config=SMALL).astype(jnp.float32).sum()
+    grad = np.asarray(jax.grad(loss)(x), np.float64)
+    weights = dequantize_host(q)  # d loss / dx[row] = the row's group's weights summed over n
+    rows = np.repeat(np.arange(3), sizes)
+    expected = np.zeros((40, 256))
+    expected[: len(rows)] = weights.sum(axis=2)[rows]
+    assert np.abs(grad - expected).max() <= 0.01 * np.abs(expected).max()
+    assert kernel_calls == [qkernel.SCALE_DEQUANTIZE, qkernel.SCALE_DEQUANTIZE]  # fwd, then dlhs
+
+
 def test_placement_puts_each_group_on_whole_blocks():
     """Each group's rows start on a block boundary, in order, no column twice; the blocks' groups and the
     count of used blocks follow; rows no local group owns point past the end."""
@@ -121,11 +141,13 @@ def test_default_and_space_are_valid_on_h100(fmt):
     impl = MosaicGpuQuantRaggedDot()
     dtype, block = FORMATS[fmt]
     with acting_as(get_target("h100")):
-        for m, k, n, g in MODEL_SHAPES.values():
+        for (m, k, n, g), direction in itertools.product(MODEL_SHAPES.values(), ("fwd", "dlhs")):
+            if direction == "dlhs" and fmt == "mxfp4":
+                continue  # 32-blocks along dlhs' output: refused (test_what_it_refuses_and_why)
             problem = RaggedDotProblem(m, k, n, g, "bfloat16", "float32", "bfloat16", rhs_qdtype=dtype,
-                                       rhs_qblock=block or k)
+                                       rhs_qblock=block or k, direction=direction)
             default = impl.default_config(problem)
-            assert impl.config_error(default, problem) is None, (m, default)
+            assert impl.config_error(default, problem) is None, (m, direction, default)
             assert len(impl.search_space(problem)) >= 8
     decode = RaggedDotProblem(256, 7168, 2048, 32, "bfloat16", "float32", "bfloat16", rhs_qdtype="int8",
                               rhs_qblock=7168)

@@ -177,7 +177,10 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         rows = -(-problem.m // problem.groups)  # tokens of a group on average: decode fills few columns
         block_m = next((b for b in TOKEN_BLOCKS if b >= rows), 64) if rows < 64 else 64
         block_k = 128 if problem.rhs_qblock is None or problem.rhs_qblock % 128 == 0 else 64
-        return MosaicGpuQuantConfig(block_m=block_m, block_n=_fit(128, n), block_k=_fit(block_k, k),
+        block_n = _fit(128, n)
+        if problem.direction == "dlhs" and _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:
+            block_n, block_k = min(block_n, problem.rhs_qblock), 128  # output tiles of k within a scale block
+        return MosaicGpuQuantConfig(block_m=block_m, block_n=block_n, block_k=_fit(block_k, k),
                                     max_concurrent_steps=4)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list]:
