@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from run_once import once_per_run
 
 from moe_tune.core import devices
 from moe_tune.core.errors import UsageError
@@ -77,12 +78,15 @@ def test_the_rows_scale_block_is_the_quantized_ragged_dots_rule():
 
 
 @pytest.fixture(scope="module")
-def checked():
-    env = dict(os.environ, MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env,
-                          cwd=SCRIPT.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def checked(tmp_path_factory):
+    def make(part: int, parts: int) -> dict:
+        env = dict(os.environ, MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env,
+                              cwd=SCRIPT.parent)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return once_per_run(tmp_path_factory, "fp8_wire_checks", make)  # one subprocess per test run
 
 
 @pytest.mark.parametrize("case", ["all_gather_chunks1_bfloat16", "all_gather_chunks2_int8",
