@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,3 +121,18 @@ def _write(path: Path, record: dict[str, Any]) -> None:
     scratch = path.with_suffix(f".{os.getpid()}.tmp")
     scratch.write_text(json.dumps(record))
     os.replace(scratch, path)  # whole or absent, even if this worker is killed while writing
+
+
+def script_json(script: Path, *args: str, profiles: Path | None = None, cwd: Path | None = None,
+                timeout: float = 900) -> dict[str, Any]:
+    """The JSON object a checks script prints on its last line, run as `python script *args` on the CPU (its
+    own JAX: the host devices it asks for in its first lines), the compile cache off, the distribution
+    unset, and `$MOE_TUNE_PROFILE_DIR` at `profiles` when given. A non-zero exit fails with its stderr."""
+    env = dict(os.environ, MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
+    env.pop("MOE_TUNE_DISTRIBUTION", None)
+    if profiles is not None:
+        env["MOE_TUNE_PROFILE_DIR"] = str(profiles)
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

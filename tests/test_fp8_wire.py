@@ -4,15 +4,11 @@ the device count is fixed when JAX starts)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from run_once import once_per_run
+from run_once import once_per_run, script_json
 
 from moe_tune.core import devices
 from moe_tune.core.errors import UsageError
@@ -80,11 +76,7 @@ def test_the_rows_scale_block_is_the_quantized_ragged_dots_rule():
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
     def make(part: int, parts: int) -> dict:
-        env = dict(os.environ, MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
-        done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env,
-                              cwd=SCRIPT.parent)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return script_json(SCRIPT, cwd=SCRIPT.parent)
 
     return once_per_run(tmp_path_factory, "fp8_wire_checks", make)  # one subprocess per test run
 

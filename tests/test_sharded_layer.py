@@ -8,11 +8,7 @@ process.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from run_once import once_per_run
+from run_once import once_per_run, script_json
 
 import moe_tune
 from moe_tune.core.errors import UsageError
@@ -46,13 +42,7 @@ CASES = WITH_GRADS + WITH_INPUT_GRADS + FORWARD
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     def make(part: int, parts: int) -> dict:
-        env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
-                   MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
-        env.pop("MOE_TUNE_DISTRIBUTION", None)
-        done = subprocess.run([sys.executable, str(SCRIPT), "--part", f"{part}/{parts}"], capture_output=True,
-                              text=True, timeout=900, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return script_json(SCRIPT, "--part", f"{part}/{parts}", profiles=tmp_path_factory.mktemp("profiles"))
 
     # once per test run, its cases split between the xdist workers (each worker otherwise runs them all)
     return once_per_run(tmp_path_factory, "sharded_layer_checks", make, split=True)

@@ -5,15 +5,11 @@ devices, the layer's lookups after it and the coverage of the same layer in one 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from run_once import once_per_run
+from run_once import once_per_run, script_json
 from tiny_layer import TINY
 
 from moe_tune.cli import cli
@@ -140,13 +136,7 @@ def test_a_sweep_with_fewer_devices_than_the_mesh_leaves_the_strategy_out_with_a
 def checked(tmp_path_factory):
     def make(part: int, parts: int) -> dict:
         scratch = tmp_path_factory.mktemp("sharding")
-        env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(scratch / "profiles"), MOE_TUNE_COMPILE_CACHE_DIR="off",
-                   JAX_PLATFORMS="cpu")
-        env.pop("MOE_TUNE_DISTRIBUTION", None)
-        done = subprocess.run([sys.executable, str(SCRIPT), str(scratch)], capture_output=True, text=True,
-                              timeout=900, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return script_json(SCRIPT, str(scratch), profiles=scratch / "profiles")
 
     # once per test run (a sweep, then what the layer looks up after it: one piece, not split)
     return once_per_run(tmp_path_factory, "sharding_sweep_checks", make)
