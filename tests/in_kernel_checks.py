@@ -23,7 +23,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interprete
 from jax.sharding import PartitionSpec as P
 
 from moe_tune.core.errors import UsageError
-from moe_tune.layer import in_kernel_tpu
+from moe_tune.layer import in_kernel_gmm, in_kernel_tpu
 
 CASES = {
     "ep4_f32": dict(strategy="in_kernel", ep=4, collectives=True),
@@ -37,6 +37,9 @@ CASES = {
     "ep4_chunks2_skew_capacity": dict(strategy="in_kernel", ep=4, token_chunks=2, skew_to=4, capacity_factor=1.3),
 }
 RACE_CASE = ("ep8_f32_races", dict(strategy="in_kernel", ep=8, skew_to=2))
+# receive tiles of 16 rows (two per device, each shared by several experts): visits of one tile load their own
+# group's rows, which land at different times
+SMALL_TILES = ("ep4_f32_tiles16", dict(strategy="in_kernel", ep=4, grads=False))
 SAME_CAPACITY = ("ep4_skew_capacity_all_to_all", dict(CASES["ep4_skew_capacity"], strategy="all_to_all",
                                                       grads=False))
 
@@ -84,6 +87,22 @@ def with_races(name: str, case: dict) -> dict:
     return result
 
 
+def with_small_tiles(case: dict) -> dict:
+    """A case with the fused dispatch's row tile cut to 16; "tm": the row tiles its kernels were traced with."""
+    saved_tm, saved_tiles, used = in_kernel_gmm.TM, in_kernel_gmm.tiles, set()
+
+    def tiles(*args):
+        chosen = saved_tiles(*args)
+        used.add(chosen[0])
+        return chosen
+
+    in_kernel_gmm.TM, in_kernel_gmm.tiles = 16, tiles
+    try:
+        return dict(checks.run_case(**case), tm=sorted(used))
+    finally:
+        in_kernel_gmm.TM, in_kernel_gmm.tiles = saved_tm, saved_tiles
+
+
 def colliding_scatter() -> dict:
     """The race detector's control: every device of 4 DMAs its row into row 0 of device 0 (two rows landing in
     one place), which it must report."""
@@ -122,9 +141,10 @@ def main() -> None:
                 results[name]["row_collectives"] = row_collectives(lowered(case))
         except Exception as error:  # reported, so one failing case does not hide the others
             results[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"}
-    for name, case in (RACE_CASE, SAME_CAPACITY):
+    runners = {RACE_CASE[0]: lambda case: with_races(RACE_CASE[0], case), SMALL_TILES[0]: with_small_tiles}
+    for name, case in (RACE_CASE, SMALL_TILES, SAME_CAPACITY):
         try:
-            results[name] = with_races(name, case) if name == RACE_CASE[0] else checks.run_case(**case)
+            results[name] = runners.get(name, lambda case: checks.run_case(**case))(case)
         except Exception as error:
             results[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"}
     results["colliding_scatter"] = colliding_scatter()

@@ -26,7 +26,7 @@ SCRIPT = Path(__file__).with_name("in_kernel_checks.py")
 WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races", "ep4_chunks2_skew_capacity",
               "ep4_tp2_bf16"]
 WITH_INPUT_GRADS = ["ep4_int8"]  # QArray weights: constants
-FORWARD = ["ep2_tp2_f32", "ep4_skew_capacity_all_to_all"]
+FORWARD = ["ep2_tp2_f32", "ep4_skew_capacity_all_to_all", "ep4_f32_tiles16"]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,11 @@ def test_matches_float64_reference(results, case):
     assert names <= set(got) if case not in FORWARD else not names & set(got)
     for name in names & set(got):
         assert got[name] <= got["tolerance"], name
+
+
+def test_small_tiles_ran_with_them(results):
+    """The 16-row tile case ran the fused dispatch with 16-row tiles (two per device's receive buffer)."""
+    assert results["ep4_f32_tiles16"]["tm"] == [16]
 
 
 def test_capacity_drops_what_all_to_all_drops(results):

@@ -1,6 +1,7 @@
-"""The `in_kernel` strategy of the MoE layer across devices: the token exchange inside a Pallas Mosaic TPU kernel
-(`in_kernel_tpu.scatter_rows`, remote DMA), so the program holds no XLA all-to-all or all-gather of token rows;
-only int32 metadata goes through XLA collectives.
+"""The `in_kernel` strategy of the MoE layer across devices: the token exchange inside Pallas Mosaic TPU kernels
+by remote DMA (`in_kernel_gmm` for the dispatch, fused with the gate/up matmul; `in_kernel_tpu.scatter_rows` for
+the return), so the program holds no XLA all-to-all or all-gather of token rows; only int32 metadata goes
+through XLA collectives.
 
 One call, per device of the expert axis (P devices, `local` experts each):
 
@@ -9,14 +10,18 @@ One call, per device of the expert axis (P devices, `local` experts each):
    `exchange.keep_mask` (entries past a device's capacity are never sent), and one `all_gather` of every
    device's per-expert counts (int32 [P, experts], `exchange._Plan`): from it each device knows where each of
    its segments lands in its owner's receive buffer and how many rows every peer sends it.
-2. Dispatch: `scatter_rows` reads each sent row straight from x (no gathered copy) and DMAs it into the owner's
-   receive buffer [rows_in, d], laid out like the `all_to_all` strategy's: expert order (local expert, then
-   source device), so the receiver's rows are grouped by its local experts. rows_in is the worst case
-   (`exchange.worst_rows`), or the capacity when one is given.
-3. The expert matmuls: the project's grouped matmul (`exchange.local_experts`: gate, up, activation, down,
-   each a `ragged_dot`, which takes float or quantized weights) on the received rows, after the dispatch
-   kernel has returned. The compute does not start on a device's own rows while remote ones are in flight: the
-   exchange and the matmuls are separate kernels.
+2. Dispatch and gate/up (`in_kernel_gmm.dispatch_gate_up`, one collective kernel): every device starts the DMAs
+   of its sent rows, read straight from x (no gathered copy), at the kernel's first grid step, walking them in
+   (local expert, destination device) order, into the owner's receive buffer [rows_in, d], laid out like the
+   `all_to_all` strategy's: expert order (local expert, then source device). rows_in is the worst case
+   (`exchange.worst_rows`), or the capacity when one is given. The same kernel runs the gate/up grouped
+   matmul (the fused kernels' visit schedule, glu epilogue in float32, float or quantized weights) over that
+   buffer, waiting before an expert's first visit for that expert's rows only (counts from the metadata):
+   the matmul of expert 0 runs while the rows of experts 1, 2, ... are in flight.
+   Fallback (`in_kernel_gmm.refusal`): an activation the fused epilogue does not know by name, or metadata past
+   the kernel's SMEM budget (three int32 per entry), runs the dispatch as `scatter_rows` and the unfused
+   experts (`exchange.local_experts`) after it, where no matmul starts before the whole exchange has landed.
+3. The down projection: the project's grouped matmul (`ragged_dot`) on the gate/up kernel's output.
 4. Return: `scatter_rows` again, each output row DMAed back to its token's device, at the position that device
    sent it from (send order), and the weighted combine there (`ragged_gather_reduce`, dropped entries
    selected away).

@@ -213,7 +213,7 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     experts' w_gate / w_up [local, d, f] (float, or QArray scaled along d) -> h [rows_in, f] in x.dtype:
     activation(rows @ w_gate[e]) * (rows @ w_up[e]) of the rows every device sent this one, in expert order
     (local expert, source device), accumulated in float32 and rounded once; rows past sum(group_sizes) are
-    zeros. `activation`: a name of `fused_moe.activations.ACTIVATIONS`."""
+    unspecified (the return sends none of them back: no masked copy of h is made). `activation`: a name of `fused_moe.activations.ACTIVATIONS`."""
     local, hidden, f = weights_shape(w_gate)
     words, packed = _words(x)
     tm, tk, tn = tiles(rows_in, hidden, f, packed)
@@ -260,5 +260,4 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     )
     # vma_unchecked: as `scatter_rows` (the device index against the kernel's constants)
     h, _ = vma_unchecked(call, *scalars, *operands)
-    h = h[:rows_in]
-    return jnp.where((jnp.arange(rows_in) < jnp.sum(group_sizes))[:, None], h, jnp.zeros((), h.dtype))
+    return h[:rows_in]
