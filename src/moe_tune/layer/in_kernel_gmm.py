@@ -39,10 +39,20 @@ from jax.experimental.pallas import tpu as pltpu
 from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.base import kernel_operands, weight_refs, weights_shape
-from moe_tune.kernels.fused_moe.pallas_tpu_kernels import _accumulate, _lhs_step, _scale_layout, _schedule
+from moe_tune.kernels.fused_moe.pallas_tpu_kernels import (
+    _accumulate,
+    _lhs_step,
+    _scale_layout,
+    _schedule,
+)
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, weight_views
 from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
-from moe_tune.kernels.pallas_util import interpreted, out_struct, round_up, vma_unchecked
+from moe_tune.kernels.pallas_util import (
+    interpreted,
+    out_struct,
+    round_up,
+    vma_unchecked,
+)
 from moe_tune.layer import in_kernel_tpu
 from moe_tune.layer.in_kernel_tpu import SMEM_METADATA_BYTES, as_words
 
@@ -74,9 +84,10 @@ def _kernel(gid, tid, starts, ends, info, src_ref, dev_ref, dest_ref, counts_ref
     """Scalar prefetch (SMEM): gid, tid, starts, ends, info (`pallas_tpu_kernels._schedule`), the sent rows in
     walk order src / dev / dest int32 [n_send], counts int32 [3 local + 1] = (mine [local]: rows this device
     keeps per local expert, remote [local]: rows the others send it, ends [local]: one past the walk's last row
-    bound for each local expert, the remote sends' total). Then x_hbm [tokens, w] (HBM), zeros_hbm (the receive buffer's initial value, aliased), the weight
-    operands of `views`; outputs o_ref [tm, tn] and recv_hbm [m_p, w] (HBM); scratch xbuf [tm, w], two float32
-    [tm, tn] accumulators, row-load semaphores DMA [ROW_DMAS], local_sems / recv_sems DMA [local], send_sem."""
+    bound for each local expert, the remote sends' total). Then x_hbm [tokens, w] (HBM), zeros_hbm (the receive
+    buffer's initial value, aliased), the weight operands of `views`; outputs o_ref [tm, tn] and recv_hbm
+    [m_p, w] (HBM); scratch xbuf [tm, w], two float32 [tm, tn] accumulators, row-load semaphores DMA
+    [ROW_DMAS], local_sems / recv_sems DMA [local], send_sem."""
     del zeros_hbm
     weights, (o_ref, recv_hbm, xbuf, acc_gate, acc_up, row_sems, local_sems, recv_sems, send_sem) = weight_refs(
         refs, len(views), quant_block is not None)
@@ -213,7 +224,8 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     experts' w_gate / w_up [local, d, f] (float, or QArray scaled along d) -> h [rows_in, f] in x.dtype:
     activation(rows @ w_gate[e]) * (rows @ w_up[e]) of the rows every device sent this one, in expert order
     (local expert, source device), accumulated in float32 and rounded once; rows past sum(group_sizes) are
-    unspecified (the return sends none of them back: no masked copy of h is made). `activation`: a name of `fused_moe.activations.ACTIVATIONS`."""
+    unspecified (the return sends none of them back: no masked copy of h is made). `activation`: a name of
+    `fused_moe.activations.ACTIVATIONS`."""
     local, hidden, f = weights_shape(w_gate)
     words, packed = _words(x)
     tm, tk, tn = tiles(rows_in, hidden, f, packed)
@@ -230,8 +242,8 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     scale_rows, block = _scale_layout(rhs, scale)
     dot_dtype = x.dtype if scale is not None else jnp.promote_types(x.dtype, rhs.dtype)
     zeros = jnp.zeros((m_p, words.shape[1]), words.dtype)
-    kernel = functools.partial(_kernel, axis=axis, devices=devices, local=local, tm=tm, tk=tk, kc=hidden, glu=activation,
-                               dot_dtype=dot_dtype, quant_block=block, packed=packed, views=views)
+    kernel = functools.partial(_kernel, axis=axis, devices=devices, local=local, tm=tm, tk=tk, kc=hidden,
+                               glu=activation, dot_dtype=dot_dtype, quant_block=block, packed=packed, views=views)
     grid = (pl.cdiv(f, tn), tables[0].shape[0], hidden // tk)
     operands = (words, zeros, *kernel_operands(parts))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
