@@ -4,14 +4,10 @@ its refusals and the tuner's candidates in this process."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from run_once import once_per_run
+from run_once import once_per_run, script_json
 
 from moe_tune.core.errors import UsageError
 from moe_tune.layer import sharded
@@ -32,12 +28,7 @@ FORWARD = ["ep2_tp2_f32", "ep4_skew_capacity_all_to_all", "ep4_f32_tiles16"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     def make(part: int, parts: int) -> dict:
-        env = dict(os.environ, MOE_TUNE_PROFILE_DIR=str(tmp_path_factory.mktemp("profiles")),
-                   MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
-        env.pop("MOE_TUNE_DISTRIBUTION", None)
-        done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return script_json(SCRIPT, profiles=tmp_path_factory.mktemp("profiles"))
 
     return once_per_run(tmp_path_factory, "in_kernel_checks", make)  # one subprocess per test run
 
