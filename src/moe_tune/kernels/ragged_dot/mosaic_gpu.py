@@ -84,9 +84,9 @@ def chip() -> str | None:
     return {9: HOPPER, 10: BLACKWELL}.get(capability[0])
 
 
-def _fit(want: int, size: int) -> int:
-    """`want`, or the smallest multiple of MIN_BLOCK covering `size` when that is smaller."""
-    return max(MIN_BLOCK, min(want, -(-size // MIN_BLOCK) * MIN_BLOCK))
+def fit_block(want: int, size: int, least: int = MIN_BLOCK) -> int:
+    """A block of `want`, or the smallest multiple of `least` covering `size` when that is smaller."""
+    return max(least, min(want, -(-size // least) * least))
 
 
 class MosaicGpuRaggedDot(RaggedDotBackend):
@@ -179,7 +179,7 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
         if chip() == BLACKWELL:
             tiled.pop("block_m", None)  # 128 rows of tcgen05 (k padded up to them), whatever the dimension
         for field, size in tiled.items():
-            if getattr(config, field) > _fit(256, size):
+            if getattr(config, field) > fit_block(256, size):
                 return f"{field}={getattr(config, field)} is larger than the dimension it tiles ({size})"
         return None
 
@@ -199,11 +199,11 @@ class MosaicGpuRaggedDot(RaggedDotBackend):
     def default_config(self, problem: RaggedDotProblem) -> MosaicGpuConfig:
         rows, contract, cols = problem.matmul_dims()
         if problem.direction == "drhs" and chip() == BLACKWELL:
-            return MosaicGpuConfig(block_m=128, block_n=_fit(128, cols), block_k=64, max_concurrent_steps=4)
+            return MosaicGpuConfig(block_m=128, block_n=fit_block(128, cols), block_k=64, max_concurrent_steps=4)
         if problem.direction == "drhs":
-            return MosaicGpuConfig(block_m=_fit(128, contract), block_n=_fit(128, cols), block_k=64,
+            return MosaicGpuConfig(block_m=fit_block(128, contract), block_n=fit_block(128, cols), block_k=64,
                                    max_concurrent_steps=2)
-        return MosaicGpuConfig(block_m=128, block_n=_fit(128, cols), block_k=64, max_concurrent_steps=4,
+        return MosaicGpuConfig(block_m=128, block_n=fit_block(128, cols), block_k=64, max_concurrent_steps=4,
                                collective=chip() == BLACKWELL)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list]:

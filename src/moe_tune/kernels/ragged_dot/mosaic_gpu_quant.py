@@ -41,7 +41,7 @@ from moe_tune.kernels.ragged_dot import mosaic_gpu_kernels as kernels
 from moe_tune.kernels.ragged_dot import mosaic_gpu_quant_kernel as qkernel
 from moe_tune.kernels.ragged_dot import mosaic_gpu_smem as smem
 from moe_tune.kernels.ragged_dot.base import RaggedDotBackend
-from moe_tune.kernels.ragged_dot.mosaic_gpu import HOPPER, LOW_PRECISION, MMA_ROWS, chip
+from moe_tune.kernels.ragged_dot.mosaic_gpu import HOPPER, LOW_PRECISION, MMA_ROWS, chip, fit_block
 from moe_tune.kernels.ragged_dot.problem import RaggedDotProblem
 from moe_tune.kernels.ragged_dot.quant_plan import Apply, gmm_plan, problem_plan
 from moe_tune.kernels.ragged_dot.quantized import prepare_gmm
@@ -67,11 +67,6 @@ class MosaicGpuQuantConfig(KernelConfig):
     block_k: int = 128
     max_concurrent_steps: int = 4
     swap_ab: bool = True
-
-
-def _fit(want: int, size: int, least: int = 64) -> int:
-    """`want`, or the smallest multiple of `least` covering `size` when that is smaller."""
-    return max(least, min(want, -(-size // least) * least))
 
 
 class MosaicGpuQuantRaggedDot(RaggedDotBackend):
@@ -146,9 +141,9 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
             return (f"block_n x block_m = {bn * bm}: a float32 accumulator of {bn * bm // 128} registers a thread, "
                     f"over the {ACCUMULATOR_BUDGET} one warpgroup holds without spilling")
         _, k, n = problem.matmul_dims()
-        if bn > _fit(256, n) or bk > _fit(256, k, least):
+        if bn > fit_block(256, n) or bk > fit_block(256, k, least):
             return f"block_n={bn} / block_k={bk} larger than the dimension they tile (n {n}, k {k})"
-        if bm > _fit(256, problem.m, 16):
+        if bm > fit_block(256, problem.m, 16):
             return f"block_m={bm} is larger than the rows ({problem.m})"
         need, budget = self.shared_memory_bytes(config, problem), devices.gpu_shared_memory_bytes()
         if need > budget:
@@ -177,10 +172,10 @@ class MosaicGpuQuantRaggedDot(RaggedDotBackend):
         rows = -(-problem.m // problem.groups)  # tokens of a group on average: decode fills few columns
         block_m = next((b for b in TOKEN_BLOCKS if b >= rows), 64) if rows < 64 else 64
         block_k = 128 if problem.rhs_qblock is None or problem.rhs_qblock % 128 == 0 else 64
-        block_n = _fit(128, n)
+        block_n = fit_block(128, n)
         if problem.direction == "dlhs" and _scale_at(problem) == qkernel.SCALE_DEQUANTIZE:
             block_n, block_k = min(block_n, problem.rhs_qblock), 128  # output tiles of k within a scale block
-        return MosaicGpuQuantConfig(block_m=block_m, block_n=block_n, block_k=_fit(block_k, k),
+        return MosaicGpuQuantConfig(block_m=block_m, block_n=block_n, block_k=fit_block(block_k, k),
                                     max_concurrent_steps=4)
 
     def candidate_values(self, problem: RaggedDotProblem) -> dict[str, list]:
