@@ -16,7 +16,7 @@ its lhs step, accumulation, glu epilogue and quantized weight blocks, imported),
 (local expert, then source device), as the `all_to_all` strategy's. Before the first visit of group e (n tile 0)
 the kernel waits for group e's rows: `mine[e]` local copies and `remote[e]` arrivals (the counts from the
 exchanged metadata, SMEM). Every visit then DMAs its group's rows of the tile from the receive buffer into a
-[tm, w] VMEM scratch (one DMA per row, `gather/pallas_tpu._RowDmaRing`): rows of a tile's next group may still
+[tm, w] VMEM scratch (one DMA per row, `gather/pallas_tpu.RowDmaRing`): rows of a tile's next group may still
 be in flight at its first visit, so a visit never reuses rows another visit loaded. At the last grid step the
 kernel waits for its remote sends; every row it expects has been waited for by then (a non-empty group is visited).
 
@@ -40,13 +40,13 @@ from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.base import kernel_operands, weight_refs, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu_kernels import (
-    _accumulate,
-    _lhs_step,
-    _scale_layout,
-    _schedule,
+    accumulate_visit,
+    lhs_step,
+    weight_scale_layout,
+    visit_schedule,
 )
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, weight_views
-from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
+from moe_tune.kernels.gather.pallas_tpu import RowDmaRing
 from moe_tune.kernels.pallas_util import (
     interpreted,
     out_struct,
@@ -81,7 +81,7 @@ def tiles(rows: int, hidden: int, f: int, packed: bool) -> tuple[int, int, int]:
 def _kernel(gid, tid, starts, ends, info, src_ref, dev_ref, dest_ref, counts_ref, x_hbm, zeros_hbm, *refs, axis: str,
             devices: int, local: int, tm: int, tk: int, kc: int, glu: str, dot_dtype, quant_block, packed: bool,
             views):
-    """Scalar prefetch (SMEM): gid, tid, starts, ends, info (`pallas_tpu_kernels._schedule`), the sent rows in
+    """Scalar prefetch (SMEM): gid, tid, starts, ends, info (`pallas_tpu_kernels.visit_schedule`), the sent rows in
     walk order src / dev / dest int32 [n_send], counts int32 [3 local + 1] = (mine [local]: rows this device
     keeps per local expert, remote [local]: rows the others send it, ends [local]: one past the walk's last row
     bound for each local expert, the remote sends' total). Then x_hbm [tokens, w] (HBM), zeros_hbm (the receive
@@ -142,7 +142,7 @@ def _kernel(gid, tid, starts, ends, info, src_ref, dev_ref, dest_ref, counts_ref
     @pl.when(real & (kk == 0))
     def _():  # this visit's rows of the tile (the group's only), from the receive buffer
         lo, hi = jnp.maximum(starts[group], row0), jnp.minimum(ends[group], row0 + tm)
-        ring = _RowDmaRing(recv_hbm, xbuf.at[pl.ds(0, 1)], row_sems, ROW_DMAS)
+        ring = RowDmaRing(recv_hbm, xbuf.at[pl.ds(0, 1)], row_sems, ROW_DMAS)
 
         def issue(i, slot):
             ring.start(i, xbuf.at[pl.ds(i - row0, 1)], i - lo, slot)
@@ -155,8 +155,8 @@ def _kernel(gid, tid, starts, ends, info, src_ref, dev_ref, dest_ref, counts_ref
 
     @pl.when(real)
     def _():
-        a = _lhs_step(xbuf, kk, tk=tk, kc=kc, packed=packed, dtype=dot_dtype)
-        _accumulate(accs, weights, views, a, j, kk, row_tile=tk, row_index=kk, block=quant_block, dtype=dot_dtype,
+        a = lhs_step(xbuf, kk, tk=tk, kc=kc, packed=packed, dtype=dot_dtype)
+        accumulate_visit(accs, weights, views, a, j, kk, row_tile=tk, row_index=kk, block=quant_block, dtype=dot_dtype,
                     transpose_rhs=False)
 
         @pl.when(kk == kc // tk - 1)
@@ -231,7 +231,7 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     tm, tk, tn = tiles(rows_in, hidden, f, packed)
     m_p = round_up(rows_in, tm)
     group_sizes = route.plan.group_sizes
-    tables = _schedule(group_sizes, None, m_padded=m_p, tm=tm, groups=local)
+    tables = visit_schedule(group_sizes, None, m_padded=m_p, tm=tm, groups=local)
     walk, counts = _walk(route, devices=devices, local=local, me=me, top_k=top_k)
     scalars = (*tables, *walk, counts)
     smem = 4 * sum(a.size for a in scalars)
@@ -239,7 +239,7 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
         raise UsageError(f"ep_strategy 'in_kernel': {smem / 1024:.0f} KiB of metadata exceed SMEM's budget")
     parts, views = weight_views((w_gate, w_up), glu=activation, transpose_rhs=False, tk=tk, tn=tn)
     rhs, scale = parts[0]
-    scale_rows, block = _scale_layout(rhs, scale)
+    scale_rows, block = weight_scale_layout(rhs, scale)
     dot_dtype = x.dtype if scale is not None else jnp.promote_types(x.dtype, rhs.dtype)
     zeros = jnp.zeros((m_p, words.shape[1]), words.dtype)
     kernel = functools.partial(_kernel, axis=axis, devices=devices, local=local, tm=tm, tk=tk, kc=hidden,

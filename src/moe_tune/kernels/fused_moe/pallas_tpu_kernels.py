@@ -7,7 +7,7 @@ float32 accumulator, and only that group's rows are kept. The n tiles are outerm
 row tile shared by two groups is visited twice in a row for the same output block.
 
 - gather_gmm: x stays in HBM. On the first visit of a row tile (per n tile) the kernel DMAs the x rows of
-  the tile's local rows, `x[rows[i]]`, one DMA per row (`gather/pallas_tpu._RowDmaRing`, `rows` in SMEM by
+  the tile's local rows, `x[rows[i]]`, one DMA per row (`gather/pallas_tpu.RowDmaRing`, `rows` in SMEM by
   scalar prefetch), into a [tm, k] VMEM scratch that the k steps and the tile's second visit reuse: no
   [m, k] gathered copy exists, and the lhs traffic is that of Megablox, which re-reads lhs per n tile too.
   Rows outside the shard's range are never read. With `glu`, the gate and up blocks of the same columns
@@ -50,7 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 from moe_tune.kernels.fused_moe.activations import ACTIVATIONS
 from moe_tune.kernels.fused_moe.base import kernel_operands, weight_refs, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, serves, weight_views
-from moe_tune.kernels.gather.pallas_tpu import _RowDmaRing
+from moe_tune.kernels.gather.pallas_tpu import RowDmaRing
 from moe_tune.kernels.pallas_util import interpreted, out_struct, pallas_run, round_up
 from moe_tune.kernels.ragged_dot.metadata import make_group_metadata
 
@@ -60,7 +60,7 @@ def _interpret():
     return pltpu.InterpretParams() if interpreted("tpu") else False
 
 
-def _schedule(group_sizes, group_offset, *, m_padded: int, tm: int, groups: int):
+def visit_schedule(group_sizes, group_offset, *, m_padded: int, tm: int, groups: int):
     """Scalar-prefetch tables: group_ids, tile_ids [visits], starts, ends [groups], and info int32 [3] =
     (number of real visits, first local row, one past the last local row)."""
     meta = make_group_metadata(group_sizes, m=m_padded, tm=tm, groups=groups,
@@ -90,7 +90,7 @@ def _unpack(u: jax.Array, high) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _lhs_step(xbuf, kk, *, tk: int, kc: int, packed: bool, dtype) -> jax.Array:
+def lhs_step(xbuf, kk, *, tk: int, kc: int, packed: bool, dtype) -> jax.Array:
     """Columns [kk * tk, (kk + 1) * tk) of the gathered rows in the dot's dtype."""
     if not packed:
         return xbuf[:, pl.ds(pl.multiple_of(kk * tk, tk), tk)].astype(dtype)
@@ -125,7 +125,7 @@ def _weight_block(w_ref, s_ref, tile_index, *, tile: int, block: int | None, dty
     return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)).astype(dtype)
 
 
-def _accumulate(accs, weights, views, a, j, kk, *, row_tile: int, row_index, block: int | None, dtype,
+def accumulate_visit(accs, weights, views, a, j, kk, *, row_tile: int, row_index, block: int | None, dtype,
                 transpose_rhs: bool) -> None:
     """accs += a @ each view's weight block: with as many accumulators as views (glu's gate and up) each its
     own; else the one accumulator, each view's product where it serves (j, kk) (`pallas_tpu_weights`: gate
@@ -160,7 +160,7 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
     @pl.when(real & (kk == 0) & first_of_tile)
     def _():
         lo, hi = jnp.maximum(info[1], row0), jnp.minimum(info[2], row0 + tm)
-        ring = _RowDmaRing(x_hbm, xbuf.at[pl.ds(0, 1)], sems, dmas)
+        ring = RowDmaRing(x_hbm, xbuf.at[pl.ds(0, 1)], sems, dmas)
 
         def issue(i, slot):
             ring.start(rows_ref[i], xbuf.at[pl.ds(i - row0, 1)], i - lo, slot)
@@ -176,8 +176,8 @@ def _gather_gmm_kernel(gid, tid, starts, ends, info, rows_ref, x_hbm, *refs, tm,
             for acc in accs:
                 acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-        a = _lhs_step(xbuf, kk, tk=tk, kc=kc, packed=packed, dtype=dot_dtype)
-        _accumulate(accs, weights, views, a, j, kk, row_tile=row_tile, row_index=row_index, block=quant_block,
+        a = lhs_step(xbuf, kk, tk=tk, kc=kc, packed=packed, dtype=dot_dtype)
+        accumulate_visit(accs, weights, views, a, j, kk, row_tile=row_tile, row_index=row_index, block=quant_block,
                     dtype=dot_dtype, transpose_rhs=transpose_rhs)
 
         @pl.when(kk == kc // tk - 1)
@@ -207,14 +207,14 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
     parts, views = weight_views(rhs, glu=glu, transpose_rhs=transpose_rhs, tk=tk, tn=tn)
     rhs, scale = parts[0]
     m_p = round_up(m, tm)
-    tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
+    tables = visit_schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
     visits = tables[0].shape[0]
     # Mosaic copies 32-bit rows only: stage a 16-bit x as float32 (a [tokens, kc] copy, not [m, kc]).
     packed = packs_halves(x.dtype, kc, tk)
     staged = pack_halves(x) if packed else x if x.dtype.itemsize == 4 else x.astype(jnp.float32)
     dot_dtype = x.dtype if scale is not None else jnp.promote_types(x.dtype, rhs.dtype)
     n_acc = 2 if glu else 1
-    scale_rows, block = _scale_layout(rhs, scale)
+    scale_rows, block = weight_scale_layout(rhs, scale)
     kernel = functools.partial(_gather_gmm_kernel, tm=tm, tk=tk, tn=tn, kc=kc, dmas=dmas_in_flight, glu=glu,
                                transpose_rhs=transpose_rhs, dot_dtype=dot_dtype, quant_block=block, packed=packed,
                                views=views)
@@ -246,7 +246,7 @@ def pallas_gather_gmm(x, rows, rhs, group_sizes, *, tm: int, tk: int, tn: int, d
     return pallas_run(call, *args, interpret=interpreted("tpu"))
 
 
-def _scale_layout(rhs, scale) -> tuple[int | None, int | None]:
+def weight_scale_layout(rhs, scale) -> tuple[int | None, int | None]:
     """(scale rows = k / block, block) of a quantized rhs [g, k, n] with scale [g, k / block, n]; (None, None)
     for float weights."""
     if scale is None:
@@ -274,7 +274,7 @@ def _gmm_combine_kernel(gid, tid, starts, ends, info, rows_ref, w_smem, h_ref, *
         def _():
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-        _accumulate([acc], weights, views, h_ref[...].astype(dot_dtype), j, kk, row_tile=row_tile,
+        accumulate_visit([acc], weights, views, h_ref[...].astype(dot_dtype), j, kk, row_tile=row_tile,
                     row_index=row_index, block=quant_block, dtype=dot_dtype, transpose_rhs=transpose_rhs)
 
         @pl.when(kk == last_k)
@@ -317,9 +317,9 @@ def pallas_gmm_combine(h, rhs, group_sizes, rows, row_weights, *, tokens: int, t
     n = k_w if transpose_rhs else n_all
     parts, views = weight_views(rhs, glu=None, transpose_rhs=transpose_rhs, tk=tk, tn=tn)
     rhs, scale = parts[0]
-    scale_rows, block = _scale_layout(rhs, scale)
+    scale_rows, block = weight_scale_layout(rhs, scale)
     m_p = round_up(m, tm)
-    tables = _schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
+    tables = visit_schedule(group_sizes, group_offset, m_padded=m_p, tm=tm, groups=groups)
     visits = tables[0].shape[0]
     pad = (0, m_p - m)
     dot_dtype = h.dtype if scale is not None else jnp.promote_types(h.dtype, rhs.dtype)

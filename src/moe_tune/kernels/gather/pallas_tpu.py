@@ -160,7 +160,7 @@ def _block_candidates(size: int, align: int) -> list[int]:
     return sorted({b for b in (align, 2 * align, *BLOCKS) if b % align == 0 and b <= round_up(size, align)})
 
 
-class _RowDmaRing:
+class RowDmaRing:
     """Row copies x_hbm[src] -> a [1, hidden] VMEM ref with at most `size` of them outstanding.
 
     Copy number n (counted per grid step) uses semaphore n % size and, when n >= size, first waits for
@@ -221,7 +221,7 @@ def _gather_kernel(idx_ref, bounds_ref, *refs, block_rows: int, rows: int, dmas:
             def _():
                 o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-        ring = _RowDmaRing(x_hbm, dst.at[pl.ds(0, 1)], sems, dmas)
+        ring = RowDmaRing(x_hbm, dst.at[pl.ds(0, 1)], sems, dmas)
 
         def issue(i, slot):
             ring.start(idx_ref[i], dst.at[pl.ds(i - row0, 1)], i - lo, slot)
@@ -292,7 +292,7 @@ def _gather_reduce_kernel(idx_ref, *refs, block_tokens: int, tokens: int, r: int
         w_ref, x_hbm, o_ref, buf, sems = refs
         keep_ref = None
     t0 = pl.program_id(0) * block_tokens
-    ring = _RowDmaRing(x_hbm, buf.at[0, pl.ds(0, 1)], sems, dmas)
+    ring = RowDmaRing(x_hbm, buf.at[0, pl.ds(0, 1)], sems, dmas)
 
     def issue(t, carry):
         count, slot = carry
