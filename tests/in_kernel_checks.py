@@ -23,7 +23,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interprete
 from jax.sharding import PartitionSpec as P
 
 from moe_tune.core.errors import UsageError
-from moe_tune.layer import in_kernel_gmm, in_kernel_tpu
+from moe_tune.layer import in_kernel, in_kernel_gmm, in_kernel_return, in_kernel_tpu
 
 CASES = {
     "ep4_f32": dict(strategy="in_kernel", ep=4, collectives=True),
@@ -38,8 +38,11 @@ CASES = {
 }
 RACE_CASE = ("ep8_f32_races", dict(strategy="in_kernel", ep=8, skew_to=2))
 # receive tiles of 16 rows (two per device, each shared by several experts): visits of one tile load their own
-# group's rows, which land at different times
-SMALL_TILES = ("ep4_f32_tiles16", dict(strategy="in_kernel", ep=4, grads=False))
+# group's rows, which land at different times; the return in two n tiles of 4 columns (bfloat16: 2 words)
+SMALL_TILES = ("ep4_bf16_tiles16", dict(strategy="in_kernel", ep=4, dtype="bfloat16", grads=False))
+# the unfused path (`in_kernel_gmm.refusal` says why: an activation the fused kernels do not know by name, or
+# metadata past SMEM): scatter_rows both ways, the grouped matmuls between them
+UNFUSED = ("ep4_skew_unfused", dict(strategy="in_kernel", ep=4, skew_to=0))
 SAME_CAPACITY = ("ep4_skew_capacity_all_to_all", dict(CASES["ep4_skew_capacity"], strategy="all_to_all",
                                                       grads=False))
 
@@ -68,6 +71,42 @@ class RaceStates:
         return any(state.races_found for state in self.states)
 
 
+class KernelCalls:
+    """How often each of the strategy's kernels is traced while the block runs (a case's "kernels"): the fused
+    dispatch (`dispatch_gate_up`), the fused return (`down_return`) and the unfused `scatter_rows`."""
+
+    NAMES = ("dispatch_gate_up", "down_return", "scatter_rows")
+
+    def __enter__(self):
+        self.calls = dict.fromkeys(self.NAMES, 0)
+        self.saved = {name: self._home(name).__dict__[name] for name in self.NAMES}
+        for name, real in self.saved.items():
+            setattr(self._home(name), name, self._counted(name, real))
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self.saved.items():
+            setattr(self._home(name), name, real)
+
+    @staticmethod
+    def _home(name: str):  # the module whose attribute in_kernel's forward calls
+        return in_kernel_gmm if name == "dispatch_gate_up" else in_kernel
+
+    def _counted(self, name: str, real):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+
+def run_counted(case: dict) -> dict:
+    """`checks.run_case` with the strategy's kernel calls counted ("kernels")."""
+    with KernelCalls() as kernels:
+        result = checks.run_case(**case)
+    return dict(result, kernels=kernels.calls)
+
+
 def row_collectives(text: str) -> list[str]:
     """The element types of every all-to-all, all-gather and collective-permute in a lowered program's
     StableHLO (one entry per op): token rows would travel as float ones."""
@@ -81,26 +120,40 @@ def row_collectives(text: str) -> list[str]:
 
 def with_races(name: str, case: dict) -> dict:
     with RaceStates() as races, in_kernel_tpu.race_detection():
-        result = checks.run_case(**case)
+        result = run_counted(case)
     result["races"] = races.found()
     result["race_states"] = len(races.states)
     return result
 
 
 def with_small_tiles(case: dict) -> dict:
-    """A case with the fused dispatch's row tile cut to 16; "tm": the row tiles its kernels were traced with."""
-    saved_tm, saved_tiles, used = in_kernel_gmm.TM, in_kernel_gmm.tiles, set()
+    """A case with the fused kernels' row tile cut to 16 and the return's output columns to 4 (two n tiles);
+    "tm": the row tiles its kernels were traced with, "return_tn": the return's column tiles."""
+    saved_tm, saved_tiles, saved_tn = in_kernel_gmm.TM, in_kernel_gmm.tiles, in_kernel_return.TN_MAX
+    used, columns = set(), set()
 
-    def tiles(*args):
-        chosen = saved_tiles(*args)
+    def tiles(*args, **kwargs):
+        chosen = saved_tiles(*args, **kwargs)
         used.add(chosen[0])
+        if "tn_max" in kwargs:
+            columns.add(chosen[2])
         return chosen
 
-    in_kernel_gmm.TM, in_kernel_gmm.tiles = 16, tiles
+    in_kernel_gmm.TM, in_kernel_gmm.tiles, in_kernel_return.TN_MAX = 16, tiles, 4
     try:
-        return dict(checks.run_case(**case), tm=sorted(used))
+        return dict(run_counted(case), tm=sorted(used), return_tn=sorted(columns))
     finally:
-        in_kernel_gmm.TM, in_kernel_gmm.tiles = saved_tm, saved_tiles
+        in_kernel_gmm.TM, in_kernel_gmm.tiles, in_kernel_return.TN_MAX = saved_tm, saved_tiles, saved_tn
+
+
+def unfused(case: dict) -> dict:
+    """A case run with the fused dispatch refused (the fallback's two `scatter_rows`)."""
+    saved = in_kernel_gmm.refusal
+    in_kernel_gmm.refusal = lambda *args: "refused by the check"
+    try:
+        return run_counted(case)
+    finally:
+        in_kernel_gmm.refusal = saved
 
 
 def colliding_scatter() -> dict:
@@ -136,15 +189,16 @@ def main() -> None:
     results = {}
     for name, case in CASES.items():
         try:
-            results[name] = checks.run_case(**case)
+            results[name] = run_counted(case)
             if case.get("collectives"):
                 results[name]["row_collectives"] = row_collectives(lowered(case))
         except Exception as error:  # reported, so one failing case does not hide the others
             results[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"}
-    runners = {RACE_CASE[0]: lambda case: with_races(RACE_CASE[0], case), SMALL_TILES[0]: with_small_tiles}
-    for name, case in (RACE_CASE, SMALL_TILES, SAME_CAPACITY):
+    runners = {RACE_CASE[0]: lambda case: with_races(RACE_CASE[0], case), SMALL_TILES[0]: with_small_tiles,
+               UNFUSED[0]: unfused}
+    for name, case in (RACE_CASE, SMALL_TILES, UNFUSED, SAME_CAPACITY):
         try:
-            results[name] = runners.get(name, lambda case: checks.run_case(**case))(case)
+            results[name] = runners.get(name, run_counted)(case)
         except Exception as error:
             results[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"}
     results["colliding_scatter"] = colliding_scatter()

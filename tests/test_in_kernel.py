@@ -20,9 +20,9 @@ from moe_tune.layer.sharding_choice import (
 
 SCRIPT = Path(__file__).with_name("in_kernel_checks.py")
 WITH_GRADS = ["ep4_f32", "ep4_skew", "ep4_skew_capacity", "ep8_f32_races", "ep4_chunks2_skew_capacity",
-              "ep4_tp2_bf16"]
+              "ep4_tp2_bf16", "ep4_skew_unfused"]
 WITH_INPUT_GRADS = ["ep4_int8"]  # QArray weights: constants
-FORWARD = ["ep2_tp2_f32", "ep4_skew_capacity_all_to_all", "ep4_f32_tiles16"]
+FORWARD = ["ep2_tp2_f32", "ep4_skew_capacity_all_to_all", "ep4_bf16_tiles16"]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,32 @@ def test_matches_float64_reference(results, case):
         assert got[name] <= got["tolerance"], name
 
 
+@pytest.mark.parametrize("case", [c for c in WITH_GRADS + WITH_INPUT_GRADS + FORWARD
+                                  if c not in ("ep4_skew_unfused", "ep4_skew_capacity_all_to_all")])
+def test_fused_kernels_ran(results, case):
+    """Every layer case ran the fused pair (the dispatch in the gate/up matmul, the return in the down
+    projection's epilogue) once per token chunk and trace (the gradient's trace runs the forward again), and no
+    `scatter_rows`."""
+    kernels = results[case]["kernels"]
+    chunks = 2 if "chunks2" in case else 1
+    assert kernels["dispatch_gate_up"] == kernels["down_return"] >= chunks
+    assert kernels["down_return"] % chunks == 0
+    assert kernels["scatter_rows"] == 0
+
+
+def test_unfused_path_ran_scatter_rows(results):
+    """With the fused dispatch refused the layer runs scatter_rows twice (dispatch and return), no fused kernel,
+    and still matches the reference (test_matches_float64_reference)."""
+    kernels = results["ep4_skew_unfused"]["kernels"]
+    assert kernels["dispatch_gate_up"] == kernels["down_return"] == 0
+    assert kernels["scatter_rows"] >= 2 and kernels["scatter_rows"] % 2 == 0
+
+
 def test_small_tiles_ran_with_them(results):
-    """The 16-row tile case ran the fused dispatch with 16-row tiles (two per device's receive buffer)."""
-    assert results["ep4_f32_tiles16"]["tm"] == [16]
+    """The small-tile case ran the fused kernels with 16-row tiles (two per device's receive buffer) and the
+    return with two n tiles of 4 columns."""
+    assert results["ep4_bf16_tiles16"]["tm"] == [16]
+    assert results["ep4_bf16_tiles16"]["return_tn"] == [4]
 
 
 def test_capacity_drops_what_all_to_all_drops(results):
@@ -140,3 +163,21 @@ def test_metadata_past_smem_is_one_line():
             jax.ShapeDtypeStruct((16, 128), jnp.float32), jax.ShapeDtypeStruct((entries,), jnp.int32), *segments)
     assert "\n" not in str(error.value)
 
+
+
+@pytest.mark.parametrize("tn", [8, 4])
+def test_return_words_round_trip(tn):
+    """The return's packed words (bfloat16 columns c and c + tn / 2 of each n tile in one uint32) unpack to the
+    output rounded once to bfloat16, bit for bit; float32 travels as itself."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moe_tune.layer.in_kernel_return import pack_words, unpack_words
+
+    out = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)) * 1e3, jnp.float32)
+    words = jnp.concatenate([pack_words(out[:, j:j + tn], True) for j in range(0, 8, tn)], axis=1)
+    assert words.dtype == jnp.uint32 and words.shape == (16, 4)
+    back = unpack_words(words, jnp.bfloat16, tn, True)
+    assert back.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(back.view(jnp.uint16)), np.asarray(out.astype(jnp.bfloat16).view(jnp.uint16)))
+    np.testing.assert_array_equal(np.asarray(unpack_words(pack_words(out, False), jnp.float32, 8, False)), out)

@@ -46,6 +46,7 @@ from moe_tune.kernels.fused_moe.activations import activation_name
 from moe_tune.kernels.gather.op import ragged_gather_reduce
 from moe_tune.kernels.ragged_dot.op import ragged_dot
 from moe_tune.layer import exchange, in_kernel_gmm
+from moe_tune.layer.in_kernel_return import down_return
 from moe_tune.layer.in_kernel_tpu import DISPATCH_ID, RETURN_ID, scatter_rows
 
 PLATFORMS = ("tpu", "cpu")  # TPU compiled; CPU in Pallas TPU interpret mode
@@ -72,17 +73,17 @@ def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: in
     if in_kernel_gmm.refusal(x, w_gate, glu, rows_in, top_k) is None:
         h = in_kernel_gmm.dispatch_gate_up(x, route, w_gate, w_up, rows_in=rows_in, top_k=top_k, activation=glu,
                                            axis=axis, devices=devices, me=me)
-        done = ragged_dot(h, w_down, plan.group_sizes, distribution=flags["distribution"]).astype(x.dtype)
+        back = down_return(h, w_down, route, entries=entries, axis=axis, devices=devices, out_dtype=x.dtype)
     else:
         received = kernel(x, there, from_others, rows_in, src_row=route.entry_of_row // top_k,
                           collective_id=DISPATCH_ID)
         done = exchange.local_experts(received, plan.group_sizes, w_gate, w_up, w_down, activation=activation,
                                       distribution=flags["distribution"])
-    # return: the received segment (source p, local expert e) at recv_offset[p, e] goes back to p at p's send
-    # position of expert (me, e), home_offset[p, e]
-    peers = jnp.broadcast_to(jnp.arange(devices, dtype=jnp.int32)[:, None], (devices, local))
-    back_segments = tuple(a.reshape(-1) for a in (plan.recv_offset, plan.recv, peers, plan.home_offset))
-    back = kernel(done, back_segments, route.sent - jnp.sum(mine), entries, collective_id=RETURN_ID)
+        # return: the received segment (source p, local expert e) at recv_offset[p, e] goes back to p at p's
+        # send position of expert (me, e), home_offset[p, e]
+        peers = jnp.broadcast_to(jnp.arange(devices, dtype=jnp.int32)[:, None], (devices, local))
+        back_segments = tuple(a.reshape(-1) for a in (plan.recv_offset, plan.recv, peers, plan.home_offset))
+        back = kernel(done, back_segments, route.sent - jnp.sum(mine), entries, collective_id=RETURN_ID)
     out = ragged_gather_reduce(back, route.row_of_entry, weights.reshape(entries), route.valid, top_k,
                                skip_zero_weights=skip_zero_weights, **flags)
     return out.astype(x.dtype), (entries - route.sent).astype(jnp.int32)

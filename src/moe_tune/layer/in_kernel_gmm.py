@@ -66,15 +66,16 @@ ROW_DMAS = 16  # row loads from the receive buffer one visit keeps outstanding
 TM, TK_MAX, TN_MAX = 128, 1024, 768
 
 
-def tiles(rows: int, hidden: int, f: int, packed: bool) -> tuple[int, int, int]:
-    """(tm, tk, tn) for `rows` receive rows, the contraction `hidden` (logical columns) and gate/up width `f`:
-    tm at most `TM` (a multiple of 16); tk all of hidden, or the largest multiple of 128 up to `TK_MAX` that
-    divides hidden (packed: half of it, so a k step reads one half of the words); tn all of f up to `TN_MAX`,
-    else the largest multiple of 128 below it dividing f (f itself when none does)."""
+def tiles(rows: int, hidden: int, f: int, packed: bool, tn_max: int = TN_MAX) -> tuple[int, int, int]:
+    """(tm, tk, tn) for `rows` receive rows, the contraction `hidden` (logical columns) and output width `f`
+    (gate/up's; the down projection's is the hidden size, with its own `tn_max`): tm at most `TM` (a multiple of
+    16); tk all of hidden, or the largest multiple of 128 up to `TK_MAX` that divides hidden (packed: half of
+    it, so a k step reads one half of the words); tn all of f up to `tn_max`, else the largest multiple of 128
+    below it dividing f (f itself when none does)."""
     tm = min(TM, round_up(max(rows, 1), 16))
     span = hidden // 2 if packed else hidden
     tk = hidden if hidden <= TK_MAX else next((t for t in range(TK_MAX, 0, -128) if span % t == 0), hidden)
-    tn = f if f <= TN_MAX else next((t for t in range(TN_MAX, 0, -128) if f % t == 0), f)
+    tn = f if f <= tn_max else next((t for t in range(tn_max, 0, -128) if f % t == 0), f)
     return tm, tk, tn
 
 
@@ -221,10 +222,10 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     """Inside `jax.shard_map` over `axis` (`devices` devices), called by every device of it at once.
 
     x [t, d] (this device's tokens), `route` (`exchange.route` of their top_k choices), this device's local
-    experts' w_gate / w_up [local, d, f] (float, or QArray scaled along d) -> h [rows_in, f] in x.dtype:
-    activation(rows @ w_gate[e]) * (rows @ w_up[e]) of the rows every device sent this one, in expert order
-    (local expert, source device), accumulated in float32 and rounded once; rows past sum(group_sizes) are
-    unspecified (the return sends none of them back: no masked copy of h is made). `activation`: a name of
+    experts' w_gate / w_up [local, d, f] (float, or QArray scaled along d) -> h [m_p, f] in x.dtype (m_p: rows_in
+    rounded up to the row tile): activation(rows @ w_gate[e]) * (rows @ w_up[e]) of the rows every device sent
+    this one, in expert order (local expert, source device), accumulated in float32 and rounded once; rows past
+    sum(group_sizes) are unspecified (the return sends none of them back: no masked copy of h is made). `activation`: a name of
     `fused_moe.activations.ACTIVATIONS`."""
     local, hidden, f = weights_shape(w_gate)
     words, packed = _words(x)
@@ -272,4 +273,4 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     )
     # vma_unchecked: as `scatter_rows` (the device index against the kernel's constants)
     h, _ = vma_unchecked(call, *scalars, *operands)
-    return h[:rows_in]
+    return h
