@@ -33,7 +33,7 @@ from moe_tune.kernels import get_op
 from moe_tune.kernels.ragged_dot import BACKENDS, RaggedDotProblem
 from moe_tune.kernels.ragged_dot.megablox import MegabloxConfig
 from moe_tune.kernels.ragged_dot.triton import TritonConfig
-from moe_tune.layer.moe import _weight_spec
+from moe_tune.layer.moe import weight_spec
 
 OP = get_op("ragged_dot")
 SIZES = [21, 0, 30, 9]  # an empty group; rows 60..63 past sum(group_sizes)
@@ -108,12 +108,12 @@ def test_shard_map_specs_follow_the_stored_axes():
     (the expert axis stays axis 0), its scales split with them."""
     mesh = type("Mesh", (), {"shape": {"e": 2, "t": 2}})()
     _, nk = _both("int4/128")
-    spec = _weight_spec(nk, "w_gate", ("e", None, "t"), mesh)  # [E, k, f] split by experts and by f
+    spec = weight_spec(nk, "w_gate", ("e", None, "t"), mesh)  # [E, k, f] split by experts and by f
     assert spec == QArray(P("e", "t", None), P("e", "t", None), "nk")
-    down = _weight_spec(nk, "w_down", ("e", "t", None), mesh)  # [E, f, d]: k (here 256, 2 blocks) split
+    down = weight_spec(nk, "w_down", ("e", "t", None), mesh)  # [E, f, d]: k (here 256, 2 blocks) split
     assert down == QArray(P("e", None, "t"), P("e", None, "t"), "nk")
     per_channel = _both("int8")[1]
-    assert _weight_spec(per_channel, "w_down", ("e", "t", None), mesh) == QArray(P("e", None, "t"),
+    assert weight_spec(per_channel, "w_down", ("e", "t", None), mesh) == QArray(P("e", None, "t"),
                                                                                  P("e", None, None), "nk")
 
 

@@ -228,8 +228,23 @@ def test_the_layer_plans_on_four_tpu_chips(pool):
     assert len(in_kernel.compiled.collectives) == 1 and set(in_kernel.collectives) <= {"all-gather", "all-reduce"}
     assert in_kernel.compiled.collectives[0]["operand_bytes"] <= 4 * SMALL.experts * 4 < SMALL.hidden * 2
     kind, = in_kernel.collectives
-    assert "moe_tune_scatter_rows" in in_kernel.compiled.kernels  # the exchange kernel, compiled by Mosaic
+    # its two collective kernels (dispatch in the gate/up matmul, return in the down projection), by Mosaic
+    assert {"moe_tune_dispatch_gate_up", "moe_tune_down_return"} <= set(in_kernel.compiled.kernels)
     assert in_kernel.collective_bytes == int(found.work.dma_bytes) + in_kernel.collectives[kind]["sent_bytes"]
+
+
+@needs_tpu
+def test_in_kernel_compiles_with_quantized_expert_weights(pool):
+    """A SliceJob's `weights` compiles the layer on QArray weights (placeholders scaled along the contraction,
+    sharded like their values): in_kernel's two kernels serve int8 and float8_e4m3fn in 128-row blocks, with
+    no collective of token rows."""
+    jobs = [SliceJob("v5e:2x2", SMALL.hidden, SMALL.expert_intermediate, SMALL.experts, SMALL.top_k, TOKENS,
+                     expert=4, strategy="in_kernel", weights=weights, weights_block=block)
+            for weights, block in (("int8", None), ("float8_e4m3fn", 128))]
+    for done in pool.compile(jobs):
+        assert done.ok, done.message
+        assert {"moe_tune_dispatch_gate_up", "moe_tune_down_return"} <= set(done.kernels)
+        assert all(c["operand_bytes"] < SMALL.hidden * 2 for c in done.collectives)
 
 
 @needs_tpu

@@ -182,7 +182,7 @@ def _experts(fused: bool, x, weights, w_gate, w_up, w_down, entry_of_row, row_of
     return out.astype(x.dtype)  # as the fused path: float32 weights would promote a bfloat16 x's expert outputs
 
 
-def _weight_spec(w, name: str, spec: tuple, mesh) -> Any:
+def weight_spec(w, name: str, spec: tuple, mesh) -> Any:
     """The shard_map spec of one expert weight (`spec` for its values): a QArray's scale is split like its
     values along an axis where it has one scale per value, kept whole where it has one scale for the whole
     axis (the same for every slice), and split by blocks where whole blocks fall on each device. `spec` names
@@ -233,9 +233,9 @@ def sharded_moe_mlp(x, router_logits, w_gate, w_up, w_down, top_k: int, *, mesh,
         raise UsageError(f"the intermediate dimension {intermediate} does not split over the {tp} devices of "
                          f"tensor_axis {tensor_axis!r}")
     token_spec = P() if tokens_replicated else P(expert_axis)
-    in_specs = (token_spec, token_spec, _weight_spec(w_gate, "w_gate", (expert_axis, None, tensor_axis), mesh),
-                _weight_spec(w_up, "w_up", (expert_axis, None, tensor_axis), mesh),
-                _weight_spec(w_down, "w_down", (expert_axis, tensor_axis, None), mesh))
+    in_specs = (token_spec, token_spec, weight_spec(w_gate, "w_gate", (expert_axis, None, tensor_axis), mesh),
+                weight_spec(w_up, "w_up", (expert_axis, None, tensor_axis), mesh),
+                weight_spec(w_down, "w_down", (expert_axis, tensor_axis, None), mesh))
     out_specs = (token_spec, {"dropped": P(), "entries": P()}) if return_stats else token_spec
 
     def body(x, router_logits, w_gate, w_up, w_down):

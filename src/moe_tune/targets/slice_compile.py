@@ -66,6 +66,8 @@ class SliceJob:
     strategy: str = "all_gather"
     capacity_factor: float | None = None
     backend: str | None = None
+    weights: str | None = None  # a stored quantized dtype (`quant_format.QDTYPES`) for the expert weights
+    weights_block: int | None = None  # its scale block along the contracting axis (None: one scale per column)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +154,21 @@ def _arguments(job: SliceJob, mesh: Any) -> tuple[Any, ...]:
             "w_gate": ((job.experts, job.hidden, job.intermediate), P("expert", None, tensor)),
             "w_up": ((job.experts, job.hidden, job.intermediate), P("expert", None, tensor)),
             "w_down": ((job.experts, job.intermediate, job.hidden), P("expert", tensor, None))}
-    return tuple(jax.ShapeDtypeStruct(shape, jnp.float32 if name == "logits" else dtype,
-                                      sharding=NamedSharding(mesh, parts)) for name, (shape, parts) in spec.items())
+    arguments = []
+    for name, (shape, parts) in spec.items():
+        struct = jax.ShapeDtypeStruct(shape, jnp.float32 if name == "logits" else dtype)
+        if name.startswith("w_") and job.weights is not None:  # a QArray of placeholders, scaled along axis 1
+            from moe_tune.core.quant import quantize
+            from moe_tune.layer.moe import weight_spec
+
+            struct = jax.eval_shape(lambda w: quantize(w, job.weights, axis=1, block_size=job.weights_block),
+                                    struct)
+            specs = weight_spec(struct, name, tuple(parts), mesh)
+            arguments.append(jax.tree.map(lambda leaf, part: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, part)), struct, specs))
+            continue
+        arguments.append(jax.ShapeDtypeStruct(shape, struct.dtype, sharding=NamedSharding(mesh, parts)))
+    return tuple(arguments)
 
 
 def _probe(job: SliceJob, mesh: Any) -> Any:
