@@ -28,6 +28,10 @@ from typing import Any
 import filelock
 import pytest
 
+# XLA:CPU without its backend optimization passes: the suite's programs compile about a third faster and compute
+# the same results (tests/conftest.py says why the suite's own process runs so, and where the flags stop).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 WAIT_S = 1800.0  # longer than any fixture's own subprocess timeout: those end a hung maker first
 
 Make = Callable[[int, int], dict[str, Any]]  # (part, parts) -> that part's results, JSON
@@ -123,12 +127,19 @@ def _write(path: Path, record: dict[str, Any]) -> None:
     os.replace(scratch, path)  # whole or absent, even if this worker is killed while writing
 
 
+def check_env(xla_flags: str = "", **extra: str) -> dict[str, str]:
+    """The environment of one of the suite's check scripts: this one's, JAX on the CPU, XLA_FLAGS = `xla_flags`
+    (e.g. the host device count) and `FAST_COMPILE_FLAGS` (the scripts compute results, never timings), and
+    `extra`."""
+    return dict(os.environ, XLA_FLAGS=f"{xla_flags} {FAST_COMPILE_FLAGS}".strip(), JAX_PLATFORMS="cpu", **extra)
+
+
 def script_json(script: Path, *args: str, profiles: Path | None = None, cwd: Path | None = None,
                 timeout: float = 900) -> dict[str, Any]:
-    """The JSON object a checks script prints on its last line, run as `python script *args` on the CPU (its
-    own JAX: the host devices it asks for in its first lines), the compile cache off, the distribution
+    """The JSON object a checks script prints on its last line, run as `python script *args` in `check_env`
+    (its own JAX: the host devices it asks for in its first lines, appended to XLA_FLAGS), the compile cache off, the distribution
     unset, and `$MOE_TUNE_PROFILE_DIR` at `profiles` when given. A non-zero exit fails with its stderr."""
-    env = dict(os.environ, MOE_TUNE_COMPILE_CACHE_DIR="off", JAX_PLATFORMS="cpu")
+    env = check_env(MOE_TUNE_COMPILE_CACHE_DIR="off")
     env.pop("MOE_TUNE_DISTRIBUTION", None)
     if profiles is not None:
         env["MOE_TUNE_PROFILE_DIR"] = str(profiles)

@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_once import check_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args, tmp_path):
+    # check_env: the scripts on the CPU, compiled fast (their timings are not asserted)
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "MOE_TUNE_PROFILE_DIR": str(tmp_path / "p")})
+                          env=check_env(MOE_TUNE_PROFILE_DIR=str(tmp_path / "p")))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 

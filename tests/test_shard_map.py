@@ -19,12 +19,11 @@ the mesh at once, and with 4 devices on a 2-core machine it stalls. Not here: `m
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from run_once import once_per_run
+from run_once import check_env, once_per_run
 
 DEVICES = 4
 
@@ -55,7 +54,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     def make(part: int, parts: int) -> dict:
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+        env = check_env(f"--xla_force_host_platform_device_count={DEVICES}")
         proc = subprocess.run([sys.executable, __file__, str(part), str(parts)], env=env, capture_output=True,
                               text=True, timeout=840)
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
