@@ -68,6 +68,30 @@ def test_the_candidates_are_strategies_token_chunks_and_the_platforms_exchanges(
     assert len(set(got)) == len(got)
 
 
+def test_row_tile_is_in_kernels_knob_offered_only_where_the_rules_accept_it():
+    """`row_tile` (0: the VMEM rules' largest) reads as 0 from an entry written before it; other strategies take
+    0 only; on a TPU v5e the in_kernel candidates hold 0 and each row tile that runs other tiles than 0's."""
+    from moe_tune.core import devices
+    from moe_tune.layer.in_kernel_rules import ROW_TILES
+    from moe_tune.layer.sharding_choice import layer_config_error
+
+    old = ShardingConfig.from_dict({"strategy": "in_kernel", "token_chunks": 1, "exchange": "ragged", "wire": "native"})
+    assert old.row_tile == 0
+    assert "row_tile=0" in layer_config_error(ShardingConfig(strategy="all_to_all", row_tile=64), tokens=8)
+    assert "row_tile must be 0" in layer_config_error(ShardingConfig(strategy="in_kernel", row_tile=48), tokens=8)
+    backend = OP.backends.get("mesh")
+    p = OP.problem(tokens=64, hidden=2048, intermediate=768, experts=128, top_k=8, ep=4, dtype="bfloat16")
+    assert backend.candidate_values(p)["row_tile"] == [0]  # the CPU: no in_kernel candidates
+    with devices.judging(devices.Device("tpu", "tpu_v5_lite")):
+        space = backend.search_space(p)
+        twice = backend.config_error(ShardingConfig(strategy="in_kernel", exchange="ragged", row_tile=512), p)
+    assert {c.row_tile for c in space if c.strategy != "in_kernel"} == {0}
+    tiles = sorted(c.row_tile for c in space if c.strategy == "in_kernel" and c.token_chunks == 1
+                   and c.exchange == "ragged")
+    assert tiles[0] == 0 and set(tiles[1:]) < set(ROW_TILES) and len(set(tiles)) == len(tiles) > 2
+    assert 512 not in tiles and twice == "row_tile 512 runs the tiles row_tile 0 runs"
+
+
 def test_resolve_strategy_asks_the_tables_for_split_tokens_only(isolated_profiles):
     local = dict(tokens=8, hidden=16, intermediate=4, experts=8, top_k=2, tp=2, dtype="float32", platform="cpu")
     # no entry: the default; given: as given; replicated tokens or one device: nothing travels, the default

@@ -1,7 +1,7 @@
 """The `in_kernel` strategy of the MoE layer across devices: the token exchange inside Pallas Mosaic TPU kernels
-by remote DMA (`in_kernel_gmm` for the dispatch, fused with the gate/up matmul; `in_kernel_tpu.scatter_rows` for
-the return), so the program holds no XLA all-to-all or all-gather of token rows; only int32 metadata goes
-through XLA collectives.
+by remote DMA (`in_kernel_gmm` for the dispatch, fused with the gate/up matmul; `in_kernel_return` for the
+return, fused into the down projection's epilogue), so the program holds no XLA all-to-all or all-gather of
+token rows; only int32 metadata goes through XLA collectives.
 
 One call, per device of the expert axis (P devices, `local` experts each):
 
@@ -18,13 +18,15 @@ One call, per device of the expert axis (P devices, `local` experts each):
    matmul (the fused kernels' visit schedule, glu epilogue in float32, float or quantized weights) over that
    buffer, waiting before an expert's first visit for that expert's rows only (counts from the metadata):
    the matmul of expert 0 runs while the rows of experts 1, 2, ... are in flight.
-   Fallback (`in_kernel_gmm.refusal`): an activation the fused epilogue does not know by name, or metadata past
-   the kernel's SMEM budget (three int32 per entry), runs the dispatch as `scatter_rows` and the unfused
+   Fallback (`fused_refusal`): an activation the fused epilogue does not know by name, no tile of either fused
+   kernel within the chip's scoped VMEM (`in_kernel_rules`), or metadata past the kernel's SMEM budget (three
+   int32 per entry), runs the dispatch as `scatter_rows` and the unfused
    experts (`exchange.local_experts`) after it, where no matmul starts before the whole exchange has landed.
-3. The down projection: the project's grouped matmul (`ragged_dot`) on the gate/up kernel's output.
-4. Return: `scatter_rows` again, each output row DMAed back to its token's device, at the position that device
-   sent it from (send order), and the weighted combine there (`ragged_gather_reduce`, dropped entries
-   selected away).
+3. Down projection and return (`in_kernel_return.down_return`, one collective kernel): the down grouped
+   matmul over the gate/up kernel's output, and in the epilogue of every visit each finished output row DMAed
+   from VMEM straight back to its token's device, at the position that device sent it from (send order); the
+   weighted combine there (`ragged_gather_reduce`, dropped entries selected away).
+   In the fallback both ways are `scatter_rows` (dispatch before, return after `exchange.local_experts`).
 
 Gradients: a `jax.custom_vjp` whose backward is the `all_to_all` strategy's backward (the pullback of
 `exchange.all_to_all_layer` on the same inputs, recomputed: the fixed-capacity exchange, or the ragged one
@@ -42,19 +44,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.activations import activation_name
 from moe_tune.kernels.gather.op import ragged_gather_reduce
-from moe_tune.kernels.ragged_dot.op import ragged_dot
-from moe_tune.layer import exchange, in_kernel_gmm
+from moe_tune.kernels.pallas_util import round_up
+from moe_tune.layer import exchange, in_kernel_gmm, in_kernel_return
 from moe_tune.layer.in_kernel_return import down_return
 from moe_tune.layer.in_kernel_tpu import DISPATCH_ID, RETURN_ID, scatter_rows
 
 PLATFORMS = ("tpu", "cpu")  # TPU compiled; CPU in Pallas TPU interpret mode
 
 
+def fused_refusal(x, w_gate, w_down, glu: str | None, rows_in: int, top_k: int, row_tile: int = 0) -> str | None:
+    """Why the two fused kernels cannot serve this device's layer at `row_tile` (0: the rules' largest), or None:
+    `in_kernel_gmm.refusal`, then `in_kernel_return.refusal` for the rows the gate/up kernel hands it."""
+    reason = in_kernel_gmm.refusal(x, w_gate, glu, rows_in, top_k, row_tile)
+    if reason is not None:
+        return reason
+    tm = in_kernel_gmm.gate_up_tiles(x, w_gate, rows_in, row_tile)[0]
+    return in_kernel_return.refusal(round_up(rows_in, tm), w_down, x.dtype, row_tile)
+
+
 def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: int, me, cap: int | None,
-             activation, skip_zero_weights: bool, flags: dict):
-    """The layer through the two `scatter_rows` kernels: `exchange.all_to_all_layer`'s contract."""
+             activation, skip_zero_weights: bool, flags: dict, row_tile: int = 0):
+    """The layer through the fused kernels (or, refused, the two `scatter_rows` kernels):
+    `exchange.all_to_all_layer`'s contract. `row_tile`: both fused kernels' row tile (0: the rules' largest);
+    one the rules refuse where another tile fits is a UsageError, not a silent fallback."""
     tokens, top_k = chosen.shape
     local = w_gate.shape[0]
     entries = tokens * top_k
@@ -70,10 +85,14 @@ def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: in
     from_others = received_total - jnp.sum(mine)
     kernel = functools.partial(scatter_rows, axis=axis, devices=devices)
     glu = activation_name(activation)
-    if in_kernel_gmm.refusal(x, w_gate, glu, rows_in, top_k) is None:
+    reason = fused_refusal(x, w_gate, w_down, glu, rows_in, top_k, row_tile)
+    if reason is not None and row_tile and fused_refusal(x, w_gate, w_down, glu, rows_in, top_k) is None:
+        raise UsageError(f"ep_strategy 'in_kernel': {reason}: pass a smaller row_tile, or 0 (the rules' largest)")
+    if reason is None:
         h = in_kernel_gmm.dispatch_gate_up(x, route, w_gate, w_up, rows_in=rows_in, top_k=top_k, activation=glu,
-                                           axis=axis, devices=devices, me=me)
-        back = down_return(h, w_down, route, entries=entries, axis=axis, devices=devices, out_dtype=x.dtype)
+                                           axis=axis, devices=devices, me=me, row_tile=row_tile)
+        back = down_return(h, w_down, route, entries=entries, axis=axis, devices=devices, out_dtype=x.dtype,
+                           row_tile=row_tile)
     else:
         received = kernel(x, there, from_others, rows_in, src_row=route.entry_of_row // top_k,
                           collective_id=DISPATCH_ID)
@@ -90,17 +109,20 @@ def _forward(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: in
 
 
 def in_kernel_layer(x, weights, chosen, w_gate, w_up, w_down, *, axis: str, devices: int, me, cap: int | None,
-                    ragged: bool, activation, skip_zero_weights: bool, flags: dict) -> tuple[jax.Array, jax.Array]:
+                    ragged: bool, activation, skip_zero_weights: bool, flags: dict,
+                    row_tile: int = 0) -> tuple[jax.Array, jax.Array]:
     """x [t, d] (this device's tokens), weights float32 / chosen int32 [t, top_k] (their routing), this
     device's local experts' weights (float or QArray) -> ([t, d] in x.dtype: the layer's output for these
     tokens; int32: how many of these tokens' entries were dropped). Differentiable in x, weights and float
-    expert weights through the `all_to_all` strategy's backward (`ragged`: its exchange there)."""
+    expert weights through the `all_to_all` strategy's backward (`ragged`: its exchange there). `row_tile`:
+    the fused kernels' row tile (`ShardingConfig.row_tile`; 0: the VMEM rules' largest)."""
     del me  # traced outside the custom VJP's functions, which may not close over it: each takes its own
     options = dict(axis=axis, devices=devices, cap=cap, activation=activation, skip_zero_weights=skip_zero_weights,
                    flags=flags)
 
     def primal(x, weights, chosen, w_gate, w_up, w_down):
-        return _forward(x, weights, chosen, w_gate, w_up, w_down, me=jax.lax.axis_index(axis), **options)
+        return _forward(x, weights, chosen, w_gate, w_up, w_down, me=jax.lax.axis_index(axis), row_tile=row_tile,
+                        **options)
 
     def exchanged(chosen, x, weights, w_gate, w_up, w_down):
         return exchange.all_to_all_layer(x, weights, chosen, w_gate, w_up, w_down, me=jax.lax.axis_index(axis),

@@ -30,6 +30,7 @@ as the gather_gmm's `pack_halves`, unpacked exactly per k step; other 16-bit dty
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,30 +54,57 @@ from moe_tune.kernels.pallas_util import (
     round_up,
     vma_unchecked,
 )
-from moe_tune.layer import in_kernel_tpu
+from moe_tune.layer import in_kernel_rules, in_kernel_tpu
+from moe_tune.layer.in_kernel_rules import LANES, ROW_ALIGN, ROW_TILES
 from moe_tune.layer.in_kernel_tpu import SMEM_METADATA_BYTES, as_words
 
 # The barrier semaphore's collective id: the return `scatter_rows` (RETURN_ID) follows this kernel.
 DISPATCH_GMM_ID = 9
 ROW_DMAS = 16  # row loads from the receive buffer one visit keeps outstanding
-# Tiles: 128 receive rows per tile, the contraction in steps of at most 1024 words and output columns in blocks of
-# at most 768: at qwen3-30b-a3b (hidden 2048 bfloat16 = 1024 words, intermediate 768) the double-buffered gate and
-# up blocks (2 x 2 x 1024 x 768 x 2 bytes), the [128, 1024] uint32 rows, two float32 accumulators and the output
-# blocks come to about 7.7 MiB of v5e's 16 MiB scoped VMEM.
-TM, TK_MAX, TN_MAX = 128, 1024, 768
+# The largest tiles `tiles` tries: rows per tile, contraction per k step, output columns per n tile (the down
+# projection's: in_kernel_return.TN_MAX). Within them the VMEM rule (`in_kernel_rules`) picks.
+TM, TK_MAX, TN_MAX = max(ROW_TILES), 1024, 2048
 
 
-def tiles(rows: int, hidden: int, f: int, packed: bool, tn_max: int = TN_MAX) -> tuple[int, int, int]:
+def _column_tiles(size: int, cap: int, span: int) -> list[int]:
+    """Candidate tiles of a dimension of `size`, largest first: all of it when at most `cap`, then the multiples
+    of 128 from `cap` down (`cap` itself when below 128) that divide `span` (the dimension, or the half a packed
+    k step reads); all of it when nothing else does."""
+    top = cap if cap < LANES else cap - cap % LANES
+    found = ([size] if size <= cap else []) + [t for t in range(top, 0, -LANES) if t < size and span % t == 0]
+    return found or [size]
+
+
+def tiles(rows: int, hidden: int, f: int, packed: bool, tn_max: int = TN_MAX, *,
+          fits: Callable[[int, int, int], bool] | None = None, row_tile: int = 0) -> tuple[int, int, int] | None:
     """(tm, tk, tn) for `rows` receive rows, the contraction `hidden` (logical columns) and output width `f`
-    (gate/up's; the down projection's is the hidden size, with its own `tn_max`): tm at most `TM` (a multiple of
-    16); tk all of hidden, or the largest multiple of 128 up to `TK_MAX` that divides hidden (packed: half of
-    it, so a k step reads one half of the words); tn all of f up to `tn_max`, else the largest multiple of 128
+    (gate/up's; the down projection's is the hidden size, with its own `tn_max`), the largest `fits` accepts
+    (`in_kernel_rules`' VMEM rule; None: any), trying tm first, then tn, then tk, each largest first, or None
+    when none fits. tm: `row_tile` when given, else the `ROW_TILES` up to `TM`, each capped at the rows rounded
+    up to 16; tk all of hidden up to `TK_MAX`, then the multiples of 128 up to it that divide hidden (packed:
+    half of it, so a k step reads one half of the words); tn all of f up to `tn_max`, then the multiples of 128
     below it dividing f (f itself when none does)."""
-    tm = min(TM, round_up(max(rows, 1), 16))
-    span = hidden // 2 if packed else hidden
-    tk = hidden if hidden <= TK_MAX else next((t for t in range(TK_MAX, 0, -128) if span % t == 0), hidden)
-    tn = f if f <= tn_max else next((t for t in range(tn_max, 0, -128) if f % t == 0), f)
-    return tm, tk, tn
+    cap = round_up(max(rows, 1), ROW_ALIGN)
+    wanted = [row_tile] if row_tile else [t for t in reversed(ROW_TILES) if t <= TM] or [TM]
+    row_tiles = list(dict.fromkeys(min(t, cap) for t in wanted))
+    k_tiles = _column_tiles(hidden, TK_MAX, hidden // 2 if packed else hidden)
+    n_tiles = _column_tiles(f, tn_max, f)
+    for tm in row_tiles:
+        for tn in n_tiles:
+            for tk in k_tiles:
+                if fits is None or fits(tm, tk, tn):
+                    return tm, tk, tn
+    return None
+
+
+def gate_up_tiles(x, w_gate, rows_in: int, row_tile: int = 0) -> tuple[int, int, int] | None:
+    """The tiles `dispatch_gate_up` runs for activations x [t, d] (or their ShapeDtypeStruct), this device's
+    w_gate [local, d, f] (float or QArray) and `rows_in` receive rows: `tiles` under the kernel's VMEM rule."""
+    _, hidden, f = weights_shape(w_gate)
+    packed = _packs(x)
+    need = functools.partial(in_kernel_rules.gate_up_vmem_bytes, word_bytes=hidden * (2 if packed else 4),
+                             x_dtype=x.dtype, weights=in_kernel_rules.weight_format(w_gate))
+    return tiles(rows_in, hidden, f, packed, fits=in_kernel_rules.fits_vmem(need), row_tile=row_tile)
 
 
 def _kernel(gid, tid, starts, ends, info, src_ref, dev_ref, dest_ref, counts_ref, x_hbm, zeros_hbm, *refs, axis: str,
@@ -175,9 +203,14 @@ def _kernel(gid, tid, starts, ends, info, src_ref, dev_ref, dest_ref, counts_ref
         jax.lax.fori_loop(0, counts_ref[3 * local], lambda i, c: (send.wait_send(), c)[1], 0)
 
 
+def _packs(x) -> bool:
+    """Whether rows of x travel as packed bfloat16 halves (`as_words`' uint32), else as 32-bit values."""
+    return x.dtype == jnp.bfloat16 and x.shape[1] % 2 == 0
+
+
 def _words(x: jax.Array) -> tuple[jax.Array, bool]:
     """x as the rows the DMAs move, and whether they are packed bfloat16 halves (`as_words`' uint32)."""
-    if x.dtype == jnp.bfloat16 and x.shape[1] % 2 == 0:
+    if _packs(x):
         return as_words(x), True
     return (x if x.dtype.itemsize == 4 else x.astype(jnp.float32)), False
 
@@ -200,25 +233,23 @@ def _walk(route, *, devices: int, local: int, me, top_k: int):
     return tuple(a.astype(jnp.int32) for a in walk), counts.astype(jnp.int32)
 
 
-def metadata_bytes(entries: int, rows_in: int, local: int) -> int:
-    """SMEM bytes of the kernel's scalar prefetch (three int32 per entry, the schedule's tables, the counts)."""
-    visits = local + round_up(rows_in, TM) // TM
-    return 4 * (3 * entries + 2 * visits + 2 * local + 3 + 3 * local + 1)
-
-
-def refusal(x, w_gate, activation_name: str | None, rows_in: int, top_k: int) -> str | None:
+def refusal(x, w_gate, activation_name: str | None, rows_in: int, top_k: int, row_tile: int = 0) -> str | None:
     """Why the fused dispatch cannot serve a layer (the caller then runs `scatter_rows` and the unfused experts),
-    or None: an activation the kernel's epilogue does not know, or metadata past `SMEM_METADATA_BYTES`."""
+    or None: an activation the kernel's epilogue does not know, no tile within the chip's scoped VMEM
+    (`in_kernel_rules`) at `row_tile` (0: any), or metadata past `SMEM_METADATA_BYTES`
+    (`in_kernel_return.refusal` is the down return's)."""
     if activation_name is None:
         return "an activation the fused epilogue does not know"
-    smem = metadata_bytes(x.shape[0] * top_k, rows_in, w_gate.shape[0])
-    if smem > SMEM_METADATA_BYTES:
-        return f"its int32 metadata ({smem / 1024:.0f} KiB) exceed {SMEM_METADATA_BYTES // 1024} KiB of SMEM"
-    return None
+    chosen = gate_up_tiles(x, w_gate, rows_in, row_tile)
+    if chosen is None:
+        at = f" at row_tile {row_tile}" if row_tile else ""
+        return f"no tile of its gate/up kernel{at} fits the chip's {in_kernel_rules.vmem_budget() >> 20} MiB of VMEM"
+    smem = in_kernel_rules.gate_up_smem_bytes(x.shape[0] * top_k, rows_in, w_gate.shape[0], chosen[0])
+    return in_kernel_rules.smem_error(smem, "its int32 metadata")
 
 
 def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activation: str, axis: str,
-                     devices: int, me) -> jax.Array:
+                     devices: int, me, row_tile: int = 0, tile: tuple[int, int, int] | None = None) -> jax.Array:
     """Inside `jax.shard_map` over `axis` (`devices` devices), called by every device of it at once.
 
     x [t, d] (this device's tokens), `route` (`exchange.route` of their top_k choices), this device's local
@@ -226,10 +257,14 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     rounded up to the row tile): activation(rows @ w_gate[e]) * (rows @ w_up[e]) of the rows every device sent
     this one, in expert order (local expert, source device), accumulated in float32 and rounded once; rows past
     sum(group_sizes) are unspecified (the return sends none of them back: no masked copy of h is made). `activation`: a name of
-    `fused_moe.activations.ACTIVATIONS`."""
+    `fused_moe.activations.ACTIVATIONS`. Tiles: `tile` (tm, tk, tn) as given (the rules' audit compiles tiles
+    past them), else `gate_up_tiles` at `row_tile`; a UsageError when none fits."""
     local, hidden, f = weights_shape(w_gate)
     words, packed = _words(x)
-    tm, tk, tn = tiles(rows_in, hidden, f, packed)
+    chosen = tile or gate_up_tiles(x, w_gate, rows_in, row_tile)
+    if chosen is None:
+        raise UsageError(f"ep_strategy 'in_kernel': {refusal(x, w_gate, activation, rows_in, top_k, row_tile)}")
+    tm, tk, tn = chosen
     m_p = round_up(rows_in, tm)
     group_sizes = route.plan.group_sizes
     tables = visit_schedule(group_sizes, None, m_padded=m_p, tm=tm, groups=local)

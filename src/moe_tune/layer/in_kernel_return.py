@@ -39,18 +39,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from moe_tune.core.errors import UsageError
 from moe_tune.kernels.fused_moe.base import kernel_operands, weight_refs, weights_shape
 from moe_tune.kernels.fused_moe.pallas_tpu_kernels import accumulate_visit, visit_schedule, weight_scale_layout
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, weight_views
 from moe_tune.kernels.pallas_util import interpreted, out_struct, round_up, vma_unchecked
-from moe_tune.layer import in_kernel_gmm, in_kernel_tpu
+from moe_tune.layer import in_kernel_gmm, in_kernel_rules, in_kernel_tpu
 
 # The barrier semaphore's collective id: the kernel follows the fused dispatch (in_kernel_gmm.DISPATCH_GMM_ID).
 RETURN_GMM_ID = 10
-# Output columns per n tile: all of the hidden size up to 2048 (one row DMA per returned row at most model
-# widths), else the largest multiple of 128 below it that divides it. At qwen3-30b-a3b (intermediate 768,
-# hidden 2048, bfloat16) the double-buffered [768, 2048] weight blocks, the float32 accumulator, two [128, 1024]
-# uint32 staging slots and the h blocks come to about 8.4 MiB of v5e's 16 MiB scoped VMEM.
+# The widest n tile `down_tiles` tries: all of the hidden size up to 2048 (one row DMA per returned row at most
+# model widths), else multiples of 128 below it that divide it; the VMEM rule (`in_kernel_rules`) picks.
 TN_MAX = 2048
 
 
@@ -78,6 +77,39 @@ def unpack_words(words: jax.Array, dtype, tn: int, packed: bool) -> jax.Array:
     rows, width = words.shape
     tile = words.reshape(rows * (width // (tn // 2)), tn // 2)
     return in_kernel_tpu.from_words(tile, jnp.bfloat16).reshape(rows, width * 2).astype(dtype)
+
+
+def down_tiles(rows: int, w_down, out_dtype, row_tile: int = 0, h_dtype=None) -> tuple[int, int, int] | None:
+    """The tiles `down_return` runs for `rows` rows of h (in `h_dtype`, default `out_dtype`), this device's
+    w_down [local, f, d] (float or QArray) and outputs in `out_dtype`: `in_kernel_gmm.tiles` (contraction f,
+    output columns d up to `TN_MAX`) under the kernel's VMEM rule (`in_kernel_rules.down_vmem_bytes`) and whole
+    lanes of packed words where Mosaic compiles it (`in_kernel_rules.words_aligned`), at
+    `row_tile` (0: any); None when none fits."""
+    _, f, d = weights_shape(w_down)
+    form = in_kernel_rules.weight_format(w_down)
+    h_dtype = out_dtype if h_dtype is None else h_dtype
+
+    def need(tm: int, tk: int, tn: int) -> int:
+        return in_kernel_rules.down_vmem_bytes(tm, tk, tn, h_dtype=h_dtype, packed=packs(out_dtype, tn), weights=form)
+
+    within = in_kernel_rules.fits_vmem(need)
+
+    lanes = not interpreted("tpu")  # a Mosaic layout rule: interpret mode copies rows of any width
+
+    def fits(tm: int, tk: int, tn: int) -> bool:
+        aligned = not lanes or in_kernel_rules.words_aligned(tn, d, packed=packs(out_dtype, tn))
+        return aligned and within(tm, tk, tn)
+
+    return in_kernel_gmm.tiles(rows, f, d, False, tn_max=TN_MAX, fits=fits, row_tile=row_tile)
+
+
+def refusal(rows: int, w_down, out_dtype, row_tile: int = 0) -> str | None:
+    """Why `down_return` cannot serve `rows` rows of h (no tile within the chip's scoped VMEM at `row_tile`,
+    0: any), or None (the caller then runs the unfused experts and `scatter_rows`)."""
+    if down_tiles(rows, w_down, out_dtype, row_tile) is None:
+        at = f" at row_tile {row_tile}" if row_tile else ""
+        return f"no tile of its down return{at} fits the chip's {in_kernel_rules.vmem_budget() >> 20} MiB of VMEM"
+    return None
 
 
 def _kernel(gid, tid, starts, ends, info, offset_ref, count_ref, home_ref, expected_ref, h_ref, zeros_hbm, *refs,
@@ -169,7 +201,8 @@ def _kernel(gid, tid, starts, ends, info, offset_ref, count_ref, home_ref, expec
         jax.lax.fori_loop(0, arrivals, lambda i, c: (remote_copy(*one_row, 0, me).wait_recv(), c)[1], 0)
 
 
-def down_return(h: jax.Array, w_down, route, *, entries: int, axis: str, devices: int, out_dtype) -> jax.Array:
+def down_return(h: jax.Array, w_down, route, *, entries: int, axis: str, devices: int, out_dtype, row_tile: int = 0,
+                tile: tuple[int, int, int] | None = None) -> jax.Array:
     """Inside `jax.shard_map` over `axis` (`devices` devices), called by every device of it at once, after
     `in_kernel_gmm.dispatch_gate_up`.
 
@@ -177,10 +210,15 @@ def down_return(h: jax.Array, w_down, route, *, entries: int, axis: str, devices
     sum(group_sizes) never read), w_down [local, f, d] (float, or QArray scaled along f), `route` (this
     device's `exchange.route`), `entries` (tokens x top_k of this device) -> [entries, d] in `out_dtype`: row i
     is the down projection of this device's send-order row i, computed on its expert's device and accumulated
-    there in float32 (rounded once to out_dtype); rows never sent (dropped) are zero."""
+    there in float32 (rounded once to out_dtype); rows never sent (dropped) are zero. Tiles: `tile` (tm, tk,
+    tn) as given (the rules' audit compiles tiles past them), else `down_tiles` at `row_tile`; a UsageError
+    when none fits."""
     local, f, d = weights_shape(w_down)
     m = h.shape[0]
-    tm, tk, tn = in_kernel_gmm.tiles(m, f, d, False, tn_max=TN_MAX)
+    chosen = tile or down_tiles(m, w_down, out_dtype, row_tile, h.dtype)
+    if chosen is None:
+        raise UsageError(f"ep_strategy 'in_kernel': {refusal(m, w_down, out_dtype, row_tile)}")
+    tm, tk, tn = chosen
     packed = packs(out_dtype, tn)
     tw = tn // 2 if packed else tn
     word = jnp.uint32 if packed else jnp.float32

@@ -16,7 +16,9 @@ dimension over another (tensor parallelism, TP), with JAX's `shard_map` as the e
 as C consecutive chunks of t / C (C must divide t), each its own exchange, experts and combine under either
 strategy, the outputs concatenated: XLA may then overlap one chunk's collectives with another's grouped
 matmuls (MaxText's num_moe_token_chunks). Every kernel of a chunk looks its config up under the chunk's local
-shapes (t / C tokens). `ShardingConfig.exchange` picks the all-to-all's implementation (`exchange.py`).
+shapes (t / C tokens). `ShardingConfig.exchange` picks the all-to-all's implementation (`exchange.py`),
+`ShardingConfig.row_tile` the row tile of in_kernel's fused kernels (0: their VMEM rules' largest,
+`in_kernel_rules`).
 `ShardingConfig.wire` "fp8" sends the dispatched rows as float8_e4m3fn with their scales under either
 strategy, straight into the gate/up grouped matmuls (`wire.py`); it needs rows to send (not with
 `tokens_replicated`) and the unfused experts (not with `fused=True`).
@@ -158,6 +160,7 @@ def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int,
                          f"kernels, which the {config.strategy} strategy does on other devices: pass "
                          "ep_strategy='all_gather' or fused=None")
     exchange_layer = in_kernel.in_kernel_layer if config.strategy == "in_kernel" else exchange.all_to_all_layer
+    tiled = {"row_tile": config.row_tile} if config.strategy == "in_kernel" else {}  # its fused kernels' row tile
     if config.wire == "fp8" and fused and ep_strategy is None:  # the tables' choice yields to the caller's fused=True
         config = dataclasses.replace(config, wire="native")
     fp8 = config.wire == "fp8"
@@ -172,7 +175,7 @@ def layer(experts_fn, x, weights, chosen, w_gate, w_up, w_down, *, experts: int,
     def run(x, weights, chosen):  # one token chunk: its exchange, experts and combine
         if exchanged:
             return exchange_layer(x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis, devices=ep, me=me,
-                                  cap=cap, ragged=config.exchange == "ragged", **options)
+                                  cap=cap, ragged=config.exchange == "ragged", **options, **tiled)
         return _gathered(experts_fn, x, weights, chosen, w_gate, w_up, w_down, axis=expert_axis,
                          replicated=tokens_replicated, me=me, experts=experts, cap=cap, fused=fused, **options)
 

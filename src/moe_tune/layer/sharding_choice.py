@@ -4,7 +4,7 @@ stored and looked up like any op's config.
 The problem is one sharded layer: the tokens one device holds, the layer's dims (`intermediate` the whole
 expert width, split over `tp`), the mesh (`ep` devices along the expert axis, `tp` along the tensor axis), the
 dtype and the weights' quantization; the table's device kind is the rest of the key. Its one backend (`mesh`)
-has four tunables:
+has five tunables:
 
 - `strategy`: `all_gather`, `all_to_all` or, on TPU only, `in_kernel` (`exchange.STRATEGIES`);
 - `token_chunks`: C consecutive chunks of t / C tokens, each its own exchange, experts and combine, which
@@ -15,7 +15,10 @@ has four tunables:
   `all_to_all`: `all_gather` takes the platform's default exchange alone, so no candidate is timed twice;
 - `wire`: the dtype dispatched rows travel in (`layer/wire.py`), `native` (the activations') or `fp8`
   (float8_e4m3fn with float32 scales, fed to the gate/up grouped matmuls as they arrived), both for
-  all_gather and all_to_all.
+  all_gather and all_to_all;
+- `row_tile`: the row tile of `in_kernel`'s two fused kernels (`in_kernel_rules.ROW_TILES`), 0 for the VMEM
+  rules' largest (each kernel its own); other strategies take 0 only, and the candidates hold only values the
+  rules accept for the layer that run other tiles than 0's, so no layer is timed twice.
 
 A sweep times the whole sharded layer each way on the mesh of the machine it runs on (`jax.devices()`), `fwd`
 the forward, `bwd` the forward and backward together, against the one-device layer in float64
@@ -33,10 +36,12 @@ from moe_tune.core.errors import UsageError
 from moe_tune.core.quant_format import QuantFormat
 from moe_tune.kernels.base import Backend, BackendRegistry, KernelConfig, positive_int_error
 from moe_tune.kernels.kernel_op import ShapeOption
+from moe_tune.kernels.pallas_util import round_up
 from moe_tune.kernels.ragged_dot.problem import check_positive, dtype_name, supported_dtype
 from moe_tune.layer import exchange
 from moe_tune.layer.fusion_choice import FusionProblem, weights_quant
 from moe_tune.layer.exchange import STRATEGIES
+from moe_tune.layer.in_kernel_rules import ROW_ALIGN, ROW_TILES
 from moe_tune.layer.wire import WIRES
 
 EXCHANGES = ("ragged", "fixed")
@@ -145,13 +150,15 @@ class ShardingConfig(KernelConfig):
     consecutive chunks a device's tokens run in, each its own exchange, experts and combine (1: whole); exchange:
     the all-to-all's implementation (`fixed` everywhere, `ragged` where the platform has
     `jax.lax.ragged_all_to_all`); wire: the dtype the dispatched rows travel in, `native` (the activations') or
-    `fp8` (`layer/wire.py`; the return path stays native). A table entry written before `wire` existed reads as
-    `native` (the field's default)."""
+    `fp8` (`layer/wire.py`; the return path stays native); row_tile: `in_kernel`'s fused kernels' row tile (one
+    of `in_kernel_rules.ROW_TILES`; 0: the VMEM rules' largest). A table entry written before `wire` or
+    `row_tile` existed reads as `native` / 0 (the fields' defaults)."""
 
     strategy: str = "all_gather"
     token_chunks: int = 1
     exchange: str = "fixed"
     wire: str = "native"
+    row_tile: int = 0
 
 
 class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
@@ -170,24 +177,80 @@ class MeshChoice(Backend[ShardingConfig, ShardingProblem]):
 
     def candidate_values(self, problem: ShardingProblem):
         """Both strategies x token chunks 1, 2, 4 (those dividing the tokens with `MIN_CHUNK_TOKENS` or more per
-        chunk) x the platform's exchanges (`fixed`; and `ragged` on TPU and GPU)."""
+        chunk) x the platform's exchanges (`fixed`; and `ragged` on TPU and GPU) x the wires x row tiles (0, and
+        where in_kernel is offered `ROW_TILES`: `config_error` keeps those the rules accept for in_kernel)."""
         chunks = chunk_candidates(problem.tokens)
         kinds = ["fixed"] + (["ragged"] if exchange.has_ragged_all_to_all() else [])
         # in_kernel only where its kernels compile: elsewhere they would be timed in interpret mode
         strategies = [s for s in STRATEGIES if s != "in_kernel" or devices.platform() == "tpu"]
-        return {"strategy": strategies, "token_chunks": chunks, "exchange": kinds, "wire": list(WIRES)}
+        row_tiles = [0, *ROW_TILES] if "in_kernel" in strategies else [0]
+        return {"strategy": strategies, "token_chunks": chunks, "exchange": kinds, "wire": list(WIRES),
+                "row_tile": row_tiles}
 
     def config_error(self, config: ShardingConfig, problem: ShardingProblem) -> str | None:
         """`layer_config_error`'s rules for the problem's tokens; `all_gather` with the platform's default
         exchange only (it runs no all-to-all: another exchange would time the same layer twice); `in_kernel` on
-        TPU only (elsewhere its kernels would be timed in interpret mode)."""
+        TPU only (elsewhere its kernels would be timed in interpret mode), a non-zero row_tile only where the
+        rules accept it and it runs other tiles than 0 (`row_tile_error`)."""
         reason = layer_config_error(config, tokens=problem.tokens)
         if reason is None and config.strategy == "in_kernel" and devices.platform() != "tpu":
             reason = "strategy in_kernel is tuned on TPU only: elsewhere its kernels run in interpret mode"
+        if reason is None and config.row_tile:
+            reason = row_tile_error(config, problem)
         if reason is None and config.strategy == "all_gather" and config.exchange != platform_exchange():
             reason = (f"all_gather runs no all-to-all: its exchange is the platform's {platform_exchange()!r}, "
                       f"got {config.exchange!r}")
         return reason
+
+
+def _local_layer(problem: ShardingProblem, tokens: int) -> tuple:
+    """Shape stand-ins of one device's x [tokens, d] and w_gate [local, d, f / tp] / w_down [local, f / tp, d]
+    (a QArray of them when the problem is quantized), for the in_kernel tile rules."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_tune.core.quant import QArray
+
+    dtype = jnp.dtype(problem.dtype)
+    f = problem.intermediate // problem.tp
+
+    def weights(k: int, n: int):
+        shape = (problem.local_experts, k, n)
+        if problem.rhs_qdtype is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        rows = 1 if problem.rhs_qblock is None else k // problem.rhs_qblock
+        return QArray(jax.ShapeDtypeStruct(shape, jnp.dtype(problem.rhs_qdtype)),
+                      jax.ShapeDtypeStruct((problem.local_experts, rows, n), jnp.float32))
+
+    return jax.ShapeDtypeStruct((tokens, problem.hidden), dtype), weights(problem.hidden, f), weights(f, problem.hidden)
+
+
+def row_tile_error(config: ShardingConfig, problem: ShardingProblem) -> str | None:
+    """Why a non-zero in_kernel `config.row_tile` (`layer_config_error` refuses it for the others) is no candidate
+    for `problem` on the judged chip, or None: at most the rows one device receives from one token chunk
+    (rounded up to 16; past them 0 runs the same tile), accepted by both fused kernels' rules
+    (`in_kernel.fused_refusal`), and other tiles than 0's (the same kernels would be timed twice)."""
+    from moe_tune.layer.in_kernel import fused_refusal
+    from moe_tune.layer.in_kernel_gmm import gate_up_tiles
+    from moe_tune.layer.in_kernel_return import down_tiles
+
+    tokens = problem.tokens // config.token_chunks
+    rows_in = exchange.receive_rows(tokens, problem.top_k, problem.ep, problem.local_experts, None)
+    if config.row_tile > round_up(rows_in, ROW_ALIGN):
+        return f"row_tile {config.row_tile} is past the {rows_in} rows a device receives: row_tile 0 runs that tile"
+    x, w_gate, w_down = _local_layer(problem, tokens)
+    reason = fused_refusal(x, w_gate, w_down, "silu", rows_in, problem.top_k, config.row_tile)
+    if reason is not None:
+        return reason
+
+    def chosen(row_tile: int) -> tuple:
+        gate_up = gate_up_tiles(x, w_gate, rows_in, row_tile)
+        return gate_up, down_tiles(round_up(rows_in, gate_up[0]), w_down, x.dtype, row_tile)
+
+    if fused_refusal(x, w_gate, w_down, "silu", rows_in, problem.top_k) is None and chosen(0) == chosen(
+            config.row_tile):
+        return f"row_tile {config.row_tile} runs the tiles row_tile 0 runs"
+    return None
 
 
 def default_sharding(platform: str | None = None) -> ShardingConfig:
@@ -213,6 +276,12 @@ def layer_config_error(config: ShardingConfig, *, tokens: int, platform: str | N
         return f"exchange must be one of {', '.join(EXCHANGES)}, got {config.exchange!r}"
     if config.wire not in WIRES:
         return f"wire must be one of {', '.join(WIRES)}, got {config.wire!r}"
+    if config.row_tile != 0 and config.row_tile not in ROW_TILES:
+        return (f"row_tile must be 0 (the VMEM rules' largest) or one of {', '.join(map(str, ROW_TILES))}, got "
+                f"{config.row_tile!r}")
+    if config.row_tile and config.strategy != "in_kernel":
+        return (f"row_tile tiles the rows of in_kernel's fused kernels; {config.strategy!r} has none: pass "
+                "row_tile=0")
     if config.wire == "fp8" and config.strategy not in FP8_STRATEGIES:
         return (f"wire 'fp8' quantizes the rows the {' and '.join(FP8_STRATEGIES)} strategies send, not "
                 f"{config.strategy!r}'s: pass wire='native'")
