@@ -36,8 +36,7 @@ from moe_tune.layer import in_kernel_gmm, in_kernel_return, in_kernel_rules
 from moe_tune.layer.models import get_preset
 from moe_tune.targets import wheels
 from moe_tune.targets.compile import acting_as
-from moe_tune.targets.in_kernel_alone import KERNELS, KernelCase, local_operands
-from moe_tune.workers import WorkerPool
+from moe_tune.targets.in_kernel_alone import KERNELS, KernelCase, compile_kernels, local_operands
 
 SLICES = ("v5e:2x2", "v6e:2x2")
 # (preset, expert, tensor) on a 4-chip slice
@@ -167,12 +166,7 @@ def main() -> None:
               f"{record['tm']:4d} {record['tk']:5d} {record['tn']:5d} est {record['estimate_bytes'] / 2**20:6.2f} MiB "
               f"{record['rule']:6s} {record['status']:8s} {record['verdict']:12s} {record['message'][:90]}", flush=True)
 
-    pool = WorkerPool(1, env=wheels.worker_env)
-    try:
-        pool.map("moe_tune.targets.in_kernel_alone:compile_kernel", [(i, (c,)) for i, c in enumerate(cases)],
-                 arrived, timeout=300)
-    finally:
-        pool.close()
+    compile_kernels(cases, arrived)
     wall = round(time.perf_counter() - start, 1)
     if args.update and args.out.exists():
         ran = {(r["chip"], r["layer"], r["weights"]) for r in records}

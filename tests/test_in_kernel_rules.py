@@ -18,7 +18,7 @@ from moe_tune.kernels.fused_moe.pallas_tpu_kernels import visit_schedule
 from moe_tune.layer import in_kernel, in_kernel_gmm, in_kernel_return, in_kernel_rules
 from moe_tune.targets import wheels
 from moe_tune.targets.compile import acting_as
-from moe_tune.targets.in_kernel_alone import KernelCase, local_operands
+from moe_tune.targets.in_kernel_alone import KernelCase, compile_kernels, local_operands
 
 needs_tpu = pytest.mark.skipif(not wheels.available("tpu"),
                                reason="libtpu is missing: pip install 'moe-tune[tpu-compile]'")
@@ -146,19 +146,12 @@ def test_the_smem_rules_count_the_tables_the_kernels_build():
 
 
 def _compile(cases: list[KernelCase]) -> list[dict]:
-    from moe_tune.workers import WorkerPool
-
     results: list[dict | None] = [None] * len(cases)
 
     def arrived(index, status, value):
         results[index] = value if status == "ok" else {"status": "crashed", "message": str(value.message)}
 
-    pool = WorkerPool(1, env=wheels.worker_env)
-    try:
-        pool.map("moe_tune.targets.in_kernel_alone:compile_kernel", [(i, (c,)) for i, c in enumerate(cases)],
-                 arrived, timeout=300)
-    finally:
-        pool.close()
+    compile_kernels(cases, arrived)
     return results  # type: ignore[return-value]
 
 

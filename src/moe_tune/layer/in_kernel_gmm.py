@@ -49,7 +49,6 @@ from moe_tune.kernels.fused_moe.pallas_tpu_kernels import (
 from moe_tune.kernels.fused_moe.pallas_tpu_weights import rhs_specs, weight_views
 from moe_tune.kernels.gather.pallas_tpu import RowDmaRing
 from moe_tune.kernels.pallas_util import (
-    interpreted,
     out_struct,
     round_up,
     vma_unchecked,
@@ -127,11 +126,7 @@ def _kernel(gid, tid, starts, ends, info, src_ref, dev_ref, dest_ref, counts_ref
 
     @pl.when((j == 0) & (v == 0) & (kk == 0))
     def _():
-        barrier = pltpu.get_barrier_semaphore()
-        for step in range(1, devices):  # every peer has entered the kernel before any row is written to it
-            pl.semaphore_signal(barrier, 1, device_id={axis: jax.lax.rem(me + step, devices)},
-                                device_id_type=pltpu.DeviceIdType.MESH)
-        pl.semaphore_wait(barrier, devices - 1)
+        in_kernel_tpu.enter_barrier(axis, devices)  # every peer is in the kernel: its buffers exist
 
         def expert_rows(expert, first):  # the walk's rows bound for local expert `expert` of their devices
             def start(i, carry):
@@ -283,7 +278,7 @@ def dispatch_gate_up(x, route, w_gate, w_up, *, rows_in: int, top_k: int, activa
     grid = (pl.cdiv(f, tn), tables[0].shape[0], hidden // tk)
     operands = (words, zeros, *kernel_operands(parts))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
-    interpret = pltpu.InterpretParams(**in_kernel_tpu._interpret_options) if interpreted("tpu") else False
+    interpret = in_kernel_tpu.interpret_params()
     call = pl.pallas_call(
         kernel,
         out_shape=(out_struct((m_p, f), x.dtype, *scalars, *operands),

@@ -145,11 +145,7 @@ def _kernel(gid, tid, starts, ends, info, offset_ref, count_ref, home_ref, expec
 
     @pl.when((j == 0) & (v == 0) & (kk == 0))
     def _():
-        barrier = pltpu.get_barrier_semaphore()
-        for step in range(1, devices):  # every peer has entered the kernel before any row is written to it
-            pl.semaphore_signal(barrier, 1, device_id={axis: jax.lax.rem(me + step, devices)},
-                                device_id_type=pltpu.DeviceIdType.MESH)
-        pl.semaphore_wait(barrier, devices - 1)
+        in_kernel_tpu.enter_barrier(axis, devices)  # every peer is in the kernel: its buffers exist
         for i in range(4):
             pending[i] = 0
 
@@ -243,7 +239,7 @@ def down_return(h: jax.Array, w_down, route, *, entries: int, axis: str, devices
     grid = (n_tiles, tables[0].shape[0], f // tk)
     kernel = functools.partial(_kernel, axis=axis, devices=devices, tm=tm, tw=tw, k_steps=f // tk, packed=packed,
                                dot_dtype=dot_dtype, quant_block=block, views=views)
-    interpret = pltpu.InterpretParams(**in_kernel_tpu._interpret_options) if interpreted("tpu") else False
+    interpret = in_kernel_tpu.interpret_params()
     call = pl.pallas_call(
         kernel,
         out_shape=out_struct((entries, n_tiles * tw), word, *scalars, *operands),

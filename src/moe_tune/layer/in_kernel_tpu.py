@@ -69,6 +69,18 @@ def from_words(words: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.concatenate(halves, axis=1), dtype)
 
 
+def enter_barrier(axis: str, devices: int) -> None:
+    """Inside a collective kernel (one with a `collective_id`): returns once every peer on mesh axis `axis`
+    (`devices` devices) has entered the kernel, so its output buffers exist before any row is DMAed there. Each
+    device signals every peer's barrier semaphore once and waits for `devices - 1` signals."""
+    me = jax.lax.axis_index(axis)
+    barrier = pltpu.get_barrier_semaphore()
+    for step in range(1, devices):
+        pl.semaphore_signal(barrier, 1, device_id={axis: jax.lax.rem(me + step, devices)},
+                            device_id_type=pltpu.DeviceIdType.MESH)
+    pl.semaphore_wait(barrier, devices - 1)
+
+
 def _kernel(*refs, axis: str, devices: int, in_flight: int, gathered: bool):
     """Scalar prefetch (SMEM): the segments' start, size, dev, dest (int32 [S] each), expected (int32 [1]: rows
     the other devices send here) and, when `gathered`, src_row (int32 [rows]). Then src_hbm [n_src, w] and
@@ -78,11 +90,7 @@ def _kernel(*refs, axis: str, devices: int, in_flight: int, gathered: bool):
     src_hbm, zeros_hbm, out_hbm, local_sem, send_sem, recv_sem = refs[5 + gathered:]
     del zeros_hbm  # the output's initial value: aliased, never read
     me = jax.lax.axis_index(axis)
-    barrier = pltpu.get_barrier_semaphore()
-    for step in range(1, devices):  # every peer has entered the kernel before any row is written to it
-        pl.semaphore_signal(barrier, 1, device_id={axis: jax.lax.rem(me + step, devices)},
-                            device_id_type=pltpu.DeviceIdType.MESH)
-    pl.semaphore_wait(barrier, devices - 1)
+    enter_barrier(axis, devices)
 
     def rows(i, dest):  # source row i of the send order, and its landing row
         row = src_row_ref[i] if gathered else i
@@ -154,7 +162,7 @@ def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array
                          f"{SMEM_METADATA_BYTES // 1024} KiB of SMEM its kernel allows: run the tokens in chunks "
                          "(ShardingConfig(strategy='in_kernel', token_chunks=C))")
     zeros = jnp.zeros((rows_out, width), words.dtype)
-    interpret = pltpu.InterpretParams(**_interpret_options) if interpreted("tpu") else False
+    interpret = interpret_params()
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_kernel, axis=axis, devices=devices, in_flight=max(1, in_flight),
                                gathered=src_row is not None)
@@ -176,6 +184,12 @@ def scatter_rows(src: jax.Array, segments: tuple[jax.Array, jax.Array, jax.Array
 
 # Interpret mode's options (tests turn race detection on: `race_detection`).
 _interpret_options: dict = {}
+
+
+def interpret_params() -> pltpu.InterpretParams | bool:
+    """The strategy's kernels' `interpret=`: False on TPU (compiled); elsewhere Pallas TPU's interpreter with
+    the options `race_detection` sets."""
+    return pltpu.InterpretParams(**_interpret_options) if interpreted("tpu") else False
 
 
 class race_detection:

@@ -177,3 +177,18 @@ def compile_kernel(case: KernelCase) -> dict[str, Any]:
     memory = {} if analysis is None else {name: int(getattr(analysis, name)) for name in
                                           ("temp_size_in_bytes", "argument_size_in_bytes") if hasattr(analysis, name)}
     return {"status": OK, "message": "", "compile_s": time.perf_counter() - start, "memory": memory}
+
+
+def compile_kernels(cases: list[KernelCase], arrived, *, timeout: float = 300) -> None:
+    """Compile each case in one compile worker (the compile-only wheels on its path), one after the other;
+    `arrived(index, status, value)` as each ends: status "ok" with `compile_kernel`'s dict, else the worker's
+    failure (`value.kind`, `value.message`)."""
+    from moe_tune.targets import wheels
+    from moe_tune.workers import WorkerPool
+
+    pool = WorkerPool(1, env=wheels.worker_env)
+    try:
+        pool.map("moe_tune.targets.in_kernel_alone:compile_kernel", [(i, (c,)) for i, c in enumerate(cases)],
+                 arrived, timeout=timeout)
+    finally:
+        pool.close()
