@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(PY) -m moe_tune.commands.demo_check
 
 # The suite is CPU-bound (JAX compiles, interpret-mode Pallas): two pytest-xdist workers on CI's 2 cores (about
-# 28 minutes of pytest on a fresh clone here, 1676 s on 2026-12-02, over the 15-minute budget).
+# 21 minutes of pytest on a fresh clone here, 1233 s on 2026-12-02, over the 15-minute budget).
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
