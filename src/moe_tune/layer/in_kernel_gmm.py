@@ -57,7 +57,7 @@ from moe_tune.layer import in_kernel_rules, in_kernel_tpu
 from moe_tune.layer.in_kernel_rules import LANES, ROW_ALIGN, ROW_TILES
 from moe_tune.layer.in_kernel_tpu import SMEM_METADATA_BYTES, as_words
 
-# The barrier semaphore's collective id: the return `scatter_rows` (RETURN_ID) follows this kernel.
+# The barrier semaphore's collective id: the fused return (in_kernel_return.RETURN_GMM_ID) follows this kernel.
 DISPATCH_GMM_ID = 9
 ROW_DMAS = 16  # row loads from the receive buffer one visit keeps outstanding
 # The largest tiles `tiles` tries: rows per tile, contraction per k step, output columns per n tile (the down

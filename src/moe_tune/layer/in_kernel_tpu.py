@@ -1,10 +1,12 @@
-"""The Pallas Mosaic TPU kernel of the `in_kernel` expert-parallel strategy (`in_kernel.py`): rows sent to
-other devices by remote DMA from inside the kernel, so no XLA all-to-all or all-gather of rows is left in the
-program. Off TPU it runs in Pallas TPU interpret mode, which simulates the DMAs, semaphores and the devices of
-the surrounding `jax.shard_map` on the host (slow: tests at small shapes only).
+"""The row-moving Pallas Mosaic TPU kernel of the `in_kernel` expert-parallel strategy (`in_kernel.py`) and the
+pieces its fused kernels share (`enter_barrier`, `interpret_params`, `as_words`): rows sent to other devices by
+remote DMA from inside the kernel, so no XLA all-to-all or all-gather of rows is left in the program. Off TPU it
+runs in Pallas TPU interpret mode, which simulates the DMAs, semaphores and the devices of the surrounding
+`jax.shard_map` on the host (slow: tests at small shapes only).
 
-`scatter_rows` is the one kernel, used twice by the strategy: the dispatch (token rows to the devices holding their
-experts) and the return (expert outputs back to their tokens' devices). Every device of the mesh axis runs it at
+`scatter_rows` is the strategy's unfused path, used twice where the fused kernels (`in_kernel_gmm`,
+`in_kernel_return`) refuse a layer: the dispatch (token rows to the devices holding their experts) and the
+return (expert outputs back to their tokens' devices). Every device of the mesh axis runs it at
 once (a collective kernel: a barrier semaphore makes sure every peer has entered it, so its output buffer exists,
 before any row is written there). Each device walks its segments (consecutive rows of its send order bound for
 consecutive rows of one device's output) and starts one DMA per row, from its source array to the output where XLA
